@@ -1,0 +1,47 @@
+# ElasWave — one entry point for a fresh machine. `make demo` and `make test` install what they need.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard proto/elaswave/v1/*.proto)
+
+.PHONY: install system-deps demo test test-fast proto proto-check lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch is pinned to the local CPU wheel first so nothing pulls a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian packages the tests need (a real etcd server). Needs root, as on CI.
+system-deps:
+	bash scripts/install-system-deps.sh
+
+demo: install
+	$(BIN)/elaswave demo
+
+test: install system-deps proto-check
+	bash scripts/run-tests.sh
+
+test-fast: install
+	$(BIN)/pytest -q -x -m "not etcd and not multiproc"
+
+proto: install
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+proto-check: install
+	bash scripts/check-proto.sh
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install system-deps
+	$(BIN)/python -m bench.run_all
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,61 @@
+from elaswave.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PlanPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PLAN_PHASE_UNSPECIFIED: _ClassVar[PlanPhase]
+    PLAN_PHASE_RECEIVED: _ClassVar[PlanPhase]
+    PLAN_PHASE_PAUSED: _ClassVar[PlanPhase]
+    PLAN_PHASE_APPLIED: _ClassVar[PlanPhase]
+    PLAN_PHASE_RESUMED: _ClassVar[PlanPhase]
+    PLAN_PHASE_FAILED: _ClassVar[PlanPhase]
+PLAN_PHASE_UNSPECIFIED: PlanPhase
+PLAN_PHASE_RECEIVED: PlanPhase
+PLAN_PHASE_PAUSED: PlanPhase
+PLAN_PHASE_APPLIED: PlanPhase
+PLAN_PHASE_RESUMED: PlanPhase
+PLAN_PHASE_FAILED: PlanPhase
+
+class SubscribePlansRequest(_message.Message):
+    __slots__ = ("job", "worker_id", "after_epoch")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    worker_id: str
+    after_epoch: int
+    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., after_epoch: _Optional[int] = ...) -> None: ...
+
+class SubscribePlansResponse(_message.Message):
+    __slots__ = ("plan",)
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    plan: _common_pb2.Plan
+    def __init__(self, plan: _Optional[_Union[_common_pb2.Plan, _Mapping]] = ...) -> None: ...
+
+class AckPlanPhaseRequest(_message.Message):
+    __slots__ = ("job", "worker_id", "epoch", "phase", "failure_reason", "phase_time_s")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
+    PHASE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    worker_id: str
+    epoch: int
+    phase: PlanPhase
+    failure_reason: str
+    phase_time_s: float
+    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., phase: _Optional[_Union[PlanPhase, str]] = ..., failure_reason: _Optional[str] = ..., phase_time_s: _Optional[float] = ...) -> None: ...
+
+class AckPlanPhaseResponse(_message.Message):
+    __slots__ = ("current_epoch",)
+    CURRENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    current_epoch: int
+    def __init__(self, current_epoch: _Optional[int] = ...) -> None: ...
