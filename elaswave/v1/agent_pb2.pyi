@@ -22,7 +22,7 @@ PROBE_KIND_HOST: ProbeKind
 PROBE_KIND_INTERCONNECT: ProbeKind
 
 class Register(_message.Message):
-    __slots__ = ("job", "worker_id", "host", "pid", "devices", "stage", "dp_rank", "heartbeat_interval_ms", "holds_own_lease")
+    __slots__ = ("job", "worker_id", "host", "pid", "devices", "stage", "dp_rank", "heartbeat_interval_ms", "holds_own_lease", "rank")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class Register(_message.Message):
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     HOLDS_OWN_LEASE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     job: str
     worker_id: str
     host: str
@@ -41,7 +42,8 @@ class Register(_message.Message):
     dp_rank: int
     heartbeat_interval_ms: int
     holds_own_lease: bool
-    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., stage: _Optional[int] = ..., dp_rank: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., holds_own_lease: _Optional[bool] = ...) -> None: ...
+    rank: int
+    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., stage: _Optional[int] = ..., dp_rank: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., holds_own_lease: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("seq", "sent_unix")

@@ -50,7 +50,7 @@ class Device(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., index: _Optional[int] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("worker_id", "host", "pid", "devices", "state", "lost_reason", "last_heartbeat_unix", "last_step", "last_step_time_s", "stage", "dp_rank")
+    __slots__ = ("worker_id", "host", "pid", "devices", "state", "lost_reason", "last_heartbeat_unix", "last_step", "last_step_time_s", "stage", "dp_rank", "rank")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class Member(_message.Message):
     LAST_STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     host: str
     pid: int
@@ -73,7 +74,8 @@ class Member(_message.Message):
     last_step_time_s: float
     stage: int
     dp_rank: int
-    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., lost_reason: _Optional[str] = ..., last_heartbeat_unix: _Optional[float] = ..., last_step: _Optional[int] = ..., last_step_time_s: _Optional[float] = ..., stage: _Optional[int] = ..., dp_rank: _Optional[int] = ...) -> None: ...
+    rank: int
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., lost_reason: _Optional[str] = ..., last_heartbeat_unix: _Optional[float] = ..., last_step: _Optional[int] = ..., last_step_time_s: _Optional[float] = ..., stage: _Optional[int] = ..., dp_rank: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("job", "epoch", "layout_json", "reasons", "predicted_step_time_s", "created_unix")

@@ -1,0 +1,160 @@
+"""``elaswave agent``: run the agent daemon beside one training worker."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from agent.config import TOKEN_ENV, AgentConfig, TlsFiles, parse_address, parse_address_list
+
+DESCRIPTION = f"""\
+Run the ElasWave agent beside one training worker. The agent watches the worker process (its
+exit is reported to the Core at once), probes host, worker, accelerators and links to peers,
+forwards the executor's per-step metrics, turns SIGTERM or a preemption notice file into a
+preemption report, and keeps one authenticated gRPC stream to the leading ElasWave Core
+(reconnecting across --core addresses with backoff). With --etcd it also holds its own liveness
+lease in etcd.
+
+Give the worker either as a command after '--' (the agent launches it, exports
+ELASWAVE_METRICS_SOCKET, ELASWAVE_JOB and ELASWAVE_WORKER_ID to it, and exits with its status)
+or as --pid of a running process.
+
+Signals: SIGTERM = preemption (report, forward SIGTERM to a launched worker, wait up to --grace,
+then leave); SIGINT = clean shutdown (stop a launched worker, leave).
+Exit status: the worker's (128 + signal when it was killed), 0 when the agent was stopped first,
+2 for bad flags.
+The job token comes from --job-token-file or ${TOKEN_ENV} (never put it on the command line).
+"""
+
+EPILOG = """\
+example:
+  ELASWAVE_JOB_TOKEN=s3cret elaswave agent --job llama7b --worker-id w3 \\
+      --core core-a:7070,core-b:7070 --stage 1 --dp-rank 0 --etcd etcd-0:2379 \\
+      -- python train.py --config llama7b.yaml
+"""
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "agent", help="run the agent daemon beside one training worker", description=DESCRIPTION,
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run_agent)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    who = parser.add_argument_group("identity")
+    who.add_argument("--job", required=True, help="job name (required)")
+    who.add_argument("--worker-id", required=True, help="this worker's id inside the job (required)")
+    who.add_argument("--stage", type=int, default=-1, help="pipeline stage of the worker; -1 = unknown (default)")
+    who.add_argument("--dp-rank", type=int, default=-1, help="data-parallel rank in the stage; -1 = unknown (default)")
+
+    worker = parser.add_argument_group("worker")
+    worker.add_argument("--pid", type=int, help="watch this running process instead of launching a command")
+    worker.add_argument("command", nargs="*", metavar="-- COMMAND", help="worker command to launch, after '--'")
+
+    core = parser.add_argument_group("core link")
+    core.add_argument("--core", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+                      help="Core addresses, tried in turn; a standby's leader hint is followed (required)")
+    core.add_argument("--job-token-file", type=Path, help=f"file holding the job token (else ${TOKEN_ENV})")
+    core.add_argument("--tls-ca", type=Path, help="PEM CA bundle: use TLS to the Core (default: plaintext)")
+    core.add_argument("--tls-cert", type=Path, help="PEM client certificate for mTLS (needs --tls-ca, --tls-key)")
+    core.add_argument("--tls-key", type=Path, help="PEM client private key for mTLS")
+    core.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS",
+                      help="seconds between heartbeats (default 0.5)")
+    core.add_argument("--register-timeout", type=float, default=5.0, metavar="SECONDS",
+                      help="seconds to wait for the Core's RegisterAck (default 5)")
+    core.add_argument("--rpc-timeout", type=float, default=2.0, metavar="SECONDS",
+                      help="seconds any single write or etcd call may take (default 2)")
+    core.add_argument("--leave-timeout", type=float, default=2.0, metavar="SECONDS",
+                      help="seconds to spend delivering Leave on shutdown (default 2)")
+
+    probing = parser.add_argument_group("probes and metrics")
+    probing.add_argument("--probe-interval", type=float, default=5.0, metavar="SECONDS",
+                         help="seconds between host/process/device/interconnect reports (default 5)")
+    probing.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                         help="peer to probe by TCP connect latency; repeat for several (default none)")
+    probing.add_argument("--peer-timeout", type=float, default=0.5, metavar="SECONDS",
+                         help="seconds before a peer probe counts as failed (default 0.5)")
+    probing.add_argument("--metrics-socket", type=Path,
+                         help="Unix datagram socket for step metrics (default "
+                              "$XDG_RUNTIME_DIR/elaswave/<job>.<worker>.metrics.sock, or /tmp/elaswave-<uid>/...)")
+
+    preempt = parser.add_argument_group("preemption")
+    preempt.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
+                         help="seconds between SIGTERM and the worker's forced end (default 30, as Kubernetes/Slurm)")
+    preempt.add_argument("--notice-file", type=Path,
+                         help="report preemption when this file appears; its content may be a unix-time deadline")
+
+    lease = parser.add_argument_group("etcd liveness lease")
+    lease.add_argument("--etcd", metavar="HOST:PORT", help="hold the liveness lease in this etcd (default: the Core does)")
+    lease.add_argument("--etcd-prefix", default="/elaswave", help="key prefix (default /elaswave)")
+    lease.add_argument("--lease-ttl", type=int, default=3, metavar="SECONDS",
+                       help="lease time-to-live in whole seconds, refreshed every TTL/3 (default 3)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log verbosity (default INFO)")
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    """AgentConfig from parsed flags; ValueError names the flag that is wrong."""
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_cert is not None and args.tls_ca is None:
+        raise ValueError("--tls-cert/--tls-key need --tls-ca")
+    return AgentConfig(
+        job=args.job,
+        worker_id=args.worker_id,
+        cores=parse_address_list(args.core, "--core"),
+        worker_command=tuple(command),
+        worker_pid=args.pid,
+        stage=args.stage,
+        dp_rank=args.dp_rank,
+        heartbeat_interval_s=args.heartbeat_interval,
+        probe_interval_s=args.probe_interval,
+        register_timeout_s=args.register_timeout,
+        rpc_timeout_s=args.rpc_timeout,
+        leave_timeout_s=args.leave_timeout,
+        grace_s=args.grace,
+        notice_file=args.notice_file,
+        metrics_socket=args.metrics_socket,
+        peers=tuple(parse_address(peer, "--peer") for peer in args.peer),
+        peer_timeout_s=args.peer_timeout,
+        job_token_file=args.job_token_file,
+        tls=TlsFiles(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None,
+        etcd=parse_address(args.etcd, "--etcd") if args.etcd else None,
+        etcd_prefix=args.etcd_prefix,
+        lease_ttl_s=args.lease_ttl,
+    )
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    from agent.daemon import Agent
+    from agent.logs import setup_logging
+
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"elaswave agent: error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(args.log_level)
+    try:
+        return asyncio.run(Agent(config).run())
+    except ValueError as exc:  # the worker could not be started or watched, socket in use, ...
+        print(f"elaswave agent: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m agent ...``: the same subcommand without the rest of the elaswave CLI."""
+    parser = argparse.ArgumentParser(prog="elaswave")
+    register(parser.add_subparsers(dest="command_name", required=True))
+    args = parser.parse_args(["agent", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))

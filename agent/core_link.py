@@ -1,0 +1,242 @@
+"""The agent's one bidirectional ``AgentService.Connect`` stream to the leading Core.
+
+``CoreLink.run`` keeps a stream up until shutdown: Register first (with the job token as
+``authorization: Bearer`` metadata), then heartbeats every interval and every queued report;
+Core commands go to the agent's callbacks. On any failure it reconnects across the Core list with
+backoff (see ``agent.backoff``) and registers again. Reports that must not be lost
+(``send_critical``: preemption, worker exit) are re-sent after every re-registration; the rest
+(metrics, probes) sit in a bounded queue while no Core is connected, oldest dropped first.
+Every network wait is bounded (DESIGN.md §7: no unbounded retries or blocking calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+
+from agent.backoff import AddressRotation, Backoff, parse_leader_hint
+from agent.config import Address, AgentConfig, load_job_token
+from agent.logs import log_event
+from elaswave.v1 import agent_pb2, agent_pb2_grpc
+
+OUTBOX_LIMIT = 1000
+
+
+class StreamRefused(Exception):
+    """The Core ended the stream or answered Register with something other than a RegisterAck."""
+
+
+@dataclass(frozen=True)
+class CommandHandlers:
+    """What the agent does with each Core command; each runs to completion before the next."""
+
+    report_now: Callable[[], Awaitable[None]]
+    drain: Callable[[agent_pb2.Drain], Awaitable[None]]
+    set_frequency: Callable[[agent_pb2.SetFrequency], Awaitable[None]]
+
+
+class CoreLink:
+    def __init__(
+        self,
+        config: AgentConfig,
+        build_register: Callable[[], agent_pb2.Register],
+        handlers: CommandHandlers,
+    ) -> None:
+        self._config = config
+        self._build_register = build_register
+        self._handlers = handlers
+        self._rotation = AddressRotation(config.cores)
+        self._backoff = Backoff(config.backoff_initial_s, config.backoff_max_s)
+        self._outbox: collections.deque[agent_pb2.ConnectRequest] = collections.deque(maxlen=OUTBOX_LIMIT)
+        self._critical: collections.deque[agent_pb2.ConnectRequest] = collections.deque()
+        self._critical_written: list[agent_pb2.ConnectRequest] = []
+        self._wakeup = asyncio.Event()
+        self._leave: agent_pb2.ConnectRequest | None = None
+        self._left = asyncio.Event()
+        self._stopping = False
+        self._heartbeat_seq = 0
+        self.connected = asyncio.Event()
+        self.sessions = 0
+        self.last_ack: agent_pb2.RegisterAck | None = None
+
+    # ---- what the agent calls -------------------------------------------------------------
+
+    def send(self, request: agent_pb2.ConnectRequest) -> None:
+        """Queue a report; dropped (oldest first) if no Core takes it before the queue fills."""
+        if self._leave is None:
+            self._outbox.append(request)
+            self._wakeup.set()
+
+    def send_critical(self, request: agent_pb2.ConnectRequest) -> None:
+        """Queue a report that every Core this agent registers with from now on must see."""
+        if self._leave is None:
+            self._critical.append(request)
+            self._wakeup.set()
+
+    async def leave(self, reason: str) -> bool:
+        """Send Leave after everything queued, close the stream; True when it was written in time."""
+        self._leave = agent_pb2.ConnectRequest(leave=agent_pb2.Leave(reason=reason))
+        self._wakeup.set()
+        try:
+            await asyncio.wait_for(self._left.wait(), self._config.leave_timeout_s)
+        except TimeoutError:
+            log_event(logging.WARNING, "leave_not_delivered", reason=reason, timeout_s=self._config.leave_timeout_s)
+        self._stopping = True
+        return self._left.is_set()
+
+    async def run(self) -> None:
+        """Connect, serve, reconnect, until Leave has been written or ``stop``."""
+        while not self._stopping and not self._left.is_set():
+            address = self._rotation.current()
+            hint = None
+            try:
+                await self._session(address)
+            except grpc.aio.AioRpcError as exc:
+                hint = parse_leader_hint(exc.details() or "")
+                log_event(logging.WARNING, "core_stream_failed", core=address, code=exc.code().name,
+                          details=exc.details() or "", leader_hint=hint or "")
+            except (StreamRefused, TimeoutError, ValueError, OSError) as exc:
+                log_event(logging.WARNING, "core_stream_failed", core=address, error=type(exc).__name__,
+                          details=str(exc))
+            finally:
+                self.connected.clear()
+            if self._stopping or self._left.is_set():
+                return
+            self._rotation.failed(hint)
+            delay = self._backoff.next_delay()
+            log_event(logging.INFO, "core_reconnect_wait", next_core=self._rotation.current(),
+                      delay_ms=round(delay * 1000, 1), failures=self._backoff.failures)
+            await asyncio.sleep(delay)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+
+    # ---- one stream -----------------------------------------------------------------------
+
+    def _channel(self, address: Address) -> grpc.aio.Channel:
+        tls = self._config.tls
+        if tls is None:
+            return grpc.aio.insecure_channel(str(address))
+        try:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=tls.ca.read_bytes(),
+                private_key=tls.key.read_bytes() if tls.key else None,
+                certificate_chain=tls.cert.read_bytes() if tls.cert else None,
+            )
+        except OSError as exc:
+            raise ValueError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from exc
+        return grpc.aio.secure_channel(str(address), credentials)
+
+    async def _session(self, address: Address) -> None:
+        token = load_job_token(self._config.job_token_file)
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        async with self._channel(address) as channel:
+            call = agent_pb2_grpc.AgentServiceStub(channel).Connect(metadata=metadata)
+            try:
+                await self._register(call, address)
+                await self._serve(call)
+            finally:
+                call.cancel()
+
+    async def _register(self, call: grpc.aio.StreamStreamCall, address: Address) -> None:
+        timeout = self._config.register_timeout_s
+        register = agent_pb2.ConnectRequest(register=self._build_register())
+        await asyncio.wait_for(call.write(register), timeout)
+        first = await asyncio.wait_for(call.read(), timeout)
+        if first is grpc.aio.EOF:
+            raise StreamRefused(f"core {address} closed the stream before acknowledging Register")
+        if first.WhichOneof("body") != "ack":
+            raise StreamRefused(f"core {address} answered Register with {first.WhichOneof('body')}, not ack")
+        self.last_ack = first.ack
+        self.sessions += 1
+        self._backoff.reset()
+        # Re-send what earlier Cores saw but this one may not have (a new leader, a restart).
+        self._critical.extendleft(reversed(self._critical_written))
+        self._critical_written.clear()
+        self.connected.set()
+        log_event(logging.INFO, "core_registered", core=address, session=first.ack.session,
+                  core_id=first.ack.core_id, heartbeat_timeout_ms=first.ack.heartbeat_timeout_ms,
+                  sessions=self.sessions)
+
+    async def _serve(self, call: grpc.aio.StreamStreamCall) -> None:
+        reader = asyncio.create_task(self._read_commands(call))
+        writer = asyncio.create_task(self._write_reports(call))
+        try:
+            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            if writer in done and writer.exception() is None:
+                # Leave written: give the Core a moment to close its side, bounded.
+                with contextlib.suppress(TimeoutError, grpc.aio.AioRpcError, StreamRefused):
+                    await asyncio.wait_for(asyncio.shield(reader), self._config.rpc_timeout_s)
+                return
+            for task in done:
+                task.result()
+        finally:
+            for task in (reader, writer):
+                task.cancel()
+            await asyncio.gather(reader, writer, return_exceptions=True)
+
+    async def _read_commands(self, call: grpc.aio.StreamStreamCall) -> None:
+        while True:
+            response = await call.read()
+            if response is grpc.aio.EOF:
+                raise StreamRefused("core closed the stream")
+            await self._dispatch(response)
+
+    async def _dispatch(self, response: agent_pb2.ConnectResponse) -> None:
+        kind = response.WhichOneof("body")
+        log_event(logging.INFO, "core_command", command=kind)
+        try:
+            if kind == "report_now":
+                await self._handlers.report_now()
+            elif kind == "drain":
+                await self._handlers.drain(response.drain)
+            elif kind == "set_frequency":
+                await self._handlers.set_frequency(response.set_frequency)
+            else:
+                log_event(logging.WARNING, "core_command_ignored", command=kind)
+        except Exception as exc:  # a failing handler must not take the stream down
+            log_event(logging.ERROR, "core_command_failed", command=kind, error=repr(exc))
+
+    async def _write_reports(self, call: grpc.aio.StreamStreamCall) -> None:
+        interval = self._config.heartbeat_interval_s
+        next_heartbeat = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                await self._write(call, self._heartbeat())
+                next_heartbeat = max(next_heartbeat + interval, now)
+            elif self._critical:
+                # Pop only once written: a stream that breaks mid-write must not lose it.
+                request = self._critical[0]
+                await self._write(call, request)
+                self._critical_written.append(self._critical.popleft())
+            elif self._outbox:
+                await self._write(call, self._outbox.popleft())
+            elif self._leave is not None:
+                await self._write(call, self._leave)
+                await asyncio.wait_for(call.done_writing(), self._config.rpc_timeout_s)
+                self._left.set()
+                log_event(logging.INFO, "leave_sent", reason=self._leave.leave.reason)
+                return
+            else:
+                self._wakeup.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), next_heartbeat - now)
+
+    def _heartbeat(self) -> agent_pb2.ConnectRequest:
+        self._heartbeat_seq += 1
+        return agent_pb2.ConnectRequest(
+            heartbeat=agent_pb2.Heartbeat(seq=self._heartbeat_seq, sent_unix=time.time())
+        )
+
+    async def _write(self, call: grpc.aio.StreamStreamCall, request: agent_pb2.ConnectRequest) -> None:
+        await asyncio.wait_for(call.write(request), self._config.rpc_timeout_s)

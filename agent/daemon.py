@@ -1,0 +1,249 @@
+"""The agent daemon: one asyncio process beside one training worker (DESIGN.md §2, §5, §7).
+
+It watches the worker (exit reported the moment it happens), probes host, process, devices and
+interconnect, forwards the executor's step metrics, relays preemption (SIGTERM, notice file) and
+holds its etcd liveness lease, all over one stream to the leading Core (``agent.core_link``).
+
+Shutdown, whatever the cause, ends with a Leave report: SIGINT stops a launched worker (SIGTERM,
+then SIGKILL after the grace) and leaves; SIGTERM first reports a PreemptionNotice, forwards
+SIGTERM to a launched worker, waits for it up to the grace, then leaves; a worker that exits on
+its own is reported as WorkerExit and the agent leaves with the worker's exit status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from agent import probes
+from agent.config import AgentConfig
+from agent.core_link import CommandHandlers, CoreLink
+from agent.devices import DeviceSet
+from agent.lease import AliveLease
+from agent.local_metrics import SOCKET_ENV, MetricsReceiver
+from agent.logs import log_event
+from agent.preemption import notice, watch_notice_file
+from agent.worker import EXIT_CODE_UNKNOWN, ExitStatus, ForeignWorker, LaunchedWorker, Worker
+from elaswave.v1 import agent_pb2
+
+# Sets a device clock in MHz (0 = default) and says what it did; the executor's DVFS owns these.
+FrequencyController = Callable[[int], str]
+NO_FREQUENCY_CONTROLLER = "no frequency controller on this host (simulated)"
+
+
+def agent_exit_code(status: ExitStatus | None) -> int:
+    """The agent's own exit status: the worker's, shell-style (128 + signal) when it was killed."""
+    if status is None:
+        return 0
+    if status.exit_code == EXIT_CODE_UNKNOWN:
+        return 1
+    return 128 - status.exit_code if status.exit_code < 0 else status.exit_code
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, frequency_controller: FrequencyController | None = None) -> None:
+        self.config = config
+        self.started_unix = time.time()
+        self.host = socket.gethostname()
+        self.draining: agent_pb2.Drain | None = None
+        self._frequency_controller = frequency_controller
+        self._worker: Worker | None = None
+        self._worker_status: ExitStatus | None = None
+        self._worker_done = asyncio.Event()
+        self._devices: DeviceSet | None = None
+        self._stage, self._dp_rank = config.stage, config.dp_rank
+        self._shutdown_reason: str | None = None
+        self._shutdown = asyncio.Event()
+        self._preempted = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self.link = CoreLink(config, self._register_message,
+                             CommandHandlers(self._report, self._on_drain, self._on_set_frequency))
+        self.metrics = MetricsReceiver(config.socket_path, self._on_step_metrics)
+        self.lease = AliveLease(config.etcd, config.alive_key, self._lease_value, config.lease_ttl_s,
+                                config.rpc_timeout_s) if config.etcd else None
+
+    async def run(self) -> int:
+        """Run until shutdown; returns the agent's exit status (see ``agent_exit_code``)."""
+        probes.prime_cpu_percent()
+        await self.metrics.start()
+        try:
+            self._worker = await self._start_worker()
+            self._devices = await asyncio.to_thread(DeviceSet.discover)
+            log_event(logging.INFO, "agent_started", job=self.config.job, worker_id=self.config.worker_id,
+                      worker_pid=self._worker.pid, launched=self._worker.launched,
+                      devices=",".join(f"{d.kind}:{d.index}" for d in self._devices.devices),
+                      cores=",".join(map(str, self.config.cores)), etcd=self.config.etcd or "")
+            self._install_signal_handlers()
+            self._spawn(self.link.run(), self._watch_worker(), self._probe_loop())
+            if self.lease is not None:
+                self._spawn(self.lease.run())
+            if self.config.notice_file is not None:
+                self._spawn(watch_notice_file(self.config.notice_file, self.config.notice_poll_s,
+                                              self.config.grace_s, time.time, self._on_notice_file))
+            await self._shutdown.wait()
+            await self._leave()
+        finally:
+            await self._cancel_tasks()
+            self.metrics.close()
+        return agent_exit_code(self._worker_status)
+
+    # ---- worker -----------------------------------------------------------------------------
+
+    async def _start_worker(self) -> Worker:
+        if self.config.worker_pid is not None:
+            return ForeignWorker(self.config.worker_pid)
+        env = dict(os.environ, **{SOCKET_ENV: str(self.config.socket_path), "ELASWAVE_JOB": self.config.job,
+                                  "ELASWAVE_WORKER_ID": self.config.worker_id})
+        return await LaunchedWorker.start(self.config.worker_command, env)
+
+    async def _watch_worker(self) -> None:
+        assert self._worker is not None
+        status = await self._worker.wait()
+        self._worker_status = status
+        self.link.send_critical(agent_pb2.ConnectRequest(
+            worker_exit=agent_pb2.WorkerExit(exit_code=status.exit_code, detail=status.detail)))
+        log_event(logging.WARNING, "worker_exit", pid=self._worker.pid, exit_code=status.exit_code,
+                  detail=status.detail)
+        self._worker_done.set()
+        cause = "preempted (SIGTERM); " if self._preempted else ""
+        self._request_shutdown(f"{cause}worker {self._worker.pid} {status.detail}")
+
+    async def _wait_worker(self, timeout_s: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._worker_done.wait(), max(timeout_s, 0.0))
+        return self._worker_done.is_set()
+
+    async def _stop_launched_worker(self, deadline_unix: float) -> None:
+        """SIGTERM a launched worker (if not done already), SIGKILL it at the deadline."""
+        worker = self._worker
+        if worker is None or not worker.launched or self._worker_done.is_set():
+            return
+        worker.send_signal(signal.SIGTERM)
+        if not await self._wait_worker(deadline_unix - time.time()):
+            log_event(logging.WARNING, "worker_kill_after_grace", pid=worker.pid)
+            worker.send_signal(signal.SIGKILL)
+            await self._wait_worker(self.config.rpc_timeout_s)
+
+    # ---- signals and shutdown ---------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
+        loop.add_signal_handler(signal.SIGINT, self._request_shutdown, "SIGINT")
+
+    def _on_sigterm(self) -> None:
+        if self._preempted:
+            return
+        self._preempted = True
+        deadline = time.time() + self.config.grace_s
+        log_event(logging.WARNING, "preemption_notice", source="sigterm", deadline_unix=deadline)
+        self.link.send_critical(notice("sigterm", deadline))
+        self._spawn(self._finish_preemption(deadline))
+
+    async def _finish_preemption(self, deadline_unix: float) -> None:
+        if self._worker is not None and self._worker.launched:
+            await self._stop_launched_worker(deadline_unix)
+        else:
+            await self._wait_worker(deadline_unix - time.time())
+        self._request_shutdown("preempted (SIGTERM)")
+
+    def _on_notice_file(self, deadline_unix: float) -> None:
+        self.link.send_critical(notice("notice-file", deadline_unix))
+
+    def _request_shutdown(self, reason: str) -> None:
+        if self._shutdown_reason is None:
+            self._shutdown_reason = reason
+            log_event(logging.INFO, "agent_shutdown", reason=reason)
+        self._shutdown.set()
+
+    async def _leave(self) -> None:
+        reason = self._shutdown_reason or "shutdown"
+        if reason == "SIGINT":
+            await self._stop_launched_worker(time.time() + self.config.grace_s)
+        self.metrics.close()
+        await self.link.leave(reason)
+        if self.lease is not None:
+            await self.lease.revoke()
+
+    def _spawn(self, *coroutines: Coroutine[Any, Any, None]) -> None:
+        for coroutine in coroutines:
+            self._tasks.append(asyncio.create_task(coroutine))
+
+    async def _cancel_tasks(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        results = await asyncio.gather(*self._tasks, return_exceptions=True)
+        for result in results:
+            if isinstance(result, Exception):
+                log_event(logging.ERROR, "agent_task_failed", error=repr(result))
+
+    # ---- reports ----------------------------------------------------------------------------
+
+    def _register_message(self) -> agent_pb2.Register:
+        assert self._devices is not None and self._worker is not None
+        return agent_pb2.Register(
+            job=self.config.job,
+            worker_id=self.config.worker_id,
+            host=self.host,
+            pid=self._worker.pid,
+            devices=self._devices.devices,
+            stage=self._stage,
+            dp_rank=self._dp_rank,
+            heartbeat_interval_ms=round(self.config.heartbeat_interval_s * 1000),
+            holds_own_lease=self.lease is not None,
+        )
+
+    def _lease_value(self) -> dict[str, object]:
+        worker_pid = self._worker.pid if self._worker is not None else 0
+        return {"host": self.host, "pid": worker_pid, "agent_pid": os.getpid(),
+                "agent_start_unix": self.started_unix, "worker_id": self.config.worker_id}
+
+    def _on_step_metrics(self, metrics: agent_pb2.StepMetrics) -> None:
+        # The latest placement goes into the next Register (after a reconnect).
+        self._stage, self._dp_rank = metrics.stage, metrics.dp_rank
+        self.link.send(agent_pb2.ConnectRequest(step=metrics))
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await self._report()
+            await asyncio.sleep(self.config.probe_interval_s)
+
+    async def _report(self) -> None:
+        """Every probe and the memory report, queued at once (also the answer to ReportNow)."""
+        assert self._devices is not None
+        usage, device_probe = await asyncio.to_thread(probes.memory_usage, self._worker, self._devices)
+        found = [probes.host_probe(), probes.process_probe(self._worker), device_probe]
+        found += await asyncio.gather(*(probes.interconnect_probe(peer, self.config.peer_timeout_s)
+                                        for peer in self.config.peers))
+        self.link.send(agent_pb2.ConnectRequest(memory=usage))
+        for probe in found:
+            self.link.send(agent_pb2.ConnectRequest(probe=probe))
+
+    async def _on_drain(self, drain: agent_pb2.Drain) -> None:
+        self.draining = drain
+        log_event(logging.WARNING, "drain", reason=drain.reason, deadline_unix=drain.deadline_unix)
+        self.link.send(agent_pb2.ConnectRequest(probe=agent_pb2.HealthProbe(
+            kind=agent_pb2.PROBE_KIND_PROCESS, healthy=True,
+            detail=f"draining: {drain.reason} (deadline {drain.deadline_unix:.3f})")))
+        await self._report()
+
+    async def _on_set_frequency(self, request: agent_pb2.SetFrequency) -> None:
+        if self._frequency_controller is None:
+            log_event(logging.WARNING, "set_frequency_ignored", mhz=request.mhz, why=NO_FREQUENCY_CONTROLLER)
+            detail, healthy = f"SetFrequency {request.mhz} MHz not applied: {NO_FREQUENCY_CONTROLLER}", True
+        else:
+            try:
+                result = await asyncio.to_thread(self._frequency_controller, request.mhz)
+                detail, healthy = f"SetFrequency {request.mhz} MHz: {result}", True
+            except Exception as exc:  # the controller's failure is reported, not raised
+                detail, healthy = f"SetFrequency {request.mhz} MHz failed: {exc!r}", False
+            log_event(logging.INFO, "set_frequency", mhz=request.mhz, detail=detail)
+        self.link.send(agent_pb2.ConnectRequest(probe=agent_pb2.HealthProbe(
+            kind=agent_pb2.PROBE_KIND_DEVICE, healthy=healthy, detail=detail)))

@@ -1,0 +1,155 @@
+"""Core configuration: pydantic-settings over `ELASWAVE_*` environment variables and a TOML file.
+
+Precedence, highest first: explicit keyword arguments (the CLI), environment variables
+(`ELASWAVE_GRPC_PORT=...`; nested fields with `__`, e.g. `ELASWAVE_FAILSLOW__RATIO=1.3`), the TOML
+file named by `ELASWAVE_CONFIG` (or `--config`), then defaults. Everything is validated at start;
+a bad value stops the Core with a message naming the field and what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+MIN_TOKEN_LENGTH = 16
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message lists every problem, one per line."""
+
+
+class JobSpec(BaseModel):
+    """A job the Core accepts agents and executors for."""
+
+    name: str
+    token: SecretStr = Field(description="per-job token agents and executors present")
+    expected_workers: int = Field(default=0, ge=0, description="workers the job is launched with")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_safe(cls, value: str) -> str:
+        if not JOB_NAME_PATTERN.match(value):
+            raise ValueError(
+                f"job name {value!r} must be 1-63 characters of letters, digits, '.', '_' or '-'"
+            )
+        return value
+
+
+class FailSlowSettings(BaseModel):
+    """Fail-slow detection: a worker is slow when its step time is an outlier among its stage peers."""
+
+    ratio: float = Field(default=1.5, gt=1.0, description="step time / peer median that counts as slow")
+    mad_k: float = Field(default=3.0, ge=0.0, description="also require time > median + k * MAD")
+    trigger_steps: int = Field(default=3, ge=1, description="consecutive slow steps before flagging")
+    clear_steps: int = Field(default=3, ge=1, description="consecutive normal steps before clearing")
+    min_peers: int = Field(default=2, ge=2, description="peers (self included) needed to judge")
+
+
+class CoreSettings(BaseSettings):
+    """Settings of one Core process."""
+
+    model_config = SettingsConfigDict(env_prefix="ELASWAVE_", env_nested_delimiter="__", extra="forbid")
+
+    core_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = Field(default=50051, ge=0, le=65535, description="0 picks a free port")
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(default=8080, ge=0, le=65535, description="0 picks a free port")
+    registry_url: str = Field(default="memory://", description="memory:// or etcd://host:port[,host:port]")
+    key_prefix: str = "/elaswave"
+    scheduler_token: SecretStr | None = None
+    dev_mode: bool = Field(default=False, description="allow a generated token; never in production")
+    jobs: list[JobSpec] = Field(default_factory=list)
+    allow_job_creation: bool = Field(default=True, description="POST /api/v1/jobs may create jobs")
+    heartbeat_timeout_s: float = Field(default=2.0, gt=0.0, le=600.0)
+    lease_ttl_s: float = Field(default=3.0, ge=1.0, le=600.0, description="liveness lease the Core holds")
+    reconnect_grace_s: float = Field(default=5.0, gt=0.0, le=600.0, description="after a takeover")
+    leader_ttl_s: float = Field(default=2.0, ge=1.0, le=60.0)
+    apply_timeout_s: float = Field(default=30.0, gt=0.0, description="APPLYING -> RUNNING at the latest")
+    events_kept: int = Field(default=10_000, ge=100)
+    metrics_persist_interval_s: float = Field(default=5.0, gt=0.0)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = Field(default=None, description="set to require client certs (mTLS)")
+    failslow: FailSlowSettings = Field(default_factory=FailSlowSettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        config_file = os.environ.get("ELASWAVE_CONFIG")
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if config_file:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(config_file)))
+        return tuple(sources)
+
+    @field_validator("registry_url")
+    @classmethod
+    def _registry_url_known(cls, value: str) -> str:
+        if value != "memory://" and not value.startswith("etcd://"):
+            raise ValueError(f"{value!r} is neither 'memory://' nor 'etcd://host:port[,host:port]'")
+        return value
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix_absolute(cls, value: str) -> str:
+        if not value.startswith("/") or value.endswith("/"):
+            raise ValueError(f"{value!r} must start with '/' and not end with '/'")
+        return value
+
+    @model_validator(mode="after")
+    def _security(self) -> CoreSettings:
+        if self.scheduler_token is None and not self.dev_mode:
+            raise ValueError(
+                "scheduler_token is required (set ELASWAVE_SCHEDULER_TOKEN or scheduler_token in "
+                "the config file); only dev_mode may run without one"
+            )
+        tokens = [("scheduler_token", self.scheduler_token)] + [
+            (f"jobs[{job.name}].token", job.token) for job in self.jobs
+        ]
+        for name, token in tokens:
+            if token is not None and len(token.get_secret_value()) < MIN_TOKEN_LENGTH and not self.dev_mode:
+                raise ValueError(f"{name} is shorter than {MIN_TOKEN_LENGTH} characters")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"{name} {str(path)!r} is not a readable file")
+        names = [job.name for job in self.jobs]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"jobs listed twice: {', '.join(duplicates)}")
+        return self
+
+
+def load_settings(**overrides: Any) -> CoreSettings:
+    """Builds and validates the settings; raises ConfigError with one line per problem."""
+    try:
+        return CoreSettings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            where = ".".join(str(part) for part in err["loc"]) or "settings"
+            lines.append(f"{where}: {err['msg']}")
+        raise ConfigError("invalid ElasWave Core configuration:\n  " + "\n  ".join(lines)) from None

@@ -1,0 +1,218 @@
+"""The Core's in-memory view of jobs and members, persisted to the registry in order.
+
+All mutation happens on the asyncio loop thread, so each method is atomic with respect to other
+coroutines. Registry writes go through `Persister`, one ordered queue drained by a background task
+(etcd calls never block the loop). A standby that takes over reloads everything from the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from core_service.config import JOB_NAME_PATTERN, CoreSettings, JobSpec
+from core_service.failslow import FailSlowDetector
+from core_service.model import Event, JobPhase, MemberRecord, WorkerState
+from core_service.persist import Persister
+from core_service.registry import Registry
+
+log = logging.getLogger("elaswave.core.jobs")
+
+
+class UnknownJob(LookupError):
+    def __init__(self, job: str) -> None:
+        super().__init__(f"unknown job {job!r}")
+
+
+class UnknownWorker(LookupError):
+    def __init__(self, job: str, worker_id: str) -> None:
+        super().__init__(f"job {job!r} has no worker {worker_id!r}")
+
+
+class JobExists(ValueError):
+    def __init__(self, job: str) -> None:
+        super().__init__(f"job {job!r} already exists")
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass
+class Job:
+    name: str
+    token_sha256: str
+    expected_workers: int
+    created_unix: float
+    failslow: FailSlowDetector
+    members: dict[str, MemberRecord] = field(default_factory=dict)
+    phase: JobPhase = JobPhase.RUNNING
+    plan_epoch: int = 0
+    next_seq: int = 1
+    events: deque[Event] = field(default_factory=lambda: deque(maxlen=10_000))
+    layout_json: str | None = None
+    # Set by membership changes; the schedule engine clears it when it plans.
+    pending_changes: list[Event] = field(default_factory=list)
+    acks: dict[int, dict[str, str]] = field(default_factory=dict)
+
+    def check_token(self, presented: str) -> bool:
+        return hmac.compare_digest(token_digest(presented), self.token_sha256)
+
+    def member(self, worker_id: str) -> MemberRecord:
+        try:
+            return self.members[worker_id]
+        except KeyError:
+            raise UnknownWorker(self.name, worker_id) from None
+
+    def live_members(self) -> list[MemberRecord]:
+        return [m for m in self.members.values() if not m.state.is_gone]
+
+    def spec_json(self) -> bytes:
+        return json.dumps(
+            {
+                "name": self.name,
+                "token_sha256": self.token_sha256,
+                "expected_workers": self.expected_workers,
+                "created_unix": self.created_unix,
+                "layout_json": self.layout_json,
+            },
+            sort_keys=True,
+        ).encode()
+
+
+class JobTable:
+    """Jobs, members and events, with the registry key layout of core_service.registry.base."""
+
+    def __init__(self, settings: CoreSettings, registry: Registry, persister: Persister) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.persister = persister
+        self.jobs: dict[str, Job] = {}
+        self.changed = asyncio.Event()
+
+    # ---- keys -------------------------------------------------------------------------------
+    def job_key(self, job: str, *parts: str) -> str:
+        return "/".join([self.settings.key_prefix, "jobs", job, *parts])
+
+    # ---- jobs -------------------------------------------------------------------------------
+    def get(self, job: str) -> Job:
+        try:
+            return self.jobs[job]
+        except KeyError:
+            raise UnknownJob(job) from None
+
+    def create_job(self, spec: JobSpec, layout_json: str | None = None, *, now: float) -> Job:
+        if not JOB_NAME_PATTERN.match(spec.name):
+            raise ValueError(f"job name {spec.name!r} is not valid")
+        if spec.name in self.jobs:
+            raise JobExists(spec.name)
+        job = self._new_job(spec.name, token_digest(spec.token.get_secret_value()), spec.expected_workers, now)
+        job.layout_json = layout_json
+        self.jobs[job.name] = job
+        self.persister.put(self.job_key(job.name, "spec"), job.spec_json())
+        self.record(job, "job_created", detail=f"expects {spec.expected_workers} workers", now=now)
+        return job
+
+    def _new_job(self, name: str, digest: str, expected: int, created: float) -> Job:
+        job = Job(name, digest, expected, created, FailSlowDetector(self.settings.failslow))
+        job.events = deque(maxlen=self.settings.events_kept)
+        return job
+
+    def ensure_configured_jobs(self, now: float) -> None:
+        """Jobs listed in the settings exist (their token follows the settings)."""
+        for spec in self.settings.jobs:
+            existing = self.jobs.get(spec.name)
+            if existing is None:
+                self.create_job(spec, now=now)
+            else:
+                existing.token_sha256 = token_digest(spec.token.get_secret_value())
+                self.persister.put(self.job_key(spec.name, "spec"), existing.spec_json())
+
+    # ---- events -----------------------------------------------------------------------------
+    def record(
+        self,
+        job: Job,
+        kind: str,
+        *,
+        worker_id: str = "",
+        detail: str = "",
+        now: float,
+        data: dict[str, Any] | None = None,
+        membership_change: bool = False,
+    ) -> Event:
+        event = Event(job.next_seq, now, job.name, kind, worker_id, detail, data or {})
+        job.next_seq += 1
+        job.events.append(event)
+        self.persister.put(self.job_key(job.name, "events", f"{event.seq:020d}"), event.to_json())
+        if event.seq > self.settings.events_kept:
+            stale = event.seq - self.settings.events_kept
+            self.persister.delete(self.job_key(job.name, "events", f"{stale:020d}"))
+        if membership_change:
+            job.pending_changes.append(event)
+        log.info("job=%s event=%s worker=%s %s", job.name, kind, worker_id, detail)
+        self.changed.set()
+        return event
+
+    # ---- members ----------------------------------------------------------------------------
+    def save_member(self, job: Job, member: MemberRecord) -> None:
+        self.persister.put(self.job_key(job.name, "members", member.worker_id), member.to_json())
+
+    def set_state(
+        self, job: Job, member: MemberRecord, state: WorkerState, reason: str, *, now: float, kind: str
+    ) -> Event | None:
+        """Moves a member to `state`; a gone member never comes back through here (it re-registers)."""
+        if member.state == state or member.state.is_gone:
+            return None
+        member.state = state
+        member.state_changed_unix = now
+        if state in (WorkerState.LOST, WorkerState.SLOW, WorkerState.PREEMPTING, WorkerState.LEFT):
+            member.lost_reason = reason
+        elif state == WorkerState.RUNNING:
+            member.lost_reason = ""
+        if state.is_gone:
+            job.failslow.forget(member.worker_id)
+        self.save_member(job, member)
+        # A worker starting to step changes nothing the planner cares about; every other move does.
+        changes_layout = state != WorkerState.RUNNING or kind == "worker_recovered"
+        return self.record(
+            job, kind, worker_id=member.worker_id, detail=reason, now=now, membership_change=changes_layout
+        )
+
+    # ---- takeover ---------------------------------------------------------------------------
+    def load_from_registry(self, now: float) -> None:
+        """Rebuilds the table from the registry (a standby becoming leader)."""
+        self.jobs.clear()
+        prefix = self.settings.key_prefix + "/jobs/"
+        for key, raw in self.registry.get_prefix(prefix):
+            parts = key[len(prefix) :].split("/")
+            if len(parts) == 2 and parts[1] == "spec":
+                spec = json.loads(raw)
+                job = self._new_job(spec["name"], spec["token_sha256"], spec["expected_workers"], spec["created_unix"])
+                job.layout_json = spec.get("layout_json")
+                self.jobs[job.name] = job
+        for name, job in self.jobs.items():
+            self._load_job_contents(job, now)
+            log.info("loaded job %s: %d members, %d events", name, len(job.members), len(job.events))
+
+    def _load_job_contents(self, job: Job, now: float) -> None:
+        for _, raw in self.registry.get_prefix(self.job_key(job.name, "members") + "/"):
+            member = MemberRecord.from_json(raw)
+            if not member.state.is_gone:
+                # Give every survivor time to reconnect to this Core before heartbeats count.
+                member.last_heartbeat_unix = now + self.settings.reconnect_grace_s
+            job.members[member.worker_id] = member
+        for _, raw in self.registry.get_prefix(self.job_key(job.name, "events") + "/"):
+            event = Event.from_json(raw)
+            job.events.append(event)
+            job.next_seq = max(job.next_seq, event.seq + 1)
+
+
+def now_unix() -> float:
+    return time.time()

@@ -1,0 +1,222 @@
+"""Agent lifecycle and fail-stop / fail-slow detection (DESIGN.md §5 detection paths).
+
+Paths, fastest first: the agent reports the worker's exit; the agent's stream closes without a
+Leave; the liveness lease expires (node loss, partition, an agent that hangs); heartbeats stop.
+Whichever fires first marks the worker LOST with its reason; the others then find it gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from core_service.jobs import Job, JobTable
+from core_service.metrics import CoreMetrics
+from core_service.model import DeviceInfo, MemberRecord, StepReport, WorkerState
+from core_service.registry import KVEvent, LeaseNotFound, Registry, RegistryError, WatchHandle
+
+log = logging.getLogger("elaswave.core.membership")
+
+
+@dataclass
+class AgentSession:
+    """One connected agent stream. Commands for the agent go through `outbox`."""
+
+    job: str
+    worker_id: str
+    session_id: int
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    kicked: asyncio.Event = field(default_factory=asyncio.Event)  # set: close the stream now
+    lease_id: int | None = None
+    lease_refreshed: float = 0.0
+
+
+@dataclass(frozen=True)
+class Registration:
+    job: str
+    worker_id: str
+    host: str
+    pid: int
+    devices: list[DeviceInfo]
+    stage: int
+    dp_rank: int
+    rank: int
+    holds_own_lease: bool
+
+
+class Membership:
+    def __init__(self, table: JobTable, registry: Registry, metrics: CoreMetrics) -> None:
+        self.table = table
+        self.registry = registry
+        self.metrics = metrics
+        self.settings = table.settings
+        self.sessions: dict[tuple[str, str], AgentSession] = {}
+        self._next_session = 1
+        self._watches: list[WatchHandle] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- registration -------------------------------------------------------------------------
+    async def register(self, reg: Registration, now: float) -> AgentSession:
+        job = self.table.get(reg.job)
+        old = self.sessions.get((reg.job, reg.worker_id))
+        if old is not None:
+            await self._drop_lease(old)
+        session = AgentSession(reg.job, reg.worker_id, self._next_session)
+        self._next_session += 1
+        self.sessions[(reg.job, reg.worker_id)] = session
+        member = job.members.get(reg.worker_id)
+        rejoined = member is not None and member.state.is_gone
+        reconnected = member is not None and not member.state.is_gone
+        if member is None or rejoined:
+            member = MemberRecord(reg.worker_id, reg.host, reg.pid, registered_unix=now)
+            job.members[reg.worker_id] = member
+        member.host, member.pid, member.devices = reg.host, reg.pid, reg.devices
+        member.stage, member.dp_rank, member.holds_own_lease = reg.stage, reg.dp_rank, reg.holds_own_lease
+        member.rank = reg.rank
+        member.last_heartbeat_unix = now
+        if not reg.holds_own_lease:
+            await self._grant_lease(job, session, now)
+        self.table.save_member(job, member)
+        kind = "worker_reconnected" if reconnected else ("worker_rejoined" if rejoined else "worker_joined")
+        self.table.record(
+            job, kind, worker_id=reg.worker_id, detail=f"host={reg.host} pid={reg.pid}",
+            now=now, membership_change=not reconnected,
+        )
+        self.metrics.agent_streams.set(len(self.sessions))
+        return session
+
+    async def _grant_lease(self, job: Job, session: AgentSession, now: float) -> None:
+        ttl = self.settings.lease_ttl_s
+        key = self.table.job_key(job.name, "alive", session.worker_id)
+        value = json.dumps({"core": self.settings.core_id, "session": session.session_id}).encode()
+        lease = await asyncio.to_thread(self.registry.grant_lease, ttl)
+        await asyncio.to_thread(self.registry.put, key, value, lease)
+        session.lease_id, session.lease_refreshed = lease, now
+
+    async def _drop_lease(self, session: AgentSession) -> None:
+        if session.lease_id is None:
+            return
+        lease, session.lease_id = session.lease_id, None
+        try:
+            await asyncio.to_thread(self.registry.revoke_lease, lease)
+        except RegistryError as exc:
+            log.debug("revoking lease %s: %s", lease, exc)
+
+    # ---- reports ------------------------------------------------------------------------------
+    async def heartbeat(self, session: AgentSession, now: float) -> None:
+        job = self.table.get(session.job)
+        member = job.member(session.worker_id)
+        member.last_heartbeat_unix = now
+        if member.state.is_gone or session.lease_id is None:
+            return
+        if now - session.lease_refreshed >= self.settings.lease_ttl_s / 3:
+            session.lease_refreshed = now
+            try:
+                await asyncio.to_thread(self.registry.refresh_lease, session.lease_id)
+            except LeaseNotFound:
+                await self._grant_lease(job, session, now)
+
+    def step(self, session: AgentSession, report: StepReport) -> None:
+        job = self.table.get(session.job)
+        member = job.member(session.worker_id)
+        first_step = member.last_step is None
+        member.last_step = report
+        member.stage, member.dp_rank = report.stage, report.dp_rank
+        if member.state == WorkerState.JOINING and first_step:
+            self.table.set_state(job, member, WorkerState.RUNNING, "first step reported",
+                                 now=report.received_unix, kind="worker_running")
+        transition = job.failslow.observe(member.worker_id, report.stage, report.step_time_s)
+        if transition is None or member.state.is_gone:
+            return
+        if transition.slow:
+            self.metrics.failures_detected.labels(path="fail_slow").inc()
+            self.table.set_state(job, member, WorkerState.SLOW, transition.reason,
+                                 now=report.received_unix, kind="worker_slow")
+        elif member.state == WorkerState.SLOW:
+            self.table.set_state(job, member, WorkerState.RUNNING, transition.reason,
+                                 now=report.received_unix, kind="worker_recovered")
+
+    def preemption(self, job: Job, member: MemberRecord, deadline: float, source: str, now: float) -> None:
+        member.preemption_deadline_unix = deadline
+        self.table.set_state(
+            job, member, WorkerState.PREEMPTING,
+            f"preemption signalled by {source}; gone by {deadline:.3f}", now=now, kind="worker_preempting",
+        )
+
+    # ---- fail-stop paths ----------------------------------------------------------------------
+    def mark_lost(self, job: Job, worker_id: str, reason: str, path: str, now: float) -> bool:
+        member = job.members.get(worker_id)
+        if member is None or member.state.is_gone:
+            return False
+        self.metrics.failures_detected.labels(path=path).inc()
+        since = max(0.0, now - member.last_heartbeat_unix)
+        self.metrics.detection_gap.observe(since)
+        self.table.set_state(job, member, WorkerState.LOST, reason, now=now, kind="worker_lost")
+        return True
+
+    async def leave(self, session: AgentSession, reason: str, now: float) -> None:
+        job = self.table.get(session.job)
+        member = job.member(session.worker_id)
+        self.table.set_state(job, member, WorkerState.LEFT, reason or "left cleanly", now=now, kind="worker_left")
+        await self.close_session(session, now, clean=True)
+
+    async def close_session(self, session: AgentSession, now: float, *, clean: bool) -> None:
+        """The stream of `session` ended; without a clean Leave that is a fail-stop signal."""
+        if self.sessions.get((session.job, session.worker_id)) is not session:
+            return  # a newer stream of the same worker took over
+        del self.sessions[(session.job, session.worker_id)]
+        self.metrics.agent_streams.set(len(self.sessions))
+        if not clean:
+            job = self.table.get(session.job)
+            self.mark_lost(job, session.worker_id, "agent stream closed without leave", "stream_closed", now)
+        await self._drop_lease(session)
+
+    def sweep_heartbeats(self, now: float) -> None:
+        timeout = self.settings.heartbeat_timeout_s
+        for job in self.table.jobs.values():
+            for member in job.live_members():
+                silent = now - member.last_heartbeat_unix
+                if silent > timeout:
+                    self.mark_lost(job, member.worker_id, f"no heartbeat for {silent:.2f}s", "heartbeat", now)
+
+    # ---- liveness keys ------------------------------------------------------------------------
+    def start_watching(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        prefix = self.settings.key_prefix + "/jobs/"
+        self._watches.append(self.registry.watch_prefix(prefix, self._on_registry_event))
+
+    def kick_all(self) -> None:
+        """Closes every agent stream (this Core stopped leading); agents reconnect elsewhere."""
+        for session in self.sessions.values():
+            session.kicked.set()
+
+    def stop_watching(self) -> None:
+        for handle in self._watches:
+            handle.cancel()
+        self._watches.clear()
+
+    def _on_registry_event(self, event: KVEvent) -> None:
+        parts = event.key[len(self.settings.key_prefix) + 1 :].split("/")
+        if event.kind == "delete" and len(parts) == 4 and parts[0] == "jobs" and parts[2] == "alive":
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._alive_key_deleted, parts[1], parts[3])
+
+    def _alive_key_deleted(self, job_name: str, worker_id: str) -> None:
+        if job_name in self.table.jobs:
+            asyncio.ensure_future(self._check_alive(job_name, worker_id))
+
+    async def _check_alive(self, job_name: str, worker_id: str) -> None:
+        """A liveness key vanished: lost unless it was re-created meanwhile (a re-registration)."""
+        key = self.table.job_key(job_name, "alive", worker_id)
+        try:
+            if await asyncio.to_thread(self.registry.get, key) is not None:
+                return
+        except RegistryError as exc:
+            log.warning("cannot confirm liveness key %s: %s", key, exc)
+            return
+        job = self.table.jobs.get(job_name)
+        if job is not None:
+            self.mark_lost(job, worker_id, "liveness lease expired", "lease_expired", time.time())

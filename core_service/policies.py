@@ -1,0 +1,68 @@
+"""Policies the schedule engine consults. They return decisions; the engine acts on them.
+
+`LayoutPolicy` is ElasWave's fail-stop response for jobs registered with a layout (planners.Layout
+JSON): lost and preempted ranks leave their stages and the survivors take their samples
+(micro-batch resizing, elaswave.txt §4.1 / planners.dataflow), and the result is validated
+(planners.validation) before it is published. A change that resizing cannot absorb (a stage
+losing every rank) is refused with the planner's reason. Jobs registered without a layout are
+membership-only: changes are recorded and nothing is re-planned.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from core_service.engine import Decision, JobSnapshot
+from core_service.jobs import Job
+from planners.dataflow import StageEmptied, micro_batch_sizes, resize_after_loss
+from planners.layout import Layout
+from planners.validation import validate
+
+GOING_STATES = frozenset({"LOST", "LEFT", "PREEMPTING", "DRAINING"})
+
+
+@dataclass(frozen=True)
+class LayoutPolicy:
+    name: str = "elaswave-resize"
+
+    def decide(self, snapshot: JobSnapshot) -> Decision:
+        if snapshot.layout_json is None:
+            return Decision("none", "job has no layout: membership change recorded, nothing to re-plan",
+                            self.name)
+        layout = Layout.from_json(snapshot.layout_json)
+        in_layout = set(layout.ranks())
+        going = sorted({w.rank for w in snapshot.gone + snapshot.live
+                        if w.state in GOING_STATES and w.rank in in_layout})
+        if not going:
+            return Decision("none", "no rank of the current layout is leaving", self.name)
+        try:
+            result = resize_after_loss(layout, going)
+        except StageEmptied as exc:
+            return Decision("refuse", str(exc), self.name)
+        report = validate(result.layout)
+        if not report.ok:
+            return Decision("refuse", "resized layout does not validate: " + "; ".join(report.problems),
+                            self.name)
+        sizes = micro_batch_sizes(result.layout)
+        reasons = (result.reason, f"micro-batch sizes per stage {list(sizes)}")
+        return Decision("publish", result.reason, self.name, layout_json=result.layout.to_json(),
+                        reasons=reasons)
+
+
+def default_policy() -> LayoutPolicy:
+    return LayoutPolicy()
+
+
+def judge_offer(job: Job, devices: int, expected_duration_s: float) -> tuple[bool, str]:
+    """Scale-up offers: accepted; the workers on the offered devices join as they register."""
+    if job.layout_json is None:
+        return True, "membership-only job: offered workers join as they register"
+    if expected_duration_s and not math.isfinite(expected_duration_s):
+        return False, "expected_duration_s must be finite"
+    return True, f"{devices} device(s) will join the stages with the longest step time as they register"
+
+
+def scale_table(job: Job) -> list[dict[str, Any]]:
+    raise ValueError(f"job {job.name!r} was registered without a model profile, so it has no scale table")

@@ -1,0 +1,144 @@
+"""REST API under /api/v1, /healthz and /metrics (FastAPI). Reads are open; every call that
+changes something needs `Authorization: Bearer <scheduler token>`."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from core_service.config import JOB_NAME_PATTERN, MIN_TOKEN_LENGTH, JobSpec
+from core_service.grpc_util import RpcError
+from core_service.jobs import Job, JobExists, UnknownJob
+from planners.layout import Layout
+from planners.validation import validate
+
+if TYPE_CHECKING:
+    from core_service.core import Core
+
+bearer = HTTPBearer(auto_error=False)
+
+
+class CreateJobRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=JOB_NAME_PATTERN.pattern, description="job name")
+    expected_workers: int = Field(default=0, ge=0, le=1_000_000)
+    token: str | None = Field(default=None, min_length=MIN_TOKEN_LENGTH, description="omit to generate")
+    layout: dict[str, Any] | None = Field(default=None, description="planners.Layout as JSON")
+
+
+class CreateJobResponse(BaseModel):
+    name: str
+    token: str = Field(description="per-job token for agents and executors; shown only once")
+
+
+class PreemptRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    worker_ids: list[str] = Field(min_length=1, max_length=100_000)
+    deadline_unix: float = Field(description="seconds since the epoch, in the future")
+    reason: str = Field(default="", max_length=1000)
+
+
+def job_summary(job: Job) -> dict[str, Any]:
+    counts: dict[str, int] = {}
+    for member in job.members.values():
+        counts[member.state.value] = counts.get(member.state.value, 0) + 1
+    return {"name": job.name, "phase": job.phase.value, "plan_epoch": job.plan_epoch,
+            "expected_workers": job.expected_workers, "members_by_state": counts,
+            "has_layout": job.layout_json is not None, "last_event_seq": job.next_seq - 1}
+
+
+def build_app(core: Core) -> FastAPI:
+    app = FastAPI(title="ElasWave Core", version="v1",
+                  description="Jobs, members and events of the ElasWave control plane.")
+
+    def leader_only() -> None:
+        if not core.is_leader:
+            raise HTTPException(503, detail=core.not_leader_message())
+
+    def job_or_404(name: str) -> Job:
+        try:
+            return core.table.get(name)
+        except UnknownJob as exc:
+            raise HTTPException(404, detail=str(exc)) from None
+
+    def admin(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+        if credentials is None:
+            raise HTTPException(401, detail="missing 'Authorization: Bearer <scheduler token>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+        if not core.scheduler_token_ok(credentials.credentials):
+            raise HTTPException(403, detail="wrong scheduler token")
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, Any]:
+        return {"status": "ok", "role": "leader" if core.is_leader else "standby",
+                "core_id": core.settings.core_id, "leader": core.not_leader_message().split("is ")[-1],
+                "uptime_s": time.time() - core.started_unix}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/api/v1/jobs", dependencies=[Depends(leader_only)])
+    def list_jobs() -> dict[str, Any]:
+        return {"jobs": [job_summary(j) for j in sorted(core.table.jobs.values(), key=lambda j: j.name)]}
+
+    @app.post("/api/v1/jobs", status_code=201, dependencies=[Depends(leader_only), Depends(admin)])
+    def create_job(body: CreateJobRequest) -> CreateJobResponse:
+        if not core.settings.allow_job_creation:
+            raise HTTPException(403, detail="job creation through the API is disabled (allow_job_creation)")
+        layout_json = None
+        if body.layout is not None:
+            try:
+                layout = Layout.from_json(json.dumps(body.layout))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise HTTPException(422, detail=f"layout: {exc}") from None
+            report = validate(layout)
+            if not report.ok:
+                raise HTTPException(422, detail="layout does not validate: " + "; ".join(report.problems))
+            layout_json = layout.to_json()
+        token = body.token or secrets.token_urlsafe(24)
+        spec = JobSpec(name=body.name, token=SecretStr(token), expected_workers=body.expected_workers)
+        try:
+            core.table.create_job(spec, layout_json, now=time.time())
+        except JobExists as exc:
+            raise HTTPException(409, detail=str(exc)) from None
+        return CreateJobResponse(name=body.name, token=token)
+
+    @app.get("/api/v1/jobs/{job}", dependencies=[Depends(leader_only)])
+    def get_job(job: str) -> dict[str, Any]:
+        record = job_or_404(job)
+        members = [m.public() for m in sorted(record.members.values(), key=lambda m: m.worker_id)]
+        return {**job_summary(record), "members": members,
+                "layout": None if record.layout_json is None else json.loads(record.layout_json)}
+
+    @app.get("/api/v1/jobs/{job}/events", dependencies=[Depends(leader_only)])
+    def get_events(
+        job: str,
+        since: Annotated[int, Query(ge=0, description="only events with seq > since")] = 0,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 500,
+    ) -> dict[str, Any]:
+        record = job_or_404(job)
+        events = [e for e in record.events if e.seq > since][:limit]
+        return {"job": job, "events": [e.__dict__ for e in events]}
+
+    @app.post("/api/v1/jobs/{job}/preempt", status_code=202, dependencies=[Depends(leader_only), Depends(admin)])
+    async def preempt(job: str, body: PreemptRequest) -> dict[str, Any]:
+        from elaswave.v1 import scheduler_pb2
+
+        job_or_404(job)
+        grpc_request = scheduler_pb2.SignalPreemptionRequest(
+            job=job, worker_ids=body.worker_ids, deadline_unix=body.deadline_unix, reason=body.reason)
+        try:
+            response = await core.scheduler.preempt(grpc_request)
+        except RpcError as err:
+            raise HTTPException(409 if err.code.name == "FAILED_PRECONDITION" else 422, detail=err.message) from None
+        return {"event_seq": response.event_seq}
+
+    return app

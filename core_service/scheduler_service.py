@@ -1,0 +1,167 @@
+"""SchedulerService: what a cluster scheduler may ask and tell the Core (scheduler.proto)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from core_service.engine import Decision, WorkerView, snapshot_of
+from core_service.grpc_util import RpcError, bearer_token, finite, require
+from core_service.model import MemberRecord, WorkerState
+from elaswave.v1 import agent_pb2, common_pb2, scheduler_pb2
+
+if TYPE_CHECKING:
+    from core_service.core import Core
+
+MAX_DEADLINE_AHEAD_S = 7 * 24 * 3600.0
+
+
+def member_message(member: MemberRecord) -> common_pb2.Member:
+    step = member.last_step
+    return common_pb2.Member(
+        worker_id=member.worker_id, host=member.host, pid=member.pid,
+        devices=[common_pb2.Device(kind=d.kind, index=d.index, name=d.name, memory_bytes=d.memory_bytes)
+                 for d in member.devices],
+        state=common_pb2.WorkerState.Value(f"WORKER_STATE_{member.state.value}"),
+        lost_reason=member.lost_reason, last_heartbeat_unix=member.last_heartbeat_unix,
+        last_step=step.step if step else -1, last_step_time_s=step.step_time_s if step else 0.0,
+        stage=member.stage, dp_rank=member.dp_rank, rank=member.rank,
+    )
+
+
+def plan_message(job: str, epoch: int, decision: Decision, now: float) -> common_pb2.Plan:
+    return common_pb2.Plan(
+        job=job, epoch=epoch, layout_json=(decision.layout_json or "").encode(),
+        reasons=list(decision.reasons) or [decision.reason],
+        predicted_step_time_s=decision.predicted_step_time_s, created_unix=now,
+    )
+
+
+class SchedulerServicer:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    def _authorise(self, context: grpc.aio.ServicerContext) -> None:
+        self.core.require_leader()
+        self.core.check_scheduler_token(bearer_token(context))
+
+    def _deadline(self, deadline_unix: float, now: float) -> None:
+        finite(deadline_unix, "deadline_unix")
+        require(deadline_unix > now, f"deadline_unix {deadline_unix:.3f} is not in the future (now {now:.3f})")
+        require(deadline_unix <= now + MAX_DEADLINE_AHEAD_S, "deadline_unix is more than 7 days ahead")
+
+    async def SignalPreemption(
+        self, request: scheduler_pb2.SignalPreemptionRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SignalPreemptionResponse:
+        self._authorise(context)
+        return await self.preempt(request)
+
+    async def preempt(self, request: scheduler_pb2.SignalPreemptionRequest) -> scheduler_pb2.SignalPreemptionResponse:
+        """Marks the workers PREEMPTING and tells their agents to drain (caller is authorised)."""
+        now = time.time()
+        job = self.core.job_or_not_found(request.job)
+        require(len(request.worker_ids) > 0, "worker_ids is empty")
+        require(len(set(request.worker_ids)) == len(request.worker_ids), "worker_ids has duplicates")
+        self._deadline(request.deadline_unix, now)
+        members = []
+        for worker_id in request.worker_ids:
+            member = job.members.get(worker_id)
+            require(member is not None, f"job {job.name!r} has no worker {worker_id!r}")
+            require(not member.state.is_gone, f"worker {worker_id!r} is already {member.state.value}")
+            members.append(member)
+        survivors = [m for m in job.live_members() if m.worker_id not in set(request.worker_ids)]
+        if not survivors:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"preempting {len(members)} worker(s) would leave job {job.name!r} with no worker")
+        source = f"scheduler: {request.reason}" if request.reason else "scheduler"
+        for member in members:
+            self.core.membership.preemption(job, member, request.deadline_unix, source, now)
+            drain = agent_pb2.Drain(reason=source, deadline_unix=request.deadline_unix)
+            self.core.send_command(job.name, member.worker_id, agent_pb2.ConnectResponse(drain=drain))
+        return scheduler_pb2.SignalPreemptionResponse(event_seq=job.next_seq - 1)
+
+    async def OfferResources(
+        self, request: scheduler_pb2.OfferResourcesRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.OfferResourcesResponse:
+        self._authorise(context)
+        job = self.core.job_or_not_found(request.job)
+        require(request.devices >= 1, "devices must be >= 1")
+        finite(request.expected_duration_s, "expected_duration_s")
+        accepted, reason = self.core.judge_offer(job, request.devices, request.expected_duration_s)
+        event = self.core.table.record(
+            job, "resources_offered", detail=f"{request.devices} device(s) on {list(request.hosts)}: {reason}",
+            now=time.time(), data={"accepted": accepted, "devices": request.devices},
+        )
+        return scheduler_pb2.OfferResourcesResponse(accepted=accepted, reason=reason, event_seq=event.seq)
+
+    async def ReclaimResources(
+        self, request: scheduler_pb2.ReclaimResourcesRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ReclaimResourcesResponse:
+        self._authorise(context)
+        now = time.time()
+        job = self.core.job_or_not_found(request.job)
+        require(request.devices >= 1, "devices must be >= 1")
+        self._deadline(request.deadline_unix, now)
+        live = job.live_members()
+        if request.devices >= len(live):
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"reclaiming {request.devices} device(s) would leave job {job.name!r} with no worker "
+                           f"({len(live)} live)")
+        # Slow workers go first (they cost the most), then the highest (stage, dp rank) to keep
+        # the lower stages intact.
+        order = sorted(live, key=lambda m: (m.state != WorkerState.SLOW, -m.stage, -m.dp_rank, m.worker_id))
+        chosen = [m.worker_id for m in order[: request.devices]]
+        for worker_id in chosen:
+            member = job.members[worker_id]
+            self.core.membership.preemption(job, member, request.deadline_unix, "scheduler reclaim", now)
+            drain = agent_pb2.Drain(reason="reclaimed by scheduler", deadline_unix=request.deadline_unix)
+            self.core.send_command(job.name, worker_id, agent_pb2.ConnectResponse(drain=drain))
+        return scheduler_pb2.ReclaimResourcesResponse(worker_ids=chosen, event_seq=job.next_seq - 1)
+
+    async def GetJobState(
+        self, request: scheduler_pb2.GetJobStateRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.GetJobStateResponse:
+        self._authorise(context)
+        job = self.core.job_or_not_found(request.job)
+        return scheduler_pb2.GetJobStateResponse(
+            job=job.name, phase=common_pb2.JobPhase.Value(f"JOB_PHASE_{job.phase.value}"),
+            members=[member_message(m) for m in sorted(job.members.values(), key=lambda m: m.worker_id)],
+            plan_epoch=job.plan_epoch, last_event_seq=job.next_seq - 1,
+        )
+
+    async def GetScaleTable(
+        self, request: scheduler_pb2.GetScaleTableRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.GetScaleTableResponse:
+        self._authorise(context)
+        job = self.core.job_or_not_found(request.job)
+        rows = self.core.scale_table(job)
+        return scheduler_pb2.GetScaleTableResponse(rows=[scheduler_pb2.ScaleTableRow(**row) for row in rows])
+
+    async def PlanWhatIf(
+        self, request: scheduler_pb2.PlanWhatIfRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.PlanWhatIfResponse:
+        self._authorise(context)
+        job = self.core.job_or_not_found(request.job)
+        snapshot = snapshot_of(job)
+        live_ids = {w.worker_id for w in snapshot.live}
+        for worker_id in request.remove_worker_ids:
+            require(worker_id in live_ids, f"worker {worker_id!r} is not a live member of {job.name!r}")
+        removed = set(request.remove_worker_ids)
+        gone = snapshot.gone + tuple(
+            WorkerView(w.worker_id, w.host, w.stage, w.dp_rank, w.rank, "LOST") for w in snapshot.live if w.worker_id in removed
+        )
+        hypothetical = type(snapshot)(
+            job=snapshot.job, plan_epoch=snapshot.plan_epoch, layout_json=snapshot.layout_json,
+            live=tuple(w for w in snapshot.live if w.worker_id not in removed), gone=gone,
+            changes=tuple(f"what_if_lost:{w}" for w in sorted(removed))
+            + ((f"what_if_added:{request.add_devices}",) if request.add_devices else ()),
+        )
+        if not hypothetical.live:
+            return scheduler_pb2.PlanWhatIfResponse(runnable=False, reason="no worker would be left")
+        decision = self.core.policy.decide(hypothetical)
+        runnable = decision.action != "refuse"
+        return scheduler_pb2.PlanWhatIfResponse(
+            plan=plan_message(job.name, 0, decision, time.time()), runnable=runnable, reason=decision.reason
+        )

@@ -1,0 +1,313 @@
+"""The dynamic communicator (ElasWave §6.1, Fig. 8): one gloo group per logical group.
+
+Groups are built directly with ``ProcessGroupGloo(PrefixStore(prefix, store), rank, size,
+timeout)`` over a store that no training rank hosts (executor.store_server), without
+``init_process_group``: there is no world communicator to tear down when a rank leaves. Each
+edit is an epoch; groups built in epoch e live under the prefix ``<ns>/e<e>/<name>``, so a rebuilt
+group never meets a stale rendezvous key.
+
+Every op goes through `_wait`, which returns as soon as the op completes and otherwise converts a
+closed peer socket, an abort flagged in the store by another survivor, or the group timeout into
+`PeerFailure`: a survivor never blocks without a deadline (DESIGN §7, pytorch#111646).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import StrEnum
+
+import torch
+from torch.distributed import (
+    AllreduceOptions,
+    BroadcastOptions,
+    PrefixStore,
+    ProcessGroupGloo,
+    ReduceOp,
+    Store,
+)
+
+from executor.comm import ledger as ledger_mod
+from executor.comm.errors import MembershipError, PeerFailure
+from executor.comm.groups import EditDecision, Membership, all_workers, decide_edit, validate_membership
+from executor.comm.ledger import GroupLedger
+
+ABORT_POLL_S = 0.02
+
+
+class RebuildMode(StrEnum):
+    PARTIAL = "partial"  # rebuild only groups containing a changed rank (the dynamic communicator)
+    FULL = "full"  # rebuild every group of the new membership (baseline)
+
+
+@dataclass(frozen=True)
+class EditReport:
+    epoch: int
+    rebuilt: tuple[str, ...]
+    reused: tuple[str, ...]
+    dropped: tuple[str, ...]
+    reason: str
+    seconds: float
+
+
+class _Waiter:
+    """One thread that blocks in `work.wait()` for ops without a future (gloo send/recv)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[tuple[object, threading.Event, list[BaseException]]] = queue.Queue()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def submit(self, work: object, done: threading.Event, errors: list[BaseException]) -> None:
+        self._jobs.put((work, done, errors))
+
+    def _run(self) -> None:
+        while True:
+            work, done, errors = self._jobs.get()
+            try:
+                work.wait()  # type: ignore[attr-defined]
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                errors.append(exc)
+            done.set()
+
+
+@dataclass
+class _Group:
+    name: str
+    workers: tuple[int, ...]
+    pg: ProcessGroupGloo
+    ledger: GroupLedger
+    waiter: _Waiter | None = None
+
+
+class Communicator:
+    """The groups of one worker, their guarded ops, and in-place edits.
+
+    Blocking behaviour: construction and `apply_edit` block until every member of each group being
+    built has joined (bounded by `timeout_s`); each op blocks until it completes or raises
+    `PeerFailure` (bounded by `timeout_s` plus one abort-poll interval).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        worker: int,
+        membership: Membership,
+        timeout_s: float = 10.0,
+        mode: RebuildMode | str = RebuildMode.PARTIAL,
+        namespace: str = "ew",
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        validate_membership(membership)
+        if worker not in all_workers(membership):
+            raise MembershipError(f"worker {worker} is in no group of {dict(membership)}")
+        self.store = store
+        self.worker = worker
+        self.timeout_s = timeout_s
+        self.mode = RebuildMode(mode)
+        self.namespace = namespace
+        self.epoch = 0
+        self.membership: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in membership.items()}
+        self._groups: dict[str, _Group] = {}
+        self._graveyard: list[ProcessGroupGloo] = []  # groups with abandoned ops; never destroyed
+        self._build(sorted(n for n, ws in self.membership.items() if worker in ws))
+
+    # ----- introspection -------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return sorted(self._groups)
+
+    def group(self, name: str) -> ProcessGroupGloo:
+        return self._handle(name).pg
+
+    def workers(self, name: str) -> tuple[int, ...]:
+        return self._handle(name).workers
+
+    def group_rank(self, name: str, worker: int | None = None) -> int:
+        ws = self._handle(name).workers
+        w = self.worker if worker is None else worker
+        if w not in ws:
+            raise MembershipError(f"worker {w} is not in group {name!r} {ws}")
+        return ws.index(w)
+
+    def abort_key(self, epoch: int | None = None) -> str:
+        """Store key that, once set, makes every op of that epoch raise PeerFailure."""
+        return f"{self.namespace}/e{self.epoch if epoch is None else epoch}/abort"
+
+    def signal_abort(self, reason: str) -> None:
+        """Tell every survivor to abandon its current ops (non-blocking, one store write)."""
+        self.store.set(self.abort_key(), f"{self.worker}: {reason}")
+
+    def aborted(self) -> bool:
+        return self.store.check([self.abort_key()])
+
+    # ----- guarded ops ---------------------------------------------------------------------
+    def all_reduce(self, name: str, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM) -> None:
+        g = self._handle(name)
+        opts = AllreduceOptions()
+        opts.reduceOp = op
+        self._collective(g, lambda: g.pg.allreduce([tensor], opts))
+
+    def broadcast(self, name: str, tensor: torch.Tensor, src_worker: int) -> None:
+        g = self._handle(name)
+        opts = BroadcastOptions()
+        opts.rootRank = self.group_rank(name, src_worker)
+        opts.rootTensor = 0
+        self._collective(g, lambda: g.pg.broadcast([tensor], opts))
+
+    def all_gather(self, name: str, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> None:
+        g = self._handle(name)
+        if len(outputs) != len(g.workers):
+            raise ValueError(f"all_gather on {name!r} needs {len(g.workers)} outputs, got {len(outputs)}")
+        self._collective(g, lambda: g.pg.allgather([list(outputs)], [tensor]))
+
+    def barrier(self, name: str) -> None:
+        self.all_reduce(name, torch.zeros(1))
+
+    def send(self, name: str, tensor: torch.Tensor, dst_worker: int, tag: int = 0) -> None:
+        g = self._handle(name)
+        g.ledger.sent[dst_worker] += 1
+        self._wait(g, g.pg.send([tensor], self.group_rank(name, dst_worker), tag), has_future=False)
+
+    def recv(self, name: str, tensor: torch.Tensor, src_worker: int, tag: int = 0) -> None:
+        g = self._handle(name)
+        g.ledger.received[src_worker] += 1
+        self._wait(g, g.pg.recv([tensor], self.group_rank(name, src_worker), tag), has_future=False)
+
+    def exchange(
+        self,
+        name: str,
+        sends: Sequence[tuple[torch.Tensor, int, int]],
+        recvs: Sequence[tuple[torch.Tensor, int, int]],
+    ) -> None:
+        """Issue every (tensor, dst_worker, tag) send, then every (tensor, src_worker, tag) receive,
+        then wait for all of them: a pattern in which every worker sends and receives cannot
+        deadlock on the order of blocking calls."""
+        g = self._handle(name)
+        works = []
+        for tensor, dst, tag in sends:
+            g.ledger.sent[dst] += 1
+            works.append(g.pg.send([tensor], self.group_rank(name, dst), tag))
+        for tensor, src, tag in recvs:
+            g.ledger.received[src] += 1
+            works.append(g.pg.recv([tensor], self.group_rank(name, src), tag))
+        for work in works:
+            self._wait(g, work, has_future=False)
+
+    def wait(self, name: str, work: object, has_future: bool = True) -> None:
+        """Guard a work the caller issued itself on `group(name)` (counted as one collective)."""
+        g = self._handle(name)
+        g.ledger.collectives += 1
+        self._wait(g, work, has_future)
+
+    # ----- edits ---------------------------------------------------------------------------
+    def apply_edit(self, new_membership: Membership) -> EditReport:
+        """Move to `new_membership`: every worker in it must call this with the same argument.
+
+        Publishes this worker's op ledger, waits (bounded by timeout_s) for the ledgers of the
+        members of every group it might reuse, rebuilds only the groups whose member list changed
+        or whose ops were left unmatched (all of them in FULL mode) under the next epoch's prefix,
+        and keeps every other group object as is. Raises MembershipError (changing nothing) if
+        this worker is not in the new membership.
+        """
+        validate_membership(new_membership)
+        new = {k: tuple(v) for k, v in new_membership.items()}
+        if self.worker not in all_workers(new):
+            raise MembershipError(f"worker {self.worker} is not in the new membership {new}")
+        t0 = time.perf_counter()
+        decision = self._decide(new)
+        old_groups = self._groups
+        self.epoch += 1
+        self.membership = new
+        self._groups = {n: old_groups[n] for n in decision.reuse}
+        for name in decision.drop:
+            g = old_groups[name]
+            if g.ledger.pending or g.ledger.failed:
+                self._graveyard.append(g.pg)
+        self._build(list(decision.rebuild))
+        return EditReport(
+            epoch=self.epoch,
+            rebuilt=decision.rebuild,
+            reused=decision.reuse,
+            dropped=decision.drop,
+            reason=decision.reason,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def _decide(self, new: Membership) -> EditDecision:
+        full = self.mode is RebuildMode.FULL
+        key = f"{self.namespace}/e{self.epoch}/ledger/"
+        self.store.set(key + str(self.worker), ledger_mod.encode({n: g.ledger for n, g in self._groups.items()}))
+        needed: set[int] = set()
+        if not full:
+            for name, g in self._groups.items():
+                if new.get(name) == g.workers:
+                    needed.update(g.workers)
+        keys = [key + str(w) for w in sorted(needed)]
+        if keys:
+            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+        ledgers = {w: ledger_mod.decode(self.store.get(key + str(w))) for w in sorted(needed)}
+        return decide_edit(self.membership, new, self.worker, ledgers, full=full)
+
+    def _build(self, names: list[str]) -> None:
+        # Sorted, identical order on every worker: two workers never wait on each other's
+        # second group while holding their first (lock ordering).
+        for name in sorted(names):
+            workers = self.membership[name]
+            prefix = f"{self.namespace}/e{self.epoch}/{name}"
+            pg = ProcessGroupGloo(
+                PrefixStore(prefix, self.store),
+                workers.index(self.worker),
+                len(workers),
+                timedelta(seconds=self.timeout_s),
+            )
+            self._groups[name] = _Group(name=name, workers=workers, pg=pg, ledger=GroupLedger())
+
+    # ----- internals -----------------------------------------------------------------------
+    def _handle(self, name: str) -> _Group:
+        try:
+            return self._groups[name]
+        except KeyError:
+            raise MembershipError(f"worker {self.worker} has no group {name!r} (has {self.names()})") from None
+
+    def _collective(self, g: _Group, issue: Callable[[], object]) -> None:
+        g.ledger.collectives += 1
+        self._wait(g, issue(), has_future=True)
+
+    def _wait(self, g: _Group, work: object, has_future: bool) -> None:
+        done = threading.Event()
+        errors: list[BaseException] = []
+        if has_future:
+            work.get_future().add_done_callback(lambda _f: done.set())  # type: ignore[attr-defined]
+        else:
+            if g.waiter is None:
+                g.waiter = _Waiter()
+            g.waiter.submit(work, done, errors)
+        g.ledger.pending += 1
+        deadline = time.monotonic() + self.timeout_s + 2 * ABORT_POLL_S
+        while not done.wait(ABORT_POLL_S):
+            if self.aborted():
+                g.ledger.failed = True
+                raise PeerFailure(g.name, f"epoch {self.epoch} aborted: {self.store.get(self.abort_key()).decode()}")
+            if time.monotonic() > deadline:
+                self._fail(g, f"no completion within {self.timeout_s}s")
+        if has_future:
+            try:
+                work.wait()  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001 - any backend error means the group is broken
+                errors.append(exc)
+        if errors:
+            self._fail(g, str(errors[0]).splitlines()[0][:300])
+        g.ledger.pending -= 1
+
+    def _fail(self, g: _Group, reason: str) -> None:
+        g.ledger.failed = True
+        # The store being unreachable must not mask the failure itself.
+        with contextlib.suppress(Exception):
+            self.signal_abort(f"{g.name}: {reason}")
+        raise PeerFailure(g.name, reason)
+

@@ -1,0 +1,21 @@
+"""Errors raised by the dynamic communicator."""
+
+from __future__ import annotations
+
+
+class PeerFailure(RuntimeError):
+    """A collective or point-to-point op could not complete because a peer is gone or hung.
+
+    Raised quickly when a peer's socket closes (gloo reports the closed connection), when another
+    survivor has flagged the epoch as aborted in the store, or at the latest when the group's
+    timeout expires. `group` names the logical group; `cause` is the backend's message.
+    """
+
+    def __init__(self, group: str, reason: str) -> None:
+        super().__init__(f"peer failure in group {group!r}: {reason}")
+        self.group = group
+        self.reason = reason
+
+
+class MembershipError(ValueError):
+    """A membership (group name -> ordered worker ids) is malformed or inconsistent."""

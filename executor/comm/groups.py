@@ -1,0 +1,93 @@
+"""Logical communication groups and the pure decision of which ones an edit rebuilds (§6.1).
+
+A membership maps a logical group name to its ordered worker ids. Workers are stable ids
+(they never get renumbered when someone leaves), so a group whose member list is unchanged is the
+same group before and after an event and can be reused as is (ElasWave Fig. 8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from executor.comm.errors import MembershipError
+from executor.comm.ledger import LedgerRecord, group_is_clean
+
+Membership = Mapping[str, tuple[int, ...]]
+
+
+def dp_group_name(stage: int) -> str:
+    return f"dp/{stage}"
+
+
+def pp_group_name(stage: int) -> str:
+    """The group of stage `stage` and stage `stage + 1` (activations / gradients between them)."""
+    return f"pp/{stage}-{stage + 1}"
+
+
+def groups_for_stages(stage_workers: Sequence[Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    """One DP group per stage (in DP-rank order) and one group per pair of adjacent stages."""
+    if not stage_workers or any(len(ws) == 0 for ws in stage_workers):
+        raise MembershipError(f"every stage needs at least one worker, got {list(map(list, stage_workers))}")
+    seen = [w for ws in stage_workers for w in ws]
+    if len(seen) != len(set(seen)):
+        raise MembershipError(f"a worker appears in two stages: {list(map(list, stage_workers))}")
+    groups: dict[str, tuple[int, ...]] = {}
+    for s, ws in enumerate(stage_workers):
+        groups[dp_group_name(s)] = tuple(ws)
+        if s + 1 < len(stage_workers):
+            groups[pp_group_name(s)] = tuple(ws) + tuple(stage_workers[s + 1])
+    return groups
+
+
+def validate_membership(membership: Membership) -> None:
+    for name, workers in membership.items():
+        if not workers:
+            raise MembershipError(f"group {name!r} has no members")
+        if len(set(workers)) != len(workers):
+            raise MembershipError(f"group {name!r} lists a worker twice: {workers}")
+        if any(w < 0 for w in workers):
+            raise MembershipError(f"group {name!r} has a negative worker id: {workers}")
+
+
+def all_workers(membership: Membership) -> frozenset[int]:
+    return frozenset(w for ws in membership.values() for w in ws)
+
+
+@dataclass(frozen=True)
+class EditDecision:
+    """Which of `me`'s groups an edit rebuilds, reuses and drops, and why."""
+
+    rebuild: tuple[str, ...]
+    reuse: tuple[str, ...]
+    drop: tuple[str, ...]
+    reason: str
+
+
+def decide_edit(
+    old: Membership,
+    new: Membership,
+    me: int,
+    ledgers: Mapping[int, LedgerRecord],
+    full: bool,
+) -> EditDecision:
+    """Reuse a group only if its member list is unchanged and every member's op ledger balances.
+
+    A group whose members are unchanged can still be unusable: an op abandoned mid-step (another
+    survivor aborted) leaves it half-matched, so reusing it would pair the replayed step's first
+    op with a stale one. `full=True` is the full-rebuild baseline (rebuild everything).
+    """
+    mine_old = {n for n, ws in old.items() if me in ws}
+    mine_new = {n for n, ws in new.items() if me in ws}
+    reuse, rebuild, dirty = [], [], []
+    for name in sorted(mine_new):
+        same = name in mine_old and tuple(old[name]) == tuple(new[name])
+        clean = same and group_is_clean(name, new[name], ledgers)
+        if same and not clean:
+            dirty.append(name)
+        (reuse if same and clean and not full else rebuild).append(name)
+    drop = tuple(sorted(mine_old - set(reuse)))
+    reason = "full rebuild baseline" if full else (
+        f"rebuild groups whose members changed or whose ops were left unmatched ({', '.join(dirty) or 'none'})"
+    )
+    return EditDecision(rebuild=tuple(rebuild), reuse=tuple(reuse), drop=drop, reason=reason)

@@ -1,0 +1,122 @@
+"""The communication surface the training engine needs, and a static implementation of it.
+
+The engine talks only to *logical groups* by name — `"dp/<s>"` (stage s's DP group, in DP order)
+and `"pp/<s>-<s+1>"` (the ranks of two adjacent stages) — and to workers by their stable global
+rank. `EngineComm` is the subset of `executor.comm.Communicator` (the dynamic communicator, which
+adds failure detection and in-place edits) that the engine uses, so either can drive a trainer.
+`StaticComm` builds the same groups once, directly as `ProcessGroupGloo` over a `PrefixStore`
+(no `init_process_group`, no world group), for fault-free runs and tests.
+
+Every op is bounded: groups are created with a timeout and each wait passes it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+from torch.distributed import AllToAllOptions, PrefixStore, ProcessGroup, ProcessGroupGloo, Store
+
+
+def dp_group_name(stage: int) -> str:
+    return f"dp/{stage}"
+
+
+def pp_group_name(stage: int) -> str:
+    """Group of stage `stage` and stage `stage + 1`."""
+    return f"pp/{stage}-{stage + 1}"
+
+
+def groups_for_stage_ranks(stage_ranks: Sequence[Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    """Every logical group of a job whose stage p is served by `stage_ranks[p]` (DP order)."""
+    groups: dict[str, tuple[int, ...]] = {}
+    for s, ranks in enumerate(stage_ranks):
+        groups[dp_group_name(s)] = tuple(ranks)
+        if s + 1 < len(stage_ranks):
+            groups[pp_group_name(s)] = tuple(ranks) + tuple(stage_ranks[s + 1])
+    return groups
+
+
+class EngineComm(Protocol):
+    """What the trainer calls; `executor.comm.Communicator` satisfies it."""
+
+    worker: int
+
+    def group(self, name: str) -> ProcessGroup: ...
+
+    def workers(self, name: str) -> tuple[int, ...]: ...
+
+    def group_rank(self, name: str, worker: int | None = None) -> int: ...
+
+    def send(self, name: str, tensor: torch.Tensor, dst_worker: int, tag: int = 0) -> None: ...
+
+    def recv(self, name: str, tensor: torch.Tensor, src_worker: int, tag: int = 0) -> None: ...
+
+    def all_gather(self, name: str, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> None: ...
+
+    def wait(self, name: str, work: object, has_future: bool = True) -> None: ...
+
+
+class StaticComm:
+    """Fixed logical groups built once over `store`; see the module docstring."""
+
+    def __init__(self, store: Store, worker: int, membership: dict[str, tuple[int, ...]],
+                 timeout_s: float = 30.0, namespace: str = "static") -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.worker = worker
+        self.timeout = timedelta(seconds=timeout_s)
+        self._members = {name: tuple(ws) for name, ws in membership.items() if worker in ws}
+        if not self._members:
+            raise ValueError(f"worker {worker} is in no group of {membership}")
+        # Build in sorted-name order on every worker so the rendezvous never interleaves badly.
+        self._groups: dict[str, ProcessGroupGloo] = {}
+        for name in sorted(self._members):
+            ws = self._members[name]
+            self._groups[name] = ProcessGroupGloo(PrefixStore(f"{namespace}/{name}", store),
+                                                  ws.index(worker), len(ws), self.timeout)
+
+    def group(self, name: str) -> ProcessGroup:
+        if name not in self._groups:
+            raise KeyError(f"worker {self.worker} has no group {name!r} (has {sorted(self._groups)})")
+        return self._groups[name]
+
+    def workers(self, name: str) -> tuple[int, ...]:
+        self.group(name)
+        return self._members[name]
+
+    def group_rank(self, name: str, worker: int | None = None) -> int:
+        ws = self.workers(name)
+        w = self.worker if worker is None else worker
+        if w not in ws:
+            raise ValueError(f"worker {w} is not in group {name!r} {ws}")
+        return ws.index(w)
+
+    def send(self, name: str, tensor: torch.Tensor, dst_worker: int, tag: int = 0) -> None:
+        self.group(name).send([tensor], self.group_rank(name, dst_worker), tag).wait(self.timeout)
+
+    def recv(self, name: str, tensor: torch.Tensor, src_worker: int, tag: int = 0) -> None:
+        self.group(name).recv([tensor], self.group_rank(name, src_worker), tag).wait(self.timeout)
+
+    def all_gather(self, name: str, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> None:
+        self.group(name).allgather([list(outputs)], [tensor]).wait(self.timeout)
+
+    def wait(self, name: str, work: object, has_future: bool = True) -> None:
+        work.wait(self.timeout)  # type: ignore[attr-defined]
+
+
+def all_to_all_v(comm: EngineComm, name: str, inputs: Sequence[torch.Tensor],
+                 output_sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Personalised exchange in group `name`: `inputs[k]` goes to group rank k; returns the piece
+    received from each group rank (sizes `output_sizes`). 1-D float tensors, uneven sizes allowed."""
+    send = torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0)
+    recv = torch.empty(sum(output_sizes), dtype=send.dtype)
+    if len(inputs) == 1:  # a group of one: nothing to exchange
+        recv.copy_(send)
+    else:
+        work = comm.group(name).alltoall_base(recv, send, list(output_sizes),
+                                              [t.numel() for t in inputs], AllToAllOptions())
+        comm.wait(name, work)
+    return list(recv.split(list(output_sizes)))

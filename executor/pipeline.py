@@ -1,0 +1,155 @@
+"""1F1B pipeline schedule with sample-range routing between stages (ElasWave §4.1).
+
+Schedule. Stage s of P runs `min(P-s-1, M)` warm-up forwards, then alternates one forward and one
+backward, then drains the backwards. Communication is plain blocking `send`/`recv` (gloo's
+batched isend is fragile, DESIGN §7), and gloo's send is a rendezvous, so the *order* of the
+communication ops must be deadlock-free by construction: when a backward is followed by a
+forward, a stage receives the next forward input *before* it sends the backward gradient. Then
+both ends of every stage pair see the same sequence of pair operations (`stage_program`); the
+test suite checks this on a rendezvous simulator for many (P, M, DP) shapes.
+
+Routing. Slot m covers the same global samples on every stage, but stages may split it among
+different numbers of ranks. A rank sends each slice of its activations to the rank(s) of the next
+stage that own those samples, and receives gradients back the same way (`routes`). Within one
+pipeline operation a rank handles its peers in increasing sample order, which is the same order
+on both sides, so the many-to-many exchange of a slot cannot deadlock either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from executor.engine_comm import EngineComm, pp_group_name
+from planners.layout import Layout, SampleRange
+
+OpKind = Literal["recv_f", "fwd", "send_f", "recv_b", "bwd", "send_b"]
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: OpKind
+    slot: int
+
+
+def compute_order(num_stages: int, stage: int, num_slots: int) -> list[tuple[str, int]]:
+    """1F1B compute sequence of one stage: ("F", m) / ("B", m)."""
+    warmup = min(num_stages - stage - 1, num_slots)
+    seq = [("F", m) for m in range(warmup)]
+    for k in range(num_slots - warmup):
+        seq += [("F", warmup + k), ("B", k)]
+    seq += [("B", k) for k in range(num_slots - warmup, num_slots)]
+    return seq
+
+
+def stage_program(num_stages: int, stage: int, num_slots: int) -> list[Op]:
+    """Compute and communication ops of one stage, in the deadlock-free order (module docstring)."""
+    if not 0 <= stage < num_stages or num_slots < 1:
+        raise ValueError(f"no stage {stage} in a {num_stages}-stage pipeline with {num_slots} slots")
+    first, last = stage == 0, stage == num_stages - 1
+    seq = compute_order(num_stages, stage, num_slots)
+    ops: list[Op] = []
+    received: set[int] = set()
+    for i, (kind, m) in enumerate(seq):
+        if kind == "F":
+            if not first and m not in received:
+                ops.append(Op("recv_f", m))
+            ops.append(Op("fwd", m))
+            if not last:
+                ops.append(Op("send_f", m))
+            continue
+        if not last:
+            ops.append(Op("recv_b", m))
+        ops.append(Op("bwd", m))
+        nxt = seq[i + 1] if i + 1 < len(seq) else None
+        if nxt is not None and nxt[0] == "F" and not first:
+            ops.append(Op("recv_f", nxt[1]))  # hoisted before send_b: see module docstring
+            received.add(nxt[1])
+        if not first:
+            ops.append(Op("send_b", m))
+    return ops
+
+
+@dataclass(frozen=True)
+class Route:
+    """`samples` (global, within the step) exchanged with `peer`; `offset` is where they start in
+    this rank's own slice of the slot."""
+
+    peer: int
+    samples: SampleRange
+    offset: int
+
+
+def routes(layout: Layout, rank: int, slot: int, toward: Literal["next", "prev"]) -> list[Route]:
+    """Peers of `rank` in the adjacent stage for slot `slot`, in increasing sample order."""
+    stage = layout.stage_of_rank(rank)
+    other = stage + 1 if toward == "next" else stage - 1
+    if not 0 <= other < layout.num_stages:
+        raise ValueError(f"stage {stage} has no {toward} stage")
+    mine = layout.samples_of(rank, slot)
+    out = []
+    peers = layout.stages[other]
+    for peer, theirs in zip(peers.ranks, peers.split_slot(layout.slot_range(slot)), strict=True):
+        overlap = mine.intersect(theirs)
+        if len(overlap):
+            out.append(Route(peer, overlap, overlap.start - mine.start))
+    return sorted(out, key=lambda r: r.samples.start)
+
+
+class PipelineRunner:
+    """Runs one step's 1F1B program for one rank.
+
+    `forward(slot, inputs)` returns the stage output of the slot (`inputs` is None on the first
+    stage, a leaf that requires grad elsewhere); on the last stage it returns the scalar loss to
+    backpropagate. The runner does the backward itself and sends `inputs.grad` upstream. A slot
+    in which this rank has no samples is skipped without any message.
+    """
+
+    def __init__(self, comm: EngineComm, layout: Layout, rank: int, act_shape: tuple[int, ...]) -> None:
+        self.comm, self.layout, self.rank, self.act_shape = comm, layout, rank, act_shape
+        self.stage = layout.stage_of_rank(rank)
+        self.program = stage_program(layout.num_stages, self.stage, layout.num_micro_batches)
+
+    def _group(self, toward: Literal["next", "prev"]) -> str:
+        return pp_group_name(self.stage if toward == "next" else self.stage - 1)
+
+    def _recv(self, slot: int, toward: Literal["next", "prev"]) -> torch.Tensor:
+        buf = torch.empty(len(self.layout.samples_of(self.rank, slot)), *self.act_shape)
+        for r in routes(self.layout, self.rank, slot, toward):
+            piece = torch.empty(len(r.samples), *self.act_shape)
+            self.comm.recv(self._group(toward), piece, r.peer)
+            buf[r.offset: r.offset + len(r.samples)] = piece
+        return buf
+
+    def _send(self, slot: int, toward: Literal["next", "prev"], tensor: torch.Tensor) -> None:
+        for r in routes(self.layout, self.rank, slot, toward):
+            self.comm.send(self._group(toward), tensor[r.offset: r.offset + len(r.samples)].contiguous(), r.peer)
+
+    def run(self, forward: Callable[[int, torch.Tensor | None], torch.Tensor]) -> None:
+        inputs: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        grads_from_next: dict[int, torch.Tensor] = {}
+        grads_to_prev: dict[int, torch.Tensor] = {}
+        for op in self.program:
+            m = op.slot
+            if len(self.layout.samples_of(self.rank, m)) == 0:
+                continue
+            if op.kind == "recv_f":
+                inputs[m] = self._recv(m, "prev").requires_grad_(True)
+            elif op.kind == "fwd":
+                outputs[m] = forward(m, inputs.get(m))
+            elif op.kind == "send_f":
+                self._send(m, "next", outputs[m].detach())
+            elif op.kind == "recv_b":
+                grads_from_next[m] = self._recv(m, "next")
+            elif op.kind == "bwd":
+                out = outputs.pop(m)
+                out.backward(grads_from_next.pop(m) if m in grads_from_next else None)
+                received = inputs.pop(m, None)
+                if received is not None:
+                    grads_to_prev[m] = received.grad
+            else:  # send_b
+                self._send(m, "prev", grads_to_prev.pop(m))

@@ -1,0 +1,106 @@
+"""A standalone rendezvous store that no training rank hosts (DESIGN §2).
+
+The executors build every communication group over this `torch.distributed.TCPStore`. A store
+that lives inside a training rank dies with it and takes every survivor's rendezvous down, so
+it runs in its own process (later: inside the Core). Run it as
+
+    python -m executor.store_server --port 0
+
+and it prints ``PORT <n>`` (the bound port) on one line, then serves until SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+def connect_store(host: str, port: int, timeout_s: float = 30.0) -> TCPStore:
+    """A client connection to a running store server; raises if it cannot connect in time."""
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def serve(host: str, port: int, stop: threading.Event, announce: bool = True) -> None:
+    """Host a TCPStore on (host, port) until `stop` is set. Port 0 picks a free port."""
+    store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    if announce:
+        print(f"PORT {store.port}", flush=True)
+    stop.wait()
+    del store
+
+
+@dataclass
+class StoreServer:
+    """Handle on a store server running in a child process (tests, benchmarks, the demo)."""
+
+    process: subprocess.Popen[str]
+    host: str
+    port: int
+
+    @classmethod
+    def start(cls, host: str = DEFAULT_HOST, timeout_s: float = 30.0) -> StoreServer:
+        """Spawn `python -m executor.store_server` and wait (at most timeout_s) for its port."""
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "executor.store_server", "--host", host, "--port", "0"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        port = _read_port(proc, timeout_s)
+        return cls(process=proc, host=host, port=port)
+
+    def connect(self, timeout_s: float = 30.0) -> TCPStore:
+        return connect_store(self.host, self.port, timeout_s)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=timeout_s)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+def _read_port(proc: subprocess.Popen[str], timeout_s: float) -> int:
+    assert proc.stdout is not None
+    result: list[str] = []
+    reader = threading.Thread(target=lambda: result.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    line = result[0].strip() if result else ""
+    if not line.startswith("PORT "):
+        proc.kill()
+        proc.wait(timeout=timeout_s)
+        raise RuntimeError(f"store server did not announce its port within {timeout_s}s (got {line!r})")
+    return int(line.split()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Standalone TCPStore rendezvous server for ElasWave executors")
+    parser.add_argument("--host", default=DEFAULT_HOST)
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed as 'PORT <n>')")
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in 0..65535, got {args.port}")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    serve(args.host, args.port, stop)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,398 @@
+"""The Layout: the single description of how a job is laid out (DESIGN.md §3).
+
+A Layout says which layers each pipeline stage holds, which ranks serve each stage (in DP order),
+which global-batch samples every rank processes in every micro-batch slot (as an exact split rule), how ZeRO shards are
+owned, the RNG mode and device frequencies. A Plan is `old layout -> new layout` plus reasons and
+predictions. Validation lives in `planners.validation`, diffs in `planners.diff`, ZeRO ownership
+in `planners.zero`; `planners` re-exports all of them.
+
+Micro-batch slot convention: slot m of *every* stage covers the same global samples
+`[m*B//M, (m+1)*B//M)` (B = global batch, M = micro-batches per step), split exactly among that
+stage's ranks. Stages may have different DP sizes, so activations are routed between stages by
+sample range, never by rank index.
+
+Everything here is a frozen, hashable dataclass over ints, floats, strings and tuples, so a Layout
+can be compared, hashed, cached and shipped as stable JSON (`Plan.layout_json` in the protobuf).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Any, Literal
+
+ZeroLayoutKind = Literal["interleaved", "contiguous"]
+RngMode = Literal["placement_invariant", "per_rank"]
+ZERO_LAYOUTS: tuple[str, ...] = ("interleaved", "contiguous")
+RNG_MODES: tuple[str, ...] = ("placement_invariant", "per_rank")
+LAYOUT_JSON_VERSION = 1
+
+
+@dataclass(frozen=True, order=True)
+class SampleRange:
+    """Half-open range `[start, stop)` of global-batch sample indices (0-based within a step)."""
+
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return max(0, self.stop - self.start)
+
+    @property
+    def size(self) -> int:
+        return len(self)
+
+    def intersect(self, other: SampleRange) -> SampleRange:
+        """The overlap of two ranges; empty ranges are normalised to `[start, start)`."""
+        lo, hi = max(self.start, other.start), min(self.stop, other.stop)
+        return SampleRange(lo, max(lo, hi))
+
+    def __contains__(self, sample: object) -> bool:
+        return isinstance(sample, int) and self.start <= sample < self.stop
+
+
+def slot_range(global_batch: int, num_micro_batches: int, slot: int) -> SampleRange:
+    """Global samples of micro-batch slot `slot`: `[m*B//M, (m+1)*B//M)` (same for every stage)."""
+    if not 0 <= slot < num_micro_batches:
+        raise ValueError(f"slot {slot} out of range [0, {num_micro_batches})")
+    return SampleRange(slot * global_batch // num_micro_batches,
+                       (slot + 1) * global_batch // num_micro_batches)
+
+
+def split_evenly(samples: SampleRange, parts: int) -> tuple[SampleRange, ...]:
+    """Split `samples` into `parts` consecutive ranges whose sizes differ by at most one.
+
+    The first `len % parts` ranges get the extra sample. When `parts > len(samples)` the trailing
+    ranges are empty: that is valid, the rank then contributes a zero gradient for that slot but
+    still takes part in its stage's gradient reduction.
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    base, extra = divmod(len(samples), parts)
+    out, pos = [], samples.start
+    for j in range(parts):
+        size = base + (1 if j < extra else 0)
+        out.append(SampleRange(pos, pos + size))
+        pos += size
+    return tuple(out)
+
+
+def split_weighted(samples: SampleRange, weights: tuple[float, ...]) -> tuple[SampleRange, ...]:
+    """Split `samples` into consecutive ranges proportional to `weights` (largest remainder).
+
+    Sizes sum exactly to `len(samples)`; ties go to the lower index so the split is deterministic.
+    """
+    if not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights must be non-negative with a positive sum, got {weights}")
+    total, n = sum(weights), len(samples)
+    exact = [n * w / total for w in weights]
+    sizes = [int(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda j: (-(exact[j] - sizes[j]), j))
+    for j in order[: n - sum(sizes)]:
+        sizes[j] += 1
+    out, pos = [], samples.start
+    for size in sizes:
+        out.append(SampleRange(pos, pos + size))
+        pos += size
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """One pipeline stage: layers `[layer_start, layer_stop)` (0-based transformer blocks), its
+    ranks in DP order, and how each micro-batch slot is split among them.
+
+    `sample_weights[j]` is rank `ranks[j]`'s integer share of *every* slot (empty = equal shares);
+    the exact ranges come from `split_evenly` / `split_weighted` of the slot, so they always cover
+    the slot exactly once. The split is stored as a rule, not as M x D ranges, so a layout of
+    100,000 ranks stays small and a single failure re-plans without touching every rank.
+    """
+
+    stage: int
+    layer_start: int
+    layer_stop: int
+    ranks: tuple[int, ...]
+    sample_weights: tuple[int, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_stop - self.layer_start
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer_start, self.layer_stop)
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.ranks)
+
+    def dp_index(self, rank: int) -> int:
+        """Position of `rank` in this stage's DP order (its ZeRO shard index when interleaved)."""
+        try:
+            return self.ranks.index(rank)
+        except ValueError:
+            raise ValueError(f"rank {rank} is not in stage {self.stage} (ranks {self.ranks})") from None
+
+    def split_slot(self, samples: SampleRange) -> tuple[SampleRange, ...]:
+        """Exact split of one slot's samples among this stage's ranks (same order as `ranks`)."""
+        if self.sample_weights:
+            return _split_weighted_cached(samples, self.sample_weights)
+        return split_evenly(samples, len(self.ranks))
+
+    def samples_in_slot(self, samples: SampleRange, rank: int) -> SampleRange:
+        """The part of `samples` (one slot) that `rank` processes; O(1) for equal shares."""
+        j = self.dp_index(rank)
+        if self.sample_weights:
+            return self.split_slot(samples)[j]
+        base, extra = divmod(len(samples), len(self.ranks))
+        start = samples.start + j * base + min(j, extra)
+        return SampleRange(start, start + base + (1 if j < extra else 0))
+
+
+@lru_cache(maxsize=256)
+def _split_weighted_cached(samples: SampleRange, weights: tuple[int, ...]) -> tuple[SampleRange, ...]:
+    return split_weighted(samples, tuple(float(w) for w in weights))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the whole job is laid out; see the module docstring for the conventions."""
+
+    num_layers: int
+    global_batch: int
+    num_micro_batches: int
+    stages: tuple[StageLayout, ...]
+    layer_numel: tuple[int, ...]
+    zero_layout: ZeroLayoutKind = "interleaved"
+    frequencies_mhz: tuple[tuple[int, int], ...] = ()
+    rng_mode: RngMode = "placement_invariant"
+    stage_mem_cap_bytes: tuple[float, ...] | None = None
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def dp_sizes(self) -> tuple[int, ...]:
+        return tuple(s.dp_size for s in self.stages)
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """Right boundaries b_1..b_{P-1} in Algorithm 1's 1-based convention (= layer_stop)."""
+        return tuple(s.layer_stop for s in self.stages[:-1])
+
+    def stage_of_layer(self, layer: int) -> int:
+        for s in self.stages:
+            if s.layer_start <= layer < s.layer_stop:
+                return s.stage
+        raise ValueError(f"layer {layer} is held by no stage (num_layers={self.num_layers})")
+
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank of the job, stage by stage, each stage in DP order."""
+        return tuple(r for s in self.stages for r in s.ranks)
+
+    def stage_of_rank(self, rank: int) -> int:
+        for s in self.stages:
+            if rank in s.ranks:
+                return s.stage
+        raise ValueError(f"rank {rank} is in no stage of this layout")
+
+    def stage_layout_of_rank(self, rank: int) -> StageLayout:
+        return self.stages[self.stage_of_rank(rank)]
+
+    def samples_of(self, rank: int, slot: int) -> SampleRange:
+        """Samples `rank` processes in micro-batch slot `slot`."""
+        return self.stage_layout_of_rank(rank).samples_in_slot(self.slot_range(slot), rank)
+
+    def micro_batch_ranges(self, stage: int) -> tuple[tuple[SampleRange, ...], ...]:
+        """`[m][j]` = samples that rank `stages[stage].ranks[j]` processes in slot m."""
+        s = self.stages[stage]
+        return tuple(s.split_slot(self.slot_range(m)) for m in range(self.num_micro_batches))
+
+    def slot_range(self, slot: int) -> SampleRange:
+        return slot_range(self.global_batch, self.num_micro_batches, slot)
+
+    def frequency_of(self, rank: int) -> int | None:
+        """Locked frequency of `rank` in MHz, or None for the device default."""
+        return dict(self.frequencies_mhz).get(rank)
+
+    def replace(self, **changes: Any) -> Layout:
+        return replace(self, **changes)
+
+    def to_json(self) -> str:
+        return layout_to_json(self)
+
+    @staticmethod
+    def from_json(data: str | bytes) -> Layout:
+        return layout_from_json(data)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One planned change: `old -> new` at `epoch`, why, and what the planner predicts."""
+
+    epoch: int
+    old: Layout | None
+    new: Layout
+    reasons: tuple[str, ...]
+    predicted_step_time_s: float
+    predicted_stage_mem_bytes: tuple[float, ...] = field(default=())
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "epoch": self.epoch,
+            "old": None if self.old is None else layout_to_dict(self.old),
+            "new": layout_to_dict(self.new),
+            "reasons": list(self.reasons),
+            "predicted_step_time_s": self.predicted_step_time_s,
+            "predicted_stage_mem_bytes": list(self.predicted_stage_mem_bytes),
+        }, sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(data: str | bytes) -> Plan:
+        d = _load_object(data, "plan")
+        old = d.get("old")
+        return Plan(
+            epoch=_int(d, "epoch"),
+            old=None if old is None else layout_from_dict(old),
+            new=layout_from_dict(_field(d, "new")),
+            reasons=tuple(str(r) for r in _list(d, "reasons")),
+            predicted_step_time_s=float(_field(d, "predicted_step_time_s")),
+            predicted_stage_mem_bytes=tuple(float(x) for x in _list(d, "predicted_stage_mem_bytes")),
+        )
+
+
+def make_uniform_layout(num_layers: int, num_stages: int, dp: int, global_batch: int,
+                        num_micro_batches: int, layer_numel: tuple[int, ...] | None = None,
+                        zero_layout: ZeroLayoutKind = "interleaved",
+                        rng_mode: RngMode = "placement_invariant",
+                        stage_mem_cap_bytes: tuple[float, ...] | None = None) -> Layout:
+    """The usual starting layout: layers split as evenly as possible (earlier stages get the extra
+    layer), ranks numbered stage-major (stage p holds ranks p*dp .. p*dp+dp-1), samples split evenly."""
+    if num_stages < 1 or dp < 1 or num_layers < num_stages:
+        raise ValueError(f"need 1 <= num_stages <= num_layers and dp >= 1, got L={num_layers}, "
+                         f"P={num_stages}, dp={dp}")
+    if not 1 <= num_micro_batches <= global_batch:
+        raise ValueError(f"need 1 <= num_micro_batches <= global_batch, got M={num_micro_batches}, "
+                         f"B={global_batch}")
+    blocks = split_evenly(SampleRange(0, num_layers), num_stages)
+    stages = tuple(StageLayout(p, b.start, b.stop, tuple(range(p * dp, (p + 1) * dp)))
+                   for p, b in enumerate(blocks))
+    numel = layer_numel if layer_numel is not None else (1,) * num_layers
+    return Layout(num_layers, global_batch, num_micro_batches, stages, tuple(numel), zero_layout,
+                  (), rng_mode, stage_mem_cap_bytes)
+
+
+# ---------------------------------------------------------------------------------------- JSON
+
+
+def layout_to_dict(layout: Layout) -> dict[str, Any]:
+    return {
+        "version": LAYOUT_JSON_VERSION,
+        "num_layers": layout.num_layers,
+        "global_batch": layout.global_batch,
+        "num_micro_batches": layout.num_micro_batches,
+        "stages": [{
+            "stage": s.stage, "layer_start": s.layer_start, "layer_stop": s.layer_stop,
+            "ranks": list(s.ranks), "sample_weights": list(s.sample_weights),
+        } for s in layout.stages],
+        "layer_numel": list(layout.layer_numel),
+        "zero_layout": layout.zero_layout,
+        "frequencies_mhz": [[r, f] for r, f in layout.frequencies_mhz],
+        "rng_mode": layout.rng_mode,
+        "stage_mem_cap_bytes": None if layout.stage_mem_cap_bytes is None
+        else list(layout.stage_mem_cap_bytes),
+    }
+
+
+def layout_to_json(layout: Layout) -> str:
+    """Stable JSON: sorted keys, no whitespace, so equal layouts give equal bytes."""
+    return json.dumps(layout_to_dict(layout), sort_keys=True, separators=(",", ":"))
+
+
+def layout_from_json(data: str | bytes) -> Layout:
+    return layout_from_dict(_load_object(data, "layout"))
+
+
+def layout_from_dict(d: Any) -> Layout:
+    """Parse the structure; raises ValueError naming the field. Semantics are `validate`'s job."""
+    if not isinstance(d, dict):
+        raise ValueError(f"layout must be a JSON object, got {type(d).__name__}")
+    version = d.get("version", LAYOUT_JSON_VERSION)
+    if version != LAYOUT_JSON_VERSION:
+        raise ValueError(f"layout.version {version!r} is not supported (expected {LAYOUT_JSON_VERSION})")
+    zero_layout = str(_field(d, "zero_layout"))
+    if zero_layout not in ZERO_LAYOUTS:
+        raise ValueError(f"layout.zero_layout must be one of {ZERO_LAYOUTS}, got {zero_layout!r}")
+    rng_mode = str(_field(d, "rng_mode"))
+    if rng_mode not in RNG_MODES:
+        raise ValueError(f"layout.rng_mode must be one of {RNG_MODES}, got {rng_mode!r}")
+    caps = d.get("stage_mem_cap_bytes")
+    return Layout(
+        num_layers=_int(d, "num_layers"),
+        global_batch=_int(d, "global_batch"),
+        num_micro_batches=_int(d, "num_micro_batches"),
+        stages=tuple(_stage_from_dict(s, i) for i, s in enumerate(_list(d, "stages"))),
+        layer_numel=tuple(_as_int(x, "layer_numel") for x in _list(d, "layer_numel")),
+        zero_layout=zero_layout,  # type: ignore[arg-type]
+        frequencies_mhz=tuple(_pair(x, "frequencies_mhz") for x in _list(d, "frequencies_mhz")),
+        rng_mode=rng_mode,  # type: ignore[arg-type]
+        stage_mem_cap_bytes=None if caps is None else tuple(float(c) for c in _as_list(caps, "stage_mem_cap_bytes")),
+    )
+
+
+def _stage_from_dict(d: Any, index: int) -> StageLayout:
+    where = f"stages[{index}]"
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} must be an object")
+    return StageLayout(
+        stage=_int(d, "stage", where),
+        layer_start=_int(d, "layer_start", where),
+        layer_stop=_int(d, "layer_stop", where),
+        ranks=tuple(_as_int(r, f"{where}.ranks") for r in _list(d, "ranks", where)),
+        sample_weights=tuple(_as_int(w, f"{where}.sample_weights") for w in d.get("sample_weights", [])),
+    )
+
+
+def _load_object(data: str | bytes, what: str) -> dict[str, Any]:
+    try:
+        d = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(d).__name__}")
+    return d
+
+
+def _field(d: dict[str, Any], key: str, where: str = "layout") -> Any:
+    if key not in d:
+        raise ValueError(f"{where}.{key} is missing")
+    return d[key]
+
+
+def _as_int(x: Any, where: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise ValueError(f"{where} must be an integer, got {x!r}")
+    return x
+
+
+def _int(d: dict[str, Any], key: str, where: str = "layout") -> int:
+    return _as_int(_field(d, key, where), f"{where}.{key}")
+
+
+def _as_list(x: Any, where: str) -> list[Any]:
+    if not isinstance(x, list):
+        raise ValueError(f"{where} must be a list, got {type(x).__name__}")
+    return x
+
+
+def _list(d: dict[str, Any], key: str, where: str = "layout") -> list[Any]:
+    return _as_list(_field(d, key, where), f"{where}.{key}")
+
+
+def _pair(x: Any, where: str) -> tuple[int, int]:
+    items = _as_list(x, where)
+    if len(items) != 2:
+        raise ValueError(f"{where} entries must be [a, b] pairs, got {x!r}")
+    return _as_int(items[0], where), _as_int(items[1], where)

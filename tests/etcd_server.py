@@ -1,0 +1,162 @@
+"""Start a real single-member etcd (Debian's ``etcd-server``) on free loopback ports for tests.
+
+Tests that claim etcd behaviour run against this server, never against a stand-in (DESIGN.md §2).
+Raft timings are shortened (50 ms heartbeat, 500 ms election) so the member elects itself in
+well under a second; with those settings etcd's minimum lease TTL is 1 s.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HEALTH_TIMEOUT_S = 20.0
+_START_ATTEMPTS = 3  # a free port can be taken by someone else between our probe and etcd's bind
+
+
+class EtcdServerError(RuntimeError):
+    """etcd is missing, did not start, or did not become healthy in time."""
+
+
+def find_etcd() -> str:
+    path = shutil.which("etcd")
+    if path is None:
+        raise EtcdServerError(
+            "the etcd server binary is not installed (Debian package etcd-server); run `make system-deps`"
+        )
+    return path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EtcdServer:
+    """One etcd process; ``start()`` returns once it answers ``/health`` with ``true``."""
+
+    def __init__(self, data_dir: Path | None = None, name: str = "elaswave-test") -> None:
+        self._binary = find_etcd()
+        self._own_dir = data_dir is None
+        self.data_dir = Path(tempfile.mkdtemp(prefix="etcd-test-")) if data_dir is None else Path(data_dir)
+        self.name = name
+        self.client_port = 0
+        self.peer_port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_path = self.data_dir / "etcd.log"
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def url(self) -> str:
+        """Registry URL for ``open_registry``."""
+        return f"etcd://{self.endpoint}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> EtcdServer:
+        last_error = ""
+        for _ in range(_START_ATTEMPTS):
+            if not self.client_port:
+                self.client_port, self.peer_port = free_port(), free_port()
+            try:
+                self._launch()
+                return self
+            except EtcdServerError as exc:
+                last_error = str(exc)
+                self.kill()
+                self.client_port = self.peer_port = 0
+        raise EtcdServerError(f"etcd did not start after {_START_ATTEMPTS} attempts: {last_error}")
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would; data stays for ``restart``."""
+        self._terminate(signal.SIGKILL)
+
+    def stop(self) -> None:
+        """Stop the server and remove its data if this object created the directory."""
+        self._terminate(signal.SIGTERM)
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def restart(self) -> EtcdServer:
+        """Kill and start again on the same ports with the same data (keys and leases survive)."""
+        self.kill()
+        self._launch()
+        return self
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _command(self) -> list[str]:
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        return [
+            self._binary,
+            f"--name={self.name}",
+            f"--data-dir={self.data_dir / 'member-data'}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster={self.name}={peer}",
+            "--initial-cluster-state=new",
+            "--heartbeat-interval=50",
+            "--election-timeout=500",
+            "--logger=zap",
+            "--log-level=warn",
+        ]
+
+    def _launch(self) -> None:
+        log = self._log_path.open("ab")
+        self._proc = subprocess.Popen(self._command(), stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                raise EtcdServerError(f"etcd exited early; log tail:\n{self._log_tail()}")
+            if self._healthy():
+                return
+            time.sleep(0.05)
+        raise EtcdServerError(f"etcd not healthy within {HEALTH_TIMEOUT_S:.0f} s; log tail:\n{self._log_tail()}")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1.0) as response:
+                return json.loads(response.read()).get("health") == "true"
+        except (OSError, ValueError):
+            return False
+
+    def _terminate(self, sig: signal.Signals) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"

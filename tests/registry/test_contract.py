@@ -1,0 +1,284 @@
+"""The registry contract, run unchanged against the in-memory backend and a real etcd server.
+
+Whatever one backend does, the other must do too: the Core and the agents are written against
+this contract, not against a backend.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+
+from core_service.registry import KVEvent, LeaseNotFound, Registry
+from tests.registry.helpers import EXPIRY_SLACK_S, EventRecorder, lease_ttl
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# --- plain key-value semantics ------------------------------------------------------------------
+
+
+def test_put_get_overwrite_and_revisions(registry: Registry) -> None:
+    assert registry.get("/kv/a") is None
+    r1 = registry.put("/kv/a", b"one")
+    r2 = registry.put("/kv/a", b"two")
+    r3 = registry.put("/kv/b", b"")
+    assert r1 < r2 < r3
+    assert registry.get("/kv/a") == b"two"
+    assert registry.get("/kv/b") == b"", "an empty value is a value, not an absent key"
+
+
+def test_get_prefix_is_sorted_and_respects_the_prefix_boundary(registry: Registry) -> None:
+    for key in ["/p/b", "/p/a/2", "/p/a/1", "/pa", "/q/x"]:
+        registry.put(key, key.encode())
+    assert registry.get_prefix("/p/") == [("/p/a/1", b"/p/a/1"), ("/p/a/2", b"/p/a/2"), ("/p/b", b"/p/b")]
+    assert registry.get_prefix("/p") == [
+        ("/p/a/1", b"/p/a/1"), ("/p/a/2", b"/p/a/2"), ("/p/b", b"/p/b"), ("/pa", b"/pa")
+    ]
+    assert registry.get_prefix("/nothing/") == []
+
+
+def test_delete_and_delete_prefix(registry: Registry) -> None:
+    for key in ["/d/x/1", "/d/x/2", "/d/xy", "/d/y"]:
+        registry.put(key, b"v")
+    assert registry.delete("/d/y") is True
+    assert registry.delete("/d/y") is False
+    assert registry.delete_prefix("/d/x/") == 2
+    assert registry.delete_prefix("/d/x/") == 0
+    assert registry.get_prefix("/d/") == [("/d/xy", b"v")]
+
+
+def test_create_is_put_if_absent(registry: Registry) -> None:
+    assert registry.create("/c/k", b"first") is True
+    assert registry.create("/c/k", b"second") is False
+    assert registry.get("/c/k") == b"first"
+    registry.delete("/c/k")
+    assert registry.create("/c/k", b"third") is True
+    assert registry.get("/c/k") == b"third"
+
+
+def test_compare_and_swap(registry: Registry) -> None:
+    assert registry.compare_and_swap("/cas/k", b"x", b"v1") is False, "absent key never equals a value"
+    assert registry.get("/cas/k") is None
+    assert registry.compare_and_swap("/cas/k", None, b"v1") is True
+    assert registry.compare_and_swap("/cas/k", None, b"v2") is False
+    assert registry.compare_and_swap("/cas/k", b"wrong", b"v2") is False
+    assert registry.get("/cas/k") == b"v1"
+    assert registry.compare_and_swap("/cas/k", b"v1", b"v2") is True
+    assert registry.get("/cas/k") == b"v2"
+
+
+def test_racing_creates_have_exactly_one_winner(registry: Registry) -> None:
+    threads, start = 8, threading.Barrier(8)
+    results: dict[int, bool] = {}
+
+    def contend(i: int) -> None:
+        start.wait(timeout=10)
+        results[i] = registry.create("/race/leader", f"candidate-{i}".encode())
+
+    workers = [threading.Thread(target=contend, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=30)
+    winners = [i for i, won in results.items() if won]
+    assert len(results) == threads
+    assert len(winners) == 1
+    assert registry.get("/race/leader") == f"candidate-{winners[0]}".encode()
+
+
+def test_cas_increments_lose_no_update(registry: Registry) -> None:
+    """Read-modify-write through CAS from several threads equals the serial count."""
+    threads, increments = 4, 15
+    registry.put("/counter", b"0")
+
+    def increment_many() -> None:
+        for _ in range(increments):
+            while True:
+                current = registry.get("/counter")
+                assert current is not None
+                if registry.compare_and_swap("/counter", current, str(int(current) + 1).encode()):
+                    break
+
+    workers = [threading.Thread(target=increment_many) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=50)
+    assert registry.get("/counter") == str(threads * increments).encode()
+
+
+# --- leases -------------------------------------------------------------------------------------
+
+
+def test_lease_expiry_deletes_attached_keys_and_the_watch_sees_it(registry: Registry) -> None:
+    ttl = lease_ttl(registry)
+    recorder = EventRecorder()
+    registry.put("/job/members/w1", b"record")  # persistent: must survive the lease
+    with registry.watch_prefix("/job/", recorder):
+        lease = registry.grant_lease(ttl)
+        registry.put("/job/alive/w1", b"1", lease=lease)
+        registry.put("/job/alive/w2", b"1", lease=lease)
+        granted_at = time.monotonic()
+        recorder.wait_for(
+            lambda evs: {e.key for e in evs if e.kind == "delete"} == {"/job/alive/w1", "/job/alive/w2"},
+            timeout_s=ttl + EXPIRY_SLACK_S,
+        )
+        assert time.monotonic() - granted_at > ttl * 0.5, "expired far too early"
+    assert registry.get_prefix("/job/") == [("/job/members/w1", b"record")]
+    deletes = [e for e in recorder.events if e.kind == "delete"]
+    assert all(e.value is None for e in deletes)
+    assert deletes[0].revision > max(e.revision for e in recorder.events if e.kind == "put")
+
+
+def test_refresh_keeps_keys_alive_past_the_ttl(registry: Registry) -> None:
+    ttl = lease_ttl(registry)
+    lease = registry.grant_lease(ttl)
+    registry.put("/alive/w", b"1", lease=lease)
+    until = time.monotonic() + 1.5 * ttl
+    while time.monotonic() < until:
+        registry.refresh_lease(lease)
+        assert registry.get("/alive/w") == b"1"
+        time.sleep(ttl / 4)
+    registry.refresh_lease(lease)
+    assert registry.get("/alive/w") == b"1"
+
+
+def test_refresh_revoke_and_put_after_expiry_raise_lease_not_found(registry: Registry) -> None:
+    ttl = lease_ttl(registry)
+    lease = registry.grant_lease(ttl)
+    registry.put("/exp/k", b"1", lease=lease)
+    deadline = time.monotonic() + ttl + EXPIRY_SLACK_S
+    while registry.get("/exp/k") is not None:
+        assert time.monotonic() < deadline, "leased key outlived ttl + slack"
+        time.sleep(0.05)
+    with pytest.raises(LeaseNotFound):
+        registry.refresh_lease(lease)
+    with pytest.raises(LeaseNotFound):
+        registry.revoke_lease(lease)
+    with pytest.raises(LeaseNotFound):
+        registry.put("/exp/k2", b"1", lease=lease)
+    with pytest.raises(LeaseNotFound):
+        registry.create("/exp/k3", b"1", lease=lease)
+    assert registry.get_prefix("/exp/") == []
+
+
+def test_revoke_deletes_every_attached_key_now(registry: Registry) -> None:
+    recorder = EventRecorder()
+    lease = registry.grant_lease(60)
+    other = registry.grant_lease(60)
+    registry.put("/rv/a", b"1", lease=lease)
+    registry.put("/rv/b", b"1", lease=lease)
+    registry.put("/rv/c", b"1", lease=other)
+    registry.put("/rv/d", b"1")
+    with registry.watch_prefix("/rv/", recorder):
+        registry.revoke_lease(lease)
+        assert registry.get_prefix("/rv/") == [("/rv/c", b"1"), ("/rv/d", b"1")]
+        events = recorder.wait_for(lambda evs: len(evs) >= 2, timeout_s=5)
+    assert sorted((e.kind, e.key) for e in events) == [("delete", "/rv/a"), ("delete", "/rv/b")]
+    with pytest.raises(LeaseNotFound):
+        registry.refresh_lease(lease)
+    registry.revoke_lease(other)
+
+
+def test_put_without_lease_detaches_the_key(registry: Registry) -> None:
+    lease = registry.grant_lease(60)
+    registry.put("/det/k", b"leased", lease=lease)
+    registry.put("/det/k", b"plain")
+    registry.revoke_lease(lease)
+    assert registry.get("/det/k") == b"plain"
+
+
+# --- watches ------------------------------------------------------------------------------------
+
+
+def test_watch_delivers_every_change_in_order_on_a_background_thread(registry: Registry) -> None:
+    recorder = EventRecorder()
+    expected: list[KVEvent] = []
+    with registry.watch_prefix("/w/", recorder):
+        registry.put("/outside", b"ignored")
+        for i in range(30):
+            key = f"/w/{i % 4}"
+            if i % 5 == 4:
+                existed = registry.get(key) is not None
+                registry.delete(key)
+                if existed:
+                    expected.append(KVEvent("delete", key, None, -1))
+            else:
+                rev = registry.put(key, str(i).encode())
+                expected.append(KVEvent("put", key, str(i).encode(), rev))
+        events = recorder.wait_for(lambda evs: len(evs) >= len(expected), timeout_s=10)
+    assert [(e.kind, e.key, e.value) for e in events] == [(e.kind, e.key, e.value) for e in expected]
+    put_revisions = [(got.revision, want.revision) for got, want in zip(events, expected, strict=True)
+                     if want.kind == "put"]
+    assert all(got == want for got, want in put_revisions), "a put event carries the revision put returned"
+    revisions = [e.revision for e in events]
+    assert revisions == sorted(revisions) and len(set(revisions)) == len(revisions)
+    assert threading.get_ident() not in recorder.threads
+
+
+def test_cancelled_watch_gets_nothing_more_and_a_failing_callback_does_not_stop_a_watch(
+    registry: Registry,
+) -> None:
+    cancelled, survivor = EventRecorder(), EventRecorder()
+    calls = []
+
+    def explode(event: KVEvent) -> None:
+        calls.append(event.key)
+        raise RuntimeError("callback bug")
+
+    first = registry.watch_prefix("/cw/", cancelled)
+    with registry.watch_prefix("/cw/", explode), registry.watch_prefix("/cw/", survivor):
+        registry.put("/cw/1", b"1")
+        cancelled.wait_for_key("put", "/cw/1", timeout_s=5)
+        first.cancel()
+        first.cancel()  # idempotent
+        registry.put("/cw/2", b"2")
+        survivor.wait_for_key("put", "/cw/2", timeout_s=5)
+        deadline = time.monotonic() + 5
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert [e.key for e in cancelled.events] == ["/cw/1"]
+    assert calls == ["/cw/1", "/cw/2"], "the watch kept going after its callback raised"
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "words"),
+    [
+        (lambda r: r.put("", b"v"), ValueError, "non-empty"),
+        (lambda r: r.put("/k", "text"), TypeError, "bytes"),
+        (lambda r: r.put(b"/k", b"v"), TypeError, "str"),
+        (lambda r: r.put("/k", b"v", lease=0), ValueError, "positive"),
+        (lambda r: r.put("/k", b"v", lease=987654321), LeaseNotFound, "not found"),
+        (lambda r: r.create("/new", b"v", lease=987654321), LeaseNotFound, "not found"),
+        (lambda r: r.compare_and_swap("/new", None, b"v", lease=987654321), LeaseNotFound, "not found"),
+        (lambda r: r.compare_and_swap("/k", "old", b"v"), TypeError, "expected"),
+        (lambda r: r.grant_lease(0), ValueError, "positive"),
+        (lambda r: r.grant_lease(-1.0), ValueError, "positive"),
+        (lambda r: r.grant_lease(math.nan), ValueError, "finite"),
+        (lambda r: r.grant_lease("2"), TypeError, "seconds"),
+        (lambda r: r.refresh_lease(987654321), LeaseNotFound, "not found"),
+        (lambda r: r.revoke_lease(987654321), LeaseNotFound, "not found"),
+        (lambda r: r.delete_prefix(""), ValueError, "non-empty"),
+        (lambda r: r.get_prefix(""), ValueError, "non-empty"),
+        (lambda r: r.watch_prefix("/k", "not callable"), TypeError, "callable"),
+    ],
+)
+def test_bad_input_is_refused_clearly_and_changes_nothing(
+    registry: Registry, call: object, error: type[Exception], words: str
+) -> None:
+    registry.put("/k", b"original")
+    recorder = EventRecorder()
+    with registry.watch_prefix("/", recorder):
+        with pytest.raises(error, match=words):
+            call(registry)  # type: ignore[operator]
+        registry.put("/sentinel", b"s")
+        events = recorder.wait_for_key("put", "/sentinel", timeout_s=5)
+    assert [e.key for e in events] == ["/sentinel"], "the refused call must not have written anything"
+    assert registry.get_prefix("/") == [("/k", b"original"), ("/sentinel", b"s")]
