@@ -211,14 +211,14 @@ class CoreLink:
         next_heartbeat = time.monotonic()
         while True:
             now = time.monotonic()
-            if now >= next_heartbeat:
-                await self._write(call, self._heartbeat())
-                next_heartbeat = max(next_heartbeat + interval, now)
-            elif self._critical:
+            if self._critical:
                 # Pop only once written: a stream that breaks mid-write must not lose it.
                 request = self._critical[0]
                 await self._write(call, request)
                 self._critical_written.append(self._critical.popleft())
+            elif now >= next_heartbeat:
+                await self._write(call, self._heartbeat())
+                next_heartbeat = max(next_heartbeat + interval, now)
             elif self._outbox:
                 await self._write(call, self._outbox.popleft())
             elif self._leave is not None:

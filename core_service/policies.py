@@ -2,9 +2,9 @@
 
 `LayoutPolicy` is ElasWave's fail-stop response for jobs registered with a layout (planners.Layout
 JSON): lost and preempted ranks leave their stages and the survivors take their samples
-(micro-batch resizing, elaswave.txt §4.1 / planners.dataflow), and the result is validated
-(planners.validation) before it is published. A change that resizing cannot absorb (a stage
-losing every rank) is refused with the planner's reason. Jobs registered without a layout are
+(micro-batch resizing, elaswave.txt §4.1 / planners.dataflow); a stage that loses every rank
+hands its layers to a neighbour; the result is validated (planners.validation) before it is
+published. Only a change that leaves no rank at all is refused. Jobs registered without a layout are
 membership-only: changes are recorded and nothing is re-planned.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from core_service.engine import Decision, JobSnapshot
 from core_service.jobs import Job
-from planners.dataflow import StageEmptied, micro_batch_sizes, resize_after_loss
+from planners.dataflow import drop_stage, micro_batch_sizes, resize_after_loss
 from planners.layout import Layout
 from planners.validation import validate
 
@@ -37,18 +37,34 @@ class LayoutPolicy:
                         if w.state in GOING_STATES and w.rank in in_layout})
         if not going:
             return Decision("none", "no rank of the current layout is leaving", self.name)
-        try:
-            result = resize_after_loss(layout, going)
-        except StageEmptied as exc:
-            return Decision("refuse", str(exc), self.name)
+        remaining, dropped = _drop_emptied_stages(layout, set(going))
+        if remaining is None:
+            return Decision("refuse", "every stage would lose all of its ranks", self.name)
+        result = resize_after_loss(remaining, [r for r in going if r in set(remaining.ranks())])
         report = validate(result.layout)
         if not report.ok:
             return Decision("refuse", "resized layout does not validate: " + "; ".join(report.problems),
                             self.name)
         sizes = micro_batch_sizes(result.layout)
-        reasons = (result.reason, f"micro-batch sizes per stage {list(sizes)}")
+        reasons = (*dropped, result.reason, f"micro-batch sizes per stage {list(sizes)}")
         return Decision("publish", result.reason, self.name, layout_json=result.layout.to_json(),
                         reasons=reasons)
+
+
+def _drop_emptied_stages(layout: Layout, going: set[int]) -> tuple[Layout | None, tuple[str, ...]]:
+    """Stages that lose every rank hand their layers to a neighbour (planners.dataflow.drop_stage);
+    the layers then migrate to that neighbour's ranks (elaswave.txt §4.2, §6.2)."""
+    reasons: list[str] = []
+    while True:
+        emptied = [s for s in layout.stages if all(r in going for r in s.ranks)]
+        if not emptied:
+            return layout, tuple(reasons)
+        if layout.num_stages == 1:
+            return None, tuple(reasons)
+        stage = emptied[0]
+        reasons.append(f"stage {stage.stage} lost every rank: layers {stage.layer_start}..{stage.layer_stop - 1} "
+                       "move to a neighbouring stage")
+        layout = drop_stage(layout, stage.stage)
 
 
 def default_policy() -> LayoutPolicy:

@@ -90,7 +90,7 @@ class Block(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.ln1 = nn.LayerNorm(cfg.hidden)
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)  # a key bias has an exactly-zero gradient (softmax shift), which Adam would turn into round-off-driven updates
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.ln2 = nn.LayerNorm(cfg.hidden)
         self.fc = nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden)

@@ -10,6 +10,7 @@ to the answer. Observed times are assumed non-increasing in frequency, as the bi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
@@ -111,7 +112,8 @@ def model_frequency_guess(compute_s: float, other_s: float, f_cur: int, target_s
     communication fixed); None when no frequency can reach the target."""
     if compute_s <= 0 or target_s <= other_s:
         return None
-    return int(-(-compute_s * f_cur // (target_s - other_s)))
+    exact = compute_s * f_cur / (target_s - other_s)
+    return math.ceil(exact * (1 - 1e-9))  # ignore float noise: 2000.0000001 MHz means 2000
 
 
 def stage_time_split(cost: CostModel, layout: Layout, stage: int) -> tuple[float, float]:

@@ -47,6 +47,7 @@ class EtcdServer:
         self._binary = find_etcd()
         self._own_dir = data_dir is None
         self.data_dir = Path(tempfile.mkdtemp(prefix="etcd-test-")) if data_dir is None else Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.client_port = 0
         self.peer_port = 0
@@ -89,6 +90,15 @@ class EtcdServer:
         self._terminate(signal.SIGTERM)
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def pause(self) -> None:
+        """SIGSTOP the server: connections stay open but nothing answers (a hung or partitioned node)."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGCONT)
 
     def restart(self) -> EtcdServer:
         """Kill and start again on the same ports with the same data (keys and leases survive)."""
@@ -148,6 +158,7 @@ class EtcdServer:
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
+        proc.send_signal(signal.SIGCONT)  # a paused etcd would not act on SIGTERM
         proc.send_signal(sig)
         try:
             proc.wait(timeout=10)

@@ -23,7 +23,11 @@ Semantics common to both backends:
 - a lease that expires or is revoked deletes every key attached to it, and each deletion reaches
   the watchers as a ``"delete"`` event;
 - ``revoke_lease`` / ``refresh_lease`` / a write naming an unknown lease raise ``LeaseNotFound``;
-- bad input raises ``ValueError`` (or ``TypeError`` for a wrong type) before anything changes.
+- a write naming a lease checks it only when the write happens: ``create`` on an existing key
+  returns False even if the lease is unknown (etcd evaluates the comparison first);
+- bad input raises ``ValueError`` (or ``TypeError`` for a wrong type) before anything changes;
+- a backend that cannot be reached raises ``BackendUnavailable`` (etcd: after the call's deadline
+  at the latest), naming the endpoint.
 """
 
 from __future__ import annotations
@@ -79,7 +83,11 @@ class Registry(ABC):
 
     @abstractmethod
     def grant_lease(self, ttl_s: float) -> int:
-        """Create a lease that expires ``ttl_s`` seconds from now unless refreshed."""
+        """Create a lease that expires ``ttl_s`` seconds from now unless refreshed.
+
+        etcd counts whole seconds: it rounds ``ttl_s`` up (at least 1 s) and may grant more
+        than asked for (its minimum TTL depends on the cluster's election timeout).
+        """
 
     @abstractmethod
     def refresh_lease(self, lease_id: int) -> None:

@@ -167,6 +167,7 @@ class EtcdRegistry(Registry):
             prefix=prefix,
             callback=callback,
             start_timeout_s=self._timeout_s,
+            on_broken=self._mark_stale,
         )
         with self._lock:
             self._watches = [w for w in self._watches if w.active] + [watch]

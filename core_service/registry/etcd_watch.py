@@ -16,7 +16,13 @@ from collections.abc import Callable, Iterator
 import grpc
 from etcd3 import etcdrpc, utils
 
-from core_service.registry.base import BackendUnavailable, KVEvent, WatchCallback, WatchHandle
+from core_service.registry.base import (
+    BackendUnavailable,
+    KVEvent,
+    RegistryError,
+    WatchCallback,
+    WatchHandle,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +40,10 @@ class EtcdPrefixWatch(WatchHandle):
         prefix: str,
         callback: WatchCallback,
         start_timeout_s: float,
+        on_broken: Callable[[], None],
     ) -> None:
         self._channel = channel
+        self._on_broken = on_broken
         self._endpoint = endpoint
         self._key = utils.to_bytes(prefix)
         self._range_end = utils.prefix_range_end(self._key)
@@ -81,15 +89,19 @@ class EtcdPrefixWatch(WatchHandle):
                 for response in call:
                     self._handle(response, call)
                     backoff_s = 0.1
-            except grpc.RpcError as exc:
+            except (grpc.RpcError, RegistryError) as exc:
+                # RegistryError: the registry could not hand out a channel (closing, or no
+                # endpoint answers); like a broken stream, it is retried until cancel().
                 if self._cancelled.is_set():
                     return
                 if not self._started.is_set():
                     self._start_error = exc
                     self._started.set()
                     return
+                reason = exc.code() if isinstance(exc, grpc.RpcError) else exc
+                self._on_broken()
                 log.warning("etcd watch on %r at %s broke (%s); resuming from revision %d",
-                            self._key, self._endpoint(), exc.code(), self._next_revision)
+                            self._key, self._endpoint(), reason, self._next_revision)
             finally:
                 stream_over.set()
             if self._cancelled.wait(backoff_s):

@@ -184,19 +184,37 @@ class Communicator:
         sends: Sequence[tuple[torch.Tensor, int, int]],
         recvs: Sequence[tuple[torch.Tensor, int, int]],
     ) -> None:
-        """Issue every (tensor, dst_worker, tag) send, then every (tensor, src_worker, tag) receive,
-        then wait for all of them: a pattern in which every worker sends and receives cannot
-        deadlock on the order of blocking calls."""
-        g = self._handle(name)
+        """Issue every (tensor, dst_worker, tag) send, then every (tensor, src_worker, tag) receive
+        in group `name`, then wait for all of them (see `exchange_many`)."""
+        self.exchange_many([(name, *s) for s in sends], [(name, *r) for r in recvs])
+
+    def exchange_many(
+        self,
+        sends: Sequence[tuple[str, torch.Tensor, int, int]],
+        recvs: Sequence[tuple[str, torch.Tensor, int, int]],
+    ) -> None:
+        """Point-to-point ops over several groups: (group, tensor, peer_worker, tag) each.
+
+        Everything is issued before anything is waited on, so a pattern in which every worker
+        both sends and receives cannot deadlock on the order of blocking calls."""
         works = []
-        for tensor, dst, tag in sends:
+        for name, tensor, dst, tag in sends:
+            g = self._handle(name)
             g.ledger.sent[dst] += 1
-            works.append(g.pg.send([tensor], self.group_rank(name, dst), tag))
-        for tensor, src, tag in recvs:
+            works.append((g, g.pg.send([tensor], self.group_rank(name, dst), tag)))
+        for name, tensor, src, tag in recvs:
+            g = self._handle(name)
             g.ledger.received[src] += 1
-            works.append(g.pg.recv([tensor], self.group_rank(name, src), tag))
-        for work in works:
+            works.append((g, g.pg.recv([tensor], self.group_rank(name, src), tag)))
+        for g, work in works:
             self._wait(g, work, has_future=False)
+
+    def group_with(self, a: int, b: int) -> str:
+        """The first group (by name) that holds both workers; every worker picks the same one."""
+        for name in sorted(self.membership):
+            if a in self.membership[name] and b in self.membership[name] and name in self._groups:
+                return name
+        raise MembershipError(f"no group of worker {self.worker} holds both workers {a} and {b}")
 
     def wait(self, name: str, work: object, has_future: bool = True) -> None:
         """Guard a work the caller issued itself on `group(name)` (counted as one collective)."""

@@ -1,4 +1,5 @@
-"""The ZeRO-1 state one rank owns: per layer, an element interval of the layer's flat vector.
+"""The ZeRO-1 state one rank owns: per unit (a block, the embedding, the head), an element
+interval of the unit's flat parameter vector, with those parameters and their Adam moments.
 
 `ShardState` is the fabric's exchange format (snapshots, remap). It is independent of how the
 engine stores its optimizer; the engine converts to and from it at the step boundary.
@@ -7,6 +8,7 @@ engine stores its optimizer; the engine converts to and from it at the step boun
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,8 +18,8 @@ FIELDS = ("param", "exp_avg", "exp_avg_sq")
 
 
 @dataclass
-class LayerShard:
-    """Elements [start, stop) of one layer's flat parameter vector and their Adam moments."""
+class UnitShard:
+    """Elements [start, stop) of one unit's flat parameter vector and their Adam moments."""
 
     start: int
     stop: int
@@ -33,8 +35,8 @@ class LayerShard:
                 raise ValueError(f"{name} must be a 1-D float32 tensor of {n} elements, got "
                                  f"{t.dtype} {tuple(t.shape)} for interval [{self.start}, {self.stop})")
 
-    def clone(self) -> LayerShard:
-        return LayerShard(self.start, self.stop, *(getattr(self, f).clone() for f in FIELDS))
+    def clone(self) -> UnitShard:
+        return UnitShard(self.start, self.stop, *(getattr(self, f).clone() for f in FIELDS))
 
     def slice(self, start: int, stop: int) -> torch.Tensor:
         """The (param, exp_avg, exp_avg_sq) rows of elements [start, stop), stacked (3 x n)."""
@@ -49,16 +51,16 @@ class ShardState:
     """What one rank owns after committed step `step` (0 = before the first update)."""
 
     step: int
-    layers: dict[int, LayerShard] = field(default_factory=dict)
+    units: dict[str, UnitShard] = field(default_factory=dict)
 
     def clone(self) -> ShardState:
-        return ShardState(self.step, {k: v.clone() for k, v in self.layers.items()})
+        return ShardState(self.step, {k: v.clone() for k, v in self.units.items()})
 
     def bitwise_equal(self, other: ShardState) -> bool:
-        if self.step != other.step or sorted(self.layers) != sorted(other.layers):
+        if self.step != other.step or sorted(self.units) != sorted(other.units):
             return False
-        for k, a in self.layers.items():
-            b = other.layers[k]
+        for k, a in self.units.items():
+            b = other.units[k]
             if (a.start, a.stop) != (b.start, b.stop):
                 return False
             if not all(torch.equal(getattr(a, f), getattr(b, f)) for f in FIELDS):
@@ -68,41 +70,42 @@ class ShardState:
     def checksum(self) -> str:
         """SHA-256 over the step, the intervals and the raw bytes (bitwise, not approximate)."""
         h = hashlib.sha256(str(self.step).encode())
-        for k in sorted(self.layers):
-            s = self.layers[k]
+        for k in sorted(self.units):
+            s = self.units[k]
             h.update(f"|{k}:{s.start}:{s.stop}".encode())
             for f in FIELDS:
                 h.update(getattr(s, f).contiguous().numpy().tobytes())
         return h.hexdigest()
 
-    # ----- wire format: one int64 header tensor and one float32 payload tensor -------------
+    # ----- wire format: a JSON header (uint8 tensor) and one float32 payload tensor -------------
     def header(self) -> torch.Tensor:
-        rows = [self.step, len(self.layers)]
-        for k in sorted(self.layers):
-            rows += [k, self.layers[k].start, self.layers[k].stop]
-        return torch.tensor(rows, dtype=torch.int64)
+        rows = [[k, self.units[k].start, self.units[k].stop] for k in sorted(self.units)]
+        raw = json.dumps({"step": self.step, "units": rows}).encode()
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
     def payload(self) -> torch.Tensor:
-        parts = [getattr(self.layers[k], f) for k in sorted(self.layers) for f in FIELDS]
+        parts = [getattr(self.units[k], f) for k in sorted(self.units) for f in FIELDS]
         return torch.cat(parts) if parts else torch.empty(0)
 
     @staticmethod
+    def _parse(header: torch.Tensor) -> dict[str, object]:
+        return json.loads(bytes(header.tolist()).decode())
+
+    @staticmethod
     def payload_numel(header: torch.Tensor) -> int:
-        h = header.tolist()
-        return sum(3 * (h[2 + 3 * i + 2] - h[2 + 3 * i + 1]) for i in range(h[1]))
+        return sum(3 * (stop - start) for _, start, stop in ShardState._parse(header)["units"])  # type: ignore[union-attr]
 
     @staticmethod
     def from_wire(header: torch.Tensor, payload: torch.Tensor) -> ShardState:
-        h = header.tolist()
-        state, pos = ShardState(step=h[0]), 0
-        for i in range(h[1]):
-            layer, start, stop = h[2 + 3 * i: 5 + 3 * i]
+        h = ShardState._parse(header)
+        state, pos = ShardState(step=int(h["step"])), 0  # type: ignore[arg-type]
+        for name, start, stop in h["units"]:  # type: ignore[union-attr]
             n = stop - start
             rows = [payload[pos + j * n: pos + (j + 1) * n].clone() for j in range(3)]
-            state.layers[layer] = LayerShard(start, stop, *rows)
+            state.units[name] = UnitShard(start, stop, *rows)
             pos += 3 * n
         return state
 
-    def to_numpy(self) -> dict[int, tuple[int, int, np.ndarray]]:
-        """Picklable copy for tests and reports: layer -> (start, stop, 3 x n array)."""
-        return {k: (s.start, s.stop, s.slice(s.start, s.stop).numpy().copy()) for k, s in self.layers.items()}
+    def to_numpy(self) -> dict[str, tuple[int, int, np.ndarray]]:
+        """Picklable copy for tests and reports: unit -> (start, stop, 3 x n array)."""
+        return {k: (s.start, s.stop, s.slice(s.start, s.stop).numpy().copy()) for k, s in self.units.items()}

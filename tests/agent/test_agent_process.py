@@ -19,7 +19,7 @@ import pytest
 from agent.local_metrics import StepMetricsClient
 from agent.worker import EXIT_CODE_UNKNOWN
 from elaswave.v1 import agent_pb2
-from tests.agent.conftest import RecordingCore, base_args, sleeper_command
+from tests.agent.harness import RecordingCore, base_args, sleeper_command, wait_worker_ready
 
 pytestmark = pytest.mark.multiproc
 
@@ -46,6 +46,7 @@ def test_register_carries_identity_token_and_heartbeats_then_sigint_leaves(core,
     assert [b.request.heartbeat.seq for b in beats[:3]] == [1, 2, 3]
     assert "tok-123" not in " ".join(psutil.Process(agent.proc.pid).cmdline())
 
+    wait_worker_ready(tmp_path)
     agent.signal(signal.SIGINT)
     assert agent.wait() == 0  # the worker ended by our SIGTERM after it handled it with exit 0
     assert (tmp_path / "term.txt").read_text() == "SIGTERM"
@@ -124,6 +125,7 @@ def test_step_metrics_forwarded_and_malformed_lines_rejected(core, run_agent, tm
 def test_sigterm_reports_preemption_forwards_sigterm_and_leaves(core, run_agent, tmp_path: Path):
     agent = run_agent(base_args(tmp_path, core.address, "w0", "--grace", "5") + sleeper_command(tmp_path))
     core.wait_kind("heartbeat")
+    wait_worker_ready(tmp_path)
     sent_at = time.time()
     agent.signal(signal.SIGTERM)
     assert agent.wait() == 0
@@ -139,10 +141,10 @@ def test_sigterm_reports_preemption_forwards_sigterm_and_leaves(core, run_agent,
 
 @pytest.mark.timeout(30)
 def test_sigterm_kills_worker_that_ignores_it_after_grace(core, run_agent, tmp_path: Path):
-    script = tmp_path / "stubborn.py"
-    script.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n")
-    agent = run_agent(base_args(tmp_path, core.address, "w0", "--grace", "1") + ["--", sys.executable, str(script)])
+    agent = run_agent(base_args(tmp_path, core.address, "w0", "--grace", "1")
+                      + sleeper_command(tmp_path, ignore_sigterm=True))
     core.wait_kind("heartbeat")
+    wait_worker_ready(tmp_path)
     agent.signal(signal.SIGTERM)
     assert agent.wait() == 137
     assert core.of_kind("worker_exit")[0].request.worker_exit.exit_code == -9

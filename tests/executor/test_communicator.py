@@ -91,12 +91,9 @@ def test_edit_after_kill(mode: str) -> None:
         assert sorted(r["sums"]) == mine
         for name in mine:
             assert r["sums"][name] == _expected_sum(after[name]), (w, name)
-        if mode == "partial":
-            # untouched and clean: dp/0 and pp/0-1. dp/1 kept its members but worker 3 abandoned
-            # an all-reduce on it, so it is rebuilt too; dp/2 and pp/1-2 lost the victim.
-            expect_reused = sorted({"dp/0", "pp/0-1"} & set(mine))
-        else:
-            expect_reused = []
+        # partial: untouched and clean are dp/0 and pp/0-1. dp/1 kept its members but worker 3
+        # abandoned an all-reduce on it, so it is rebuilt too; dp/2 and pp/1-2 lost the victim.
+        expect_reused = sorted({"dp/0", "pp/0-1"} & set(mine)) if mode == "partial" else []
         assert r["reused_identity"] == expect_reused, (w, r)
         assert r["report_reused"] == expect_reused
         assert sorted(r["report_rebuilt"]) == sorted(set(mine) - set(expect_reused))

@@ -58,6 +58,8 @@ def test_create_is_put_if_absent(registry: Registry) -> None:
     registry.delete("/c/k")
     assert registry.create("/c/k", b"third") is True
     assert registry.get("/c/k") == b"third"
+    # The comparison comes first: an existing key refuses the write before the lease is looked at.
+    assert registry.create("/c/k", b"fourth", lease=987654321) is False
 
 
 def test_compare_and_swap(registry: Registry) -> None:

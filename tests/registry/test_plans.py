@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from core_service.registry import LeaderElection, PlanStore, Registry, StaleEpoch
-from tests.registry.helpers import EventRecorder, lease_ttl
+from tests.registry.helpers import lease_ttl
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,17 +116,18 @@ def test_watch_reports_each_new_plan_with_its_epoch(registry: Registry) -> None:
     store = PlanStore(registry, PREFIX)
     store.publish("job", b"before the watch")
     seen: list[tuple[int, bytes]] = []
-    done = EventRecorder()
+    three_seen = threading.Event()
 
     def on_plan(epoch: int, plan: bytes) -> None:
         seen.append((epoch, plan))
-        done(None)  # type: ignore[arg-type]
+        if len(seen) >= 3:
+            three_seen.set()
 
     with store.watch("job", on_plan):
         store.publish("other", b"not this job")
         for i in range(3):
             store.publish("job", f"p{i}".encode())
-        done.wait_for(lambda evs: len(evs) >= 3, timeout_s=10)
+        assert three_seen.wait(timeout=10)
     assert seen == [(2, b"p0"), (3, b"p1"), (4, b"p2")]
 
 

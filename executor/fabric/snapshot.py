@@ -1,0 +1,172 @@
+"""Per-step ring snapshots of ZeRO-1 shards (ElasWave §5.1, Fig. 6).
+
+In a stage's DP group (workers w_0..w_{D-1} in DP order), worker w_i keeps in host memory a copy
+of the shard owned by w_{(i+1) mod D}. Every step, each worker sends its *gradient* shard (not
+its three times larger optimizer state) to the worker that backs it up; that worker applies the
+same AdamW update (`shard_adamw.adamw_shard_update`, identical code path, hence bitwise equal) to
+its copy in a background thread, off the critical path. The update of step s is applied only when
+step s commits, so a rolled-back step never reaches a snapshot. `verify` compares checksums.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from executor.comm.communicator import Communicator
+from executor.fabric.shard_adamw import AdamWHyper, adamw_shard_update
+from executor.fabric.state import ShardState
+
+SNAPSHOT_TAG = 7100
+# (param, grad, exp_avg, exp_avg_sq, step, hyper): the live optimizer's own update function
+UpdateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, Any], None]
+
+
+class SnapshotError(RuntimeError):
+    """The snapshot protocol was used out of order or the ring cannot be formed."""
+
+
+def ring_holder(dp_workers: tuple[int, ...], worker: int) -> int:
+    """The worker that keeps `worker`'s snapshot: its predecessor in DP order (Fig. 6a)."""
+    i = dp_workers.index(worker)
+    return dp_workers[(i - 1) % len(dp_workers)]
+
+
+def ring_protected(dp_workers: tuple[int, ...], worker: int) -> int:
+    """The worker whose shard `worker` backs up: its successor in DP order."""
+    i = dp_workers.index(worker)
+    return dp_workers[(i + 1) % len(dp_workers)]
+
+
+class RingSnapshot:
+    """This worker's side of the ring in DP group `group`: sends its gradient shards to its
+    holder and maintains the snapshot of the worker it protects.
+
+    Blocking behaviour: `seed` and `exchange_grads` block on one send and one receive in the group
+    (bounded by the communicator timeout; PeerFailure on a dead peer); `commit` only enqueues;
+    `flush(timeout_s)` blocks until the background updates are applied or raises TimeoutError.
+    """
+
+    def __init__(self, comm: Communicator, group: str, hyper: Any = AdamWHyper(),  # noqa: B008 - frozen
+                 update_fn: UpdateFn = adamw_shard_update) -> None:
+        self.comm, self.group, self.hyper, self.update_fn = comm, group, hyper, update_fn
+        workers = comm.workers(group)
+        if len(workers) < 2:
+            raise SnapshotError(f"group {group!r} has one worker: a ring snapshot needs at least two")
+        self.holder = ring_holder(workers, comm.worker)
+        self.protected = ring_protected(workers, comm.worker)
+        self._state: ShardState | None = None
+        self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._committed = 0  # last committed step (the background update may still be running)
+        # committed (step, gradients) to apply, or an Event that flush() waits on
+        self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor]] | threading.Event] = queue.Queue()
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    # ----- protocol ------------------------------------------------------------------------
+    def seed(self, mine: ShardState) -> None:
+        """Send my full shard state to my holder and receive the protected worker's (at start,
+        and after every remap, when the ring and the shard intervals change)."""
+        self.flush()
+        sizes_out, sizes_in = torch.tensor([mine.header().numel()]), torch.zeros(1, dtype=torch.int64)
+        self.comm.exchange(self.group, [(sizes_out, self.holder, SNAPSHOT_TAG)],
+                           [(sizes_in, self.protected, SNAPSHOT_TAG)])
+        header_in = torch.zeros(int(sizes_in.item()), dtype=torch.uint8)
+        self.comm.exchange(self.group, [(mine.header(), self.holder, SNAPSHOT_TAG + 1)],
+                           [(header_in, self.protected, SNAPSHOT_TAG + 1)])
+        payload_in = torch.zeros(ShardState.payload_numel(header_in))
+        self.comm.exchange(self.group, [(mine.payload(), self.holder, SNAPSHOT_TAG + 2)],
+                           [(payload_in, self.protected, SNAPSHOT_TAG + 2)])
+        with self._lock:
+            self._state = ShardState.from_wire(header_in, payload_in)
+            self._pending = None
+            self._committed = self._state.step
+
+    def exchange_grads(self, step: int, mine: Mapping[str, torch.Tensor]) -> None:
+        """Send this step's reduced gradient shards (unit -> flat grad of my interval) to my
+        holder; receive the protected worker's and keep them pending until `commit(step)`."""
+        state = self._require_state()
+        if step != self._committed + 1:
+            raise SnapshotError(f"snapshot is at step {self._committed}; gradients of step {step} are out of order")
+        out = torch.cat([mine[k].reshape(-1) for k in sorted(mine)]) if mine else torch.empty(0)
+        incoming = torch.empty(sum(s.stop - s.start for s in state.units.values()))
+        self.comm.exchange(self.group, [(out, self.holder, SNAPSHOT_TAG + 3)],
+                           [(incoming, self.protected, SNAPSHOT_TAG + 3)])
+        grads, pos = {}, 0
+        for k in sorted(state.units):
+            n = state.units[k].stop - state.units[k].start
+            grads[k] = incoming[pos: pos + n]
+            pos += n
+        self._pending = (step, grads)
+
+    def commit(self, step: int) -> None:
+        """Step `step` committed: apply its pending gradients to the snapshot in the background."""
+        if self._pending is None or self._pending[0] != step:
+            raise SnapshotError(f"commit({step}) without the gradients of step {step}")
+        self._queue.put(self._pending)
+        self._pending = None
+        self._committed = step
+
+    def discard(self) -> None:
+        """Step rolled back: its gradients never reach the snapshot."""
+        self._pending = None
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every committed update is applied to the snapshot."""
+        done = threading.Event()
+        self._queue.put(done)
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"snapshot updates not applied within {timeout_s}s")
+        if self._errors:
+            raise SnapshotError(f"background snapshot update failed: {self._errors[0]!r}")
+
+    def state(self) -> ShardState:
+        """A copy of the snapshot of `self.protected` (after all committed updates)."""
+        self.flush()
+        with self._lock:
+            return self._require_state().clone()
+
+    def verify(self, mine: ShardState) -> bool:
+        """Periodic integrity check: does every snapshot in the group equal its live shard?
+
+        I send the checksum of my live shard to my holder, compare the one I receive with my
+        snapshot, and the group all-reduces the mismatches so every member gets the same answer.
+        """
+        self.flush()
+        digest_out = torch.frombuffer(bytearray(bytes.fromhex(mine.checksum())), dtype=torch.uint8)
+        digest_in = torch.zeros(32, dtype=torch.uint8)
+        self.comm.exchange(self.group, [(digest_out, self.holder, SNAPSHOT_TAG + 4)],
+                           [(digest_in, self.protected, SNAPSHOT_TAG + 4)])
+        with self._lock:
+            ok = bytes(digest_in.tolist()).hex() == self._require_state().checksum()
+        mismatches = torch.tensor([0.0 if ok else 1.0])
+        self.comm.all_reduce(self.group, mismatches)
+        return mismatches.item() == 0.0
+
+    # ----- background updater --------------------------------------------------------------
+    def _require_state(self) -> ShardState:
+        if self._state is None:
+            raise SnapshotError("snapshot not seeded: call seed() with the initial shard state first")
+        return self._state
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            step, grads = item
+            try:
+                with self._lock:
+                    state = self._require_state()
+                    for k, shard in state.units.items():
+                        self.update_fn(shard.param, grads[k], shard.exp_avg, shard.exp_avg_sq, step, self.hyper)
+                    state.step = step
+            except BaseException as exc:  # noqa: BLE001 - surfaced by flush()
+                self._errors.append(exc)

@@ -1,0 +1,152 @@
+"""Spawn a multi-process gloo job on CPU (tests, demo, benchmarks).
+
+The parent hosts the TCPStore (a store that lived in a training rank would die with it), starts one
+process per rank of the layout (forked from a `forkserver` that has imported torch once), and
+collects one result per rank through a queue. Every wait is bounded: the groups carry a timeout,
+the parent waits at most `timeout_s` for results and joins, and kills whatever is left.
+"""
+
+from __future__ import annotations
+
+import io
+import queue
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch.distributed import TCPStore
+
+from executor.engine_comm import StaticComm, groups_for_stage_ranks
+from executor.trainer import TrainConfig, Trainer
+from planners.layout import Layout
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    cfg: TrainConfig
+    layout: Layout
+    steps: int
+    # (step, layout): switch to `layout` (same ranks per stage) before running `step`.
+    relayouts: tuple[tuple[int, Layout], ...] = ()
+    migration: str = "blocking"
+    # Steps each rank runs twice: snapshot, run, roll back, run again (exercises the rollback API).
+    replay_steps: tuple[int, ...] = ()
+    timeout_s: float = 60.0
+
+
+@dataclass
+class RankResult:
+    rank: int
+    stage: int
+    dp_index: int
+    losses: list[float | None]
+    samples_processed: list[int]
+    full_state: dict[str, Any] | None  # gather_full_state() at the end, from DP index 0 of each stage
+    migrations: list[dict[str, Any]] = field(default_factory=list)
+    replayed_losses: dict[int, float | None] = field(default_factory=dict)  # loss of the first run
+
+
+def _membership(spec: JobSpec) -> dict[str, tuple[int, ...]]:
+    layouts = [spec.layout] + [lay for _, lay in spec.relayouts]
+    stage_ranks = [s.ranks for s in spec.layout.stages]
+    for lay in layouts[1:]:
+        if [s.ranks for s in lay.stages] != stage_ranks:
+            raise ValueError("relayouts must keep every stage's ranks (pipeline-only changes)")
+    return groups_for_stage_ranks(stage_ranks)
+
+
+def _run_rank(spec: JobSpec, rank: int, trainer: Trainer) -> RankResult:
+    from executor.migration import migrate  # noqa: PLC0415 - keeps launch importable without it
+
+    relayouts = dict(spec.relayouts)
+    losses, processed, reports, replayed = [], [], [], {}
+    for step in range(spec.steps):
+        if step in relayouts:
+            reports.append(migrate(trainer, relayouts[step], spec.migration).as_dict())
+        if step in spec.replay_steps:
+            snapshot = trainer.state_dict_for_rollback()
+            replayed[step] = trainer.train_step(step).loss
+            trainer.load_rollback_state(snapshot)
+        result = trainer.train_step(step)
+        losses.append(result.loss)
+        processed.append(result.samples_processed)
+    state = trainer.gather_full_state()
+    return RankResult(rank, trainer.stage, trainer.dp_index, losses, processed,
+                      state if trainer.dp_index == 0 else None, reports, replayed)
+
+
+def _worker(rank: int, spec: JobSpec, port: int, results: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
+        comm = StaticComm(store, rank, _membership(spec), timeout_s=spec.timeout_s)
+        trainer = Trainer(spec.cfg, spec.layout, rank, comm)
+        buf = io.BytesIO()
+        torch.save(_run_rank(spec, rank, trainer), buf)
+        results.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_job(spec: JobSpec) -> dict[int, RankResult]:
+    """Run `spec` on one process per rank; returns each rank's result or raises RuntimeError."""
+    _membership(spec)
+    ranks = spec.layout.ranks()
+    if sorted(ranks) != list(range(len(ranks))):
+        raise ValueError(f"launch needs ranks 0..N-1, layout has {sorted(ranks)}")
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=spec.timeout_s))
+    ctx = mp.get_context("forkserver")
+    # The fork server imports torch and the engine once; each rank is then a cheap fork of it.
+    ctx.set_forkserver_preload(["torch", "executor.trainer", "executor.migration"])
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, spec, store.port, results), daemon=True) for r in ranks]
+    for p in procs:
+        p.start()
+    out: dict[int, RankResult] = {}
+    errors: list[str] = []
+    try:
+        while len(out) + len(errors) < len(procs):
+            try:
+                rank, status, payload = results.get(timeout=spec.timeout_s)
+            except queue.Empty:
+                errors.append(f"no result within {spec.timeout_s}s from ranks {sorted(set(ranks) - set(out))}")
+                break
+            if status == "ok":
+                out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+    if errors:
+        raise RuntimeError("job failed: " + "\n".join(errors))
+    return out
+
+
+def merged_state(results: dict[int, RankResult]) -> dict[str, Any]:
+    """Whole-model state from the per-stage `full_state`s, shaped like the reference's."""
+    units: dict[str, Any] = {}
+    step_counts = set()
+    for res in results.values():
+        if res.full_state is not None:
+            units.update(res.full_state["units"])
+            step_counts.add(res.full_state["step_count"])
+    if len(step_counts) != 1:
+        raise ValueError(f"stages disagree on the optimizer step count: {sorted(step_counts)}")
+    return {"step_count": step_counts.pop(), "units": units}
+
+
+def job_losses(results: dict[int, RankResult]) -> list[float]:
+    """The per-step loss as reported by the last stage (every last-stage rank must agree)."""
+    reported = [res.losses for res in results.values() if res.losses and res.losses[0] is not None]
+    if not reported or any(r != reported[0] for r in reported):
+        raise ValueError(f"last-stage ranks disagree on the losses: {reported}")
+    return [float(x) for x in reported[0] if x is not None]

@@ -1,0 +1,201 @@
+"""The per-rank trainer: one stage's model, its ZeRO-1 shards and the 1F1B pipeline, built from a Layout.
+
+The Layout (planners.layout) is the only description of the job: it says which blocks this rank's
+stage holds, which ranks share the stage (DP order = ZeRO shard index), which global samples this
+rank runs in every micro-batch slot, how ZeRO shards are owned and which RNG mode is on.
+
+The loss of a step is the sum of per-sample losses divided by the fixed global batch (ElasWave
+§4.1), so neither the gradient scale nor the reported loss depends on how the batch is split.
+The reported loss is assembled per sample and summed exactly (`math.fsum`) in sample order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from executor.data import GlobalBatchSampler, generate_corpus
+from executor.engine_comm import EngineComm, dp_group_name
+from executor.model import ForwardContext, ModelConfig, StageModel, block_numel, per_sample_loss
+from executor.pipeline import PipelineRunner
+from executor.rng import DropoutRng
+from executor.zero import AdamWConfig, ShardedAdamW, ShardState, assign_flat, flat_params, unit_ownership
+from planners.layout import Layout
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: AdamWConfig = field(default_factory=AdamWConfig)
+    data_seed: int = 0
+    rng_seed: int = 0
+    corpus_tokens: int = 1 << 14
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    loss: float | None  # global-batch loss; known on last-stage ranks, None on the others
+    samples_processed: int  # samples this rank ran through its stage in this step
+    global_batch: int
+
+
+def check_layout(cfg: TrainConfig, layout: Layout) -> None:
+    """Raise ValueError if `layout` does not describe this model (the planners need true sizes)."""
+    m = cfg.model
+    if layout.num_layers != m.num_layers:
+        raise ValueError(f"layout has {layout.num_layers} layers, model has {m.num_layers}")
+    expected = (block_numel(m),) * m.num_layers
+    if tuple(layout.layer_numel) != expected:
+        raise ValueError(f"layout.layer_numel {layout.layer_numel} != this model's block sizes {expected}")
+    covered = [layer for s in layout.stages for layer in s.layers]
+    if covered != list(range(m.num_layers)):
+        raise ValueError(f"stages must hold layers 0..{m.num_layers - 1} in order, got {covered}")
+
+
+def build_sampler(cfg: TrainConfig, global_batch: int) -> GlobalBatchSampler:
+    corpus = generate_corpus(cfg.model.vocab_size, cfg.corpus_tokens, cfg.data_seed)
+    return GlobalBatchSampler(corpus, cfg.model.seq_len, global_batch, cfg.data_seed)
+
+
+class Trainer:
+    """One rank of the hybrid-parallel job; every rank of the layout builds one."""
+
+    def __init__(self, cfg: TrainConfig, layout: Layout, rank: int, comm: EngineComm) -> None:
+        check_layout(cfg, layout)
+        stage = layout.stage_layout_of_rank(rank)  # raises if the rank is not in the layout
+        self.cfg, self.rank, self.comm = cfg, rank, comm
+        self.sampler = build_sampler(cfg, layout.global_batch)
+        self.model = StageModel(cfg.model, stage.layer_start, stage.layer_stop)
+        self.next_step = 0
+        self._install_layout(layout, step_count=0)
+
+    # ------------------------------------------------------------------------------ structure
+    def _install_layout(self, layout: Layout, step_count: int) -> None:
+        """(Re)derive everything layout-dependent: pipeline program, routes, ZeRO ownership, RNG."""
+        self.layout = layout
+        self.stage_layout = layout.stage_layout_of_rank(self.rank)
+        self.stage = self.stage_layout.stage
+        self.dp_index = self.stage_layout.dp_index(self.rank)
+        self.rng = DropoutRng(self.cfg.rng_seed, layout.rng_mode, self.rank)
+        self.runner = PipelineRunner(self.comm, layout, self.rank, (self.cfg.model.seq_len, self.cfg.model.hidden))
+        units = dict(self.model.units.items())
+        numel = {n: sum(p.numel() for p in u.parameters()) for n, u in units.items()}
+        self.optimizer = ShardedAdamW(self.comm, dp_group_name(self.stage), units,
+                                      unit_ownership(layout, self.stage_layout, numel), self.dp_index,
+                                      self.cfg.optim, step_count)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.layout.num_stages - 1
+
+    # -------------------------------------------------------------------------------- training
+    def train_step(self, step: int) -> StepResult:
+        """Run global batch `step` through the pipeline and apply one optimizer update."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        self.rng.begin_step(step)
+        for p in self.model.parameters():
+            p.grad = None
+        sample_losses: dict[int, torch.Tensor] = {}
+        B = self.layout.global_batch
+
+        def forward(slot: int, received: torch.Tensor | None) -> torch.Tensor:
+            rows = self.layout.samples_of(self.rank, slot)
+            batch = self.sampler.rows(step, rows.start, rows.stop)
+            x = self.model(batch.inputs if received is None else received,
+                           ForwardContext(batch.sample_ids, self.rng))
+            if not self.is_last:
+                return x
+            per_sample = per_sample_loss(x, batch.targets)
+            for row, value in zip(range(rows.start, rows.stop), per_sample.detach(), strict=True):
+                sample_losses[row] = value
+            return per_sample.sum() / B
+
+        self.runner.run(forward)
+        self.optimizer.step()
+        self.next_step = step + 1
+        processed = sum(len(self.layout.samples_of(self.rank, m)) for m in range(self.layout.num_micro_batches))
+        loss = self._global_loss(sample_losses) if self.is_last else None
+        return StepResult(step, loss, processed, B)
+
+    def _global_loss(self, mine: Mapping[int, torch.Tensor]) -> float:
+        """Exact sum of all per-sample losses of the global batch / B, from the last stage's ranks."""
+        B = self.layout.global_batch
+        local = torch.zeros(B)
+        for row, value in mine.items():
+            local[row] = value
+        ranks = self.stage_layout.ranks
+        gathered = [torch.empty(B) for _ in ranks]
+        if len(ranks) == 1:
+            gathered[0] = local
+        else:
+            self.comm.all_gather(dp_group_name(self.stage), gathered, local)
+        owner = {}
+        for m in range(self.layout.num_micro_batches):
+            for j, rng in enumerate(self.stage_layout.split_slot(self.layout.slot_range(m))):
+                owner.update({row: j for row in range(rng.start, rng.stop)})
+        return math.fsum(float(gathered[owner[row]][row]) for row in range(B)) / B
+
+    # ----------------------------------------------------------------------------------- state
+    def unit_params(self) -> dict[str, torch.Tensor]:
+        """Full flat parameters of this stage's units (a copy)."""
+        return {n: flat_params(u).clone() for n, u in self.model.units.items()}
+
+    def state_dict_for_rollback(self) -> dict[str, Any]:
+        """Everything a rollback needs on this rank: parameters, optimizer shards, step counters."""
+        return {"layout": self.layout, "next_step": self.next_step, "params": self.unit_params(),
+                "optimizer": self.optimizer.state()}
+
+    def load_rollback_state(self, state: Mapping[str, Any]) -> None:
+        """Restore a `state_dict_for_rollback()` taken under the current layout (local, no comms)."""
+        if state["layout"] != self.layout:
+            raise ValueError("rollback state was taken under another layout; remap it first (reset_layout)")
+        params = state["params"]
+        if set(params) != set(self.model.units.keys()):
+            raise ValueError(f"rollback state has units {sorted(params)}, stage has {self.model.unit_names()}")
+        self.optimizer.load_state(state["optimizer"])
+        for name, flat in params.items():
+            assign_flat(self.model.units[name], flat)
+        self.next_step = int(state["next_step"])
+
+    get_state = state_dict_for_rollback
+    set_state = load_rollback_state
+
+    def reset_layout(self, layout: Layout, comm: EngineComm, params: Mapping[str, torch.Tensor],
+                     shards: Mapping[str, ShardState], step_count: int, next_step: int) -> None:
+        """Adopt `layout` with state already remapped for it (full params of the new stage's units,
+        this rank's new optimizer slices): what a live remap or a rollback across layouts ends in."""
+        check_layout(self.cfg, layout)
+        stage = layout.stage_layout_of_rank(self.rank)
+        model = StageModel(self.cfg.model, stage.layer_start, stage.layer_stop)
+        if set(params) != set(model.unit_names()):
+            raise ValueError(f"params for units {sorted(params)}, new stage holds {model.unit_names()}")
+        for name, flat in params.items():
+            assign_flat(model.units[name], flat)
+        self.model, self.comm = model, comm
+        self._install_layout(layout, step_count)
+        for name, sh in self.optimizer.shards.items():
+            given = shards[name]
+            if (given.lo, given.hi) != (sh.lo, sh.hi):
+                raise ValueError(f"shard [{given.lo}, {given.hi}) of {name} given, rank {self.rank} owns "
+                                 f"[{sh.lo}, {sh.hi}) under the new layout")
+            sh.exp_avg.copy_(given.exp_avg)
+            sh.exp_avg_sq.copy_(given.exp_avg_sq)
+        self.next_step = next_step
+
+    def gather_full_state(self) -> dict[str, Any]:
+        """Full parameters and Adam moments of this stage's units (collective over the stage's DP
+        group: every rank of the stage must call it)."""
+        moments = self.optimizer.gather_moments()
+        return {"step_count": self.optimizer.step_count,
+                "units": {n: {"param": flat_params(u).clone(), "exp_avg": moments[n][0],
+                              "exp_avg_sq": moments[n][1]} for n, u in self.model.units.items()}}

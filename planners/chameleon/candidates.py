@@ -1,0 +1,114 @@
+"""Candidate plans of the recovery policies for one cluster state.
+
+- TorchFT: drop every DP replica that lost a rank; survivors keep their layout and take the
+  dropped replicas' micro-batches (global batch kept).
+- ReCycle: drop only replicas that lost every rank; reroute the rest of the failed ranks'
+  micro-batches to DP peers of the same stage (chameleon eq. 13, bottleneck form); the
+  weight-gradient half of the rerouted backward may fill the P-1 bubble slots, as ReCycle's
+  decoupled backward does, the rest lengthens the step.
+- ElasWave (ElasWave §4): micro-batch resizing inside each stage (§4.1); with `migrate`, the
+  number of micro-batch slots is re-chosen and layers re-partitioned by Algorithm 1 under memory
+  caps (§4.2, `planners.partition`); with `dvfs`, residual straggler stages are up-clocked to the
+  lowest frequency that meets the balanced target (§4.3, Alg. 2 on the analytic model).
+The dynamic-parallelism candidates (Chameleon, Oobleck) live in `planners.chameleon.reparallel`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from planners.chameleon.state import Candidate, ClusterState, PipelinePlan, StagePlan, infeasible
+from planners.chameleon.stepmodel import make_stage, over_cap, stage_memory, step_time, sync_time
+from planners.partition import AdditiveCosts
+
+
+def even_counts(total: int, parts: int) -> list[int]:
+    """`total` split into `parts` integers differing by at most one (earlier parts larger)."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if j < extra else 0) for j in range(parts)]
+
+
+def even_boundaries(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    edges = np.cumsum(even_counts(num_layers, num_stages))
+    return tuple(int(e) for e in edges[:-1])
+
+
+def current_boundaries(state: ClusterState) -> tuple[int, ...]:
+    """The layout in force: the state's boundaries, or Algorithm 1 on the fault-free job (the
+    balanced AdaPipe-like initial layout ElasWave §7.1 compares against)."""
+    if state.boundaries:
+        return state.boundaries
+    shape, prof = state.shape, state.profile
+    costs = np.asarray(prof.layer_fwd_s) + np.asarray(prof.layer_bwd_s)
+    p = shape.pp
+    layer_cost = np.tile(costs * shape.micro_batch, (p, 1))
+    result = AdditiveCosts(layer_cost, np.zeros(p), np.zeros((p, prof.num_layers)), np.zeros(p),
+                           np.full(p, np.inf)).solve()
+    return result.boundaries if result.feasible else even_boundaries(prof.num_layers, p)
+
+
+def stage_edges(boundaries: tuple[int, ...], num_layers: int) -> list[tuple[int, int]]:
+    edges = [0, *boundaries, num_layers]
+    return [(edges[i], edges[i + 1]) for i in range(len(edges) - 1)]
+
+
+def _fixed_layout_pipe(state: ClusterState, replicas: list[int], samples: int, num_slots: int,
+                       activation_scale: list[float] | None = None) -> PipelinePlan:
+    """The current stage boundaries served by `replicas`, each rank taking `samples` per slot."""
+    shape = state.shape
+    spans = stage_edges(current_boundaries(state), state.profile.num_layers)
+    stages = []
+    for s, (a, b) in enumerate(spans):
+        ranks = [shape.rank(d, s) for d in replicas if shape.rank(d, s) not in state.failed]
+        stage = make_stage(state, a, b, ranks, [samples] * len(ranks), s, len(spans), max(len(ranks), 1))
+        if activation_scale is not None:
+            mem = stage_memory(state.profile, a, b, s, len(spans), samples * activation_scale[s], len(ranks))
+            stage = StagePlan(**{**stage.__dict__, "mem_bytes": mem})
+        stages.append(stage)
+    return PipelinePlan(tuple(stages), num_slots)
+
+
+def torchft(state: ClusterState) -> Candidate:
+    shape = state.shape
+    whole = [d for d in range(shape.dp) if not any(shape.rank(d, s) in state.failed for s in range(shape.pp))]
+    if not whole:
+        return infeasible("torchft", "every DP replica lost a rank; TorchFT has no whole replica left")
+    slots = math.ceil(shape.global_batch / (len(whole) * shape.micro_batch))
+    pipe = _fixed_layout_pipe(state, whole, shape.micro_batch, slots)
+    dropped = shape.dp - len(whole)
+    return Candidate("torchft", True, f"dropped {dropped} of {shape.dp} replicas; {len(whole)} replicas run "
+                     f"{slots} micro-batches each", (pipe,), step_time((pipe,), state.profile),
+                     shape.global_batch, state.mttr.torchft_restart_s if dropped else 0.0, 0.0,
+                     len(whole) * shape.pp * shape.tp)
+
+
+def recycle(state: ClusterState) -> Candidate:
+    shape, prof = state.shape, state.profile
+    dead = {d for d in range(shape.dp) if all(shape.rank(d, s) in state.failed for s in range(shape.pp))}
+    replicas = [d for d in range(shape.dp) if d not in dead]
+    if not replicas:
+        return infeasible("recycle", "no replica left")
+    d_live = len(replicas)
+    failed = [sum(shape.rank(d, s) in state.failed for d in replicas) for s in range(shape.pp)]
+    if max(failed) >= d_live:
+        s = failed.index(max(failed))
+        return infeasible("recycle", f"eq. 13: stage {s} lost all {d_live} live DP ranks; rerouting cannot recover")
+    slots = math.ceil(shape.global_batch / (d_live * shape.micro_batch))
+    scale = [d_live / (d_live - f) for f in failed]  # peers hold the rerouted micro-batches' activations
+    pipe = _fixed_layout_pipe(state, replicas, shape.micro_batch, slots, scale)
+    ministep = max(st.ministep_s for st in pipe.stages)
+    extra = max(slots * f / (d_live - f) for f in failed)
+    # Decoupled backward: the weight-gradient part of rerouted work (half the backward) is
+    # deferred into the P-1 bubble slots; forward and input-gradient stay on the critical path.
+    w_frac = 0.5 * sum(prof.layer_bwd_s) / (sum(prof.layer_fwd_s) + sum(prof.layer_bwd_s))
+    hidden = min(extra * w_frac, shape.pp - 1)
+    t = (shape.pp + slots - 1 + extra - hidden) * ministep + sync_time((pipe,), prof)
+    cap = over_cap((pipe,), prof)
+    if cap:
+        return infeasible("recycle", f"rerouted activations exceed memory: {cap}")
+    return Candidate("recycle", True, f"rerouted {sum(failed)} failed ranks' micro-batches to their stage peers "
+                     f"(+{extra:.3g} mini-steps, {hidden:.3g} hidden in bubbles); dropped {len(dead)} whole replicas",
+                     (pipe,), t, shape.global_batch, state.mttr.recycle_s if state.failed else 0.0, 0.0,
+                     (d_live * shape.pp - sum(failed)) * shape.tp)

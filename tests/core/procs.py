@@ -1,0 +1,139 @@
+"""Real Core and agent processes for the control-plane tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+DEFAULT_WAIT_S = 20.0
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.01) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class CoreProcess:
+    """`elaswave core` in its own process, on free loopback ports."""
+
+    def __init__(self, tmp: Path, name: str, registry_url: str, scheduler_token: str,
+                 extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None) -> None:
+        self.ready_file = tmp / f"{name}.ready.json"
+        self.log_path = tmp / f"{name}.log"
+        env = dict(os.environ, ELASWAVE_SCHEDULER_TOKEN=scheduler_token, **(extra_env or {}))
+        cmd = [sys.executable, "-m", "elaswave.cli", "core", "--grpc-port", "0", "--http-port", "0",
+               "--registry", registry_url, "--core-id", name, "--ready-file", str(self.ready_file),
+               "--heartbeat-timeout", "2", "--lease-ttl", "2", "--leader-ttl", "2", *(extra_args or [])]
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        info = wait_until(self._ready, DEFAULT_WAIT_S, f"core {name} to bind its ports")
+        self.grpc_port: int = info["grpc_port"]
+        self.http_port: int = info["http_port"]
+        self.grpc_address = f"127.0.0.1:{self.grpc_port}"
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=5.0)
+
+    def _ready(self) -> dict[str, Any] | None:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"core exited with {self.proc.returncode}:\n{self.log()}")
+        return json.loads(self.ready_file.read_text()) if self.ready_file.exists() else None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def role(self) -> str | None:
+        try:
+            return self.http.get("/healthz").json()["role"]
+        except httpx.HTTPError:
+            return None
+
+    def wait_leader(self, timeout_s: float = DEFAULT_WAIT_S) -> None:
+        wait_until(lambda: self.role() == "leader", timeout_s, "core to lead")
+
+    def job(self, name: str) -> dict[str, Any]:
+        response = self.http.get(f"/api/v1/jobs/{name}")
+        response.raise_for_status()
+        return response.json()
+
+    def states(self, job: str) -> dict[str, str]:
+        return {m["worker_id"]: m["state"] for m in self.job(job)["members"]}
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.http.close()
+        self._log.close()
+
+
+class AgentProcess:
+    """`elaswave agent` launching a dummy worker."""
+
+    def __init__(self, tmp: Path, job: str, worker_id: str, core_addresses: str, job_token: str, *,
+                 rank: int = -1, stage: int = 0, dp_rank: int = 0, etcd: str | None = None,
+                 step_time_s: float = 0.1) -> None:
+        self.worker_id = worker_id
+        self.log_path = tmp / f"agent-{worker_id}.log"
+        env = dict(os.environ, ELASWAVE_JOB_TOKEN=job_token)
+        cmd = [sys.executable, "-m", "elaswave.cli", "agent", "--job", job, "--worker-id", worker_id,
+               "--stage", str(stage), "--dp-rank", str(dp_rank), "--core", core_addresses,
+               "--metrics-socket", str(tmp / f"{worker_id}.sock"), "--heartbeat-interval", "0.25"]
+        if rank >= 0:
+            cmd += ["--rank", str(rank)]
+        if etcd:
+            cmd += ["--etcd", etcd, "--lease-ttl", "2"]
+        cmd += ["--", sys.executable, "-m", "elaswave.dummy_worker", "--step-time", str(step_time_s),
+                "--stage", str(stage), "--dp-rank", str(dp_rank)]
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def create_job(core: CoreProcess, scheduler_token: str, name: str, **body: Any) -> str:
+    response = core.http.post("/api/v1/jobs", json={"name": name, **body},
+                              headers={"Authorization": f"Bearer {scheduler_token}"})
+    assert response.status_code == 201, response.text
+    return response.json()["token"]

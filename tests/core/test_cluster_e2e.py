@@ -1,0 +1,125 @@
+"""A real etcd, real Cores and real agent processes: the detection paths of DESIGN.md §5 and the
+Core's leader failover, observed through the REST API."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.core.procs import AgentProcess, CoreProcess, create_job, new_token, wait_until
+
+pytestmark = [pytest.mark.etcd, pytest.mark.multiproc]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, etcd_registry_url: str) -> Iterator[dict]:
+    token = new_token()
+    core = CoreProcess(tmp_path, "core-a", etcd_registry_url, token)
+    core.wait_leader()
+    started: dict = {"core": core, "token": token, "tmp": tmp_path, "etcd": etcd_registry_url,
+                     "agents": [], "cores": [core]}
+    yield started
+    for agent in started["agents"]:
+        agent.stop()
+    for c in started["cores"]:
+        c.stop()
+
+
+def start_agents(cluster: dict, n: int, cores: str, job_token: str) -> list[AgentProcess]:
+    etcd = cluster["etcd"].removeprefix("etcd://")
+    agents = [AgentProcess(cluster["tmp"], "train", f"w{i}", cores, job_token, dp_rank=i, etcd=etcd)
+              for i in range(n)]
+    cluster["agents"].extend(agents)
+    return agents
+
+
+def all_running(core: CoreProcess, n: int) -> bool:
+    states = core.states("train")
+    return len(states) == n and all(s == "RUNNING" for s in states.values())
+
+
+@pytest.mark.timeout(60)
+def test_worker_kill_is_visible_in_rest_within_one_second(cluster: dict) -> None:
+    core: CoreProcess = cluster["core"]
+    job_token = create_job(core, cluster["token"], "train", expected_workers=3)
+    start_agents(cluster, 3, core.grpc_address, job_token)
+    wait_until(lambda: all_running(core, 3), 30, "three running workers")
+    victim = core.job("train")["members"][1]
+    killed = time.monotonic()
+    import os
+
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_until(lambda: core.states("train")["w1"] == "LOST", 1.0, "w1 LOST within 1 s of kill -9")
+    print(f"worker kill seen by the Core after {(time.monotonic() - killed) * 1000:.0f} ms")
+    member = next(m for m in core.job("train")["members"] if m["worker_id"] == "w1")
+    assert member["lost_reason"] == "worker process killed by signal 9"
+    assert core.states("train") == {"w0": "RUNNING", "w1": "LOST", "w2": "RUNNING"}
+
+
+@pytest.mark.timeout(60)
+def test_agent_sigkill_and_hung_agent_detected_within_lease_ttl(cluster: dict) -> None:
+    import etcd3
+
+    core: CoreProcess = cluster["core"]
+    job_token = create_job(core, cluster["token"], "train")
+    agents = start_agents(cluster, 3, core.grpc_address, job_token)
+    wait_until(lambda: all_running(core, 3), 30, "three running workers")
+    host, port = cluster["etcd"].removeprefix("etcd://").rsplit(":", 1)
+    etcd = etcd3.client(host=host, port=int(port), timeout=5)
+    alive = "/elaswave/jobs/train/alive/"
+    assert sorted(m.key.decode() for _, m in etcd.get_prefix(alive)) == [alive + w for w in ("w0", "w1", "w2")]
+    ttl = 2.0
+
+    # SIGKILL: no Leave, no clean close. The kernel closes the socket (fast path); the lease expires too.
+    killed = time.monotonic()
+    agents[0].signal(signal.SIGKILL)
+    wait_until(lambda: core.states("train")["w0"] == "LOST", ttl + 1, "w0 LOST within TTL + 1 s")
+    wait_until(lambda: etcd.get(alive + "w0")[0] is None, ttl + 1, "w0's lease to expire in etcd")
+    print(f"agent SIGKILL detected after {(time.monotonic() - killed) * 1000:.0f} ms")
+
+    # SIGSTOP: the stream stays open and nothing is sent; only the lease/heartbeat paths can see it.
+    stopped = time.monotonic()
+    agents[1].signal(signal.SIGSTOP)
+    wait_until(lambda: core.states("train")["w1"] == "LOST", ttl + 1, "hung w1 LOST within TTL + 1 s")
+    print(f"hung agent detected after {(time.monotonic() - stopped) * 1000:.0f} ms")
+    reason = next(m for m in core.job("train")["members"] if m["worker_id"] == "w1")["lost_reason"]
+    assert reason.startswith(("no heartbeat", "liveness lease expired"))
+    assert core.states("train")["w2"] == "RUNNING"
+    etcd.close()
+
+
+@pytest.mark.timeout(90)
+def test_leader_core_killed_standby_takes_over_with_membership_intact(cluster: dict) -> None:
+    leader: CoreProcess = cluster["core"]
+    standby = CoreProcess(cluster["tmp"], "core-b", cluster["etcd"], cluster["token"])
+    cluster["cores"].append(standby)
+    assert standby.role() == "standby"
+    job_token = create_job(leader, cluster["token"], "train", expected_workers=3)
+    cores = f"{leader.grpc_address},{standby.grpc_address}"
+    start_agents(cluster, 3, cores, job_token)
+    wait_until(lambda: all_running(leader, 3), 30, "three running workers")
+    before = leader.job("train")
+    pids = {m["worker_id"]: m["pid"] for m in before["members"]}
+
+    leader.kill()
+    standby.wait_leader(timeout_s=10)
+    # Every agent reconnects to the new leader; nobody was declared lost on the way.
+    wait_until(lambda: len([e for e in standby.http.get("/api/v1/jobs/train/events").json()["events"]
+                            if e["kind"] == "worker_reconnected"]) >= 3, 20, "three agents to reconnect")
+    after = standby.job("train")
+    assert {m["worker_id"]: m["state"] for m in after["members"]} == {"w0": "RUNNING", "w1": "RUNNING",
+                                                                       "w2": "RUNNING"}
+    assert {m["worker_id"]: m["pid"] for m in after["members"]} == pids
+    # The event history written by the dead leader is still there, in order.
+    old_events = [(e["seq"], e["kind"]) for e in
+                  standby.http.get("/api/v1/jobs/train/events").json()["events"]][: before["last_event_seq"]]
+    assert [seq for seq, _ in old_events] == list(range(1, before["last_event_seq"] + 1))
+    # And the new leader still detects failures.
+    import os
+
+    os.kill(pids["w2"], signal.SIGKILL)
+    wait_until(lambda: standby.states("train")["w2"] == "LOST", 2, "w2 LOST on the new leader")

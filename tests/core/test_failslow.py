@@ -1,0 +1,47 @@
+"""Fail-slow detection against stage peers, with hysteresis."""
+
+from __future__ import annotations
+
+import pytest
+
+from core_service.config import FailSlowSettings
+from core_service.failslow import FailSlowDetector
+
+
+def feed(detector: FailSlowDetector, times: dict[str, float], stage: int = 0) -> list:
+    return [t for w, s in times.items() if (t := detector.observe(w, stage, s)) is not None]
+
+
+def test_one_slow_step_never_triggers_but_a_persistent_straggler_does() -> None:
+    d = FailSlowDetector(FailSlowSettings(ratio=1.5, trigger_steps=3, clear_steps=2))
+    healthy = {"a": 1.0, "b": 1.02, "c": 0.98, "d": 1.01}
+    assert feed(d, healthy) == []
+    assert feed(d, {**healthy, "d": 3.0}) == []  # a single GC pause
+    assert feed(d, healthy) == []
+    transitions = []
+    for _ in range(3):
+        transitions += feed(d, {**healthy, "d": 2.0})
+    assert [(t.worker_id, t.slow) for t in transitions] == [("d", True)]
+    assert "peer median 1.0" in transitions[0].reason and d.is_slow("d")
+    # Recovery needs clear_steps normal steps in a row.
+    assert feed(d, healthy) == []
+    back = feed(d, healthy)
+    assert [(t.worker_id, t.slow) for t in back] == [("d", False)] and not d.is_slow("d")
+
+
+def test_peers_are_per_stage_and_a_lone_worker_is_never_judged() -> None:
+    d = FailSlowDetector(FailSlowSettings(ratio=1.5, trigger_steps=1, clear_steps=1))
+    # Stage 1 is legitimately slower (more layers): no stage-0 worker is compared with it.
+    for _ in range(3):
+        assert feed(d, {"a": 1.0, "b": 1.0}, stage=0) == []
+        assert feed(d, {"x": 3.0, "y": 3.1}, stage=1) == []
+        assert feed(d, {"solo": 50.0}, stage=2) == []
+
+
+def test_invalid_step_time_is_refused_and_changes_nothing() -> None:
+    d = FailSlowDetector(FailSlowSettings())
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="step_time_s"):
+            d.observe("a", 0, bad)
+    assert not d.is_slow("a")
+    assert d._tracks == {}

@@ -1,0 +1,55 @@
+"""A deterministic ZeRO-1 workload for the fabric tests: interleaved shards of a few flat layers,
+AdamW through the fabric's single update function, gradients that depend only on (step, layer)."""
+
+from __future__ import annotations
+
+import torch
+
+from executor.fabric.shard_adamw import AdamWHyper, adamw_shard_update
+from executor.fabric.state import ShardState, UnitShard
+from planners.layout import Layout, make_uniform_layout
+from planners.zero import stage_ownership
+
+LAYER_NUMEL = (37, 50, 23)
+HYPER = AdamWHyper(lr=1e-2, weight_decay=0.1)
+
+
+def layout_for(dp_workers: tuple[int, ...]) -> Layout:
+    base = make_uniform_layout(len(LAYER_NUMEL), 1, len(dp_workers), global_batch=6, num_micro_batches=1,
+                               layer_numel=LAYER_NUMEL, zero_layout="interleaved")
+    stage = base.stages[0]
+    return base.replace(stages=(stage.__class__(stage.stage, stage.layer_start, stage.layer_stop,
+                                                tuple(dp_workers)),))
+
+
+def full_vector(layer: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1009 + layer)
+    return torch.randn(LAYER_NUMEL[layer], generator=g)
+
+
+def initial_state(layout: Layout, worker: int) -> ShardState:
+    state = ShardState(step=0)
+    for iv in stage_ownership(layout, layout.stages[0]):
+        if iv.rank == worker:
+            n = iv.stop - iv.start
+            state.units[unit_name(iv.layer)] = UnitShard(
+                iv.start, iv.stop, full_vector(iv.layer, 0)[iv.start: iv.stop].clone(), torch.zeros(n), torch.zeros(n))
+    return state
+
+
+def unit_name(layer: int) -> str:
+    return f"block_{layer}"
+
+
+def layer_of(unit: str) -> int:
+    return int(unit.split("_")[1])
+
+
+def grads_for(state: ShardState, step: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    return {k: full_vector(layer_of(k), step)[s.start: s.stop] * scale for k, s in state.units.items()}
+
+
+def live_update(state: ShardState, step: int, grads: dict[str, torch.Tensor]) -> None:
+    for k, s in state.units.items():
+        adamw_shard_update(s.param, grads[k], s.exp_avg, s.exp_avg_sq, step, HYPER)
+    state.step = step
