@@ -173,9 +173,11 @@ class CoreLink:
         try:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
             if writer in done and writer.exception() is None:
-                # Leave written: give the Core a moment to close its side, bounded.
+                # Leave written: wait (bounded) for the Core to close its side, so that shutting
+                # down cannot cancel the stream while Leave is still in flight.
                 with contextlib.suppress(TimeoutError, grpc.aio.AioRpcError, StreamRefused):
                     await asyncio.wait_for(asyncio.shield(reader), self._config.rpc_timeout_s)
+                self._left.set()
                 return
             for task in done:
                 task.result()
@@ -224,7 +226,6 @@ class CoreLink:
             elif self._leave is not None:
                 await self._write(call, self._leave)
                 await asyncio.wait_for(call.done_writing(), self._config.rpc_timeout_s)
-                self._left.set()
                 log_event(logging.INFO, "leave_sent", reason=self._leave.leave.reason)
                 return
             else:

@@ -107,3 +107,20 @@ class ExecutorServicer:
             now=time.time(), data={"epoch": request.epoch, "phase_time_s": request.phase_time_s},
         )
         return executor_pb2.AckPlanPhaseResponse(current_epoch=job.plan_epoch)
+
+    async def ReportPeerFailure(
+        self, request: executor_pb2.ReportPeerFailureRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.ReportPeerFailureResponse:
+        self._authorise(request.job, request.worker_id, context)
+        job = self.core.job_or_not_found(request.job)
+        require(request.worker_id in job.members, f"job {job.name!r} has no worker {request.worker_id!r}")
+        require(request.peer_rank >= 0, f"peer_rank must be >= 0, got {request.peer_rank}")
+        peer = next((m for m in job.members.values() if m.rank == request.peer_rank and not m.state.is_gone), None)
+        if peer is None:
+            peer = next((m for m in job.members.values() if m.rank == request.peer_rank), None)
+            require(peer is not None, f"job {job.name!r} has no worker with rank {request.peer_rank}")
+            return executor_pb2.ReportPeerFailureResponse(peer_marked_lost=False, peer_worker_id=peer.worker_id)
+        reason = (f"collective {request.operation or 'operation'} failed on {request.worker_id} at step "
+                  f"{request.step}: {request.error or 'peer unreachable'}")
+        marked = self.core.membership.mark_lost(job, peer.worker_id, reason, "collective_failure", time.time())
+        return executor_pb2.ReportPeerFailureResponse(peer_marked_lost=marked, peer_worker_id=peer.worker_id)

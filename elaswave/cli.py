@@ -13,6 +13,8 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "core_service.cli",
     "agent.cli",
     "elaswave.demo",
+    "planners.cli",
+    "simulator.cli",
 )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -187,24 +188,22 @@ class ShardedAdamW:
                 pos += 2 * (hi - lo)
         return full
 
-    def state(self) -> dict[str, object]:
+    def state(self) -> dict[str, Any]:
         """Copy of my shards and the step count (for rollback)."""
         return {"step_count": self.step_count,
                 "shards": {n: (sh.lo, sh.hi, sh.exp_avg.clone(), sh.exp_avg_sq.clone())
                            for n, sh in self.shards.items()}}
 
-    def load_state(self, state: Mapping[str, object]) -> None:
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore `state()`; raises ValueError (changing nothing) if it describes other slices."""
         shards = state["shards"]
-        assert isinstance(shards, dict)
         if set(shards) != set(self.shards):
             raise ValueError(f"rollback state has units {sorted(shards)}, optimizer has {sorted(self.shards)}")
-        for name, (lo, hi, m, v) in shards.items():
+        for name, (lo, hi, _m, _v) in shards.items():
             sh = self.shards[name]
             if (lo, hi) != (sh.lo, sh.hi):
                 raise ValueError(f"rollback state owns [{lo}, {hi}) of {name}, this rank owns [{sh.lo}, {sh.hi})")
         for name, (_lo, _hi, m, v) in shards.items():
             self.shards[name].exp_avg.copy_(m)
             self.shards[name].exp_avg_sq.copy_(v)
-        step_count = state["step_count"]
-        assert isinstance(step_count, int)
-        self.step_count = step_count
+        self.step_count = int(state["step_count"])

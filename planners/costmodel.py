@@ -19,11 +19,12 @@ and activations of the micro-batches in flight under 1F1B (min(P - i, M) for 0-b
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from planners.dataflow import micro_batch_sizes
+from planners.dataflow import micro_batch_sizes, stage_micro_batch_size
 from planners.layout import Layout
 
 
@@ -125,16 +126,30 @@ class CostModel:
 
     def conditions(self, layout: Layout) -> tuple[StageConditions, ...]:
         sizes = micro_batch_sizes(layout)
-        freqs = dict(layout.frequencies_mhz)
+        clocks = self.stage_clocks_mhz(layout)
         out = []
-        for p, s in enumerate(layout.stages):
-            slowest = min((freqs.get(r, self.profile.ref_mhz) for r in s.ranks), default=self.profile.ref_mhz)
+        for p in range(layout.num_stages):
             nxt = sizes[p + 1] if p + 1 < len(sizes) else 0
             prv = sizes[p - 1] if p > 0 else 0
             p2p_f = self.link.transfer_s(max(sizes[p], nxt)) if nxt else 0.0
             p2p_b = self.link.transfer_s(max(sizes[p], prv)) if prv else 0.0
-            out.append(StageConditions(sizes[p], slowest / self.profile.ref_mhz, p2p_f, p2p_b))
+            out.append(StageConditions(sizes[p], clocks[p] / self.profile.ref_mhz, p2p_f, p2p_b))
         return tuple(out)
+
+    def stage_clocks_mhz(self, layout: Layout) -> list[float]:
+        """Slowest clock of each stage (DP peers wait for it); unlocked ranks run at `ref_mhz`."""
+        default = float(self.profile.ref_mhz)
+        if not layout.frequencies_mhz:
+            return [default] * layout.num_stages  # the common case costs nothing per rank
+        stage_of = {r: p for p, s in enumerate(layout.stages) for r in s.ranks}
+        slowest = [math.inf] * layout.num_stages
+        locked = [0] * layout.num_stages
+        for rank, mhz in layout.frequencies_mhz:
+            if rank in stage_of:
+                p = stage_of[rank]
+                slowest[p], locked[p] = min(slowest[p], mhz), locked[p] + 1
+        return [min(slowest[p], default) if locked[p] < s.dp_size else slowest[p]
+                for p, s in enumerate(layout.stages)]
 
     def stage_compute(self, cond: StageConditions) -> tuple[np.ndarray, np.ndarray]:
         return self.profile.layer_times(cond.micro_batch, cond.freq_scale)
@@ -154,12 +169,12 @@ class CostModel:
         times = self.stage_times(layout)
         return sum(times) + (layout.num_micro_batches - 1) * max(times)
 
-    def layer_mem_bytes(self, layout: Layout, stage: int) -> np.ndarray:
+    def layer_mem_bytes(self, layout: Layout, stage: int, micro_batch: int | None = None) -> np.ndarray:
         """Per-layer bytes if `stage` held that layer (params, grads, optimizer share, activations)."""
         s, mem = layout.stages[stage], self.memory
         per_param = mem.weight_bytes_per_param + mem.grad_bytes_per_param + mem.optim_bytes_per_param / s.dp_size
         in_flight = min(layout.num_stages - stage, layout.num_micro_batches)
-        micro = micro_batch_sizes(layout)[stage]
+        micro = stage_micro_batch_size(layout, stage) if micro_batch is None else micro_batch
         return (np.asarray(layout.layer_numel, dtype=float) * per_param
                 + in_flight * micro * np.asarray(mem.act_bytes_per_sample, dtype=float))
 

@@ -66,13 +66,16 @@ def resize_after_loss(layout: Layout, lost_ranks: Iterable[int]) -> DataflowResu
     Frequencies of lost ranks are dropped; layer boundaries are untouched.
     """
     lost = set(lost_ranks)
-    unknown = lost - set(layout.ranks())
+    # Membership tests on the rank tuples run in C: no Python loop over 100,000 ranks.
+    lost_by_stage = {s.stage: [r for r in lost if r in s.ranks] for s in layout.stages}
+    unknown = lost - {r for rs in lost_by_stage.values() for r in rs}
     if unknown:
         raise ValueError(f"lost ranks {sorted(unknown)} are not in the layout")
-    emptied = [s.stage for s in layout.stages if lost and all(r in lost for r in s.ranks)]
+    emptied = [s.stage for s in layout.stages if lost and len(lost_by_stage[s.stage]) == s.dp_size]
     if emptied:
         raise StageEmptied(emptied)
-    stages = tuple(_without(s, lost) if lost.intersection(s.ranks) else s for s in layout.stages)
+    stages = tuple(_without(s, lost_by_stage[s.stage]) if lost_by_stage[s.stage] else s
+                   for s in layout.stages)
     freqs = tuple((r, f) for r, f in layout.frequencies_mhz if r not in lost)
     new = replace(layout, stages=stages, frequencies_mhz=freqs)
     return _result(layout, new, f"lost ranks {sorted(lost)}")
@@ -121,12 +124,17 @@ def drop_stage(layout: Layout, stage: int) -> Layout:
     return replace(layout, stages=tuple(kept), stage_mem_cap_bytes=caps, frequencies_mhz=freqs)
 
 
-def _without(stage: StageLayout, lost: set[int]) -> StageLayout:
-    keep = [j for j, r in enumerate(stage.ranks) if r not in lost]
-    weights = tuple(stage.sample_weights[j] for j in keep) if stage.sample_weights else ()
-    if weights and sum(weights) == 0:
-        weights = ()  # only zero-weight ranks survived: fall back to equal shares
-    return replace(stage, ranks=tuple(stage.ranks[j] for j in keep), sample_weights=weights)
+def _without(stage: StageLayout, lost: list[int]) -> StageLayout:
+    gone = sorted(stage.ranks.index(r) for r in set(lost))
+    keep_slices = [slice(a + 1, b) for a, b in zip([-1, *gone], [*gone, len(stage.ranks)], strict=True)]
+    ranks = tuple(r for sl in keep_slices for r in stage.ranks[sl]) if len(gone) > 1 else \
+        stage.ranks[:gone[0]] + stage.ranks[gone[0] + 1:]
+    weights = stage.sample_weights
+    if weights:
+        weights = tuple(w for sl in keep_slices for w in weights[sl])
+        if sum(weights) == 0:
+            weights = ()  # only zero-weight ranks survived: fall back to equal shares
+    return replace(stage, ranks=ranks, sample_weights=weights)
 
 
 def _with(stage: StageLayout, joined: tuple[int, ...]) -> StageLayout:

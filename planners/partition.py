@@ -47,20 +47,22 @@ def minimax_partition(num_layers: int, num_stages: int, seg_time: SegmentMatrix,
         return _infeasible(f"{P} stages cannot each hold a layer of a {L}-layer model")
     valid = np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1)  # k < l: non-empty segments
     choices: list[np.ndarray] = []
-    f = np.where(valid[0] & (seg_mem(0)[0] <= mem_cap[0]), seg_time(0)[0], np.inf)
+    times_of = [seg_time(p) for p in range(P)]  # each matrix is built once
+    mems_of = [seg_mem(p) for p in range(P)]
+    f = np.where(valid[0] & (mems_of[0][0] <= mem_cap[0]), times_of[0][0], np.inf)
     for p in range(1, P):
-        fits = valid & (seg_mem(p) <= mem_cap[p])
-        cand = np.where(fits, np.maximum(f[:, None], seg_time(p)), np.inf)
+        fits = valid & (mems_of[p] <= mem_cap[p])
+        cand = np.where(fits, np.maximum(f[:, None], times_of[p]), np.inf)
         choices.append(np.argmin(cand, axis=0))
         f = cand[choices[-1], np.arange(L + 1)]
     if not math.isfinite(f[L]):
-        return _infeasible(_why_infeasible(L, P, seg_mem, mem_cap))
+        return _infeasible(_why_infeasible(L, P, mems_of, mem_cap))
     bounds = [L]
     for p in range(P - 1, 0, -1):  # Alg. 1 line 8: b_{p-1} = k*(p, b_p)
         bounds.append(int(choices[p - 1][bounds[-1]]))
     edges = [0, *reversed(bounds)]
-    times = tuple(float(seg_time(p)[edges[p], edges[p + 1]]) for p in range(P))
-    mems = tuple(float(seg_mem(p)[edges[p], edges[p + 1]]) for p in range(P))
+    times = tuple(float(times_of[p][edges[p], edges[p + 1]]) for p in range(P))
+    mems = tuple(float(mems_of[p][edges[p], edges[p + 1]]) for p in range(P))
     worst = int(np.argmax(times))
     return PartitionResult(True, tuple(edges[1:-1]), float(f[L]), times, mems,
                            f"minimax partition of {L} layers over {P} stages: worst mini-step "
@@ -71,9 +73,9 @@ def _infeasible(reason: str) -> PartitionResult:
     return PartitionResult(False, (), math.inf, (), (), "infeasible: " + reason)
 
 
-def _why_infeasible(L: int, P: int, seg_mem: SegmentMatrix, cap: Sequence[float]) -> str:
+def _why_infeasible(L: int, P: int, mems_of: list[np.ndarray], cap: Sequence[float]) -> str:
     no_layer_fits = [p for p in range(P)
-                     if not any(seg_mem(p)[k, k + 1] <= cap[p] for k in range(L))]
+                     if not np.any(np.diagonal(mems_of[p], offset=1) <= cap[p])]
     if no_layer_fits:
         return f"stage(s) {no_layer_fits} cannot hold even one layer within their memory caps"
     return (f"no split of {L} layers into {P} contiguous non-empty blocks keeps every stage within "
@@ -206,7 +208,7 @@ def rebalance_layers(layout: Layout, cost: CostModel) -> GraphPlan:
                                         cost.link.sigma_f, cost.link.sigma_b))
 
     def seg_mem(p: int) -> np.ndarray:
-        return cost.memory.stage_base_bytes + _segment_sums(cost.layer_mem_bytes(layout, p))
+        return cost.memory.stage_base_bytes + _segment_sums(cost.layer_mem_bytes(layout, p, conds[p].micro_batch))
 
     result = minimax_partition(layout.num_layers, layout.num_stages, seg_time, seg_mem, caps)
     if not result.feasible:

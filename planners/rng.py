@@ -11,7 +11,8 @@ Two modes (`Layout.rng_mode`):
   reference stream: `per_rank_rng_plan` says which rank uses which stream for which layers and
   samples (a rank holding part of a stream's micro-batch draws the stream's full mask and keeps its
   rows), where the state is handed on inside a forward pass when the stream's layers now span
-  stages, and which states must be copied when the plan is applied.
+  stages, and which states must be copied when the plan is applied. A rank whose share of a slot
+  is empty draws nothing from its stream in that slot.
 """
 
 from __future__ import annotations

@@ -112,6 +112,11 @@ def _layer_problems(layout: Layout) -> list[str]:
 
 
 def _rank_problems(layout: Layout) -> list[str]:
+    # Fast path in C (set union, min) for the usual valid case; the loop below names the culprits.
+    total = sum(len(s.ranks) for s in layout.stages)
+    if all(s.ranks and min(s.ranks) >= 0 for s in layout.stages) and \
+            len(set().union(*(s.ranks for s in layout.stages))) == total:
+        return []
     out, seen = [], {}
     for s in layout.stages:
         if not s.ranks:

@@ -59,3 +59,27 @@ class AckPlanPhaseResponse(_message.Message):
     CURRENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     current_epoch: int
     def __init__(self, current_epoch: _Optional[int] = ...) -> None: ...
+
+class ReportPeerFailureRequest(_message.Message):
+    __slots__ = ("job", "worker_id", "peer_rank", "step", "operation", "error")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    worker_id: str
+    peer_rank: int
+    step: int
+    operation: str
+    error: str
+    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., peer_rank: _Optional[int] = ..., step: _Optional[int] = ..., operation: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ReportPeerFailureResponse(_message.Message):
+    __slots__ = ("peer_marked_lost", "peer_worker_id")
+    PEER_MARKED_LOST_FIELD_NUMBER: _ClassVar[int]
+    PEER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    peer_marked_lost: bool
+    peer_worker_id: str
+    def __init__(self, peer_marked_lost: _Optional[bool] = ..., peer_worker_id: _Optional[str] = ...) -> None: ...

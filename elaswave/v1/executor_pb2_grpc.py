@@ -44,6 +44,11 @@ class ExecutorServiceStub:
                 request_serializer=elaswave_dot_v1_dot_executor__pb2.AckPlanPhaseRequest.SerializeToString,
                 response_deserializer=elaswave_dot_v1_dot_executor__pb2.AckPlanPhaseResponse.FromString,
                 _registered_method=True)
+        self.ReportPeerFailure = channel.unary_unary(
+                '/elaswave.v1.ExecutorService/ReportPeerFailure',
+                request_serializer=elaswave_dot_v1_dot_executor__pb2.ReportPeerFailureRequest.SerializeToString,
+                response_deserializer=elaswave_dot_v1_dot_executor__pb2.ReportPeerFailureResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServiceServicer:
@@ -66,6 +71,14 @@ class ExecutorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportPeerFailure(self, request, context):
+        """A survivor saw a collective fail because of a peer (connection reset, closed socket, timeout).
+        The Core declares the named peer lost at once (detection path "collective_failure").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +91,11 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
                     servicer.AckPlanPhase,
                     request_deserializer=elaswave_dot_v1_dot_executor__pb2.AckPlanPhaseRequest.FromString,
                     response_serializer=elaswave_dot_v1_dot_executor__pb2.AckPlanPhaseResponse.SerializeToString,
+            ),
+            'ReportPeerFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportPeerFailure,
+                    request_deserializer=elaswave_dot_v1_dot_executor__pb2.ReportPeerFailureRequest.FromString,
+                    response_serializer=elaswave_dot_v1_dot_executor__pb2.ReportPeerFailureResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +152,33 @@ class ExecutorService:
             '/elaswave.v1.ExecutorService/AckPlanPhase',
             elaswave_dot_v1_dot_executor__pb2.AckPlanPhaseRequest.SerializeToString,
             elaswave_dot_v1_dot_executor__pb2.AckPlanPhaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportPeerFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elaswave.v1.ExecutorService/ReportPeerFailure',
+            elaswave_dot_v1_dot_executor__pb2.ReportPeerFailureRequest.SerializeToString,
+            elaswave_dot_v1_dot_executor__pb2.ReportPeerFailureResponse.FromString,
             options,
             channel_credentials,
             insecure,

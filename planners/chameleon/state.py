@@ -132,8 +132,9 @@ class ClusterState:
         for rank, factor in self.slowdown:
             if not 0 <= rank < self.shape.num_ranks or factor <= 0:
                 raise ValueError(f"slowdown entry ({rank}, {factor}) needs a valid rank and factor > 0")
-        if self.boundaries and (len(self.boundaries) != self.shape.pp - 1 or list(self.boundaries) != sorted(
-                set(self.boundaries)) or not 0 < self.boundaries[0] or self.boundaries[-1] >= self.profile.num_layers):
+        b = self.boundaries
+        if b and (len(b) != self.shape.pp - 1 or list(b) != sorted(set(b)) or b[0] < 1
+                  or b[-1] >= self.profile.num_layers):
             raise ValueError(f"boundaries {self.boundaries} must be {self.shape.pp - 1} increasing values in "
                              f"[1, {self.profile.num_layers - 1}]")
         if self.expected_time_to_next_event_s <= 0:

@@ -13,7 +13,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from elaswave.v1 import agent_pb2, agent_pb2_grpc, executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from elaswave.v1 import (
+    agent_pb2,
+    agent_pb2_grpc,
+    executor_pb2,
+    executor_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from planners.layout import Layout, make_uniform_layout
 from tests.core.procs import CoreProcess, create_job, new_token, wait_until
 
@@ -124,6 +131,15 @@ def test_lost_worker_yields_a_plan_that_executors_apply(core: tuple[CoreProcess,
         executor.AckPlanPhase(executor_pb2.AckPlanPhaseRequest(
             job="train", worker_id="w0", epoch=1, phase=executor_pb2.PLAN_PHASE_RESUMED), metadata=auth, timeout=5)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "stale" in err.value.details()
+
+    # Detection path "collective failure": a survivor reports rank 2 in a failed all-reduce.
+    report = executor.ReportPeerFailure(executor_pb2.ReportPeerFailureRequest(
+        job="train", worker_id="w0", peer_rank=2, step=7, operation="send(stage 1)", error="Connection reset"),
+        metadata=auth, timeout=5)
+    assert report.peer_marked_lost and report.peer_worker_id == "w2"
+    lost = next(m for m in proc.job("train")["members"] if m["worker_id"] == "w2")
+    assert lost["state"] == "LOST" and "Connection reset" in lost["lost_reason"]
+    assert next(plans).plan.epoch == 3
     plans.cancel()
     for agent in agents.values():
         agent.close()

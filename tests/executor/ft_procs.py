@@ -10,7 +10,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-CTX = mp.get_context("spawn")
+# Workers are forked from a fork server that imported torch and the engine once (fast starts,
+# and no state inherited from the pytest process).
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["torch", "executor.trainer", "executor.comm", "executor.fabric"])
 
 
 def run_worker(target: Callable[..., Any], worker: int, results: Any, *args: Any) -> None:

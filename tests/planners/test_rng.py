@@ -89,8 +89,11 @@ def _replay_per_rank_plan(ref: Layout, new: Layout, seed: int) -> dict[tuple[int
     """Execute `new` using only what the plan says: initial copies, handoffs, stream uses."""
     plan = per_rank_rng_plan(ref, ref, new)
     state: dict[tuple[StreamId, int], np.random.Generator] = {}
-    for u in stream_uses(ref, ref):  # at the step boundary each stream sits with its first users
-        if (u.slot, u.layer_start) == (0, ref.stages[u.stream.stage].layer_start):
+    ref_uses = stream_uses(ref, ref)
+    first = {stream: min((u.slot, u.layer_start) for u in ref_uses if u.stream == stream)
+             for stream in {u.stream for u in ref_uses}}
+    for u in ref_uses:  # at the step boundary each stream sits with its first (non-empty) users
+        if (u.slot, u.layer_start) == first[u.stream]:
             state[(u.stream, u.rank)] = np.random.default_rng([seed, u.stream.stage, u.stream.dp_index])
     for stream, _src, dst in plan.initial_copies:  # copied from a holder or the stage backup
         state[(stream, dst)] = np.random.default_rng([seed, stream.stage, stream.dp_index])

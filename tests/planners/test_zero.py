@@ -56,7 +56,7 @@ def test_contiguous_rank_owns_one_block_of_the_flat_buffer(numel: list[int], dp:
     for iv in contiguous_ownership(range(len(numel)), numel, ranks):
         flat.setdefault(iv.rank, []).extend(range(offsets[iv.layer] + iv.start, offsets[iv.layer] + iv.stop))
     total = sum(numel)
-    for r, elems in flat.items():
+    for elems in flat.values():
         assert elems == list(range(elems[0], elems[0] + len(elems)))  # contiguous
         assert abs(len(elems) - total / dp) < 1
     assert sorted(e for es in flat.values() for e in es) == list(range(total))

@@ -1,0 +1,202 @@
+"""Benchmark: N simulated agents streaming reports at 1 Hz into one Core (not a test).
+
+Starts a real Core (`elaswave core`, in-memory registry) in its own process, then one load
+process opens N real AgentService streams (spread over a few channels), registers every agent,
+and sends one report per agent per second (heartbeats, every 5th a step report) with random
+phases. After a warm-up it measures, over a window:
+  - sustained reports/s the Core handled (from its /metrics counter), against the offered rate;
+  - detection latency: K agents vanish (stream cancelled, no Leave) at known instants, spread
+    over the window; the time until each shows up LOST in the Core's event feed (polled every
+    20 ms through the REST API, so the figure includes up to 20 ms of polling).
+
+    python -m bench.agent_fanin --agents 1000 10000 --window 20 --kills 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import psutil
+
+from elaswave.v1 import agent_pb2, agent_pb2_grpc
+
+STREAMS_PER_CHANNEL = 200
+
+
+def start_core(tmp: Path, token: str) -> tuple[subprocess.Popen, dict]:
+    ready = tmp / "core.json"
+    env = dict(os.environ, ELASWAVE_SCHEDULER_TOKEN=token, ELASWAVE_EVENTS_KEPT="100000")
+    cmd = [sys.executable, "-m", "elaswave.cli", "core", "--grpc-port", "0", "--http-port", "0",
+           "--ready-file", str(ready), "--heartbeat-timeout", "5", "--lease-ttl", "5", "--log-level", "WARNING"]
+    proc = subprocess.Popen(cmd, env=env)
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError("core did not start")
+        time.sleep(0.05)
+    return proc, json.loads(ready.read_text())
+
+
+def reports_total(http: httpx.Client) -> float:
+    text = http.get("/metrics").text
+    return sum(float(m.group(1)) for m in re.finditer(r'^elaswave_agent_reports_total\{[^}]*\} (\S+)$', text, re.M))
+
+
+class SimAgent:
+    def __init__(self, stub: agent_pb2_grpc.AgentServiceStub, job: str, token: str, worker_id: str) -> None:
+        self.stub, self.job, self.token, self.worker_id = stub, job, token, worker_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.call = None
+        self.registered = asyncio.Event()
+
+    async def requests(self):  # noqa: ANN201 - async generator of ConnectRequest
+        reg = agent_pb2.Register(job=self.job, worker_id=self.worker_id, host="bench", pid=1, stage=0,
+                                 dp_rank=0, heartbeat_interval_ms=1000)
+        yield agent_pb2.ConnectRequest(register=reg)
+        while True:
+            item = await self.queue.get()
+            if item is None:
+                return
+            yield item
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.call = self.stub.Connect(self.requests(), metadata=[("authorization", f"Bearer {self.token}")])
+        async for _ in self.call:
+            self.registered.set()
+        # The stream ends when cancelled (a vanishing agent) or at shutdown.
+
+    async def report_loop(self, stop: asyncio.Event) -> None:
+        await self.registered.wait()
+        await asyncio.sleep(random.random())
+        seq = 0
+        while not stop.is_set():
+            seq += 1
+            if seq % 5 == 0:
+                msg = agent_pb2.ConnectRequest(step=agent_pb2.StepMetrics(
+                    step=seq, step_time_s=1.0, compute_time_s=0.9, loss=1.0, samples=8, stage=0, dp_rank=0))
+            else:
+                msg = agent_pb2.ConnectRequest(heartbeat=agent_pb2.Heartbeat(seq=seq, sent_unix=time.time()))
+            self.queue.put_nowait(msg)
+            await asyncio.sleep(1.0)
+
+
+async def load(grpc_port: int, http_port: int, job_token: str, n: int, window_s: float, kills: int,
+               warmup_s: float) -> dict:
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") for _ in range(max(1, n // STREAMS_PER_CHANNEL))]
+    agents = [SimAgent(agent_pb2_grpc.AgentServiceStub(channels[i % len(channels)]), "bench", job_token, f"a{i}")
+              for i in range(n)]
+    stop = asyncio.Event()
+    tasks = [asyncio.ensure_future(a.run(stop)) for a in agents]
+    tasks += [asyncio.ensure_future(a.report_loop(stop)) for a in agents]
+    t0 = time.monotonic()
+    await asyncio.wait_for(asyncio.gather(*(a.registered.wait() for a in agents)), timeout=300)
+    register_s = time.monotonic() - t0
+    await asyncio.sleep(warmup_s)
+    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=10)
+    since = (await http.get("/api/v1/jobs/bench")).json()["last_event_seq"]
+    before = await asyncio.to_thread(reports_total, httpx.Client(base_url=f"http://127.0.0.1:{http_port}"))
+    start = time.monotonic()
+    victims = random.Random(7).sample(agents, kills)
+    killed_at: dict[str, float] = {}
+    seen_at: dict[str, float] = {}
+
+    async def killer() -> None:
+        for i, victim in enumerate(victims):
+            await asyncio.sleep(max(0.0, start + (i + 0.5) * window_s / max(1, kills) - time.monotonic()))
+            killed_at[victim.worker_id] = time.monotonic()
+            victim.call.cancel()
+
+    async def watcher() -> None:
+        nonlocal since
+        while time.monotonic() < start + window_s + 5 and len(seen_at) < kills:
+            events = (await http.get("/api/v1/jobs/bench/events", params={"since": since, "limit": 10000})).json()
+            now = time.monotonic()
+            for event in events["events"]:
+                since = max(since, event["seq"])
+                if event["kind"] == "worker_lost":
+                    seen_at.setdefault(event["worker_id"], now)
+            await asyncio.sleep(0.02)
+
+    await asyncio.gather(killer(), watcher(), asyncio.sleep(window_s))
+    elapsed = time.monotonic() - start
+    after = await asyncio.to_thread(reports_total, httpx.Client(base_url=f"http://127.0.0.1:{http_port}"))
+    stop.set()
+    for a in agents:
+        a.queue.put_nowait(None)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for c in channels:
+        await c.close()
+    await http.aclose()
+    latencies = sorted(seen_at[w] - killed_at[w] for w in killed_at if w in seen_at)
+
+    def p(q: float) -> float:
+        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else float("nan")
+
+    return {"agents": n, "register_s": register_s, "offered_per_s": n, "handled_per_s": (after - before) / elapsed,
+            "kills": kills, "detected": len(latencies), "p50_ms": p(0.5) * 1000, "p99_ms": p(0.99) * 1000,
+            "max_ms": (latencies[-1] * 1000 if latencies else float("nan")),
+            "mean_ms": statistics.fmean(latencies) * 1000 if latencies else float("nan")}
+
+
+def run_one(n: int, window_s: float, kills: int, warmup_s: float) -> dict:
+    token = "bench-" + os.urandom(12).hex()
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, info = start_core(Path(tmp), token)
+        try:
+            http = httpx.Client(base_url=f"http://127.0.0.1:{info['http_port']}", timeout=10)
+            while http.get("/healthz").json()["role"] != "leader":
+                time.sleep(0.05)
+            job_token = http.post("/api/v1/jobs", json={"name": "bench"},
+                                  headers={"Authorization": f"Bearer {token}"}).json()["token"]
+            core_cpu_before = psutil.Process(proc.pid).cpu_times()
+            started = time.monotonic()
+            result = asyncio.run(load(info["grpc_port"], info["http_port"], job_token, n, window_s, kills, warmup_s))
+            cpu = psutil.Process(proc.pid).cpu_times()
+            result["core_cpu_s"] = (cpu.user + cpu.system) - (core_cpu_before.user + core_cpu_before.system)
+            result["wall_s"] = time.monotonic() - started
+            return result
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--agents", type=int, nargs="+", default=[1000, 10000])
+    parser.add_argument("--window", type=float, default=20.0, help="measurement window, seconds")
+    parser.add_argument("--warmup", type=float, default=5.0, help="seconds after registration before measuring")
+    parser.add_argument("--kills", type=int, default=50, help="agents that vanish during the window")
+    args = parser.parse_args()
+    print(f"machine: {platform.machine()}, {psutil.cpu_count()} cores, "
+          f"{psutil.virtual_memory().total / 2**30:.0f} GiB, Python {platform.python_version()}; "
+          "Core and load generator share the machine")
+    print("| agents | register all (s) | offered reports/s | handled reports/s | Core CPU (cores) | "
+          "kills detected | p50 detect (ms) | p99 detect (ms) | max (ms) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n in args.agents:
+        r = run_one(n, args.window, args.kills, args.warmup)
+        print(f"| {r['agents']} | {r['register_s']:.1f} | {r['offered_per_s']} | {r['handled_per_s']:.0f} | "
+              f"{r['core_cpu_s'] / r['wall_s']:.2f} | "
+              f"{r['detected']}/{r['kills']} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | {r['max_ms']:.0f} |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,164 @@
+"""The executor's step-boundary protocol (DESIGN §4 "Step atomicity"; ElasWave Fig. 2b-c).
+
+In the style of torchft's Manager, a training loop drives it like this::
+
+    proto.begin_step(step)
+    try:
+        trainer.train_step(step)
+    except PeerFailure as exc:          # any collective/p2p error inside the step
+        proto.report_failure(exc)
+    if proto.should_commit():           # one decision per step, the same on every survivor
+        proto.commit()
+        step += 1
+    else:
+        proto.rollback()                # back to the last committed step, nothing half-applied
+        proto.apply_plan(proto.await_plan())   # new layout; then replay `step` with the same samples
+
+A step commits only when every worker of the layout has finished its optimizer update and no
+worker saw a communication error. The decision is made once, atomically, in the store that no
+training rank hosts (`compare_set` on one key per (plan epoch, step)): the first worker to know the
+outcome writes it and every other worker reads the same value, so a late error cannot split the
+survivors into committers and rollers-back (the failure mode DESIGN §7 describes for torchft 0.2).
+
+What a step's state is, and how it is rolled back and remapped, belongs to a `StepParticipant`
+(for the engine: `executor.fabric.trainer_state.FabricParticipant`).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Protocol
+
+from executor.comm.communicator import Communicator, EditReport
+from executor.comm.groups import all_workers, groups_for_stages
+from planners.layout import Plan
+
+COMMIT, ABORT = b"commit", b"abort"
+POLL_S = 0.01
+
+
+class StepProtocolError(RuntimeError):
+    """The protocol was driven out of order, or a plan cannot be applied."""
+
+
+class StepParticipant(Protocol):
+    """The state a step changes (parameters, optimizer shards, snapshots)."""
+
+    def on_commit(self, step: int) -> None:
+        """Step `step` is committed everywhere: make its state the rollback point."""
+
+    def on_rollback(self) -> None:
+        """Restore the state of the last committed step (local, no communication)."""
+
+    def on_plan(self, plan: Plan, lost: frozenset[int], committed_step: int) -> None:
+        """Adopt `plan.new` (collective over the new layout's workers; groups already edited)."""
+
+
+def plan_key(namespace: str, epoch: int) -> str:
+    """Where the Core publishes the plan of `epoch` (a `planners.layout.Plan` as JSON)."""
+    return f"{namespace}/plan/{epoch}"
+
+
+class StepProtocol:
+    """One worker's side of the protocol. Every method states how long it may block."""
+
+    def __init__(self, comm: Communicator, participant: StepParticipant, plan_epoch: int = 0,
+                 timeout_s: float = 30.0) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.comm, self.participant, self.timeout_s = comm, participant, timeout_s
+        self.plan_epoch = plan_epoch
+        self.committed_step = -1  # last committed step (-1: none yet)
+        self.step: int | None = None
+        self.failure: str | None = None
+
+    # ----- one step ------------------------------------------------------------------------
+    def begin_step(self, step: int, timeout_s: float | None = None) -> None:
+        """Start step `step` (must be the one after the last committed step). Never blocks;
+        `timeout_s` is accepted for symmetry with the other calls and bounds nothing here."""
+        if step != self.committed_step + 1:
+            raise StepProtocolError(f"begin_step({step}) but the last committed step is {self.committed_step}")
+        self.step, self.failure = step, None
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Record that this step failed here and tell every survivor (one store write)."""
+        self._require_step()
+        self.failure = f"{type(exc).__name__}: {exc}"
+        self.comm.signal_abort(f"step {self.step}: {self.failure}")
+
+    def should_commit(self, timeout_s: float | None = None) -> bool:
+        """The commit decision of the current step, identical on every worker.
+
+        Votes "ok" (this worker finished its optimizer update) or "fail", then blocks until the
+        decision exists: commit once every worker of the layout voted ok; abort as soon as a
+        worker voted fail or flagged an abort (ms after a peer's socket closed), or when
+        `timeout_s` (default: the protocol timeout) passes without every vote (a hung peer)."""
+        step = self._require_step()
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        base = f"{self.comm.namespace}/decide/p{self.plan_epoch}/s{step}"
+        store, workers = self.comm.store, sorted(all_workers(self.comm.membership))
+        store.set(f"{base}/vote/{self.comm.worker}", "fail" if self.failure else "ok")
+        vote_keys = [f"{base}/vote/{w}" for w in workers]
+        while True:
+            if store.check([f"{base}/decision"]):
+                return store.get(f"{base}/decision") == COMMIT
+            outcome: bytes | None = None
+            if self.failure or self.comm.aborted():
+                outcome = ABORT
+            elif store.check(vote_keys):
+                votes = [store.get(k) for k in vote_keys]
+                outcome = COMMIT if all(v == b"ok" for v in votes) else ABORT
+            elif time.monotonic() > deadline:
+                outcome = ABORT
+            if outcome is not None:
+                return store.compare_set(f"{base}/decision", "", outcome) == COMMIT
+            time.sleep(POLL_S)
+
+    def commit(self) -> None:
+        """Make the current step the rollback point. Local; blocks only for the participant's copy."""
+        step = self._require_step()
+        self.participant.on_commit(step)
+        self.committed_step, self.step = step, None
+
+    def rollback(self) -> None:
+        """Return to the last committed step (local, no communication, never blocks)."""
+        self._require_step()
+        self.participant.on_rollback()
+        self.step = None
+
+    # ----- layout changes ------------------------------------------------------------------
+    def await_plan(self, timeout_s: float | None = None) -> Plan:
+        """Block (at most `timeout_s`, default the protocol timeout) until the Core publishes the
+        plan of the next epoch; raises StepProtocolError if none arrives in time."""
+        key = plan_key(self.comm.namespace, self.plan_epoch + 1)
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            self.comm.store.wait([key], timedelta(seconds=wait))
+        except Exception as exc:  # noqa: BLE001 - the store reports a timeout as a generic error
+            raise StepProtocolError(f"no plan for epoch {self.plan_epoch + 1} within {wait}s") from exc
+        return Plan.from_json(self.comm.store.get(key))
+
+    def apply_plan(self, plan: Plan, timeout_s: float | None = None) -> EditReport:
+        """Apply `plan` between steps: edit the communicator in place (only changed groups), then
+        let the participant remap its state to `plan.new`. Collective over the new layout's
+        workers; each part is bounded by the communicator timeout. Plans are fenced by epoch: an
+        older or repeated plan is refused (StepProtocolError) and changes nothing."""
+        if self.step is not None:
+            raise StepProtocolError(f"apply_plan inside step {self.step}: commit or roll back first")
+        if plan.epoch <= self.plan_epoch:
+            raise StepProtocolError(f"plan epoch {plan.epoch} is not newer than the applied epoch {self.plan_epoch}")
+        if plan.old is None:
+            raise StepProtocolError("a plan applied to a running job must name its old layout")
+        if self.comm.worker not in plan.new.ranks():
+            raise StepProtocolError(f"worker {self.comm.worker} is not in the new layout of plan {plan.epoch}")
+        lost = frozenset(plan.old.ranks()) - frozenset(plan.new.ranks())
+        report = self.comm.apply_edit(groups_for_stages([s.ranks for s in plan.new.stages]))
+        self.participant.on_plan(plan, lost, self.committed_step)
+        self.plan_epoch = plan.epoch
+        return report
+
+    def _require_step(self) -> int:
+        if self.step is None:
+            raise StepProtocolError("no step in progress: call begin_step first")
+        return self.step

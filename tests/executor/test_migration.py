@@ -1,0 +1,77 @@
+"""Pipeline-only changes (blocks move between stages, no rank lost) are bit-identical (FlexTrain,
+ElasWave §6.2-6.3): same losses (exact float equality) and same final parameters and moments."""
+
+from __future__ import annotations
+
+import pytest
+
+from executor.launch import JobSpec, job_losses, merged_state, run_job
+from executor.migration import moved_layers
+from planners.layout import Layout, StageLayout
+from planners.zero import migration_cost
+from tests.executor.engine_cases import layout, max_state_diff, states_equal, train_config
+
+STEPS = 8
+RANKS = [(0, 1), (2, 3)]
+
+
+def _relayouts(zero: str) -> tuple:
+    # Step 3: block 1 moves to stage 1; step 6: blocks 1 and 2 move to stage 0.
+    return ((3, layout([(0, 1), (1, 4)], RANKS, zero_layout=zero)),
+            (6, layout([(0, 3), (3, 4)], RANKS, zero_layout=zero)))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_moving_layers_between_stages_is_bit_identical() -> None:
+    cfg = train_config(dropout=0.1)
+    base = run_job(JobSpec(cfg, layout([(0, 2), (2, 4)], RANKS), STEPS))
+    base_losses, base_state = job_losses(base), merged_state(base)
+    for zero in ("interleaved", "contiguous"):
+        moved = run_job(JobSpec(cfg, layout([(0, 2), (2, 4)], RANKS, zero_layout=zero), STEPS,
+                                relayouts=_relayouts(zero)))
+        assert job_losses(moved) == base_losses, zero
+        state = merged_state(moved)
+        assert states_equal(state, base_state), max_state_diff(state, base_state)
+        assert {res.stage for res in moved.values()} == {0, 1}
+        assert len(moved[0].migrations) == 2
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_migration_moves_exactly_the_planned_shards() -> None:
+    cfg = train_config()
+    results = {}
+    for zero in ("interleaved", "contiguous"):
+        start = layout([(0, 2), (2, 4)], RANKS, zero_layout=zero)
+        target = layout([(0, 1), (1, 4)], RANKS, zero_layout=zero)
+        results[zero] = run_job(JobSpec(cfg, start, 2, relayouts=((1, target),)))
+        reports = [results[zero][r].migrations[0] for r in range(4)]
+        assert all(rep["moved_layers"] == ((1, 0, 1),) for rep in reports)
+        # Moments of every re-owned interval (the planner's overlap matrix) + the moved block's parameters.
+        numel, planned = start.layer_numel[1], migration_cost(start, target)
+        assert sum(rep["elements_sent"] for rep in reports) == 2 * planned.total_elements + numel
+        assert sum(rep["elements_sent"] for rep in reports) == sum(rep["elements_received"] for rep in reports)
+        if zero == "interleaved":
+            # D disjoint rank-to-rank sends: rank j of stage 0 -> rank j of stage 1, nothing else.
+            assert [rep["transfers"] for rep in reports] == [1, 1, 1, 1]
+            assert planned.total_elements == numel
+        else:
+            assert planned.intra_stage_elements > 0
+            assert sum(rep["transfers"] for rep in reports) > 4
+    assert job_losses(results["interleaved"]) == job_losses(results["contiguous"])
+
+
+def test_only_pipeline_only_changes_are_accepted() -> None:
+    start = layout([(0, 2), (2, 4)], RANKS)
+    assert moved_layers(start, layout([(0, 3), (3, 4)], RANKS)) == ((2, 1, 0),)
+    with pytest.raises(ValueError, match="keeps every stage's ranks"):
+        moved_layers(start, layout([(0, 2), (2, 4)], [(0,), (1, 2, 3)]))
+    with pytest.raises(ValueError, match="also changes"):
+        moved_layers(start, layout([(0, 1), (1, 4)], RANKS, global_batch=16))
+    def five_layers(bounds: list[tuple[int, int]]) -> Layout:
+        stages = tuple(StageLayout(p, lo, hi, (p,)) for p, (lo, hi) in enumerate(bounds))
+        return Layout(5, 4, 2, stages, (10,) * 5)
+
+    with pytest.raises(ValueError, match="one stage at a time"):  # layer 2 would skip stage 1
+        moved_layers(five_layers([(0, 1), (1, 2), (2, 5)]), five_layers([(0, 3), (3, 4), (4, 5)]))
