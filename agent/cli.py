@@ -33,7 +33,7 @@ The job token comes from --job-token-file or ${TOKEN_ENV} (never put it on the c
 EPILOG = """\
 example:
   ELASWAVE_JOB_TOKEN=s3cret elaswave agent --job llama7b --worker-id w3 \\
-      --core core-a:7070,core-b:7070 --stage 1 --dp-rank 0 --etcd etcd-0:2379 \\
+      --core core-a:7070,core-b:7070 --rank 4 --stage 1 --dp-rank 0 --etcd etcd-0:2379 \\
       -- python train.py --config llama7b.yaml
 """
 
@@ -53,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     who.add_argument("--worker-id", required=True, help="this worker's id inside the job (required)")
     who.add_argument("--stage", type=int, default=-1, help="pipeline stage of the worker; -1 = unknown (default)")
     who.add_argument("--dp-rank", type=int, default=-1, help="data-parallel rank in the stage; -1 = unknown (default)")
+    who.add_argument("--rank", type=int, default=-1,
+                     help="global training rank of the worker in the job's layout; -1 = none (default)")
 
     worker = parser.add_argument_group("worker")
     worker.add_argument("--pid", type=int, help="watch this running process instead of launching a command")
@@ -89,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     preempt.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
                          help="seconds between SIGTERM and the worker's forced end (default 30, as Kubernetes/Slurm)")
     preempt.add_argument("--notice-file", type=Path,
-                         help="report preemption when this file appears; its content may be a unix-time deadline")
+                         help="report preemption when this file appears (or exists at start); its content may be "
+                              "a deadline in unix seconds, else now + --grace (default: no file watched)")
 
     lease = parser.add_argument_group("etcd liveness lease")
     lease.add_argument("--etcd", metavar="HOST:PORT", help="hold the liveness lease in this etcd (default: the Core does)")
@@ -117,6 +120,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         worker_pid=args.pid,
         stage=args.stage,
         dp_rank=args.dp_rank,
+        rank=args.rank,
         heartbeat_interval_s=args.heartbeat_interval,
         probe_interval_s=args.probe_interval,
         register_timeout_s=args.register_timeout,

@@ -72,6 +72,7 @@ class AgentConfig:
     worker_pid: int | None = None
     stage: int = -1
     dp_rank: int = -1
+    rank: int = -1
     heartbeat_interval_s: float = 0.5
     probe_interval_s: float = 5.0
     register_timeout_s: float = 5.0
@@ -100,7 +101,7 @@ class AgentConfig:
             raise ValueError("give exactly one of --pid PID or a worker command after '--'")
         if self.worker_pid is not None and self.worker_pid <= 0:
             raise ValueError(f"--pid: must be a positive process id, got {self.worker_pid}")
-        for flag, value in (("--stage", self.stage), ("--dp-rank", self.dp_rank)):
+        for flag, value in (("--stage", self.stage), ("--dp-rank", self.dp_rank), ("--rank", self.rank)):
             if value < -1:
                 raise ValueError(f"{flag}: must be >= -1 (-1 = unknown), got {value}")
         for flag, seconds in self._positive_durations():

@@ -103,7 +103,7 @@ class CoreLink:
                 hint = parse_leader_hint(exc.details() or "")
                 log_event(logging.WARNING, "core_stream_failed", core=address, code=exc.code().name,
                           details=exc.details() or "", leader_hint=hint or "")
-            except (StreamRefused, TimeoutError, ValueError, OSError) as exc:
+            except Exception as exc:  # whatever broke this stream, the link must keep trying
                 log_event(logging.WARNING, "core_stream_failed", core=address, error=type(exc).__name__,
                           details=str(exc))
             finally:

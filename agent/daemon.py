@@ -72,6 +72,7 @@ class Agent:
     async def run(self) -> int:
         """Run until shutdown; returns the agent's exit status (see ``agent_exit_code``)."""
         probes.prime_cpu_percent()
+        self._install_signal_handlers()
         await self.metrics.start()
         try:
             self._worker = await self._start_worker()
@@ -80,7 +81,6 @@ class Agent:
                       worker_pid=self._worker.pid, launched=self._worker.launched,
                       devices=",".join(f"{d.kind}:{d.index}" for d in self._devices.devices),
                       cores=",".join(map(str, self.config.cores)), etcd=self.config.etcd or "")
-            self._install_signal_handlers()
             self._spawn(self.link.run(), self._watch_worker(), self._probe_loop())
             if self.lease is not None:
                 self._spawn(self.lease.run())
@@ -174,15 +174,21 @@ class Agent:
 
     def _spawn(self, *coroutines: Coroutine[Any, Any, None]) -> None:
         for coroutine in coroutines:
-            self._tasks.append(asyncio.create_task(coroutine))
+            task = asyncio.create_task(coroutine)
+            task.add_done_callback(self._on_task_done)
+            self._tasks.append(task)
+
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        # A part of the agent that dies must not leave a half-working agent behind: stop loudly.
+        if not task.cancelled() and task.exception() is not None:
+            log_event(logging.ERROR, "agent_task_failed", task=task.get_coro().__qualname__,
+                      error=repr(task.exception()))
+            self._request_shutdown(f"internal error: {task.exception()!r}")
 
     async def _cancel_tasks(self) -> None:
         for task in self._tasks:
             task.cancel()
-        results = await asyncio.gather(*self._tasks, return_exceptions=True)
-        for result in results:
-            if isinstance(result, Exception):
-                log_event(logging.ERROR, "agent_task_failed", error=repr(result))
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # ---- reports ----------------------------------------------------------------------------
 
@@ -196,6 +202,7 @@ class Agent:
             devices=self._devices.devices,
             stage=self._stage,
             dp_rank=self._dp_rank,
+            rank=self.config.rank,
             heartbeat_interval_ms=round(self.config.heartbeat_interval_s * 1000),
             holds_own_lease=self.lease is not None,
         )
@@ -212,7 +219,10 @@ class Agent:
 
     async def _probe_loop(self) -> None:
         while True:
-            await self._report()
+            try:
+                await self._report()
+            except Exception as exc:  # a probe that breaks is logged; the next round tries again
+                log_event(logging.ERROR, "report_failed", error=repr(exc))
             await asyncio.sleep(self.config.probe_interval_s)
 
     async def _report(self) -> None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -22,6 +23,7 @@ import psutil
 # before we looked. Not a valid signal number (1..64) nor an exit code (0..255).
 EXIT_CODE_UNKNOWN = -255
 _FOREIGN_POLL_S = 0.05
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,22 @@ class Worker(ABC):
         return True
 
 
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """Runs in the forked child before exec: SIGKILL the worker if the agent dies.
+
+    A worker that outlives its agent would keep training while the Core, having seen the stream
+    close without a Leave, plans without it; dying with the agent keeps the two views the same.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: nothing to import in the child
+
+    def set_parent_death_signal() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the agent died before prctl took effect
+            os._exit(1)
+
+    return set_parent_death_signal
+
+
 class LaunchedWorker(Worker):
     """A child the agent started; its exit status is exact."""
 
@@ -102,7 +120,8 @@ class LaunchedWorker(Worker):
     @classmethod
     async def start(cls, command: Sequence[str], env: Mapping[str, str]) -> LaunchedWorker:
         try:
-            process = await asyncio.create_subprocess_exec(*command, env=dict(env))
+            process = await asyncio.create_subprocess_exec(*command, env=dict(env),
+                                                           preexec_fn=_die_with_parent(os.getpid()))
         except OSError as exc:
             raise ValueError(f"cannot start worker command {list(command)!r}: {exc}") from exc
         return cls(process)

@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[32, 80, 128])
     parser.add_argument("--stages", type=int, nargs="+", default=[4, 8, 16, 32])
-    parser.add_argument("--devices", type=int, nargs="+", default=[1_000, 100_000])
+    parser.add_argument("--devices", type=int, nargs="+", default=[1_000, 10_000, 100_000])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     print("| L | P | devices | DP/stage | dataflow ms | partition ms | validate ms | total ms |")

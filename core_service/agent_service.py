@@ -70,6 +70,7 @@ class AgentServicer:
             await context.abort(err.code, err.message)
             return
         clean = False
+        session.handler = asyncio.current_task()
         writer = asyncio.ensure_future(self._pump_commands(session, context))
         try:
             clean = await self._read_reports(session, context)
@@ -111,21 +112,12 @@ class AgentServicer:
 
     async def _read_reports(self, session: AgentSession, context: grpc.aio.ServicerContext) -> bool:
         """Handles reports until the stream ends; True when the agent left cleanly."""
-        kicked = asyncio.ensure_future(session.kicked.wait())
-        try:
-            while True:
-                reading = asyncio.ensure_future(context.read())
-                await asyncio.wait({reading, kicked}, return_when=asyncio.FIRST_COMPLETED)
-                if kicked.done():
-                    reading.cancel()
-                    raise RpcError(grpc.StatusCode.UNAVAILABLE, self.core.not_leader_message())
-                msg = reading.result()
-                if msg is grpc.aio.EOF:
-                    return False
-                if await self._dispatch(session, msg):
-                    return True
-        finally:
-            kicked.cancel()
+        while True:
+            msg = await context.read()
+            if msg is grpc.aio.EOF:
+                return False
+            if await self._dispatch(session, msg):
+                return True
 
     async def _dispatch(self, session: AgentSession, msg: object) -> bool:
         if isinstance(msg, Malformed):

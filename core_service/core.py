@@ -33,7 +33,7 @@ from core_service.membership import Membership
 from core_service.metrics import CoreMetrics
 from core_service.persist import Persister
 from core_service.policies import default_policy, judge_offer, scale_table
-from core_service.registry import LeaderElection, PlanStore, open_registry
+from core_service.registry import LeaderElection, MemoryRegistry, PlanStore, open_registry
 from core_service.rest import build_app
 from core_service.scheduler_service import SchedulerServicer
 from elaswave.v1 import agent_pb2, executor_pb2, scheduler_pb2
@@ -93,13 +93,20 @@ class Core:
         }, sort_keys=True)
         self._election = LeaderElection(
             self.registry, f"{self.settings.key_prefix}/core/leader", self.identity,
-            self.settings.leader_ttl_s, on_lost=self._on_leadership_lost_thread,
+            self._leader_ttl(), on_lost=self._on_leadership_lost_thread,
         )
         self._loop = asyncio.get_running_loop()
         self._tasks.append(asyncio.ensure_future(self._campaign()))
         await self._set_health(False)
         log.info("core %s serving gRPC on %s:%d and HTTP on %s:%d", self.settings.core_id,
                  self.settings.grpc_host, self.grpc_port, self.settings.http_host, self.http_port)
+
+    def _leader_ttl(self) -> float:
+        # An in-memory registry lives in this process, so no standby can exist: a short lease
+        # would only let a CPU-starved keepalive thread depose the sole Core for nothing.
+        if isinstance(self.registry, MemoryRegistry):
+            return max(self.settings.leader_ttl_s, 3600.0)
+        return self.settings.leader_ttl_s
 
     async def wait_leader(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from core_service.grpc_util import RpcError, bearer_token, finite, require
+from core_service.persist import registry_call
 from elaswave.v1 import common_pb2, executor_pb2
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class ExecutorServicer:
         self._authorise(request.job, request.worker_id, context)
         sent = request.after_epoch
         while not context.done():
-            latest = await asyncio.to_thread(self.core.plans.latest, request.job)
+            latest = await registry_call(self.core.registry, self.core.plans.latest, request.job)
             if latest is not None and latest[0] > sent:
                 epoch, body = latest
                 sent = epoch

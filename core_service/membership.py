@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from core_service.jobs import Job, JobTable
 from core_service.metrics import CoreMetrics
 from core_service.model import DeviceInfo, MemberRecord, StepReport, WorkerState
+from core_service.persist import registry_call
 from core_service.registry import KVEvent, LeaseNotFound, Registry, RegistryError, WatchHandle
 
 log = logging.getLogger("elaswave.core.membership")
@@ -29,7 +30,7 @@ class AgentSession:
     worker_id: str
     session_id: int
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
-    kicked: asyncio.Event = field(default_factory=asyncio.Event)  # set: close the stream now
+    handler: asyncio.Task | None = None  # the RPC handler serving this stream
     lease_id: int | None = None
     lease_refreshed: float = 0.0
 
@@ -92,8 +93,8 @@ class Membership:
         ttl = self.settings.lease_ttl_s
         key = self.table.job_key(job.name, "alive", session.worker_id)
         value = json.dumps({"core": self.settings.core_id, "session": session.session_id}).encode()
-        lease = await asyncio.to_thread(self.registry.grant_lease, ttl)
-        await asyncio.to_thread(self.registry.put, key, value, lease)
+        lease = await registry_call(self.registry, self.registry.grant_lease, ttl)
+        await registry_call(self.registry, self.registry.put, key, value, lease)
         session.lease_id, session.lease_refreshed = lease, now
 
     async def _drop_lease(self, session: AgentSession) -> None:
@@ -101,7 +102,7 @@ class Membership:
             return
         lease, session.lease_id = session.lease_id, None
         try:
-            await asyncio.to_thread(self.registry.revoke_lease, lease)
+            await registry_call(self.registry, self.registry.revoke_lease, lease)
         except RegistryError as exc:
             log.debug("revoking lease %s: %s", lease, exc)
 
@@ -115,7 +116,7 @@ class Membership:
         if now - session.lease_refreshed >= self.settings.lease_ttl_s / 3:
             session.lease_refreshed = now
             try:
-                await asyncio.to_thread(self.registry.refresh_lease, session.lease_id)
+                await registry_call(self.registry, self.registry.refresh_lease, session.lease_id)
             except LeaseNotFound:
                 await self._grant_lease(job, session, now)
 
@@ -191,7 +192,8 @@ class Membership:
     def kick_all(self) -> None:
         """Closes every agent stream (this Core stopped leading); agents reconnect elsewhere."""
         for session in self.sessions.values():
-            session.kicked.set()
+            if session.handler is not None:
+                session.handler.cancel()
 
     def stop_watching(self) -> None:
         for handle in self._watches:
@@ -212,7 +214,7 @@ class Membership:
         """A liveness key vanished: lost unless it was re-created meanwhile (a re-registration)."""
         key = self.table.job_key(job_name, "alive", worker_id)
         try:
-            if await asyncio.to_thread(self.registry.get, key) is not None:
+            if await registry_call(self.registry, self.registry.get, key) is not None:
                 return
         except RegistryError as exc:
             log.warning("cannot confirm liveness key %s: %s", key, exc)

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from core_service.registry import Registry, RegistryError
+from core_service.registry import MemoryRegistry, Registry, RegistryError
 
 log = logging.getLogger("elaswave.core.persist")
+T = TypeVar("T")
+
+
+async def registry_call(registry: Registry, fn: Callable[..., T], *args: Any) -> T:
+    """Runs a registry call off the event loop when it does network I/O (etcd); an in-memory
+    registry answers in microseconds, and a thread hop per call would cost more than the call."""
+    if isinstance(registry, MemoryRegistry):
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 @dataclass(frozen=True)
@@ -68,9 +79,9 @@ class Persister:
         while True:
             try:
                 if write.value is None:
-                    await asyncio.to_thread(self.registry.delete, write.key)
+                    await registry_call(self.registry, self.registry.delete, write.key)
                 else:
-                    await asyncio.to_thread(self.registry.put, write.key, write.value)
+                    await registry_call(self.registry, self.registry.put, write.key, write.value)
                 return
             except RegistryError as exc:
                 log.warning("registry write of %s failed (%s); retrying in %.2fs", write.key, exc, delay)

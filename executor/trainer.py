@@ -172,24 +172,28 @@ class Trainer:
 
     def reset_layout(self, layout: Layout, comm: EngineComm, params: Mapping[str, torch.Tensor],
                      shards: Mapping[str, ShardState], step_count: int, next_step: int) -> None:
-        """Adopt `layout` with state already remapped for it (full params of the new stage's units,
-        this rank's new optimizer slices): what a live remap or a rollback across layouts ends in."""
+        """Adopt `layout` with state already remapped for it: full parameters of the new stage's
+        units and this rank's new optimizer slices (what a migration, a live remap or a rollback
+        across layouts ends in). Checks everything first; on ValueError nothing has changed."""
         check_layout(self.cfg, layout)
         stage = layout.stage_layout_of_rank(self.rank)
         model = StageModel(self.cfg.model, stage.layer_start, stage.layer_stop)
-        if set(params) != set(model.unit_names()):
-            raise ValueError(f"params for units {sorted(params)}, new stage holds {model.unit_names()}")
+        if set(params) != set(model.unit_names()) or set(shards) != set(model.unit_names()):
+            raise ValueError(f"state for units {sorted(params)} / {sorted(shards)}, new stage holds {model.unit_names()}")
+        numel = {n: sum(p.numel() for p in u.parameters()) for n, u in model.units.items()}
+        owned = unit_ownership(layout, stage, numel)
+        j = stage.dp_index(self.rank)
+        for name, sh in shards.items():
+            if (sh.lo, sh.hi) != owned[name][j] or sh.exp_avg.numel() != sh.hi - sh.lo:
+                raise ValueError(f"shard [{sh.lo}, {sh.hi}) of {name} given, rank {self.rank} owns "
+                                 f"{list(owned[name][j])} under the new layout")
         for name, flat in params.items():
-            assign_flat(model.units[name], flat)
+            assign_flat(model.units[name], flat)  # raises on a size mismatch before anything is adopted
         self.model, self.comm = model, comm
         self._install_layout(layout, step_count)
         for name, sh in self.optimizer.shards.items():
-            given = shards[name]
-            if (given.lo, given.hi) != (sh.lo, sh.hi):
-                raise ValueError(f"shard [{given.lo}, {given.hi}) of {name} given, rank {self.rank} owns "
-                                 f"[{sh.lo}, {sh.hi}) under the new layout")
-            sh.exp_avg.copy_(given.exp_avg)
-            sh.exp_avg_sq.copy_(given.exp_avg_sq)
+            sh.exp_avg.copy_(shards[name].exp_avg)
+            sh.exp_avg_sq.copy_(shards[name].exp_avg_sq)
         self.next_step = next_step
 
     def gather_full_state(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -57,9 +58,15 @@ class LayerProfile:
             zero = np.zeros(self.num_layers)
             return zero, zero
         w = _interp_weights(self.micro_batch_sizes, micro_batch)
-        fwd = np.asarray(self.fwd_s, dtype=float) @ w / freq_scale
-        bwd = np.asarray(self.bwd_s, dtype=float) @ w / freq_scale
-        return fwd, bwd
+        return self._fwd_table @ w / freq_scale, self._bwd_table @ w / freq_scale
+
+    @cached_property
+    def _fwd_table(self) -> np.ndarray:
+        return np.asarray(self.fwd_s, dtype=float)
+
+    @cached_property
+    def _bwd_table(self) -> np.ndarray:
+        return np.asarray(self.bwd_s, dtype=float)
 
 
 def _interp_weights(sizes: tuple[int, ...], m: int) -> np.ndarray:
@@ -101,9 +108,9 @@ class LinkModel:
         return self.latency_s + samples * self.boundary_bytes_per_sample / self.bandwidth_bytes_per_s
 
 
-def ministep_time(tf: np.ndarray | float, tb: np.ndarray | float, p2p_f: float, p2p_b: float,
-                  sigma_f: float, sigma_b: float) -> np.ndarray | float:
-    """Eq. (1); works elementwise on arrays of segment compute times."""
+def ministep_time(tf: np.ndarray | float, tb: np.ndarray | float, p2p_f: np.ndarray | float,
+                  p2p_b: np.ndarray | float, sigma_f: float, sigma_b: float) -> np.ndarray | float:
+    """Eq. (1); works elementwise (with broadcasting) on arrays of segment compute times."""
     return tf + tb + np.maximum(0.0, p2p_f - sigma_f * tf) + np.maximum(0.0, p2p_b - sigma_b * tb)
 
 

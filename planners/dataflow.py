@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from itertools import chain
 
 from planners.layout import Layout, SampleRange, StageLayout
 
@@ -66,8 +67,8 @@ def resize_after_loss(layout: Layout, lost_ranks: Iterable[int]) -> DataflowResu
     Frequencies of lost ranks are dropped; layer boundaries are untouched.
     """
     lost = set(lost_ranks)
-    # Membership tests on the rank tuples run in C: no Python loop over 100,000 ranks.
-    lost_by_stage = {s.stage: [r for r in lost if r in s.ranks] for s in layout.stages}
+    # set.intersection walks each rank tuple in C: O(ranks) without a Python loop over them.
+    lost_by_stage = {s.stage: sorted(lost.intersection(s.ranks)) for s in layout.stages}
     unknown = lost - {r for rs in lost_by_stage.values() for r in rs}
     if unknown:
         raise ValueError(f"lost ranks {sorted(unknown)} are not in the layout")
@@ -125,13 +126,13 @@ def drop_stage(layout: Layout, stage: int) -> Layout:
 
 
 def _without(stage: StageLayout, lost: list[int]) -> StageLayout:
+    # Slice around the lost positions so the survivors' tuple is copied in C, not rank by rank.
     gone = sorted(stage.ranks.index(r) for r in set(lost))
-    keep_slices = [slice(a + 1, b) for a, b in zip([-1, *gone], [*gone, len(stage.ranks)], strict=True)]
-    ranks = tuple(r for sl in keep_slices for r in stage.ranks[sl]) if len(gone) > 1 else \
-        stage.ranks[:gone[0]] + stage.ranks[gone[0] + 1:]
+    keep = [slice(a + 1, b) for a, b in zip([-1, *gone], [*gone, len(stage.ranks)], strict=True)]
+    ranks = tuple(chain.from_iterable(stage.ranks[sl] for sl in keep))
     weights = stage.sample_weights
     if weights:
-        weights = tuple(w for sl in keep_slices for w in weights[sl])
+        weights = tuple(chain.from_iterable(weights[sl] for sl in keep))
         if sum(weights) == 0:
             weights = ()  # only zero-weight ranks survived: fall back to equal shares
     return replace(stage, ranks=ranks, sample_weights=weights)

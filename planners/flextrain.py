@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from planners.chameleon.candidates import torchft
+from planners.chameleon.state import ClusterState, JobShape
 
 
 @dataclass(frozen=True)
@@ -51,13 +54,18 @@ class ScaleTable:
         return max(fitting, key=lambda e: e.speedup, default=None)
 
 
-def vpp_iteration_time(m: int, p: int, num_layers: int, t_layer_s: float) -> float:
-    """Eq. (5) with v = ceil(L / p): (m v + p - 1) or (p v + m - 1) layer-times."""
+def vpp_iteration_time(m: int, p: int, num_layers: int, t_layer_s: float, virtual: int | None = None) -> float:
+    """Eq. (5): (m v + p - 1) or (p v + m - 1) chunk-times, a chunk being L / (p v) layers.
+
+    FlexTrain sets v = ceil(L / p) (one layer per chunk); `virtual=1` is plain 1F1B, where eq. (5)
+    reduces to chameleon's eq. (9)."""
     if min(m, p, num_layers) < 1 or t_layer_s < 0:
         raise ValueError(f"need m, p, L >= 1 and t_layer >= 0, got m={m}, p={p}, L={num_layers}")
-    v = math.ceil(num_layers / p)
+    v = virtual if virtual is not None else math.ceil(num_layers / p)
+    if v < 1:
+        raise ValueError(f"virtual must be >= 1, got {v}")
     slots = m * v + p - 1 if m >= p else p * v + m - 1
-    return slots * t_layer_s
+    return slots * t_layer_s * num_layers / (p * v)
 
 
 def build_scale_table(predictions: Sequence[ConfigPrediction], max_discrepancy: float = 0.25,
@@ -138,3 +146,22 @@ def choose_scale_up(table: ScaleTable, current_gpus: int, idle_gpus: int, max_gp
         return None, BenefitDecision(False, 0.0, "no scale-table entry above the current allocation fits")
     decision = poisson_benefit(target.speedup / current.speedup, overhead_s, arrival_rate_per_s, p_threshold)
     return (target if decision.scale_up else None), decision
+
+
+def predict_configs(state: ClusterState, max_ranks: int) -> list[ConfigPrediction]:
+    """Every (DP, PP) from the job's rank count up to `max_ranks` with an even global batch:
+    profiled = eq. (10)/(11) on a balanced Algorithm-1 layout, modelled = eq. (5) with v = 1."""
+    shape, prof = state.shape, state.profile
+    per_layer = (sum(prof.layer_fwd_s) + sum(prof.layer_bwd_s)) / prof.num_layers * shape.micro_batch
+    out = []
+    for ranks in range(shape.num_ranks, max_ranks + 1):
+        for pp in range(1, min(ranks, prof.num_layers) + 1):
+            dp = ranks // pp
+            if dp * pp != ranks or shape.global_batch % (dp * shape.micro_batch):
+                continue
+            new = JobShape(pp, dp, shape.micro_batch, shape.global_batch, shape.tp)
+            cand = torchft(replace(state, shape=new, failed=frozenset(), slowdown=(), boundaries=()))
+            fits = all(s.mem_bytes <= prof.mem_cap_bytes for p in cand.pipelines for s in p.stages)
+            modeled = vpp_iteration_time(new.num_micro_batches, pp, prof.num_layers, per_layer, virtual=1)
+            out.append(ConfigPrediction(ranks * shape.tp, dp, pp, cand.step_time_s, modeled, fits))
+    return out

@@ -1,8 +1,8 @@
 """The Layout: the single description of how a job is laid out (DESIGN.md §3).
 
 A Layout says which layers each pipeline stage holds, which ranks serve each stage (in DP order),
-which global-batch samples every rank processes in every micro-batch slot (as an exact split rule), how ZeRO shards are
-owned, the RNG mode and device frequencies. A Plan is `old layout -> new layout` plus reasons and
+which global-batch samples every rank processes in every micro-batch slot (as an exact split
+rule), how ZeRO shards are owned, the RNG mode and device frequencies. A Plan is `old layout -> new layout` plus reasons and
 predictions. Validation lives in `planners.validation`, diffs in `planners.diff`, ZeRO ownership
 in `planners.zero`; `planners` re-exports all of them.
 
@@ -22,6 +22,17 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import chain
 from typing import Any, Literal
+
+from planners.jsonfields import (
+    as_float,
+    as_int,
+    as_list,
+    field_value,
+    int_field,
+    int_pair,
+    list_field,
+    load_object,
+)
 
 ZeroLayoutKind = Literal["interleaved", "contiguous"]
 RngMode = Literal["placement_invariant", "per_rank"]
@@ -252,15 +263,17 @@ class Plan:
 
     @staticmethod
     def from_json(data: str | bytes) -> Plan:
-        d = _load_object(data, "plan")
+        d = load_object(data, "plan")
         old = d.get("old")
         return Plan(
-            epoch=_int(d, "epoch"),
+            epoch=int_field(d, "epoch", "plan"),
             old=None if old is None else layout_from_dict(old),
-            new=layout_from_dict(_field(d, "new")),
-            reasons=tuple(str(r) for r in _list(d, "reasons")),
-            predicted_step_time_s=float(_field(d, "predicted_step_time_s")),
-            predicted_stage_mem_bytes=tuple(float(x) for x in _list(d, "predicted_stage_mem_bytes")),
+            new=layout_from_dict(field_value(d, "new", "plan")),
+            reasons=tuple(str(r) for r in list_field(d, "reasons", "plan")),
+            predicted_step_time_s=as_float(field_value(d, "predicted_step_time_s", "plan"),
+                                            "plan.predicted_step_time_s"),
+            predicted_stage_mem_bytes=tuple(as_float(x, "plan.predicted_stage_mem_bytes")
+                                            for x in list_field(d, "predicted_stage_mem_bytes", "plan")),
         )
 
 
@@ -313,7 +326,7 @@ def layout_to_json(layout: Layout) -> str:
 
 
 def layout_from_json(data: str | bytes) -> Layout:
-    return layout_from_dict(_load_object(data, "layout"))
+    return layout_from_dict(load_object(data, "layout"))
 
 
 def layout_from_dict(d: Any) -> Layout:
@@ -323,23 +336,24 @@ def layout_from_dict(d: Any) -> Layout:
     version = d.get("version", LAYOUT_JSON_VERSION)
     if version != LAYOUT_JSON_VERSION:
         raise ValueError(f"layout.version {version!r} is not supported (expected {LAYOUT_JSON_VERSION})")
-    zero_layout = str(_field(d, "zero_layout"))
+    zero_layout = str(field_value(d, "zero_layout"))
     if zero_layout not in ZERO_LAYOUTS:
         raise ValueError(f"layout.zero_layout must be one of {ZERO_LAYOUTS}, got {zero_layout!r}")
-    rng_mode = str(_field(d, "rng_mode"))
+    rng_mode = str(field_value(d, "rng_mode"))
     if rng_mode not in RNG_MODES:
         raise ValueError(f"layout.rng_mode must be one of {RNG_MODES}, got {rng_mode!r}")
     caps = d.get("stage_mem_cap_bytes")
     return Layout(
-        num_layers=_int(d, "num_layers"),
-        global_batch=_int(d, "global_batch"),
-        num_micro_batches=_int(d, "num_micro_batches"),
-        stages=tuple(_stage_from_dict(s, i) for i, s in enumerate(_list(d, "stages"))),
-        layer_numel=tuple(_as_int(x, "layer_numel") for x in _list(d, "layer_numel")),
+        num_layers=int_field(d, "num_layers"),
+        global_batch=int_field(d, "global_batch"),
+        num_micro_batches=int_field(d, "num_micro_batches"),
+        stages=tuple(_stage_from_dict(s, i) for i, s in enumerate(list_field(d, "stages"))),
+        layer_numel=tuple(as_int(x, "layer_numel") for x in list_field(d, "layer_numel")),
         zero_layout=zero_layout,  # type: ignore[arg-type]
-        frequencies_mhz=tuple(_pair(x, "frequencies_mhz") for x in _list(d, "frequencies_mhz")),
+        frequencies_mhz=tuple(int_pair(x, "frequencies_mhz") for x in list_field(d, "frequencies_mhz")),
         rng_mode=rng_mode,  # type: ignore[arg-type]
-        stage_mem_cap_bytes=None if caps is None else tuple(float(c) for c in _as_list(caps, "stage_mem_cap_bytes")),
+        stage_mem_cap_bytes=None if caps is None else tuple(
+            as_float(c, "layout.stage_mem_cap_bytes") for c in as_list(caps, "layout.stage_mem_cap_bytes")),
     )
 
 
@@ -348,53 +362,10 @@ def _stage_from_dict(d: Any, index: int) -> StageLayout:
     if not isinstance(d, dict):
         raise ValueError(f"{where} must be an object")
     return StageLayout(
-        stage=_int(d, "stage", where),
-        layer_start=_int(d, "layer_start", where),
-        layer_stop=_int(d, "layer_stop", where),
-        ranks=tuple(_as_int(r, f"{where}.ranks") for r in _list(d, "ranks", where)),
-        sample_weights=tuple(_as_int(w, f"{where}.sample_weights")
-                             for w in _as_list(d.get("sample_weights", []), f"{where}.sample_weights")),
+        stage=int_field(d, "stage", where),
+        layer_start=int_field(d, "layer_start", where),
+        layer_stop=int_field(d, "layer_stop", where),
+        ranks=tuple(as_int(r, f"{where}.ranks") for r in list_field(d, "ranks", where)),
+        sample_weights=tuple(as_int(w, f"{where}.sample_weights")
+                             for w in as_list(d.get("sample_weights", []), f"{where}.sample_weights")),
     )
-
-
-def _load_object(data: str | bytes, what: str) -> dict[str, Any]:
-    try:
-        d = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{what} is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{what} must be a JSON object, got {type(d).__name__}")
-    return d
-
-
-def _field(d: dict[str, Any], key: str, where: str = "layout") -> Any:
-    if key not in d:
-        raise ValueError(f"{where}.{key} is missing")
-    return d[key]
-
-
-def _as_int(x: Any, where: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise ValueError(f"{where} must be an integer, got {x!r}")
-    return x
-
-
-def _int(d: dict[str, Any], key: str, where: str = "layout") -> int:
-    return _as_int(_field(d, key, where), f"{where}.{key}")
-
-
-def _as_list(x: Any, where: str) -> list[Any]:
-    if not isinstance(x, list):
-        raise ValueError(f"{where} must be a list, got {type(x).__name__}")
-    return x
-
-
-def _list(d: dict[str, Any], key: str, where: str = "layout") -> list[Any]:
-    return _as_list(_field(d, key, where), f"{where}.{key}")
-
-
-def _pair(x: Any, where: str) -> tuple[int, int]:
-    items = _as_list(x, where)
-    if len(items) != 2:
-        raise ValueError(f"{where} entries must be [a, b] pairs, got {x!r}")
-    return _as_int(items[0], where), _as_int(items[1], where)

@@ -83,9 +83,10 @@ def _why_infeasible(L: int, P: int, mems_of: list[np.ndarray], cap: Sequence[flo
 
 
 def _segment_sums(per_layer: np.ndarray) -> np.ndarray:
-    """(L+1, L+1) matrix of sums over [k, l) from prefix sums (lower triangle is meaningless)."""
-    prefix = np.concatenate(([0.0], np.cumsum(per_layer)))
-    return prefix[None, :] - prefix[:, None]
+    """(..., L+1, L+1) sums over layers [k, l) from prefix sums of (..., L) per-layer values
+    (the lower triangle, k > l, is meaningless and masked by the solver)."""
+    prefix = np.concatenate((np.zeros(per_layer.shape[:-1] + (1,)), np.cumsum(per_layer, axis=-1)), axis=-1)
+    return prefix[..., None, :] - prefix[..., :, None]
 
 
 @dataclass(frozen=True)
@@ -200,15 +201,20 @@ def rebalance_layers(layout: Layout, cost: CostModel) -> GraphPlan:
     eq. (1) cost model and the layout's memory caps (none = unbounded)."""
     conds = cost.conditions(layout)
     caps = layout.stage_mem_cap_bytes or (math.inf,) * layout.num_stages
+    # All stages at once: (P, L+1, L+1) segment tables from (P, L) per-layer costs.
+    compute = [cost.stage_compute(c) for c in conds]
+    fwd, bwd = np.stack([f for f, _ in compute]), np.stack([b for _, b in compute])
+    p2p_f = np.array([c.p2p_f_s for c in conds])[:, None, None]
+    p2p_b = np.array([c.p2p_b_s for c in conds])[:, None, None]
+    times = ministep_time(_segment_sums(fwd), _segment_sums(bwd), p2p_f, p2p_b, cost.link.sigma_f, cost.link.sigma_b)
+    layer_mem = np.stack([cost.layer_mem_bytes(layout, p, c.micro_batch) for p, c in enumerate(conds)])
+    mems = cost.memory.stage_base_bytes + _segment_sums(layer_mem)
 
     def seg_time(p: int) -> np.ndarray:
-        fwd, bwd = cost.stage_compute(conds[p])
-        c = conds[p]
-        return np.asarray(ministep_time(_segment_sums(fwd), _segment_sums(bwd), c.p2p_f_s, c.p2p_b_s,
-                                        cost.link.sigma_f, cost.link.sigma_b))
+        return np.asarray(times[p])
 
     def seg_mem(p: int) -> np.ndarray:
-        return cost.memory.stage_base_bytes + _segment_sums(cost.layer_mem_bytes(layout, p, conds[p].micro_batch))
+        return np.asarray(mems[p])
 
     result = minimax_partition(layout.num_layers, layout.num_stages, seg_time, seg_mem, caps)
     if not result.feasible:

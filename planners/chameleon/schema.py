@@ -22,7 +22,8 @@ state.json (all times in seconds, bytes per device after TP):
       "slow_ranks": [[5, 1.3]],                   # optional [rank, slowdown factor]
       "expected_time_to_next_event_s": 3600,      # eq. 8 horizon
       "policies": ["elaswave", "reparallelise", "recycle", "torchft"],   # optional
-      "mttr": {"torchft_restart_s": 20}           # optional overrides of MttrModel
+      "mttr": {"torchft_restart_s": 20},          # optional overrides of MttrModel
+      "max_devices": 192                          # `plan scale-table` only: largest allocation
     }
 
 Each stage's ranks are the job's DP replicas of that stage (`dp` per stage, ids as above).
@@ -47,7 +48,7 @@ def state_from_dict(d: Any) -> tuple[ClusterState, tuple[str, ...]]:
     """Parse state.json; every error is a ValueError that names the field."""
     _obj(d, "state")
     known = {"job", "profile", "boundaries", "failed_ranks", "slow_ranks", "expected_time_to_next_event_s",
-             "policies", "mttr"}
+             "policies", "mttr", "max_devices"}
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"state: unknown field(s) {unknown}")

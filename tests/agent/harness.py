@@ -36,6 +36,7 @@ class Received:
 @dataclass
 class StreamInfo:
     metadata: dict[str, str]
+    auth: dict[str, list[bytes]]  # the peer's TLS identity (x509_common_name, ...) when TLS is on
     commands: asyncio.Queue[agent_pb2.ConnectResponse] = field(default_factory=asyncio.Queue)
 
 
@@ -43,11 +44,14 @@ class RecordingCore(agent_pb2_grpc.AgentServiceServicer):
     """A real gRPC AgentService on 127.0.0.1 (own thread and loop) standing in for the Core.
 
     As leader it acknowledges Register and forwards queued commands; as standby it reads the
-    Register and aborts the stream with ``refuse_code``/``refuse_message``.
+    Register and aborts the stream with ``refuse_code``/``refuse_message``. With ``tls`` it
+    serves TLS only.
     """
 
-    def __init__(self, refuse_code: grpc.StatusCode | None = None, refuse_message: str = "") -> None:
+    def __init__(self, refuse_code: grpc.StatusCode | None = None, refuse_message: str = "",
+                 tls: grpc.ServerCredentials | None = None) -> None:
         self.refuse_code = refuse_code
+        self.tls = tls
         self.refuse_message = refuse_message
         self.port = 0
         self.received: list[Received] = []
@@ -69,7 +73,9 @@ class RecordingCore(agent_pb2_grpc.AgentServiceServicer):
         async def start() -> int:
             self._server = grpc.aio.server()
             agent_pb2_grpc.add_AgentServiceServicer_to_server(self, self._server)
-            port = self._server.add_insecure_port(f"127.0.0.1:{self.port}")
+            address = f"127.0.0.1:{self.port}"
+            port = (self._server.add_secure_port(address, self.tls) if self.tls
+                    else self._server.add_insecure_port(address))
             await self._server.start()
             return port
 
@@ -87,7 +93,7 @@ class RecordingCore(agent_pb2_grpc.AgentServiceServicer):
         self._thread.join(5)
 
     async def Connect(self, request_iterator, context):  # noqa: N802 (gRPC method name)
-        info = StreamInfo(metadata=dict(context.invocation_metadata()))
+        info = StreamInfo(metadata=dict(context.invocation_metadata()), auth=dict(context.auth_context()))
         with self._cond:
             self.streams.append(info)
             stream_index = len(self.streams)

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from agent.devices import DeviceSet
 from agent.local_metrics import StepMetricsClient
 from agent.worker import EXIT_CODE_UNKNOWN
 from elaswave.v1 import agent_pb2
@@ -32,15 +33,15 @@ def _kinds(core: RecordingCore) -> list[str]:
 def test_register_carries_identity_token_and_heartbeats_then_sigint_leaves(core, run_agent, tmp_path: Path):
     token_file = tmp_path / "token"
     token_file.write_text("tok-123\n")
-    agent = run_agent(base_args(tmp_path, core.address, "w0", "--stage", "1", "--dp-rank", "2",
+    agent = run_agent(base_args(tmp_path, core.address, "w0", "--stage", "1", "--dp-rank", "2", "--rank", "5",
                                 "--job-token-file", str(token_file)) + sleeper_command(tmp_path))
     register = core.wait_kind("register")[0].request.register
     worker = psutil.Process(register.pid)
     assert worker.ppid() == agent.proc.pid and worker.cmdline()[-1].endswith("worker.py")
     assert (register.job, register.worker_id, register.host) == ("testjob", "w0", socket.gethostname())
-    assert (register.stage, register.dp_rank, register.heartbeat_interval_ms) == (1, 2, 100)
+    assert (register.stage, register.dp_rank, register.rank, register.heartbeat_interval_ms) == (1, 2, 5, 100)
     assert not register.holds_own_lease
-    assert [(d.kind, d.memory_bytes) for d in register.devices] == [("cpu", psutil.virtual_memory().total)]
+    assert list(register.devices) == DeviceSet.discover().devices  # on CPU: one "cpu" device, host memory
     assert core.streams[0].metadata["authorization"] == "Bearer tok-123"
     beats = core.wait_kind("heartbeat", count=3)
     assert [b.request.heartbeat.seq for b in beats[:3]] == [1, 2, 3]
@@ -76,6 +77,17 @@ def test_worker_kill9_is_reported_as_signal_exit(core, run_agent, tmp_path: Path
     assert "SIGKILL" in exit_report.request.worker_exit.detail
     assert agent.wait() == 128 + 9
     assert _kinds(core)[-1] == "leave"
+
+
+@pytest.mark.timeout(30)
+def test_launched_worker_dies_with_a_killed_agent(core, run_agent, tmp_path: Path):
+    agent = run_agent(base_args(tmp_path, core.address) + sleeper_command(tmp_path))
+    worker = psutil.Process(core.wait_kind("register")[0].request.register.pid)
+    agent.signal(signal.SIGKILL)
+    agent.wait()
+    # The Core sees the stream close without Leave and treats the worker as lost: it must be.
+    gone, _ = psutil.wait_procs([worker], timeout=10)
+    assert gone == [worker] and worker.returncode in (None, -9)  # reaped by init, or by us
 
 
 @pytest.mark.timeout(30)

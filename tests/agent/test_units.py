@@ -159,6 +159,7 @@ def _config(**changes: object) -> AgentConfig:
         ({"worker_pid": None}, "exactly one of --pid PID or a worker command"),
         ({"worker_pid": -3}, "--pid: must be a positive process id"),
         ({"stage": -2}, "--stage: must be >= -1"),
+        ({"rank": -5}, "--rank: must be >= -1"),
         ({"heartbeat_interval_s": 0.0}, "--heartbeat-interval: must be a positive number"),
         ({"probe_interval_s": math.inf}, "--probe-interval: must be a positive number"),
         ({"grace_s": -1.0}, "--grace: must be >= 0"),
@@ -198,3 +199,45 @@ def test_log_lines_are_single_line_key_values():
     line = format_event("worker_exit", pid=7, detail='killed by "x"\nnext', empty="")
     assert line == 'worker_exit pid=7 detail="killed by \\"x\\"\\nnext" empty=""'
     assert "\n" not in line
+
+
+class _StandInCuda:
+    """Answers like ``torch.cuda`` for two devices, the second one failing as a lost GPU does.
+
+    Only the agent's bookkeeping is under test here; the real torch.cuda path needs a GPU host.
+    """
+
+    @staticmethod
+    def device_memory_used(index: int) -> int:
+        raise ModuleNotFoundError("pynvml")  # as torch does without nvidia-ml-py: use the runtime
+
+    @staticmethod
+    def mem_get_info(index: int) -> tuple[int, int]:
+        if index == 1:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+        return 30 * 2**30, 80 * 2**30
+
+
+def test_device_read_reports_a_failing_accelerator_as_unhealthy():
+    from agent.devices import DeviceSet
+    from elaswave.v1 import agent_pb2, common_pb2
+
+    devices = [common_pb2.Device(kind="cuda", index=i, name="GPU", memory_bytes=80 * 2**30) for i in range(2)]
+    reading = DeviceSet("cuda", _StandInCuda, devices).read(worker_rss_bytes=123)  # type: ignore[arg-type]
+    assert reading.used_bytes == [50 * 2**30, 0] and reading.total_bytes == [80 * 2**30, 80 * 2**30]
+    assert reading.probe.kind == agent_pb2.PROBE_KIND_DEVICE and not reading.probe.healthy
+    assert reading.probe.detail == "cuda:1 RuntimeError: CUDA error: unspecified launch failure"
+
+
+def test_discovery_on_this_host_cpu_means_one_device_backed_by_host_memory():
+    import psutil
+
+    from agent.devices import DeviceSet
+
+    found = DeviceSet.discover()
+    if found.has_accelerator:  # a GPU/NPU host: every device is named and sized by the driver
+        assert found.devices and all(d.kind in ("cuda", "npu") and d.memory_bytes > 0 for d in found.devices)
+        return
+    assert [(d.kind, d.index, d.memory_bytes) for d in found.devices] == [("cpu", 0, psutil.virtual_memory().total)]
+    reading = found.read(worker_rss_bytes=4096)
+    assert reading.used_bytes == [4096] and reading.probe.healthy

@@ -80,6 +80,7 @@ def test_json_roundtrip_is_stable(layout: Layout) -> None:
     text = layout.to_json()
     back = Layout.from_json(text.encode())
     assert back == layout and back.to_json() == text
+    assert hash(back) == hash(layout)  # frozen all the way down: usable as a cache key
 
 
 @settings(max_examples=60)
@@ -110,6 +111,15 @@ def test_plan_json_roundtrip() -> None:
 def test_from_json_rejects_malformed(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Layout.from_json(text)
+
+
+def test_plan_from_json_names_bad_field() -> None:
+    plan = Plan(1, None, make_uniform_layout(2, 1, 1, 2, 1), ("r",), 1.0)
+    broken = plan.to_json().replace('"predicted_step_time_s":1.0', '"predicted_step_time_s":"slow"')
+    with pytest.raises(ValueError, match="plan.predicted_step_time_s must be a number"):
+        Plan.from_json(broken)
+    with pytest.raises(ValueError, match="plan.epoch is missing"):
+        Plan.from_json("{}")
 
 
 def test_from_json_names_bad_nested_field() -> None:

@@ -160,3 +160,15 @@ def test_apply_boundaries_rejects_bad_boundaries() -> None:
         apply_boundaries(lay, (3,))
     with pytest.raises(ValueError, match="must increase strictly"):
         apply_boundaries(lay, (4, 4))
+
+
+def test_slow_clock_stage_gets_fewer_layers() -> None:
+    L = 12
+    cost = _cost_model(L)
+    lay = make_uniform_layout(L, 3, 2, 12, 3, layer_numel=(10,) * L)
+    even = rebalance_layers(lay, cost).layout
+    slowed = rebalance_layers(lay.replace(frequencies_mhz=((2, 500), (3, 500))), cost)  # stage 1 at half clock
+    assert slowed.layout.stages[1].num_layers < even.stages[1].num_layers
+    best = min(max(cost.stage_times(apply_boundaries(slowed.layout, cuts)))
+               for cuts in itertools.combinations(range(1, L), 2))
+    assert math.isclose(slowed.partition.worst_stage_time, best, rel_tol=1e-9)
