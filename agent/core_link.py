@@ -63,7 +63,6 @@ class CoreLink:
         self._left = asyncio.Event()
         self._stopping = False
         self._heartbeat_seq = 0
-        self.connected = asyncio.Event()
         self.sessions = 0
         self.last_ack: agent_pb2.RegisterAck | None = None
 
@@ -93,7 +92,7 @@ class CoreLink:
         return self._left.is_set()
 
     async def run(self) -> None:
-        """Connect, serve, reconnect, until Leave has been written or ``stop``."""
+        """Connect, serve, reconnect, until Leave has been delivered or ``leave`` gave up."""
         while not self._stopping and not self._left.is_set():
             address = self._rotation.current()
             hint = None
@@ -106,8 +105,6 @@ class CoreLink:
             except Exception as exc:  # whatever broke this stream, the link must keep trying
                 log_event(logging.WARNING, "core_stream_failed", core=address, error=type(exc).__name__,
                           details=str(exc))
-            finally:
-                self.connected.clear()
             if self._stopping or self._left.is_set():
                 return
             self._rotation.failed(hint)
@@ -115,10 +112,6 @@ class CoreLink:
             log_event(logging.INFO, "core_reconnect_wait", next_core=self._rotation.current(),
                       delay_ms=round(delay * 1000, 1), failures=self._backoff.failures)
             await asyncio.sleep(delay)
-
-    def stop(self) -> None:
-        self._stopping = True
-        self._wakeup.set()
 
     # ---- one stream -----------------------------------------------------------------------
 
@@ -162,7 +155,6 @@ class CoreLink:
         # Re-send what earlier Cores saw but this one may not have (a new leader, a restart).
         self._critical.extendleft(reversed(self._critical_written))
         self._critical_written.clear()
-        self.connected.set()
         log_event(logging.INFO, "core_registered", core=address, session=first.ack.session,
                   core_id=first.ack.core_id, heartbeat_timeout_ms=first.ack.heartbeat_timeout_ms,
                   sessions=self.sessions)

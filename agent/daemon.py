@@ -23,7 +23,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from agent import probes
-from agent.config import AgentConfig
+from agent.config import TOKEN_ENV, AgentConfig, load_job_token
 from agent.core_link import CommandHandlers, CoreLink
 from agent.devices import DeviceSet
 from agent.lease import AliveLease
@@ -71,6 +71,9 @@ class Agent:
 
     async def run(self) -> int:
         """Run until shutdown; returns the agent's exit status (see ``agent_exit_code``)."""
+        if load_job_token(self.config.job_token_file) is None:  # a bad token file raises here, at start
+            log_event(logging.WARNING, "no_job_token", why=f"neither --job-token-file nor ${TOKEN_ENV} is set; "
+                      "a Core with authentication will refuse this agent")
         probes.prime_cpu_percent()
         self._install_signal_handlers()
         await self.metrics.start()
