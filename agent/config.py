@@ -15,6 +15,8 @@ TOKEN_ENV = "ELASWAVE_JOB_TOKEN"
 # sun_path of struct sockaddr_un is 108 bytes on Linux, including the terminating NUL.
 _MAX_UNIX_PATH_BYTES = 107
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
+# Job and worker names, as the Core accepts them (they also end up in etcd keys and file names).
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -143,8 +145,9 @@ class AgentConfig:
 
 
 def _require_name(value: str, flag: str) -> None:
-    if not value or "/" in value or value.strip() != value:
-        raise ValueError(f"{flag}: must be non-empty, without '/' or surrounding spaces, got {value!r}")
+    if not _NAME.fullmatch(value):
+        raise ValueError(f"{flag}: must be 1-128 letters, digits or '._:@-', starting with a letter or "
+                         f"digit, got {value!r}")
 
 
 def load_job_token(token_file: Path | None) -> str | None:

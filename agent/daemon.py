@@ -168,8 +168,8 @@ class Agent:
 
     async def _leave(self) -> None:
         reason = self._shutdown_reason or "shutdown"
-        if reason == "SIGINT":
-            await self._stop_launched_worker(time.time() + self.config.grace_s)
+        # SIGINT or an internal error: the launched worker goes first, gracefully (no-op once it exited).
+        await self._stop_launched_worker(time.time() + self.config.grace_s)
         self.metrics.close()
         await self.link.leave(reason)
         if self.lease is not None:

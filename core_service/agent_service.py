@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from agent.worker import EXIT_CODE_UNKNOWN
 from core_service.grpc_util import Malformed, RpcError, bearer_token, finite, invalid, require
 from core_service.jobs import UnknownJob
 from core_service.membership import AgentSession, Registration
@@ -161,7 +162,12 @@ class AgentServicer:
             core.membership.preemption(job, member, p.deadline_unix, p.source or "agent", now)
         elif kind == "worker_exit":
             e = msg.worker_exit
-            how = f"killed by signal {-e.exit_code}" if e.exit_code < 0 else f"exited with code {e.exit_code}"
+            if e.exit_code == EXIT_CODE_UNKNOWN:
+                how = f"exited ({e.detail or 'exit status unknown'})"
+            elif e.exit_code < 0:
+                how = f"killed by signal {-e.exit_code}"
+            else:
+                how = f"exited with code {e.exit_code}"
             core.membership.mark_lost(job, session.worker_id, f"worker process {how}", "process_exit", now)
         else:
             raise invalid("report has no body")

@@ -48,6 +48,15 @@ SERVICES = (
 # Heartbeat sweeps and engine ticks. Heartbeat loss is the slowest detection path (seconds), so
 # 100 ms of granularity costs nothing and keeps a 10,000-member sweep off the hot path.
 LOOP_INTERVAL_S = 0.1
+# Keepalive pings find dead peers behind a silent partition; clients may ping every 5 s.
+GRPC_SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+]
 GAUGE_INTERVAL_S = 1.0
 
 
@@ -141,7 +150,7 @@ class Core:
 
     # ---- servers -------------------------------------------------------------------------------
     async def _start_grpc(self) -> None:
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
         self.scheduler = SchedulerServicer(self)
         server.add_generic_rpc_handlers((
             generic_handler(SERVICES[0], AgentServicer(self)),

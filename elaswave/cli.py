@@ -15,6 +15,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "elaswave.demo",
     "planners.cli",
     "simulator.cli",
+    "executor.cli",
 )
 
 

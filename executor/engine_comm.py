@@ -59,6 +59,17 @@ class EngineComm(Protocol):
     def wait(self, name: str, work: object, has_future: bool = True) -> None: ...
 
 
+def p2p_channel(comm: EngineComm, name: str, peer: int) -> tuple[str, ProcessGroup, int]:
+    """(group name, process group, peer's rank in it) carrying async point-to-point traffic with
+    `peer` inside logical group `name`. A communicator that serves pipeline pairs by per-link
+    groups says so through its own `p2p_group(name, peer)`; otherwise the logical group itself
+    carries it."""
+    resolve = getattr(comm, "p2p_group", None)
+    if resolve is not None:
+        return resolve(name, peer)
+    return name, comm.group(name), comm.group_rank(name, peer)
+
+
 class StaticComm:
     """Fixed logical groups built once over `store`; see the module docstring."""
 

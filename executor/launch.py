@@ -19,7 +19,9 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 
-from executor.engine_comm import StaticComm, groups_for_stage_ranks
+from executor.engine_comm import EngineComm, StaticComm, groups_for_stage_ranks
+from executor.migration import migrate
+from executor.nonblocking_migration import NonBlockingMigration
 from executor.trainer import TrainConfig, Trainer
 from planners.layout import Layout
 
@@ -31,9 +33,13 @@ class JobSpec:
     steps: int
     # (step, layout): switch to `layout` (same ranks per stage) before running `step`.
     relayouts: tuple[tuple[int, Layout], ...] = ()
-    migration: str = "blocking"
+    migration: str = "blocking"  # or "nonblocking" (shadow layer + gradient payback)
+    shadow_slots: int = 1  # non-blocking: slots the source still runs a moving block for
     # Steps each rank runs twice: snapshot, run, roll back, run again (exercises the rollback API).
     replay_steps: tuple[int, ...] = ()
+    # "static": executor.engine_comm.StaticComm; "dynamic": executor.comm.Communicator (the
+    # fault-tolerant dynamic communicator; same engine code path).
+    comm_kind: str = "static"
     timeout_s: float = 60.0
 
 
@@ -59,18 +65,21 @@ def _membership(spec: JobSpec) -> dict[str, tuple[int, ...]]:
 
 
 def _run_rank(spec: JobSpec, rank: int, trainer: Trainer) -> RankResult:
-    from executor.migration import migrate  # noqa: PLC0415 - keeps launch importable without it
-
     relayouts = dict(spec.relayouts)
     losses, processed, reports, replayed = [], [], [], {}
     for step in range(spec.steps):
-        if step in relayouts:
+        overlay = None
+        if step in relayouts and spec.migration == "nonblocking":
+            overlay = NonBlockingMigration(trainer, relayouts[step], spec.shadow_slots)
+        elif step in relayouts:
             reports.append(migrate(trainer, relayouts[step], spec.migration).as_dict())
-        if step in spec.replay_steps:
+        if step in spec.replay_steps and overlay is None:
             snapshot = trainer.state_dict_for_rollback()
             replayed[step] = trainer.train_step(step).loss
             trainer.load_rollback_state(snapshot)
-        result = trainer.train_step(step)
+        result = trainer.train_step(step, overlay)
+        if overlay is not None:
+            reports.append(overlay.report().as_dict())
         losses.append(result.loss)
         processed.append(result.samples_processed)
     state = trainer.gather_full_state()
@@ -78,11 +87,19 @@ def _run_rank(spec: JobSpec, rank: int, trainer: Trainer) -> RankResult:
                       state if trainer.dp_index == 0 else None, reports, replayed)
 
 
+def _make_comm(spec: JobSpec, store: TCPStore, rank: int) -> EngineComm:
+    if spec.comm_kind == "dynamic":
+        from executor.comm import Communicator  # noqa: PLC0415 - only the dynamic runs need it
+
+        return Communicator(store, rank, _membership(spec), timeout_s=spec.timeout_s)
+    return StaticComm(store, rank, _membership(spec), timeout_s=spec.timeout_s)
+
+
 def _worker(rank: int, spec: JobSpec, port: int, results: Any) -> None:
     torch.set_num_threads(1)
     try:
         store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
-        comm = StaticComm(store, rank, _membership(spec), timeout_s=spec.timeout_s)
+        comm = _make_comm(spec, store, rank)
         trainer = Trainer(spec.cfg, spec.layout, rank, comm)
         buf = io.BytesIO()
         torch.save(_run_rank(spec, rank, trainer), buf)
@@ -94,6 +111,10 @@ def _worker(rank: int, spec: JobSpec, port: int, results: Any) -> None:
 def run_job(spec: JobSpec) -> dict[int, RankResult]:
     """Run `spec` on one process per rank; returns each rank's result or raises RuntimeError."""
     _membership(spec)
+    if spec.migration not in ("blocking", "nonblocking"):
+        raise ValueError(f"migration must be 'blocking' or 'nonblocking', got {spec.migration!r}")
+    if spec.comm_kind not in ("static", "dynamic"):
+        raise ValueError(f"comm_kind must be 'static' or 'dynamic', got {spec.comm_kind!r}")
     ranks = spec.layout.ranks()
     if sorted(ranks) != list(range(len(ranks))):
         raise ValueError(f"launch needs ranks 0..N-1, layout has {sorted(ranks)}")
@@ -101,7 +122,7 @@ def run_job(spec: JobSpec) -> dict[int, RankResult]:
                      timeout=timedelta(seconds=spec.timeout_s))
     ctx = mp.get_context("forkserver")
     # The fork server imports torch and the engine once; each rank is then a cheap fork of it.
-    ctx.set_forkserver_preload(["torch", "executor.trainer", "executor.migration"])
+    ctx.set_forkserver_preload(["torch", "executor.launch"])
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, spec, store.port, results), daemon=True) for r in ranks]
     for p in procs:

@@ -36,7 +36,10 @@ class MigrationReport:
     transfers: int  # rank-to-rank messages this rank took part in
     elements_sent: int
     elements_received: int
-    seconds: float
+    seconds: float  # time the step boundary stalled for the migration on this rank
+    shadow_slots_run: int = 0  # non-blocking: slots this rank ran a departing block's shadow for
+    payback_slots: int = 0  # non-blocking: own slots folded onto a received payback gradient
+    wait_seconds: float = 0.0  # non-blocking: time spent waiting inside the step for transfers
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -129,6 +129,13 @@ def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.reshape(b * t, v), targets.reshape(b * t), reduction="none").view(b, t).mean(1)
 
 
+def forward_units(units: Sequence[tuple[str, nn.Module]], x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    """Run `units` in order (a stage's own units, or that list with a migrating block's shadow)."""
+    for name, unit in units:
+        x = unit(x) if name == HEAD else unit(x, ctx)
+    return x
+
+
 def build_unit(cfg: ModelConfig, name: str) -> nn.Module:
     """One freshly initialised unit; identical bits wherever it is built."""
     if name == EMBED:
@@ -186,9 +193,7 @@ class StageModel(nn.Module):
         return list(self.units.keys())
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        for name, unit in self.units.items():
-            x = unit(x) if name == HEAD else unit(x, ctx)
-        return x
+        return forward_units(list(self.units.items()), x, ctx)
 
     def put_block(self, layer: int, unit: nn.Module) -> None:
         """Insert a migrated block, keeping forward order (blocks only move at stage edges)."""

@@ -104,8 +104,8 @@ class PipelineRunner:
 
     `forward(slot, inputs)` returns the stage output of the slot (`inputs` is None on the first
     stage, a leaf that requires grad elsewhere); on the last stage it returns the scalar loss to
-    backpropagate. The runner does the backward itself and sends `inputs.grad` upstream. A slot
-    in which this rank has no samples is skipped without any message.
+    backpropagate. The runner does the backward itself, calls `after_backward(slot)`, and sends
+    `inputs.grad` upstream. A slot in which this rank has no samples is skipped without any message.
     """
 
     def __init__(self, comm: EngineComm, layout: Layout, rank: int, act_shape: tuple[int, ...]) -> None:
@@ -128,7 +128,8 @@ class PipelineRunner:
         for r in routes(self.layout, self.rank, slot, toward):
             self.comm.send(self._group(toward), tensor[r.offset: r.offset + len(r.samples)].contiguous(), r.peer)
 
-    def run(self, forward: Callable[[int, torch.Tensor | None], torch.Tensor]) -> None:
+    def run(self, forward: Callable[[int, torch.Tensor | None], torch.Tensor],
+            after_backward: Callable[[int], None] | None = None) -> None:
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         grads_from_next: dict[int, torch.Tensor] = {}
@@ -151,5 +152,7 @@ class PipelineRunner:
                 received = inputs.pop(m, None)
                 if received is not None:
                     grads_to_prev[m] = received.grad
+                if after_backward is not None:
+                    after_backward(m)
             else:  # send_b
                 self._send(m, "prev", grads_to_prev.pop(m))

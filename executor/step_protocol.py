@@ -72,6 +72,9 @@ class StepProtocol:
         self.committed_step = -1  # last committed step (-1: none yet)
         self.step: int | None = None
         self.failure: str | None = None
+        # Every abort decision makes every survivor roll back once, so all agree on this count;
+        # it keeps a replayed step's decision apart from the aborted attempt's.
+        self.attempt = 0
 
     # ----- one step ------------------------------------------------------------------------
     def begin_step(self, step: int, timeout_s: float | None = None) -> None:
@@ -96,7 +99,7 @@ class StepProtocol:
         `timeout_s` (default: the protocol timeout) passes without every vote (a hung peer)."""
         step = self._require_step()
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        base = f"{self.comm.namespace}/decide/p{self.plan_epoch}/s{step}"
+        base = f"{self.comm.namespace}/decide/p{self.plan_epoch}/s{step}/a{self.attempt}"
         store, workers = self.comm.store, sorted(all_workers(self.comm.membership))
         store.set(f"{base}/vote/{self.comm.worker}", "fail" if self.failure else "ok")
         vote_keys = [f"{base}/vote/{w}" for w in workers]
@@ -126,6 +129,7 @@ class StepProtocol:
         self._require_step()
         self.participant.on_rollback()
         self.step = None
+        self.attempt += 1
 
     # ----- layout changes ------------------------------------------------------------------
     def await_plan(self, timeout_s: float | None = None) -> Plan:

@@ -14,16 +14,32 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from executor.data import GlobalBatchSampler, generate_corpus
 from executor.engine_comm import EngineComm, dp_group_name
-from executor.model import ForwardContext, ModelConfig, StageModel, block_numel, per_sample_loss
+from executor.model import (
+    ForwardContext,
+    ModelConfig,
+    StageModel,
+    block_numel,
+    forward_units,
+    per_sample_loss,
+)
 from executor.pipeline import PipelineRunner
 from executor.rng import DropoutRng
-from executor.zero import AdamWConfig, ShardedAdamW, ShardState, assign_flat, flat_params, unit_ownership
+from executor.zero import (
+    AdamWConfig,
+    GradHook,
+    ShardedAdamW,
+    ShardState,
+    assign_flat,
+    flat_params,
+    unit_ownership,
+)
 from planners.layout import Layout
 
 
@@ -42,6 +58,20 @@ class StepResult:
     loss: float | None  # global-batch loss; known on last-stage ranks, None on the others
     samples_processed: int  # samples this rank ran through its stage in this step
     global_batch: int
+
+
+class StepOverlay(Protocol):
+    """Hooks through which one step's work is altered (non-blocking layer migration)."""
+
+    def units_for_slot(self, slot: int, units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]: ...
+
+    def before_forward(self, slot: int) -> None: ...
+
+    def after_backward(self, slot: int) -> None: ...
+
+    def before_optimizer(self) -> None: ...
+
+    def finish(self) -> None: ...
 
 
 def check_layout(cfg: TrainConfig, layout: Layout) -> None:
@@ -72,6 +102,7 @@ class Trainer:
         self.sampler = build_sampler(cfg, layout.global_batch)
         self.model = StageModel(cfg.model, stage.layer_start, stage.layer_stop)
         self.next_step = 0
+        self.grad_hook: GradHook | None = None  # kept across layout changes; see executor.zero
         self._install_layout(layout, step_count=0)
 
     # ------------------------------------------------------------------------------ structure
@@ -87,7 +118,12 @@ class Trainer:
         numel = {n: sum(p.numel() for p in u.parameters()) for n, u in units.items()}
         self.optimizer = ShardedAdamW(self.comm, dp_group_name(self.stage), units,
                                       unit_ownership(layout, self.stage_layout, numel), self.dp_index,
-                                      self.cfg.optim, step_count)
+                                      self.cfg.optim, step_count, self.grad_hook)
+
+    def set_grad_hook(self, hook: GradHook | None) -> None:
+        """Observe every step's reduced gradient slices (now and after any layout change)."""
+        self.grad_hook = hook
+        self.optimizer.grad_hook = hook
 
     @property
     def is_first(self) -> bool:
@@ -98,8 +134,12 @@ class Trainer:
         return self.stage == self.layout.num_stages - 1
 
     # -------------------------------------------------------------------------------- training
-    def train_step(self, step: int) -> StepResult:
-        """Run global batch `step` through the pipeline and apply one optimizer update."""
+    def train_step(self, step: int, overlay: StepOverlay | None = None) -> StepResult:
+        """Run global batch `step` through the pipeline and apply one optimizer update.
+
+        `overlay` lets a non-blocking layer migration (executor.nonblocking_migration) take part in this one
+        step: run a shadow block for the first slots, load a block when it arrives, pay back
+        gradients."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         self.rng.begin_step(step)
@@ -111,8 +151,12 @@ class Trainer:
         def forward(slot: int, received: torch.Tensor | None) -> torch.Tensor:
             rows = self.layout.samples_of(self.rank, slot)
             batch = self.sampler.rows(step, rows.start, rows.stop)
-            x = self.model(batch.inputs if received is None else received,
-                           ForwardContext(batch.sample_ids, self.rng))
+            units = list(self.model.units.items())
+            if overlay is not None:
+                overlay.before_forward(slot)
+                units = overlay.units_for_slot(slot, units)
+            x = forward_units(units, batch.inputs if received is None else received,
+                              ForwardContext(batch.sample_ids, self.rng))
             if not self.is_last:
                 return x
             per_sample = per_sample_loss(x, batch.targets)
@@ -120,8 +164,12 @@ class Trainer:
                 sample_losses[row] = value
             return per_sample.sum() / B
 
-        self.runner.run(forward)
+        self.runner.run(forward, overlay.after_backward if overlay is not None else None)
+        if overlay is not None:
+            overlay.before_optimizer()
         self.optimizer.step()
+        if overlay is not None:
+            overlay.finish()
         self.next_step = step + 1
         processed = sum(len(self.layout.samples_of(self.rank, m)) for m in range(self.layout.num_micro_batches))
         loss = self._global_loss(sample_losses) if self.is_last else None
@@ -176,6 +224,9 @@ class Trainer:
         units and this rank's new optimizer slices (what a migration, a live remap or a rollback
         across layouts ends in). Checks everything first; on ValueError nothing has changed."""
         check_layout(self.cfg, layout)
+        if layout.global_batch != self.sampler.global_batch:
+            raise ValueError(f"the global batch is fixed for a job ({self.sampler.global_batch}), "
+                             f"new layout says {layout.global_batch}")
         stage = layout.stage_layout_of_rank(self.rank)
         model = StageModel(self.cfg.model, stage.layer_start, stage.layer_stop)
         if set(params) != set(model.unit_names()) or set(shards) != set(model.unit_names()):

@@ -20,7 +20,7 @@ split evenly among the stage's ranks under both layouts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,9 @@ from planners.layout import Layout, SampleRange, StageLayout, split_evenly
 from planners.zero import stage_ownership
 
 Interval = tuple[int, int]
+# Called with (step number being applied, {unit: my reduced gradient slice}) before the update:
+# how the parameter fabric's ring snapshots see each step's gradient shards (ElasWave §5.1).
+GradHook = Callable[[int, dict[str, torch.Tensor]], None]
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,8 @@ class ShardedAdamW:
 
     def __init__(self, comm: EngineComm, group: str, units: Mapping[str, nn.Module],
                  ownership: Mapping[str, list[Interval]], dp_index: int, cfg: AdamWConfig,
-                 step_count: int = 0) -> None:
-        self.comm, self.group, self.cfg = comm, group, cfg
+                 step_count: int = 0, grad_hook: GradHook | None = None) -> None:
+        self.comm, self.group, self.cfg, self.grad_hook = comm, group, cfg, grad_hook
         self.units = dict(units)
         self.ownership = {n: list(ownership[n]) for n in self.units}
         self.dp_index, self.dp_size = dp_index, len(next(iter(self.ownership.values())))
@@ -150,6 +153,8 @@ class ShardedAdamW:
     def step(self) -> None:
         """reduce-scatter -> update my slices -> all-gather the parameters."""
         grads = self.reduce_scatter_grads()
+        if self.grad_hook is not None:
+            self.grad_hook(self.step_count + 1, grads)
         self.step_count += 1
         updated = []
         for name, sh in self.shards.items():

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -25,7 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", type=Path, help="Bamboo trace: one 'milliseconds,add|remove,nodeName' per line")
     src.add_argument("--poisson", type=float, metavar="RATE", help="failures per device-hour (seeded)")
-    p.add_argument("--hours", type=float, default=None, help="simulated hours (default: trace length, or 9)")
+    p.add_argument("--hours", type=float, default=None,
+                   help="simulated hours (default: the trace's last event rounded up to an hour, or 9)")
     p.add_argument("--job", default="llama2-34b", choices=sorted(JOBS))
     p.add_argument("--policies", default=",".join(SIM_POLICIES), help=f"comma list of {', '.join(SIM_POLICIES)}")
     p.add_argument("--seed", type=int, default=0)
@@ -44,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.trace is not None:
             events = load_bamboo(args.trace)
-            hours = args.hours or max((e.time_s for e in events), default=3600.0) / 3600
+            hours = args.hours or math.ceil(max((e.time_s for e in events), default=1.0) / 3600)
             source = f"trace {args.trace.name}"
         else:
             hours = args.hours or 9.0

@@ -3,8 +3,10 @@
 Events (trace or Poisson) are turned into the set of dead ranks over time. At each change every
 policy builds its plan for the new state (`planners.chameleon`); if the plan differs from the
 running one the job makes no progress for the policy's MTTR, then runs at the plan's steady
-throughput until the next change. A new event during a recovery restarts the recovery. A policy
-with no feasible plan stalls (throughput 0) until the cluster changes again.
+throughput until the next change. A new event during a recovery restarts the recovery if it
+changes the plan, else the recovery in progress simply continues. A policy with no feasible plan
+stalls (throughput 0) until the cluster changes again; ReCycle then falls back to a TorchFT-style
+restart without the damaged replicas (`simulated_candidate`).
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from planners.chameleon.estimators import rerouting_step_time
-from planners.chameleon.policy import POLICIES, decide
+from planners.chameleon.policy import POLICIES, chameleon_step
 from planners.chameleon.state import Candidate, ClusterState, MttrModel
 from simulator.jobs import JobSpec, ranks_of_devices
 from simulator.traces import TraceEvent
@@ -39,6 +40,7 @@ class PolicyRun:
     segments: tuple[Segment, ...]
     fault_free_throughput: float
     horizon_s: float
+    plan_changes: int = 0
 
     @property
     def time_averaged_throughput(self) -> float:
@@ -46,7 +48,12 @@ class PolicyRun:
 
     @property
     def downtime_s(self) -> float:
+        """Seconds without progress: recoveries plus stalls (no feasible plan)."""
         return sum(s.end_s - s.start_s for s in self.segments if s.throughput == 0.0)
+
+    @property
+    def recovery_s(self) -> float:
+        return sum(s.end_s - s.start_s for s in self.segments if s.downtime_s > 0)
 
     @property
     def lse_after_changes(self) -> tuple[float, ...]:
@@ -106,74 +113,57 @@ def base_mttr(policy: str, mttr: MttrModel) -> float:
             "reparallelise": mttr.reparallel_restart_s}.get(policy, mttr.elaswave_base_s)
 
 
-class _Chameleon:
-    """Chameleon: eq. (8) between rerouting (scored with its eq. 13 estimate) and dynamic
-    parallelism; rerouting is only possible from the fault-free layout."""
-
-    def __init__(self) -> None:
-        self.rerouting_allowed = True
-
-    def __call__(self, state: ClusterState) -> Candidate:
-        rep = POLICIES["reparallelise"](state)
-        options = [rep]
-        rec = POLICIES["recycle"](state) if self.rerouting_allowed else None
-        estimate = None
-        if rec is not None and rec.feasible:
-            estimate = replace(rec, step_time_s=_eq13_estimate(state, rec))
-            options.insert(0, estimate)
-        chosen = decide(options, state.expected_time_to_next_event_s).chosen
-        if estimate is not None and chosen is estimate and rec is not None:
-            return replace(rec, policy="chameleon", reason="rerouting: " + rec.reason)
-        self.rerouting_allowed = not state.failed
-        return replace(rep, policy="chameleon", reason="dynamic parallelism: " + rep.reason)
-
-
-def _eq13_estimate(state: ClusterState, rec: Candidate) -> float:
-    shape = state.shape
-    pipe = rec.pipelines[0]
-    d_live = max(len(s.ranks) + 0 for s in pipe.stages)
-    failed = [d_live - len(s.ranks) for s in pipe.stages]
-    worst = max(pipe.stages, key=lambda s: s.ministep_s)
-    est = rerouting_step_time(shape.pp, pipe.num_slots, d_live, failed, worst.fwd_s + worst.p2p_s,
-                              worst.bwd_s + worst.p2p_s)
-    return est.step_time_s
-
-
 def run_policy(policy: str, spec: JobSpec, timeline: Sequence[tuple[float, frozenset[int]]], horizon_s: float,
                expected_gap_s: float, mttr: MttrModel | None = None,
                on_event: Callable[[], None] | None = None) -> PolicyRun:
     """Replay `timeline` (time, dead devices) under one policy."""
     mttr = mttr or MttrModel()
-    builder: Callable[[ClusterState], Candidate] = _Chameleon() if policy == "chameleon" else POLICIES[policy]
+    rerouting_allowed = True  # Chameleon: rerouting only from the configured layout
     shape, prof = spec.shape, spec.profile()
     fault_free = POLICIES["torchft"](ClusterState(shape, prof, mttr=mttr)).throughput
     cache: dict[frozenset[int], Candidate] = {}
     segments: list[Segment] = []
     running: tuple | None = None
+    busy_until = 0.0  # end of the recovery in progress
+    changes = 0
     points = [(t, d) for t, d in timeline if t < horizon_s]
     for i, (t, dead) in enumerate(points):
         end = points[i + 1][0] if i + 1 < len(points) else horizon_s
         ranks = ranks_of_devices(spec, set(dead))
         state = ClusterState(shape, prof, failed=ranks, expected_time_to_next_event_s=expected_gap_s, mttr=mttr)
         if policy == "chameleon":
-            cand = builder(state)
+            cand, rerouting_allowed = chameleon_step(state, rerouting_allowed)
         else:
-            cand = cache.get(ranks) or cache.setdefault(ranks, builder(state))
+            cand = cache.get(ranks) or cache.setdefault(ranks, simulated_candidate(policy, state))
         signature = _signature(cand)
-        alive = shape.num_devices - len(dead)
-        down = 0.0
         if signature != running:
-            down = max(cand.transition_s, base_mttr(policy, mttr)) if running is not None else 0.0
+            if running is not None:
+                busy_until = t + max(cand.transition_s, base_mttr(policy, mttr))
+                changes += 1
             running = signature
+        alive = shape.num_devices - len(dead)
         thr = cand.throughput
         lse = thr / (fault_free * alive / shape.num_devices) if alive and cand.feasible else None
-        if down > 0:
-            segments.append(Segment(t, min(end, t + down), 0.0, alive, None, down, "recovering"))
-        if t + down < end:
-            segments.append(Segment(t + down, end, thr, alive, lse, 0.0, cand.reason))
+        resume = min(max(busy_until, t), end)
+        if resume > t:
+            segments.append(Segment(t, resume, 0.0, alive, None, resume - t, "recovering"))
+        if resume < end:
+            segments.append(Segment(resume, end, thr, alive, lse, 0.0, cand.reason))
         if on_event:
             on_event()
-    return PolicyRun(policy, tuple(segments), fault_free, horizon_s)
+    return PolicyRun(policy, tuple(segments), fault_free, horizon_s, changes)
+
+
+def simulated_candidate(policy: str, state: ClusterState) -> Candidate:
+    """The policy's plan; ReCycle, when rerouting cannot recover (a stage lost every live peer),
+    restarts without the damaged replicas, as TorchFT does, instead of stalling."""
+    cand = POLICIES[policy](state)
+    if policy == "recycle" and not cand.feasible:
+        fallback = POLICIES["torchft"](state)
+        if fallback.feasible:
+            return replace(fallback, policy="recycle", reason=f"{cand.reason}; restarted without damaged "
+                           f"replicas: {fallback.reason}")
+    return cand
 
 
 def _signature(cand: Candidate) -> tuple:

@@ -10,7 +10,7 @@ from planners.chameleon.state import MttrModel
 from simulator.engine import PolicyRun, base_mttr
 
 SUMMARY_FIELDS = ("policy", "time_avg_samples_per_s", "vs_fault_free", "mean_lse", "min_lse",
-                  "downtime_s", "changes", "mttr_assumption_s")
+                  "recovery_s", "stalled_s", "changes", "mttr_assumption_s")
 
 
 def summary_rows(runs: Sequence[PolicyRun], mttr: MttrModel) -> list[dict[str, object]]:
@@ -23,8 +23,9 @@ def summary_rows(runs: Sequence[PolicyRun], mttr: MttrModel) -> list[dict[str, o
             "vs_fault_free": round(run.time_averaged_throughput / run.fault_free_throughput, 4),
             "mean_lse": round(sum(lses) / len(lses), 4) if lses else "",
             "min_lse": round(min(lses), 4) if lses else "",
-            "downtime_s": round(run.downtime_s, 1),
-            "changes": sum(1 for s in run.segments if s.downtime_s > 0),
+            "recovery_s": round(run.recovery_s, 1),
+            "stalled_s": round(run.downtime_s - run.recovery_s, 1),
+            "changes": run.plan_changes,
             "mttr_assumption_s": base_mttr("reparallelise" if run.policy == "chameleon" else run.policy, mttr),
         })
     return sorted(rows, key=lambda r: -float(r["time_avg_samples_per_s"]))

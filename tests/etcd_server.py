@@ -17,6 +17,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 HEALTH_TIMEOUT_S = 20.0
 _START_ATTEMPTS = 3  # a free port can be taken by someone else between our probe and etcd's bind
 
@@ -35,9 +37,19 @@ def find_etcd() -> str:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports that were free a moment ago (held together, so distinct)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 class EtcdServer:
@@ -71,7 +83,7 @@ class EtcdServer:
         last_error = ""
         for _ in range(_START_ATTEMPTS):
             if not self.client_port:
-                self.client_port, self.peer_port = free_port(), free_port()
+                self.client_port, self.peer_port = free_ports(2)
             try:
                 self._launch()
                 return self
@@ -92,9 +104,19 @@ class EtcdServer:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def pause(self) -> None:
-        """SIGSTOP the server: connections stay open but nothing answers (a hung or partitioned node)."""
-        if self._proc is not None:
-            self._proc.send_signal(signal.SIGSTOP)
+        """SIGSTOP the server: connections stay open but nothing answers (a hung or partitioned node).
+
+        Returns once every thread is stopped: kill() only queues the signal, and a thread that is
+        running at that moment could still answer one more request.
+        """
+        if self._proc is None:
+            return
+        self._proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5.0
+        while not self._all_threads_stopped():
+            if time.monotonic() > deadline:
+                raise EtcdServerError("etcd did not stop within 5 s of SIGSTOP")
+            time.sleep(0.01)
 
     def resume(self) -> None:
         if self._proc is not None:
@@ -147,7 +169,26 @@ class EtcdServer:
             time.sleep(0.05)
         raise EtcdServerError(f"etcd not healthy within {HEALTH_TIMEOUT_S:.0f} s; log tail:\n{self._log_tail()}")
 
+    def _all_threads_stopped(self) -> bool:
+        assert self._proc is not None
+        try:
+            threads = psutil.Process(self._proc.pid).threads()
+            return all(psutil.Process(t.id).status() == psutil.STATUS_STOPPED for t in threads)
+        except psutil.NoSuchProcess:
+            return False
+
+    def _listening_on_client_port(self) -> bool:
+        """Is *our* process the one listening? Otherwise /health could be answered by a stranger."""
+        assert self._proc is not None
+        try:
+            conns = psutil.Process(self._proc.pid).net_connections(kind="tcp")
+        except psutil.NoSuchProcess:
+            return False
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == self.client_port for c in conns)
+
     def _healthy(self) -> bool:
+        if not self._listening_on_client_port():
+            return False
         try:
             with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1.0) as response:
                 return json.loads(response.read()).get("health") == "true"

@@ -1,5 +1,8 @@
-"""The dynamic communicator (ElasWave §6.1, Fig. 8): one gloo group per logical group.
+"""The dynamic communicator (ElasWave §6.1, Fig. 8): gloo groups per logical group, edited in place.
 
+Each stage's DP group is one gloo group; a pair of adjacent stages (`pp/s-t`, only ever used point
+to point by the pipeline) is served by one two-worker group per link (`link/a-b`), so losing a
+worker touches only its DP group and its own links (`pp_links=False` keeps one group per pair).
 Groups are built directly with ``ProcessGroupGloo(PrefixStore(prefix, store), rank, size,
 timeout)`` over a store that no training rank hosts (executor.store_server), without
 ``init_process_group``: there is no world communicator to tear down when a rank leaves. Each
@@ -34,7 +37,15 @@ from torch.distributed import (
 
 from executor.comm import ledger as ledger_mod
 from executor.comm.errors import MembershipError, PeerFailure
-from executor.comm.groups import EditDecision, Membership, all_workers, decide_edit, validate_membership
+from executor.comm.groups import (
+    EditDecision,
+    Membership,
+    all_workers,
+    decide_edit,
+    link_name,
+    physical_groups,
+    validate_membership,
+)
 from executor.comm.ledger import GroupLedger
 
 ABORT_POLL_S = 0.02
@@ -100,6 +111,7 @@ class Communicator:
         timeout_s: float = 10.0,
         mode: RebuildMode | str = RebuildMode.PARTIAL,
         namespace: str = "ew",
+        pp_links: bool = True,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -112,23 +124,32 @@ class Communicator:
         self.mode = RebuildMode(mode)
         self.namespace = namespace
         self.epoch = 0
+        self.pp_links = pp_links
         self.membership: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in membership.items()}
+        self.physical = physical_groups(self.membership, pp_links)
         self._groups: dict[str, _Group] = {}
         self._graveyard: list[ProcessGroupGloo] = []  # groups with abandoned ops; never destroyed
-        self._build(sorted(n for n, ws in self.membership.items() if worker in ws))
+        self._build(sorted(n for n, ws in self.physical.items() if worker in ws))
 
     # ----- introspection -------------------------------------------------------------------
     def names(self) -> list[str]:
+        """The gloo groups this worker is in (logical groups, and `link/a-b` pipeline links)."""
         return sorted(self._groups)
 
     def group(self, name: str) -> ProcessGroupGloo:
+        if name in self.membership and name not in self.physical:
+            raise MembershipError(f"{name!r} is served by point-to-point links here: use send/recv/exchange")
         return self._handle(name).pg
 
     def workers(self, name: str) -> tuple[int, ...]:
-        return self._handle(name).workers
+        """Members of a logical group (or of a physical one such as a link), in rank order."""
+        ws = self.membership.get(name) or self.physical.get(name)
+        if ws is None or self.worker not in ws:
+            raise MembershipError(f"worker {self.worker} has no group {name!r} (has {sorted(self.membership)})")
+        return ws
 
     def group_rank(self, name: str, worker: int | None = None) -> int:
-        ws = self._handle(name).workers
+        ws = self.workers(name)
         w = self.worker if worker is None else worker
         if w not in ws:
             raise MembershipError(f"worker {w} is not in group {name!r} {ws}")
@@ -169,14 +190,10 @@ class Communicator:
         self.all_reduce(name, torch.zeros(1))
 
     def send(self, name: str, tensor: torch.Tensor, dst_worker: int, tag: int = 0) -> None:
-        g = self._handle(name)
-        g.ledger.sent[dst_worker] += 1
-        self._wait(g, g.pg.send([tensor], self.group_rank(name, dst_worker), tag), has_future=False)
+        self.exchange_many([(name, tensor, dst_worker, tag)], [])
 
     def recv(self, name: str, tensor: torch.Tensor, src_worker: int, tag: int = 0) -> None:
-        g = self._handle(name)
-        g.ledger.received[src_worker] += 1
-        self._wait(g, g.pg.recv([tensor], self.group_rank(name, src_worker), tag), has_future=False)
+        self.exchange_many([], [(name, tensor, src_worker, tag)])
 
     def exchange(
         self,
@@ -199,20 +216,20 @@ class Communicator:
         both sends and receives cannot deadlock on the order of blocking calls."""
         works = []
         for name, tensor, dst, tag in sends:
-            g = self._handle(name)
+            g = self._route(name, dst)
             g.ledger.sent[dst] += 1
-            works.append((g, g.pg.send([tensor], self.group_rank(name, dst), tag)))
+            works.append((g, g.pg.send([tensor], g.workers.index(dst), tag)))
         for name, tensor, src, tag in recvs:
-            g = self._handle(name)
+            g = self._route(name, src)
             g.ledger.received[src] += 1
-            works.append((g, g.pg.recv([tensor], self.group_rank(name, src), tag)))
+            works.append((g, g.pg.recv([tensor], g.workers.index(src), tag)))
         for g, work in works:
             self._wait(g, work, has_future=False)
 
     def group_with(self, a: int, b: int) -> str:
-        """The first group (by name) that holds both workers; every worker picks the same one."""
+        """The first logical group (by name) that holds both workers; both pick the same one."""
         for name in sorted(self.membership):
-            if a in self.membership[name] and b in self.membership[name] and name in self._groups:
+            if a in self.membership[name] and b in self.membership[name] and self.worker in (a, b):
                 return name
         raise MembershipError(f"no group of worker {self.worker} holds both workers {a} and {b}")
 
@@ -237,10 +254,11 @@ class Communicator:
         if self.worker not in all_workers(new):
             raise MembershipError(f"worker {self.worker} is not in the new membership {new}")
         t0 = time.perf_counter()
-        decision = self._decide(new)
+        physical = physical_groups(new, self.pp_links)
+        decision = self._decide(physical)
         old_groups = self._groups
         self.epoch += 1
-        self.membership = new
+        self.membership, self.physical = new, physical
         self._groups = {n: old_groups[n] for n in decision.reuse}
         for name in decision.drop:
             g = old_groups[name]
@@ -269,13 +287,13 @@ class Communicator:
         if keys:
             self.store.wait(keys, timedelta(seconds=self.timeout_s))
         ledgers = {w: ledger_mod.decode(self.store.get(key + str(w))) for w in sorted(needed)}
-        return decide_edit(self.membership, new, self.worker, ledgers, full=full)
+        return decide_edit(self.physical, new, self.worker, ledgers, full=full)
 
     def _build(self, names: list[str]) -> None:
         # Sorted, identical order on every worker: two workers never wait on each other's
         # second group while holding their first (lock ordering).
         for name in sorted(names):
-            workers = self.membership[name]
+            workers = self.physical[name]
             prefix = f"{self.namespace}/e{self.epoch}/{name}"
             pg = ProcessGroupGloo(
                 PrefixStore(prefix, self.store),
@@ -286,6 +304,14 @@ class Communicator:
             self._groups[name] = _Group(name=name, workers=workers, pg=pg, ledger=GroupLedger())
 
     # ----- internals -----------------------------------------------------------------------
+    def _route(self, name: str, peer: int) -> _Group:
+        """The gloo group that carries a p2p op of logical group `name` to or from `peer`."""
+        if name in self._groups:
+            return self._groups[name]
+        if peer not in self.workers(name):
+            raise MembershipError(f"worker {peer} is not in group {name!r} {self.workers(name)}")
+        return self._handle(link_name(self.worker, peer))
+
     def _handle(self, name: str) -> _Group:
         try:
             return self._groups[name]

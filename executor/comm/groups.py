@@ -40,6 +40,41 @@ def groups_for_stages(stage_workers: Sequence[Sequence[int]]) -> dict[str, tuple
     return groups
 
 
+def link_name(a: int, b: int) -> str:
+    """The two-worker group of one pipeline link (ordered by worker id)."""
+    lo, hi = sorted((a, b))
+    return f"link/{lo}-{hi}"
+
+
+def _pp_stages(name: str) -> tuple[int, int] | None:
+    if not name.startswith("pp/"):
+        return None
+    first, second = name[3:].split("-")
+    return int(first), int(second)
+
+
+def physical_groups(membership: Membership, pp_links: bool) -> dict[str, tuple[int, ...]]:
+    """The gloo groups that serve a logical membership.
+
+    With `pp_links`, a stage pair `pp/s-t` is not one group of both stages but one two-worker
+    group per (stage-s worker, stage-t worker) link: the pipeline only ever talks point to point,
+    and losing a worker then touches only its own links (ElasWave Fig. 8: neighbours reconnect,
+    every other link is reused). Other groups map to themselves.
+    """
+    out: dict[str, tuple[int, ...]] = {}
+    for name, workers in membership.items():
+        stages = _pp_stages(name) if pp_links else None
+        left = membership.get(dp_group_name(stages[0])) if stages else None
+        right = membership.get(dp_group_name(stages[1])) if stages else None
+        if left is None or right is None:
+            out[name] = tuple(workers)
+            continue
+        for a in left:
+            for b in right:
+                out[link_name(a, b)] = tuple(sorted((a, b)))
+    return out
+
+
 def validate_membership(membership: Membership) -> None:
     for name, workers in membership.items():
         if not workers:

@@ -19,8 +19,9 @@ import math
 
 import numpy as np
 
+from planners.chameleon.estimators import StepEstimate, rerouting_step_time
 from planners.chameleon.state import Candidate, ClusterState, PipelinePlan, StagePlan, infeasible
-from planners.chameleon.stepmodel import make_stage, over_cap, stage_memory, step_time, sync_time
+from planners.chameleon.stepmodel import make_stage, over_cap, stage_memory, step_time
 from planners.partition import AdditiveCosts
 
 
@@ -84,14 +85,34 @@ def torchft(state: ClusterState) -> Candidate:
                      len(whole) * shape.pp * shape.tp)
 
 
+def _rerouting_shape(state: ClusterState) -> tuple[list[int], list[int]]:
+    """Replicas that keep at least one rank, and per stage how many of their ranks are lost."""
+    shape = state.shape
+    replicas = [d for d in range(shape.dp)
+                if not all(shape.rank(d, s) in state.failed for s in range(shape.pp))]
+    return replicas, [sum(shape.rank(d, s) in state.failed for d in replicas) for s in range(shape.pp)]
+
+
+def rerouting_estimate(state: ClusterState) -> StepEstimate:
+    """Chameleon's eq. (13) estimate of rerouting, summed over stages as the paper writes it."""
+    shape = state.shape
+    replicas, failed = _rerouting_shape(state)
+    if not replicas:
+        return StepEstimate(float("inf"), False, "no replica left")
+    pipe = _fixed_layout_pipe(state, replicas, shape.micro_batch, 1)
+    worst = max(pipe.stages, key=lambda st: st.ministep_s)
+    slots = math.ceil(shape.global_batch / (len(replicas) * shape.micro_batch))
+    return rerouting_step_time(shape.pp, slots, len(replicas), failed, worst.fwd_s + worst.p2p_s,
+                               worst.bwd_s + worst.p2p_s)
+
+
 def recycle(state: ClusterState) -> Candidate:
     shape, prof = state.shape, state.profile
-    dead = {d for d in range(shape.dp) if all(shape.rank(d, s) in state.failed for s in range(shape.pp))}
-    replicas = [d for d in range(shape.dp) if d not in dead]
+    replicas, failed = _rerouting_shape(state)
     if not replicas:
         return infeasible("recycle", "no replica left")
+    dead = shape.dp - len(replicas)
     d_live = len(replicas)
-    failed = [sum(shape.rank(d, s) in state.failed for d in replicas) for s in range(shape.pp)]
     if max(failed) >= d_live:
         s = failed.index(max(failed))
         return infeasible("recycle", f"eq. 13: stage {s} lost all {d_live} live DP ranks; rerouting cannot recover")
@@ -104,11 +125,11 @@ def recycle(state: ClusterState) -> Candidate:
     # deferred into the P-1 bubble slots; forward and input-gradient stay on the critical path.
     w_frac = 0.5 * sum(prof.layer_bwd_s) / (sum(prof.layer_fwd_s) + sum(prof.layer_bwd_s))
     hidden = min(extra * w_frac, shape.pp - 1)
-    t = (shape.pp + slots - 1 + extra - hidden) * ministep + sync_time((pipe,), prof)
+    t = step_time((pipe,), prof) + (extra - hidden) * ministep
     cap = over_cap((pipe,), prof)
     if cap:
         return infeasible("recycle", f"rerouted activations exceed memory: {cap}")
     return Candidate("recycle", True, f"rerouted {sum(failed)} failed ranks' micro-batches to their stage peers "
-                     f"(+{extra:.3g} mini-steps, {hidden:.3g} hidden in bubbles); dropped {len(dead)} whole replicas",
+                     f"(+{extra:.3g} mini-steps, {hidden:.3g} hidden in bubbles); dropped {dead} whole replicas",
                      (pipe,), t, shape.global_batch, state.mttr.recycle_s if state.failed else 0.0, 0.0,
                      (d_live * shape.pp - sum(failed)) * shape.tp)

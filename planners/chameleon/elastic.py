@@ -6,8 +6,9 @@ count. With migration, the planner also re-chooses the slot count M (a slot whos
 evenly among every stage's survivors removes the ceil() straggler) and re-partitions layers with
 Algorithm 1 under per-stage memory caps; a stage with no survivor is removed and its layers are
 re-partitioned over the rest. With DVFS, stages still above the balanced target after the
-(layer-granular) partition are up-clocked to the lowest frequency that meets it (Alg. 2 run on
-the analytic model: compute time scales with nominal/f, transfers do not).
+(layer-granular) partition are up-clocked to the lowest frequency that meets it: Alg. 2
+(`planners.dvfs.bisection_search`) observing the analytic model, in which compute time scales
+with nominal/f and transfers do not.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import math
 import numpy as np
 
 from planners.chameleon.candidates import current_boundaries, even_counts, stage_edges
-from planners.chameleon.state import Candidate, ClusterState, PipelinePlan, StagePlan, infeasible
+from planners.chameleon.state import Candidate, ClusterState, JobProfile, PipelinePlan, StagePlan, infeasible
 from planners.chameleon.stepmodel import make_stage, over_cap, step_time
+from planners.dvfs import bisection_search, model_frequency_guess
 from planners.partition import AdditiveCosts
 
 
@@ -147,12 +149,25 @@ def _upclock_stragglers(state: ClusterState, stages: list[StagePlan], floor_s: f
         if c + o <= target * (1 + 1e-9) or target <= o:
             out.append(s)
             continue
-        need = prof.freq_nominal_mhz * c / (target - o)
-        freq = min(prof.freq_max_mhz, math.ceil(need / prof.freq_step_mhz) * prof.freq_step_mhz)
+        freq = _lowest_frequency(prof, c, o, target)
         scale = prof.freq_nominal_mhz / freq
         out.append(StagePlan(s.layer_start, s.layer_stop, s.ranks, s.samples_per_slot, freq,
                              s.fwd_s * scale, s.bwd_s * scale, s.p2p_s, s.mem_bytes))
     return out
+
+
+def _lowest_frequency(prof: JobProfile, compute_s: float, other_s: float, target_s: float) -> int:
+    """`planners.dvfs.bisection_search` (Alg. 2) observing the analytic stage time
+    `compute * f_nominal / f + other` instead of a device."""
+    f_nom = prof.freq_nominal_mhz
+    search = bisection_search(f_nom, prof.freq_max_mhz, target_s, target_s * 1e-9, prof.freq_step_mhz,
+                              model_frequency_guess(compute_s, other_s, f_nom, target_s))
+    mhz = next(search)
+    while True:
+        try:
+            mhz = search.send(compute_s * f_nom / mhz + other_s)
+        except StopIteration as done:
+            return int(done.value.mhz)
 
 
 def _migration_bytes(state: ClusterState, kept: list[int], pipe: PipelinePlan) -> tuple[float, float]:

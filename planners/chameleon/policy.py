@@ -13,9 +13,9 @@ simulator also scores the ElasWave ablations and Oobleck templates through the s
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from planners.chameleon.candidates import recycle, torchft
+from planners.chameleon.candidates import recycle, rerouting_estimate, torchft
 from planners.chameleon.elastic import elaswave
 from planners.chameleon.reparallel import oobleck, reparallelise
 from planners.chameleon.state import Candidate, ClusterState
@@ -80,3 +80,21 @@ def decide(candidates: Sequence[Candidate], horizon_s: float) -> PolicyDecision:
                           f"eq. 8: {best.candidate.policy} scores {best.score:.4g} samples/s "
                           f"(throughput {best.candidate.throughput:.4g} x effective ratio "
                           f"{best.effective_ratio:.4f} over {horizon_s:.0f} s){margin}")
+
+
+def chameleon_step(state: ClusterState, rerouting_allowed: bool) -> tuple[Candidate, bool]:
+    """Chameleon's own choice (§III-IV): eq. (8) between rerouting, scored with its eq. (13)
+    estimate, and dynamic parallelism. Rerouting needs the configured symmetric layout, so it is
+    offered only until the first re-parallelisation (and again once the job is whole).
+    Returns the plan to run and whether rerouting stays available."""
+    rep = reparallelise(state)
+    options = [rep]
+    rec = recycle(state) if rerouting_allowed else None
+    estimate = None
+    if rec is not None and rec.feasible:
+        estimate = replace(rec, step_time_s=rerouting_estimate(state).step_time_s)
+        options.insert(0, estimate)
+    chosen = decide(options, state.expected_time_to_next_event_s).chosen
+    if rec is not None and chosen is estimate:
+        return replace(rec, policy="chameleon", reason="rerouting: " + rec.reason), True
+    return replace(rep, policy="chameleon", reason="dynamic parallelism: " + rep.reason), not state.failed

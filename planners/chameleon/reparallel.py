@@ -17,14 +17,17 @@ more weights move.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
-from planners.chameleon.candidates import current_boundaries, even_counts, stage_edges
+from planners.chameleon.candidates import current_boundaries, even_counts, stage_edges, torchft
 from planners.chameleon.matching import match_weight_transfer
 from planners.chameleon.state import Candidate, ClusterState, PipelinePlan, infeasible
 from planners.chameleon.stepmodel import make_stage, over_cap, stage_memory, step_time
 
 
 def reparallelise(state: ClusterState, dp_range: int = 2) -> Candidate:
+    if not state.failed and not state.slowdown:
+        return _configured(state, "reparallelise")
     d = state.shape.dp
     options = [k for k in range(max(1, d - dp_range), d + dp_range + 1)]
     return _best_plan(state, "reparallelise", options, None, matched=True,
@@ -32,6 +35,8 @@ def reparallelise(state: ClusterState, dp_range: int = 2) -> Candidate:
 
 
 def oobleck(state: ClusterState) -> Candidate:
+    if not state.failed and not state.slowdown:
+        return _configured(state, "oobleck")
     p_min = _fewest_stages_that_fit(state)
     if p_min is None:
         return infeasible("oobleck", "no pipeline depth fits the model in device memory")
@@ -41,6 +46,12 @@ def oobleck(state: ClusterState) -> Candidate:
     options = list(range(max(1, math.ceil(n / templates[-1])), n // p_min + 1))
     return _best_plan(state, "oobleck", options, templates, matched=False,
                       restart_s=state.mttr.oobleck_restart_s)
+
+
+def _configured(state: ClusterState, name: str) -> Candidate:
+    """With nothing lost or slow, the job runs its configured layout (what every policy starts from)."""
+    base = torchft(state)
+    return replace(base, policy=name, reason="healthy: the configured DP x PP layout")
 
 
 def _fewest_stages_that_fit(state: ClusterState) -> int | None:

@@ -170,6 +170,14 @@ class AgentProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def wait_log(self, text: str, timeout: float = 10.0) -> str:
+        """The log once it contains ``text``; AssertionError with the log tail otherwise."""
+        deadline = time.monotonic() + timeout
+        while text not in (log := self.log):
+            assert time.monotonic() < deadline, f"{text!r} not logged within {timeout} s:\n{log[-2000:]}"
+            time.sleep(0.02)
+        return log
+
     def signal(self, signum: int) -> None:
         self.proc.send_signal(signum)
 

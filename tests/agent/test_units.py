@@ -152,8 +152,9 @@ def _config(**changes: object) -> AgentConfig:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"job": ""}, "--job: must be non-empty"),
-        ({"worker_id": "a/b"}, "--worker-id: must be non-empty, without '/'"),
+        ({"job": ""}, "--job: must be 1-128 letters, digits or '._:@-'"),
+        ({"worker_id": "a/b"}, "--worker-id: must be 1-128 letters, digits or '._:@-', starting with a letter or digit, got 'a/b'"),
+        ({"worker_id": "-w"}, "--worker-id: must be 1-128"),
         ({"cores": ()}, "--core: at least one"),
         ({"worker_command": ("python",)}, "exactly one of --pid PID or a worker command"),
         ({"worker_pid": None}, "exactly one of --pid PID or a worker command"),

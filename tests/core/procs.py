@@ -47,6 +47,7 @@ class CoreProcess:
         self.http_port: int = info["http_port"]
         self.grpc_address = f"127.0.0.1:{self.grpc_port}"
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=5.0)
+        wait_until(self.role, DEFAULT_WAIT_S, f"core {name} to answer /healthz")
 
     def _ready(self) -> dict[str, Any] | None:
         if self.proc.poll() is not None:

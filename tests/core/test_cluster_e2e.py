@@ -31,7 +31,7 @@ def cluster(tmp_path: Path, etcd_registry_url: str) -> Iterator[dict]:
 
 def start_agents(cluster: dict, n: int, cores: str, job_token: str) -> list[AgentProcess]:
     etcd = cluster["etcd"].removeprefix("etcd://")
-    agents = [AgentProcess(cluster["tmp"], "train", f"w{i}", cores, job_token, dp_rank=i, etcd=etcd)
+    agents = [AgentProcess(cluster["tmp"], "train", f"w{i}", cores, job_token, rank=i, dp_rank=i, etcd=etcd)
               for i in range(n)]
     cluster["agents"].extend(agents)
     return agents

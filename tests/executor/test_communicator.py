@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from executor.comm import Communicator, MembershipError, PeerFailure, groups_for_stages
-from executor.comm.groups import decide_edit
+from executor.comm.groups import decide_edit, physical_groups
 from executor.store_server import StoreServer, connect_store
 from tests.executor.ft_procs import collect, kill9, spawn
 
@@ -74,6 +74,7 @@ def _edit_worker(worker: int, port: int, mode: str) -> dict[str, object]:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", ["partial", "full"])
 def test_edit_after_kill(mode: str) -> None:
+    """Stages [[0,1],[2,3],[4,5]]: groups dp/0..2 and one link per adjacent-stage worker pair."""
     server = StoreServer.start()
     try:
         procs, results = spawn(_edit_worker, list(range(6)), server.port, mode)
@@ -85,21 +86,22 @@ def test_edit_after_kill(mode: str) -> None:
     finally:
         server.stop()
 
-    after = groups_for_stages(AFTER)
+    after = physical_groups(groups_for_stages(AFTER), pp_links=True)
     for w, r in got.items():
         mine = sorted(n for n, ws in after.items() if w in ws)
         assert sorted(r["sums"]) == mine
         for name in mine:
             assert r["sums"][name] == _expected_sum(after[name]), (w, name)
-        # partial: untouched and clean are dp/0 and pp/0-1. dp/1 kept its members but worker 3
-        # abandoned an all-reduce on it, so it is rebuilt too; dp/2 and pp/1-2 lost the victim.
-        expect_reused = sorted({"dp/0", "pp/0-1"} & set(mine)) if mode == "partial" else []
+        # partial: only dp/2 (lost the victim) and dp/1 (kept its members, but worker 3 abandoned
+        # an all-reduce on it) are rebuilt; every surviving link and dp/0 are reused as they are.
+        rebuilt = {"dp/1", "dp/2"}
+        expect_reused = sorted(set(mine) - rebuilt) if mode == "partial" else []
         assert r["reused_identity"] == expect_reused, (w, r)
         assert r["report_reused"] == expect_reused
         assert sorted(r["report_rebuilt"]) == sorted(set(mine) - set(expect_reused))
     # the survivor blocked in an all-reduce with the killed peer is released with PeerFailure
     assert got[4]["failure"]["type"] == "PeerFailure" and got[4]["failure"]["group"] == "dp/2"
-    assert got[2]["failure"]["group"] == "pp/1-2"
+    assert got[2]["failure"]["group"] == "link/2-5"
     assert got[3]["failure"]["group"] == "dp/1" and "aborted" in got[3]["failure"]["reason"]
     assert got[0]["failure"] == {} and got[1]["failure"] == {}
     assert got[2]["p2p"] == [20.0, 21.0, 22.0] and got[3]["p2p"] == [30.0, 31.0, 32.0]
@@ -108,6 +110,10 @@ def test_edit_after_kill(mode: str) -> None:
 def test_groups_for_stages_and_bad_input() -> None:
     g = groups_for_stages([[0, 1], [2, 3]])
     assert g == {"dp/0": (0, 1), "dp/1": (2, 3), "pp/0-1": (0, 1, 2, 3)}
+    assert physical_groups(g, pp_links=True) == {
+        "dp/0": (0, 1), "dp/1": (2, 3), "link/0-2": (0, 2), "link/0-3": (0, 3), "link/1-2": (1, 2),
+        "link/1-3": (1, 3)}
+    assert physical_groups(g, pp_links=False) == g
     with pytest.raises(MembershipError, match="two stages"):
         groups_for_stages([[0, 1], [1, 2]])
     with pytest.raises(MembershipError, match="at least one worker"):

@@ -96,3 +96,18 @@ def test_dropout_rng_is_placement_invariant_only_in_that_mode() -> None:
     per1, per2 = losses["per_rank", 1], losses["per_rank", 2]
     deviation = max(abs(a - b) / a for a, b in zip(per1, per2, strict=True))
     assert deviation > 1e-4, deviation  # different masks: far beyond round-off
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_dynamic_communicator_drives_the_same_engine_bit_for_bit() -> None:
+    """The fault-tolerant executor.comm.Communicator (pipeline pairs served by per-link groups)
+    in place of StaticComm: same losses and state, including a blocking layer migration."""
+    cfg = train_config(dropout=0.1)
+    ranks = [(0, 1), (2, 3)]
+    start = layout([(0, 2), (2, 4)], ranks, global_batch=6)
+    relayouts = ((2, layout([(0, 1), (1, 4)], ranks, global_batch=6)),)
+    static = run_job(JobSpec(cfg, start, 4, relayouts=relayouts))
+    dynamic = run_job(JobSpec(cfg, start, 4, relayouts=relayouts, comm_kind="dynamic"))
+    assert job_losses(static) == job_losses(dynamic)
+    assert states_equal(merged_state(static), merged_state(dynamic))

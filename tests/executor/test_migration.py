@@ -7,6 +7,7 @@ import pytest
 
 from executor.launch import JobSpec, job_losses, merged_state, run_job
 from executor.migration import moved_layers
+from executor.nonblocking_migration import check_nonblocking
 from planners.layout import Layout, StageLayout
 from planners.zero import migration_cost
 from tests.executor.engine_cases import layout, max_state_diff, states_equal, train_config
@@ -75,3 +76,41 @@ def test_only_pipeline_only_changes_are_accepted() -> None:
 
     with pytest.raises(ValueError, match="one stage at a time"):  # layer 2 would skip stage 1
         moved_layers(five_layers([(0, 1), (1, 2), (2, 5)]), five_layers([(0, 3), (3, 4), (4, 5)]))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("batch, k", [(8, 2), (6, 3)])  # B=6, M=4: some ranks have empty slots
+def test_nonblocking_migration_with_shadow_and_payback_is_bit_identical(batch: int, k: int) -> None:
+    cfg = train_config(dropout=0.1)
+    start = layout([(0, 2), (2, 4)], RANKS, global_batch=batch)
+    base = run_job(JobSpec(cfg, start, 8))
+    relayouts = ((3, layout([(0, 1), (1, 4)], RANKS, global_batch=batch)),
+                 (6, layout([(0, 3), (3, 4)], RANKS, global_batch=batch)))
+    moved = run_job(JobSpec(cfg, start, 8, relayouts=relayouts, migration="nonblocking", shadow_slots=k))
+    assert job_losses(moved) == job_losses(base)
+    assert states_equal(merged_state(moved), merged_state(base)), max_state_diff(merged_state(moved),
+                                                                                 merged_state(base))
+    for rank, res in moved.items():
+        first, second = res.migrations
+        assert first["mode"] == second["mode"] == "nonblocking"
+        own = [len(start.samples_of(rank, m)) > 0 for m in range(4)]
+        source, target = (first, second) if rank in (0, 1) else (second, first)
+        # The source ran the shadow for its non-empty slots < k; the target folded its slots >= k.
+        assert source["shadow_slots_run"] == sum(own[:k])
+        assert target["payback_slots"] == sum(own[k:])
+        # Per moved block: full parameters + this rank's half of the moments + the payback gradient.
+        numel = start.layer_numel[1]
+        for rep, side in ((source, "elements_sent"), (target, "elements_received")):
+            assert rep[side] == len(rep["moved_layers"]) * (numel + 2 * (numel // 2) + numel)
+
+
+def test_nonblocking_migration_preconditions() -> None:
+    moves = ((1, 0, 1),)
+    check_nonblocking(layout([(0, 2), (2, 4)], RANKS), moves, 4)
+    with pytest.raises(ValueError, match="interleaved"):
+        check_nonblocking(layout([(0, 2), (2, 4)], RANKS, zero_layout="contiguous"), moves, 1)
+    with pytest.raises(ValueError, match="split samples differently"):
+        check_nonblocking(layout([(0, 2), (2, 4)], [(0, 1), (2,)]), moves, 1)
+    with pytest.raises(ValueError, match="shadow_slots"):
+        check_nonblocking(layout([(0, 2), (2, 4)], RANKS), moves, 5)

@@ -8,7 +8,9 @@ from itertools import combinations
 import pytest
 
 from planners.chameleon.plan_cache import failure_key, failure_keys, precompute, representative
-from planners.chameleon.policy import choose_policy, decide, eq8_score
+from planners.chameleon.candidates import rerouting_estimate
+from planners.chameleon.policy import chameleon_step, choose_policy, decide, eq8_score
+from planners.chameleon.reparallel import reparallelise
 from planners.chameleon.state import Candidate, ClusterState, JobProfile, JobShape
 
 SHAPE = JobShape(pp=3, dp=3, micro_batch=1, global_batch=24)
@@ -76,3 +78,28 @@ def test_plan_cache_lookup_equals_deciding_at_failure_time() -> None:
     assert cache.lookup(frozenset({0, 1, 2})) is None  # three losses were not precomputed
     with pytest.raises(ValueError, match="fault-free"):
         precompute(replace(BASE, failed=frozenset({0})), 1)
+
+
+def test_chameleon_reroutes_for_a_short_horizon_and_reparallelises_for_a_long_one() -> None:
+    failed = frozenset({SHAPE.rank(0, 1)})
+    short = replace(BASE, failed=failed, expected_time_to_next_event_s=5.0)
+    cand, allowed = chameleon_step(short, rerouting_allowed=True)
+    assert cand.reason.startswith("rerouting") and allowed
+    # One loss per stage, each in another replica: eq. 13 sums three stages' extra work.
+    spread = frozenset({SHAPE.rank(0, 0), SHAPE.rank(1, 1), SHAPE.rank(2, 2)})
+    long = replace(BASE, failed=spread, expected_time_to_next_event_s=1e7)
+    assert reparallelise(long).step_time_s < rerouting_estimate(long).step_time_s
+    cand, allowed = chameleon_step(long, rerouting_allowed=True)
+    assert cand.reason.startswith("dynamic parallelism") and not allowed
+    # Once re-parallelised, rerouting is not offered until the job is whole again.
+    cand, allowed = chameleon_step(short, rerouting_allowed=False)
+    assert cand.reason.startswith("dynamic parallelism") and not allowed
+    _, allowed = chameleon_step(BASE, rerouting_allowed=False)
+    assert allowed
+
+
+def test_rerouting_estimate_is_eq12_for_one_failure() -> None:
+    s = replace(BASE, failed=frozenset({SHAPE.rank(2, 0)}))
+    est = rerouting_estimate(s)
+    per_slot = 3 * (0.01 + 0.02)  # 3 layers per stage, one sample
+    assert est.step_time_s == pytest.approx((3 + 8 - 1 + 8 / 2) * per_slot)

@@ -1,0 +1,210 @@
+"""Non-blocking layer migration with a shadow layer and gradient payback (ElasWave §6.2, Fig. 9).
+
+At the step boundary nothing stalls: every source rank j *posts* an asynchronous send of the
+moving block (full parameters + its interleaved optimizer shard j) to rank j of the destination
+stage, every destination rank posts the matching receive, and all ranks adopt the new layout at
+once. During the first `shadow_slots` (k) micro-batch slots of the step:
+
+* the source still runs the block as a *shadow* for slots 0..k-1 (activations crossing the stage
+  boundary are the ones the old layout would send) and accumulates its gradient;
+* the destination skips the block for those slots, and waits for the parameters only before its
+  first forward of slot k, by which time the transfer has overlapped k forwards;
+* after its last backward of a slot < k the source sends the accumulated "payback" gradient.
+
+Exactness. Autograd accumulates a parameter's gradient as a left fold over the slots,
+`((g0 + g1) + g2) + ...`. The shadow's gradient is exactly `g0 + ... + g(k-1)` (the same bits, since
+the same samples meet the same weights), so the destination keeps its own per-slot gradients
+`g_k, ...` apart and folds them onto the payback in slot order: the result is bit-identical to
+a blocking migration or to no migration at all. This needs the two stages to split samples the
+same way (rank j's samples are the same on both) and the interleaved ZeRO layout (D disjoint
+rank-to-rank transfers, no intra-stage resharding), which is the combination the paper evaluates.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from executor.engine_comm import p2p_channel, pp_group_name
+from executor.migration import MigrationReport, moved_layers
+from executor.model import block_name
+from executor.trainer import Trainer
+from executor.zero import ShardState, assign_flat, flat_grads, unit_ownership
+from planners.layout import Layout
+
+MIGRATE_TAG = 1000
+PAYBACK_TAG = 2000
+
+
+@dataclass
+class _Outgoing:
+    layer: int
+    shadow: nn.Module
+    in_front: bool  # the block moves to the previous stage: its shadow runs before our blocks
+    peer: int
+    group: str  # logical group (pp/<s>-<s+1>)
+    channel: str = ""  # the group that carries the async sends (see engine_comm.p2p_channel)
+    works: list[object] = field(default_factory=list)
+    payback_sent: bool = False
+
+
+@dataclass
+class _Incoming:
+    layer: int
+    peer: int
+    channel: str  # the group that carries the async receives
+    lo: int
+    hi: int
+    payload: torch.Tensor
+    payload_work: object
+    payback: torch.Tensor
+    payback_work: object
+    loaded: bool = False
+    stash: list[torch.Tensor] = field(default_factory=list)  # own per-slot gradients, slots >= k
+
+
+def check_nonblocking(old: Layout, moves: tuple[tuple[int, int, int], ...], k: int) -> None:
+    """Raise ValueError unless these moves can migrate without blocking (module docstring)."""
+    if not 1 <= k <= old.num_micro_batches:
+        raise ValueError(f"shadow_slots must be in [1, {old.num_micro_batches}], got {k}")
+    if old.zero_layout != "interleaved":
+        raise ValueError("non-blocking migration needs the interleaved ZeRO layout (no intra-stage reshuffle)")
+    for layer, src, dst in moves:
+        a, b = old.stages[src], old.stages[dst]
+        if a.dp_size != b.dp_size or a.sample_weights != b.sample_weights:
+            raise ValueError(f"layer {layer}: stages {src} and {dst} split samples differently, so a "
+                             "shadow's gradient cannot be paid back rank to rank; use blocking migration")
+
+
+class NonBlockingMigration:
+    """One rank's part of a non-blocking migration; pass it to `Trainer.train_step` as the overlay
+    of the first step under the new layout (every rank of the job must do the same)."""
+
+    def __init__(self, trainer: Trainer, new: Layout, shadow_slots: int = 1) -> None:
+        start = time.perf_counter()
+        old, me, comm = trainer.layout, trainer.rank, trainer.comm
+        moves = moved_layers(old, new)
+        check_nonblocking(old, moves, shadow_slots)
+        self.trainer, self.k, self.moves = trainer, shadow_slots, moves
+        self.sent = self.received = 0
+        self.wait_seconds = 0.0
+        self.shadow_slots_run = 0
+        j, my_stage = old.stage_layout_of_rank(me).dp_index(me), old.stage_of_rank(me)
+        old_params, old_shards = trainer.unit_params(), trainer.optimizer.shards
+        self.outgoing: list[_Outgoing] = []
+        self.incoming: list[_Incoming] = []
+        new_stage = new.stages[my_stage]
+        numel = {n: f.numel() for n, f in old_params.items()}
+        numel.update({block_name(layer): new.layer_numel[layer] for layer in new_stage.layers})
+        ownership = unit_ownership(new, new_stage, numel)
+        for layer, src, dst in moves:
+            name, group = block_name(layer), pp_group_name(min(src, dst))
+            if src == my_stage:
+                out = _Outgoing(layer, trainer.model.units[name], dst < src, new.stages[dst].ranks[j], group)
+                for p in out.shadow.parameters():
+                    p.grad = None
+                sh = old_shards[name]
+                payload = torch.cat([old_params[name], sh.exp_avg, sh.exp_avg_sq])
+                out.channel, pg, peer_rank = p2p_channel(comm, group, out.peer)
+                out.works.append(pg.send([payload], peer_rank, MIGRATE_TAG + layer))
+                self.sent += payload.numel()
+                self.outgoing.append(out)
+            elif dst == my_stage:
+                peer, (lo, hi) = old.stages[src].ranks[j], ownership[name][j]
+                payload, payback = torch.empty(numel[name] + 2 * (hi - lo)), torch.empty(numel[name])
+                channel, g, gr = p2p_channel(comm, group, peer)
+                self.incoming.append(_Incoming(layer, peer, channel, lo, hi, payload,
+                                               g.recv([payload], gr, MIGRATE_TAG + layer), payback,
+                                               g.recv([payback], gr, PAYBACK_TAG + layer)))
+        params = {n: old_params.get(n, torch.zeros(numel[n])) for n in ownership}
+        shards = {n: old_shards[n] if n in old_shards else
+                  ShardState(iv[j][0], iv[j][1], torch.zeros(iv[j][1] - iv[j][0]), torch.zeros(iv[j][1] - iv[j][0]))
+                  for n, iv in ownership.items()}
+        trainer.reset_layout(new, comm, params, shards, trainer.optimizer.step_count, trainer.next_step)
+        self.boundary_seconds = time.perf_counter() - start
+        self._last_shadow_slot = max((m for m in range(shadow_slots)
+                                      if len(new.samples_of(me, m))), default=None)
+
+    # -------------------------------------------------------------------- StepOverlay hooks
+    def units_for_slot(self, slot: int, units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+        if slot >= self.k:
+            return units
+        self.shadow_slots_run += 1 if self.outgoing else 0
+        skipped = {block_name(inc.layer) for inc in self.incoming}
+        units = [(n, u) for n, u in units if n not in skipped]
+        front = [(block_name(o.layer), o.shadow) for o in sorted(self.outgoing, key=lambda o: o.layer) if o.in_front]
+        back = [(block_name(o.layer), o.shadow) for o in sorted(self.outgoing, key=lambda o: o.layer) if not o.in_front]
+        return front + units + back
+
+    def before_forward(self, slot: int) -> None:
+        if slot >= self.k:
+            self._load()
+
+    def after_backward(self, slot: int) -> None:
+        if slot == self._last_shadow_slot:
+            self._send_payback()
+        if slot >= self.k:
+            for inc in self.incoming:
+                unit = self.trainer.model.units[block_name(inc.layer)]
+                inc.stash.append(flat_grads(unit))
+                for p in unit.parameters():
+                    p.grad = None
+
+    def before_optimizer(self) -> None:
+        self._load()
+        self._send_payback()
+        for inc in self.incoming:
+            self._wait(inc.channel, inc.payback_work)
+            self.received += inc.payback.numel()
+            total = inc.payback.clone()
+            for g in inc.stash:  # the same left fold over slots that autograd would have done
+                total += g
+            offset = 0
+            for p in self.trainer.model.units[block_name(inc.layer)].parameters():
+                p.grad = total[offset: offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+
+    def finish(self) -> None:
+        for out in self.outgoing:
+            for work in out.works:
+                self._wait(out.channel, work)
+
+    # ------------------------------------------------------------------------------ internals
+    def _wait(self, group: str, work: object) -> None:
+        t = time.perf_counter()
+        self.trainer.comm.wait(group, work, has_future=False)
+        self.wait_seconds += time.perf_counter() - t
+
+    def _load(self) -> None:
+        for inc in self.incoming:
+            if inc.loaded:
+                continue
+            self._wait(inc.channel, inc.payload_work)
+            name, n = block_name(inc.layer), inc.hi - inc.lo
+            numel = inc.payload.numel() - 2 * n
+            assign_flat(self.trainer.model.units[name], inc.payload[:numel])
+            shard = self.trainer.optimizer.shards[name]
+            shard.exp_avg.copy_(inc.payload[numel: numel + n])
+            shard.exp_avg_sq.copy_(inc.payload[numel + n:])
+            self.received += inc.payload.numel()
+            inc.loaded = True
+
+    def _send_payback(self) -> None:
+        comm = self.trainer.comm
+        for out in self.outgoing:
+            if out.payback_sent:
+                continue
+            payback = flat_grads(out.shadow)
+            _, pg, peer_rank = p2p_channel(comm, out.group, out.peer)
+            out.works.append(pg.send([payback], peer_rank, PAYBACK_TAG + out.layer))
+            self.sent += payback.numel()
+            out.payback_sent = True
+
+    def report(self) -> MigrationReport:
+        transfers = len(self.outgoing) + len(self.incoming)
+        return MigrationReport("nonblocking", self.moves, transfers, self.sent, self.received,
+                               self.boundary_seconds, self.shadow_slots_run,
+                               max((len(inc.stash) for inc in self.incoming), default=0), self.wait_seconds)

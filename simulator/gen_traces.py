@@ -1,0 +1,35 @@
+"""Regenerate the shipped Bamboo-format traces: `python -m simulator.gen_traces [DIR]`.
+
+Both traces cover the 12 nodes of the ElasWave Table 2 jobs for 6 hours (ElasWave §7.6 uses two
+real spot traces, "plateau-heavy" A and "shrink-heavy" B; these are synthetic stand-ins with the
+same character, drawn by `simulator.traces.spot_trace` with fixed seeds).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from simulator.traces import spot_trace, write_bamboo
+
+TRACE_DIR = Path(__file__).resolve().parent / "traces"
+SHIPPED = {
+    # name: (nodes, hours, seed, preemptions per node-hour, mean outage hours)
+    "spot_a.txt": (12, 6.0, 11, 0.04, 0.5),  # plateau-heavy: few, short outages
+    "spot_b.txt": (12, 6.0, 7, 0.12, 3.0),  # shrink-heavy: outages pile up
+}
+
+
+def generate(out_dir: Path = TRACE_DIR) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, (nodes, hours, seed, rate, outage) in SHIPPED.items():
+        path = out_dir / name
+        write_bamboo(spot_trace(nodes, hours, seed, rate, outage), path)
+        paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":
+    for p in generate(Path(sys.argv[1]) if len(sys.argv) > 1 else TRACE_DIR):
+        print(p)
