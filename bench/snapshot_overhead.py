@@ -36,14 +36,15 @@ WARMUP = 2
 TIMEOUT_S = 120.0
 
 
-def _worker(worker: int, port: int, snapshots: bool, steps: int, results: Any) -> None:
+def _worker(worker: int, port: int, snapshots: bool, steps: int, verify_every: int, results: Any) -> None:
     torch.set_num_threads(1)
     layout = make_uniform_layout(4, 2, 3, global_batch=12, num_micro_batches=2,
                                  layer_numel=(block_numel(CFG.model),) * 4)
     comm = Communicator(connect_store("127.0.0.1", port, TIMEOUT_S), worker,
                         groups_for_stages([s.ranks for s in layout.stages]), timeout_s=TIMEOUT_S)
     trainer = Trainer(CFG, layout, worker, comm)
-    proto = StepProtocol(comm, FabricParticipant(trainer, comm, snapshots=snapshots), timeout_s=TIMEOUT_S)
+    participant = FabricParticipant(trainer, comm, snapshots=snapshots, verify_every=verify_every)
+    proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
     times = []
     for step in range(WARMUP + steps):
         t0 = time.perf_counter()
@@ -59,14 +60,14 @@ def _worker(worker: int, port: int, snapshots: bool, steps: int, results: Any) -
     os._exit(0)
 
 
-def run(snapshots: bool, steps: int) -> list[float]:
+def run(snapshots: bool, steps: int, verify_every: int) -> list[float]:
     """Per-step time of the slowest worker (the job's step time)."""
     server = StoreServer.start()
     try:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "executor.trainer", "executor.fabric"])
         results = ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(w, server.port, snapshots, steps, results)) for w in range(6)]
+        procs = [ctx.Process(target=_worker, args=(w, server.port, snapshots, steps, verify_every, results)) for w in range(6)]
         for p in procs:
             p.start()
         per_worker = []
@@ -86,16 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--verify-every", type=int, default=50, help="checksum snapshot vs live every N steps")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.repeats < 1:
         parser.error("--steps and --repeats must be positive")
     samples: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(args.repeats):
         for snapshots in (False, True):  # alternate so drift in machine load hits both alike
-            samples[snapshots].extend(run(snapshots, args.steps))
+            samples[snapshots].extend(run(snapshots, args.steps, args.verify_every))
     off, on = statistics.median(samples[False]), statistics.median(samples[True])
     print(f"# per-step snapshot overhead, PP=2 x DP=3 on gloo, {os.cpu_count()} shared CPU cores, "
-          f"{args.repeats} x {args.steps} steps each")
+          f"{args.repeats} x {args.steps} steps each, checksum every {args.verify_every} steps")
     print("| snapshots | median step s | samples/s | overhead |")
     print("|---|---|---|---|")
     print(f"| off | {off:.4f} | {12 / off:.1f} | - |")

@@ -58,6 +58,7 @@ class Job:
     next_seq: int = 1
     events: deque[Event] = field(default_factory=lambda: deque(maxlen=10_000))
     layout_json: str | None = None
+    model_json: str | None = None  # the job's model and profile (`elaswave plan` state.json)
     # Set by membership changes; the schedule engine clears it when it plans.
     pending_changes: list[Event] = field(default_factory=list)
     acks: dict[int, dict[str, str]] = field(default_factory=dict)
@@ -82,6 +83,7 @@ class Job:
                 "expected_workers": self.expected_workers,
                 "created_unix": self.created_unix,
                 "layout_json": self.layout_json,
+                "model_json": self.model_json,
             },
             sort_keys=True,
         ).encode()
@@ -108,13 +110,15 @@ class JobTable:
         except KeyError:
             raise UnknownJob(job) from None
 
-    def create_job(self, spec: JobSpec, layout_json: str | None = None, *, now: float) -> Job:
+    def create_job(
+        self, spec: JobSpec, layout_json: str | None = None, *, now: float, model_json: str | None = None
+    ) -> Job:
         if not JOB_NAME_PATTERN.match(spec.name):
             raise ValueError(f"job name {spec.name!r} is not valid")
         if spec.name in self.jobs:
             raise JobExists(spec.name)
         job = self._new_job(spec.name, token_digest(spec.token.get_secret_value()), spec.expected_workers, now)
-        job.layout_json = layout_json
+        job.layout_json, job.model_json = layout_json, model_json
         self.jobs[job.name] = job
         self.persister.put(self.job_key(job.name, "spec"), job.spec_json())
         self.record(job, "job_created", detail=f"expects {spec.expected_workers} workers", now=now)
@@ -195,7 +199,7 @@ class JobTable:
             if len(parts) == 2 and parts[1] == "spec":
                 spec = json.loads(raw)
                 job = self._new_job(spec["name"], spec["token_sha256"], spec["expected_workers"], spec["created_unix"])
-                job.layout_json = spec.get("layout_json")
+                job.layout_json, job.model_json = spec.get("layout_json"), spec.get("model_json")
                 self.jobs[job.name] = job
         for name, job in self.jobs.items():
             self._load_job_contents(job, now)

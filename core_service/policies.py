@@ -10,13 +10,16 @@ membership-only: changes are recorded and nothing is re-planned.
 
 from __future__ import annotations
 
-import math
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from core_service.engine import Decision, JobSnapshot
 from core_service.jobs import Job
+from planners.chameleon.schema import state_from_dict
+from planners.chameleon.state import ClusterState
 from planners.dataflow import drop_stage, micro_batch_sizes, resize_after_loss
+from planners.flextrain import build_scale_table, choose_scale_up, predict_configs
 from planners.layout import Layout
 from planners.validation import validate
 
@@ -71,14 +74,47 @@ def default_policy() -> LayoutPolicy:
     return LayoutPolicy()
 
 
-def judge_offer(job: Job, devices: int, expected_duration_s: float) -> tuple[bool, str]:
-    """Scale-up offers: accepted; the workers on the offered devices join as they register."""
-    if job.layout_json is None:
-        return True, "membership-only job: offered workers join as they register"
-    if expected_duration_s and not math.isfinite(expected_duration_s):
-        return False, "expected_duration_s must be finite"
-    return True, f"{devices} device(s) will join the stages with the longest step time as they register"
+# Devices of an offer are expected to stay until reclaimed; FlexTrain models reclaims as a
+# Poisson process (flextrain.txt §5, eq. 15-16), so 1 / expected duration is its rate.
+RECONFIGURATION_OVERHEAD_S = 30.0
+DEFAULT_RECLAIM_RATE_PER_S = 1.0 / (8 * 3600.0)  # FlexTrain's 8-hour window when nothing is known
+
+
+def _model_state(job: Job) -> tuple[ClusterState, dict[str, Any]]:
+    if job.model_json is None:
+        raise ValueError(f"job {job.name!r} was registered without a model (the `elaswave plan` state.json), "
+                         "so it has no scale table")
+    request = json.loads(job.model_json)
+    return state_from_dict(request)[0], request
 
 
 def scale_table(job: Job) -> list[dict[str, Any]]:
-    raise ValueError(f"job {job.name!r} was registered without a model profile, so it has no scale table")
+    """FlexTrain's scale table (flextrain.txt §4.4): the best (DP, PP) per device count, filtered."""
+    state, request = _model_state(job)
+    max_devices = int(request.get("max_devices", state.shape.num_devices))
+    predictions = predict_configs(state, max_devices // state.shape.tp)
+    table = build_scale_table(predictions)
+    step_of = {(p.gpus, p.dp, p.pp): p.profiled_step_s for p in predictions}
+    rows = []
+    for entry in table.entries:
+        step = step_of[(entry.gpus, entry.dp, entry.pp)]
+        rows.append({"devices": entry.gpus, "dp": entry.dp, "pp": entry.pp, "tp": state.shape.tp,
+                     "step_time_s": step, "throughput_samples_per_s": state.shape.global_batch / step})
+    return rows
+
+
+def judge_offer(job: Job, devices: int, expected_duration_s: float) -> tuple[bool, str]:
+    """Accept a scale-up offer when the faster configuration pays for its reconfiguration before
+    the devices are likely reclaimed (FlexTrain eq. 16); membership-only jobs always accept."""
+    if job.model_json is None:
+        return True, "membership-only job: offered workers join as they register"
+    state, request = _model_state(job)
+    max_devices = int(request.get("max_devices", state.shape.num_devices + devices))
+    table = build_scale_table(predict_configs(state, max_devices // state.shape.tp))
+    rate = 1.0 / expected_duration_s if expected_duration_s > 0 else DEFAULT_RECLAIM_RATE_PER_S
+    # Scale-table entries count devices (TP included), like `devices` and `max_devices`.
+    target, decision = choose_scale_up(table, state.shape.num_devices, devices, max_devices,
+                                       RECONFIGURATION_OVERHEAD_S, rate)
+    if target is None:
+        return False, decision.reason
+    return True, f"scale to {target.gpus} devices (DP={target.dp}, PP={target.pp}): {decision.reason}"

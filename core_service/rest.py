@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from core_service.config import JOB_NAME_PATTERN, MIN_TOKEN_LENGTH, JobSpec
 from core_service.grpc_util import RpcError
 from core_service.jobs import Job, JobExists, UnknownJob
+from planners.chameleon.schema import state_from_dict
 from planners.layout import Layout
 from planners.validation import validate
 
@@ -31,6 +32,8 @@ class CreateJobRequest(BaseModel):
     expected_workers: int = Field(default=0, ge=0, le=1_000_000)
     token: str | None = Field(default=None, min_length=MIN_TOKEN_LENGTH, description="omit to generate")
     layout: dict[str, Any] | None = Field(default=None, description="planners.Layout as JSON")
+    model: dict[str, Any] | None = Field(
+        default=None, description="model, profile and shape as the `elaswave plan` state.json; enables the scale table")
 
 
 class CreateJobResponse(BaseModel):
@@ -103,10 +106,17 @@ def build_app(core: Core) -> FastAPI:
             if not report.ok:
                 raise HTTPException(422, detail="layout does not validate: " + "; ".join(report.problems))
             layout_json = layout.to_json()
+        model_json = None
+        if body.model is not None:
+            try:
+                state_from_dict(body.model)
+            except (ValueError, TypeError, KeyError) as exc:
+                raise HTTPException(422, detail=f"model: {exc}") from None
+            model_json = json.dumps(body.model, sort_keys=True)
         token = body.token or secrets.token_urlsafe(24)
         spec = JobSpec(name=body.name, token=SecretStr(token), expected_workers=body.expected_workers)
         try:
-            core.table.create_job(spec, layout_json, now=time.time())
+            core.table.create_job(spec, layout_json, now=time.time(), model_json=model_json)
         except JobExists as exc:
             raise HTTPException(409, detail=str(exc)) from None
         return CreateJobResponse(name=body.name, token=token)

@@ -123,7 +123,7 @@ def all_to_all_v(comm: EngineComm, name: str, inputs: Sequence[torch.Tensor],
     """Personalised exchange in group `name`: `inputs[k]` goes to group rank k; returns the piece
     received from each group rank (sizes `output_sizes`). 1-D float tensors, uneven sizes allowed."""
     send = torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0)
-    recv = torch.empty(sum(output_sizes), dtype=send.dtype)
+    recv = torch.empty(sum(output_sizes), dtype=send.dtype, device=send.device)
     if len(inputs) == 1:  # a group of one: nothing to exchange
         recv.copy_(send)
     else:

@@ -95,7 +95,7 @@ def migrate(trainer: Trainer, new: Layout, mode: str = "blocking") -> MigrationR
             trainer.comm.send(_link(old, t), torch.cat(parts), t.dst_rank)
             sent += width * n
         else:
-            buf = torch.empty(width * n)
+            buf = torch.empty(width * n, device=trainer.device)
             trainer.comm.recv(_link(old, t), buf, t.src_rank)
             incoming[(t.layer, t.start, t.stop)] = buf
             received += width * n
@@ -107,8 +107,9 @@ def migrate(trainer: Trainer, new: Layout, mode: str = "blocking") -> MigrationR
     shards, params = {}, {}
     for name, iv in ownership.items():
         lo, hi = iv[j]
-        shards[name] = ShardState(lo, hi, torch.zeros(hi - lo), torch.zeros(hi - lo))
-        params[name] = old_params[name] if name in old_params else torch.zeros(numel[name])
+        shards[name] = ShardState(lo, hi, torch.zeros(hi - lo, device=trainer.device),
+                                  torch.zeros(hi - lo, device=trainer.device))
+        params[name] = old_params[name] if name in old_params else torch.zeros(numel[name], device=trainer.device)
     _fill_from_local(shards, old_shards)
     _fill_from_incoming(shards, params, incoming, moving)
     arrived = sorted(layer for layer, _, dst in moves if dst == stage.stage)

@@ -12,7 +12,7 @@ migration work unit by unit, in `unit_order`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +78,7 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
 
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1])
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tok(tokens) + self.pos(positions)[None]
         return apply_dropout(x, self.cfg.dropout, ctx.rng, EMBED_LAYER, SITE_EMBED, ctx.samples)
 
@@ -101,7 +101,7 @@ class Block(nn.Module):
         nh = self.cfg.num_heads
         q, k, v = self.qkv(x).view(b, t, 3, nh, h // nh).permute(2, 0, 3, 1, 4)
         scores = q @ k.transpose(-2, -1) / math.sqrt(h // nh)
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
         y = scores.softmax(dim=-1) @ v
         return self.proj(y.transpose(1, 2).reshape(b, t, h))
@@ -171,15 +171,19 @@ class StageModel(nn.Module):
     """The units of one pipeline stage; `forward` runs them in order and returns the activations
     (or, on the last stage, the logits)."""
 
-    def __init__(self, cfg: ModelConfig, layer_start: int, layer_stop: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_start: int, layer_stop: int,
+                 reuse: Mapping[str, nn.Module] | None = None) -> None:
+        """Build the units of `[layer_start, layer_stop)`; units named in `reuse` are taken as they
+        are (a layout change keeps the modules it already has instead of re-initialising them)."""
         super().__init__()
         if not 0 <= layer_start < layer_stop <= cfg.num_layers:
             raise ValueError(f"stage layers [{layer_start}, {layer_stop}) invalid for {cfg.num_layers} layers")
         self.cfg = cfg
         self.layer_start, self.layer_stop = layer_start, layer_stop
         self.units = nn.ModuleDict()
+        reuse = reuse or {}
         for name in unit_order(cfg.num_layers, layer_start, layer_stop):
-            self.units[name] = build_unit(cfg, name)
+            self.units[name] = reuse[name] if name in reuse else build_unit(cfg, name)
 
     @property
     def is_first(self) -> bool:
@@ -194,29 +198,3 @@ class StageModel(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return forward_units(list(self.units.items()), x, ctx)
-
-    def put_block(self, layer: int, unit: nn.Module) -> None:
-        """Insert a migrated block, keeping forward order (blocks only move at stage edges)."""
-        if layer == self.layer_start - 1:
-            self.layer_start = layer
-        elif layer == self.layer_stop:
-            self.layer_stop = layer + 1
-        else:
-            raise ValueError(f"block {layer} is not adjacent to stage layers [{self.layer_start}, {self.layer_stop})")
-        order = unit_order(self.cfg.num_layers, self.layer_start, self.layer_stop)
-        units = dict(self.units.items())
-        units[block_name(layer)] = unit
-        self.units = nn.ModuleDict({n: units[n] for n in order})
-
-    def drop_block(self, layer: int) -> nn.Module:
-        """Remove an edge block that migrates to a neighbouring stage (the embedding stays on the
-        first stage and the head on the last, so block 0 and block L-1 never leave them)."""
-        if self.layer_stop - self.layer_start < 2:
-            raise ValueError(f"stage [{self.layer_start}, {self.layer_stop}) cannot give away its only block")
-        if layer == self.layer_start and not self.is_first:
-            self.layer_start = layer + 1
-        elif layer == self.layer_stop - 1 and not self.is_last:
-            self.layer_stop = layer
-        else:
-            raise ValueError(f"block {layer} is not a movable edge of [{self.layer_start}, {self.layer_stop})")
-        return self.units.pop(block_name(layer))

@@ -114,14 +114,17 @@ class NonBlockingMigration:
                 self.outgoing.append(out)
             elif dst == my_stage:
                 peer, (lo, hi) = old.stages[src].ranks[j], ownership[name][j]
-                payload, payback = torch.empty(numel[name] + 2 * (hi - lo)), torch.empty(numel[name])
+                payload = torch.empty(numel[name] + 2 * (hi - lo), device=trainer.device)
+                payback = torch.empty(numel[name], device=trainer.device)
                 channel, g, gr = p2p_channel(comm, group, peer)
                 self.incoming.append(_Incoming(layer, peer, channel, lo, hi, payload,
                                                g.recv([payload], gr, MIGRATE_TAG + layer), payback,
                                                g.recv([payback], gr, PAYBACK_TAG + layer)))
-        params = {n: old_params.get(n, torch.zeros(numel[n])) for n in ownership}
+        dev = trainer.device
+        params = {n: old_params.get(n, torch.zeros(numel[n], device=dev)) for n in ownership}
         shards = {n: old_shards[n] if n in old_shards else
-                  ShardState(iv[j][0], iv[j][1], torch.zeros(iv[j][1] - iv[j][0]), torch.zeros(iv[j][1] - iv[j][0]))
+                  ShardState(iv[j][0], iv[j][1], torch.zeros(iv[j][1] - iv[j][0], device=dev),
+                             torch.zeros(iv[j][1] - iv[j][0], device=dev))
                   for n, iv in ownership.items()}
         trainer.reset_layout(new, comm, params, shards, trainer.optimizer.step_count, trainer.next_step)
         self.boundary_seconds = time.perf_counter() - start

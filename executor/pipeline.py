@@ -108,8 +108,10 @@ class PipelineRunner:
     `inputs.grad` upstream. A slot in which this rank has no samples is skipped without any message.
     """
 
-    def __init__(self, comm: EngineComm, layout: Layout, rank: int, act_shape: tuple[int, ...]) -> None:
+    def __init__(self, comm: EngineComm, layout: Layout, rank: int, act_shape: tuple[int, ...],
+                 device: torch.device | str = "cpu") -> None:
         self.comm, self.layout, self.rank, self.act_shape = comm, layout, rank, act_shape
+        self.device = torch.device(device)
         self.stage = layout.stage_of_rank(rank)
         self.program = stage_program(layout.num_stages, self.stage, layout.num_micro_batches)
 
@@ -117,9 +119,9 @@ class PipelineRunner:
         return pp_group_name(self.stage if toward == "next" else self.stage - 1)
 
     def _recv(self, slot: int, toward: Literal["next", "prev"]) -> torch.Tensor:
-        buf = torch.empty(len(self.layout.samples_of(self.rank, slot)), *self.act_shape)
+        buf = torch.empty(len(self.layout.samples_of(self.rank, slot)), *self.act_shape, device=self.device)
         for r in routes(self.layout, self.rank, slot, toward):
-            piece = torch.empty(len(r.samples), *self.act_shape)
+            piece = torch.empty(len(r.samples), *self.act_shape, device=self.device)
             self.comm.recv(self._group(toward), piece, r.peer)
             buf[r.offset: r.offset + len(r.samples)] = piece
         return buf

@@ -92,4 +92,5 @@ def apply_dropout(x: torch.Tensor, p: float, rng: DropoutRng | None, layer: int,
         return x
     if x.shape[0] != len(samples):
         raise ValueError(f"dropout input has {x.shape[0]} rows but {len(samples)} sample ids")
-    return x * rng.keep_mask(p, layer, site, samples, tuple(x.shape[1:]))
+    # Masks are always drawn on the CPU generators, so a sample gets the same mask on any device.
+    return x * rng.keep_mask(p, layer, site, samples, tuple(x.shape[1:])).to(x.device)

@@ -28,6 +28,7 @@ from executor.model import (
     block_numel,
     forward_units,
     per_sample_loss,
+    unit_order,
 )
 from executor.pipeline import PipelineRunner
 from executor.rng import DropoutRng
@@ -95,12 +96,13 @@ def build_sampler(cfg: TrainConfig, global_batch: int) -> GlobalBatchSampler:
 class Trainer:
     """One rank of the hybrid-parallel job; every rank of the layout builds one."""
 
-    def __init__(self, cfg: TrainConfig, layout: Layout, rank: int, comm: EngineComm) -> None:
+    def __init__(self, cfg: TrainConfig, layout: Layout, rank: int, comm: EngineComm,
+                 device: torch.device | str = "cpu") -> None:
         check_layout(cfg, layout)
         stage = layout.stage_layout_of_rank(rank)  # raises if the rank is not in the layout
-        self.cfg, self.rank, self.comm = cfg, rank, comm
+        self.cfg, self.rank, self.comm, self.device = cfg, rank, comm, torch.device(device)
         self.sampler = build_sampler(cfg, layout.global_batch)
-        self.model = StageModel(cfg.model, stage.layer_start, stage.layer_stop)
+        self.model = StageModel(cfg.model, stage.layer_start, stage.layer_stop).to(self.device)
         self.next_step = 0
         self.grad_hook: GradHook | None = None  # kept across layout changes; see executor.zero
         self._install_layout(layout, step_count=0)
@@ -113,12 +115,13 @@ class Trainer:
         self.stage = self.stage_layout.stage
         self.dp_index = self.stage_layout.dp_index(self.rank)
         self.rng = DropoutRng(self.cfg.rng_seed, layout.rng_mode, self.rank)
-        self.runner = PipelineRunner(self.comm, layout, self.rank, (self.cfg.model.seq_len, self.cfg.model.hidden))
+        self.runner = PipelineRunner(self.comm, layout, self.rank, (self.cfg.model.seq_len, self.cfg.model.hidden),
+                                     self.device)
         units = dict(self.model.units.items())
         numel = {n: sum(p.numel() for p in u.parameters()) for n, u in units.items()}
         self.optimizer = ShardedAdamW(self.comm, dp_group_name(self.stage), units,
                                       unit_ownership(layout, self.stage_layout, numel), self.dp_index,
-                                      self.cfg.optim, step_count, self.grad_hook)
+                                      self.cfg.optim, step_count, self.grad_hook, self.device)
 
     def set_grad_hook(self, hook: GradHook | None) -> None:
         """Observe every step's reduced gradient slices (now and after any layout change)."""
@@ -155,11 +158,11 @@ class Trainer:
             if overlay is not None:
                 overlay.before_forward(slot)
                 units = overlay.units_for_slot(slot, units)
-            x = forward_units(units, batch.inputs if received is None else received,
+            x = forward_units(units, batch.inputs.to(self.device) if received is None else received,
                               ForwardContext(batch.sample_ids, self.rng))
             if not self.is_last:
                 return x
-            per_sample = per_sample_loss(x, batch.targets)
+            per_sample = per_sample_loss(x, batch.targets.to(self.device))
             for row, value in zip(range(rows.start, rows.stop), per_sample.detach(), strict=True):
                 sample_losses[row] = value
             return per_sample.sum() / B
@@ -178,11 +181,11 @@ class Trainer:
     def _global_loss(self, mine: Mapping[int, torch.Tensor]) -> float:
         """Exact sum of all per-sample losses of the global batch / B, from the last stage's ranks."""
         B = self.layout.global_batch
-        local = torch.zeros(B)
+        local = torch.zeros(B, device=self.device)
         for row, value in mine.items():
             local[row] = value
         ranks = self.stage_layout.ranks
-        gathered = [torch.empty(B) for _ in ranks]
+        gathered = [torch.empty(B, device=self.device) for _ in ranks]
         if len(ranks) == 1:
             gathered[0] = local
         else:
@@ -191,7 +194,8 @@ class Trainer:
         for m in range(self.layout.num_micro_batches):
             for j, rng in enumerate(self.stage_layout.split_slot(self.layout.slot_range(m))):
                 owner.update({row: j for row in range(rng.start, rng.stop)})
-        return math.fsum(float(gathered[owner[row]][row]) for row in range(B)) / B
+        values = [g.cpu() for g in gathered]
+        return math.fsum(float(values[owner[row]][row]) for row in range(B)) / B
 
     # ----------------------------------------------------------------------------------- state
     def unit_params(self) -> dict[str, torch.Tensor]:
@@ -228,7 +232,8 @@ class Trainer:
             raise ValueError(f"the global batch is fixed for a job ({self.sampler.global_batch}), "
                              f"new layout says {layout.global_batch}")
         stage = layout.stage_layout_of_rank(self.rank)
-        model = StageModel(self.cfg.model, stage.layer_start, stage.layer_stop)
+        model = StageModel(self.cfg.model, stage.layer_start, stage.layer_stop,
+                           reuse=self._spare_units(stage.layer_start, stage.layer_stop)).to(self.device)
         if set(params) != set(model.unit_names()) or set(shards) != set(model.unit_names()):
             raise ValueError(f"state for units {sorted(params)} / {sorted(shards)}, new stage holds {model.unit_names()}")
         numel = {n: sum(p.numel() for p in u.parameters()) for n, u in model.units.items()}
@@ -238,14 +243,22 @@ class Trainer:
             if (sh.lo, sh.hi) != owned[name][j] or sh.exp_avg.numel() != sh.hi - sh.lo:
                 raise ValueError(f"shard [{sh.lo}, {sh.hi}) of {name} given, rank {self.rank} owns "
                                  f"{list(owned[name][j])} under the new layout")
+        if any(flat.numel() != numel[n] for n, flat in params.items()):
+            raise ValueError(f"parameter sizes { {n: f.numel() for n, f in params.items()} } != units {numel}")
         for name, flat in params.items():
-            assign_flat(model.units[name], flat)  # raises on a size mismatch before anything is adopted
+            assign_flat(model.units[name], flat)
         self.model, self.comm = model, comm
         self._install_layout(layout, step_count)
         for name, sh in self.optimizer.shards.items():
             sh.exp_avg.copy_(shards[name].exp_avg)
             sh.exp_avg_sq.copy_(shards[name].exp_avg_sq)
         self.next_step = next_step
+
+    def _spare_units(self, layer_start: int, layer_stop: int) -> dict[str, nn.Module]:
+        """Current modules a new stage `[layer_start, layer_stop)` can keep (their parameters are
+        overwritten by reset_layout anyway; re-initialising them would only cost time)."""
+        keep = set(unit_order(self.cfg.model.num_layers, layer_start, layer_stop))
+        return {n: u for n, u in self.model.units.items() if n in keep}
 
     def gather_full_state(self) -> dict[str, Any]:
         """Full parameters and Adam moments of this stage's units (collective over the stage's DP

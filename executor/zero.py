@@ -120,8 +120,10 @@ class ShardedAdamW:
 
     def __init__(self, comm: EngineComm, group: str, units: Mapping[str, nn.Module],
                  ownership: Mapping[str, list[Interval]], dp_index: int, cfg: AdamWConfig,
-                 step_count: int = 0, grad_hook: GradHook | None = None) -> None:
+                 step_count: int = 0, grad_hook: GradHook | None = None,
+                 device: torch.device | str = "cpu") -> None:
         self.comm, self.group, self.cfg, self.grad_hook = comm, group, cfg, grad_hook
+        self.device = torch.device(device)
         self.units = dict(units)
         self.ownership = {n: list(ownership[n]) for n in self.units}
         self.dp_index, self.dp_size = dp_index, len(next(iter(self.ownership.values())))
@@ -129,7 +131,8 @@ class ShardedAdamW:
         self.shards: dict[str, ShardState] = {}
         for name in self.units:
             lo, hi = self.ownership[name][dp_index]
-            self.shards[name] = ShardState(lo, hi, torch.zeros(hi - lo), torch.zeros(hi - lo))
+            self.shards[name] = ShardState(lo, hi, torch.zeros(hi - lo, device=self.device),
+                                           torch.zeros(hi - lo, device=self.device))
 
     def _size_owned_by(self, k: int) -> int:
         return sum(iv[k][1] - iv[k][0] for iv in self.ownership.values())
@@ -161,7 +164,7 @@ class ShardedAdamW:
             param = flat_params(self.units[name])[sh.lo: sh.hi].clone()
             adamw_update(param, grads[name], sh.exp_avg, sh.exp_avg_sq, self.step_count, self.cfg)
             updated.append(param)
-        self._all_gather_params(torch.cat(updated) if updated else torch.empty(0))
+        self._all_gather_params(torch.cat(updated) if updated else torch.empty(0, device=self.device))
 
     def _all_gather_params(self, my_slices: torch.Tensor) -> None:
         sizes = [self._size_owned_by(k) for k in range(self.dp_size)]
@@ -179,11 +182,11 @@ class ShardedAdamW:
     def gather_moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Full (exp_avg, exp_avg_sq) of every unit, assembled on every rank of the stage."""
         mine = torch.cat([torch.cat([sh.exp_avg, sh.exp_avg_sq]) for sh in self.shards.values()]
-                         or [torch.empty(0)])
+                         or [torch.empty(0, device=self.device)])
         sizes = [2 * self._size_owned_by(k) for k in range(self.dp_size)]
         pieces = all_to_all_v(self.comm, self.group, [mine] * self.dp_size, sizes)
         numel = {n: sum(p.numel() for p in u.parameters()) for n, u in self.units.items()}
-        full = {n: (torch.zeros(k), torch.zeros(k)) for n, k in numel.items()}
+        full = {n: (torch.zeros(k, device=self.device), torch.zeros(k, device=self.device)) for n, k in numel.items()}
         for k, piece in enumerate(pieces):
             pos = 0
             for name, iv in self.ownership.items():

@@ -5,7 +5,8 @@
     elaswave plan scale-table --input state.json  # FlexTrain scale table up to state["max_devices"]
 
 Schemas: `planners.chameleon.schema` (state.json) and `planners.partition.solve_partition_request`.
-Bad input exits with status 2 and a message naming the field.
+Bad input exits with status 2 and a message naming the field; a state no policy can run prints
+its JSON (policy null, every alternative's reason) and exits with status 1.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     json.dump(result, sys.stdout, indent=2, allow_nan=False)
     sys.stdout.write("\n")
-    return 0
+    return 1 if args.mode is None and result["policy"] is None else 0
 
 
 def plan(request: Any) -> dict[str, Any]:

@@ -1,0 +1,1 @@
+"""Trace-driven simulator of recovery policies at paper scale (`elaswave simulate`)."""

@@ -138,7 +138,7 @@ def run_policy(policy: str, spec: JobSpec, timeline: Sequence[tuple[float, froze
         signature = _signature(cand)
         if signature != running:
             if running is not None:
-                busy_until = t + max(cand.transition_s, base_mttr(policy, mttr))
+                busy_until = t + max(cand.transition_s, base_mttr(_mttr_kind(policy, cand), mttr))
                 changes += 1
             running = signature
         alive = shape.num_devices - len(dead)
@@ -154,9 +154,17 @@ def run_policy(policy: str, spec: JobSpec, timeline: Sequence[tuple[float, froze
     return PolicyRun(policy, tuple(segments), fault_free, horizon_s, changes)
 
 
+def _mttr_kind(policy: str, cand: Candidate) -> str:
+    """Chameleon pays ReCycle's recovery when it reroutes, re-parallelisation's otherwise."""
+    if policy != "chameleon":
+        return policy
+    return "recycle" if cand.reason.startswith("rerouting") else "reparallelise"
+
+
 def simulated_candidate(policy: str, state: ClusterState) -> Candidate:
-    """The policy's plan; ReCycle, when rerouting cannot recover (a stage lost every live peer),
-    restarts without the damaged replicas, as TorchFT does, instead of stalling."""
+    """The policy's plan; when ReCycle's rerouting cannot run (the rerouted activations exceed
+    memory, or a stage lost every live peer) it restarts without the damaged replicas, as TorchFT
+    does, if any replica is whole; otherwise the job stalls."""
     cand = POLICIES[policy](state)
     if policy == "recycle" and not cand.feasible:
         fallback = POLICIES["torchft"](state)

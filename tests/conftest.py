@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import etcd3
 import pytest
 
 from core_service.registry import EtcdRegistry, Registry, open_registry
@@ -26,8 +27,6 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer
 
 def _wipe_etcd(url: str) -> None:
     """Delete every key so that one test's keys never leak into the next."""
-    import etcd3
-
     host, port = url.removeprefix("etcd://").rsplit(":", 1)
     client = etcd3.client(host=host, port=int(port), timeout=5)
     try:

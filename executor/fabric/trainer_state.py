@@ -62,7 +62,7 @@ class FabricParticipant:
 
     Constructing it is collective over the worker's DP group (the ring is seeded)."""
 
-    def __init__(self, trainer: Trainer, comm: Communicator, snapshots: bool = True, verify_every: int = 5) -> None:
+    def __init__(self, trainer: Trainer, comm: Communicator, snapshots: bool = True, verify_every: int = 50) -> None:
         if verify_every < 1:
             raise ValueError(f"verify_every must be >= 1, got {verify_every}")
         self.trainer, self.comm = trainer, comm

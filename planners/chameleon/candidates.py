@@ -6,21 +6,20 @@
   micro-batches to DP peers of the same stage (chameleon eq. 13, bottleneck form); the
   weight-gradient half of the rerouted backward may fill the P-1 bubble slots, as ReCycle's
   decoupled backward does, the rest lengthens the step.
-- ElasWave (ElasWave §4): micro-batch resizing inside each stage (§4.1); with `migrate`, the
-  number of micro-batch slots is re-chosen and layers re-partitioned by Algorithm 1 under memory
-  caps (§4.2, `planners.partition`); with `dvfs`, residual straggler stages are up-clocked to the
-  lowest frequency that meets the balanced target (§4.3, Alg. 2 on the analytic model).
-The dynamic-parallelism candidates (Chameleon, Oobleck) live in `planners.chameleon.reparallel`.
+ElasWave's candidate lives in `planners.chameleon.elastic`, the dynamic-parallelism ones
+(Chameleon, Oobleck) in `planners.chameleon.reparallel`; this module also holds the layout
+helpers they share.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from planners.chameleon.estimators import StepEstimate, rerouting_step_time
-from planners.chameleon.state import Candidate, ClusterState, PipelinePlan, StagePlan, infeasible
+from planners.chameleon.state import Candidate, ClusterState, PipelinePlan, infeasible
 from planners.chameleon.stepmodel import make_stage, over_cap, stage_memory, step_time
 from planners.partition import AdditiveCosts
 
@@ -66,7 +65,7 @@ def _fixed_layout_pipe(state: ClusterState, replicas: list[int], samples: int, n
         stage = make_stage(state, a, b, ranks, [samples] * len(ranks), s, len(spans), max(len(ranks), 1))
         if activation_scale is not None:
             mem = stage_memory(state.profile, a, b, s, len(spans), samples * activation_scale[s], len(ranks))
-            stage = StagePlan(**{**stage.__dict__, "mem_bytes": mem})
+            stage = replace(stage, mem_bytes=mem)
         stages.append(stage)
     return PipelinePlan(tuple(stages), num_slots)
 

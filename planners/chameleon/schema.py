@@ -53,6 +53,8 @@ def state_from_dict(d: Any) -> tuple[ClusterState, tuple[str, ...]]:
     if unknown:
         raise ValueError(f"state: unknown field(s) {unknown}")
     job = _obj(_need(d, "job", "state"), "job")
+    if set(job) - {"pp", "dp", "micro_batch", "global_batch", "tp"}:
+        raise ValueError(f"job: unknown field(s) {sorted(set(job) - {'pp', 'dp', 'micro_batch', 'global_batch', 'tp'})}")
     try:
         shape = JobShape(**{k: _int(job, k, "job") for k in ("pp", "dp", "micro_batch", "global_batch")},
                          tp=_int(job, "tp", "job") if "tp" in job else 1)

@@ -144,3 +144,37 @@ def test_lost_worker_yields_a_plan_that_executors_apply(core: tuple[CoreProcess,
     for agent in agents.values():
         agent.close()
     channel.close()
+
+
+@pytest.mark.timeout(60)
+def test_scale_table_and_offers_follow_flextrain(core: tuple[CoreProcess, str]) -> None:
+    from planners.cli import scale_table as reference_scale_table
+
+    proc, token = core
+    model = json.loads((Path(__file__).parents[2] / "planners/examples/llama2-34b-one-node-lost.json").read_text())
+    model["failed_ranks"] = []
+    model["max_devices"] = 128
+    create_job(proc, token, "big", model=model)
+    create_job(proc, token, "plain")
+    auth = [("authorization", f"Bearer {token}")]
+    with grpc.insecure_channel(proc.grpc_address) as channel:
+        scheduler = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        rows = scheduler.GetScaleTable(scheduler_pb2.GetScaleTableRequest(job="big"), metadata=auth, timeout=10).rows
+        reference = reference_scale_table(model)["entries"]
+        assert [(r.devices, r.dp, r.pp) for r in rows] == [(e["devices"], e["dp"], e["pp"]) for e in reference]
+        assert all(r.tp == 4 and r.step_time_s > 0 and r.throughput_samples_per_s > 0 for r in rows)
+        with pytest.raises(grpc.RpcError) as err:
+            scheduler.GetScaleTable(scheduler_pb2.GetScaleTableRequest(job="plain"), metadata=auth, timeout=5)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "without a model" in err.value.details()
+
+        # An offer that is reclaimed within seconds cannot pay for a reconfiguration; a long one can.
+        short = scheduler.OfferResources(scheduler_pb2.OfferResourcesRequest(
+            job="big", devices=32, hosts=["n13", "n14", "n15", "n16"], expected_duration_s=5), metadata=auth, timeout=10)
+        long = scheduler.OfferResources(scheduler_pb2.OfferResourcesRequest(
+            job="big", devices=32, hosts=["n13", "n14", "n15", "n16"], expected_duration_s=24 * 3600),
+            metadata=auth, timeout=10)
+        assert not short.accepted and "eq. 16" in short.reason
+        assert long.accepted and "scale to" in long.reason
+    bad = proc.http.post("/api/v1/jobs", json={"name": "broken", "model": {"job": {"pp": 0}}},
+                         headers={"Authorization": f"Bearer {token}"})
+    assert bad.status_code == 422 and bad.json()["detail"].startswith("model:")

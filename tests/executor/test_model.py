@@ -78,18 +78,11 @@ def test_per_sample_loss_is_mean_token_cross_entropy() -> None:
     assert torch.allclose(loss, expected)
 
 
-def test_blocks_move_between_neighbouring_stages() -> None:
-    left, right = StageModel(CFG, 0, 2), StageModel(CFG, 2, 4)
-    block = left.drop_block(1)
-    right.put_block(1, block)
-    assert (left.layer_start, left.layer_stop, right.layer_start, right.layer_stop) == (0, 1, 1, 4)
-    assert right.unit_names() == ["block_1", "block_2", "block_3", HEAD]
-    with pytest.raises(ValueError, match="only block"):
-        left.drop_block(0)
-    with pytest.raises(ValueError, match="not adjacent"):
-        left.put_block(3, build_unit(CFG, "block_3"))
-    with pytest.raises(ValueError, match="not a movable edge"):
-        right.drop_block(3)  # the last block stays with the head
+def test_a_stage_can_reuse_modules_it_already_has() -> None:
+    old = StageModel(CFG, 0, 2)
+    new = StageModel(CFG, 0, 3, reuse=dict(old.units.items()))
+    assert new.units["block_1"] is old.units["block_1"]
+    assert torch.equal(flat_params(new.units["block_2"]), flat_params(build_unit(CFG, "block_2")))
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -7,8 +7,8 @@ from itertools import combinations
 
 import pytest
 
-from planners.chameleon.plan_cache import failure_key, failure_keys, precompute, representative
 from planners.chameleon.candidates import rerouting_estimate
+from planners.chameleon.plan_cache import failure_key, failure_keys, precompute, representative
 from planners.chameleon.policy import chameleon_step, choose_policy, decide, eq8_score
 from planners.chameleon.reparallel import reparallelise
 from planners.chameleon.state import Candidate, ClusterState, JobProfile, JobShape

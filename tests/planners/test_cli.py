@@ -74,6 +74,16 @@ def test_plan_restricted_to_elaswave_reports_its_layout(capsys: pytest.CaptureFi
     assert stages[1]["ranks"] == [5, 9] and 0 < result["plan"]["lse"] <= 1.2
 
 
+def test_slow_ranks_shift_layers_off_their_stage(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    slow = [[4 * d + 2, 1.6] for d in range(3)]  # stage 2 of every replica is 1.6x slower
+    code, out, _ = run(capsys, tmp_path, ["plan"], small_state(failed_ranks=[], slow_ranks=slow,
+                                                                policies=["elaswave"]))
+    assert code == 0
+    stages = json.loads(out)["plan"]["pipelines"][0]["stages"]
+    sizes = [stop - start for start, stop in (s["layers"] for s in stages)]
+    assert sizes[2] == min(sizes) < 3
+
+
 @pytest.mark.parametrize("change,field", [
     ({"job": {"dp": 3, "micro_batch": 1, "global_batch": 24}}, "job.pp"),
     ({"job": {"pp": 4, "dp": 5, "micro_batch": 1, "global_batch": 24}}, "global_batch"),
@@ -84,12 +94,22 @@ def test_plan_restricted_to_elaswave_reports_its_layout(capsys: pytest.CaptureFi
     ({"slow_ranks": [[1]]}, "slow_ranks"),
     ({"boundaries": [3, 2, 9]}, "boundaries"),
     ({"colour": 1}, "colour"),
+    ({"job": {"pp": 4, "dp": 3, "micro_batch": 1, "global_batch": 24, "ranks": 3}}, "job: unknown field(s) ['ranks']"),
 ])
 def test_bad_state_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                             change: dict, field: str) -> None:
     code, out, err = run(capsys, tmp_path, ["plan"], small_state(**change))
     assert code == 2 and out == ""
     assert field in err
+
+
+def test_unrunnable_state_exits_1_with_every_reason(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = run(capsys, tmp_path, ["plan"], small_state(failed_ranks=list(range(12))))
+    assert code == 1
+    result = json.loads(out)
+    assert result["policy"] is None and result["plan"] is None
+    assert "no policy can run" in result["reason"]
+    assert all(not a["feasible"] and a["score"] == 0 for a in result["alternatives"])
 
 
 def test_bad_profile_and_bad_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import etcd3
 import pytest
@@ -17,7 +18,7 @@ pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
 
 @pytest.fixture
-def own_etcd(tmp_path) -> Iterator[EtcdServer]:  # type: ignore[no-untyped-def]
+def own_etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     """A private etcd that a test may kill and restart without disturbing the session server."""
     with EtcdServer(data_dir=tmp_path / "etcd") as server:
         yield server
