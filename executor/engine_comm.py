@@ -4,8 +4,9 @@ The engine talks only to *logical groups* by name — `"dp/<s>"` (stage s's DP g
 and `"pp/<s>-<s+1>"` (the ranks of two adjacent stages) — and to workers by their stable global
 rank. `EngineComm` is the subset of `executor.comm.Communicator` (the dynamic communicator, which
 adds failure detection and in-place edits) that the engine uses, so either can drive a trainer.
-`StaticComm` builds the same groups once, directly as `ProcessGroupGloo` over a `PrefixStore`
-(no `init_process_group`, no world group), for fault-free runs and tests.
+`StaticComm` builds the same groups once, directly over a `PrefixStore` (no `init_process_group`,
+no world group), for fault-free runs and tests: gloo on CPU, NCCL on CUDA, HCCL through
+`torch_npu` (imported only when that backend is asked for).
 
 Every op is bounded: groups are created with a timeout and each wait passes it again.
 """
@@ -70,11 +71,40 @@ def p2p_channel(comm: EngineComm, name: str, peer: int) -> tuple[str, ProcessGro
     return name, comm.group(name), comm.group_rank(name, peer)
 
 
+BACKENDS: tuple[str, ...] = ("gloo", "nccl", "hccl")
+
+
+def make_group(backend: str, store: Store, rank: int, size: int, timeout: timedelta) -> ProcessGroup:
+    """One process group of `backend` built directly over `store` (which should be prefixed)."""
+    if backend == "gloo":
+        return ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        if not (torch.cuda.is_available() and torch.distributed.is_nccl_available()):
+            raise RuntimeError("backend 'nccl' needs CUDA and a torch build with NCCL")
+        from torch.distributed import ProcessGroupNCCL  # noqa: PLC0415 - absent from CPU builds
+
+        nccl_opts = ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timeout
+        return ProcessGroupNCCL(store, rank, size, nccl_opts)
+    if backend == "hccl":
+        try:
+            import torch_npu  # noqa: F401, PLC0415 - optional extra `elaswave[npu]`
+            from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # noqa: PLC0415
+        except ImportError as e:
+            raise RuntimeError(f"backend 'hccl' needs torch_npu (pip install 'elaswave[npu]'): {e}") from None
+        hccl_opts = ProcessGroupHCCL.Options()
+        hccl_opts._timeout = timeout
+        return ProcessGroupHCCL(store, rank, size, hccl_opts)
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
 class StaticComm:
     """Fixed logical groups built once over `store`; see the module docstring."""
 
     def __init__(self, store: Store, worker: int, membership: dict[str, tuple[int, ...]],
-                 timeout_s: float = 30.0, namespace: str = "static") -> None:
+                 timeout_s: float = 30.0, namespace: str = "static", backend: str = "gloo") -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.worker = worker
@@ -83,11 +113,11 @@ class StaticComm:
         if not self._members:
             raise ValueError(f"worker {worker} is in no group of {membership}")
         # Build in sorted-name order on every worker so the rendezvous never interleaves badly.
-        self._groups: dict[str, ProcessGroupGloo] = {}
+        self._groups: dict[str, ProcessGroup] = {}
         for name in sorted(self._members):
             ws = self._members[name]
-            self._groups[name] = ProcessGroupGloo(PrefixStore(f"{namespace}/{name}", store),
-                                                  ws.index(worker), len(ws), self.timeout)
+            self._groups[name] = make_group(backend, PrefixStore(f"{namespace}/{name}", store),
+                                            ws.index(worker), len(ws), self.timeout)
 
     def group(self, name: str) -> ProcessGroup:
         if name not in self._groups:

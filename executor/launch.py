@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 
-from executor.engine_comm import EngineComm, StaticComm, groups_for_stage_ranks
+from executor.engine_comm import BACKENDS, EngineComm, StaticComm, groups_for_stage_ranks
 from executor.migration import migrate
 from executor.nonblocking_migration import NonBlockingMigration
 from executor.trainer import TrainConfig, Trainer
@@ -40,6 +40,8 @@ class JobSpec:
     # "static": executor.engine_comm.StaticComm; "dynamic": executor.comm.Communicator (the
     # fault-tolerant dynamic communicator; same engine code path).
     comm_kind: str = "static"
+    # Static groups only: "gloo" (CPU), "nccl" (rank r on cuda:r % n), "hccl" (npu:r % n, torch_npu).
+    backend: str = "gloo"
     timeout_s: float = 60.0
 
 
@@ -92,7 +94,17 @@ def _make_comm(spec: JobSpec, store: TCPStore, rank: int) -> EngineComm:
         from executor.comm import Communicator  # noqa: PLC0415 - only the dynamic runs need it
 
         return Communicator(store, rank, _membership(spec), timeout_s=spec.timeout_s)
-    return StaticComm(store, rank, _membership(spec), timeout_s=spec.timeout_s)
+    return StaticComm(store, rank, _membership(spec), timeout_s=spec.timeout_s, backend=spec.backend)
+
+
+def _device(spec: JobSpec, rank: int) -> torch.device:
+    if spec.backend == "nccl":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    if spec.backend == "hccl":
+        import torch_npu  # noqa: F401, PLC0415 - registers the "npu" device
+
+        return torch.device("npu", rank % torch.npu.device_count())  # type: ignore[attr-defined]
+    return torch.device("cpu")
 
 
 def _worker(rank: int, spec: JobSpec, port: int, results: Any) -> None:
@@ -100,7 +112,7 @@ def _worker(rank: int, spec: JobSpec, port: int, results: Any) -> None:
     try:
         store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
         comm = _make_comm(spec, store, rank)
-        trainer = Trainer(spec.cfg, spec.layout, rank, comm)
+        trainer = Trainer(spec.cfg, spec.layout, rank, comm, _device(spec, rank))
         buf = io.BytesIO()
         torch.save(_run_rank(spec, rank, trainer), buf)
         results.put((rank, "ok", buf.getvalue()))
@@ -115,6 +127,9 @@ def run_job(spec: JobSpec) -> dict[int, RankResult]:
         raise ValueError(f"migration must be 'blocking' or 'nonblocking', got {spec.migration!r}")
     if spec.comm_kind not in ("static", "dynamic"):
         raise ValueError(f"comm_kind must be 'static' or 'dynamic', got {spec.comm_kind!r}")
+    if spec.backend not in BACKENDS or (spec.backend != "gloo" and spec.comm_kind == "dynamic"):
+        raise ValueError(f"backend must be one of {BACKENDS} (the dynamic communicator is gloo only), "
+                         f"got {spec.backend!r} with comm_kind {spec.comm_kind!r}")
     ranks = spec.layout.ranks()
     if sorted(ranks) != list(range(len(ranks))):
         raise ValueError(f"launch needs ranks 0..N-1, layout has {sorted(ranks)}")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroupGloo
 
 from executor.engine_comm import p2p_channel, pp_group_name
 from executor.migration import MigrationReport, moved_layers
@@ -79,6 +80,14 @@ def check_nonblocking(old: Layout, moves: tuple[tuple[int, int, int], ...], k: i
                              "shadow's gradient cannot be paid back rank to rank; use blocking migration")
 
 
+def _require_tagged_p2p(pg: object) -> None:
+    # The transfer and the payback run concurrently with the pipeline's own sends on the same
+    # pair of ranks, kept apart by tags: gloo matches by tag, NCCL/HCCL only by order.
+    if not isinstance(pg, ProcessGroupGloo):
+        raise ValueError(f"non-blocking migration needs tagged point-to-point (gloo), got {type(pg).__name__}; "
+                         "use blocking migration on this backend")
+
+
 class NonBlockingMigration:
     """One rank's part of a non-blocking migration; pass it to `Trainer.train_step` as the overlay
     of the first step under the new layout (every rank of the job must do the same)."""
@@ -109,6 +118,7 @@ class NonBlockingMigration:
                 sh = old_shards[name]
                 payload = torch.cat([old_params[name], sh.exp_avg, sh.exp_avg_sq])
                 out.channel, pg, peer_rank = p2p_channel(comm, group, out.peer)
+                _require_tagged_p2p(pg)
                 out.works.append(pg.send([payload], peer_rank, MIGRATE_TAG + layer))
                 self.sent += payload.numel()
                 self.outgoing.append(out)

@@ -43,9 +43,10 @@ def base_layout(rng_mode: str) -> Layout:
 
 class KillingCommunicator(Communicator):
     """The victim: SIGKILLs itself on entering its `kill_at_op`-th communication op of step
-    FAIL_STEP. Ops of the victim (a last-stage rank) in a step, in order: 1-4 pipeline receives
-    and sends, 5 gradient reduce-scatter, 6 snapshot gradient exchange, 7 parameter all-gather
-    (after its own optimizer update), 8 loss all-gather."""
+    FAIL_STEP. Ops of the victim (a last-stage rank) in step FAIL_STEP, in order: 1-4 pipeline
+    receives and sends, 5 gradient reduce-scatter, 6 snapshot checksum exchange (a verify step),
+    7 snapshot gradient exchange, 8 parameter all-gather (after its own optimizer update),
+    9 loss all-gather."""
 
     kill_at_op = 0
     current_step = -1
@@ -189,7 +190,8 @@ def _clean(rng_mode: str) -> dict[int, dict[str, Any]]:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kill_at_op", [2, 5, 7], ids=["pipeline", "grad-reduce-scatter", "param-all-gather"])
+@pytest.mark.parametrize("kill_at_op", [2, 5, 7, 8, 9],
+                         ids=["pipeline", "grad-reduce-scatter", "snapshot-exchange", "param-all-gather", "loss"])
 def test_kill9_mid_step_recovers_in_place(kill_at_op: int) -> None:
     clean, faulty = _clean("placement_invariant"), _run("placement_invariant", kill_at_op)
     ref_losses, got_losses = _last_stage_losses(clean), _last_stage_losses(faulty)
