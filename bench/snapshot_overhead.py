@@ -8,12 +8,13 @@ neighbour every step, and that neighbour applies AdamW to its host copy in a bac
 On this CPU-only machine the "host" update competes with training for the same cores (on an
 accelerator it runs on otherwise idle host cores), so the overhead measured here is an upper bound.
 
-    python -m bench.snapshot_overhead --steps 10 --repeats 2
+    python -m bench.snapshot_overhead --hidden 64 256 --steps 10 --repeats 2
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import os
 import queue
@@ -31,18 +32,24 @@ from executor.store_server import StoreServer, connect_store
 from executor.trainer import TrainConfig, Trainer
 from planners.layout import make_uniform_layout
 
-CFG = TrainConfig(model=ModelConfig(hidden=64, num_heads=4, num_layers=4, seq_len=32))
+
+def train_config(hidden: int) -> TrainConfig:
+    return TrainConfig(model=ModelConfig(hidden=hidden, num_heads=4, num_layers=4, seq_len=32))
+
+
 WARMUP = 2
 TIMEOUT_S = 120.0
 
 
-def _worker(worker: int, port: int, snapshots: bool, steps: int, verify_every: int, results: Any) -> None:
+def _worker(worker: int, port: int, hidden: int, snapshots: bool, steps: int, verify_every: int,
+            results: Any) -> None:
     torch.set_num_threads(1)
+    cfg = train_config(hidden)
     layout = make_uniform_layout(4, 2, 3, global_batch=12, num_micro_batches=2,
-                                 layer_numel=(block_numel(CFG.model),) * 4)
+                                 layer_numel=(block_numel(cfg.model),) * 4)
     comm = Communicator(connect_store("127.0.0.1", port, TIMEOUT_S), worker,
                         groups_for_stages([s.ranks for s in layout.stages]), timeout_s=TIMEOUT_S)
-    trainer = Trainer(CFG, layout, worker, comm)
+    trainer = Trainer(cfg, layout, worker, comm)
     participant = FabricParticipant(trainer, comm, snapshots=snapshots, verify_every=verify_every)
     proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
     times = []
@@ -54,54 +61,77 @@ def _worker(worker: int, port: int, snapshots: bool, steps: int, verify_every: i
             raise RuntimeError(f"step {step} did not commit in a fault-free run")
         proto.commit()
         times.append(time.perf_counter() - t0)
-    results.put((worker, times[WARMUP:]))
+    snap = participant.snapshot
+    stats = dataclasses.asdict(snap.stats) if snap is not None else None
+    results.put((worker, times[WARMUP:], stats))
     results.close()
     results.join_thread()
     os._exit(0)
 
 
-def run(snapshots: bool, steps: int, verify_every: int) -> list[float]:
-    """Per-step time of the slowest worker (the job's step time)."""
+def run(hidden: int, snapshots: bool, steps: int, verify_every: int) -> tuple[list[float], list[dict[str, float]]]:
+    """Per-step time of the slowest worker (the job's step time), and each worker's snapshot stats."""
     server = StoreServer.start()
     try:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "executor.trainer", "executor.fabric"])
         results = ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(w, server.port, snapshots, steps, verify_every, results)) for w in range(6)]
+        procs = [ctx.Process(target=_worker, args=(w, server.port, hidden, snapshots, steps, verify_every, results)) for w in range(6)]
         for p in procs:
             p.start()
-        per_worker = []
+        per_worker, stats = [], []
         try:
             for _ in procs:
-                per_worker.append(results.get(timeout=TIMEOUT_S)[1])
+                _w, times, st = results.get(timeout=TIMEOUT_S)
+                per_worker.append(times)
+                if st is not None:
+                    stats.append(st)
         except queue.Empty:
             raise RuntimeError("a worker did not report in time") from None
         for p in procs:
             p.join(timeout=TIMEOUT_S)
     finally:
         server.stop()
-    return [max(ts) for ts in zip(*per_worker, strict=True)]
+    return [max(ts) for ts in zip(*per_worker, strict=True)], stats
+
+
+def breakdown_ms(stats: list[dict[str, float]]) -> dict[str, float]:
+    """Mean per worker per step, in ms, of each part of the snapshot's cost."""
+    steps = sum(st["steps"] for st in stats) or 1
+    return {k: 1e3 * sum(st[k] for st in stats) / steps for k in ("post_s", "finish_wait_s", "verify_s", "update_s")}
+
+
+def measure(hidden: int, steps: int, repeats: int, verify_every: int) -> tuple[float, float, dict[str, float]]:
+    samples: dict[bool, list[float]] = {False: [], True: []}
+    stats: list[dict[str, float]] = []
+    for _ in range(repeats):
+        for snapshots in (False, True):  # alternate so drift in machine load hits both alike
+            times, st = run(hidden, snapshots, steps, verify_every)
+            samples[snapshots].extend(times)
+            stats.extend(st)
+    return statistics.median(samples[False]), statistics.median(samples[True]), breakdown_ms(stats)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[64, 256], help="model widths to measure")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--verify-every", type=int, default=50, help="checksum snapshot vs live every N steps")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.repeats < 1:
-        parser.error("--steps and --repeats must be positive")
-    samples: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(args.repeats):
-        for snapshots in (False, True):  # alternate so drift in machine load hits both alike
-            samples[snapshots].extend(run(snapshots, args.steps, args.verify_every))
-    off, on = statistics.median(samples[False]), statistics.median(samples[True])
+    if args.steps < 1 or args.repeats < 1 or min(args.hidden) < 4:
+        parser.error("--steps and --repeats must be positive and --hidden at least 4")
     print(f"# per-step snapshot overhead, PP=2 x DP=3 on gloo, {os.cpu_count()} shared CPU cores, "
           f"{args.repeats} x {args.steps} steps each, checksum every {args.verify_every} steps")
-    print("| snapshots | median step s | samples/s | overhead |")
-    print("|---|---|---|---|")
-    print(f"| off | {off:.4f} | {12 / off:.1f} | - |")
-    print(f"| on | {on:.4f} | {12 / on:.1f} | {100 * (on / off - 1):+.1f}% |")
+    print("| hidden | median step s, off | on | overhead | post ms | wait before vote ms | verify ms "
+          "| background update ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for hidden in args.hidden:
+        off, on, ms = measure(hidden, args.steps, args.repeats, args.verify_every)
+        print(f"| {hidden} | {off:.4f} | {on:.4f} | {100 * (on / off - 1):+.1f}% | {ms['post_s']:.2f} "
+              f"| {ms['finish_wait_s']:.2f} | {ms['verify_s']:.2f} | {ms['update_s']:.2f} |")
+    print("post, wait and verify are on the step's critical path; the background update is not, "
+          "but on this machine it shares the cores the training processes use.")
     return 0
 
 

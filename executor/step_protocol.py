@@ -31,6 +31,7 @@ from datetime import timedelta
 from typing import Protocol
 
 from executor.comm.communicator import Communicator, EditReport
+from executor.comm.errors import PeerFailure
 from executor.comm.groups import all_workers, groups_for_stages
 from planners.layout import Plan
 
@@ -44,6 +45,10 @@ class StepProtocolError(RuntimeError):
 
 class StepParticipant(Protocol):
     """The state a step changes (parameters, optimizer shards, snapshots)."""
+
+    def before_vote(self) -> None:
+        """Finish the step's work still in flight (e.g. a posted snapshot exchange) before this
+        worker votes; bounded by the communicator timeout; raises PeerFailure on a dead peer."""
 
     def on_commit(self, step: int) -> None:
         """Step `step` is committed everywhere: make its state the rollback point."""
@@ -93,12 +98,19 @@ class StepProtocol:
     def should_commit(self, timeout_s: float | None = None) -> bool:
         """The commit decision of the current step, identical on every worker.
 
-        Votes "ok" (this worker finished its optimizer update) or "fail", then blocks until the
+        First lets the participant finish its in-flight work (`before_vote`), then votes "ok" (this worker finished its optimizer update) or "fail", then blocks until the
         decision exists: commit once every worker of the layout voted ok; abort as soon as a
         worker voted fail or flagged an abort (ms after a peer's socket closed), or when
         `timeout_s` (default: the protocol timeout) passes without every vote (a hung peer)."""
         step = self._require_step()
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        try:
+            # Also after a failure: ops that did complete are then accounted as complete, so the
+            # edit can reuse their groups; the rest raise at once (the abort flag is set).
+            self.participant.before_vote()
+        except PeerFailure as exc:
+            if self.failure is None:
+                self.report_failure(exc)
         base = f"{self.comm.namespace}/decide/p{self.plan_epoch}/s{step}/a{self.attempt}"
         store, workers = self.comm.store, sorted(all_workers(self.comm.membership))
         store.set(f"{base}/vote/{self.comm.worker}", "fail" if self.failure else "ok")

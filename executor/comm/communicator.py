@@ -95,6 +95,17 @@ class _Group:
     waiter: _Waiter | None = None
 
 
+@dataclass
+class PendingOps:
+    """Point-to-point ops issued by `Communicator.post_exchange` and not completed yet."""
+
+    works: list[tuple[_Group, object]]
+
+    @property
+    def done(self) -> bool:
+        return not self.works
+
+
 class Communicator:
     """The groups of one worker, their guarded ops, and in-place edits.
 
@@ -214,7 +225,18 @@ class Communicator:
 
         Everything is issued before anything is waited on, so a pattern in which every worker
         both sends and receives cannot deadlock on the order of blocking calls."""
-        works = []
+        self.complete(self.post_exchange(sends, recvs))
+
+    def post_exchange(
+        self,
+        sends: Sequence[tuple[str, torch.Tensor, int, int]],
+        recvs: Sequence[tuple[str, torch.Tensor, int, int]],
+    ) -> PendingOps:
+        """Issue the ops of `exchange_many` and return without waiting (never blocks): the
+        transfers proceed in gloo's threads while the caller computes. The tensors must stay
+        untouched until `complete`. Ops never completed count as pending in the group's ledger,
+        so an edit rebuilds that group instead of reusing it half-matched."""
+        works: list[tuple[_Group, object]] = []
         for name, tensor, dst, tag in sends:
             g = self._route(name, dst)
             g.ledger.sent[dst] += 1
@@ -223,8 +245,18 @@ class Communicator:
             g = self._route(name, src)
             g.ledger.received[src] += 1
             works.append((g, g.pg.recv([tensor], g.workers.index(src), tag)))
-        for g, work in works:
+        for g, _work in works:
+            g.ledger.pending += 1
+        return PendingOps(works)
+
+    def complete(self, ops: PendingOps) -> None:
+        """Block until every op of `ops` has completed: bounded like any op, PeerFailure on a
+        dead peer or an abort (the ops not yet completed then stay pending in the ledger)."""
+        while ops.works:
+            g, work = ops.works[0]
+            g.ledger.pending -= 1  # `_wait` counts it again while it waits
             self._wait(g, work, has_future=False)
+            ops.works.pop(0)
 
     def group_with(self, a: int, b: int) -> str:
         """The first logical group (by name) that holds both workers; both pick the same one."""

@@ -6,24 +6,42 @@ its three times larger optimizer state) to the worker that backs it up; that wor
 same AdamW update (`shard_adamw.adamw_shard_update`, identical code path, hence bitwise equal) to
 its copy in a background thread, off the critical path. The update of step s is applied only when
 step s commits, so a rolled-back step never reaches a snapshot. `verify` compares checksums.
+
+Off the critical path, as in Fig. 6b: `exchange_grads` only posts the send and the receive right
+after the gradient reduce-scatter and returns; the transfer overlaps the optimizer update and the
+parameter all-gather, and `finish_exchange` (called by the step protocol just before the commit
+vote) waits for it. `stats` says where the remaining cost goes.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from executor.comm.communicator import Communicator
+from executor.comm.communicator import Communicator, PendingOps
 from executor.fabric.shard_adamw import AdamWHyper, adamw_shard_update
 from executor.fabric.state import ShardState
 
 SNAPSHOT_TAG = 7100
 # (param, grad, exp_avg, exp_avg_sq, step, hyper): the live optimizer's own update function
 UpdateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, Any], None]
+
+
+@dataclass
+class SnapshotStats:
+    """Where the snapshot's time goes, summed over steps (seconds)."""
+
+    steps: int = 0  # gradient exchanges posted
+    post_s: float = 0.0  # critical path: concatenating the gradient shards and posting the ops
+    finish_wait_s: float = 0.0  # critical path: waiting for the exchange before the commit vote
+    update_s: float = 0.0  # background thread: AdamW on the host copy (competes for host cores)
+    verify_s: float = 0.0  # critical path, every `verify_every` steps: checksums and their all-reduce
 
 
 class SnapshotError(RuntimeError):
@@ -46,9 +64,11 @@ class RingSnapshot:
     """This worker's side of the ring in DP group `group`: sends its gradient shards to its
     holder and maintains the snapshot of the worker it protects.
 
-    Blocking behaviour: `seed` and `exchange_grads` block on one send and one receive in the group
-    (bounded by the communicator timeout; PeerFailure on a dead peer); `commit` only enqueues;
-    `flush(timeout_s)` blocks until the background updates are applied or raises TimeoutError.
+    Blocking behaviour: `seed` blocks on one send and one receive in the group (bounded by the
+    communicator timeout; PeerFailure on a dead peer); `exchange_grads` never blocks;
+    `finish_exchange` blocks until that exchange completes (bounded the same way); `commit`
+    enqueues the update (after finishing a still-posted exchange); `flush(timeout_s)` blocks until the background updates are applied or raises
+    TimeoutError.
     """
 
     def __init__(self, comm: Communicator, group: str, hyper: Any = AdamWHyper(),  # noqa: B008 - frozen
@@ -61,6 +81,9 @@ class RingSnapshot:
         self.protected = ring_protected(workers, comm.worker)
         self._state: ShardState | None = None
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
+        # posted exchange: (step, ops, incoming buffer, outgoing buffer kept alive until completion)
+        self._inflight: tuple[int, PendingOps, torch.Tensor, torch.Tensor] | None = None
+        self.stats = SnapshotStats()
         self._committed = 0  # last committed step (the background update may still be running)
         # committed (step, gradients) to apply, or an Event that flush() waits on
         self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor]] | threading.Event] = queue.Queue()
@@ -89,24 +112,43 @@ class RingSnapshot:
             self._committed = self._state.step
 
     def exchange_grads(self, step: int, mine: Mapping[str, torch.Tensor]) -> None:
-        """Send this step's reduced gradient shards (unit -> flat grad of my interval) to my
-        holder; receive the protected worker's and keep them pending until `commit(step)`."""
+        """Post the send of this step's reduced gradient shards (unit -> flat grad of my interval)
+        to my holder and the receive of the protected worker's; returns without waiting.
+        `mine` must not change until `finish_exchange`."""
         state = self._require_state()
-        if step != self._committed + 1:
+        if step != self._committed + 1 or self._inflight is not None:
             raise SnapshotError(f"snapshot is at step {self._committed}; gradients of step {step} are out of order")
+        t0 = time.perf_counter()
         out = torch.cat([mine[k].reshape(-1) for k in sorted(mine)]) if mine else torch.empty(0)
         incoming = torch.empty(sum(s.stop - s.start for s in state.units.values()))
-        self.comm.exchange(self.group, [(out, self.holder, SNAPSHOT_TAG + 3)],
-                           [(incoming, self.protected, SNAPSHOT_TAG + 3)])
-        grads, pos = {}, 0
-        for k in sorted(state.units):
-            n = state.units[k].stop - state.units[k].start
+        ops = self.comm.post_exchange([(self.group, out, self.holder, SNAPSHOT_TAG + 3)],
+                                      [(self.group, incoming, self.protected, SNAPSHOT_TAG + 3)])
+        self._inflight = (step, ops, incoming, out)
+        self.stats.steps += 1
+        self.stats.post_s += time.perf_counter() - t0
+
+    def finish_exchange(self) -> None:
+        """Wait for the posted exchange (if any) and keep the received gradients pending until
+        `commit(step)`. Blocks at most the communicator timeout; PeerFailure on a dead peer."""
+        if self._inflight is None:
+            return
+        t0 = time.perf_counter()
+        step, ops, incoming, _out = self._inflight
+        self.comm.complete(ops)
+        self._inflight = None
+        units, grads, pos = self._require_state().units, {}, 0
+        for k in sorted(units):
+            n = units[k].stop - units[k].start
             grads[k] = incoming[pos: pos + n]
             pos += n
         self._pending = (step, grads)
+        self.stats.finish_wait_s += time.perf_counter() - t0
 
     def commit(self, step: int) -> None:
-        """Step `step` committed: apply its pending gradients to the snapshot in the background."""
+        """Step `step` committed: apply its pending gradients to the snapshot in the background.
+        An exchange still posted is finished first (the step protocol has already done that
+        before its vote, so there this only enqueues)."""
+        self.finish_exchange()
         if self._pending is None or self._pending[0] != step:
             raise SnapshotError(f"commit({step}) without the gradients of step {step}")
         self._queue.put(self._pending)
@@ -114,8 +156,12 @@ class RingSnapshot:
         self._committed = step
 
     def discard(self) -> None:
-        """Step rolled back: its gradients never reach the snapshot."""
+        """Step rolled back: its gradients never reach the snapshot. Call it after
+        `finish_exchange` (the step protocol does, before its vote); an exchange still posted is
+        abandoned, and its group must be rebuilt (the communicator's ledger makes the next edit
+        do so) before the ring is used again."""
         self._pending = None
+        self._inflight = None
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every committed update is applied to the snapshot."""
@@ -138,6 +184,7 @@ class RingSnapshot:
         I send the checksum of my live shard to my holder, compare the one I receive with my
         snapshot, and the group all-reduces the mismatches so every member gets the same answer.
         """
+        t0 = time.perf_counter()
         self.flush()
         digest_out = torch.frombuffer(bytearray(bytes.fromhex(mine.checksum())), dtype=torch.uint8)
         digest_in = torch.zeros(32, dtype=torch.uint8)
@@ -147,6 +194,7 @@ class RingSnapshot:
             ok = bytes(digest_in.tolist()).hex() == self._require_state().checksum()
         mismatches = torch.tensor([0.0 if ok else 1.0])
         self.comm.all_reduce(self.group, mismatches)
+        self.stats.verify_s += time.perf_counter() - t0
         return mismatches.item() == 0.0
 
     # ----- background updater --------------------------------------------------------------
@@ -162,6 +210,7 @@ class RingSnapshot:
                 item.set()
                 continue
             step, grads = item
+            t0 = time.perf_counter()
             try:
                 with self._lock:
                     state = self._require_state()
@@ -170,3 +219,4 @@ class RingSnapshot:
                     state.step = step
             except BaseException as exc:  # noqa: BLE001 - surfaced by flush()
                 self._errors.append(exc)
+            self.stats.update_s += time.perf_counter() - t0

@@ -74,6 +74,10 @@ class FabricParticipant:
         self._install_snapshot()
 
     # ----- StepParticipant -----------------------------------------------------------------
+    def before_vote(self) -> None:
+        if self.snapshot is not None:
+            self.snapshot.finish_exchange()
+
     def on_commit(self, step: int) -> None:
         self._committed = self.trainer.get_state()
         if self.snapshot is not None:

@@ -45,7 +45,8 @@ class KillingCommunicator(Communicator):
     """The victim: SIGKILLs itself on entering its `kill_at_op`-th communication op of step
     FAIL_STEP. Ops of the victim (a last-stage rank) in step FAIL_STEP, in order: 1-4 pipeline
     receives and sends, 5 gradient reduce-scatter, 6 snapshot checksum exchange (a verify step),
-    7 snapshot gradient exchange, 8 parameter all-gather (after its own optimizer update),
+    7 snapshot gradient exchange (posted; the survivors wait for it just before
+    the commit vote), 8 parameter all-gather (after its own optimizer update),
     9 loss all-gather."""
 
     kill_at_op = 0
@@ -58,9 +59,9 @@ class KillingCommunicator(Communicator):
             print(f"victim {self.worker}: SIGKILL at op {self.ops_in_step} ({what}) of step {FAIL_STEP}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def exchange_many(self, sends: Any, recvs: Any) -> None:
+    def post_exchange(self, sends: Any, recvs: Any) -> Any:
         self._tick(f"p2p {[s[0] for s in sends]} {[r[0] for r in recvs]}")
-        super().exchange_many(sends, recvs)
+        return super().post_exchange(sends, recvs)
 
     def wait(self, name: str, work: object, has_future: bool = True) -> None:
         self._tick(f"collective on {name}")
@@ -260,6 +261,9 @@ class _Recorder:
     def on_rollback(self) -> None:
         self.calls.append(("rollback", -1))
 
+    def before_vote(self) -> None:
+        self.calls.append(("before_vote", -1))
+
     def on_plan(self, plan: Plan, lost: frozenset[int], committed_step: int) -> None:
         self.calls.append(("plan", plan.epoch))
 
@@ -321,8 +325,11 @@ def test_commit_decision_is_one_value_for_all() -> None:
         for p in protos:
             p.begin_step(1)
         assert _decide_all(protos) == [True, True, True]
-        assert protos[0].participant.calls == [  # type: ignore[attr-defined]
+        calls = protos[0].participant.calls  # type: ignore[attr-defined]
+        # before each of its 4 votes the participant finishes its in-flight work
+        assert [c for c in calls if c[0] != "before_vote"] == [
             ("commit", 0), ("rollback", -1), ("rollback", -1), ("plan", 1)]
+        assert calls.count(("before_vote", -1)) == 4
     finally:
         server.stop()
 

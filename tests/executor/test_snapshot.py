@@ -27,6 +27,7 @@ def _snapshot_worker(worker: int, port: int) -> dict[str, object]:
     for step in range(1, STEPS + 1):
         if step == ROLLED_BACK_STEP:  # a step that fails after the gradient exchange: rolled back
             snap.exchange_grads(step, grads_for(live, step, scale=-3.0))
+            snap.finish_exchange()  # the step protocol finishes it before the commit vote
             snap.discard()
         grads = grads_for(live, step)
         snap.exchange_grads(step, grads)
