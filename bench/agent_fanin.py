@@ -96,7 +96,10 @@ class SimAgent:
 
 async def load(grpc_port: int, http_port: int, job_token: str, n: int, window_s: float, kills: int,
                warmup_s: float) -> dict:
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") for _ in range(max(1, n // STREAMS_PER_CHANNEL))]
+    # A local subchannel pool gives each channel its own TCP connection (by default channels to
+    # one target share one), as separate agent processes would have.
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}", options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(max(1, n // STREAMS_PER_CHANNEL))]
     agents = [SimAgent(agent_pb2_grpc.AgentServiceStub(channels[i % len(channels)]), "bench", job_token, f"a{i}")
               for i in range(n)]
     stop = asyncio.Event()

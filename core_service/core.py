@@ -56,6 +56,11 @@ GRPC_SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    # Every agent of a large job reconnects at once after a leader failover. grpc rejects calls
+    # beyond 3,000 not yet picked up by the server ("Too many pending requests"), which failed
+    # most streams of a 10,000-agent burst; the bound stays, above any job we plan for.
+    ("grpc.server.max_pending_requests", 100_000),
+    ("grpc.server.max_pending_requests_hard_limit", 100_000),
 ]
 GAUGE_INTERVAL_S = 1.0
 

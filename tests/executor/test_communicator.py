@@ -4,6 +4,8 @@ a survivor blocked in an all-reduce with PeerFailure instead of a hang."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from datetime import timedelta
 
@@ -131,3 +133,44 @@ def test_decide_edit_requires_balanced_ledgers() -> None:
     d = decide_edit(old, new, 0, {0: {"dp/0": unmatched_send}, 1: {"dp/0": clean}}, full=False)
     assert d.reuse == () and "dp/0" in d.rebuild
     assert decide_edit(old, new, 0, ledgers, full=True).reuse == ()
+
+
+HUNG_TIMEOUT_S = 2.0
+
+
+def _hung_peer_worker(worker: int, port: int) -> dict[str, object]:
+    store = connect_store("127.0.0.1", port)
+    comm = Communicator(store, worker, {"dp/0": (0, 1, 2)}, timeout_s=HUNG_TIMEOUT_S)
+    comm.all_reduce("dp/0", torch.ones(1))
+    store.set(f"ready/{worker}", "1")
+    if worker == 2:
+        time.sleep(60)  # SIGSTOPped by the test: alive, socket open, never answers
+    store.wait(["stopped"], timedelta(seconds=30))
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce("dp/0", torch.ones(1))
+    except PeerFailure as exc:
+        return {"failure": exc.group, "reason": exc.reason, "seconds": time.monotonic() - t0}
+    return {"failure": None, "seconds": time.monotonic() - t0}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(90)
+def test_hung_peer_releases_survivors_within_the_timeout() -> None:
+    """A peer that hangs (SIGSTOP: no socket error ever comes) cannot block the others for
+    longer than the communicator timeout: they get PeerFailure, not a hang."""
+    server = StoreServer.start()
+    try:
+        procs, results = spawn(_hung_peer_worker, [0, 1, 2], server.port)
+        store = server.connect()
+        store.wait([f"ready/{w}" for w in range(3)], timedelta(seconds=60))
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        store.set("stopped", "1")
+        got = collect({w: procs[w] for w in (0, 1)}, results, [0, 1], timeout_s=30)
+        kill9(procs, 2)
+    finally:
+        server.stop()
+    for w in (0, 1):
+        assert got[w]["failure"] == "dp/0", got[w]
+        # released by its own deadline or by the other survivor's abort flag, never later
+        assert got[w]["seconds"] < HUNG_TIMEOUT_S + 1.5, got[w]
