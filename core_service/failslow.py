@@ -5,12 +5,21 @@ A worker is *suspect* on a step when its step time exceeds both `ratio x median`
 so one straggler cannot drag the reference up). It is flagged slow only after `trigger_steps`
 consecutive suspect steps and cleared only after `clear_steps` consecutive normal ones, so a single
 slow step (a GC pause, a checkpoint) never triggers a plan.
+
+Cost: a report is O(1) amortised, whatever the stage size. Stages of up to `EXACT_PEERS` workers
+get the exact reference on every report; larger ones (a stage's DP group can hold thousands)
+share a reference over all their workers, recomputed once a sixteenth of them have reported
+since (at 10,000 agents the per-report scan of every peer used to saturate the Core). There one
+worker is at most 1/64 of the sample, and the reference trails the newest reports by a fraction
+of a step, both far below the ratio and MAD margins.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from core_service.config import FailSlowSettings
 
@@ -33,13 +42,30 @@ class _WorkerTrack:
     slow: bool = False
 
 
+EXACT_PEERS = 64
+REFRESH_FRACTION = 16  # a large stage's reference is recomputed after size / 16 reports
+
+
+@dataclass
+class _StageReference:
+    """Median and MAD of a large stage's latest step times, and reports seen since."""
+
+    median: float = 0.0
+    mad: float = 0.0
+    stale_after: int = 0  # reports left before a recompute (0: recompute now)
+
+
 @dataclass
 class FailSlowDetector:
     settings: FailSlowSettings
     _tracks: dict[str, _WorkerTrack] = field(default_factory=dict)
+    _stage_times: dict[int, dict[str, float]] = field(default_factory=dict)  # stage -> worker -> last s
+    _references: dict[int, _StageReference] = field(default_factory=dict)
 
     def forget(self, worker_id: str) -> None:
-        self._tracks.pop(worker_id, None)
+        track = self._tracks.pop(worker_id, None)
+        if track is not None:
+            self._stage_times.get(track.stage, {}).pop(worker_id, None)
 
     def is_slow(self, worker_id: str) -> bool:
         track = self._tracks.get(worker_id)
@@ -52,15 +78,33 @@ class FailSlowDetector:
         track = self._tracks.get(worker_id)
         if track is None:
             track = self._tracks[worker_id] = _WorkerTrack(stage=stage, last_time_s=step_time_s)
+        elif track.stage != stage:
+            self._stage_times.get(track.stage, {}).pop(worker_id, None)
         track.stage, track.last_time_s = stage, step_time_s
-        peers = [t.last_time_s for w, t in self._tracks.items() if w != worker_id and t.stage == stage]
-        if len(peers) + 1 < self.settings.min_peers:
+        times = self._stage_times.setdefault(stage, {})
+        times[worker_id] = step_time_s
+        if len(times) < self.settings.min_peers:
             return None
-        median = statistics.median(peers)
-        mad = statistics.median(abs(p - median) for p in peers)
+        median, mad = self._reference(stage, times, worker_id)
         threshold = max(self.settings.ratio * median, median + self.settings.mad_k * mad)
         suspect = step_time_s > threshold
         return self._update_streaks(worker_id, track, suspect, median, threshold)
+
+    def _reference(self, stage: int, times: dict[str, float], worker_id: str) -> tuple[float, float]:
+        """(median, MAD) of the stage's latest step times: exact and without the worker itself in
+        small stages, shared and refreshed every size / REFRESH_FRACTION reports in large ones."""
+        if len(times) <= EXACT_PEERS:
+            peers = [t for w, t in times.items() if w != worker_id]
+            median = statistics.median(peers)
+            return median, statistics.median(abs(p - median) for p in peers)
+        ref = self._references.setdefault(stage, _StageReference())
+        if ref.stale_after <= 0:
+            values = np.fromiter(times.values(), dtype=np.float64, count=len(times))
+            ref.median = float(np.median(values))
+            ref.mad = float(np.median(np.abs(values - ref.median)))
+            ref.stale_after = len(times) // REFRESH_FRACTION
+        ref.stale_after -= 1
+        return ref.median, ref.mad
 
     def _update_streaks(
         self, worker_id: str, track: _WorkerTrack, suspect: bool, median: float, threshold: float

@@ -94,7 +94,7 @@ class JobProfile:
 
 @dataclass(frozen=True)
 class MttrModel:
-    """Seconds of no progress after a change, per policy (documented in docs/planners.md).
+    """Seconds of no progress after a change, per policy (documented in the README, "Recovery-time assumptions").
 
     ElasWave: detection to next step in about a second (DESIGN.md §1, §7.4: 0.15-0.37 s
     communicator edit) plus layer migration at `migrate_bytes_per_s`. TorchFT: ~20 s full restart

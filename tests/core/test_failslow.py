@@ -45,3 +45,26 @@ def test_invalid_step_time_is_refused_and_changes_nothing() -> None:
             d.observe("a", 0, bad)
     assert not d.is_slow("a")
     assert d._tracks == {}
+
+
+def test_large_stage_shared_reference_flags_the_straggler_and_nobody_else() -> None:
+    """2,000 workers in one stage (a large DP group, shared reference): the straggler is flagged on
+    its trigger step and nobody else ever is; moving a worker to another stage is bookkept."""
+    import random
+
+    rng = random.Random(3)
+    settings = FailSlowSettings(ratio=1.3, trigger_steps=3, clear_steps=2)
+    d = FailSlowDetector(settings)
+    workers = [f"w{i}" for i in range(2000)]
+    flagged: list[tuple[str, bool, int]] = []
+    for step in range(6):
+        times = {w: 1.0 + rng.uniform(-0.05, 0.05) for w in workers}
+        if step >= 2:
+            times["w17"] = 1.6  # a straggler from step 2 on
+        flagged += [(t.worker_id, t.slow, step) for t in feed(d, times)]
+    assert flagged == [("w17", True, 4)]
+    assert abs(d._references[0].median - 1.0) < 0.01  # noqa: SLF001 - the shared reference
+    # w17 moves to stage 1 (a layout change): stage 0 no longer counts it, stage 1 has one worker.
+    assert d.observe("w17", 1, 1.6) is None and "w17" not in d._stage_times[0]  # noqa: SLF001
+    d.forget("w18")
+    assert "w18" not in d._stage_times[0] and len(d._stage_times[0]) == 1998  # noqa: SLF001

@@ -1,6 +1,6 @@
 """The simulator reproduces the papers' qualitative results (ElasWave §7.2, Chameleon §V-B).
 
-Measured values (see docs/planners.md) are printed with `pytest -s`. Tolerance bands:
+Measured values (see the README, "Results beside the papers") are printed with `pytest -s`. Tolerance bands:
 - ElasWave / TorchFT on Llama2-34B, one node lost: paper 1.6x; band [1.2, 2.0] (+-25 %). With
   TorchFT keeping 2 of 3 replicas, any plan that scales at most linearly is bounded by
   (88/96)/(2/3) = 1.375 (x 1650/1400 with every stage up-clocked), so the paper's 1.6x cannot
