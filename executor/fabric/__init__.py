@@ -11,12 +11,10 @@ from executor.fabric.overlap import (
     snapshot_holders,
 )
 from executor.fabric.remap import RemapError, live_remap
-from executor.fabric.shard_adamw import AdamWHyper, adamw_shard_update
 from executor.fabric.snapshot import RingSnapshot, SnapshotError, ring_holder, ring_protected
 from executor.fabric.state import ShardState, UnitShard
 
 __all__ = [
-    "AdamWHyper",
     "UnitShard",
     "RemapError",
     "RemapTransfer",
@@ -24,7 +22,6 @@ __all__ = [
     "ShardState",
     "SnapshotError",
     "UnrecoverableLoss",
-    "adamw_shard_update",
     "block_ownership",
     "overlap_transfers",
     "live_remap",

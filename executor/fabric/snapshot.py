@@ -3,7 +3,8 @@
 In a stage's DP group (workers w_0..w_{D-1} in DP order), worker w_i keeps in host memory a copy
 of the shard owned by w_{(i+1) mod D}. Every step, each worker sends its *gradient* shard (not
 its three times larger optimizer state) to the worker that backs it up; that worker applies the
-same AdamW update (`shard_adamw.adamw_shard_update`, identical code path, hence bitwise equal) to
+same AdamW update as the live optimizer (`executor.zero.adamw_update`: the same code path on the
+same operands, hence bitwise equal) to
 its copy in a background thread, off the critical path. The update of step s is applied only when
 step s commits, so a rolled-back step never reaches a snapshot. `verify` compares checksums.
 
@@ -25,8 +26,8 @@ from typing import Any
 import torch
 
 from executor.comm.communicator import Communicator, PendingOps
-from executor.fabric.shard_adamw import AdamWHyper, adamw_shard_update
 from executor.fabric.state import ShardState
+from executor.zero import AdamWConfig, adamw_update
 
 SNAPSHOT_TAG = 7100
 # (param, grad, exp_avg, exp_avg_sq, step, hyper): the live optimizer's own update function
@@ -71,8 +72,8 @@ class RingSnapshot:
     TimeoutError.
     """
 
-    def __init__(self, comm: Communicator, group: str, hyper: Any = AdamWHyper(),  # noqa: B008 - frozen
-                 update_fn: UpdateFn = adamw_shard_update) -> None:
+    def __init__(self, comm: Communicator, group: str, hyper: Any = AdamWConfig(),  # noqa: B008 - frozen
+                 update_fn: UpdateFn = adamw_update) -> None:
         self.comm, self.group, self.hyper, self.update_fn = comm, group, hyper, update_fn
         workers = comm.workers(group)
         if len(workers) < 2:

@@ -1,17 +1,17 @@
 """A deterministic ZeRO-1 workload for the fabric tests: interleaved shards of a few flat layers,
-AdamW through the fabric's single update function, gradients that depend only on (step, layer)."""
+AdamW through the engine's update function (the one the snapshots apply), gradients that depend only on (step, layer)."""
 
 from __future__ import annotations
 
 import torch
 
-from executor.fabric.shard_adamw import AdamWHyper, adamw_shard_update
 from executor.fabric.state import ShardState, UnitShard
+from executor.zero import AdamWConfig, adamw_update
 from planners.layout import Layout, make_uniform_layout
 from planners.zero import stage_ownership
 
 LAYER_NUMEL = (37, 50, 23)
-HYPER = AdamWHyper(lr=1e-2, weight_decay=0.1)
+HYPER = AdamWConfig(lr=1e-2, weight_decay=0.1)
 
 
 def layout_for(dp_workers: tuple[int, ...]) -> Layout:
@@ -51,5 +51,5 @@ def grads_for(state: ShardState, step: int, scale: float = 1.0) -> dict[str, tor
 
 def live_update(state: ShardState, step: int, grads: dict[str, torch.Tensor]) -> None:
     for k, s in state.units.items():
-        adamw_shard_update(s.param, grads[k], s.exp_avg, s.exp_avg_sq, step, HYPER)
+        adamw_update(s.param, grads[k], s.exp_avg, s.exp_avg_sq, step, HYPER)
     state.step = step
