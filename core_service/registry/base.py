@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -123,9 +123,11 @@ class Registry(ABC):
 
     @abstractmethod
     def compare_and_swap(
-        self, key: str, expected: bytes | None, value: bytes, lease: int | None = None
+        self, key: str, expected: bytes | None, value: bytes, lease: int | None = None,
+        also: Sequence[tuple[str, bytes]] = (),
     ) -> bool:
-        """Atomically write ``key`` if its value equals ``expected`` (None: must be absent)."""
+        """Atomically write ``key`` if its value equals ``expected`` (None: must be absent), and
+        in the same transaction every ``(key, value)`` of ``also`` (no lease): all or nothing."""
 
     @abstractmethod
     def watch_prefix(self, prefix: str, callback: WatchCallback) -> WatchHandle:
@@ -164,6 +166,20 @@ def check_value(value: object, what: str = "value") -> bytes:
     if not isinstance(value, bytes | bytearray):
         raise TypeError(f"{what} must be bytes, got {type(value).__name__}")
     return bytes(value)
+
+
+def check_writes(also: object) -> list[tuple[str, bytes]]:
+    """The extra ``(key, value)`` writes of a transaction, checked; keys must be distinct."""
+    if isinstance(also, str | bytes) or not isinstance(also, Sequence):
+        raise TypeError(f"also must be a sequence of (key, value) pairs, got {type(also).__name__}")
+    writes = []
+    for item in also:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise TypeError(f"also must hold (key, value) pairs, got {item!r}")
+        writes.append((check_key(item[0]), check_value(item[1], f"value of {item[0]!r}")))
+    if len({k for k, _ in writes}) != len(writes):
+        raise ValueError("also names a key twice")
+    return writes
 
 
 def check_ttl(ttl_s: object) -> float:

@@ -37,6 +37,7 @@ from core_service.registry.base import (
     check_prefix,
     check_ttl,
     check_value,
+    check_writes,
 )
 from core_service.registry.etcd_watch import EtcdPrefixWatch
 
@@ -131,9 +132,13 @@ class EtcdRegistry(Registry):
         return self.compare_and_swap(key, None, value, lease)
 
     def compare_and_swap(
-        self, key: str, expected: bytes | None, value: bytes, lease: int | None = None
+        self, key: str, expected: bytes | None, value: bytes, lease: int | None = None,
+        also: Sequence[tuple[str, bytes]] = (),
     ) -> bool:
         key, value, lease = check_key(key), check_value(value), check_optional_lease(lease)
+        writes = check_writes(also)
+        if key in {k for k, _ in writes}:
+            raise ValueError(f"also names the compared key {key!r}")
         if expected is not None:
             expected = check_value(expected, "expected")
 
@@ -141,7 +146,8 @@ class EtcdRegistry(Registry):
             txn = client.transactions
             guard = txn.create(key) == 0 if expected is None else txn.value(key) == expected
             succeeded, _ = client.transaction(
-                compare=[guard], success=[txn.put(key, value, lease=lease)], failure=[]
+                compare=[guard], success=[txn.put(key, value, lease=lease), *(txn.put(k, v) for k, v in writes)],
+                failure=[],
             )
             return bool(succeeded)
 

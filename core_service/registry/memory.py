@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from core_service.registry.base import (
@@ -30,6 +31,7 @@ from core_service.registry.base import (
     check_prefix,
     check_ttl,
     check_value,
+    check_writes,
 )
 
 log = logging.getLogger(__name__)
@@ -150,9 +152,13 @@ class MemoryRegistry(Registry):
         return self.compare_and_swap(key, None, value, lease)
 
     def compare_and_swap(
-        self, key: str, expected: bytes | None, value: bytes, lease: int | None = None
+        self, key: str, expected: bytes | None, value: bytes, lease: int | None = None,
+        also: Sequence[tuple[str, bytes]] = (),
     ) -> bool:
         key, value, lease = check_key(key), check_value(value), check_optional_lease(lease)
+        writes = check_writes(also)
+        if key in {k for k, _ in writes}:
+            raise ValueError(f"also names the compared key {key!r}")
         if expected is not None:
             expected = check_value(expected, "expected")
         with self._lock:
@@ -161,7 +167,11 @@ class MemoryRegistry(Registry):
             current = None if entry is None else entry.value
             if current != expected:
                 return False
+            if lease is not None:
+                self._live_lease(lease)  # fail before writing anything
             self._put_locked(key, value, lease)
+            for k, v in writes:
+                self._put_locked(k, v, None)
             return True
 
     def delete(self, key: str) -> bool:

@@ -3,14 +3,11 @@
 Plans are target layouts (DESIGN.md §3) and are fenced by epoch: an executor never applies a plan
 older than the one it has, and a Core that lost leadership must not publish over its successor.
 ``publish`` allocates epochs by compare-and-swap on ``<prefix>/jobs/<job>/epoch`` (retried under
-contention), then stores the plan under ``<prefix>/jobs/<job>/plans/<epoch:020d>``. With
-``expected_epoch`` the swap only succeeds from that epoch, so a publisher that has not seen the
-latest plan gets ``StaleEpoch`` instead of overwriting it.
-
-The plan is written right after its epoch is allocated, not in the same transaction, so a reader
-may briefly see plan e+1 before plan e of a concurrent publisher lands, and a publisher that dies
-between the two writes leaves a gap in the epochs. Neither breaks fencing: epochs only grow, and
-consumers keep the highest epoch they have seen.
+contention) and stores the plan under ``<prefix>/jobs/<job>/plans/<epoch:020d>`` in the same
+transaction: an epoch exists exactly when its plan does, so a publisher that dies mid-way leaves
+neither, and readers see plans in epoch order. With ``expected_epoch`` the swap only succeeds from
+that epoch, so a publisher that has not seen the latest plan gets ``StaleEpoch`` instead of
+overwriting it.
 """
 
 from __future__ import annotations
@@ -65,8 +62,8 @@ class PlanStore:
             if expected_epoch is not None and current != expected_epoch:
                 raise StaleEpoch(job, expected_epoch, current)
             epoch = current + 1
-            if self._registry.compare_and_swap(counter, raw, str(epoch).encode()):
-                self._registry.put(self.plan_key(job, epoch), plan_json)
+            if self._registry.compare_and_swap(counter, raw, str(epoch).encode(),
+                                               also=[(self.plan_key(job, epoch), plan_json)]):
                 return epoch
         raise RegistryError(f"could not allocate an epoch for job {job!r} in {MAX_PUBLISH_ATTEMPTS} attempts")
 

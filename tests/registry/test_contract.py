@@ -73,6 +73,23 @@ def test_compare_and_swap(registry: Registry) -> None:
     assert registry.get("/cas/k") == b"v2"
 
 
+def test_compare_and_swap_writes_its_companions_all_or_nothing(registry: Registry) -> None:
+    plans = [("/txn/plans/1", b"plan-1"), ("/txn/audit", b"a")]
+    assert registry.compare_and_swap("/txn/epoch", b"0", b"1", also=plans) is False
+    assert [registry.get(k) for k in ("/txn/epoch", "/txn/plans/1", "/txn/audit")] == [None, None, None]
+    assert registry.compare_and_swap("/txn/epoch", None, b"1", also=plans) is True
+    assert [registry.get(k) for k in ("/txn/epoch", "/txn/plans/1", "/txn/audit")] == [b"1", b"plan-1", b"a"]
+    with pytest.raises(ValueError, match="compared key"):
+        registry.compare_and_swap("/txn/epoch", b"1", b"2", also=[("/txn/epoch", b"3")])
+    with pytest.raises(ValueError, match="twice"):
+        registry.compare_and_swap("/txn/epoch", b"1", b"2", also=[("/txn/x", b"1"), ("/txn/x", b"2")])
+    with pytest.raises(TypeError, match="pairs"):
+        registry.compare_and_swap("/txn/epoch", b"1", b"2", also=[("/txn/x",)])  # type: ignore[list-item]
+    with pytest.raises(LeaseNotFound):
+        registry.compare_and_swap("/txn/epoch", b"1", b"2", lease=987654321, also=[("/txn/y", b"y")])
+    assert registry.get("/txn/epoch") == b"1" and registry.get("/txn/x") is None and registry.get("/txn/y") is None
+
+
 def test_racing_creates_have_exactly_one_winner(registry: Registry) -> None:
     threads, start = 8, threading.Barrier(8)
     results: dict[int, bool] = {}
