@@ -32,12 +32,14 @@ RESULTS = ROOT / "bench" / "results" / "latest.md"
 
 # name -> (default args, --quick args)
 BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
-    "plan_latency": (["--devices", "1000", "100000", "--repeats", "3"],
+    # The defaults are the commands whose results the README reports.
+    "plan_latency": (["--devices", "1000", "10000", "100000", "--repeats", "5"],
                      ["--layers", "32", "--stages", "4", "16", "--devices", "1000", "10000", "--repeats", "2"]),
     "comm_recovery": (["--ranks", "8", "16", "32"], ["--ranks", "8"]),
-    "snapshot_overhead": ([], ["--steps", "3", "--repeats", "1"]),
+    "snapshot_overhead": (["--hidden", "64", "256", "--steps", "20", "--repeats", "3"],
+                          ["--hidden", "64", "--steps", "3", "--repeats", "1"]),
     "migration_cost": ([], ["--dp", "2", "--hidden", "64", "--migrations", "2"]),
-    "agent_fanin": (["--agents", "1000", "--window", "10", "--kills", "20"],
+    "agent_fanin": (["--agents", "1000", "3000", "10000", "--window", "20", "--kills", "50"],
                     ["--agents", "200", "--window", "5", "--warmup", "2", "--kills", "5"]),
 }
 
