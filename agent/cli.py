@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.config import TOKEN_ENV, AgentConfig, TlsFiles, parse_address, parse_address_list
+from agent.control import CONTROL_ENV
+from agent.frequency import CHOICES, DEFAULT_CLOCK_RANGE, parse_clock_range
 
 DESCRIPTION = f"""\
 Run the ElasWave agent beside one training worker. The agent watches the worker process (its
@@ -20,8 +22,15 @@ preemption report, and keeps one authenticated gRPC stream to the leading ElasWa
 lease in etcd.
 
 Give the worker either as a command after '--' (the agent launches it, exports
-ELASWAVE_METRICS_SOCKET, ELASWAVE_JOB and ELASWAVE_WORKER_ID to it, and exits with its status)
-or as --pid of a running process.
+ELASWAVE_METRICS_SOCKET, {CONTROL_ENV}, ELASWAVE_JOB and ELASWAVE_WORKER_ID to it, and exits
+with its status) or as --pid of a running process.
+
+Core commands: SetFrequency goes to the clock controller chosen by --frequency-controller (the
+log line 'frequency_controller' and every device probe say which one is active); the result,
+applied or refused with the reason, is in the next device probe. Drain writes a drain notice to
+the worker's control file ({CONTROL_ENV}; the worker stops at its next step boundary),
+SIGTERMs a worker still running after --drain-grace and SIGKILLs it --grace later, then leaves.
+ReportNow sends heartbeat, probes, memory and the last step metrics at once.
 
 Signals: SIGTERM = preemption (report, forward SIGTERM to a launched worker, wait up to --grace,
 then leave); SIGINT = clean shutdown (stop a launched worker, leave).
@@ -94,6 +103,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="report preemption when this file appears (or exists at start); its content may be "
                               "a deadline in unix seconds, else now + --grace (default: no file watched)")
 
+    clock = parser.add_argument_group("device clock (DVFS) and drain")
+    clock.add_argument("--frequency-controller", default="auto", choices=CHOICES,
+                       help="who applies SetFrequency: nvml (NVIDIA), npu-smi (Ascend), simulated (CPU runs), "
+                            "none; auto = nvml on CUDA hosts, npu-smi on Ascend hosts, simulated on CPU hosts "
+                            "(default auto)")
+    clock.add_argument("--clock-range", default=DEFAULT_CLOCK_RANGE, metavar="MIN:NOMINAL:MAX",
+                       help="MHz range of the simulated and npu-smi controllers; SetFrequency outside it is "
+                            f"refused, 0 restores NOMINAL (default {DEFAULT_CLOCK_RANGE}: 910B, ElasWave §5)")
+    clock.add_argument("--npu-smi-set", metavar="COMMAND",
+                       help="command that sets one Ascend device's AI core clock, with {id} and {mhz} "
+                            "placeholders (default: none, npu-smi requests are refused)")
+    clock.add_argument("--control-file", type=Path,
+                       help=f"file the agent writes the clock factor and drain notice to, exported as "
+                            f"${CONTROL_ENV} (default: beside the metrics socket, <job>.<worker>.control.json)")
+    clock.add_argument("--drain-grace", type=float, default=10.0, metavar="SECONDS",
+                       help="seconds a drained worker has to stop at a step boundary before SIGTERM (default 10)")
+
     lease = parser.add_argument_group("etcd liveness lease")
     lease.add_argument("--etcd", metavar="HOST:PORT", help="hold the liveness lease in this etcd (default: the Core does)")
     lease.add_argument("--etcd-prefix", default="/elaswave", help="key prefix (default /elaswave)")
@@ -136,6 +162,11 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         etcd=parse_address(args.etcd, "--etcd") if args.etcd else None,
         etcd_prefix=args.etcd_prefix,
         lease_ttl_s=args.lease_ttl,
+        frequency_controller=args.frequency_controller,
+        clock_range=parse_clock_range(args.clock_range),
+        npu_smi_set=args.npu_smi_set,
+        control_file=args.control_file,
+        drain_grace_s=args.drain_grace,
     )
 
 

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.frequency import CHOICES, DEFAULT_CLOCK_RANGE, ClockRange, parse_clock_range
+
 TOKEN_ENV = "ELASWAVE_JOB_TOKEN"
 # sun_path of struct sockaddr_un is 108 bytes on Linux, including the terminating NUL.
 _MAX_UNIX_PATH_BYTES = 107
@@ -93,6 +95,11 @@ class AgentConfig:
     lease_ttl_s: int = 3
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 2.0
+    frequency_controller: str = "auto"
+    clock_range: ClockRange = parse_clock_range(DEFAULT_CLOCK_RANGE)
+    npu_smi_set: str | None = None
+    control_file: Path | None = None
+    drain_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require_name(self.job, "--job")
@@ -109,8 +116,14 @@ class AgentConfig:
         for flag, seconds in self._positive_durations():
             if not (math.isfinite(seconds) and seconds > 0):
                 raise ValueError(f"{flag}: must be a positive number of seconds, got {seconds}")
-        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
-            raise ValueError(f"--grace: must be >= 0 seconds, got {self.grace_s}")
+        for flag, seconds in (("--grace", self.grace_s), ("--drain-grace", self.drain_grace_s)):
+            if not (math.isfinite(seconds) and seconds >= 0):
+                raise ValueError(f"{flag}: must be >= 0 seconds, got {seconds}")
+        if self.frequency_controller not in CHOICES:
+            raise ValueError(f"--frequency-controller: expected one of {', '.join(CHOICES)}, "
+                             f"got {self.frequency_controller!r}")
+        if self.npu_smi_set is not None and "{mhz}" not in self.npu_smi_set:
+            raise ValueError(f"--npu-smi-set: the command must contain {{mhz}}, got {self.npu_smi_set!r}")
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl: must be a whole number of seconds >= 1, got {self.lease_ttl_s}")
         if self.backoff_max_s < self.backoff_initial_s:
@@ -138,6 +151,16 @@ class AgentConfig:
     @property
     def socket_path(self) -> Path:
         return self.metrics_socket or default_metrics_socket(self.job, self.worker_id)
+
+    @property
+    def control_path(self) -> Path:
+        """The worker's control file (``agent.control``): ``--control-file``, else beside the socket."""
+        if self.control_file is not None:
+            return self.control_file
+        name = self.socket_path.name
+        for suffix in (".metrics.sock", ".sock"):
+            name = name.removesuffix(suffix)
+        return self.socket_path.with_name(f"{name}.control.json")
 
     @property
     def alive_key(self) -> str:

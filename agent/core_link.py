@@ -63,6 +63,7 @@ class CoreLink:
         self._left = asyncio.Event()
         self._stopping = False
         self._heartbeat_seq = 0
+        self._beat_now = False
         self.sessions = 0
         self.last_ack: agent_pb2.RegisterAck | None = None
 
@@ -79,6 +80,11 @@ class CoreLink:
         if self._leave is None:
             self._critical.append(request)
             self._wakeup.set()
+
+    def heartbeat_now(self) -> None:
+        """Write a heartbeat before any queued report, without waiting for the interval (ReportNow)."""
+        self._beat_now = True
+        self._wakeup.set()
 
     async def leave(self, reason: str) -> bool:
         """Send Leave after everything queued, close the stream; True when it was written in time."""
@@ -195,6 +201,10 @@ class CoreLink:
                 await self._handlers.drain(response.drain)
             elif kind == "set_frequency":
                 await self._handlers.set_frequency(response.set_frequency)
+            elif kind == "rejected":
+                # The Core refused one report; the stream stays up. A bug on our side: say it loudly.
+                log_event(logging.ERROR, "core_rejected_report", report=response.rejected.report,
+                          reason=response.rejected.reason)
             else:
                 log_event(logging.WARNING, "core_command_ignored", command=kind)
         except Exception as exc:  # a failing handler must not take the stream down
@@ -210,9 +220,10 @@ class CoreLink:
                 request = self._critical[0]
                 await self._write(call, request)
                 self._critical_written.append(self._critical.popleft())
-            elif now >= next_heartbeat:
+            elif now >= next_heartbeat or self._beat_now:
+                self._beat_now = False
                 await self._write(call, self._heartbeat())
-                next_heartbeat = max(next_heartbeat + interval, now)
+                next_heartbeat = max(next_heartbeat + interval, now) if now >= next_heartbeat else next_heartbeat
             elif self._outbox:
                 await self._write(call, self._outbox.popleft())
             elif self._leave is not None:

@@ -8,6 +8,21 @@ Shutdown, whatever the cause, ends with a Leave report: SIGINT stops a launched 
 then SIGKILL after the grace) and leaves; SIGTERM first reports a PreemptionNotice, forwards
 SIGTERM to a launched worker, waits for it up to the grace, then leaves; a worker that exits on
 its own is reported as WorkerExit and the agent leaves with the worker's exit status.
+
+Core commands:
+
+- SetFrequency: applied by the clock controller chosen at start (``agent.frequency``); the
+  outcome (applied, or refused/failed with the reason, clock unchanged) goes into a device probe
+  sent at once, and every device probe names the controller and the clock, so the Core always
+  shows the applied frequency. The clock is also published in the worker's control file.
+- Drain: the drain notice goes into the worker's control file (``agent.control``) so the worker
+  stops at its next step boundary; a worker still running after ``--drain-grace`` (or at the
+  Drain deadline, if sooner) gets SIGTERM, and SIGKILL ``--grace`` later. The agent reports
+  "draining" at once and, once the worker is gone, leaves with a Leave that says how it ended:
+  a drained worker that exits 0 or by the agent's signal is a planned departure, not a
+  WorkerExit (which the Core takes as a failure). The agent never launches a worker again while
+  draining. A second Drain only repeats the report.
+- ReportNow: a heartbeat ahead of the queue, every probe, memory, and the last step metrics.
 """
 
 from __future__ import annotations
@@ -19,23 +34,21 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 from agent import probes
 from agent.config import TOKEN_ENV, AgentConfig, load_job_token
+from agent.control import CONTROL_ENV, ControlFile, DrainNotice, FrequencyState
 from agent.core_link import CommandHandlers, CoreLink
 from agent.devices import DeviceSet
+from agent.frequency import FrequencyController, FrequencyFailed, FrequencyRefused, select_controller
 from agent.lease import AliveLease
 from agent.local_metrics import SOCKET_ENV, MetricsReceiver
 from agent.logs import log_event
 from agent.preemption import notice, watch_notice_file
 from agent.worker import EXIT_CODE_UNKNOWN, ExitStatus, ForeignWorker, LaunchedWorker, Worker
 from elaswave.v1 import agent_pb2
-
-# Sets a device clock in MHz (0 = default) and says what it did; the executor's DVFS owns these.
-FrequencyController = Callable[[int], str]
-NO_FREQUENCY_CONTROLLER = "no frequency controller on this host (simulated)"
 
 
 def agent_exit_code(status: ExitStatus | None) -> int:
@@ -48,12 +61,17 @@ def agent_exit_code(status: ExitStatus | None) -> int:
 
 
 class Agent:
-    def __init__(self, config: AgentConfig, frequency_controller: FrequencyController | None = None) -> None:
+    def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.started_unix = time.time()
         self.host = socket.gethostname()
         self.draining: agent_pb2.Drain | None = None
-        self._frequency_controller = frequency_controller
+        self._signalled_worker = False  # the agent itself sent the worker SIGTERM/SIGKILL
+        self.frequency: FrequencyController | None = None
+        self._frequency_why = "not selected yet"
+        self._last_set_frequency = ""  # outcome of the latest SetFrequency, for the device probe
+        self.control = ControlFile(config.control_path)
+        self._last_step: agent_pb2.StepMetrics | None = None
         self._worker: Worker | None = None
         self._worker_status: ExitStatus | None = None
         self._worker_done = asyncio.Event()
@@ -64,7 +82,7 @@ class Agent:
         self._preempted = False
         self._tasks: list[asyncio.Task[None]] = []
         self.link = CoreLink(config, self._register_message,
-                             CommandHandlers(self._report, self._on_drain, self._on_set_frequency))
+                             CommandHandlers(self._on_report_now, self._on_drain, self._on_set_frequency))
         self.metrics = MetricsReceiver(config.socket_path, self._on_step_metrics)
         self.lease = AliveLease(config.etcd, config.alive_key, self._lease_value, config.lease_ttl_s,
                                 config.rpc_timeout_s) if config.etcd else None
@@ -78,8 +96,9 @@ class Agent:
         self._install_signal_handlers()
         await self.metrics.start()
         try:
-            self._worker = await self._start_worker()
             self._devices = await asyncio.to_thread(DeviceSet.discover)
+            await asyncio.to_thread(self._select_frequency_controller)  # before the worker reads the file
+            self._worker = await self._start_worker()
             log_event(logging.INFO, "agent_started", job=self.config.job, worker_id=self.config.worker_id,
                       worker_pid=self._worker.pid, launched=self._worker.launched,
                       devices=",".join(f"{d.kind}:{d.index}" for d in self._devices.devices),
@@ -95,21 +114,58 @@ class Agent:
         finally:
             await self._cancel_tasks()
             self.metrics.close()
+            self.control.remove()
         return agent_exit_code(self._worker_status)
+
+    def _select_frequency_controller(self) -> None:
+        """Pick the clock controller (ValueError when an explicit one cannot run) and say which."""
+        assert self._devices is not None
+        npu_ids = [d.index for d in self._devices.devices if d.kind == "npu"]
+        self.frequency, self._frequency_why = select_controller(
+            self.config.frequency_controller, self._devices.kind, self.config.clock_range, npu_ids,
+            self.config.npu_smi_set)
+        if self.frequency is None:
+            log_event(logging.WARNING, "frequency_controller", controller="none", why=self._frequency_why)
+            self.control.publish()
+            return
+        clock = self.frequency.clock_range()
+        log_event(logging.INFO, "frequency_controller", controller=self.frequency.name, range=str(clock),
+                  current_mhz=self.frequency.current_mhz(), why=self._frequency_why, control_file=self.control.path)
+        # The worker starts at the current clock (the nominal one for the simulated controller).
+        self.control.set_frequency(FrequencyState(self.frequency.name, self.frequency.current_mhz(),
+                                                  clock.nominal_mhz, clock.min_mhz, clock.max_mhz))
 
     # ---- worker -----------------------------------------------------------------------------
 
     async def _start_worker(self) -> Worker:
+        if self.draining is not None:  # a drained agent never (re)launches its worker
+            raise ValueError("draining: not launching the worker")
         if self.config.worker_pid is not None:
             return ForeignWorker(self.config.worker_pid)
-        env = dict(os.environ, **{SOCKET_ENV: str(self.config.socket_path), "ELASWAVE_JOB": self.config.job,
-                                  "ELASWAVE_WORKER_ID": self.config.worker_id})
+        env = dict(os.environ, **{SOCKET_ENV: str(self.config.socket_path), CONTROL_ENV: str(self.control.path),
+                                  "ELASWAVE_JOB": self.config.job, "ELASWAVE_WORKER_ID": self.config.worker_id})
         return await LaunchedWorker.start(self.config.worker_command, env)
+
+    def _drained_exit(self, status: ExitStatus) -> bool:
+        """A worker that ended because of a Drain: exit 0, or the signal the agent sent it."""
+        if self.draining is None:
+            return False
+        by_agent = self._signalled_worker and status.exit_code in (-signal.SIGTERM, -signal.SIGKILL)
+        # A --pid worker reaped by its own parent leaves no status; it ended after the notice.
+        return status.exit_code in (0, EXIT_CODE_UNKNOWN) or by_agent
 
     async def _watch_worker(self) -> None:
         assert self._worker is not None
         status = await self._worker.wait()
         self._worker_status = status
+        if self._drained_exit(status):
+            # A planned departure: the Leave carries the exit; a WorkerExit would read as a failure.
+            assert self.draining is not None
+            log_event(logging.INFO, "worker_exit", pid=self._worker.pid, exit_code=status.exit_code,
+                      detail=status.detail, drained=True)
+            self._worker_done.set()
+            self._request_shutdown(f"drained ({self.draining.reason}): worker {self._worker.pid} {status.detail}")
+            return
         self.link.send_critical(agent_pb2.ConnectRequest(
             worker_exit=agent_pb2.WorkerExit(exit_code=status.exit_code, detail=status.detail)))
         log_event(logging.WARNING, "worker_exit", pid=self._worker.pid, exit_code=status.exit_code,
@@ -128,8 +184,12 @@ class Agent:
         worker = self._worker
         if worker is None or not worker.launched or self._worker_done.is_set():
             return
+        await self._terminate(worker, deadline_unix)
+
+    async def _terminate(self, worker: Worker, kill_at_unix: float) -> None:
+        self._signalled_worker = True
         worker.send_signal(signal.SIGTERM)
-        if not await self._wait_worker(deadline_unix - time.time()):
+        if not await self._wait_worker(kill_at_unix - time.time()):
             log_event(logging.WARNING, "worker_kill_after_grace", pid=worker.pid)
             worker.send_signal(signal.SIGKILL)
             await self._wait_worker(self.config.rpc_timeout_s)
@@ -218,6 +278,7 @@ class Agent:
     def _on_step_metrics(self, metrics: agent_pb2.StepMetrics) -> None:
         # The latest placement goes into the next Register (after a reconnect).
         self._stage, self._dp_rank = metrics.stage, metrics.dp_rank
+        self._last_step = metrics
         self.link.send(agent_pb2.ConnectRequest(step=metrics))
 
     async def _probe_loop(self) -> None:
@@ -229,34 +290,86 @@ class Agent:
             await asyncio.sleep(self.config.probe_interval_s)
 
     async def _report(self) -> None:
-        """Every probe and the memory report, queued at once (also the answer to ReportNow)."""
+        """Every probe and the memory report, queued at once."""
         assert self._devices is not None
         usage, device_probe = await asyncio.to_thread(probes.memory_usage, self._worker, self._devices)
-        found = [probes.host_probe(), probes.process_probe(self._worker), device_probe]
+        device_probe.detail += f"; {await asyncio.to_thread(self._clock_detail)}"
+        process_probe = probes.process_probe(self._worker)
+        if self.draining is not None:
+            process_probe.detail += f"; {self._draining_detail()}"
+        found = [probes.host_probe(), process_probe, device_probe]
         found += await asyncio.gather(*(probes.interconnect_probe(peer, self.config.peer_timeout_s)
                                         for peer in self.config.peers))
         self.link.send(agent_pb2.ConnectRequest(memory=usage))
         for probe in found:
             self.link.send(agent_pb2.ConnectRequest(probe=probe))
 
-    async def _on_drain(self, drain: agent_pb2.Drain) -> None:
-        self.draining = drain
-        log_event(logging.WARNING, "drain", reason=drain.reason, deadline_unix=drain.deadline_unix)
-        self.link.send(agent_pb2.ConnectRequest(probe=agent_pb2.HealthProbe(
-            kind=agent_pb2.PROBE_KIND_PROCESS, healthy=True,
-            detail=f"draining: {drain.reason} (deadline {drain.deadline_unix:.3f})")))
-        await self._report()
-
-    async def _on_set_frequency(self, request: agent_pb2.SetFrequency) -> None:
-        if self._frequency_controller is None:
-            log_event(logging.WARNING, "set_frequency_ignored", mhz=request.mhz, why=NO_FREQUENCY_CONTROLLER)
-            detail, healthy = f"SetFrequency {request.mhz} MHz not applied: {NO_FREQUENCY_CONTROLLER}", True
+    def _clock_detail(self) -> str:
+        """Which clock controller runs and at what clock; appended to every device probe."""
+        if self.frequency is None:
+            text = f"clock controller none ({self._frequency_why})"
         else:
             try:
-                result = await asyncio.to_thread(self._frequency_controller, request.mhz)
-                detail, healthy = f"SetFrequency {request.mhz} MHz: {result}", True
-            except Exception as exc:  # the controller's failure is reported, not raised
-                detail, healthy = f"SetFrequency {request.mhz} MHz failed: {exc!r}", False
-            log_event(logging.INFO, "set_frequency", mhz=request.mhz, detail=detail)
-        self.link.send(agent_pb2.ConnectRequest(probe=agent_pb2.HealthProbe(
-            kind=agent_pb2.PROBE_KIND_DEVICE, healthy=healthy, detail=detail)))
+                current = f"{self.frequency.current_mhz()} MHz"
+            except Exception as exc:  # a clock that cannot be read is reported, not raised
+                current = f"unreadable ({exc})"
+            text = f"clock controller {self.frequency.name} at {current} (range {self.frequency.clock_range()})"
+        return f"{text}; {self._last_set_frequency}" if self._last_set_frequency else text
+
+    def _draining_detail(self) -> str:
+        assert self.draining is not None
+        return f"draining: {self.draining.reason} (deadline {self.draining.deadline_unix:.3f})"
+
+    async def _on_report_now(self) -> None:
+        """ReportNow: heartbeat ahead of the queue, then probes, memory and the last step."""
+        self.link.heartbeat_now()
+        await self._report()
+        if self._last_step is not None:
+            self.link.send(agent_pb2.ConnectRequest(step=self._last_step))
+
+    async def _on_drain(self, drain: agent_pb2.Drain) -> None:
+        if self.draining is not None:  # idempotent: report again, change nothing
+            log_event(logging.INFO, "drain_repeated", reason=drain.reason, first_reason=self.draining.reason)
+            await self._report()
+            return
+        self.draining = drain
+        now = time.time()
+        log_event(logging.WARNING, "drain", reason=drain.reason, deadline_unix=drain.deadline_unix,
+                  drain_grace_s=self.config.drain_grace_s)
+        await asyncio.to_thread(self.control.set_drain, DrainNotice(drain.reason, drain.deadline_unix, now))
+        await self._report()
+        self._spawn(self._finish_drain(now))
+
+    async def _finish_drain(self, started_unix: float) -> None:
+        """Give the worker --drain-grace to stop at a step boundary, then SIGTERM, then SIGKILL."""
+        assert self.draining is not None and self._worker is not None
+        term_at = started_unix + self.config.drain_grace_s
+        if self.draining.deadline_unix > started_unix:
+            term_at = min(term_at, self.draining.deadline_unix)
+        if not await self._wait_worker(term_at - time.time()):
+            log_event(logging.WARNING, "drain_sigterm", pid=self._worker.pid, why="worker still running")
+            await self._terminate(self._worker, time.time() + self.config.grace_s)
+
+    async def _on_set_frequency(self, request: agent_pb2.SetFrequency) -> None:
+        """Apply the clock, or say why not; the outcome goes to the Core in a report at once."""
+        outcome = await asyncio.to_thread(self._apply_frequency, request.mhz)
+        self._last_set_frequency = outcome
+        await self._report()
+
+    def _apply_frequency(self, mhz: int) -> str:
+        asked = f"SetFrequency {mhz} MHz" + (" (restore default)" if mhz == 0 else "")
+        if self.frequency is None:
+            outcome = f"{asked} not applied: no clock controller ({self._frequency_why})"
+        else:
+            try:
+                state = self.frequency.apply(mhz)
+            except FrequencyRefused as exc:
+                outcome = f"{asked} refused: {exc}; clock unchanged"
+            except FrequencyFailed as exc:
+                outcome = f"{asked} failed: {exc}"
+            else:
+                self.control.set_frequency(state)
+                outcome = (f"{asked} applied: {state.controller} {state.mhz} MHz "
+                           f"(factor {state.factor:.4f} of nominal {state.nominal_mhz})")
+        log_event(logging.INFO, "set_frequency", mhz=mhz, outcome=outcome)
+        return outcome

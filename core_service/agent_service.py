@@ -1,4 +1,10 @@
-"""AgentService: one bidirectional stream per agent (agent.proto)."""
+"""AgentService: one bidirectional stream per agent (agent.proto), and the REST route that sends
+an agent a command (SetFrequency, Drain, ReportNow) on that stream.
+
+A report that fails validation after registration is refused on its own: the agent gets a
+ReportRejected on the stream, the refusal is counted, and neither the stream nor the member
+changes. Closing the stream would read as a fail-stop and re-plan the job for nothing.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,12 @@ import logging
 import math
 import re
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
+from fastapi import APIRouter, HTTPException
+from fastapi.params import Depends
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agent.worker import EXIT_CODE_UNKNOWN
 from core_service.grpc_util import Malformed, RpcError, bearer_token, finite, invalid, require
@@ -26,9 +35,15 @@ log = logging.getLogger("elaswave.core.agents")
 WORKER_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 FIRST_MESSAGE_TIMEOUT_S = 10.0
 MAX_DEADLINE_AHEAD_S = 7 * 24 * 3600.0
+# Refusal notices queued for one stream at most: an agent that floods bad reports and does not
+# read its stream must not grow the Core's memory. Refusals beyond it are still counted.
+MAX_QUEUED_NOTICES = 100
+# Device clocks are below 4 GHz; a bound of 10 GHz catches values sent in Hz or kHz.
+MAX_FREQUENCY_MHZ = 10_000
+DEFAULT_DRAIN_S = 60.0
 
 
-def _registration(msg: agent_pb2.Register) -> Registration:
+def _registration(msg: agent_pb2.Register, heartbeat_timeout_s: float) -> Registration:
     require(bool(msg.job), "register.job is empty")
     require(bool(WORKER_ID_PATTERN.match(msg.worker_id)),
             f"register.worker_id {msg.worker_id!r} must be 1-128 characters of letters, digits, '._:@-'")
@@ -37,6 +52,13 @@ def _registration(msg: agent_pb2.Register) -> Registration:
     require(msg.stage >= -1 and msg.dp_rank >= -1 and msg.rank >= -1,
             "register.stage, dp_rank and rank must be >= -1")
     require(msg.heartbeat_interval_ms <= 60_000, "register.heartbeat_interval_ms must be <= 60000")
+    timeout_ms = heartbeat_timeout_s * 1000
+    # 0 means the agent did not say; any declared interval must fit inside the timeout, or the
+    # worker is declared lost between two heartbeats and flaps.
+    require(msg.heartbeat_interval_ms < timeout_ms,
+            f"register.heartbeat_interval_ms is {msg.heartbeat_interval_ms} ms, not below the Core's heartbeat "
+            f"timeout of {timeout_ms:.0f} ms: the worker would be declared lost between heartbeats; send "
+            "heartbeats more often (or raise the Core's heartbeat_timeout_s)")
     devices = []
     for d in msg.devices:
         require(d.kind in ("cuda", "npu", "cpu"), f"device kind {d.kind!r} is not cuda, npu or cpu")
@@ -61,6 +83,7 @@ def _step_report(msg: agent_pb2.StepMetrics, now: float) -> StepReport:
 class AgentServicer:
     def __init__(self, core: Core) -> None:
         self.core = core
+        self.metrics = core.metrics  # grpc_util.generic_handler times and counts through this
 
     async def Connect(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -95,7 +118,7 @@ class AgentServicer:
             raise invalid(first.message)
         if first.WhichOneof("body") != "register":
             raise invalid(f"first message must be register, got {first.WhichOneof('body')}")
-        reg = _registration(first.register)
+        reg = _registration(first.register, self.core.settings.heartbeat_timeout_s)
         self.core.check_job_token(reg.job, bearer_token(context))
         session = await self.core.membership.register(reg, time.time())
         ack = agent_pb2.RegisterAck(
@@ -122,7 +145,8 @@ class AgentServicer:
 
     async def _dispatch(self, session: AgentSession, msg: object) -> bool:
         if isinstance(msg, Malformed):
-            raise invalid(msg.message)
+            self._reject(session, "malformed", msg.message)
+            return False
         assert isinstance(msg, agent_pb2.ConnectRequest)
         started = time.perf_counter()
         kind = msg.WhichOneof("body")
@@ -130,9 +154,27 @@ class AgentServicer:
         if kind == "leave":
             await self.core.membership.leave(session, msg.leave.reason, time.time())
             return True
-        await self._handle(session, kind, msg)
+        try:
+            await self._handle(session, kind, msg)
+        except RpcError as err:
+            if err.code != grpc.StatusCode.INVALID_ARGUMENT:
+                raise  # the job is gone or similar: the stream cannot go on
+            self._reject(session, kind or "empty", err.message)
+            return False
         self.core.metrics.report_seconds.observe(time.perf_counter() - started)
         return False
+
+    def _reject(self, session: AgentSession, report: str, reason: str) -> None:
+        """Refuses one report; _handle validates before it changes anything, so nothing changed."""
+        session.rejected_reports += 1
+        self.core.metrics.rejected_requests.labels(api="agent", reason=f"invalid_report_{report}").inc()
+        # Log the 1st, 2nd, 4th, 8th... refusal of a stream: visible, but a flood cannot flood the log.
+        if session.rejected_reports & (session.rejected_reports - 1) == 0:
+            log.warning("job %s worker %s: refused %s report (%d so far on this stream): %s", session.job,
+                        session.worker_id, report, session.rejected_reports, reason)
+        if session.outbox.qsize() < MAX_QUEUED_NOTICES:
+            notice = agent_pb2.ReportRejected(report=report, reason=reason)
+            session.outbox.put_nowait(agent_pb2.ConnectResponse(rejected=notice))
 
     async def _handle(self, session: AgentSession, kind: str | None, msg: agent_pb2.ConnectRequest) -> None:
         core, now = self.core, time.time()
@@ -160,6 +202,8 @@ class AgentServicer:
             finite(p.deadline_unix, "preemption.deadline_unix")
             require(p.deadline_unix <= now + MAX_DEADLINE_AHEAD_S, "preemption.deadline_unix is too far ahead")
             core.membership.preemption(job, member, p.deadline_unix, p.source or "agent", now)
+        elif kind == "register":
+            raise invalid("register is only valid as the first message of a stream")
         elif kind == "worker_exit":
             e = msg.worker_exit
             if e.exit_code == EXIT_CODE_UNKNOWN:
@@ -187,3 +231,81 @@ class AgentServicer:
                 self.core.membership.mark_lost(job, session.worker_id, f"device probe failed: {probe.detail}",
                                                "device_probe", now)
 
+
+
+class WorkerCommandRequest(BaseModel):
+    """Body of POST /api/v1/jobs/{job}/workers/{worker}/commands."""
+
+    model_config = ConfigDict(extra="forbid")
+    command: Literal["set_frequency", "drain", "report_now"]
+    frequency_mhz: int | None = Field(
+        default=None, ge=0, le=MAX_FREQUENCY_MHZ,
+        description="MHz, set_frequency only (required there); 0 restores the device default")
+    reason: str = Field(default="", max_length=1000, description="drain only: why, for people")
+    deadline_unix: float | None = Field(
+        default=None, allow_inf_nan=False,
+        description=f"drain only: seconds since the epoch, in the future (default now + {DEFAULT_DRAIN_S:.0f} s)")
+
+    @model_validator(mode="after")
+    def _fields_fit_the_command(self) -> WorkerCommandRequest:
+        if self.command == "set_frequency" and self.frequency_mhz is None:
+            raise ValueError("set_frequency needs frequency_mhz")
+        if self.command != "set_frequency" and self.frequency_mhz is not None:
+            raise ValueError(f"frequency_mhz is only for set_frequency, not {self.command}")
+        if self.command != "drain" and (self.reason or self.deadline_unix is not None):
+            raise ValueError(f"reason and deadline_unix are only for drain, not {self.command}")
+        return self
+
+
+def worker_command(core: Core, job_name: str, worker_id: str, body: WorkerCommandRequest,
+                   now: float) -> dict[str, Any]:
+    """Validates and queues one command on the worker's live agent stream; records an event."""
+    job = core.job_or_not_found(job_name)
+    member = job.members.get(worker_id)
+    if member is None:
+        raise RpcError(grpc.StatusCode.NOT_FOUND, f"job {job_name!r} has no worker {worker_id!r}")
+    if member.state.is_gone:
+        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"worker {worker_id!r} is {member.state.value}")
+    if (job_name, worker_id) not in core.membership.sessions:
+        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                       f"worker {worker_id!r} has no live agent stream on this Core")
+    if body.command == "set_frequency":
+        assert body.frequency_mhz is not None
+        command = agent_pb2.ConnectResponse(set_frequency=agent_pb2.SetFrequency(mhz=body.frequency_mhz))
+        detail = f"set_frequency {body.frequency_mhz} MHz"
+    elif body.command == "drain":
+        deadline = body.deadline_unix if body.deadline_unix is not None else now + DEFAULT_DRAIN_S
+        require(deadline > now, f"deadline_unix {deadline:.3f} is not in the future (now {now:.3f})")
+        require(deadline <= now + MAX_DEADLINE_AHEAD_S, "deadline_unix is more than 7 days ahead")
+        reason = body.reason or "drained by the operator"
+        command = agent_pb2.ConnectResponse(drain=agent_pb2.Drain(reason=reason, deadline_unix=deadline))
+        detail = f"drain by {deadline:.3f}: {reason}"
+    else:
+        command = agent_pb2.ConnectResponse(report_now=agent_pb2.ReportNow())
+        detail = "report_now"
+    if body.command == "drain":
+        # The worker is leaving on the Core's word: the planner sees it go (DESIGN.md §5).
+        core.table.set_state(job, member, WorkerState.DRAINING, detail, now=now, kind="worker_draining")
+    core.membership.send(job_name, worker_id, command)
+    event = core.table.record(job, "worker_command", worker_id=worker_id, detail=detail, now=now,
+                              data={"command": body.command})
+    return {"job": job_name, "worker_id": worker_id, "command": body.command, "event_seq": event.seq}
+
+
+HTTP_STATUS = {grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.INVALID_ARGUMENT: 422,
+               grpc.StatusCode.FAILED_PRECONDITION: 409, grpc.StatusCode.UNAVAILABLE: 503}
+
+
+def worker_command_router(core: Core, dependencies: list[Depends]) -> APIRouter:
+    """The REST route; `dependencies` are the app's leader and scheduler-token checks."""
+    router = APIRouter(dependencies=dependencies)
+
+    @router.post("/api/v1/jobs/{job}/workers/{worker}/commands", status_code=202)
+    async def send_worker_command(job: str, worker: str, body: WorkerCommandRequest) -> dict[str, Any]:
+        # async: the command goes into an asyncio.Queue, which only the event loop may touch.
+        try:
+            return worker_command(core, job, worker, body, time.time())
+        except RpcError as err:
+            raise HTTPException(HTTP_STATUS.get(err.code, 400), detail=err.message) from None
+
+    return router

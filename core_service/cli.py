@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "an etcd registry elect one leader; the others stand by and take over when it dies.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", type=Path, help="TOML configuration file")
+    parser.add_argument("--config", type=Path, help="TOML configuration file (must exist)")
     parser.add_argument("--grpc-host", help="address for the gRPC server (default 127.0.0.1)")
     parser.add_argument("--grpc-port", type=int, help="gRPC port, 0 = any free port (default 50051)")
     parser.add_argument("--http-host", help="address for the REST API and /metrics (default 127.0.0.1)")
@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(**overrides)
     except ConfigError as exc:
-        print(f"elaswave core: {exc}", file=sys.stderr)
+        # One line, exit status 2: a configuration mistake is the operator's to fix, not a crash.
+        print("elaswave core: " + " ".join(str(exc).split()), file=sys.stderr)
         return 2
     if settings.scheduler_token is None:
         import secrets

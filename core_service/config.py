@@ -3,14 +3,18 @@
 Precedence, highest first: explicit keyword arguments (the CLI), environment variables
 (`ELASWAVE_GRPC_PORT=...`; nested fields with `__`, e.g. `ELASWAVE_FAILSLOW__RATIO=1.3`), the TOML
 file named by `ELASWAVE_CONFIG` (or `--config`), then defaults. Everything is validated at start;
-a bad value stops the Core with a message naming the field and what is wrong.
+a bad value stops the Core with a one-line message naming the field (or the file, or the
+environment variable) and what is wrong. A config file that was named but does not exist is an
+error, not an empty configuration.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
+import tomllib
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,7 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
@@ -28,7 +33,10 @@ MIN_TOKEN_LENGTH = 16
 
 
 class ConfigError(ValueError):
-    """The configuration is invalid; the message lists every problem, one per line."""
+    """The configuration is invalid; the message (one line) lists every problem, separated by '; '."""
+
+
+ENV_SOURCE_FIELD = re.compile(r'field "(?P<field>[^"]+)" from source "(?P<source>[^"]+)"')
 
 
 class JobSpec(BaseModel):
@@ -80,7 +88,6 @@ class CoreSettings(BaseSettings):
     leader_ttl_s: float = Field(default=2.0, ge=1.0, le=60.0)
     apply_timeout_s: float = Field(default=30.0, gt=0.0, description="APPLYING -> RUNNING at the latest")
     events_kept: int = Field(default=10_000, ge=100)
-    metrics_persist_interval_s: float = Field(default=5.0, gt=0.0)
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = Field(default=None, description="set to require client certs (mTLS)")
@@ -136,6 +143,11 @@ class CoreSettings(BaseSettings):
             path = getattr(self, name)
             if path is not None and not path.is_file():
                 raise ValueError(f"{name} {str(path)!r} is not a readable file")
+        if self.lease_ttl_s < self.heartbeat_timeout_s:
+            # The Core refreshes the leases it holds for agents on their heartbeats, so a shorter
+            # lease declares a worker lost before its heartbeat is even late (and before ReportNow).
+            raise ValueError(f"lease_ttl_s ({self.lease_ttl_s}) must be >= heartbeat_timeout_s "
+                             f"({self.heartbeat_timeout_s})")
         names = [job.name for job in self.jobs]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -144,12 +156,38 @@ class CoreSettings(BaseSettings):
 
 
 def load_settings(**overrides: Any) -> CoreSettings:
-    """Builds and validates the settings; raises ConfigError with one line per problem."""
+    """Builds and validates the settings; raises ConfigError naming every problem."""
+    config_file = os.environ.get("ELASWAVE_CONFIG")
+    if config_file and not Path(config_file).is_file():
+        raise ConfigError(f"config file {config_file!r} (--config / ELASWAVE_CONFIG) does not exist "
+                          "or is not a file")
     try:
         return CoreSettings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
-        lines = []
+        problems = []
         for err in exc.errors():
             where = ".".join(str(part) for part in err["loc"]) or "settings"
-            lines.append(f"{where}: {err['msg']}")
-        raise ConfigError("invalid ElasWave Core configuration:\n  " + "\n  ".join(lines)) from None
+            problems.append(f"{where}: {err['msg']}")
+        raise ConfigError("invalid ElasWave Core configuration: " + "; ".join(problems)) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {config_file!r} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {config_file!r} cannot be read: {exc.strerror or exc}") from None
+    except SettingsError as exc:
+        raise ConfigError(_settings_error_message(exc)) from None
+
+
+def _settings_error_message(exc: SettingsError) -> str:
+    """pydantic-settings says 'error parsing value for field "jobs" from source "EnvSettingsSource"';
+    name the variable the user actually set, and why it did not parse."""
+    match = ENV_SOURCE_FIELD.search(str(exc))
+    cause = exc.__cause__
+    why = f": {cause}" if cause is not None else ""
+    if match is None:
+        return f"invalid ElasWave Core configuration: {exc}{why}"
+    field_name = match["field"]
+    if match["source"] == "EnvSettingsSource":
+        variable = f"ELASWAVE_{field_name.upper()}"
+        kind = "JSON" if isinstance(cause, json.JSONDecodeError) else "a valid value"
+        return f"environment variable {variable} (setting {field_name}) is not {kind}{why}"
+    return f"setting {field_name} from {match['source']} does not parse{why}"

@@ -2,8 +2,15 @@
 
 Every Core instance serves both APIs. Only the leader accepts agents, executors and schedulers;
 a standby answers UNAVAILABLE with "not leader; leader is <address>" so clients move on, and
-campaigns until the leader's lease lapses. On winning, it reloads jobs, members, events and plan
-epochs from the registry: nothing the old leader persisted is lost.
+campaigns until the leader's lease lapses. On winning, it reloads jobs, members, events, plan
+epochs and each job's current layout (its newest stored plan) from the registry, re-plans ranks
+whose worker was lost before the old leader could plan, and resumes watching an unfinished apply:
+nothing the old leader persisted is lost. Mutating API calls answer only once their writes are
+stored, so nothing acknowledged is lost either.
+
+Each leadership term has exactly one registry writer task; a Core that loses its lease drops its
+queued writes (its successor owns the registry). A leader whose loop keeps failing (e.g. plans
+cannot be stored) gives the leadership up and holds off campaigning, so a standby takes over.
 """
 
 from __future__ import annotations
@@ -31,9 +38,18 @@ from core_service.grpc_util import RpcError, generic_handler
 from core_service.jobs import Job, JobTable, UnknownJob
 from core_service.membership import Membership
 from core_service.metrics import CoreMetrics
-from core_service.persist import Persister
+from core_service.persist import NotDurable, Persister, registry_call
 from core_service.policies import default_policy, judge_offer, scale_table
-from core_service.registry import LeaderElection, MemoryRegistry, PlanStore, open_registry
+from core_service.registry import (
+    KVEvent,
+    LeaderElection,
+    MemoryRegistry,
+    PlanStore,
+    Registry,
+    RegistryError,
+    WatchHandle,
+    open_registry,
+)
 from core_service.rest import build_app
 from core_service.scheduler_service import SchedulerServicer
 from elaswave.v1 import agent_pb2, executor_pb2, scheduler_pb2
@@ -63,16 +79,29 @@ GRPC_SERVER_OPTIONS = [
     ("grpc.server.max_pending_requests_hard_limit", 100_000),
 ]
 GAUGE_INTERVAL_S = 1.0
+# Consecutive leader-loop ticks with a failure (a plan that cannot be stored, a sweep that raises)
+# before this Core gives the leadership up: 2 s of ticks, long enough to ride out one slow etcd
+# call, short enough that a standby with a working registry connection takes over promptly.
+MAX_CONSECUTIVE_FAILURES = 20
+# After giving up, do not campaign for this long, so that a standby wins the election.
+STEP_DOWN_HOLD_OFF_S = 10.0
+# A mutating API call waits at most this long for its writes to be stored, then answers UNAVAILABLE.
+DURABLE_WAIT_S = 5.0
+# On a graceful stop or a voluntary step-down, queued writes get this long to be stored.
+STOP_FLUSH_S = 5.0
 
 
 class Core:
     def __init__(
         self, settings: CoreSettings, metrics_registry: CollectorRegistry | None = None,
-        policy: Policy | None = None,
+        policy: Policy | None = None, registry: Registry | None = None,
     ) -> None:
+        """`registry`: an open registry to use instead of opening `settings.registry_url` (several
+        Cores of one process sharing an in-memory registry); the caller keeps closing it."""
         self.settings = settings
         self.metrics = CoreMetrics(metrics_registry or CollectorRegistry())
-        self.registry = open_registry(settings.registry_url)
+        self._owns_registry = registry is None
+        self.registry = open_registry(settings.registry_url) if registry is None else registry
         self.plans = PlanStore(self.registry, settings.key_prefix)
         self.policy: Policy = policy or default_policy()
         self.plan_feed = PlanFeed()
@@ -88,12 +117,20 @@ class Core:
         self._http: uvicorn.Server | None = None
         self._health = health.aio.HealthServicer()
         self._election: LeaderElection | None = None
+        self._leader_key = f"{settings.key_prefix}/core/leader"
+        self._leader_holder: str | None = None  # cached from a watch: never a registry read on the loop
+        self._leader_watch: WatchHandle | None = None
+        self._leadership_lock = asyncio.Lock()  # take-over and step-down never interleave
+        self._campaign_after = 0.0  # monotonic; set when this Core gives the leadership up
+        self.max_consecutive_failures = MAX_CONSECUTIVE_FAILURES
+        self.step_down_hold_off_s = STEP_DOWN_HOLD_OFF_S
+        self.durable_wait_s = DURABLE_WAIT_S
+        self.stop_flush_s = STOP_FLUSH_S
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         """Binds both servers and starts campaigning; returns once the ports are known."""
         self.persister = Persister(self.registry)
-        self.persister.enabled = False
         self.table = JobTable(self.settings, self.registry, self.persister)
         self.membership = Membership(self.table, self.registry, self.metrics)
         self.engine = ScheduleEngine(self.table, self.metrics, self.policy, self._publish_plan,
@@ -106,10 +143,13 @@ class Core:
             "http": f"http://{self.settings.http_host}:{self.http_port}",
         }, sort_keys=True)
         self._election = LeaderElection(
-            self.registry, f"{self.settings.key_prefix}/core/leader", self.identity,
+            self.registry, self._leader_key, self.identity,
             self._leader_ttl(), on_lost=self._on_leadership_lost_thread,
         )
         self._loop = asyncio.get_running_loop()
+        self._leader_watch = await registry_call(self.registry, self.registry.watch_prefix, self._leader_key,
+                                                 self._on_leader_key)
+        await self._refresh_leader_holder()
         self._tasks.append(asyncio.ensure_future(self._campaign()))
         await self._set_health(False)
         log.info("core %s serving gRPC on %s:%d and HTTP on %s:%d", self.settings.core_id,
@@ -147,11 +187,14 @@ class Core:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self.membership.stop_watching()
-        if self.is_leader:
-            await self.persister.stop()
+        if self._leader_watch is not None:
+            self._leader_watch.cancel()
+        await self.persister.stop(self.stop_flush_s)
         if self._election is not None:
-            await asyncio.to_thread(self._election.resign)
-        self.registry.close()
+            with contextlib.suppress(RegistryError):
+                await asyncio.to_thread(self._election.resign)
+        if self._owns_registry:
+            self.registry.close()
 
     # ---- servers -------------------------------------------------------------------------------
     async def _start_grpc(self) -> None:
@@ -205,22 +248,40 @@ class Core:
     async def _campaign(self) -> None:
         assert self._election is not None
         while not self._stopping.is_set():
-            if not self.is_leader:
-                won = await asyncio.to_thread(self._election.campaign, 0.5)
-                if won:
-                    await self._take_over()
+            if not self.is_leader and time.monotonic() >= self._campaign_after:
+                try:
+                    await self._campaign_once()
+                except Exception as exc:
+                    # A takeover that cannot finish (registry unreachable half-way) must not keep
+                    # the lease: nobody would lead. Give it up and try again later.
+                    log.exception("core %s could not take over", self.settings.core_id)
+                    await self._give_up_leadership(f"takeover failed: {exc!r}")
             await asyncio.sleep(0.1)
+
+    async def _campaign_once(self) -> None:
+        assert self._election is not None
+        won = await asyncio.to_thread(self._election.campaign, 0.5)
+        if not won:
+            await self._refresh_leader_holder()  # heals a missed watch event
+            return
+        async with self._leadership_lock:
+            if not self._election.is_leader:
+                return  # lost again before the takeover began
+            await self._take_over()
 
     async def _take_over(self) -> None:
         now = time.time()
-        await asyncio.to_thread(self.table.load_from_registry, now)
-        for job in self.table.jobs.values():
-            job.plan_epoch = await asyncio.to_thread(self.plans.current_epoch, job.name)
-        self.persister.enabled = True
+        jobs = await asyncio.to_thread(self.table.read_registry, now)
+        stored = {name: await asyncio.to_thread(self._stored_plans, name) for name in jobs}
+        self.table.jobs = jobs
         self.persister.start()
         self.table.ensure_configured_jobs(now)
+        self.engine.reset()
+        for name, (epoch, latest) in stored.items():
+            self.engine.restore(jobs[name], epoch, latest, now)
         self.membership.start_watching(asyncio.get_running_loop())
         self.is_leader = True
+        self._leader_holder = self.identity
         self.metrics.is_leader.set(1)
         self._leader_tasks.append(asyncio.ensure_future(self._leader_loop()))
         await self._set_health(True)
@@ -228,33 +289,80 @@ class Core:
             self.table.record(job, "core_leader", detail=f"core {self.settings.core_id} leads", now=now)
         log.info("core %s is the leader (%d jobs loaded)", self.settings.core_id, len(self.table.jobs))
 
-    def _on_leadership_lost_thread(self) -> None:
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._step_down()))
+    def _stored_plans(self, job: str) -> tuple[int, tuple[int, bytes] | None]:
+        """The job's current epoch and newest stored plan (blocking: run in a thread)."""
+        return self.plans.current_epoch(job), self.plans.latest(job)
 
-    async def _step_down(self) -> None:
-        if not self.is_leader:
-            return
-        log.warning("core %s lost the leadership; standing by", self.settings.core_id)
-        self.is_leader = False
-        self.metrics.is_leader.set(0)
-        for task in self._leader_tasks:
-            task.cancel()
-        self._leader_tasks.clear()
-        self.membership.kick_all()
-        self.membership.stop_watching()
-        self.persister.enabled = False
-        await self._set_health(False)
+    def _on_leadership_lost_thread(self) -> None:
+        self._loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(self._step_down("the leader lease was lost", flush=False)))
+
+    async def _give_up_leadership(self, reason: str) -> None:
+        """Steps down on purpose: stores what is queued (bounded), releases the lease at once so a
+        standby takes over, and holds off campaigning meanwhile."""
+        self._campaign_after = time.monotonic() + self.step_down_hold_off_s
+        log.error("core %s gives the leadership up: %s", self.settings.core_id, reason)
+        await self._step_down(reason, flush=True)
+        if self._election is not None:
+            try:
+                await asyncio.to_thread(self._election.resign)
+            except RegistryError as exc:
+                log.warning("could not release the leader lease (%s); it expires by itself", exc)
+
+    async def _step_down(self, reason: str, *, flush: bool) -> None:
+        """Ends this Core's leadership term; idempotent. With `flush` (we still hold the lease),
+        queued writes are stored first; otherwise a successor may lead and they are dropped."""
+        async with self._leadership_lock:
+            if self.is_leader:
+                log.warning("core %s stops leading (%s); standing by", self.settings.core_id, reason)
+            self.is_leader = False
+            self.metrics.is_leader.set(0)
+            current = asyncio.current_task()
+            for task in self._leader_tasks:
+                if task is not current:
+                    task.cancel()
+            self._leader_tasks.clear()
+            self.membership.kick_all()
+            self.membership.stop_watching()
+            if flush:
+                await self.persister.stop(self.stop_flush_s)
+            else:
+                await self.persister.abandon(f"core {self.settings.core_id} lost the leadership: {reason}")
+            self._leader_holder = None
+            await self._set_health(False)
 
     async def _leader_loop(self) -> None:
         last_gauges = 0.0
-        while True:
+        failing = 0
+        while self.is_leader:
             now = time.time()
-            self.membership.sweep_heartbeats(now)
-            self.engine.tick_all(now)
+            errors = await self._leader_tick(now)
             if now - last_gauges >= GAUGE_INTERVAL_S:
-                self._update_gauges()
+                errors += self._guarded("gauges", self._update_gauges)
                 last_gauges = now
+            failing = failing + 1 if errors else 0
+            if failing >= self.max_consecutive_failures:
+                # Run the step-down outside this task: it cancels the leader tasks.
+                asyncio.ensure_future(self._give_up_leadership(
+                    f"{failing} consecutive leader-loop ticks failed; last: {'; '.join(errors)}"))
+                return
             await asyncio.sleep(LOOP_INTERVAL_S)
+
+    async def _leader_tick(self, now: float) -> list[str]:
+        """One sweep and one engine step per job; returns what failed (logged already)."""
+        errors = self._guarded("heartbeat sweep", lambda: self.membership.sweep_heartbeats(now))
+        for failure in await self.engine.tick_all(now):
+            errors.append(f"job {failure.job}: {failure.error!r}")
+        return errors
+
+    @staticmethod
+    def _guarded(what: str, step: Any) -> list[str]:
+        try:
+            step()
+        except Exception as exc:
+            log.exception("leader loop: %s failed", what)
+            return [f"{what}: {exc!r}"]
+        return []
 
     def _update_gauges(self) -> None:
         self.metrics.members.clear()
@@ -265,16 +373,35 @@ class Core:
             for state, count in counts.items():
                 self.metrics.members.labels(job=job.name, state=state).set(count)
 
-    def _publish_plan(self, job: str, body: bytes, expected_epoch: int) -> int:
-        epoch = self.plans.publish(job, body, expected_epoch=expected_epoch)
-        asyncio.ensure_future(self.plan_feed.notify(job))
+    async def _publish_plan(self, job: str, body: bytes, expected_epoch: int) -> int:
+        # The epoch-fenced compare-and-swap is etcd I/O: off the loop.
+        epoch = await registry_call(self.registry, self.plans.publish, job, body, expected_epoch)
+        await self.plan_feed.notify(job)
         return epoch
+
+    def _on_leader_key(self, event: KVEvent) -> None:
+        """Registry watch thread: keeps the leader's identity at hand for "not leader" answers."""
+        if event.key == self._leader_key:
+            self._leader_holder = None if event.value is None else event.value.decode("utf-8")
+
+    async def _refresh_leader_holder(self) -> None:
+        if self._election is not None:
+            with contextlib.suppress(RegistryError):
+                self._leader_holder = await asyncio.to_thread(self._election.leader_id)
 
     # ---- helpers for the services ----------------------------------------------------------------
     def not_leader_message(self) -> str:
-        holder = self._election.leader_id() if self._election else None
+        holder = self._leader_holder
         where = json.loads(holder)["grpc"] if holder else "unknown"
         return f"not leader; leader is {where}"
+
+    async def wait_durable(self) -> None:
+        """Returns once every registry write queued so far (this call's included) is stored;
+        raises RpcError(UNAVAILABLE) with the reason after `durable_wait_s` or on losing the lead."""
+        try:
+            await self.persister.wait_durable(self.durable_wait_s)
+        except NotDurable as exc:
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, f"the change is not stored in the registry: {exc}") from None
 
     def require_leader(self) -> None:
         if not self.is_leader:

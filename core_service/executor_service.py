@@ -59,6 +59,7 @@ class PlanFeed:
 class ExecutorServicer:
     def __init__(self, core: Core) -> None:
         self.core = core
+        self.metrics = core.metrics  # grpc_util.generic_handler times and counts through this
 
     def _authorise(self, job_name: str, worker_id: str, context: grpc.aio.ServicerContext) -> None:
         self.core.require_leader()

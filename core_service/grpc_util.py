@@ -3,19 +3,24 @@
 The generated `add_*Servicer_to_server` helpers deserialize with `FromString`, and a decode error
 there becomes an opaque INTERNAL status. We build the handlers from the service descriptors
 instead, so undecodable bytes reach the servicer as `Malformed` and get INVALID_ARGUMENT with the
-reason.
+reason. The same wrappers time every call (elaswave_grpc_server_handling_seconds) and count every
+refusal (elaswave_rejected_requests_total{api=<service>}), so no servicer can forget to.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
+
+if TYPE_CHECKING:
+    from core_service.metrics import CoreMetrics
 
 
 class Malformed:
@@ -48,52 +53,110 @@ def _safe_deserializer(message_cls: type) -> Callable[[bytes], Any]:
     return deserialize
 
 
-def _guard_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+def _status_name(context: grpc.aio.ServicerContext, failed: bool) -> str:
+    code = context.code()
+    if code is None:
+        return "UNKNOWN" if failed else "OK"
+    return code.name if isinstance(code, grpc.StatusCode) else str(code)
+
+
+class _Observer:
+    """Times the calls of one method and counts the refusals of its service."""
+
+    def __init__(self, metrics: CoreMetrics | None, service: ServiceDescriptor, method: str) -> None:
+        self.metrics = metrics
+        self.api = service.name.removesuffix("Service").lower()
+        self.service, self.method = service.full_name, method
+
+    def rejected(self, err: RpcError) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected_requests.labels(api=self.api, reason=err.code.name).inc()
+
+    def done(self, context: grpc.aio.ServicerContext, started: float, failed: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.grpc_seconds.labels(service=self.service, method=self.method,
+                                             code=_status_name(context, failed)).observe(time.perf_counter() - started)
+
+
+def _guard_unary(fn: Callable[..., Awaitable[Any]], observer: _Observer) -> Callable[..., Awaitable[Any]]:
     @functools.wraps(fn)
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        started, failed = time.perf_counter(), True
         try:
             if isinstance(request, Malformed):
                 raise invalid(request.message)
-            return await fn(request, context)
+            result = await fn(request, context)
+            failed = False
+            return result
         except RpcError as err:
+            observer.rejected(err)
             await context.abort(err.code, err.message)
+        finally:
+            observer.done(context, started, failed)
 
     return wrapper
 
 
-def _guard_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+def _guard_stream(fn: Callable[..., AsyncIterator[Any]], observer: _Observer) -> Callable[..., AsyncIterator[Any]]:
     @functools.wraps(fn)
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        started, failed = time.perf_counter(), True
         try:
             if isinstance(request, Malformed):
                 raise invalid(request.message)
             async for item in fn(request, context):
                 yield item
+            failed = False
         except RpcError as err:
+            observer.rejected(err)
             await context.abort(err.code, err.message)
+        finally:
+            observer.done(context, started, failed)
 
     return wrapper
 
 
-def generic_handler(service: ServiceDescriptor, servicer: object) -> grpc.GenericRpcHandler:
-    """Handlers for every method of `service`, looked up on `servicer` by method name."""
+def _timed_bidi(fn: Callable[..., Awaitable[Any]], observer: _Observer) -> Callable[..., Awaitable[Any]]:
+    """Bidirectional streams validate (and count refusals) themselves; only the timing is added."""
+
+    @functools.wraps(fn)
+    async def wrapper(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        started, failed = time.perf_counter(), True
+        try:
+            result = await fn(request_iterator, context)
+            failed = False
+            return result
+        finally:
+            observer.done(context, started, failed)
+
+    return wrapper
+
+
+def generic_handler(
+    service: ServiceDescriptor, servicer: object, metrics: CoreMetrics | None = None
+) -> grpc.GenericRpcHandler:
+    """Handlers for every method of `service`, looked up on `servicer` by method name. Calls are
+    timed and refusals counted in `metrics` (by default the servicer's own `metrics`)."""
+    metrics = metrics if metrics is not None else getattr(servicer, "metrics", None)
     handlers = {}
     for method in service.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         behaviour = getattr(servicer, method.name)
+        observer = _Observer(metrics, service, method.name)
         kwargs = {
             "request_deserializer": _safe_deserializer(request_cls),
             "response_serializer": response_cls.SerializeToString,
         }
         if method.client_streaming and method.server_streaming:
-            handlers[method.name] = grpc.stream_stream_rpc_method_handler(behaviour, **kwargs)
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(_timed_bidi(behaviour, observer), **kwargs)
         elif method.server_streaming:
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(_guard_stream(behaviour), **kwargs)
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(_guard_stream(behaviour, observer),
+                                                                         **kwargs)
         elif method.client_streaming:
-            handlers[method.name] = grpc.stream_unary_rpc_method_handler(behaviour, **kwargs)
+            handlers[method.name] = grpc.stream_unary_rpc_method_handler(_timed_bidi(behaviour, observer), **kwargs)
         else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(_guard_unary(behaviour), **kwargs)
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(_guard_unary(behaviour, observer), **kwargs)
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 

@@ -2,7 +2,8 @@
 
 All mutation happens on the asyncio loop thread, so each method is atomic with respect to other
 coroutines. Registry writes go through `Persister`, one ordered queue drained by a background task
-(etcd calls never block the loop). A standby that takes over reloads everything from the registry.
+(etcd calls never block the loop); a mutating API call waits for them (`Persister.wait_durable`)
+before it answers. A standby that takes over reloads everything from the registry.
 """
 
 from __future__ import annotations
@@ -190,9 +191,9 @@ class JobTable:
         )
 
     # ---- takeover ---------------------------------------------------------------------------
-    def load_from_registry(self, now: float) -> None:
-        """Rebuilds the table from the registry (a standby becoming leader)."""
-        self.jobs.clear()
+    def read_registry(self, now: float) -> dict[str, Job]:
+        """Every job as the registry holds it (blocking I/O: call it off the event loop)."""
+        jobs: dict[str, Job] = {}
         prefix = self.settings.key_prefix + "/jobs/"
         for key, raw in self.registry.get_prefix(prefix):
             parts = key[len(prefix) :].split("/")
@@ -200,10 +201,16 @@ class JobTable:
                 spec = json.loads(raw)
                 job = self._new_job(spec["name"], spec["token_sha256"], spec["expected_workers"], spec["created_unix"])
                 job.layout_json, job.model_json = spec.get("layout_json"), spec.get("model_json")
-                self.jobs[job.name] = job
-        for name, job in self.jobs.items():
+                jobs[job.name] = job
+        for name, job in jobs.items():
             self._load_job_contents(job, now)
             log.info("loaded job %s: %d members, %d events", name, len(job.members), len(job.events))
+        return jobs
+
+    def load_from_registry(self, now: float) -> None:
+        """Rebuilds the table from the registry (a standby becoming leader); the table is
+        replaced in one assignment, so a reader never sees it half loaded."""
+        self.jobs = self.read_registry(now)
 
     def _load_job_contents(self, job: Job, now: float) -> None:
         for _, raw in self.registry.get_prefix(self.job_key(job.name, "members") + "/"):

@@ -3,6 +3,11 @@
 Paths, fastest first: the agent reports the worker's exit; the agent's stream closes without a
 Leave; the liveness lease expires (node loss, partition, an agent that hangs); heartbeats stop.
 Whichever fires first marks the worker LOST with its reason; the others then find it gone.
+A worker whose heartbeat is late (half the timeout) is sent one ReportNow first, so a merely slow
+agent answers before it is declared lost.
+
+The Core also tells agents the device frequency their rank should run at (SetFrequency) when a
+layout carries per-rank frequencies: at registration, and whenever a new plan is stored.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from core_service.metrics import CoreMetrics
 from core_service.model import DeviceInfo, MemberRecord, StepReport, WorkerState
 from core_service.persist import registry_call
 from core_service.registry import KVEvent, LeaseNotFound, Registry, RegistryError, WatchHandle
+from elaswave.v1 import agent_pb2
+from planners.layout import Layout
 
 log = logging.getLogger("elaswave.core.membership")
 
@@ -33,6 +40,9 @@ class AgentSession:
     handler: asyncio.Task | None = None  # the RPC handler serving this stream
     lease_id: int | None = None
     lease_refreshed: float = 0.0
+    # The member's last_heartbeat_unix when ReportNow was last sent: one nudge per silence.
+    nudged_for_heartbeat: float | None = None
+    rejected_reports: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,7 @@ class Membership:
         self._next_session = 1
         self._watches: list[WatchHandle] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._frequency_cache: dict[str, tuple[str, dict[int, int]]] = {}
 
     # ---- registration -------------------------------------------------------------------------
     async def register(self, reg: Registration, now: float) -> AgentSession:
@@ -80,6 +91,8 @@ class Membership:
         member.last_heartbeat_unix = now
         if not reg.holds_own_lease:
             await self._grant_lease(job, session, now)
+        if job.layout_json is not None:
+            self._send_frequencies(job, self._frequencies(job), [member])
         self.table.save_member(job, member)
         kind = "worker_reconnected" if reconnected else ("worker_rejoined" if rejoined else "worker_joined")
         self.table.record(
@@ -88,6 +101,36 @@ class Membership:
         )
         self.metrics.agent_streams.set(len(self.sessions))
         return session
+
+    # ---- commands to agents --------------------------------------------------------------------
+    def send(self, job: str, worker_id: str, command: agent_pb2.ConnectResponse) -> bool:
+        """Queues `command` on the worker's live stream; False when it has none on this Core."""
+        session = self.sessions.get((job, worker_id))
+        if session is None:
+            return False
+        session.outbox.put_nowait(command)
+        self.metrics.agent_commands.labels(command=command.WhichOneof("body") or "empty").inc()
+        return True
+
+    def _frequencies(self, job: Job) -> dict[int, int]:
+        """The frequencies the job's current layout pins, parsed once per layout."""
+        assert job.layout_json is not None
+        cached = self._frequency_cache.get(job.name)
+        if cached is None or cached[0] is not job.layout_json:
+            cached = (job.layout_json, _frequencies(job.layout_json))
+            self._frequency_cache[job.name] = cached
+        return cached[1]
+
+    def _send_frequencies(self, job: Job, frequencies: dict[int, int], members: list[MemberRecord]) -> None:
+        """SetFrequency to each of `members` whose rank the layout pins (DVFS for stragglers,
+        elaswave.txt §5.3); 0 MHz restores the device default."""
+        if not frequencies:
+            return
+        for member in members:
+            mhz = frequencies.get(member.rank) if member.rank >= 0 else None
+            if mhz is not None:
+                command = agent_pb2.ConnectResponse(set_frequency=agent_pb2.SetFrequency(mhz=mhz))
+                self.send(job.name, member.worker_id, command)
 
     async def _grant_lease(self, job: Job, session: AgentSession, now: float) -> None:
         ttl = self.settings.lease_ttl_s
@@ -182,6 +225,16 @@ class Membership:
                 silent = now - member.last_heartbeat_unix
                 if silent > timeout:
                     self.mark_lost(job, member.worker_id, f"no heartbeat for {silent:.2f}s", "heartbeat", now)
+                elif silent > timeout / 2:
+                    self._nudge(job, member)
+
+    def _nudge(self, job: Job, member: MemberRecord) -> None:
+        """Half the timeout without a heartbeat: ask the agent to report now, once per silence."""
+        session = self.sessions.get((job.name, member.worker_id))
+        if session is None or session.nudged_for_heartbeat == member.last_heartbeat_unix:
+            return
+        session.nudged_for_heartbeat = member.last_heartbeat_unix
+        self.send(job.name, member.worker_id, agent_pb2.ConnectResponse(report_now=agent_pb2.ReportNow()))
 
     # ---- liveness keys ------------------------------------------------------------------------
     def start_watching(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -202,9 +255,25 @@ class Membership:
 
     def _on_registry_event(self, event: KVEvent) -> None:
         parts = event.key[len(self.settings.key_prefix) + 1 :].split("/")
-        if event.kind == "delete" and len(parts) == 4 and parts[0] == "jobs" and parts[2] == "alive":
-            assert self._loop is not None
+        if len(parts) != 4 or parts[0] != "jobs":
+            return
+        assert self._loop is not None
+        if event.kind == "delete" and parts[2] == "alive":
             self._loop.call_soon_threadsafe(self._alive_key_deleted, parts[1], parts[3])
+        elif event.kind == "put" and parts[2] == "plans" and event.value is not None:
+            self._loop.call_soon_threadsafe(self._plan_stored, parts[1], event.value)
+
+    def _plan_stored(self, job_name: str, body: bytes) -> None:
+        """A plan was published: agents of the ranks it pins get their frequency."""
+        job = self.table.jobs.get(job_name)
+        if job is None:
+            return
+        try:
+            frequencies = _frequencies(json.loads(body)["layout_json"])
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("plan of job %s has no readable layout: %s", job_name, exc)
+            return
+        self._send_frequencies(job, frequencies, job.live_members())
 
     def _alive_key_deleted(self, job_name: str, worker_id: str) -> None:
         if job_name in self.table.jobs:
@@ -222,3 +291,8 @@ class Membership:
         job = self.table.jobs.get(job_name)
         if job is not None:
             self.mark_lost(job, worker_id, "liveness lease expired", "lease_expired", time.time())
+
+
+def _frequencies(layout_json: str | bytes) -> dict[int, int]:
+    """Per-rank frequencies (MHz) a layout pins; empty when it pins none."""
+    return dict(Layout.from_json(layout_json).frequencies_mhz)

@@ -3,9 +3,20 @@ process never collide."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+if TYPE_CHECKING:
+    from fastapi import FastAPI, Request, Response
+
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# HTTP statuses that mean "request refused" and the reason label they count under.
+REST_REJECTIONS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+                   405: "METHOD_NOT_ALLOWED", 409: "FAILED_PRECONDITION", 422: "INVALID_ARGUMENT",
+                   503: "UNAVAILABLE"}
 
 
 class CoreMetrics:
@@ -49,6 +60,38 @@ class CoreMetrics:
             buckets=LATENCY_BUCKETS, registry=registry,
         )
         self.rejected_requests = Counter(
-            "elaswave_rejected_requests_total", "Requests refused, by API and reason.", ["api", "reason"],
+            "elaswave_rejected_requests_total",
+            "Requests (and single agent reports) refused, by API (agent, executor, scheduler, rest) and reason.",
+            ["api", "reason"], registry=registry,
+        )
+        self.grpc_seconds = Histogram(
+            "elaswave_grpc_server_handling_seconds",
+            "Time from receiving a gRPC call to its status, seconds (a stream's whole lifetime for streams).",
+            ["service", "method", "code"], buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.http_seconds = Histogram(
+            "elaswave_http_request_duration_seconds", "Time to answer one REST request, seconds.",
+            ["method", "route", "status"], buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.agent_commands = Counter(
+            "elaswave_agent_commands_total", "Commands queued on agent streams, by command.", ["command"],
             registry=registry,
         )
+
+
+def observe_http(app: FastAPI, metrics: CoreMetrics) -> None:
+    """Adds a middleware timing every REST request and counting refused ones (4xx/503) as
+    rejections of api="rest". Routes are labelled by their template, so label sets stay bounded."""
+
+    @app.middleware("http")
+    async def timed(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        template = getattr(route, "path", "unmatched")
+        metrics.http_seconds.labels(method=request.method, route=template,
+                                    status=str(response.status_code)).observe(time.perf_counter() - started)
+        reason = REST_REJECTIONS.get(response.status_code)
+        if reason is not None:
+            metrics.rejected_requests.labels(api="rest", reason=reason).inc()
+        return response

@@ -1,8 +1,16 @@
-"""Ordered, non-blocking registry writes for the asyncio Core."""
+"""Ordered, non-blocking registry writes for the asyncio Core, one writer task per leadership term.
+
+Writes are queued in call order and applied one at a time off the event loop. Every write gets a
+sequence number, so a mutating API call can wait until everything it queued is stored
+(`wait_durable`) before it answers: an acknowledged change survives a leader crash. A leader
+that is deposed `abandon`s its queue: its successor owns the registry, and a late write from the
+old term would overwrite newer state.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,8 +30,13 @@ async def registry_call(registry: Registry, fn: Callable[..., T], *args: Any) ->
     return await asyncio.to_thread(fn, *args)
 
 
+class NotDurable(RuntimeError):
+    """Writes were not stored in the registry in time, or this Core stopped writing."""
+
+
 @dataclass(frozen=True)
 class _Write:
+    seq: int
     key: str
     value: bytes | None  # None = delete
 
@@ -32,7 +45,8 @@ class Persister:
     """Queues writes in call order and applies them on a worker thread, one at a time.
 
     Writes are retried with backoff while the backend is unavailable, so nothing queued is lost
-    while the Core lives; `flush()` waits until everything queued so far is written.
+    while the term lasts. Writes are accepted only between `start()` and `stop()`/`abandon()`:
+    a standby has nothing to write.
     """
 
     def __init__(self, registry: Registry, retry_max_s: float = 2.0) -> None:
@@ -40,29 +54,98 @@ class Persister:
         self.retry_max_s = retry_max_s
         self._queue: asyncio.Queue[_Write | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
-        self.enabled = True
+        self._queued_seq = 0
+        self._stored_seq = 0
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._last_error = ""
+        self._stopped_reason = "this Core is not the leader"
+        self.terms_started = 0
+
+    @property
+    def enabled(self) -> bool:
+        """True while a term's writer task runs (writes are accepted)."""
+        return self._task is not None and not self._task.done()
+
+    @property
+    def backlog(self) -> int:
+        """Writes queued but not stored yet."""
+        return self._queued_seq - self._stored_seq
 
     def start(self) -> None:
+        """Begins a leadership term with an empty queue and exactly one writer task."""
+        if self.enabled:
+            raise RuntimeError("the persister is already running: one writer task per leadership term")
+        self._queue = asyncio.Queue()
+        self._queued_seq = self._stored_seq = 0
+        self._last_error = ""
         self._task = asyncio.get_running_loop().create_task(self._drain(), name="persister")
+        self.terms_started += 1
 
     def put(self, key: str, value: bytes) -> None:
-        if self.enabled:
-            self._queue.put_nowait(_Write(key, value))
+        self._enqueue(key, value)
 
     def delete(self, key: str) -> None:
+        self._enqueue(key, None)
+
+    def _enqueue(self, key: str, value: bytes | None) -> None:
         if self.enabled:
-            self._queue.put_nowait(_Write(key, None))
+            self._queued_seq += 1
+            self._queue.put_nowait(_Write(self._queued_seq, key, value))
 
     async def flush(self) -> None:
         await self._queue.join()
 
-    async def stop(self) -> None:
+    async def wait_durable(self, timeout_s: float) -> None:
+        """Returns once every write queued before this call is stored; raises `NotDurable`
+        with the reason when that does not happen within `timeout_s` or the term ends first."""
+        target = self._queued_seq
+        if self._stored_seq >= target:
+            return
+        if not self.enabled:
+            raise NotDurable(f"{target - self._stored_seq} write(s) were dropped: {self._stopped_reason}")
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((target, future))
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except TimeoutError:
+            why = f"last registry error: {self._last_error}" if self._last_error else f"{self.backlog} write(s) queued"
+            raise NotDurable(f"registry writes not stored within {timeout_s:g}s ({why})") from None
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove((target, future))
+
+    async def stop(self, timeout_s: float | None = None) -> None:
+        """Ends the term after storing what is queued (at most `timeout_s`, then abandons)."""
         if self._task is None:
             return
-        await self.flush()
-        self._queue.put_nowait(None)
-        await self._task
-        self._task = None
+        try:
+            await asyncio.wait_for(self.flush(), timeout_s)
+        except TimeoutError:
+            log.warning("%d registry write(s) not stored within %.1fs at stop", self.backlog, timeout_s)
+        await self.abandon("this Core stopped leading")
+
+    async def abandon(self, reason: str) -> None:
+        """Ends the term now: queued writes are dropped and waiters fail with `reason`.
+
+        A write already handed to the registry thread still completes; nothing after it starts.
+        """
+        self._stopped_reason = reason
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        dropped = self.backlog
+        if dropped:
+            log.warning("dropping %d queued registry write(s): %s", dropped, reason)
+        while not self._queue.empty():
+            self._queue.get_nowait()
+            self._queue.task_done()
+        for _, future in self._waiters:
+            if not future.done():
+                future.set_exception(NotDurable(f"write(s) dropped: {reason}"))
+        self._waiters.clear()
+        self._queued_seq = self._stored_seq
 
     async def _drain(self) -> None:
         while True:
@@ -71,8 +154,16 @@ class Persister:
                 if write is None:
                     return
                 await self._apply_with_retry(write)
+                self._stored(write.seq)
             finally:
                 self._queue.task_done()
+
+    def _stored(self, seq: int) -> None:
+        self._stored_seq = seq
+        self._last_error = ""
+        for target, future in self._waiters:
+            if target <= seq and not future.done():
+                future.set_result(None)
 
     async def _apply_with_retry(self, write: _Write) -> None:
         delay = 0.05
@@ -84,6 +175,7 @@ class Persister:
                     await registry_call(self.registry, self.registry.put, write.key, write.value)
                 return
             except RegistryError as exc:
+                self._last_error = f"{write.key}: {exc}"
                 log.warning("registry write of %s failed (%s); retrying in %.2fs", write.key, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.retry_max_s)

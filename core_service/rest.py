@@ -78,6 +78,14 @@ def build_app(core: Core) -> FastAPI:
         if not core.scheduler_token_ok(credentials.credentials):
             raise HTTPException(403, detail="wrong scheduler token")
 
+    # Latency histogram and refusal counts of every request; Core -> agent commands (SetFrequency,
+    # Drain, ReportNow) on the worker's live stream.
+    from core_service.agent_service import worker_command_router
+    from core_service.metrics import observe_http
+
+    observe_http(app, core.metrics)
+    app.include_router(worker_command_router(core, [Depends(leader_only), Depends(admin)]))
+
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
         return {"status": "ok", "role": "leader" if core.is_leader else "standby",
@@ -93,7 +101,9 @@ def build_app(core: Core) -> FastAPI:
         return {"jobs": [job_summary(j) for j in sorted(core.table.jobs.values(), key=lambda j: j.name)]}
 
     @app.post("/api/v1/jobs", status_code=201, dependencies=[Depends(leader_only), Depends(admin)])
-    def create_job(body: CreateJobRequest) -> CreateJobResponse:
+    async def create_job(body: CreateJobRequest) -> CreateJobResponse:
+        # async: the job table is only ever changed on the event loop (a sync handler would run in
+        # a worker thread), and the answer waits until the job is stored in the registry.
         if not core.settings.allow_job_creation:
             raise HTTPException(403, detail="job creation through the API is disabled (allow_job_creation)")
         layout_json = None
@@ -119,6 +129,10 @@ def build_app(core: Core) -> FastAPI:
             core.table.create_job(spec, layout_json, now=time.time(), model_json=model_json)
         except JobExists as exc:
             raise HTTPException(409, detail=str(exc)) from None
+        try:
+            await core.wait_durable()
+        except RpcError as err:
+            raise HTTPException(503, detail=err.message) from None
         return CreateJobResponse(name=body.name, token=token)
 
     @app.get("/api/v1/jobs/{job}", dependencies=[Depends(leader_only)])
@@ -148,7 +162,8 @@ def build_app(core: Core) -> FastAPI:
         try:
             response = await core.scheduler.preempt(grpc_request)
         except RpcError as err:
-            raise HTTPException(409 if err.code.name == "FAILED_PRECONDITION" else 422, detail=err.message) from None
+            status = {"FAILED_PRECONDITION": 409, "UNAVAILABLE": 503}.get(err.code.name, 422)
+            raise HTTPException(status, detail=err.message) from None
         return {"event_seq": response.event_seq}
 
     return app

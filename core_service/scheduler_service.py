@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from typing import TYPE_CHECKING
 
 import grpc
 
 from core_service.engine import Decision, WorkerView, snapshot_of
-from core_service.grpc_util import RpcError, bearer_token, finite, require
+from core_service.grpc_util import RpcError, bearer_token, finite, invalid, require
+from core_service.jobs import Job
 from core_service.model import MemberRecord, WorkerState
+from core_service.policies import DEFAULT_RECLAIM_RATE_PER_S, RECONFIGURATION_OVERHEAD_S
 from elaswave.v1 import agent_pb2, common_pb2, scheduler_pb2
+from planners.chameleon.schema import state_from_dict
+from planners.flextrain import build_scale_table, choose_scale_up, predict_configs
+from planners.layout import make_uniform_layout
 
 if TYPE_CHECKING:
     from core_service.core import Core
@@ -42,6 +49,7 @@ def plan_message(job: str, epoch: int, decision: Decision, now: float) -> common
 class SchedulerServicer:
     def __init__(self, core: Core) -> None:
         self.core = core
+        self.metrics = core.metrics  # grpc_util.generic_handler times and counts through this
 
     def _authorise(self, context: grpc.aio.ServicerContext) -> None:
         self.core.require_leader()
@@ -79,8 +87,10 @@ class SchedulerServicer:
         for member in members:
             self.core.membership.preemption(job, member, request.deadline_unix, source, now)
             drain = agent_pb2.Drain(reason=source, deadline_unix=request.deadline_unix)
-            self.core.send_command(job.name, member.worker_id, agent_pb2.ConnectResponse(drain=drain))
-        return scheduler_pb2.SignalPreemptionResponse(event_seq=job.next_seq - 1)
+            self.core.membership.send(job.name, member.worker_id, agent_pb2.ConnectResponse(drain=drain))
+        event_seq = job.next_seq - 1
+        await self.core.wait_durable()  # answer only once the preemption is stored
+        return scheduler_pb2.SignalPreemptionResponse(event_seq=event_seq)
 
     async def OfferResources(
         self, request: scheduler_pb2.OfferResourcesRequest, context: grpc.aio.ServicerContext
@@ -94,6 +104,7 @@ class SchedulerServicer:
             job, "resources_offered", detail=f"{request.devices} device(s) on {list(request.hosts)}: {reason}",
             now=time.time(), data={"accepted": accepted, "devices": request.devices},
         )
+        await self.core.wait_durable()  # answer only once the offer's event is stored
         return scheduler_pb2.OfferResourcesResponse(accepted=accepted, reason=reason, event_seq=event.seq)
 
     async def ReclaimResources(
@@ -117,8 +128,10 @@ class SchedulerServicer:
             member = job.members[worker_id]
             self.core.membership.preemption(job, member, request.deadline_unix, "scheduler reclaim", now)
             drain = agent_pb2.Drain(reason="reclaimed by scheduler", deadline_unix=request.deadline_unix)
-            self.core.send_command(job.name, worker_id, agent_pb2.ConnectResponse(drain=drain))
-        return scheduler_pb2.ReclaimResourcesResponse(worker_ids=chosen, event_seq=job.next_seq - 1)
+            self.core.membership.send(job.name, worker_id, agent_pb2.ConnectResponse(drain=drain))
+        event_seq = job.next_seq - 1
+        await self.core.wait_durable()  # answer only once the reclaim is stored
+        return scheduler_pb2.ReclaimResourcesResponse(worker_ids=chosen, event_seq=event_seq)
 
     async def GetJobState(
         self, request: scheduler_pb2.GetJobStateRequest, context: grpc.aio.ServicerContext
@@ -144,6 +157,11 @@ class SchedulerServicer:
     ) -> scheduler_pb2.PlanWhatIfResponse:
         self._authorise(context)
         job = self.core.job_or_not_found(request.job)
+        if request.add_devices:
+            require(not request.remove_worker_ids,
+                    "add_devices and remove_worker_ids together are not modelled: ask one what-if at a time")
+            # Seconds of planner work for a large model: off the event loop, heartbeats keep flowing.
+            return await asyncio.to_thread(scale_up_what_if, job, request.add_devices, time.time())
         snapshot = snapshot_of(job)
         live_ids = {w.worker_id for w in snapshot.live}
         for worker_id in request.remove_worker_ids:
@@ -155,8 +173,7 @@ class SchedulerServicer:
         hypothetical = type(snapshot)(
             job=snapshot.job, plan_epoch=snapshot.plan_epoch, layout_json=snapshot.layout_json,
             live=tuple(w for w in snapshot.live if w.worker_id not in removed), gone=gone,
-            changes=tuple(f"what_if_lost:{w}" for w in sorted(removed))
-            + ((f"what_if_added:{request.add_devices}",) if request.add_devices else ()),
+            changes=tuple(f"what_if_lost:{w}" for w in sorted(removed)),
         )
         if not hypothetical.live:
             return scheduler_pb2.PlanWhatIfResponse(runnable=False, reason="no worker would be left")
@@ -165,3 +182,35 @@ class SchedulerServicer:
         return scheduler_pb2.PlanWhatIfResponse(
             plan=plan_message(job.name, 0, decision, time.time()), runnable=runnable, reason=decision.reason
         )
+
+
+def scale_up_what_if(job: Job, add_devices: int, now: float) -> scheduler_pb2.PlanWhatIfResponse:
+    """What adding `add_devices` would do to a job registered with a model: FlexTrain's best
+    scale-table entry within current + added devices (flextrain.txt §4.4), runnable when it pays for
+    its reconfiguration (eq. 16) - the same table, cap and rule as OfferResources (policies.judge_offer)
+    with an offer of unknown duration. Jobs without a model have no scale table, so adding devices
+    is refused rather than answered with a guess."""
+    if job.model_json is None:
+        raise invalid(f"adding devices is not modelled for job {job.name!r}: it was registered without a model "
+                      "(the `elaswave plan` state.json), so it has no scale table")
+    request = json.loads(job.model_json)
+    state = state_from_dict(request)[0]
+    current, shape = state.shape.num_devices, state.shape
+    max_devices = int(request.get("max_devices", current + add_devices))
+    predictions = predict_configs(state, max_devices // shape.tp)
+    table = build_scale_table(predictions)
+    _, decision = choose_scale_up(table, current, add_devices, max_devices, RECONFIGURATION_OVERHEAD_S,
+                                  DEFAULT_RECLAIM_RATE_PER_S)
+    target = table.best_within(min(current + add_devices, max_devices))
+    now_entry = table.best_within(current)
+    if target is None or now_entry is None or target.gpus <= now_entry.gpus:
+        return scheduler_pb2.PlanWhatIfResponse(runnable=False, reason=f"adding {add_devices} device(s): {decision.reason}")
+    step_s = next(p.profiled_step_s for p in predictions if (p.gpus, p.dp, p.pp) == (target.gpus, target.dp, target.pp))
+    layout = make_uniform_layout(state.profile.num_layers, target.pp, target.dp, shape.global_batch,
+                                 shape.global_batch // (target.dp * shape.micro_batch))
+    summary = (f"with {add_devices} more device(s): {target.gpus} devices as DP={target.dp}, PP={target.pp}, "
+               f"TP={shape.tp} (from {current}), predicted step {step_s:.3f} s")
+    plan = common_pb2.Plan(job=job.name, epoch=0, layout_json=layout.to_json().encode(),
+                           reasons=[summary, decision.reason], predicted_step_time_s=step_s, created_unix=now)
+    return scheduler_pb2.PlanWhatIfResponse(plan=plan, runnable=decision.scale_up,
+                                            reason=f"{summary}; {decision.reason}")

@@ -1,8 +1,11 @@
-"""`elaswave demo`: the control plane end to end on one machine, on embedded defaults.
+"""`elaswave demo`: ElasWave end to end on one machine, on embedded defaults.
 
-A Core with in-memory membership, a job created through the REST API, a few agents each
-launching a (dummy) worker, then one worker is killed with SIGKILL and the Core is seen to
-declare it lost. Every process is real; everything listens on loopback ports picked at random.
+By default the elastic training job of `elaswave.train_demo`: a Core, agents, and a PP x DP x
+ZeRO-1 job whose worker is killed mid-training and which recovers in place under the Core's plan.
+`--control-plane` runs the control plane alone: a Core with in-memory membership, a job created
+through the REST API, a few agents each launching a dummy worker, one worker killed with SIGKILL
+and the Core seen to declare it lost. Every process is real; everything listens on loopback ports
+picked at random.
 """
 
 from __future__ import annotations
@@ -23,13 +26,27 @@ import httpx
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from elaswave.train_demo import TrainDemoConfig  # noqa: PLC0415 - light: no torch at import
+
+    d = TrainDemoConfig()
     parser = subparsers.add_parser(
         "demo", help="run the end-to-end demo on this machine",
-        description="Start a Core (in-memory membership), create a job, start agents with dummy "
-        "workers, kill one worker with SIGKILL and show the Core detecting it. Takes ~10 s.",
+        description="Start a Core (in-memory membership), the executors' rendezvous store and one agent per "
+        "worker of a PP x DP x ZeRO-1 training job; kill one worker with SIGKILL mid-training and watch the "
+        "job recover in place under the Core's plan, checked against a fault-free run (about a minute on "
+        "2 cores). With --control-plane: dummy workers, the Core's detection only (~10 s).",
     )
-    parser.add_argument("--workers", type=int, default=3, help="number of agents/workers (default 3)")
-    parser.add_argument("--timeout", type=float, default=60.0, help="give up after this many seconds")
+    parser.add_argument("--control-plane", action="store_true",
+                        help="run the control-plane demo with dummy workers instead of training")
+    parser.add_argument("--workers", type=int, default=3, help="control-plane demo: agents/workers (default 3)")
+    parser.add_argument("--pp", type=int, default=d.pp, help=f"pipeline stages (default {d.pp})")
+    parser.add_argument("--dp", type=int, default=d.dp, help=f"data-parallel ranks per stage (default {d.dp})")
+    parser.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
+    parser.add_argument("--kill-after", type=int, default=d.kill_after_step, metavar="STEP",
+                        help=f"kill a worker once every worker committed this step (default {d.kill_after_step})")
+    parser.add_argument("--victim", type=int, default=d.victim_rank, metavar="RANK",
+                        help=f"global rank of the worker to kill (default {d.victim_rank})")
+    parser.add_argument("--timeout", type=float, default=240.0, help="give up after this many seconds")
     parser.set_defaults(func=run)
 
 
@@ -47,8 +64,11 @@ class Demo:
         env = dict(os.environ, ELASWAVE_SCHEDULER_TOKEN=self.scheduler_token)
         cmd = [sys.executable, "-m", "elaswave.cli", "core", "--grpc-port", "0", "--http-port", "0",
                "--ready-file", str(ready), "--log-level", "WARNING"]
-        self.procs.append(subprocess.Popen(cmd, env=env))
+        core = subprocess.Popen(cmd, env=env)
+        self.procs.append(core)
         while not ready.exists():
+            if core.poll() is not None:
+                raise RuntimeError(f"the Core exited with status {core.returncode} before it was ready")
             self._check_time("the Core to start")
             time.sleep(0.05)
         info = json.loads(ready.read_text())
@@ -101,15 +121,28 @@ class Demo:
                 proc.kill()
 
 
-def _states(job: dict[str, Any]) -> dict[str, str]:
+def states(job: dict[str, Any]) -> dict[str, str]:
     return {m["worker_id"]: m["state"] for m in job["members"]}
 
 
 def run(args: argparse.Namespace) -> int:
+    from elaswave.train_demo import TrainDemo, TrainDemoConfig, run_train_demo  # noqa: PLC0415
+
     with tempfile.TemporaryDirectory(prefix="elaswave-demo-") as tmp:
-        demo = Demo(Path(tmp), args.workers, args.timeout)
+        if args.control_plane:
+            demo = Demo(Path(tmp), args.workers, args.timeout)
+            runner = _run
+        else:
+            try:
+                cfg = TrainDemoConfig(pp=args.pp, dp=args.dp, steps=args.steps, kill_after_step=args.kill_after,
+                                      victim_rank=args.victim)
+                demo = TrainDemo(Path(tmp), cfg, args.timeout)
+            except ValueError as exc:
+                print(f"elaswave demo: {exc}", file=sys.stderr)
+                return 2
+            runner = run_train_demo  # type: ignore[assignment]
         try:
-            return _run(demo)
+            return runner(demo)
         finally:
             demo.stop()
 
@@ -121,17 +154,17 @@ def _run(demo: Demo) -> int:
     print("[demo] job 'demo' created through POST /api/v1/jobs")
     demo.start_agents(info["grpc_port"], token)
     job = demo.wait_for("every worker to run", lambda j: len(j["members"]) == demo.workers
-                        and all(s == "RUNNING" for s in _states(j).values()))
-    print(f"[demo] {demo.workers} agents registered, workers stepping: {_states(job)}")
+                        and all(s == "RUNNING" for s in states(j).values()))
+    print(f"[demo] {demo.workers} agents registered, workers stepping: {states(job)}")
     victim = job["members"][-1]
     print(f"[demo] kill -9 worker pid {victim['pid']} ({victim['worker_id']})")
     killed_at = time.monotonic()
     os.kill(victim["pid"], signal.SIGKILL)
-    job = demo.wait_for("the Core to see the kill", lambda j: _states(j)[victim["worker_id"]] == "LOST")
+    job = demo.wait_for("the Core to see the kill", lambda j: states(j)[victim["worker_id"]] == "LOST")
     seen_after = time.monotonic() - killed_at
     lost = next(m for m in job["members"] if m["worker_id"] == victim["worker_id"])
     print(f"[demo] Core marked {victim['worker_id']} LOST after {seen_after * 1000:.0f} ms: {lost['lost_reason']}")
-    print(f"[demo] members now: {_states(job)}")
+    print(f"[demo] members now: {states(job)}")
     assert demo.http is not None
     events = demo.http.get("/api/v1/jobs/demo/events").json()["events"]
     print("[demo] events:")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.distributed import AllToAllOptions, PrefixStore, ProcessGroup, ProcessGroupGloo, Store
@@ -59,12 +59,22 @@ class EngineComm(Protocol):
 
     def wait(self, name: str, work: object, has_future: bool = True) -> None: ...
 
+    def post_exchange(self, sends: Sequence[tuple[str, torch.Tensor, int, int]],
+                      recvs: Sequence[tuple[str, torch.Tensor, int, int]]) -> Any:
+        """Issue (group, tensor, peer worker, tag) sends and receives without waiting; returns a
+        handle for `complete`."""
+        ...
+
+    def complete(self, ops: Any) -> None:
+        """Wait (bounded) for every op of a `post_exchange` handle."""
+        ...
+
 
 def p2p_channel(comm: EngineComm, name: str, peer: int) -> tuple[str, ProcessGroup, int]:
-    """(group name, process group, peer's rank in it) carrying async point-to-point traffic with
-    `peer` inside logical group `name`. A communicator that serves pipeline pairs by per-link
-    groups says so through its own `p2p_group(name, peer)`; otherwise the logical group itself
-    carries it."""
+    """(group name, process group, peer's rank in it) carrying point-to-point traffic with `peer`
+    inside logical group `name`. A communicator that serves pipeline pairs by per-link groups says
+    so through its own `p2p_group(name, peer)`; otherwise the logical group itself carries it.
+    For inspecting the backend (e.g. whether it matches by tag); issue ops via `post_exchange`."""
     resolve = getattr(comm, "p2p_group", None)
     if resolve is not None:
         return resolve(name, peer)
@@ -146,6 +156,15 @@ class StaticComm:
 
     def wait(self, name: str, work: object, has_future: bool = True) -> None:
         work.wait(self.timeout)  # type: ignore[attr-defined]
+
+    def post_exchange(self, sends: Sequence[tuple[str, torch.Tensor, int, int]],
+                      recvs: Sequence[tuple[str, torch.Tensor, int, int]]) -> list[object]:
+        works = [self.group(n).send([t], self.group_rank(n, peer), tag) for n, t, peer, tag in sends]
+        return works + [self.group(n).recv([t], self.group_rank(n, peer), tag) for n, t, peer, tag in recvs]
+
+    def complete(self, ops: list[object]) -> None:
+        for work in ops:
+            work.wait(self.timeout)  # type: ignore[attr-defined]
 
 
 def all_to_all_v(comm: EngineComm, name: str, inputs: Sequence[torch.Tensor],

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroupGloo
 
-from executor.engine_comm import p2p_channel, pp_group_name
+from executor.engine_comm import EngineComm, p2p_channel, pp_group_name
 from executor.migration import MigrationReport, moved_layers
 from executor.model import block_name
 from executor.trainer import Trainer
@@ -47,8 +48,7 @@ class _Outgoing:
     in_front: bool  # the block moves to the previous stage: its shadow runs before our blocks
     peer: int
     group: str  # logical group (pp/<s>-<s+1>)
-    channel: str = ""  # the group that carries the async sends (see engine_comm.p2p_channel)
-    works: list[object] = field(default_factory=list)
+    works: list[Any] = field(default_factory=list)  # post_exchange handles of the async sends
     payback_sent: bool = False
 
 
@@ -56,13 +56,12 @@ class _Outgoing:
 class _Incoming:
     layer: int
     peer: int
-    channel: str  # the group that carries the async receives
     lo: int
     hi: int
     payload: torch.Tensor
-    payload_work: object
+    payload_work: Any  # post_exchange handles of the async receives
     payback: torch.Tensor
-    payback_work: object
+    payback_work: Any
     loaded: bool = False
     stash: list[torch.Tensor] = field(default_factory=list)  # own per-slot gradients, slots >= k
 
@@ -80,9 +79,10 @@ def check_nonblocking(old: Layout, moves: tuple[tuple[int, int, int], ...], k: i
                              "shadow's gradient cannot be paid back rank to rank; use blocking migration")
 
 
-def _require_tagged_p2p(pg: object) -> None:
+def _require_tagged_p2p(comm: EngineComm, group: str, peer: int) -> None:
     # The transfer and the payback run concurrently with the pipeline's own sends on the same
     # pair of ranks, kept apart by tags: gloo matches by tag, NCCL/HCCL only by order.
+    _, pg, _ = p2p_channel(comm, group, peer)
     if not isinstance(pg, ProcessGroupGloo):
         raise ValueError(f"non-blocking migration needs tagged point-to-point (gloo), got {type(pg).__name__}; "
                          "use blocking migration on this backend")
@@ -117,19 +117,22 @@ class NonBlockingMigration:
                     p.grad = None
                 sh = old_shards[name]
                 payload = torch.cat([old_params[name], sh.exp_avg, sh.exp_avg_sq])
-                out.channel, pg, peer_rank = p2p_channel(comm, group, out.peer)
-                _require_tagged_p2p(pg)
-                out.works.append(pg.send([payload], peer_rank, MIGRATE_TAG + layer))
+                _require_tagged_p2p(comm, group, out.peer)
+                # Posted through the communicator, not on the raw group: the op is counted in the
+                # group's ledger from now on, so a step that fails before it completes leaves the
+                # link marked dirty and an edit rebuilds it instead of reusing it half-matched.
+                out.works.append(comm.post_exchange([(group, payload, out.peer, MIGRATE_TAG + layer)], []))
                 self.sent += payload.numel()
                 self.outgoing.append(out)
             elif dst == my_stage:
                 peer, (lo, hi) = old.stages[src].ranks[j], ownership[name][j]
                 payload = torch.empty(numel[name] + 2 * (hi - lo), device=trainer.device)
                 payback = torch.empty(numel[name], device=trainer.device)
-                channel, g, gr = p2p_channel(comm, group, peer)
-                self.incoming.append(_Incoming(layer, peer, channel, lo, hi, payload,
-                                               g.recv([payload], gr, MIGRATE_TAG + layer), payback,
-                                               g.recv([payback], gr, PAYBACK_TAG + layer)))
+                _require_tagged_p2p(comm, group, peer)
+                self.incoming.append(_Incoming(
+                    layer, peer, lo, hi,
+                    payload, comm.post_exchange([], [(group, payload, peer, MIGRATE_TAG + layer)]),
+                    payback, comm.post_exchange([], [(group, payback, peer, PAYBACK_TAG + layer)])))
         dev = trainer.device
         params = {n: old_params.get(n, torch.zeros(numel[n], device=dev)) for n in ownership}
         shards = {n: old_shards[n] if n in old_shards else
@@ -170,7 +173,7 @@ class NonBlockingMigration:
         self._load()
         self._send_payback()
         for inc in self.incoming:
-            self._wait(inc.channel, inc.payback_work)
+            self._wait(inc.payback_work)
             self.received += inc.payback.numel()
             total = inc.payback.clone()
             for g in inc.stash:  # the same left fold over slots that autograd would have done
@@ -183,19 +186,21 @@ class NonBlockingMigration:
     def finish(self) -> None:
         for out in self.outgoing:
             for work in out.works:
-                self._wait(out.channel, work)
+                self._wait(work)
 
     # ------------------------------------------------------------------------------ internals
-    def _wait(self, group: str, work: object) -> None:
+    def _wait(self, ops: Any) -> None:
+        """Bounded wait for posted ops: on the dynamic communicator a dead or hung peer raises
+        PeerFailure (and flags the abort) like any other op, instead of blocking."""
         t = time.perf_counter()
-        self.trainer.comm.wait(group, work, has_future=False)
+        self.trainer.comm.complete(ops)
         self.wait_seconds += time.perf_counter() - t
 
     def _load(self) -> None:
         for inc in self.incoming:
             if inc.loaded:
                 continue
-            self._wait(inc.channel, inc.payload_work)
+            self._wait(inc.payload_work)
             name, n = block_name(inc.layer), inc.hi - inc.lo
             numel = inc.payload.numel() - 2 * n
             assign_flat(self.trainer.model.units[name], inc.payload[:numel])
@@ -211,8 +216,7 @@ class NonBlockingMigration:
             if out.payback_sent:
                 continue
             payback = flat_grads(out.shadow)
-            _, pg, peer_rank = p2p_channel(comm, out.group, out.peer)
-            out.works.append(pg.send([payback], peer_rank, PAYBACK_TAG + out.layer))
+            out.works.append(comm.post_exchange([(out.group, payback, out.peer, PAYBACK_TAG + out.layer)], []))
             self.sent += payback.numel()
             out.payback_sent = True
 

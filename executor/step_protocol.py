@@ -56,8 +56,13 @@ class StepParticipant(Protocol):
     def on_rollback(self) -> None:
         """Restore the state of the last committed step (local, no communication)."""
 
+    def check_plan(self, plan: Plan, lost: frozenset[int]) -> object:
+        """Raise (a ValueError) if this participant cannot adopt `plan`; local, called before the
+        groups are edited, so a refused plan changes nothing."""
+
     def on_plan(self, plan: Plan, lost: frozenset[int], committed_step: int) -> None:
-        """Adopt `plan.new` (collective over the new layout's workers; groups already edited)."""
+        """Adopt `plan.new` (collective over the new layout's workers; groups already edited):
+        for the engine, remap the committed state to the new ranks and migrate moved layers."""
 
 
 def plan_key(namespace: str, epoch: int) -> str:
@@ -159,7 +164,8 @@ class StepProtocol:
         """Apply `plan` between steps: edit the communicator in place (only changed groups), then
         let the participant remap its state to `plan.new`. Collective over the new layout's
         workers; each part is bounded by the communicator timeout. Plans are fenced by epoch: an
-        older or repeated plan is refused (StepProtocolError) and changes nothing."""
+        older or repeated plan is refused (StepProtocolError) and changes nothing; so is a plan the
+        participant refuses (`check_plan`: its ValueError is raised before any group is edited)."""
         if self.step is not None:
             raise StepProtocolError(f"apply_plan inside step {self.step}: commit or roll back first")
         if plan.epoch <= self.plan_epoch:
@@ -169,6 +175,7 @@ class StepProtocol:
         if self.comm.worker not in plan.new.ranks():
             raise StepProtocolError(f"worker {self.comm.worker} is not in the new layout of plan {plan.epoch}")
         lost = frozenset(plan.old.ranks()) - frozenset(plan.new.ranks())
+        self.participant.check_plan(plan, lost)
         report = self.comm.apply_edit(groups_for_stages([s.ranks for s in plan.new.stages]))
         self.participant.on_plan(plan, lost, self.committed_step)
         self.plan_epoch = plan.epoch

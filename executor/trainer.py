@@ -59,6 +59,9 @@ class StepResult:
     loss: float | None  # global-batch loss; known on last-stage ranks, None on the others
     samples_processed: int  # samples this rank ran through its stage in this step
     global_batch: int
+    # Global sample ids of the batches this rank fed through its stage, in the order it ran
+    # them (from the sampler's batches, not recomputed from the layout).
+    sample_ids: tuple[int, ...] = ()
 
 
 class StepOverlay(Protocol):
@@ -149,11 +152,13 @@ class Trainer:
         for p in self.model.parameters():
             p.grad = None
         sample_losses: dict[int, torch.Tensor] = {}
+        fed: list[int] = []
         B = self.layout.global_batch
 
         def forward(slot: int, received: torch.Tensor | None) -> torch.Tensor:
             rows = self.layout.samples_of(self.rank, slot)
             batch = self.sampler.rows(step, rows.start, rows.stop)
+            fed.extend(batch.sample_ids)
             units = list(self.model.units.items())
             if overlay is not None:
                 overlay.before_forward(slot)
@@ -176,7 +181,7 @@ class Trainer:
         self.next_step = step + 1
         processed = sum(len(self.layout.samples_of(self.rank, m)) for m in range(self.layout.num_micro_batches))
         loss = self._global_loss(sample_losses) if self.is_last else None
-        return StepResult(step, loss, processed, B)
+        return StepResult(step, loss, processed, B, tuple(fed))
 
     def _global_loss(self, mine: Mapping[int, torch.Tensor]) -> float:
         """Exact sum of all per-sample losses of the global batch / B, from the last stage's ranks."""

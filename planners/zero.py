@@ -9,14 +9,20 @@ Two ownership layouts over the optimizer state O_i of every layer i of a stage w
   cut point, so besides the |O_i| cross-stage transfer each stage reshuffles about
   (D-1)/2 |O_i| internally: (D+1)/2 |O_i| on each of the two (concurrently resharding) stages.
 
-Costs are computed from the actual interval overlaps (`shard_transfers`), never from the formula;
-the formula is what the tests check the intervals against.
+`migration_cost` counts the moved elements in closed form per pair of (old stage, new stage)
+that share layers: O(P + L) Python steps, with numpy work proportional to the ranks of the stages
+whose shard cut points actually change (a stage that keeps its ranks and its cuts costs O(1)). It
+equals `migration_cost_from_transfers`, which enumerates every interval (`shard_transfers`, what
+the executor moves); property tests check the two against each other and the §6.3 formula.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from planners.layout import Layout, SampleRange, StageLayout, make_uniform_layout, split_evenly
 
@@ -170,8 +176,9 @@ class MigrationCost:
         return max(self.per_stage_elements, default=0)
 
 
-def migration_cost(old: Layout, new: Layout) -> MigrationCost:
-    """Element counts of `shard_transfers(old, new)`, split by where they travel."""
+def migration_cost_from_transfers(old: Layout, new: Layout) -> MigrationCost:
+    """Element counts of `shard_transfers(old, new)`, split by where they travel (the reference
+    that `migration_cost` computes in closed form; O(ranks x layers), for tests and small jobs)."""
     transfers = shard_transfers(old, new)
     stage_now = {r: s.stage for s in old.stages for r in s.ranks}
     stage_now.update({r: s.stage for s in new.stages for r in s.ranks})  # the new stage wins
@@ -188,6 +195,169 @@ def migration_cost(old: Layout, new: Layout) -> MigrationCost:
     return MigrationCost(cross + intra, cross, intra, tuple(per_stage),
                          f"{len(transfers)} interval transfers: {cross} elements across stages, "
                          f"{intra} inside stages ({old.zero_layout} -> {new.zero_layout})")
+
+
+def migration_cost(old: Layout, new: Layout) -> MigrationCost:
+    """Element counts of `shard_transfers(old, new)` without listing the intervals.
+
+    An element moves when its old owner differs from its new owner; where it travels is decided,
+    as in `migration_cost_from_transfers`, by the source rank's stage now (its new stage, or its old
+    stage index when it left the job: the snapshot holder sends for it). For each pair of old
+    stage p and new stage q sharing layers [s, t) the owners are piecewise constant, so the count is
+    a merge of the two stages' cut points (`_moved_by_source`), skipped when the pair shares no rank
+    (everything moves) or has the same ranks and cuts (nothing moves). Both layouts must pass
+    `validate`'s structural checks (every layer held by exactly one stage).
+    """
+    if old.layer_numel != new.layer_numel:
+        raise ValueError("layouts disagree on layer_numel; ZeRO state cannot be remapped between them")
+    prefix = np.concatenate(([0], np.cumsum(np.asarray(old.layer_numel, dtype=np.int64))))
+    sources: dict[int, _Sources] = {}
+    per_stage = [0] * max(new.num_stages, old.num_stages)
+    cross = intra = pairs = 0
+    for p, q, s, t in _shared_blocks(old, new):
+        src = sources.get(p) or sources.setdefault(p, _sources(old, new, p))
+        pairs += 1
+        for g, amount in _moved_by_source(old, new, p, q, s, t, src, prefix).items():
+            per_stage[q] += amount
+            if g == q:
+                intra += amount
+            else:
+                cross += amount
+                per_stage[g] += amount
+    return MigrationCost(cross + intra, cross, intra, tuple(per_stage),
+                         f"closed form over {pairs} (old, new) stage pairs: {cross} elements across stages, "
+                         f"{intra} inside stages ({old.zero_layout} -> {new.zero_layout})")
+
+
+@dataclass(frozen=True)
+class _Sources:
+    """Where the ranks of one old stage are now: `uniform` when they all count toward one stage,
+    else `stage_of_pos[j]` for DP position j; `shares` = new stages holding some of its ranks."""
+
+    uniform: int | None
+    stage_of_pos: np.ndarray | None
+    shares: frozenset[int]
+
+
+def _sources(old: Layout, new: Layout, p: int) -> _Sources:
+    ranks = old.stages[p].ranks
+    if p < new.num_stages and new.stages[p].ranks == ranks:
+        return _Sources(p, None, frozenset({p}))
+    remaining, where = set(ranks), {}
+    for q in sorted(range(new.num_stages), key=lambda q: q != p):  # the same index first: the usual case
+        if not remaining:
+            break
+        hit = remaining.intersection(new.stages[q].ranks)
+        if hit:
+            where[q] = hit
+            remaining -= hit
+    now = set(where) | ({p} if remaining else set())  # ranks that left count as their old stage
+    if len(now) == 1:
+        return _Sources(now.pop(), None, frozenset(where))
+    pos = {r: j for j, r in enumerate(ranks)}
+    stage_of_pos = np.full(len(ranks), p, dtype=np.int64)
+    for q, hit in where.items():
+        stage_of_pos[[pos[r] for r in hit]] = q
+    return _Sources(None, stage_of_pos, frozenset(where))
+
+
+def _shared_blocks(old: Layout, new: Layout) -> list[tuple[int, int, int, int]]:
+    """(old stage, new stage, first layer, stop layer) for every pair whose layer blocks overlap."""
+    out, i, j = [], 0, 0
+    while i < old.num_stages and j < new.num_stages:
+        a, b = old.stages[i], new.stages[j]
+        lo, hi = max(a.layer_start, b.layer_start), min(a.layer_stop, b.layer_stop)
+        if lo < hi:
+            out.append((i, j, lo, hi))
+        if a.layer_stop <= b.layer_stop:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _moved_by_source(old: Layout, new: Layout, p: int, q: int, s: int, t: int, src: _Sources,
+                     prefix: np.ndarray) -> dict[int, int]:
+    """Elements of layers [s, t) whose owner changes from old stage p to new stage q, by the
+    stage the source rank counts toward."""
+    a, b = old.stages[p], new.stages[q]
+    total = int(prefix[t] - prefix[s])
+    if q not in src.shares:  # no rank in common: every element of the block moves
+        if src.uniform is not None:
+            return {src.uniform: total} if total else {}
+        starts, pos = _owner_cuts(old, a, s, t, prefix)
+        return _by_source(np.diff(np.append(starts, total)), pos, src)
+    same_cuts = old.zero_layout == new.zero_layout and (
+        old.zero_layout == "interleaved" or (a.layer_start, a.layer_stop) == (b.layer_start, b.layer_stop))
+    if a.ranks == b.ranks and same_cuts:
+        return {}
+    if a.ranks == b.ranks:  # same DP order: an element stays put iff its DP position does
+        old_ranks = new_ranks = np.arange(a.dp_size)
+    else:
+        old_ranks = np.fromiter(a.ranks, dtype=np.int64, count=a.dp_size)
+        new_ranks = np.fromiter(b.ranks, dtype=np.int64, count=b.dp_size)
+    if old.zero_layout == new.zero_layout == "interleaved":
+        # Every layer is cut on its own, so layers of equal size move the same way: merge once each.
+        moved: dict[int, int] = {}
+        for n, count in Counter(old.layer_numel[s:t]).items():
+            merged = _merge(_even_starts(n, a.dp_size), _even_starts(n, b.dp_size), n)
+            for g, x in _moved_segments(merged, old_ranks, new_ranks, src).items():
+                moved[g] = moved.get(g, 0) + x * count
+        return moved
+    merged = _merge(_owner_cuts(old, a, s, t, prefix), _owner_cuts(new, b, s, t, prefix), total)
+    return _moved_segments(merged, old_ranks, new_ranks, src)
+
+
+Cuts = tuple[np.ndarray, np.ndarray]  # (segment starts, DP position owning each), from 0 upwards
+
+
+def _even_starts(n: int, parts: int) -> Cuts:
+    """Starts of `split_evenly(range(n), parts)` (DP position j owns the j-th)."""
+    j = np.arange(parts, dtype=np.int64)
+    base, extra = divmod(n, parts)
+    return j * base + np.minimum(j, extra), j
+
+
+def _owner_cuts(layout: Layout, stage: StageLayout, s: int, t: int, prefix: np.ndarray) -> Cuts:
+    """Owners of layers [s, t) of `stage`, in coordinates where layer s starts at 0."""
+    if layout.zero_layout == "interleaved":
+        parts = [_even_starts(int(prefix[i + 1] - prefix[i]), stage.dp_size) for i in range(s, t)]
+        starts = np.concatenate([st + int(prefix[i] - prefix[s]) for i, (st, _) in zip(range(s, t), parts,
+                                                                                      strict=True)])
+        return starts, np.concatenate([pos for _, pos in parts])
+    offset = int(prefix[s] - prefix[stage.layer_start])  # block start inside the stage's flat buffer
+    starts, pos = _even_starts(int(prefix[stage.layer_stop] - prefix[stage.layer_start]), stage.dp_size)
+    first = max(int(np.searchsorted(starts, offset, side="right")) - 1, 0)
+    starts = np.clip(starts[first:] - offset, 0, int(prefix[t] - prefix[s]))
+    return starts, pos[first:]
+
+
+def _merge(old: Cuts, new: Cuts, total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Common refinement of two partitions of [0, total): segment lengths and both owners.
+    Empty shards share their start with the next shard, so `side='right'` picks the real owner."""
+    cuts = np.concatenate((old[0], new[0]))
+    cuts.sort(kind="stable")  # two sorted runs: timsort merges them in linear time
+    cuts = cuts[(cuts < total) & np.concatenate(([True], cuts[1:] != cuts[:-1]))]
+    lengths = np.diff(np.append(cuts, total))
+    i = np.searchsorted(old[0], cuts, side="right") - 1
+    j = np.searchsorted(new[0], cuts, side="right") - 1
+    return lengths, old[1][i], new[1][j]
+
+
+def _moved_segments(merged: tuple[np.ndarray, np.ndarray, np.ndarray], old_ranks: np.ndarray,
+                    new_ranks: np.ndarray, src: _Sources) -> dict[int, int]:
+    lengths, i, j = merged
+    moved = old_ranks[i] != new_ranks[j]
+    return _by_source(lengths[moved], i[moved], src)
+
+
+def _by_source(lengths: np.ndarray, pos: np.ndarray, src: _Sources) -> dict[int, int]:
+    if src.uniform is not None:
+        x = int(lengths.sum())
+        return {src.uniform: x} if x else {}
+    stages = src.stage_of_pos[pos] if src.stage_of_pos is not None else pos
+    sums = np.bincount(stages, weights=lengths.astype(np.float64))  # exact below 2**53 elements
+    return {g: int(round(x)) for g, x in enumerate(sums) if x}
 
 
 def layer_move_cost(zero_layout: str, layers_per_stage: int, dp: int,

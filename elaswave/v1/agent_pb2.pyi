@@ -169,14 +169,24 @@ class ReportNow(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ReportRejected(_message.Message):
+    __slots__ = ("report", "reason")
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    report: str
+    reason: str
+    def __init__(self, report: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class ConnectResponse(_message.Message):
-    __slots__ = ("ack", "set_frequency", "drain", "report_now")
+    __slots__ = ("ack", "set_frequency", "drain", "report_now", "rejected")
     ACK_FIELD_NUMBER: _ClassVar[int]
     SET_FREQUENCY_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     REPORT_NOW_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
     ack: RegisterAck
     set_frequency: SetFrequency
     drain: Drain
     report_now: ReportNow
-    def __init__(self, ack: _Optional[_Union[RegisterAck, _Mapping]] = ..., set_frequency: _Optional[_Union[SetFrequency, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., report_now: _Optional[_Union[ReportNow, _Mapping]] = ...) -> None: ...
+    rejected: ReportRejected
+    def __init__(self, ack: _Optional[_Union[RegisterAck, _Mapping]] = ..., set_frequency: _Optional[_Union[SetFrequency, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., report_now: _Optional[_Union[ReportNow, _Mapping]] = ..., rejected: _Optional[_Union[ReportRejected, _Mapping]] = ...) -> None: ...

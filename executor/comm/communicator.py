@@ -1,13 +1,16 @@
-"""The dynamic communicator (ElasWave §6.1, Fig. 8): gloo groups per logical group, edited in place.
+"""The dynamic communicator (ElasWave §6.1, Fig. 8): one group per logical group, edited in place.
 
 Each stage's DP group is one gloo group; a pair of adjacent stages (`pp/s-t`, only ever used point
 to point by the pipeline) is served by one two-worker group per link (`link/a-b`), so losing a
 worker touches only its DP group and its own links (`pp_links=False` keeps one group per pair).
-Groups are built directly with ``ProcessGroupGloo(PrefixStore(prefix, store), rank, size,
-timeout)`` over a store that no training rank hosts (executor.store_server), without
-``init_process_group``: there is no world communicator to tear down when a rank leaves. Each
-edit is an epoch; groups built in epoch e live under the prefix ``<ns>/e<e>/<name>``, so a rebuilt
-group never meets a stale rendezvous key.
+Groups are built directly (``executor.engine_comm.make_group``: ``ProcessGroupGloo`` by default,
+``ProcessGroupNCCL``/``ProcessGroupHCCL`` on accelerators) over ``PrefixStore(prefix, store)``, a
+store that no training rank hosts (executor.store_server), without ``init_process_group``: there
+is no world communicator to tear down when a rank leaves. Each edit is an epoch; groups built in
+epoch e live under the prefix ``<ns>/e<e>/<name>``, so a rebuilt group never meets a stale
+rendezvous key. On NCCL, where the installed torch and NCCL can shrink a communicator
+(``Backend.shrink``, ncclCommShrink), a group that only lost members is shrunk in place instead of
+rebuilt (`groups.decide_edit` says which).
 
 Every op goes through `_wait`, which returns as soon as the op completes and otherwise converts a
 closed peer socket, an abort flagged in the store by another survivor, or the group timeout into
@@ -30,7 +33,7 @@ from torch.distributed import (
     AllreduceOptions,
     BroadcastOptions,
     PrefixStore,
-    ProcessGroupGloo,
+    ProcessGroup,
     ReduceOp,
     Store,
 )
@@ -44,11 +47,18 @@ from executor.comm.groups import (
     decide_edit,
     link_name,
     physical_groups,
+    shrink_exclusions,
+    shrink_is_possible,
     validate_membership,
 )
 from executor.comm.ledger import GroupLedger
+from executor.engine_comm import BACKENDS, make_group
 
 ABORT_POLL_S = 0.02
+# torch.distributed.distributed_c10d.SHRINK_DEFAULT (torch >= 2.10). Not SHRINK_ABORT: the abort
+# mode hangs with NCCL >= 2.31 (DESIGN §7, pytorch#194679), and a group is only ever shrunk when
+# no survivor has an op in flight on it (ledger.survivors_are_quiet), so there is nothing to abort.
+SHRINK_DEFAULT = 0
 
 
 class RebuildMode(StrEnum):
@@ -64,6 +74,7 @@ class EditReport:
     dropped: tuple[str, ...]
     reason: str
     seconds: float
+    shrunk: tuple[str, ...] = ()  # shrunk in place (NCCL with shrink support), neither rebuilt nor reused
 
 
 class _Waiter:
@@ -90,7 +101,7 @@ class _Waiter:
 class _Group:
     name: str
     workers: tuple[int, ...]
-    pg: ProcessGroupGloo
+    pg: ProcessGroup
     ledger: GroupLedger
     waiter: _Waiter | None = None
 
@@ -123,9 +134,12 @@ class Communicator:
         mode: RebuildMode | str = RebuildMode.PARTIAL,
         namespace: str = "ew",
         pp_links: bool = True,
+        backend: str = "gloo",
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         validate_membership(membership)
         if worker not in all_workers(membership):
             raise MembershipError(f"worker {worker} is in no group of {dict(membership)}")
@@ -136,10 +150,11 @@ class Communicator:
         self.namespace = namespace
         self.epoch = 0
         self.pp_links = pp_links
+        self.backend = backend
         self.membership: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in membership.items()}
         self.physical = physical_groups(self.membership, pp_links)
         self._groups: dict[str, _Group] = {}
-        self._graveyard: list[ProcessGroupGloo] = []  # groups with abandoned ops; never destroyed
+        self._graveyard: list[ProcessGroup] = []  # groups with abandoned ops; never destroyed
         self._build(sorted(n for n, ws in self.physical.items() if worker in ws))
 
     # ----- introspection -------------------------------------------------------------------
@@ -147,10 +162,21 @@ class Communicator:
         """The gloo groups this worker is in (logical groups, and `link/a-b` pipeline links)."""
         return sorted(self._groups)
 
-    def group(self, name: str) -> ProcessGroupGloo:
+    def group(self, name: str) -> ProcessGroup:
         if name in self.membership and name not in self.physical:
-            raise MembershipError(f"{name!r} is served by point-to-point links here: use send/recv/exchange")
+            raise MembershipError(f"{name!r} is served by point-to-point links here: use send/recv/exchange, "
+                                  "or p2p_group for a peer's link")
         return self._handle(name).pg
+
+    def p2p_group(self, name: str, peer: int) -> tuple[str, ProcessGroup, int]:
+        """(physical group name, process group, `peer`'s rank in it) that carries point-to-point
+        traffic with `peer` inside logical group `name`: the pair's `link/a-b` group when pipeline
+        pairs are served by links, else `name` itself. Ops issued on it directly are unguarded:
+        prefer `post_exchange`/`complete`, or at least wait through `wait(<physical name>, ...)`."""
+        g = self._route(name, peer)
+        if peer not in g.workers:
+            raise MembershipError(f"worker {peer} is not in group {name!r} {g.workers}")
+        return g.name, g.pg, g.workers.index(peer)
 
     def workers(self, name: str) -> tuple[int, ...]:
         """Members of a logical group (or of a physical one such as a link), in rank order."""
@@ -198,7 +224,7 @@ class Communicator:
         self._collective(g, lambda: g.pg.allgather([list(outputs)], [tensor]))
 
     def barrier(self, name: str) -> None:
-        self.all_reduce(name, torch.zeros(1))
+        self.all_reduce(name, torch.zeros(1, device=_op_device(self.backend)))
 
     def send(self, name: str, tensor: torch.Tensor, dst_worker: int, tag: int = 0) -> None:
         self.exchange_many([(name, tensor, dst_worker, tag)], [])
@@ -279,7 +305,8 @@ class Communicator:
         members of every group it might reuse, rebuilds only the groups whose member list changed
         or whose ops were left unmatched (all of them in FULL mode) under the next epoch's prefix,
         and keeps every other group object as is. Raises MembershipError (changing nothing) if
-        this worker is not in the new membership.
+        this worker is not in the new membership. On a backend that can shrink (NCCL), a group
+        that only lost members and is quiescent is shrunk in place instead (`EditReport.shrunk`).
         """
         validate_membership(new_membership)
         new = {k: tuple(v) for k, v in new_membership.items()}
@@ -296,7 +323,7 @@ class Communicator:
             g = old_groups[name]
             if g.ledger.pending or g.ledger.failed:
                 self._graveyard.append(g.pg)
-        self._build(list(decision.rebuild))
+        self._build(list(decision.rebuild), shrink={n: old_groups[n] for n in decision.shrink})
         return EditReport(
             epoch=self.epoch,
             rebuilt=decision.rebuild,
@@ -304,36 +331,64 @@ class Communicator:
             dropped=decision.drop,
             reason=decision.reason,
             seconds=time.perf_counter() - t0,
+            shrunk=decision.shrink,
         )
 
     def _decide(self, new: Membership) -> EditDecision:
         full = self.mode is RebuildMode.FULL
+        can_shrink = self._can_shrink()
         key = f"{self.namespace}/e{self.epoch}/ledger/"
         self.store.set(key + str(self.worker), ledger_mod.encode({n: g.ledger for n, g in self._groups.items()}))
         needed: set[int] = set()
-        if not full:
-            for name, g in self._groups.items():
-                if new.get(name) == g.workers:
-                    needed.update(g.workers)
+        for name, g in self._groups.items():  # members whose ledgers decide reuse or shrink
+            target = new.get(name)
+            if target is None or full:
+                continue
+            if target == g.workers or (can_shrink and shrink_exclusions(g.workers, target) is not None):
+                needed.update(target)
         keys = [key + str(w) for w in sorted(needed)]
         if keys:
             self.store.wait(keys, timedelta(seconds=self.timeout_s))
         ledgers = {w: ledger_mod.decode(self.store.get(key + str(w))) for w in sorted(needed)}
-        return decide_edit(self.physical, new, self.worker, ledgers, full=full)
+        return decide_edit(self.physical, new, self.worker, ledgers, full=full, backend=self.backend,
+                           can_shrink=can_shrink)
 
-    def _build(self, names: list[str]) -> None:
-        # Sorted, identical order on every worker: two workers never wait on each other's
-        # second group while holding their first (lock ordering).
-        for name in sorted(names):
+    def _can_shrink(self) -> bool:
+        """Whether this worker's groups can shrink in place: a shrinking backend whose installed
+        build (torch >= 2.10, NCCL >= 2.27) says so. One verdict for all groups, so every member of
+        a group decides alike."""
+        if not shrink_is_possible(self.backend, True, self.mode is RebuildMode.FULL):
+            return False
+        return all(bool(getattr(g.pg, "supports_shrinking", False)) for g in self._groups.values())
+
+    def _build(self, names: list[str], shrink: dict[str, _Group] | None = None) -> None:
+        """Build `names` under this epoch's prefix and shrink the groups in `shrink` (old handles)
+        to their new member lists, in one sorted pass: identical order on every worker, so two
+        workers never wait on each other's second group while holding their first (lock
+        ordering) -- a shrink is collective over the survivors just as a build is."""
+        shrink = shrink or {}
+        for name in sorted([*names, *shrink]):
             workers = self.physical[name]
-            prefix = f"{self.namespace}/e{self.epoch}/{name}"
-            pg = ProcessGroupGloo(
-                PrefixStore(prefix, self.store),
-                workers.index(self.worker),
-                len(workers),
-                timedelta(seconds=self.timeout_s),
-            )
+            if name in shrink:
+                pg = self._shrink(shrink[name], workers)
+            else:
+                prefix = f"{self.namespace}/e{self.epoch}/{name}"
+                pg = make_group(self.backend, PrefixStore(prefix, self.store), workers.index(self.worker),
+                                len(workers), timedelta(seconds=self.timeout_s))
             self._groups[name] = _Group(name=name, workers=workers, pg=pg, ledger=GroupLedger())
+
+    def _shrink(self, old: _Group, workers: tuple[int, ...]) -> ProcessGroup:
+        """The backend's own shrink (what `torch.distributed.shrink_group` calls after its checks;
+        its remaining steps only re-register the group with c10d's world, which ours never were).
+        The new communicator numbers the survivors in their old order, which is `workers`."""
+        excluded = shrink_exclusions(old.workers, workers)
+        if excluded is None:  # decide_edit only picks groups that lost members; anything else is a bug
+            raise MembershipError(f"group {old.name!r}: {workers} is not {old.workers} minus lost workers")
+        pg = old.pg.shrink(list(excluded), SHRINK_DEFAULT, None)  # type: ignore[attr-defined]
+        if pg.size() != len(workers) or pg.rank() != workers.index(self.worker):
+            raise RuntimeError(f"shrinking {old.name!r} gave rank {pg.rank()} of {pg.size()}, "
+                               f"expected {workers.index(self.worker)} of {len(workers)}")
+        return pg
 
     # ----- internals -----------------------------------------------------------------------
     def _route(self, name: str, peer: int) -> _Group:
@@ -387,3 +442,11 @@ class Communicator:
             self.signal_abort(f"{g.name}: {reason}")
         raise PeerFailure(g.name, reason)
 
+
+def _op_device(backend: str) -> torch.device:
+    """Where this communicator's own small tensors live (gloo: host; NCCL/HCCL: the current device)."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "hccl":
+        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+    return torch.device("cpu")

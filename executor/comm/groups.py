@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from executor.comm.errors import MembershipError
-from executor.comm.ledger import LedgerRecord, group_is_clean
+from executor.comm.ledger import LedgerRecord, group_is_clean, survivors_are_quiet
 
 Membership = Mapping[str, tuple[int, ...]]
 
@@ -89,14 +89,37 @@ def all_workers(membership: Membership) -> frozenset[int]:
     return frozenset(w for ws in membership.values() for w in ws)
 
 
+# Backends whose communicators can drop members in place (torch's Backend.shrink; for NCCL,
+# ncclCommShrink, NCCL >= 2.27). Gloo cannot: an edit rebuilds its groups.
+SHRINKING_BACKENDS: frozenset[str] = frozenset({"nccl"})
+
+
 @dataclass(frozen=True)
 class EditDecision:
-    """Which of `me`'s groups an edit rebuilds, reuses and drops, and why."""
+    """Which of `me`'s groups an edit rebuilds, shrinks in place, reuses and drops, and why."""
 
     rebuild: tuple[str, ...]
     reuse: tuple[str, ...]
     drop: tuple[str, ...]
     reason: str
+    shrink: tuple[str, ...] = ()
+
+
+def shrink_exclusions(old: Sequence[int], new: Sequence[int]) -> tuple[int, ...] | None:
+    """Group ranks (positions in `old`) to exclude if `new` is `old` minus some workers, order kept.
+
+    None if `new` is not such a strict subsequence (a worker added, reordered, or nothing lost):
+    then a shrink cannot produce it, because the shrunk communicator numbers the survivors in
+    their old order."""
+    kept = [w for w in old if w in set(new)]
+    if len(new) == len(old) or kept != list(new):
+        return None
+    return tuple(i for i, w in enumerate(old) if w not in set(new))
+
+
+def shrink_is_possible(backend: str, can_shrink: bool, full: bool) -> bool:
+    """Whether an edit may shrink groups at all (the full-rebuild baseline never does)."""
+    return backend in SHRINKING_BACKENDS and can_shrink and not full
 
 
 def decide_edit(
@@ -105,24 +128,40 @@ def decide_edit(
     me: int,
     ledgers: Mapping[int, LedgerRecord],
     full: bool,
+    backend: str = "gloo",
+    can_shrink: bool = False,
 ) -> EditDecision:
     """Reuse a group only if its member list is unchanged and every member's op ledger balances.
 
     A group whose members are unchanged can still be unusable: an op abandoned mid-step (another
     survivor aborted) leaves it half-matched, so reusing it would pair the replayed step's first
     op with a stale one. `full=True` is the full-rebuild baseline (rebuild everything).
+
+    Shrink (NCCL, where the installed torch/NCCL support it: `can_shrink`): a group whose new
+    member list is its old one minus lost workers is shrunk in place instead of rebuilt (§6.1:
+    keep the survivors' links), if it is quiescent among the survivors (`survivors_are_quiet`).
+    Every survivor of the group reaches the same verdict from the same inputs, which matters
+    because a shrink is collective over them.
     """
     mine_old = {n for n, ws in old.items() if me in ws}
     mine_new = {n for n, ws in new.items() if me in ws}
-    reuse, rebuild, dirty = [], [], []
+    may_shrink = shrink_is_possible(backend, can_shrink, full)
+    reuse, rebuild, shrink, dirty = [], [], [], []
     for name in sorted(mine_new):
         same = name in mine_old and tuple(old[name]) == tuple(new[name])
         clean = same and group_is_clean(name, new[name], ledgers)
         if same and not clean:
             dirty.append(name)
-        (reuse if same and clean and not full else rebuild).append(name)
-    drop = tuple(sorted(mine_old - set(reuse)))
+        if same and clean and not full:
+            reuse.append(name)
+        elif (may_shrink and name in mine_old and shrink_exclusions(old[name], new[name]) is not None
+              and survivors_are_quiet(name, new[name], ledgers)):
+            shrink.append(name)
+        else:
+            rebuild.append(name)
+    drop = tuple(sorted(mine_old - set(reuse) - set(shrink)))
     reason = "full rebuild baseline" if full else (
         f"rebuild groups whose members changed or whose ops were left unmatched ({', '.join(dirty) or 'none'})"
+        + (f"; shrink in place {', '.join(shrink)}" if shrink else "")
     )
-    return EditDecision(rebuild=tuple(rebuild), reuse=tuple(reuse), drop=drop, reason=reason)
+    return EditDecision(rebuild=tuple(rebuild), reuse=tuple(reuse), drop=drop, reason=reason, shrink=tuple(shrink))

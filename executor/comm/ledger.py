@@ -45,23 +45,48 @@ def decode(raw: bytes) -> dict[str, dict[str, object]]:
 
 
 def group_is_clean(name: str, workers: Sequence[int], ledgers: Mapping[int, LedgerRecord]) -> bool:
+    entries = _entries(name, workers, ledgers)
+    if entries is None or any(e["pending"] or e["failed"] for e in entries):
+        return False
+    return len({e["collectives"] for e in entries}) == 1 and _p2p_balanced(name, workers, entries, ledgers)
+
+
+def survivors_are_quiet(name: str, survivors: Sequence[int], ledgers: Mapping[int, LedgerRecord]) -> bool:
+    """Whether a group that lost members can be shrunk in place (SHRINK_DEFAULT) by `survivors`.
+
+    A default-mode shrink neither aborts nor drains in-flight work, so no survivor may have an op
+    pending or failed on the group, the survivors must have issued the same number of
+    collectives, and every send among them must be matched (ops with the lost workers are moot:
+    they leave the communicator). The count must also be positive: a communicator is created at
+    its first collective, and shrinking one never used would first create it with the lost ranks.
+    """
+    entries = _entries(name, survivors, ledgers)
+    if entries is None or any(e["pending"] or e["failed"] for e in entries):
+        return False
+    counts = {e["collectives"] for e in entries}
+    return len(counts) == 1 and counts != {0} and _p2p_balanced(name, survivors, entries, ledgers)
+
+
+def _entries(name: str, workers: Sequence[int], ledgers: Mapping[int, LedgerRecord]) -> list[Mapping[str, object]] | None:
     entries = []
     for w in workers:
         rec = ledgers.get(w, {}).get(name)
         if rec is None:
-            return False
+            return None
         entries.append(rec)
-    if any(e["pending"] or e["failed"] for e in entries):
-        return False
-    if len({e["collectives"] for e in entries}) != 1:
-        return False
-    for src, e in zip(workers, entries, strict=True):
-        for dst, count in _counts(e["sent"]).items():
-            if _counts(ledgers[dst][name]["received"]).get(src, 0) != count:
+    return entries
+
+
+def _p2p_balanced(name: str, workers: Sequence[int], entries: Sequence[Mapping[str, object]],
+                  ledgers: Mapping[int, LedgerRecord]) -> bool:
+    """Every send from one of `workers` to another has its receive, and vice versa."""
+    among = set(workers)
+    for me, e in zip(workers, entries, strict=True):
+        for peer, count in _counts(e["sent"]).items():
+            if peer in among and _counts(ledgers[peer][name]["received"]).get(me, 0) != count:
                 return False
-    for dst, e in zip(workers, entries, strict=True):
-        for src, count in _counts(e["received"]).items():
-            if _counts(ledgers[src][name]["sent"]).get(dst, 0) != count:
+        for peer, count in _counts(e["received"]).items():
+            if peer in among and _counts(ledgers[peer][name]["sent"]).get(me, 0) != count:
                 return False
     return True
 

@@ -6,11 +6,22 @@ lost owners read from snapshots (`overlap.remap_plan`); (3) redistribution — o
 owner changes travel, all sends and receives posted at once; (4) finalisation — each worker
 assembles its new intervals from what it kept, what it read from its own snapshot and what it
 received. Nothing else moves.
+
+What travels. Under ZeRO-1 every DP rank holds the full parameters of its stage, and at the
+rollback point every survivor has restored the committed ones (the step protocol rolls back
+before a plan is applied), so the engine passes them in (`params`) and only the Adam moments
+travel (2 rows per interval), each interval with a SHA-256 digest of the sender's parameter
+slice (its live shard, or for a lost owner its snapshot), which the receiver checks against its
+own replicated copy: a snapshot that drifted from the job is refused, not installed. A caller
+whose workers hold only their own parameter slice (the synthetic fabric workload of the tests)
+passes no `params`, and parameters travel with the moments (3 rows). All workers of one remap
+must use the same mode (the integrity check compares it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import hashlib
+from collections.abc import Collection, Mapping
 from datetime import timedelta
 
 import torch
@@ -38,30 +49,52 @@ def live_remap(
     timeout_s: float = 30.0,
     old_own: Ownership | None = None,
     new_own: Ownership | None = None,
+    params: Mapping[str, torch.Tensor] | None = None,
 ) -> ShardState:
     """Return this worker's state under `new` (all workers of `new` call this after
     `comm.apply_edit`). `mine` is its live state at committed step `step` (None for a joining
-    worker), `snapshot` its ring snapshot (of the worker it protects). Blocks on the store and on
-    p2p transfers, each bounded by `timeout_s` / the communicator timeout (PeerFailure).
-    Ownership maps default to the planners' block ownership of the two layouts."""
+    worker), `snapshot` its ring snapshot (of the worker it protects), `params` the full
+    replicated parameters of its units under `new` (moments-only mode, see the module
+    docstring). Blocks on the store and on p2p transfers, each bounded by `timeout_s` / the
+    communicator timeout (PeerFailure). Ownership maps default to the planners' block ownership."""
     old_own = block_ownership(old) if old_own is None else old_own
     new_own = block_ownership(new) if new_own is None else new_own
     plan = remap_plan(old, new, lost, old_own, new_own)
-    _check_integrity(comm, new, plan, mine, snapshot, step, timeout_s)
+    _check_integrity(comm, new, plan, mine, snapshot, step, timeout_s, params is not None)
     sources = {"live": mine, "snapshot": snapshot}
-    sends, recvs, pieces = [], [], []
-    for tag, t in enumerate(plan, start=REMAP_TAG):
+    rows = 3 if params is None else 2
+    sends: list[tuple[str, torch.Tensor, int, int]] = []
+    recvs: list[tuple[str, torch.Tensor, int, int]] = []
+    pieces: list[tuple[str, int, torch.Tensor]] = []
+    received: list[tuple[RemapTransfer, torch.Tensor, torch.Tensor]] = []
+    for i, t in enumerate(plan):
+        tag = REMAP_TAG + 2 * i  # + 1: the parameter digest of the same interval
         if t.src == comm.worker:
             data = _read(sources["snapshot" if t.from_snapshot else "live"], t)
             if t.dst == comm.worker:
+                if params is not None:
+                    _check_param_digest(params, t, _digest(data[0]), comm.worker)
                 pieces.append((t.unit, t.lo, data))
-            else:
-                sends.append((comm.group_with(t.src, t.dst), data.reshape(-1).contiguous(), t.dst, tag))
+                continue
+            group = comm.group_with(t.src, t.dst)
+            sends.append((group, data[3 - rows:].reshape(-1).contiguous(), t.dst, tag))
+            if params is not None:
+                sends.append((group, _digest(data[0]), t.dst, tag + 1))
         elif t.dst == comm.worker:
-            buf = torch.empty(3 * t.size)
-            recvs.append((comm.group_with(t.src, t.dst), buf, t.src, tag))
-            pieces.append((t.unit, t.lo, buf.view(3, t.size)))
+            group = comm.group_with(t.src, t.dst)
+            buf, digest = torch.empty(rows * t.size), torch.zeros(32, dtype=torch.uint8)
+            recvs.append((group, buf, t.src, tag))
+            if params is not None:
+                recvs.append((group, digest, t.src, tag + 1))
+            received.append((t, buf, digest))
     comm.exchange_many(sends, recvs)
+    for t, buf, digest in received:
+        if params is None:
+            pieces.append((t.unit, t.lo, buf.view(3, t.size)))
+            continue
+        _check_param_digest(params, t, digest, comm.worker)
+        param = params[t.unit][t.lo: t.hi].detach().to(buf.device, torch.float32).reshape(1, -1)
+        pieces.append((t.unit, t.lo, torch.cat([param, buf.view(2, t.size)])))
     if mine is not None:
         for unit, lo, hi in owned_by(new_own, comm.worker):
             kept = mine.units.get(unit)
@@ -69,6 +102,23 @@ def live_remap(
                 a, b = max(lo, kept.start), min(hi, kept.stop)
                 pieces.append((unit, a, kept.slice(a, b)))
     return _assemble(new_own, comm.worker, step, pieces)
+
+
+def _digest(values: torch.Tensor) -> torch.Tensor:
+    """SHA-256 of the raw float32 bytes (bitwise identity, not approximate)."""
+    raw = values.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    return torch.frombuffer(bytearray(hashlib.sha256(raw).digest()), dtype=torch.uint8)
+
+
+def _check_param_digest(params: Mapping[str, torch.Tensor], t: RemapTransfer, digest: torch.Tensor,
+                        worker: int) -> None:
+    """Integrity: the sender's parameter slice (live or snapshot) equals my replicated copy."""
+    if t.unit not in params:
+        raise RemapError(f"worker {worker} receives {t.unit} [{t.lo}, {t.hi}) but holds no parameters of it")
+    if not torch.equal(_digest(params[t.unit][t.lo: t.hi]), digest):
+        where = f"snapshot of worker {t.owner} on worker {t.src}" if t.from_snapshot else f"worker {t.src}"
+        raise RemapError(f"worker {worker}: parameters of {t.unit} [{t.lo}, {t.hi}) in the {where} differ "
+                         "from the replicated copy (not at the same committed step?)")
 
 
 def _read(state: ShardState | None, t: RemapTransfer) -> torch.Tensor:
@@ -80,21 +130,28 @@ def _read(state: ShardState | None, t: RemapTransfer) -> torch.Tensor:
 
 
 def _check_integrity(comm: Communicator, new: Layout, plan: tuple[RemapTransfer, ...],
-                     mine: ShardState | None, snapshot: ShardState | None, step: int, timeout_s: float) -> None:
+                     mine: ShardState | None, snapshot: ShardState | None, step: int, timeout_s: float,
+                     replicated: bool) -> None:
     if mine is not None and mine.step != step:
         raise RemapError(f"worker {comm.worker}: live state is at step {mine.step}, remap expects {step}")
     owners = {t.owner for t in plan if t.from_snapshot and t.src == comm.worker}
     if owners and (snapshot is None or snapshot.step != step):
         raise RemapError(f"worker {comm.worker} must serve the snapshot of {sorted(owners)} at step {step}, "
                          f"but its snapshot is at step {None if snapshot is None else snapshot.step}")
-    # Every worker of the new layout announces the step it remaps to; all must agree.
+    # Every worker of the new layout announces the step it remaps to and whether parameters
+    # travel; all must agree (a mixed mode would mismatch message sizes).
     key = f"{comm.namespace}/e{comm.epoch}/remap-step/"
-    comm.store.set(key + str(comm.worker), str(step))
+    mode = "moments" if replicated else "moments+params"
+    comm.store.set(key + str(comm.worker), f"{step} {mode}")
     keys = [key + str(w) for w in new.ranks()]
     comm.store.wait(keys, timedelta(seconds=timeout_s))
-    steps = {w: int(comm.store.get(key + str(w))) for w in new.ranks()}
+    said = {w: comm.store.get(key + str(w)).decode().split() for w in new.ranks()}
+    steps = {w: int(v[0]) for w, v in said.items()}
     if len(set(steps.values())) != 1:
         raise RemapError(f"survivors disagree on the committed step: {steps}")
+    modes = {w: v[1] for w, v in said.items()}
+    if len(set(modes.values())) != 1:
+        raise RemapError(f"workers disagree on what travels (replicated parameters or not): {modes}")
 
 
 def _assemble(new_own: Ownership, worker: int, step: int,

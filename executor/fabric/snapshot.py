@@ -86,9 +86,10 @@ class RingSnapshot:
         self._inflight: tuple[int, PendingOps, torch.Tensor, torch.Tensor] | None = None
         self.stats = SnapshotStats()
         self._committed = 0  # last committed step (the background update may still be running)
-        # committed (step, gradients) to apply, or an Event that flush() waits on
-        self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor]] | threading.Event] = queue.Queue()
+        # committed (step, gradients) to apply, an Event that flush() waits on, or None (close())
+        self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor]] | threading.Event | None] = queue.Queue()
         self._errors: list[BaseException] = []
+        self._closed = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -166,12 +167,21 @@ class RingSnapshot:
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every committed update is applied to the snapshot."""
+        if self._closed:
+            raise SnapshotError("snapshot closed: its ring was replaced")
         done = threading.Event()
         self._queue.put(done)
         if not done.wait(timeout_s):
             raise TimeoutError(f"snapshot updates not applied within {timeout_s}s")
         if self._errors:
             raise SnapshotError(f"background snapshot update failed: {self._errors[0]!r}")
+
+    def close(self) -> None:
+        """Stop the background updater once the queued updates are applied (the ring is being
+        replaced after a re-layout). The snapshot is unusable afterwards."""
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout=30.0)
 
     def state(self) -> ShardState:
         """A copy of the snapshot of `self.protected` (after all committed updates)."""
@@ -207,6 +217,8 @@ class RingSnapshot:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
+            if item is None:
+                return
             if isinstance(item, threading.Event):
                 item.set()
                 continue

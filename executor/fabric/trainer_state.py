@@ -1,25 +1,31 @@
 """The parameter fabric wired to the engine's Trainer: its step participant for the step protocol.
 
-Per step: the trainer's ZeRO-1 optimizer reduce-scatters gradients; right then this participant
-sends the worker's gradient shards around the DP ring (`RingSnapshot`), and the holder applies
+Per step: the trainer's ZeRO-1 optimizer reduce-scatters gradients and hands the reduced slices to
+its gradient hook (`Trainer.set_grad_hook`, kept across every layout change); this participant's
+hook sends them around the DP ring (`RingSnapshot`), and the holder applies
 `executor.zero.adamw_update` — the engine's own update function — to its host copy once the step
 commits. Every `verify_every` steps the ring compares checksums of snapshot and live shard.
-On a plan it live-remaps the committed optimizer shards (lost ones from snapshots) and hands them
-to `Trainer.reset_layout`.
+
+On a plan (`on_plan`) it is the one diff-and-apply path of the engine (`relayout.plan_relayout`):
+live remap of the committed optimizer shards onto the new ranks with the old stage boundaries
+(lost shards from snapshots, §5.2), then blocking migration of the blocks whose stage changes
+(§4.2, §6.2), then a new snapshot ring seeded for the new layout. A pipeline-only plan (no rank
+lost) skips the remap, a pure loss skips the migration.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from executor.comm.communicator import Communicator
 from executor.engine_comm import dp_group_name
-from executor.fabric.remap import RemapError, live_remap
-from executor.fabric.snapshot import RingSnapshot
+from executor.fabric.relayout import Relayout, RelayoutError, plan_relayout
+from executor.fabric.remap import live_remap
+from executor.fabric.snapshot import RingSnapshot, SnapshotError
 from executor.fabric.state import ShardState, UnitShard
+from executor.migration import MigrationReport, migrate
 from executor.model import EMBED, HEAD, ModelConfig, block_numel, build_unit, unit_order
 from executor.trainer import Trainer
 from executor.zero import ShardState as ZeroShard
@@ -58,7 +64,7 @@ def shard_state_of(trainer: Trainer) -> ShardState:
 
 
 class FabricParticipant:
-    """`StepParticipant` for the engine: rollback copies, ring snapshots, live remap.
+    """`StepParticipant` for the engine: rollback copies, ring snapshots, live remap, migration.
 
     Constructing it is collective over the worker's DP group (the ring is seeded)."""
 
@@ -68,9 +74,13 @@ class FabricParticipant:
         self.trainer, self.comm = trainer, comm
         self.snapshots, self.verify_every = snapshots, verify_every
         self.snapshot: RingSnapshot | None = None
+        self._seeded_layout: Layout | None = None
         self.checksum_mismatches = 0
         self.verified_steps: list[int] = []
+        self.migrations: list[MigrationReport] = []  # one per plan that moved layers
         self._committed: dict[str, Any] = trainer.get_state()
+        # The hook lives in the Trainer, so every optimizer it builds (any layout) calls it.
+        trainer.set_grad_hook(self._on_grads)
         self._install_snapshot()
 
     # ----- StepParticipant -----------------------------------------------------------------
@@ -88,62 +98,76 @@ class FabricParticipant:
         if self.snapshot is not None:
             self.snapshot.discard()
 
+    def check_plan(self, plan: Plan, lost: frozenset[int]) -> Relayout:
+        """Raise RelayoutError (before any group is edited) unless `plan` applies to this worker's
+        layout and the engine can apply it in place; returns the diff."""
+        if plan.old is None or plan.old != self.trainer.layout:
+            raise RelayoutError(f"plan {plan.epoch} was made for another layout than worker "
+                                f"{self.comm.worker}'s current one")
+        steps = plan_relayout(plan.old, plan.new)
+        if steps.lost != lost:
+            raise RelayoutError(f"plan {plan.epoch} drops ranks {sorted(steps.lost)}, the protocol says "
+                                f"{sorted(lost)} were lost")
+        return steps
+
     def on_plan(self, plan: Plan, lost: frozenset[int], committed_step: int) -> None:
-        """Live remap of the committed optimizer shards to `plan.new` (§5.2), then reset the trainer."""
-        assert plan.old is not None
-        cfg = self.trainer.cfg.model
-        new_stage = plan.new.stage_layout_of_rank(self.comm.worker)
-        units = unit_order(plan.new.num_layers, new_stage.layer_start, new_stage.layer_stop)
-        if sorted(units) != sorted(self.trainer.model.unit_names()):
-            raise RemapError(f"plan {plan.epoch} moves layers to or from worker {self.comm.worker}: "
-                             "migrate layers (executor.migration) after the remap, not in it")
-        mine = shard_state_of(self.trainer)
-        snap = self.snapshot.state() if self.snapshot is not None else None
-        remapped = live_remap(self.comm, plan.old, plan.new, lost, mine, snap, step=mine.step,
-                              old_own=engine_ownership(cfg, plan.old), new_own=engine_ownership(cfg, plan.new))
-        params = self.trainer.unit_params()
-        _check_params_agree(remapped, params, self.comm.worker)
-        shards = {name: ZeroShard(0, 0, torch.zeros(0), torch.zeros(0)) for name in units}
-        for name, sh in remapped.units.items():
-            shards[name] = ZeroShard(sh.start, sh.stop, sh.exp_avg.clone(), sh.exp_avg_sq.clone())
-        self.trainer.reset_layout(plan.new, self.comm, params, shards, step_count=mine.step,
-                                  next_step=self.trainer.next_step)
+        """Adopt `plan.new` from the committed state (the protocol rolled back first): (1) live
+        remap onto the new ranks with the old stage boundaries (§5.2), (2) blocking migration of
+        the blocks whose stage changes (§4.2, §6.2), (3) a new ring seeded for the new layout.
+        Collective over the new layout's workers, after the communicator's edit."""
+        steps = self.check_plan(plan, lost)
+        if steps.remap_to is not None:
+            self._remap(plan, steps.remap_to, lost)
+        if steps.moves:
+            self.migrations.append(migrate(self.trainer, plan.new, "blocking"))
         self._committed = self.trainer.get_state()
         self._install_snapshot()
 
+    def _remap(self, plan: Plan, target: Layout, lost: frozenset[int]) -> None:
+        """Live remap of the committed shards to `target` (same stage boundaries as now): only
+        the Adam moments travel, the parameters are replicated on every rank of the stage."""
+        assert plan.old is not None
+        cfg = self.trainer.cfg.model
+        mine = shard_state_of(self.trainer)
+        snap = self.snapshot.state() if self.snapshot is not None else None
+        params = self.trainer.unit_params()
+        remapped = live_remap(self.comm, plan.old, target, lost, mine, snap, step=mine.step,
+                              old_own=engine_ownership(cfg, plan.old), new_own=engine_ownership(cfg, target),
+                              params=params)
+        shards = {name: ZeroShard(0, 0, torch.zeros(0), torch.zeros(0)) for name in params}
+        for name, sh in remapped.units.items():
+            shards[name] = ZeroShard(sh.start, sh.stop, sh.exp_avg.clone(), sh.exp_avg_sq.clone())
+        self.trainer.reset_layout(target, self.comm, params, shards, step_count=mine.step,
+                                  next_step=self.trainer.next_step)
+
     # ----- snapshot ring -------------------------------------------------------------------
     def _install_snapshot(self) -> None:
+        """(Re)form the ring over the current DP group and seed it with the current shards."""
+        if self.snapshot is not None:
+            self.snapshot.close()
         group = dp_group_name(self.trainer.stage)
         self.snapshot = None
         if self.snapshots and len(self.comm.workers(group)) >= 2:
             self.snapshot = RingSnapshot(self.comm, group, self.trainer.cfg.optim, update_fn=adamw_update)
             self.snapshot.seed(shard_state_of(self.trainer))
-        opt = self.trainer.optimizer
-        opt.reduce_scatter_grads = self._hooked(opt.reduce_scatter_grads)  # type: ignore[method-assign]
+        self._seeded_layout = self.trainer.layout
 
-    def _hooked(self, reduce_scatter: Callable[[], dict[str, torch.Tensor]]) -> Callable[[], dict[str, torch.Tensor]]:
-        """Wrap the optimizer's reduce-scatter: verify (periodically) and snapshot its output.
-
-        Runs inside the step, so a peer failure here rolls the step back like any other."""
-        def hooked() -> dict[str, torch.Tensor]:
-            grads = reduce_scatter()
-            snap, step = self.snapshot, self.trainer.optimizer.step_count
-            if snap is not None:
-                if step > 0 and step % self.verify_every == 0 and step not in self.verified_steps:
-                    # the live shard is still the committed one here: compare it with the snapshot
-                    if not snap.verify(shard_state_of(self.trainer)):
-                        self.checksum_mismatches += 1
-                        snap.seed(shard_state_of(self.trainer))
-                    self.verified_steps.append(step)
-                snap.exchange_grads(step + 1, grads)
-            return grads
-        return hooked
-
-
-def _check_params_agree(remapped: ShardState, params: dict[str, torch.Tensor], worker: int) -> None:
-    """Integrity: the parameter slices that came from snapshots and peers equal the replicated
-    parameters this worker already holds (ZeRO-1 keeps full parameters on every DP rank)."""
-    for name, sh in remapped.units.items():
-        if not torch.equal(sh.param, params[name][sh.start: sh.stop]):
-            raise RemapError(f"worker {worker}: remapped parameters of {name} [{sh.start}, {sh.stop}) "
-                             "differ from the replicated copy")
+    def _on_grads(self, step: int, grads: dict[str, torch.Tensor]) -> None:
+        """Gradient hook (right after the reduce-scatter of step `step`): verify periodically,
+        then post the snapshot exchange. Runs inside the step, so a peer failure here rolls the
+        step back like any other."""
+        snap = self.snapshot
+        if snap is None:
+            return
+        layout = self.trainer.layout
+        if layout is not self._seeded_layout and layout != self._seeded_layout:
+            raise SnapshotError("the trainer's layout changed outside FabricParticipant.on_plan: the ring "
+                                "snapshot still holds the old shard intervals; apply layout changes as plans")
+        committed = step - 1
+        if committed > 0 and committed % self.verify_every == 0 and committed not in self.verified_steps:
+            # the live shard is still the committed one here: compare it with the snapshot
+            if not snap.verify(shard_state_of(self.trainer)):
+                self.checksum_mismatches += 1
+                snap.seed(shard_state_of(self.trainer))
+            self.verified_steps.append(committed)
+        snap.exchange_grads(step, grads)

@@ -3,9 +3,11 @@ step metrics, preemption, shutdown and Core commands."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -51,8 +53,9 @@ def test_register_carries_identity_token_and_heartbeats_then_sigint_leaves(core,
     agent.signal(signal.SIGINT)
     assert agent.wait() == 0  # the worker ended by our SIGTERM after it handled it with exit 0
     assert (tmp_path / "term.txt").read_text() == "SIGTERM"
-    kinds = _kinds(core)
+    kinds = [k for k in _kinds(core) if k != "heartbeat"]  # a heartbeat may fall between the two
     assert kinds[-2:] == ["worker_exit", "leave"], kinds
+    assert _kinds(core)[-1] == "leave"
     assert core.of_kind("leave")[0].request.leave.reason == "SIGINT"
     assert not psutil.pid_exists(register.pid) or psutil.Process(register.pid).status() == psutil.STATUS_ZOMBIE
 
@@ -204,20 +207,98 @@ def test_report_now_sends_memory_and_probes_at_once(core, run_agent, tmp_path: P
     assert agent_pb2.PROBE_KIND_HOST in probes and agent_pb2.PROBE_KIND_DEVICE in probes
 
 
+def _probe_details(core: RecordingCore, since: int = 0) -> list[str]:
+    return [r.request.probe.detail for r in core.received[since:] if r.kind == "probe"]
+
+
 @pytest.mark.timeout(30)
-def test_set_frequency_without_controller_and_drain_are_reported(core, run_agent, tmp_path: Path):
-    agent = run_agent(base_args(tmp_path, core.address) + sleeper_command(tmp_path))
+def test_set_frequency_without_controller_is_reported_not_applied(core, run_agent, tmp_path: Path):
+    agent = run_agent(base_args(tmp_path, core.address, "w0", "--frequency-controller", "none")
+                      + sleeper_command(tmp_path))
     core.wait_kind("heartbeat")
+    log = agent.wait_log("frequency_controller")
+    assert "controller=none" in log and "disabled by --frequency-controller none" in log
     before = len(core.received)
     core.send_command(agent_pb2.ConnectResponse(set_frequency=agent_pb2.SetFrequency(mhz=1200)))
-    core.send_command(agent_pb2.ConnectResponse(drain=agent_pb2.Drain(reason="maintenance", deadline_unix=5.0)))
-    details = lambda rs: [r.request.probe.detail for r in rs[before:] if r.kind == "probe"]  # noqa: E731
-    received = core.wait_for(lambda rs: any("draining" in d for d in details(rs)), timeout=5)
-    found = details(received)
-    assert "SetFrequency 1200 MHz not applied: no frequency controller on this host (simulated)" in found
-    assert "draining: maintenance (deadline 5.000)" in found
-    assert "no frequency controller on this host (simulated)" in agent.log
+    core.wait_for(lambda rs: any("SetFrequency" in d for d in _probe_details(core, before)), timeout=5)
+    assert ("SetFrequency 1200 MHz not applied: no clock controller (disabled by --frequency-controller none)"
+            in " ".join(_probe_details(core, before)))
+    control = json.loads((tmp_path / "w0.control.json").read_text())
+    assert (control["frequency"], control["drain"]) == (None, None)
     assert agent.proc.poll() is None
+
+
+@pytest.mark.timeout(30)
+def test_drain_sigterms_a_worker_that_ignores_the_notice_once_and_leaves_cleanly(core, run_agent, tmp_path: Path):
+    # The sleeper does not read the control file: after --drain-grace it gets SIGTERM and exits 0.
+    agent = run_agent(base_args(tmp_path, core.address, "w0", "--drain-grace", "1", "--grace", "5")
+                      + sleeper_command(tmp_path))
+    core.wait_kind("heartbeat")
+    wait_worker_ready(tmp_path)
+    pid = core.of_kind("register")[0].request.register.pid
+    drain = agent_pb2.Drain(reason="maintenance", deadline_unix=time.time() + 30)
+    core.send_command(agent_pb2.ConnectResponse(drain=drain))
+    core.send_command(agent_pb2.ConnectResponse(drain=drain))  # idempotent
+    core.wait_for(lambda rs: any("draining: maintenance" in d for d in _probe_details(core)), timeout=5)
+    notice = json.loads((tmp_path / "w0.control.json").read_text())
+    assert notice["drain"]["reason"] == "maintenance"
+    assert notice["drain"]["deadline_unix"] == drain.deadline_unix
+    assert agent.wait() == 0
+    assert (tmp_path / "term.txt").read_text() == "SIGTERM"
+    log = agent.log
+    assert log.count(" agent drain_sigterm ") == 1 and log.count(" agent drain_repeated ") == 1
+    assert not core.of_kind("worker_exit")  # a drained worker leaving is not a failure report
+    leave = core.of_kind("leave")[0].request.leave
+    assert leave.reason == f"drained (maintenance): worker {pid} exited with code 0"
+    assert _kinds(core)[-1] == "leave"
+
+
+@pytest.mark.timeout(30)
+def test_drain_kills_a_worker_that_ignores_sigterm_after_grace(core, run_agent, tmp_path: Path):
+    agent = run_agent(base_args(tmp_path, core.address, "w0", "--drain-grace", "0.2", "--grace", "1")
+                      + sleeper_command(tmp_path, ignore_sigterm=True))
+    core.wait_kind("heartbeat")
+    wait_worker_ready(tmp_path)
+    core.send_command(agent_pb2.ConnectResponse(drain=agent_pb2.Drain(reason="reclaim", deadline_unix=0)))
+    assert agent.wait() == 137  # the agent exits with its worker's status
+    assert "worker_kill_after_grace" in agent.log
+    assert not core.of_kind("worker_exit")
+    assert "killed by signal 9 (SIGKILL)" in core.of_kind("leave")[0].request.leave.reason
+
+
+@pytest.mark.timeout(30)
+def test_report_now_sends_a_heartbeat_at_once_and_the_last_step_again(core, run_agent, tmp_path: Path):
+    run_agent(base_args(tmp_path, core.address, "w0") + ["--heartbeat-interval", "30"] + sleeper_command(tmp_path))
+    core.wait_kind("heartbeat")
+    core.wait_kind("memory")
+    with StepMetricsClient(tmp_path / "w0.sock") as client:
+        assert client.send(step=7, step_time_s=0.5, compute_time_s=0.25, loss=1.0, samples=8, stage=0, dp_rank=0)
+    core.wait_kind("step")
+    before = len(core.received)
+    core.send_command(agent_pb2.ConnectResponse(report_now=agent_pb2.ReportNow()))
+    after = core.wait_for(lambda rs: any(r.kind == "step" for r in rs[before:]), timeout=5)[before:]
+    kinds = [r.kind for r in after]
+    assert kinds[0] == "heartbeat" and after[0].request.heartbeat.seq == 2  # ahead of the 30 s interval
+    assert {"memory", "probe"} <= set(kinds)
+    resent = next(r.request.step for r in after if r.kind == "step")
+    assert (resent.step, resent.step_time_s, resent.loss) == (7, 0.5, 1.0)
+
+
+@pytest.mark.timeout(20)
+def test_explicit_frequency_controller_that_cannot_run_is_a_start_error(run_agent, tmp_path: Path):
+    if importlib.util.find_spec("pynvml") is not None and shutil.which("npu-smi") is not None:
+        pytest.skip("both NVML and npu-smi are usable on this host")
+    if importlib.util.find_spec("pynvml") is None:
+        agent = run_agent(base_args(tmp_path, "127.0.0.1:1", "w0", "--frequency-controller", "nvml")
+                          + sleeper_command(tmp_path))
+        assert agent.wait() == 2
+        assert "--frequency-controller nvml: pynvml is not installed" in agent.log
+    if shutil.which("npu-smi") is None:
+        agent = run_agent(base_args(tmp_path, "127.0.0.1:1", "w1", "--frequency-controller", "npu-smi")
+                          + sleeper_command(tmp_path))
+        assert agent.wait() == 2
+        assert "--frequency-controller npu-smi: npu-smi is not on PATH" in agent.log
+    assert not (tmp_path / "ready.txt").exists()  # no worker was launched
 
 
 @pytest.mark.timeout(20)

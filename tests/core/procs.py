@@ -33,13 +33,15 @@ class CoreProcess:
     """`elaswave core` in its own process, on free loopback ports."""
 
     def __init__(self, tmp: Path, name: str, registry_url: str, scheduler_token: str,
-                 extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None, *,
+                 heartbeat_timeout_s: float = 2.0, lease_ttl_s: float = 2.0, leader_ttl_s: float = 2.0) -> None:
         self.ready_file = tmp / f"{name}.ready.json"
         self.log_path = tmp / f"{name}.log"
         env = dict(os.environ, ELASWAVE_SCHEDULER_TOKEN=scheduler_token, **(extra_env or {}))
         cmd = [sys.executable, "-m", "elaswave.cli", "core", "--grpc-port", "0", "--http-port", "0",
                "--registry", registry_url, "--core-id", name, "--ready-file", str(self.ready_file),
-               "--heartbeat-timeout", "2", "--lease-ttl", "2", "--leader-ttl", "2", *(extra_args or [])]
+               "--heartbeat-timeout", str(heartbeat_timeout_s), "--lease-ttl", str(lease_ttl_s),
+               "--leader-ttl", str(leader_ttl_s), *(extra_args or [])]
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         info = wait_until(self._ready, DEFAULT_WAIT_S, f"core {name} to bind its ports")
@@ -56,6 +58,22 @@ class CoreProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
+
+    def metrics(self) -> str:
+        """The Core's Prometheus exposition, as scraped from /metrics."""
+        response = self.http.get("/metrics")
+        response.raise_for_status()
+        return response.text
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of /metrics whose labels include `labels`; 0 when not created yet."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        for family in text_string_to_metric_families(self.metrics()):
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return s.value
+        return 0.0
 
     def role(self) -> str | None:
         try:
@@ -95,17 +113,18 @@ class AgentProcess:
 
     def __init__(self, tmp: Path, job: str, worker_id: str, core_addresses: str, job_token: str, *,
                  rank: int = -1, stage: int = 0, dp_rank: int = 0, etcd: str | None = None,
-                 step_time_s: float = 0.1) -> None:
+                 step_time_s: float = 0.1, heartbeat_interval_s: float = 0.25, lease_ttl_s: int = 2) -> None:
         self.worker_id = worker_id
         self.log_path = tmp / f"agent-{worker_id}.log"
         env = dict(os.environ, ELASWAVE_JOB_TOKEN=job_token)
         cmd = [sys.executable, "-m", "elaswave.cli", "agent", "--job", job, "--worker-id", worker_id,
                "--stage", str(stage), "--dp-rank", str(dp_rank), "--core", core_addresses,
-               "--metrics-socket", str(tmp / f"{worker_id}.sock"), "--heartbeat-interval", "0.25"]
+               "--metrics-socket", str(tmp / f"{worker_id}.sock"),
+               "--heartbeat-interval", str(heartbeat_interval_s)]
         if rank >= 0:
             cmd += ["--rank", str(rank)]
         if etcd:
-            cmd += ["--etcd", etcd, "--lease-ttl", "2"]
+            cmd += ["--etcd", etcd, "--lease-ttl", str(lease_ttl_s)]
         cmd += ["--", sys.executable, "-m", "elaswave.dummy_worker", "--step-time", str(step_time_s),
                 "--stage", str(stage), "--dp-rank", str(dp_rank)]
         self._log = self.log_path.open("wb")

@@ -1,6 +1,8 @@
 """Dynamic communicator (ElasWave §6.1): partial rebuild reuses untouched groups by identity,
-collectives on the edited groups are right, full rebuild agrees, and a kill -9'd peer releases
-a survivor blocked in an all-reduce with PeerFailure instead of a hang."""
+collectives on the edited groups are right, full rebuild agrees, a kill -9'd peer releases
+a survivor blocked in an all-reduce with PeerFailure within seconds instead of a hang, and on a
+backend that can shrink communicators (NCCL) exactly the quiescent groups that only lost members
+are shrunk in place."""
 
 from __future__ import annotations
 
@@ -11,13 +13,16 @@ from datetime import timedelta
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 from executor.comm import Communicator, MembershipError, PeerFailure, groups_for_stages
-from executor.comm.groups import decide_edit, physical_groups
+from executor.comm.groups import decide_edit, physical_groups, shrink_exclusions
 from executor.store_server import StoreServer, connect_store
 from tests.executor.ft_procs import collect, kill9, spawn
 
 BEFORE = [[0, 1], [2, 3], [4, 5]]
+GROUP_TIMEOUT_S = 30.0
+RELEASE_BOUND_S = 5.0  # generous for a loaded 2-core machine, still 6x below the group timeout
 AFTER = [[0, 1], [2, 3], [4]]
 VICTIM = 5
 
@@ -28,7 +33,7 @@ def _expected_sum(workers: tuple[int, ...]) -> list[float]:
 
 def _edit_worker(worker: int, port: int, mode: str) -> dict[str, object]:
     store = connect_store("127.0.0.1", port)
-    comm = Communicator(store, worker, groups_for_stages(BEFORE), timeout_s=30.0, mode=mode)
+    comm = Communicator(store, worker, groups_for_stages(BEFORE), timeout_s=GROUP_TIMEOUT_S, mode=mode)
     for name in comm.names():  # phase 1: every group works
         t = torch.full((3,), float(worker + 1))
         comm.all_reduce(name, t)
@@ -45,8 +50,8 @@ def _edit_worker(worker: int, port: int, mode: str) -> dict[str, object]:
             comm.all_reduce("dp/1", torch.ones(3))  # blocked on worker 2, released by the abort
         elif worker == VICTIM:
             time.sleep(60)
-    except PeerFailure as exc:
-        failure = {"type": type(exc).__name__, "group": exc.group, "reason": exc.reason}
+    except PeerFailure as exc:  # wall clock: compared with the parent's time of the kill
+        failure = {"type": type(exc).__name__, "group": exc.group, "reason": exc.reason, "at": time.time()}
     store.set(f"edit/{worker}", "1")
     report = comm.apply_edit(groups_for_stages(AFTER))
     sums = {}
@@ -67,6 +72,7 @@ def _edit_worker(worker: int, port: int, mode: str) -> dict[str, object]:
         "reused_identity": sorted(n for n in comm.names() if n in before and comm.group(n) is before[n]),
         "report_reused": sorted(report.reused),
         "report_rebuilt": sorted(report.rebuilt),
+        "report_shrunk": sorted(report.shrunk),
         "sums": sums,
         "p2p": p2p,
     }
@@ -83,6 +89,7 @@ def test_edit_after_kill(mode: str) -> None:
         store = server.connect()
         store.wait([f"ready/{w}" for w in range(6)], timedelta(seconds=90))
         time.sleep(0.3)  # let 4, 2 and 3 enter their blocking ops
+        killed_at = time.time()
         kill9(procs, VICTIM)
         got = collect(procs, results, [0, 1, 2, 3, 4], timeout_s=90)
     finally:
@@ -101,11 +108,16 @@ def test_edit_after_kill(mode: str) -> None:
         assert r["reused_identity"] == expect_reused, (w, r)
         assert r["report_reused"] == expect_reused
         assert sorted(r["report_rebuilt"]) == sorted(set(mine) - set(expect_reused))
+        assert r["report_shrunk"] == []  # gloo cannot shrink: unchanged behaviour
     # the survivor blocked in an all-reduce with the killed peer is released with PeerFailure
     assert got[4]["failure"]["type"] == "PeerFailure" and got[4]["failure"]["group"] == "dp/2"
     assert got[2]["failure"]["group"] == "link/2-5"
     assert got[3]["failure"]["group"] == "dp/1" and "aborted" in got[3]["failure"]["reason"]
     assert got[0]["failure"] == {} and got[1]["failure"] == {}
+    # "released quickly": the closed socket (4, 2) and the abort flag it raises (3) end the blocked
+    # ops within seconds of the kill, far below the 30 s group timeout that would otherwise apply.
+    for w in (2, 3, 4):
+        assert got[w]["failure"]["at"] - killed_at < RELEASE_BOUND_S, (w, got[w]["failure"]["at"] - killed_at)
     assert got[2]["p2p"] == [20.0, 21.0, 22.0] and got[3]["p2p"] == [30.0, 31.0, 32.0]
 
 
@@ -133,6 +145,75 @@ def test_decide_edit_requires_balanced_ledgers() -> None:
     d = decide_edit(old, new, 0, {0: {"dp/0": unmatched_send}, 1: {"dp/0": clean}}, full=False)
     assert d.reuse == () and "dp/0" in d.rebuild
     assert decide_edit(old, new, 0, ledgers, full=True).reuse == ()
+
+
+def _quiet(collectives: int = 3, **changes: object) -> dict[str, object]:
+    return {"collectives": collectives, "sent": {}, "received": {}, "pending": 0, "failed": False, **changes}
+
+
+# Worker 5 (stage 2) leaves [[0, 1], [2, 3], [4, 5]]; worker 4 decides, with every survivor's ledger.
+OLD_6 = physical_groups(groups_for_stages([[0, 1], [2, 3], [4, 5]]), pp_links=True)
+NEW_5 = physical_groups(groups_for_stages([[0, 1], [2, 3], [4]]), pp_links=True)
+QUIET_LEDGERS = {w: {n: _quiet() for n, ws in NEW_5.items() if w in ws} for w in range(5)}
+
+
+def test_shrink_exclusions() -> None:
+    assert shrink_exclusions((2, 3, 4, 5), (2, 4)) == (1, 3)  # group ranks of the lost workers
+    assert shrink_exclusions((2, 3), (2, 3)) is None  # nothing lost: reuse, not shrink
+    assert shrink_exclusions((2, 3), (3, 2)) is None  # reordered: a shrink keeps the old order
+    assert shrink_exclusions((2, 3), (2, 6)) is None  # a newcomer needs a new communicator
+
+
+@pytest.mark.parametrize("backend, can_shrink, full, shrunk", [
+    ("nccl", True, False, ("dp/2",)),  # the only group that just lost a member
+    ("nccl", False, False, ()),  # torch/NCCL too old (no ncclCommShrink): rebuild
+    ("nccl", True, True, ()),  # the full-rebuild baseline never shrinks
+    ("gloo", True, False, ()),  # gloo cannot shrink whatever the flag says
+    ("hccl", True, False, ()),  # not a backend whose shrink we use
+])
+def test_which_groups_shrink(backend: str, can_shrink: bool, full: bool, shrunk: tuple[str, ...]) -> None:
+    d = decide_edit(OLD_6, NEW_5, 4, QUIET_LEDGERS, full=full, backend=backend, can_shrink=can_shrink)
+    mine = sorted(n for n, ws in NEW_5.items() if 4 in ws)  # dp/2 and the links to stage 1
+    assert d.shrink == shrunk
+    assert d.reuse == (() if full else ("link/2-4", "link/3-4"))
+    assert sorted(d.rebuild) == sorted(set(mine) - set(d.reuse) - set(shrunk))
+    assert d.drop == tuple(sorted(set(mine) - set(d.reuse) - set(shrunk)))  # a shrunk group is carried over
+    # worker 2 (stage 1) only loses its link to 5; its DP group and other link are untouched
+    d2 = decide_edit(OLD_6, NEW_5, 2, QUIET_LEDGERS, full=full, backend=backend, can_shrink=can_shrink)
+    assert d2.shrink == () and d2.drop == (("dp/1", "link/0-2", "link/1-2", "link/2-4", "link/2-5") if full
+                                           else ("link/2-5",))
+
+
+@pytest.mark.parametrize("ledger, why", [
+    (_quiet(pending=1), "a survivor is still blocked in an op on it"),
+    (_quiet(failed=True), "an op on it failed"),
+    (_quiet(collectives=0), "never used: its NCCL communicator does not exist yet"),
+    (_quiet(collectives=2), "survivors disagree on the collectives issued"),
+])
+def test_a_group_that_is_not_quiet_is_rebuilt_not_shrunk(ledger: dict[str, object], why: str) -> None:
+    old = groups_for_stages([[0, 1, 2, 3]])
+    new = groups_for_stages([[0, 1, 3]])  # worker 2 left dp/0
+    ledgers = {0: {"dp/0": _quiet()}, 1: {"dp/0": ledger}, 3: {"dp/0": _quiet()}}
+    d = decide_edit(old, new, 0, ledgers, full=False, backend="nccl", can_shrink=True)
+    assert d.shrink == () and d.rebuild == ("dp/0",), why
+    clean = {w: {"dp/0": _quiet()} for w in (0, 1, 3)}
+    assert decide_edit(old, new, 0, clean, full=False, backend="nccl", can_shrink=True).shrink == ("dp/0",)
+    # unmatched sends among survivors also forbid it; sends to the lost worker do not matter
+    to_lost = {**clean, 1: {"dp/0": _quiet(sent={"2": 1})}}
+    assert decide_edit(old, new, 0, to_lost, full=False, backend="nccl", can_shrink=True).shrink == ("dp/0",)
+    among = {**clean, 1: {"dp/0": _quiet(sent={"3": 1})}}
+    assert decide_edit(old, new, 0, among, full=False, backend="nccl", can_shrink=True).shrink == ()
+
+
+def test_backend_is_validated_and_passed_to_the_group_builder() -> None:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        Communicator(store, 0, {"dp/0": (0,)}, backend="mpi")
+    if not torch.cuda.is_available():  # the NCCL build path is reached, and refuses without CUDA
+        with pytest.raises(RuntimeError, match="needs CUDA"):
+            Communicator(store, 0, {"dp/0": (0,)}, backend="nccl")
+    comm = Communicator(store, 0, {"dp/0": (0,)})  # gloo by default
+    assert comm.backend == "gloo" and type(comm.group("dp/0")).__name__ == "ProcessGroupGloo"
 
 
 HUNG_TIMEOUT_S = 2.0

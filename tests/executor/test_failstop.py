@@ -3,13 +3,20 @@ with SIGKILL in the middle of a step. The survivors — the same processes, no r
 to the last committed step, edit their groups in place, rebuild the lost optimizer shard from its
 ring snapshot, and replay the step under the new layout with the same samples. Compared with a
 fault-free run of the same seed: gathered parameters and optimizer state right after recovery are
-bitwise equal to the fault-free state at the last committed step; every step consumes the same
-samples; the remaining losses follow the fault-free ones (placement-invariant RNG on and off)."""
+bitwise equal to the fault-free state at the last committed step; every step feeds the same
+samples (the ids of the batches the trainers consumed); the remaining losses follow the
+fault-free ones (placement-invariant RNG on and off); the edit rebuilds exactly the groups that
+lost a member or were left half-matched and reuses every other one; the ring snapshots still
+equal the live shards at the end.
+
+The job driver (`Scenario`, `_run`) and the assertions are shared with
+`test_failstop_migrate.py` (a loss whose plan also moves a block, and a pipeline-only plan)."""
 
 from __future__ import annotations
 
 import os
 import signal
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -19,7 +26,7 @@ import torch
 
 from executor.comm import Communicator, PeerFailure, groups_for_stages
 from executor.comm.groups import physical_groups
-from executor.fabric.trainer_state import FabricParticipant
+from executor.fabric.trainer_state import FabricParticipant, shard_state_of
 from executor.model import ModelConfig
 from executor.step_protocol import StepProtocol, plan_key
 from executor.store_server import StoreServer, connect_store
@@ -30,6 +37,7 @@ from tests.executor.ft_procs import collect, spawn
 
 STEPS, FAIL_STEP, VICTIM = 8, 4, 4
 WORKERS = list(range(6))
+BATCH = 12
 CFG = TrainConfig(model=ModelConfig(num_layers=4, dropout=0.1))
 TIMEOUT_S = 20.0
 
@@ -37,17 +45,37 @@ TIMEOUT_S = 20.0
 def base_layout(rng_mode: str) -> Layout:
     from executor.model import block_numel
 
-    return make_uniform_layout(4, 2, 3, global_batch=12, num_micro_batches=2,
+    return make_uniform_layout(4, 2, 3, global_batch=BATCH, num_micro_batches=2,
                                layer_numel=(block_numel(CFG.model),) * 4, rng_mode=rng_mode)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One job: fault-free, a kill, or a plan applied at a step boundary."""
+
+    rng_mode: str = "placement_invariant"
+    kill_at_op: int = 0  # > 0: `victim` SIGKILLs itself on entering this op of FAIL_STEP
+    victim: int = VICTIM
+    relayout_at: int = -1  # >= 0: no kill; the published plan is applied before this step
+    new_layout: Layout | None = None  # the plan's layout (default after a kill: resize_after_loss)
+
+    def plan(self) -> Plan | None:
+        old = base_layout(self.rng_mode)
+        if self.kill_at_op:
+            new = self.new_layout or resize_after_loss(old, {self.victim}).layout
+            return Plan(1, old, new, (f"lost worker {self.victim}",), 0.0)
+        if self.relayout_at >= 0:
+            assert self.new_layout is not None
+            return Plan(1, old, self.new_layout, ("pipeline-only change",), 0.0)
+        return None
 
 
 class KillingCommunicator(Communicator):
     """The victim: SIGKILLs itself on entering its `kill_at_op`-th communication op of step
-    FAIL_STEP. Ops of the victim (a last-stage rank) in step FAIL_STEP, in order: 1-4 pipeline
-    receives and sends, 5 gradient reduce-scatter, 6 snapshot checksum exchange (a verify step),
-    7 snapshot gradient exchange (posted; the survivors wait for it just before
-    the commit vote), 8 parameter all-gather (after its own optimizer update),
-    9 loss all-gather."""
+    FAIL_STEP. Ops of a victim in step FAIL_STEP, in order: 1-4 pipeline receives and sends,
+    5 gradient reduce-scatter, 6 snapshot checksum exchange (a verify step), 7 snapshot gradient
+    exchange (posted; the survivors wait for it just before the commit vote), 8 parameter
+    all-gather (after its own optimizer update), 9 loss all-gather (last stage only)."""
 
     kill_at_op = 0
     current_step = -1
@@ -77,23 +105,33 @@ def _state_numpy(state: dict[str, Any]) -> dict[str, Any]:
             "units": {u: {f: t.numpy().copy() for f, t in d.items()} for u, d in state["units"].items()}}
 
 
-def _job_worker(worker: int, port: int, rng_mode: str, kill_at_op: int) -> dict[str, Any]:
-    """One worker of a job; `kill_at_op` > 0 makes worker VICTIM die at that op of FAIL_STEP."""
-    inject = kill_at_op > 0
-    layout = base_layout(rng_mode)
+def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
+    """One worker of a job (see `Scenario`)."""
+    inject = sc.kill_at_op > 0
+    layout = base_layout(sc.rng_mode)
     store = connect_store("127.0.0.1", port)
-    cls = KillingCommunicator if inject and worker == VICTIM else Communicator
+    cls = KillingCommunicator if inject and worker == sc.victim else Communicator
     comm = cls(store, worker, groups_for_stages([s.ranks for s in layout.stages]), timeout_s=TIMEOUT_S)
     if isinstance(comm, KillingCommunicator):
-        comm.kill_at_op = kill_at_op
+        comm.kill_at_op = sc.kill_at_op
     trainer = Trainer(CFG, layout, worker, comm)
     participant = FabricParticipant(trainer, comm, verify_every=2)
     proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
     losses: dict[int, float | None] = {}
     samples: dict[int, list[int]] = {}
-    out: dict[str, Any] = {"worker": worker, "stage": trainer.stage, "dp_index": trainer.dp_index, "failures": [], "edits": []}
+    out: dict[str, Any] = {"worker": worker, "stage": trainer.stage, "dp_index": trainer.dp_index,
+                           "failures": [], "edits": []}
+
+    def adopt(plan: Plan, step: int) -> None:
+        report = proto.apply_plan(plan)
+        out["edits"].append({"rebuilt": report.rebuilt, "reused": report.reused, "at_step": step})
+        print(f"worker {worker}: plan {plan.epoch} at step {step}: rebuilt {report.rebuilt}, reused {report.reused}")
+        out["recovered_state"] = _state_numpy(trainer.gather_full_state())
+
     step = 0
     while step < STEPS:
+        if step == sc.relayout_at:
+            adopt(proto.await_plan(), step)
         proto.begin_step(step)
         if isinstance(comm, KillingCommunicator):
             comm.current_step, comm.ops_in_step = step, 0
@@ -107,50 +145,61 @@ def _job_worker(worker: int, port: int, rng_mode: str, kill_at_op: int) -> dict[
             proto.commit()
             assert result is not None
             losses[step] = result.loss
-            slots = range(trainer.layout.num_micro_batches)
-            rows = [trainer.layout.samples_of(worker, m) for m in slots]
-            samples[step] = sorted(i for r in rows for i in range(r.start, r.stop))
+            samples[step] = list(result.sample_ids)  # what the trainer actually fed
             assert len(samples[step]) == result.samples_processed
             if not inject and step == FAIL_STEP - 1:
                 out["committed_state"] = _state_numpy(trainer.gather_full_state())
             step += 1
         else:
             proto.rollback()
-            report = proto.apply_plan(proto.await_plan())
-            out["edits"].append({"rebuilt": report.rebuilt, "reused": report.reused, "at_step": step})
-            print(f"worker {worker}: recovered at step {step}: rebuilt {report.rebuilt}, reused {report.reused}")
-            out["recovered_state"] = _state_numpy(trainer.gather_full_state())
+            adopt(proto.await_plan(), step)
+    snap = participant.snapshot
     out.update(losses=losses, samples=samples, stage_after=trainer.stage, dp_index_after=trainer.dp_index,
-               checksum_mismatches=participant.checksum_mismatches, verified=list(participant.verified_steps))
+               checksum_mismatches=participant.checksum_mismatches, verified=list(participant.verified_steps),
+               migrations=[m.as_dict() for m in participant.migrations],
+               final_state=_state_numpy(trainer.gather_full_state()),
+               live_shard=shard_state_of(trainer).to_numpy(),
+               snapshot=None if snap is None else (snap.protected, snap.state().to_numpy()))
     return out
 
 
-def _run(rng_mode: str, kill_at_op: int = 0) -> dict[int, dict[str, Any]]:
+def _run(sc: Scenario) -> dict[int, dict[str, Any]]:
     """One job. With a kill, this process plays the Core: it sees the victim exit, flags the
-    abort and publishes the plan (planners.dataflow.resize_after_loss) for the survivors."""
+    abort and publishes the plan for the survivors; with `relayout_at` it publishes the plan up
+    front. Each worker that edited its groups gets the op ledgers it published for the edit
+    (`ledger`), read back from the store."""
     server = StoreServer.start()
     try:
-        procs, results = spawn(_job_worker, WORKERS, server.port, rng_mode, kill_at_op)
-        if not kill_at_op:
-            return collect(procs, results, WORKERS, timeout_s=120)
-        procs[VICTIM].join(timeout=120)
-        assert procs[VICTIM].exitcode == -signal.SIGKILL, "the victim was not killed"
         store = connect_store("127.0.0.1", server.port)
-        store.set("ew/e0/abort", f"core: worker {VICTIM} exited")  # the direct signal (process exit)
-        old = base_layout(rng_mode)
-        new = resize_after_loss(old, {VICTIM})
-        store.set(plan_key("ew", 1), Plan(1, old, new.layout, (new.reason,), 0.0).to_json())
-        survivors = [w for w in WORKERS if w != VICTIM]
-        return collect(procs, results, survivors, timeout_s=120)
+        plan = sc.plan()
+        if plan is not None and not sc.kill_at_op:
+            store.set(plan_key("ew", 1), plan.to_json())
+        procs, results = spawn(_job_worker, WORKERS, server.port, sc)
+        survivors = WORKERS
+        if sc.kill_at_op:
+            assert plan is not None
+            procs[sc.victim].join(timeout=120)
+            assert procs[sc.victim].exitcode == -signal.SIGKILL, "the victim was not killed"
+            store.set("ew/e0/abort", f"core: worker {sc.victim} exited")  # the direct signal (process exit)
+            store.set(plan_key("ew", 1), plan.to_json())
+            survivors = [w for w in WORKERS if w != sc.victim]
+        out = collect(procs, results, survivors, timeout_s=120)
+        if plan is not None:
+            from executor.comm.ledger import decode
+
+            for w in survivors:
+                out[w]["ledger"] = decode(store.get(f"ew/e0/ledger/{w}"))
+        return out
     finally:
         server.stop()
 
 
 def _merged(results: dict[int, dict[str, Any]], key: str) -> dict[str, Any]:
+    """Whole-model state from the DP-index-0 rank of each stage (after any re-layout)."""
     units: dict[str, Any] = {}
     counts = set()
     for r in results.values():
-        if r["dp_index_after" if key == "recovered_state" else "dp_index"] == 0 and key in r:
+        if r["dp_index_after" if key != "committed_state" else "dp_index"] == 0 and key in r:
             units.update(r[key]["units"])
             counts.add(r[key]["step_count"])
     assert len(counts) == 1
@@ -167,7 +216,7 @@ def _last_stage_losses(results: dict[int, dict[str, Any]]) -> dict[int, float]:
 
 
 def _stage_samples(results: dict[int, dict[str, Any]], steps: range) -> dict[tuple[int, int], list[int]]:
-    """(stage, step) -> sorted global sample ids its ranks ran (duplicates kept)."""
+    """(stage, step) -> sorted global sample ids its ranks fed (duplicates kept)."""
     out: dict[tuple[int, int], list[int]] = {}
     for r in results.values():
         for step in steps:
@@ -183,53 +232,114 @@ _CLEAN: dict[str, dict[int, dict[str, Any]]] = {}
 
 
 def _clean(rng_mode: str) -> dict[int, dict[str, Any]]:
-    """The fault-free run of the same seed (computed once per RNG mode)."""
+    """The fault-free run of the same seed (computed once per RNG mode and pytest process)."""
     if rng_mode not in _CLEAN:
-        _CLEAN[rng_mode] = _run(rng_mode)
+        _CLEAN[rng_mode] = _run(Scenario(rng_mode))
     return _CLEAN[rng_mode]
+
+
+def assert_states_bitwise(ref: dict[str, Any], got: dict[str, Any]) -> None:
+    assert ref["step_count"] == got["step_count"]
+    assert sorted(ref["units"]) == sorted(got["units"])
+    for unit, fields in ref["units"].items():
+        for f, arr in fields.items():
+            assert arr.tobytes() == got["units"][unit][f].tobytes(), (unit, f)
+
+
+def assert_recovered_bitwise(clean: dict[int, dict[str, Any]], faulty: dict[int, dict[str, Any]]) -> None:
+    """Recovered state == fault-free state at the last committed step, bitwise: no partial update
+    of the failed step survives, and the lost shard came back exactly from its snapshot."""
+    ref_state, rec_state = _merged(clean, "committed_state"), _merged(faulty, "recovered_state")
+    assert ref_state["step_count"] == FAIL_STEP
+    assert_states_bitwise(ref_state, rec_state)
+
+
+def assert_same_samples(clean: dict[int, dict[str, Any]], faulty: dict[int, dict[str, Any]], changed_at: int) -> None:
+    """Before `changed_at` every worker fed exactly what it fed fault-free; from then on, each
+    stage's workers fed the whole global batch of the step once, as fault-free."""
+    for w in faulty:
+        assert all(faulty[w]["samples"][s] == clean[w]["samples"][s] for s in range(changed_at)), w
+    expected = {(stage, s): list(range(s * BATCH, (s + 1) * BATCH)) for stage in (0, 1) for s in range(STEPS)}
+    assert _stage_samples(clean, range(STEPS)) == expected
+    got = _stage_samples(faulty, range(changed_at, STEPS))
+    assert got == {k: v for k, v in expected.items() if k[1] >= changed_at}
+
+
+def _balanced(name: str, members: tuple[int, ...], ledgers: dict[int, Any]) -> bool:
+    """A group is reusable iff, by every member's published ledger, nothing is pending or failed,
+    all issued the same number of collectives and every send met its receive."""
+    recs = {w: ledgers[w][name] for w in members}
+    if any(r["pending"] or r["failed"] for r in recs.values()) or len({r["collectives"] for r in recs.values()}) != 1:
+        return False
+    return all(int(recs[a]["sent"].get(str(b), 0)) == int(recs[b]["received"].get(str(a), 0))
+               for a in members for b in members if a != b)
+
+
+def assert_exact_edit(results: dict[int, dict[str, Any]], plan: Plan) -> dict[int, set[str]]:
+    """Every worker rebuilt exactly the groups that lost a member or whose ops were left
+    half-matched (by the ledgers every member published for the edit) and reused every other
+    group; returns each worker's half-matched groups."""
+    assert plan.old is not None
+    old = physical_groups(groups_for_stages([s.ranks for s in plan.old.stages]), pp_links=True)
+    new = physical_groups(groups_for_stages([s.ranks for s in plan.new.stages]), pp_links=True)
+    ledgers = {w: r["ledger"] for w, r in results.items()}
+    dirty: dict[int, set[str]] = {}
+    for w, r in results.items():
+        mine = {n: ws for n, ws in new.items() if w in ws}
+        changed = {n for n, ws in mine.items() if old.get(n) != ws}
+        dirty[w] = {n for n in set(mine) - changed if not _balanced(n, mine[n], ledgers)}
+        (edit,) = r["edits"]
+        assert set(edit["rebuilt"]) == changed | dirty[w], (w, edit, changed, dirty[w])
+        assert set(edit["reused"]) == set(mine) - changed - dirty[w], (w, edit)
+        lost_stages = {plan.old.stage_of_rank(v) for v in set(plan.old.ranks()) - set(plan.new.ranks())}
+        assert changed == ({f"dp/{r['stage']}"} if r["stage"] in lost_stages else set()), (w, changed)
+    return dirty
+
+
+def assert_snapshots_equal_live(results: dict[int, dict[str, Any]]) -> None:
+    """At the end every ring snapshot equals its protected worker's live shard bitwise, and the
+    periodic checksum verification ran after the last re-layout and found nothing."""
+    protected = {}
+    for w, r in results.items():
+        assert r["snapshot"] is not None, w
+        owner, snap = r["snapshot"]
+        protected[owner] = w
+        live = results[owner]["live_shard"]
+        assert sorted(snap) == sorted(live), (w, owner)
+        for unit, (lo, hi, rows) in live.items():
+            assert (lo, hi) == snap[unit][:2] and rows.tobytes() == snap[unit][2].tobytes(), (w, owner, unit)
+        assert r["checksum_mismatches"] == 0
+        last_edit = max((e["at_step"] for e in r["edits"]), default=0)
+        assert any(s >= last_edit for s in r["verified"]), (w, r["verified"])
+    assert sorted(protected) == sorted(results)  # every worker is protected by exactly one ring neighbour
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kill_at_op", [2, 5, 7, 8, 9],
-                         ids=["pipeline", "grad-reduce-scatter", "snapshot-exchange", "param-all-gather", "loss"])
-def test_kill9_mid_step_recovers_in_place(kill_at_op: int) -> None:
-    clean, faulty = _clean("placement_invariant"), _run("placement_invariant", kill_at_op)
+@pytest.mark.parametrize("victim, kill_at_op", [(4, 2), (4, 5), (4, 7), (4, 8), (4, 9), (1, 6)],
+                         ids=["pipeline", "grad-reduce-scatter", "snapshot-exchange", "param-all-gather", "loss",
+                              "stage0-checksum-exchange"])
+def test_kill9_mid_step_recovers_in_place(victim: int, kill_at_op: int) -> None:
+    sc = Scenario(kill_at_op=kill_at_op, victim=victim)
+    clean, faulty = _clean(sc.rng_mode), _run(sc)
     ref_losses, got_losses = _last_stage_losses(clean), _last_stage_losses(faulty)
     assert sorted(got_losses) == sorted(ref_losses) == list(range(STEPS))
     for s in range(FAIL_STEP):  # same layout before the failure: identical bits
         assert got_losses[s] == ref_losses[s]
     deviation = _mean_rel_dev(got_losses, ref_losses, range(FAIL_STEP, STEPS))
-    print(f"\nkill at op {kill_at_op}: mean relative loss deviation vs fault-free over steps "
+    print(f"\nvictim {victim}, kill at op {kill_at_op}: mean relative loss deviation vs fault-free over steps "
           f"{FAIL_STEP}..{STEPS - 1}: {deviation:.3e} (placement-invariant RNG)")
     assert deviation <= 1e-4
-    # recovered state == fault-free state at the last committed step, bitwise: no partial update
-    # of the failed step survives, and the lost shard came back exactly from its snapshot
-    ref_state, rec_state = _merged(clean, "committed_state"), _merged(faulty, "recovered_state")
-    assert ref_state["step_count"] == rec_state["step_count"] == FAIL_STEP
-    assert sorted(ref_state["units"]) == sorted(rec_state["units"])
-    for unit, fields in ref_state["units"].items():
-        for f, arr in fields.items():
-            got = rec_state["units"][unit][f]
-            assert torch.equal(torch.from_numpy(arr), torch.from_numpy(got)), (unit, f)
-            assert arr.tobytes() == got.tobytes()
-    # samples: before the failure every survivor ran exactly what it ran fault-free; from the
-    # failed step on, each stage's survivors ran the whole global batch once, as fault-free
-    for w in faulty:
-        assert all(faulty[w]["samples"][s] == clean[w]["samples"][s] for s in range(FAIL_STEP))
-    whole = tuple(range(12))
-    assert set(map(tuple, _stage_samples(clean, range(STEPS)).values())) == {whole}
-    assert set(map(tuple, _stage_samples(faulty, range(FAIL_STEP, STEPS)).values())) == {whole}
-    new_groups = physical_groups(groups_for_stages([[0, 1, 2], [3, 5]]), pp_links=True)
+    assert_recovered_bitwise(clean, faulty)
+    assert_same_samples(clean, faulty, FAIL_STEP)
     for r in faulty.values():  # one recovery, in place, in the same processes
         assert [e["at_step"] for e in r["edits"]] == [FAIL_STEP]
-        assert r["checksum_mismatches"] == 0 and r["verified"]
-        # dp/1 lost the victim and is rebuilt, the victim's links are gone; a group that kept its
-        # members is reused unless an op on it was abandoned half-matched
-        edit = r["edits"][0]
-        mine = {n for n, ws in new_groups.items() if r["worker"] in ws}
-        assert set(edit["rebuilt"]) | set(edit["reused"]) == mine
-        assert r["stage"] == 0 or "dp/1" in edit["rebuilt"]
+    plan = sc.plan()
+    assert plan is not None
+    dirty = assert_exact_edit(faulty, plan)
+    print(f"half-matched groups rebuilt besides dp/{plan.old.stage_of_rank(victim) if plan.old else '?'}: "
+          f"{ {w: sorted(d) for w, d in dirty.items() if d} }")
+    assert_snapshots_equal_live(faulty)
 
 
 @pytest.mark.multiproc
@@ -239,7 +349,7 @@ def test_loss_deviation_with_rng_switch_off() -> None:
     per-rank RNG (the switch off) the same failure moves dropout masks and the losses drift."""
     deviations = {}
     for mode in ("placement_invariant", "per_rank"):
-        faulty = _run(mode, kill_at_op=2)
+        faulty = _run(Scenario(mode, kill_at_op=2))
         deviations[mode] = _mean_rel_dev(_last_stage_losses(faulty), _last_stage_losses(_clean(mode)),
                                          range(FAIL_STEP, STEPS))
     print(f"\nmean relative loss deviation vs fault-free over steps {FAIL_STEP}..{STEPS - 1}: "
@@ -263,6 +373,9 @@ class _Recorder:
 
     def before_vote(self) -> None:
         self.calls.append(("before_vote", -1))
+
+    def check_plan(self, plan: Plan, lost: frozenset[int]) -> None:
+        self.calls.append(("check", plan.epoch))
 
     def on_plan(self, plan: Plan, lost: frozenset[int], committed_step: int) -> None:
         self.calls.append(("plan", plan.epoch))
@@ -328,7 +441,7 @@ def test_commit_decision_is_one_value_for_all() -> None:
         calls = protos[0].participant.calls  # type: ignore[attr-defined]
         # before each of its 4 votes the participant finishes its in-flight work
         assert [c for c in calls if c[0] != "before_vote"] == [
-            ("commit", 0), ("rollback", -1), ("rollback", -1), ("plan", 1)]
+            ("commit", 0), ("rollback", -1), ("rollback", -1), ("check", 1), ("plan", 1)]
         assert calls.count(("before_vote", -1)) == 4
     finally:
         server.stop()

@@ -1,0 +1,187 @@
+"""The executor's link to the Core's `ExecutorService` (DESIGN §2-3): plans by epoch, phase acks.
+
+A training process follows its job's plans through one background subscription
+(`SubscribePlans`, a server stream fenced by epoch) and answers each plan with phase acks
+(`AckPlanPhase`). The subscription survives a Core failover: on `UNAVAILABLE` (a standby, or a
+Core that died) it moves to the next address of the list with bounded exponential backoff, and
+resumes after the newest epoch it already holds, so no plan is missed or seen twice.
+
+Blocking behaviour, stated per call: `wait_plan` blocks at most its `timeout_s`; `ack` and
+`report_peer_failure` block at most `rpc_timeout_s` and never raise on a transport error (the
+Core hears about the worker through its agent anyway); `close` joins the subscription thread
+for at most `rpc_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from elaswave.v1 import executor_pb2, executor_pb2_grpc
+
+log = logging.getLogger("elaswave.executor.plans")
+
+PHASES = {
+    "RECEIVED": executor_pb2.PLAN_PHASE_RECEIVED,
+    "PAUSED": executor_pb2.PLAN_PHASE_PAUSED,
+    "APPLIED": executor_pb2.PLAN_PHASE_APPLIED,
+    "RESUMED": executor_pb2.PLAN_PHASE_RESUMED,
+    "FAILED": executor_pb2.PLAN_PHASE_FAILED,
+}
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.05, 2.0
+
+
+class PlanTimeout(TimeoutError):
+    """No plan newer than the executor's epoch arrived in time."""
+
+
+@dataclass(frozen=True)
+class PublishedPlan:
+    """A plan as the Core published it: the target layout (planners.Layout JSON) and why."""
+
+    epoch: int
+    layout_json: str
+    reasons: tuple[str, ...]
+    predicted_step_time_s: float
+
+
+class PlanClient:
+    """One worker's subscription to its job's plans, and its acks."""
+
+    def __init__(self, addresses: Sequence[str], job: str, worker_id: str, token: str,
+                 rpc_timeout_s: float = 2.0, on_plan: Callable[[PublishedPlan], None] | None = None) -> None:
+        if not addresses:
+            raise ValueError("at least one Core address (host:port) is needed")
+        if rpc_timeout_s <= 0:
+            raise ValueError(f"rpc_timeout_s must be positive, got {rpc_timeout_s}")
+        self.addresses, self.job, self.worker_id = list(addresses), job, worker_id
+        self.rpc_timeout_s = rpc_timeout_s
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._on_plan = on_plan
+        self._newest: PublishedPlan | None = None
+        self._floor = 0  # the epoch the executor already runs: plans at or below it are old
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._address_index = 0
+        self._channel: grpc.Channel | None = None
+        self._call: grpc.Future | None = None
+        self._thread: threading.Thread | None = None
+
+    # ----- subscription --------------------------------------------------------------------
+    def start(self, after_epoch: int) -> None:
+        """Subscribe in a background thread to plans newer than `after_epoch`. Never blocks."""
+        if after_epoch < 0:
+            raise ValueError(f"after_epoch must be >= 0, got {after_epoch}")
+        with self._cond:
+            self._floor = after_epoch
+        self._thread = threading.Thread(target=self._follow, name="elaswave-plans", daemon=True)
+        self._thread.start()
+
+    def newest_epoch(self) -> int:
+        with self._cond:
+            return self._floor if self._newest is None else max(self._floor, self._newest.epoch)
+
+    def wait_plan(self, after_epoch: int, timeout_s: float) -> PublishedPlan:
+        """Block (at most `timeout_s`) until a plan with epoch > `after_epoch` is known; the newest
+        one wins, so an executor that missed several epochs jumps straight to the latest layout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._newest is None or self._newest.epoch <= after_epoch:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PlanTimeout(f"no plan newer than epoch {after_epoch} from the Core within {timeout_s}s")
+                self._cond.wait(left)
+            return self._newest
+
+    def _follow(self) -> None:
+        backoff = BACKOFF_FIRST_S
+        while not self._stop.is_set():
+            address = self.addresses[self._address_index % len(self.addresses)]
+            try:
+                self._stream_from(address)
+                backoff = BACKOFF_FIRST_S
+            except grpc.RpcError as exc:
+                if self._stop.is_set():
+                    return
+                code = exc.code() if isinstance(exc, grpc.Call) else None
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                            grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                    log.error("plan subscription refused by %s: %s", address, exc.details())
+                    return  # retrying cannot help; the training loop times out waiting for a plan
+                log.warning("plan subscription to %s ended (%s); next address in %.2fs", address, code, backoff)
+                self._address_index += 1
+            self._stop.wait(backoff)
+            backoff = min(BACKOFF_MAX_S, backoff * 2)
+
+    def _stream_from(self, address: str) -> None:
+        self._channel = grpc.insecure_channel(address)
+        try:
+            stub = executor_pb2_grpc.ExecutorServiceStub(self._channel)
+            request = executor_pb2.SubscribePlansRequest(job=self.job, worker_id=self.worker_id,
+                                                         after_epoch=self.newest_epoch())
+            self._call = stub.SubscribePlans(request, metadata=self._metadata)
+            for response in self._call:
+                self._publish(response.plan)
+        finally:
+            self._channel.close()
+
+    def _publish(self, proto: object) -> None:
+        plan = PublishedPlan(epoch=int(proto.epoch), layout_json=proto.layout_json.decode(),  # type: ignore[attr-defined]
+                             reasons=tuple(proto.reasons),  # type: ignore[attr-defined]
+                             predicted_step_time_s=float(proto.predicted_step_time_s))  # type: ignore[attr-defined]
+        with self._cond:
+            if plan.epoch <= self._floor or (self._newest is not None and plan.epoch <= self._newest.epoch):
+                return  # fenced: never go back to an older epoch
+            self._newest = plan
+            self._cond.notify_all()
+        log.info("plan epoch %d received: %s", plan.epoch, "; ".join(plan.reasons))
+        if self._on_plan is not None:
+            self._on_plan(plan)
+
+    # ----- acks ----------------------------------------------------------------------------
+    def ack(self, epoch: int, phase: str, seconds: float, reason: str = "") -> bool:
+        """Acknowledge `phase` of plan `epoch`; True when the Core took it (bounded, never raises)."""
+        request = executor_pb2.AckPlanPhaseRequest(job=self.job, worker_id=self.worker_id, epoch=epoch,
+                                                   phase=PHASES[phase], phase_time_s=max(0.0, seconds),
+                                                   failure_reason=reason)
+        return self._unary("AckPlanPhase", request)
+
+    def report_peer_failure(self, peer_rank: int, step: int, operation: str, error: str) -> bool:
+        """Tell the Core a collective failed because of `peer_rank` (bounded, never raises)."""
+        request = executor_pb2.ReportPeerFailureRequest(job=self.job, worker_id=self.worker_id,
+                                                        peer_rank=peer_rank, step=step,
+                                                        operation=operation, error=error[:500])
+        return self._unary("ReportPeerFailure", request)
+
+    def _unary(self, method: str, request: object) -> bool:
+        deadline = time.monotonic() + self.rpc_timeout_s
+        for attempt in range(len(self.addresses)):
+            address = self.addresses[(self._address_index + attempt) % len(self.addresses)]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            with grpc.insecure_channel(address) as channel:
+                stub = executor_pb2_grpc.ExecutorServiceStub(channel)
+                try:
+                    getattr(stub, method)(request, metadata=self._metadata, timeout=left)
+                    return True
+                except grpc.RpcError as exc:
+                    code = exc.code() if isinstance(exc, grpc.Call) else None
+                    log.warning("%s to %s failed: %s %s", method, address, code,
+                                exc.details() if isinstance(exc, grpc.Call) else exc)
+                    if code != grpc.StatusCode.UNAVAILABLE:
+                        return False
+        return False
+
+    def close(self) -> None:
+        """Stop following plans (joins the thread for at most rpc_timeout_s)."""
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+        if self._thread is not None:
+            self._thread.join(self.rpc_timeout_s)

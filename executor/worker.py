@@ -1,0 +1,187 @@
+"""A training process driven by the Core: `python -m executor.worker` (what an agent launches).
+
+It builds its rank of the PP x DP x ZeRO engine from the job's layout, groups over the store that
+no training rank hosts (executor.store_server), and runs the step-boundary protocol of
+`executor.step_protocol`. What the engine's tests do by hand, the Core does here:
+
+- a peer dies -> the survivors' collectives fail (a closed socket is seen in milliseconds), every
+  survivor votes abort and rolls back to the last committed step;
+- the agent beside the dead worker reports the exit, the Core plans (micro-batch resizing,
+  elaswave.txt §4.1) and publishes the plan; the survivors receive it through
+  `ExecutorService.SubscribePlans` (executor.plan_client), acknowledge RECEIVED, PAUSED and
+  APPLIED, edit their groups in place, remap the lost shard from its ring snapshot, replay the
+  step and acknowledge RESUMED after the first committed step under the new layout;
+- a plan that arrives while a step is running aborts that step on every worker (the plan is the
+  abort signal: it also releases survivors blocked on a hung rather than a dead peer).
+
+Each committed step is reported to the agent over the local metrics socket. At the end the
+worker writes its per-step losses, the samples it ran and its recovery timings as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TOKEN_ENV = "ELASWAVE_JOB_TOKEN"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m executor.worker", description=__doc__.split("\n\n")[0])
+    p.add_argument("--job", required=True)
+    p.add_argument("--worker-id", required=True)
+    p.add_argument("--rank", type=int, required=True, help="this worker's global rank in the layout")
+    p.add_argument("--core", required=True, metavar="HOST:PORT[,HOST:PORT...]", help="Core gRPC address(es)")
+    p.add_argument("--store", required=True, metavar="HOST:PORT", help="the rendezvous store (executor.store_server)")
+    p.add_argument("--layout", required=True, type=Path, help="the job's initial layout (planners.Layout JSON)")
+    p.add_argument("--steps", type=int, required=True, help="train until this many steps are committed")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks of the model (must match the layout)")
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="bound on every collective, vote and plan wait")
+    p.add_argument("--verify-every", type=int, default=2, help="check snapshot == live shard every N steps")
+    p.add_argument("--out", type=Path, required=True, help="write the worker's results here (JSON)")
+    args = p.parse_args(argv)
+    if args.steps <= 0 or args.timeout <= 0 or args.rank < 0:
+        p.error("--steps and --timeout must be positive and --rank >= 0")
+    if ":" not in args.store:
+        p.error(f"--store must be HOST:PORT, got {args.store!r}")
+    return args
+
+
+class CoreDrivenWorker:
+    """One rank: engine + step protocol + plan subscription. See the module docstring."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch  # noqa: PLC0415 - keep `--help` fast
+
+        from agent.local_metrics import StepMetricsClient  # noqa: PLC0415
+        from executor.comm import Communicator, groups_for_stages  # noqa: PLC0415
+        from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
+        from executor.model import ModelConfig  # noqa: PLC0415
+        from executor.plan_client import PlanClient  # noqa: PLC0415
+        from executor.step_protocol import StepProtocol  # noqa: PLC0415
+        from executor.store_server import connect_store  # noqa: PLC0415
+        from executor.trainer import TrainConfig, Trainer  # noqa: PLC0415
+        from planners.layout import Layout  # noqa: PLC0415
+
+        torch.set_num_threads(1)
+        self.args = args
+        layout = Layout.from_json(args.layout.read_text())
+        host, port = args.store.rsplit(":", 1)
+        store = connect_store(host, int(port), timeout_s=args.timeout)
+        self.comm = Communicator(store, args.rank, groups_for_stages([s.ranks for s in layout.stages]),
+                                 timeout_s=args.timeout)
+        cfg = TrainConfig(model=ModelConfig(num_layers=args.layers, dropout=args.dropout))
+        self.trainer = Trainer(cfg, layout, args.rank, self.comm)
+        self.participant = FabricParticipant(self.trainer, self.comm, verify_every=args.verify_every)
+        self.proto = StepProtocol(self.comm, self.participant, timeout_s=args.timeout)
+        self.metrics = StepMetricsClient.from_env()
+        token = os.environ.get(TOKEN_ENV, "")
+        self.plans = PlanClient(args.core.split(","), args.job, args.worker_id, token, on_plan=self._plan_arrived)
+        self.results: dict[str, Any] = {"rank": args.rank, "worker_id": args.worker_id, "losses": {},
+                                        "samples": {}, "recoveries": [], "failures": []}
+
+    def _plan_arrived(self, plan: Any) -> None:
+        # Runs on the subscription thread: a newer plan aborts the step in flight everywhere.
+        if plan.epoch > self.proto.plan_epoch and self.proto.step is not None:
+            self.comm.signal_abort(f"Core published plan epoch {plan.epoch}")
+
+    def run(self) -> dict[str, Any]:
+        from executor.comm import PeerFailure  # noqa: PLC0415
+
+        self.plans.start(after_epoch=self.proto.plan_epoch)
+        step, resumed_epoch = 0, None
+        try:
+            while step < self.args.steps:
+                started = time.perf_counter()
+                self.proto.begin_step(step)
+                result = None
+                try:
+                    if self.plans.newest_epoch() > self.proto.plan_epoch:
+                        # A plan is waiting: this step is the boundary where every worker takes it.
+                        self.comm.signal_abort(f"plan epoch {self.plans.newest_epoch()} is waiting")
+                    else:
+                        result = self.trainer.train_step(step)
+                except PeerFailure as exc:
+                    self.proto.report_failure(exc)
+                    self.results["failures"].append({"step": step, "group": exc.group, "error": str(exc)[:300]})
+                if self.proto.should_commit():
+                    self.proto.commit()
+                    self._committed(step, result, time.perf_counter() - started)
+                    if resumed_epoch is not None:
+                        self.plans.ack(resumed_epoch, "RESUMED", time.perf_counter() - started)
+                        resumed_epoch = None
+                    step += 1
+                    continue
+                self.proto.rollback()
+                if not self._recover(step):
+                    break  # this worker is not in the new layout: it leaves
+                resumed_epoch = self.proto.plan_epoch
+        finally:
+            self.plans.close()
+        self.results.update(committed_steps=step, plan_epoch=self.proto.plan_epoch,
+                            checksum_mismatches=self.participant.checksum_mismatches,
+                            verified_steps=list(self.participant.verified_steps))
+        return self.results
+
+    def _committed(self, step: int, result: Any, seconds: float) -> None:
+        layout = self.trainer.layout
+        rows = [layout.samples_of(self.args.rank, m) for m in range(layout.num_micro_batches)]
+        self.results["samples"][step] = sorted(i for r in rows for i in range(r.start, r.stop))
+        if result is not None and result.loss is not None:
+            self.results["losses"][step] = result.loss
+        if self.metrics is not None:
+            self.metrics.send(step=step, step_time_s=seconds, compute_time_s=seconds,
+                              loss=None if result is None else result.loss,
+                              samples=0 if result is None else result.samples_processed,
+                              stage=self.trainer.stage, dp_rank=self.trainer.dp_index)
+
+    def _recover(self, step: int) -> bool:
+        """Wait for the Core's plan, apply it, and say so; False if this worker is not in it."""
+        from planners.layout import Layout, Plan  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        published = self.plans.wait_plan(self.proto.plan_epoch, timeout_s=self.args.timeout)
+        waited = time.perf_counter() - t0
+        self.plans.ack(published.epoch, "RECEIVED", waited)
+        new = Layout.from_json(published.layout_json)
+        if self.args.rank not in new.ranks():
+            self.plans.ack(published.epoch, "FAILED", 0.0, f"rank {self.args.rank} is not in the new layout")
+            self.results["left_at_step"] = step
+            return False
+        self.plans.ack(published.epoch, "PAUSED", 0.0)
+        plan = Plan(published.epoch, self.trainer.layout, new, published.reasons, published.predicted_step_time_s)
+        t1 = time.perf_counter()
+        report = self.proto.apply_plan(plan)
+        applied = time.perf_counter() - t1
+        self.plans.ack(published.epoch, "APPLIED", applied)
+        self.results["recoveries"].append({
+            "step": step, "epoch": published.epoch, "plan_wait_s": waited, "apply_s": applied,
+            "communicator_s": report.seconds, "rebuilt": list(report.rebuilt), "reused": list(report.reused),
+            "reasons": list(published.reasons)})
+        print(f"worker {self.args.worker_id}: plan {published.epoch} applied before replaying step {step} "
+              f"(waited {waited * 1e3:.0f} ms, applied in {applied * 1e3:.0f} ms; rebuilt {list(report.rebuilt)}, "
+              f"reused {len(report.reused)} groups)", flush=True)
+        return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = CoreDrivenWorker(args).run()
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, sort_keys=True))
+    tmp.replace(args.out)
+    sys.stdout.flush()
+    # Skip interpreter teardown: a gloo group with an abandoned op (the dead peer's) would block
+    # its destructor until the group timeout.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
