@@ -61,6 +61,7 @@ class CoreLink:
         self._wakeup = asyncio.Event()
         self._leave: agent_pb2.ConnectRequest | None = None
         self._left = asyncio.Event()
+        self._leave_written = False  # Leave went out on the current stream
         self._stopping = False
         self._heartbeat_seq = 0
         self._beat_now = False
@@ -138,6 +139,7 @@ class CoreLink:
     async def _session(self, address: Address) -> None:
         token = load_job_token(self._config.job_token_file)
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._leave_written = False
         async with self._channel(address) as channel:
             call = agent_pb2_grpc.AgentServiceStub(channel).Connect(metadata=metadata)
             try:
@@ -170,6 +172,13 @@ class CoreLink:
         writer = asyncio.create_task(self._write_reports(call))
         try:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            if self._leave_written and writer not in done and (
+                    not reader.cancelled() and isinstance(reader.exception(), StreamRefused)):
+                # The Core answers Leave by closing the stream, which the reader can see before
+                # the writer's half-close returns: that is the Leave delivered, not a broken stream
+                # to reconnect (and re-register a departed worker) on.
+                self._left.set()
+                return
             if writer in done and writer.exception() is None:
                 # Leave written: wait (bounded) for the Core to close its side, so that shutting
                 # down cannot cancel the stream while Leave is still in flight.
@@ -228,6 +237,7 @@ class CoreLink:
                 await self._write(call, self._outbox.popleft())
             elif self._leave is not None:
                 await self._write(call, self._leave)
+                self._leave_written = True
                 await asyncio.wait_for(call.done_writing(), self._config.rpc_timeout_s)
                 log_event(logging.INFO, "leave_sent", reason=self._leave.leave.reason)
                 return

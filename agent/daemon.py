@@ -6,8 +6,9 @@ holds its etcd liveness lease, all over one stream to the leading Core (``agent.
 
 Shutdown, whatever the cause, ends with a Leave report: SIGINT stops a launched worker (SIGTERM,
 then SIGKILL after the grace) and leaves; SIGTERM first reports a PreemptionNotice, forwards
-SIGTERM to a launched worker, waits for it up to the grace, then leaves; a worker that exits on
-its own is reported as WorkerExit and the agent leaves with the worker's exit status.
+SIGTERM to a launched worker, waits for it up to the grace, then leaves; a worker that fails on
+its own (non-zero status or a signal) is reported as WorkerExit, one that finishes (exit 0) only
+leaves, and the agent exits with the worker's exit status.
 
 Core commands:
 
@@ -165,6 +166,13 @@ class Agent:
                       detail=status.detail, drained=True)
             self._worker_done.set()
             self._request_shutdown(f"drained ({self.draining.reason}): worker {self._worker.pid} {status.detail}")
+            return
+        if status.exit_code == 0 and not self._preempted:
+            # The worker finished its job (torchrun's notion of success): a clean departure, not a
+            # fail-stop, so the Core records LEFT rather than LOST.
+            log_event(logging.INFO, "worker_exit", pid=self._worker.pid, exit_code=0, detail=status.detail)
+            self._worker_done.set()
+            self._request_shutdown(f"worker {self._worker.pid} finished ({status.detail})")
             return
         self.link.send_critical(agent_pb2.ConnectRequest(
             worker_exit=agent_pb2.WorkerExit(exit_code=status.exit_code, detail=status.detail)))

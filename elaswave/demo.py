@@ -111,14 +111,18 @@ class Demo:
             raise TimeoutError(f"demo timed out waiting for {what}")
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        for proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        # Agents first, the Core (started first) last: an agent stopping must still reach the
+        # Core to say Leave, or its shutdown reads as a failure and it retries until it gives up.
+        agents, core = self.procs[1:], self.procs[:1]
+        for group in (agents, core):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+            for proc in group:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
 
 def states(job: dict[str, Any]) -> dict[str, str]:

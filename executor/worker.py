@@ -131,9 +131,9 @@ class CoreDrivenWorker:
         return self.results
 
     def _committed(self, step: int, result: Any, seconds: float) -> None:
-        layout = self.trainer.layout
-        rows = [layout.samples_of(self.args.rank, m) for m in range(layout.num_micro_batches)]
-        self.results["samples"][step] = sorted(i for r in rows for i in range(r.start, r.stop))
+        if result is None:
+            raise RuntimeError(f"step {step} committed on rank {self.args.rank} without having run")
+        self.results["samples"][step] = sorted(result.sample_ids)  # global ids the trainer actually fed
         if result is not None and result.loss is not None:
             self.results["losses"][step] = result.loss
         if self.metrics is not None:

@@ -53,8 +53,8 @@ def test_register_carries_identity_token_and_heartbeats_then_sigint_leaves(core,
     agent.signal(signal.SIGINT)
     assert agent.wait() == 0  # the worker ended by our SIGTERM after it handled it with exit 0
     assert (tmp_path / "term.txt").read_text() == "SIGTERM"
-    kinds = [k for k in _kinds(core) if k != "heartbeat"]  # a heartbeat may fall between the two
-    assert kinds[-2:] == ["worker_exit", "leave"], kinds
+    # The agent stopped its own worker, which exited 0: a clean departure, never a failure report.
+    assert "worker_exit" not in _kinds(core)
     assert _kinds(core)[-1] == "leave"
     assert core.of_kind("leave")[0].request.leave.reason == "SIGINT"
     assert not psutil.pid_exists(register.pid) or psutil.Process(register.pid).status() == psutil.STATUS_ZOMBIE
@@ -80,6 +80,30 @@ def test_worker_kill9_is_reported_as_signal_exit(core, run_agent, tmp_path: Path
     assert "SIGKILL" in exit_report.request.worker_exit.detail
     assert agent.wait() == 128 + 9
     assert _kinds(core)[-1] == "leave"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("code", [0, 3])
+def test_worker_that_finishes_leaves_and_one_that_fails_reports_its_exit(core, run_agent, tmp_path: Path,
+                                                                         code: int):
+    ready = tmp_path / "go"
+    worker = [sys.executable, "-c",
+              f"import pathlib, sys, time\nwhile not pathlib.Path({str(ready)!r}).exists(): time.sleep(0.02)\n"
+              f"sys.exit({code})"]
+    agent = run_agent(base_args(tmp_path, core.address, "w0") + ["--", *worker])
+    pid = core.wait_kind("register")[0].request.register.pid
+    core.wait_kind("heartbeat")
+    ready.write_text("go")
+    assert agent.wait() == code  # the agent exits with its worker's status
+    assert _kinds(core)[-1] == "leave"
+    leave = core.of_kind("leave")[0].request.leave.reason
+    if code == 0:
+        # A finished worker is a departure (the Core records LEFT), not a fail-stop (LOST).
+        assert not core.of_kind("worker_exit")
+        assert leave == f"worker {pid} finished (exited with code 0)"
+    else:
+        assert [r.request.worker_exit.exit_code for r in core.of_kind("worker_exit")] == [3]
+        assert leave == f"worker {pid} exited with code 3"
 
 
 @pytest.mark.timeout(30)
