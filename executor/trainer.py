@@ -108,6 +108,9 @@ class Trainer:
         self.model = StageModel(cfg.model, stage.layer_start, stage.layer_stop).to(self.device)
         self.next_step = 0
         self.grad_hook: GradHook | None = None  # kept across layout changes; see executor.zero
+        # An overlay armed for the next train_step (a non-blocking migration adopted between steps
+        # through a plan): the loop that drives the trainer need not know a migration is in flight.
+        self.armed_overlay: StepOverlay | None = None
         self._install_layout(layout, step_count=0)
 
     # ------------------------------------------------------------------------------ structure
@@ -145,9 +148,11 @@ class Trainer:
 
         `overlay` lets a non-blocking layer migration (executor.nonblocking_migration) take part in this one
         step: run a shadow block for the first slots, load a block when it arrives, pay back
-        gradients."""
+        gradients. Without one, the overlay armed by `arm_overlay` (if any) runs, once."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        if overlay is None:
+            overlay, self.armed_overlay = self.armed_overlay, None
         self.rng.begin_step(step)
         for p in self.model.parameters():
             p.grad = None
@@ -201,6 +206,12 @@ class Trainer:
                 owner.update({row: j for row in range(rng.start, rng.stop)})
         values = [g.cpu() for g in gathered]
         return math.fsum(float(values[owner[row]][row]) for row in range(B)) / B
+
+    def arm_overlay(self, overlay: StepOverlay) -> None:
+        """Make the next `train_step` (called without an overlay) run with `overlay`."""
+        if self.armed_overlay is not None:
+            raise ValueError("an overlay is already armed for the next step")
+        self.armed_overlay = overlay
 
     # ----------------------------------------------------------------------------------- state
     def unit_params(self) -> dict[str, torch.Tensor]:

@@ -11,7 +11,9 @@ applies such a plan in two steps, each with its own, already exact, transfer pla
    (every stage keeps its new ranks), whose moved blocks are `moves`.
 
 Either step is skipped when it has nothing to do: a pure loss has no moves, a pipeline-only
-plan has nothing to remap.
+plan has nothing to remap. Plans outside these two steps are refused up front (`RelayoutError`,
+before any group is edited): adding ranks, changing the stage count, moving a block by more
+than one stage.
 """
 
 from __future__ import annotations
@@ -23,8 +25,14 @@ from planners.layout import Layout
 
 
 class RelayoutError(ValueError):
-    """The plan asks for a change the engine cannot apply in place; nothing was changed."""
+    """The plan asks for a change the engine cannot apply in place; nothing was changed.
 
+    Unsupported in place (README "Known gaps"): adding ranks (scale-up), changing the number of
+    pipeline stages, moving a block by more than one stage in one plan, changing the model or
+    the global batch."""
+
+
+UNSUPPORTED = "unsupported by the engine's in-place re-layout"
 
 @dataclass(frozen=True)
 class Relayout:
@@ -46,23 +54,36 @@ def with_boundaries(layout: Layout, bounds_from: Layout) -> Layout:
 
 def plan_relayout(old: Layout, new: Layout) -> Relayout:
     """Diff `old -> new` into a remap and a migration; raises RelayoutError (a ValueError) for a
-    plan the engine cannot apply in place: a rank that joins (it has no process and no state
-    here), a different number of stages, or a block that would move more than one stage."""
-    joined = set(new.ranks()) - set(old.ranks())
-    if joined:
-        raise RelayoutError(f"ranks {sorted(joined)} join in this plan; the engine's in-place re-layout "
-                            "only removes ranks and moves layers")
-    if old.num_stages != new.num_stages:
-        raise RelayoutError(f"the plan changes the number of stages ({old.num_stages} -> {new.num_stages}); "
-                            "the engine re-lays out stage by stage and cannot add or drop one")
-    if old.num_layers != new.num_layers or old.layer_numel != new.layer_numel:
-        raise RelayoutError("the plan describes a different model (layer count or sizes differ)")
-    if old.global_batch != new.global_batch:
-        raise RelayoutError(f"the global batch is fixed for a job ({old.global_batch}), plan says {new.global_batch}")
+    plan the engine cannot apply in place (see `RelayoutError`)."""
+    check_supported(old, new)
     mid = with_boundaries(new, old)
     try:
         moves = moved_layers(mid, new)
-    except ValueError as exc:
-        raise RelayoutError(f"the plan's layer moves cannot be migrated: {exc}") from None
+    except ValueError as exc:  # only the checks above should reject a plan; keep the reason if not
+        raise RelayoutError(f"{UNSUPPORTED}: the plan's layer moves cannot be migrated: {exc}") from None
     lost = frozenset(old.ranks()) - frozenset(new.ranks())
     return Relayout(lost, None if mid == old else mid, moves)
+
+
+def check_supported(old: Layout, new: Layout) -> None:
+    """Raise RelayoutError naming the first change of `old -> new` the engine cannot make in place."""
+    joined = set(new.ranks()) - set(old.ranks())
+    if joined:
+        raise RelayoutError(f"{UNSUPPORTED}: adding ranks (ranks {sorted(joined)} join in this plan). Only "
+                            "ranks already in the job have a process and state here, so a plan may remove "
+                            "ranks and move layers but not add ranks")
+    if old.num_stages != new.num_stages:
+        raise RelayoutError(f"{UNSUPPORTED}: changing the number of stages ({old.num_stages} -> "
+                            f"{new.num_stages}). Stages are re-laid out one by one; none can be added or dropped")
+    if old.num_layers != new.num_layers or old.layer_numel != new.layer_numel:
+        raise RelayoutError(f"{UNSUPPORTED}: a different model (layer count or sizes differ)")
+    if old.global_batch != new.global_batch:
+        raise RelayoutError(f"{UNSUPPORTED}: changing the global batch ({old.global_batch} -> "
+                            f"{new.global_batch}); it is fixed for a job")
+    jumps = [(layer, old.stage_of_layer(layer), new.stage_of_layer(layer)) for layer in range(old.num_layers)
+             if abs(old.stage_of_layer(layer) - new.stage_of_layer(layer)) > 1]
+    if jumps:
+        desc = ", ".join(f"block {lay}: stage {a} -> {b}" for lay, a, b in jumps)
+        raise RelayoutError(f"{UNSUPPORTED}: moving a block by more than one stage in one plan ({desc}). "
+                            "Migration moves blocks between adjacent stages only (§6.2); send plans that "
+                            "move each block one stage at a time")

@@ -43,6 +43,7 @@ class SnapshotStats:
     finish_wait_s: float = 0.0  # critical path: waiting for the exchange before the commit vote
     update_s: float = 0.0  # background thread: AdamW on the host copy (competes for host cores)
     verify_s: float = 0.0  # critical path, every `verify_every` steps: checksums and their all-reduce
+    verifies: int = 0  # checksum checks run (verify_s / verifies is the cost of one)
 
 
 class SnapshotError(RuntimeError):
@@ -206,6 +207,7 @@ class RingSnapshot:
         mismatches = torch.tensor([0.0 if ok else 1.0])
         self.comm.all_reduce(self.group, mismatches)
         self.stats.verify_s += time.perf_counter() - t0
+        self.stats.verifies += 1
         return mismatches.item() == 0.0
 
     # ----- background updater --------------------------------------------------------------

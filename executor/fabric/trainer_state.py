@@ -11,6 +11,16 @@ live remap of the committed optimizer shards onto the new ranks with the old sta
 (lost shards from snapshots, §5.2), then blocking migration of the blocks whose stage changes
 (§4.2, §6.2), then a new snapshot ring seeded for the new layout. A pipeline-only plan (no rank
 lost) skips the remap, a pure loss skips the migration.
+
+`migration="nonblocking"` selects Fig. 9's non-blocking migration (shadow layer and gradient
+payback, `executor.nonblocking_migration`) for the plan path wherever it applies: gloo, the
+interleaved ZeRO layout, and source and destination stages of equal DP size and sample split
+(so in practice a pipeline-only plan; a plan that also loses a rank leaves the two stages with
+different DP sizes and migrates blocking). The migration is armed on the trainer and runs inside
+the next step, so the step boundary does not stall for it. Two costs of that step, both stated
+by the code: it cannot be rolled back (the moved blocks' committed state is in flight; a failure
+in it raises `MigrationInFlight`), and no ring snapshot protects the job from the plan until the
+following step re-seeds the ring.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from executor.fabric.snapshot import RingSnapshot, SnapshotError
 from executor.fabric.state import ShardState, UnitShard
 from executor.migration import MigrationReport, migrate
 from executor.model import EMBED, HEAD, ModelConfig, block_numel, build_unit, unit_order
+from executor.nonblocking_migration import NonBlockingMigration, check_nonblocking
 from executor.trainer import Trainer
 from executor.zero import ShardState as ZeroShard
 from executor.zero import adamw_update, flat_params, unit_ownership
@@ -63,18 +74,31 @@ def shard_state_of(trainer: Trainer) -> ShardState:
     return state
 
 
+MIGRATION_MODES = ("blocking", "nonblocking")
+
+
+class MigrationInFlight(RuntimeError):
+    """A step that carries a non-blocking migration failed: it cannot be rolled back in place."""
+
+
 class FabricParticipant:
     """`StepParticipant` for the engine: rollback copies, ring snapshots, live remap, migration.
 
     Constructing it is collective over the worker's DP group (the ring is seeded)."""
 
-    def __init__(self, trainer: Trainer, comm: Communicator, snapshots: bool = True, verify_every: int = 50) -> None:
+    def __init__(self, trainer: Trainer, comm: Communicator, snapshots: bool = True, verify_every: int = 50,
+                 migration: str = "blocking", shadow_slots: int = 1) -> None:
         if verify_every < 1:
             raise ValueError(f"verify_every must be >= 1, got {verify_every}")
+        if migration not in MIGRATION_MODES:
+            raise ValueError(f"migration must be one of {MIGRATION_MODES}, got {migration!r}")
         self.trainer, self.comm = trainer, comm
         self.snapshots, self.verify_every = snapshots, verify_every
+        self.migration, self.shadow_slots = migration, shadow_slots
         self.snapshot: RingSnapshot | None = None
         self._seeded_layout: Layout | None = None
+        self._inflight: NonBlockingMigration | None = None  # armed by a plan, runs in the next step
+        self._seed_pending = False  # re-seed the ring inside the next step (after a non-blocking move)
         self.checksum_mismatches = 0
         self.verified_steps: list[int] = []
         self.migrations: list[MigrationReport] = []  # one per plan that moved layers
@@ -90,10 +114,21 @@ class FabricParticipant:
 
     def on_commit(self, step: int) -> None:
         self._committed = self.trainer.get_state()
+        if self._inflight is not None:  # the step that carried a non-blocking migration committed
+            self.migrations.append(self._inflight.report())
+            self._inflight, self._seed_pending = None, True
+        elif self._seed_pending:  # the step that re-seeded the ring committed; a rolled-back one re-seeds again
+            self._seed_pending = False
         if self.snapshot is not None:
             self.snapshot.commit(self.trainer.optimizer.step_count)
 
     def on_rollback(self) -> None:
+        if self._inflight is not None:
+            # The blocks that moved were committed on their old stage and are now in flight (or
+            # half-received): no rank holds a committed copy in the new layout to roll back to.
+            raise MigrationInFlight(f"worker {self.comm.worker}: the step carrying the non-blocking migration "
+                                    f"of {self._inflight.moves} failed; it cannot be rolled back in place "
+                                    "(use migration='blocking' where a failure must be survivable here)")
         self.trainer.set_state(self._committed)
         if self.snapshot is not None:
             self.snapshot.discard()
@@ -116,12 +151,36 @@ class FabricParticipant:
         the blocks whose stage changes (§4.2, §6.2), (3) a new ring seeded for the new layout.
         Collective over the new layout's workers, after the communicator's edit."""
         steps = self.check_plan(plan, lost)
+        self._seed_pending = False  # this plan seeds a ring of its own
         if steps.remap_to is not None:
             self._remap(plan, steps.remap_to, lost)
+        if steps.moves and self._nonblocking_applies(steps.remap_to or plan.old, steps.moves):
+            self._arm_nonblocking(plan.new)
+            return
         if steps.moves:
             self.migrations.append(migrate(self.trainer, plan.new, "blocking"))
         self._committed = self.trainer.get_state()
         self._install_snapshot()
+
+    def _nonblocking_applies(self, before: Layout | None, moves: tuple[tuple[int, int, int], ...]) -> bool:
+        """Whether this plan's moves migrate non-blocking: selected, and possible (module docstring).
+        The same verdict on every worker: it depends only on the plan and the job's backend."""
+        if self.migration != "nonblocking" or before is None or self.comm.backend != "gloo":
+            return False
+        try:
+            check_nonblocking(before, moves, self.shadow_slots)
+        except ValueError:
+            return False
+        return True
+
+    def _arm_nonblocking(self, new: Layout) -> None:
+        """Post the moves (§6.2, Fig. 9) and arm them for the next step; the ring is retired
+        until the step after, whose gradient hook re-seeds it from committed shards."""
+        if self.snapshot is not None:
+            self.snapshot.close()
+            self.snapshot = None
+        self._inflight = NonBlockingMigration(self.trainer, new, self.shadow_slots)
+        self.trainer.arm_overlay(self._inflight)
 
     def _remap(self, plan: Plan, target: Layout, lost: frozenset[int]) -> None:
         """Live remap of the committed shards to `target` (same stage boundaries as now): only
@@ -148,14 +207,21 @@ class FabricParticipant:
         group = dp_group_name(self.trainer.stage)
         self.snapshot = None
         if self.snapshots and len(self.comm.workers(group)) >= 2:
-            self.snapshot = RingSnapshot(self.comm, group, self.trainer.cfg.optim, update_fn=adamw_update)
-            self.snapshot.seed(shard_state_of(self.trainer))
+            snap = RingSnapshot(self.comm, group, self.trainer.cfg.optim, update_fn=adamw_update)
+            try:
+                snap.seed(shard_state_of(self.trainer))
+            except BaseException:
+                snap.close()  # a half-seeded ring must not be read by a later remap
+                raise
+            self.snapshot = snap
         self._seeded_layout = self.trainer.layout
 
     def _on_grads(self, step: int, grads: dict[str, torch.Tensor]) -> None:
         """Gradient hook (right after the reduce-scatter of step `step`): verify periodically,
         then post the snapshot exchange. Runs inside the step, so a peer failure here rolls the
         step back like any other."""
+        if self._seed_pending:  # first step after a non-blocking migration; the shards are still the committed ones
+            self._install_snapshot()
         snap = self.snapshot
         if snap is None:
             return

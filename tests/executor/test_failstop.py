@@ -58,6 +58,7 @@ class Scenario:
     victim: int = VICTIM
     relayout_at: int = -1  # >= 0: no kill; the published plan is applied before this step
     new_layout: Layout | None = None  # the plan's layout (default after a kill: resize_after_loss)
+    migration: str = "blocking"  # FabricParticipant's migration mode on the plan path
 
     def plan(self) -> Plan | None:
         old = base_layout(self.rng_mode)
@@ -115,7 +116,7 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
     if isinstance(comm, KillingCommunicator):
         comm.kill_at_op = sc.kill_at_op
     trainer = Trainer(CFG, layout, worker, comm)
-    participant = FabricParticipant(trainer, comm, verify_every=2)
+    participant = FabricParticipant(trainer, comm, verify_every=2, migration=sc.migration)
     proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
     losses: dict[int, float | None] = {}
     samples: dict[int, list[int]] = {}

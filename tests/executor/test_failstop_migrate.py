@@ -8,8 +8,9 @@
   losses follow the fault-free ones (mean relative deviation <= 1e-4); the same samples are fed;
   the snapshots verify after recovery and equal the live shards bitwise at the end.
 * A pipeline-only plan (no rank lost, block 1 moves to stage 1) applied at a step boundary
-  through the same protocol path: no group is rebuilt, and losses and final state are
-  bit-identical to the run without the move.
+  through the same protocol path, with blocking and with non-blocking migration (shadow layer and
+  gradient payback inside the next step, Fig. 9): no group is rebuilt, and losses and final
+  state are bit-identical to the run without the move.
 
 Job driver and assertions come from test_failstop.py.
 """
@@ -22,7 +23,7 @@ import pytest
 
 from executor.fabric.relayout import RelayoutError, plan_relayout
 from planners.dataflow import resize_after_loss
-from planners.layout import Layout
+from planners.layout import Layout, make_uniform_layout
 from tests.executor.test_failstop import (
     FAIL_STEP,
     STEPS,
@@ -66,12 +67,21 @@ def test_plan_is_diffed_into_remap_then_migration() -> None:
     loss_only = plan_relayout(old, resize_after_loss(old, {1}).layout)
     assert loss_only.moves == () and loss_only.remap_to is not None
     assert plan_relayout(old, old).is_empty
-    with pytest.raises(RelayoutError, match="join"):
+
+
+def test_unsupported_plans_are_refused_with_the_reason() -> None:
+    old = base_layout(RNG)
+    with pytest.raises(RelayoutError, match=r"unsupported .*: adding ranks \(ranks \[4\] join"):
         plan_relayout(resize_after_loss(old, {4}).layout, old)
-    with pytest.raises(RelayoutError, match="number of stages"):
+    with pytest.raises(RelayoutError, match=r"unsupported .*: changing the number of stages \(2 -> 1\)"):
         plan_relayout(old, replace(old, stages=(replace(old.stages[0], layer_stop=4),)))
-    with pytest.raises(RelayoutError, match="global batch"):
+    with pytest.raises(RelayoutError, match="unsupported .*: changing the global batch"):
         plan_relayout(old, replace(old, global_batch=6))
+    three = make_uniform_layout(6, 3, 1, global_batch=6, num_micro_batches=2, layer_numel=(8,) * 6)
+    three = with_bounds(three, [(0, 3), (3, 4), (4, 6)])
+    with pytest.raises(RelayoutError, match=r"more than one stage in one plan \(block 2: stage 0 -> 2\)"):
+        plan_relayout(three, with_bounds(three, [(0, 1), (1, 2), (2, 6)]))
+    assert plan_relayout(three, with_bounds(three, [(0, 2), (2, 3), (3, 6)])).moves == ((2, 0, 1), (3, 1, 2))
 
 
 @pytest.mark.multiproc
@@ -101,9 +111,14 @@ def test_kill9_with_layer_rebalance_recovers_bitwise() -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
-def test_pipeline_only_plan_through_protocol_is_bit_identical() -> None:
+@pytest.mark.parametrize("migration", ["blocking", "nonblocking"])
+def test_pipeline_only_plan_through_protocol_is_bit_identical(migration: str) -> None:
+    """Blocking: the boundary migrates before step RELAYOUT_AT. Non-blocking (Fig. 9): the plan
+    only posts the transfers and arms the shadow layer; step RELAYOUT_AT carries the move, and
+    the ring is re-seeded inside the step after it. Either way the losses and the final state are
+    bit-identical to the run without the move, and the snapshots end equal to the live shards."""
     old = base_layout(RNG)
-    sc = Scenario(RNG, relayout_at=RELAYOUT_AT, new_layout=with_bounds(old, [(0, 1), (1, 4)]))
+    sc = Scenario(RNG, relayout_at=RELAYOUT_AT, new_layout=with_bounds(old, [(0, 1), (1, 4)]), migration=migration)
     clean, moved = _clean(RNG), _run(sc)
     assert _last_stage_losses(moved) == _last_stage_losses(clean)
     assert_states_bitwise(_merged(clean, "final_state"), _merged(moved, "final_state"))
@@ -112,6 +127,46 @@ def test_pipeline_only_plan_through_protocol_is_bit_identical() -> None:
     assert not any(assert_exact_edit(moved, plan).values())  # a clean boundary: nothing half-matched
     for w, r in moved.items():
         assert r["edits"][0]["rebuilt"] == () and r["edits"][0]["at_step"] == RELAYOUT_AT, w
-        assert [m["moved_layers"] for m in r["migrations"]] == [((1, 0, 1),)]
+        (report,) = r["migrations"]
+        assert report["moved_layers"] == ((1, 0, 1),) and report["mode"] == migration, (w, report)
+        if migration == "nonblocking":  # stage 0 ran block 1 as a shadow, stage 1 folded its payback
+            assert (report["shadow_slots_run"], report["payback_slots"]) == ((1, 0) if r["stage"] == 0 else (0, 1)), w
         assert r["samples"] == clean[w]["samples"]
     assert_snapshots_equal_live(moved)
+
+
+def test_nonblocking_plan_path_falls_back_where_it_cannot_apply() -> None:
+    """The plan path migrates non-blocking only where Fig. 9's exactness holds; a loss plan that
+    also moves a block leaves stages of different DP sizes, so it migrates blocking."""
+    from executor.fabric.trainer_state import FabricParticipant
+
+    class Gloo:
+        backend = "gloo"
+
+    part = FabricParticipant.__new__(FabricParticipant)
+    part.comm, part.migration, part.shadow_slots = Gloo(), "nonblocking", 1  # type: ignore[assignment]
+    old = base_layout(RNG)
+    assert part._nonblocking_applies(old, plan_relayout(old, with_bounds(old, [(0, 1), (1, 4)])).moves)
+    rebalance = plan_relayout(old, loss_and_rebalance(4))
+    assert not part._nonblocking_applies(rebalance.remap_to, rebalance.moves)
+    part.migration = "blocking"
+    assert not part._nonblocking_applies(old, ((1, 0, 1),))
+    with pytest.raises(ValueError, match="migration must be one of"):
+        FabricParticipant(None, None, migration="async")  # type: ignore[arg-type]
+
+
+def test_step_carrying_a_nonblocking_migration_refuses_rollback() -> None:
+    """Its moved blocks have no committed copy in the new layout: a rollback says so instead of
+    restoring a state without them."""
+    from executor.fabric.trainer_state import FabricParticipant, MigrationInFlight
+
+    class Comm:
+        worker = 0
+
+    class InFlight:
+        moves = ((1, 0, 1),)
+
+    part = FabricParticipant.__new__(FabricParticipant)
+    part.comm, part._inflight = Comm(), InFlight()  # type: ignore[assignment]
+    with pytest.raises(MigrationInFlight, match=r"non-blocking migration of \(\(1, 0, 1\),\) failed"):
+        part.on_rollback()

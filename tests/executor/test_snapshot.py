@@ -1,16 +1,24 @@
 """Per-step ring snapshots (ElasWave §5.1): after 20 AdamW steps (one of them rolled back) the
 neighbour's host snapshot equals the live shard bitwise; the checksum check agrees and catches a
-single flipped element."""
+single flipped element. Shown twice: on a synthetic ZeRO-1 workload (one DP group, gradients that
+depend only on the step) and on the real engine (a PP=2 x DP=2 Trainer through the step protocol,
+snapshots fed by the trainer's own reduce-scatter through `FabricParticipant`)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 
-from executor.comm import Communicator
+from executor.comm import Communicator, groups_for_stages
 from executor.fabric.snapshot import RingSnapshot, SnapshotError, ring_holder
 from executor.fabric.state import ShardState
+from executor.fabric.trainer_state import FabricParticipant, shard_state_of
+from executor.step_protocol import StepProtocol
 from executor.store_server import StoreServer, connect_store
+from executor.trainer import Trainer
+from tests.executor import engine_cases
 from tests.executor.fabric_workload import HYPER, grads_for, initial_state, layout_for, live_update
 from tests.executor.ft_procs import collect, spawn
 
@@ -65,6 +73,81 @@ def test_ring_snapshot_equals_live_shard_bitwise() -> None:
             assert not torch.equal(torch.from_numpy(rows[0]), initial.units[layer].param)  # it trained
         assert got[w]["verified"] is True
         assert got[w]["verified_tampered"] is False  # one element of worker 0 changed: all see it
+
+
+ENGINE_WORKERS = [0, 1, 2, 3]
+ENGINE_VERIFY_EVERY = 7  # checksums at committed steps 7 and 14; a mismatch would re-seed, so it must stay 0
+
+
+def _engine_layout() -> Any:
+    return engine_cases.layout([(0, 2), (2, 4)], [(0, 1), (2, 3)], global_batch=8, num_micro_batches=2)
+
+
+def _vote(proto: StepProtocol, store: Any, worker: int, step: int) -> bool:
+    """The commit vote; in ROLLED_BACK_STEP worker 3 votes only after the others gave up on it
+    (a hung peer, as the protocol sees it), so that attempt aborts on every worker after its
+    gradient exchange completed, deterministically, without flagging an abort on the groups."""
+    if step != ROLLED_BACK_STEP:
+        return proto.should_commit()
+    if worker != 3:
+        decided = proto.should_commit(timeout_s=0.3)
+        store.set(f"test/late/{worker}", "decided")
+        return decided
+    store.wait([f"test/late/{w}" for w in ENGINE_WORKERS if w != 3])
+    return proto.should_commit()
+
+
+def _engine_snapshot_worker(worker: int, port: int) -> dict[str, object]:
+    """Train the real engine for STEPS committed steps with ring snapshots on (one attempt of
+    ROLLED_BACK_STEP rolled back and replayed), then report the live shard and the snapshot."""
+    layout = _engine_layout()
+    store = connect_store("127.0.0.1", port)
+    comm = Communicator(store, worker, groups_for_stages([s.ranks for s in layout.stages]), timeout_s=30.0)
+    trainer = Trainer(engine_cases.train_config(dropout=0.1), layout, worker, comm)
+    initial = shard_state_of(trainer).to_numpy()
+    participant = FabricParticipant(trainer, comm, verify_every=ENGINE_VERIFY_EVERY)
+    proto = StepProtocol(comm, participant, timeout_s=30.0)
+    step, rollbacks = 0, 0
+    while step < STEPS:
+        proto.begin_step(step)
+        trainer.train_step(step)
+        if _vote(proto, store, worker, step):
+            proto.commit()
+            step += 1
+        else:
+            proto.rollback()  # no plan: the groups are intact, the replay gets its own decision
+            rollbacks += 1
+    snap = participant.snapshot
+    assert snap is not None
+    return {"live": shard_state_of(trainer).to_numpy(), "initial": initial, "snapshot": snap.state().to_numpy(),
+            "protected": snap.protected, "snapshot_step": snap.state().step, "rollbacks": rollbacks,
+            "mismatches": participant.checksum_mismatches, "verified": list(participant.verified_steps)}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_engine_ring_snapshot_equals_live_shard_bitwise() -> None:
+    """The real trainer (PP=2 x DP=2, dropout on, ZeRO-1 interleaved) for 20 committed steps, one
+    more attempt rolled back: every neighbour's snapshot equals the live shard it protects bit
+    for bit, the live shards moved away from their initial values, and the checksums agreed."""
+    server = StoreServer.start()
+    try:
+        procs, results = spawn(_engine_snapshot_worker, ENGINE_WORKERS, server.port)
+        got = collect(procs, results, ENGINE_WORKERS, timeout_s=90)
+    finally:
+        server.stop()
+    dp_groups = [s.ranks for s in _engine_layout().stages]
+    for w in ENGINE_WORKERS:
+        (group,) = [g for g in dp_groups if w in g]
+        holder = got[ring_holder(group, w)]
+        assert holder["protected"] == w and holder["snapshot_step"] == STEPS
+        assert got[w]["rollbacks"] == 1 and got[w]["mismatches"] == 0 and got[w]["verified"] == [7, 14]
+        live, snap, initial = got[w]["live"], holder["snapshot"], got[w]["initial"]
+        assert sorted(live) == sorted(snap) and live, w
+        for unit, (lo, hi, rows) in live.items():
+            assert (lo, hi) == snap[unit][:2], (w, unit)
+            assert rows.tobytes() == snap[unit][2].tobytes(), (w, unit)  # param, exp_avg, exp_avg_sq
+            assert rows[0].tobytes() != initial[unit][2][0].tobytes(), (w, unit)  # it trained
 
 
 def test_snapshot_rejects_out_of_order_use() -> None:
