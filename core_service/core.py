@@ -335,6 +335,11 @@ class Core:
         last_gauges = 0.0
         failing = 0
         while self.is_leader:
+            if not self.leads:
+                # The lease lapsed and the keepalive has not called back yet: act on nothing
+                # (a successor may be marking members and publishing plans) until it does.
+                await asyncio.sleep(LOOP_INTERVAL_S)
+                continue
             now = time.time()
             errors = await self._leader_tick(now)
             if now - last_gauges >= GAUGE_INTERVAL_S:
@@ -403,8 +408,18 @@ class Core:
         except NotDurable as exc:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, f"the change is not stored in the registry: {exc}") from None
 
+    @property
+    def leads(self) -> bool:
+        """True while this Core leads and its leader lease is still valid by its own clock.
+
+        `is_leader` flips only when the election's keepalive thread calls back, and that thread
+        can sit in a registry call for the call's deadline (etcd: 5 s), longer than the lease TTL:
+        a standby may lead by then. The election's local deadline lapses in time, so requests
+        (and the leader loop) check it too and a deposed leader never answers as one."""
+        return self.is_leader and (self._election is None or self._election.is_leader)
+
     def require_leader(self) -> None:
-        if not self.is_leader:
+        if not self.leads:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, self.not_leader_message())
 
     def job_or_not_found(self, name: str) -> Job:

@@ -79,7 +79,7 @@ class ExecutorServicer:
                 sent = epoch
                 yield executor_pb2.SubscribePlansResponse(plan=plan_from_body(request.job, epoch, body))
                 continue
-            if not self.core.is_leader:
+            if not self.core.leads:
                 raise RpcError(grpc.StatusCode.UNAVAILABLE, self.core.not_leader_message())
             await self.core.plan_feed.wait(request.job, timeout_s=1.0)
 

@@ -3,6 +3,9 @@
 Paths, fastest first: the agent reports the worker's exit; the agent's stream closes without a
 Leave; the liveness lease expires (node loss, partition, an agent that hangs); heartbeats stop.
 Whichever fires first marks the worker LOST with its reason; the others then find it gone.
+A liveness lease the Core holds for an agent only counts while this Core holds it: after a
+failover, the dead leader's leases expire on their own, and the agents they stood for get the
+reconnect grace instead.
 A worker whose heartbeat is late (half the timeout) is sent one ReportNow first, so a merely slow
 agent answers before it is declared lost.
 
@@ -280,7 +283,11 @@ class Membership:
             asyncio.ensure_future(self._check_alive(job_name, worker_id))
 
     async def _check_alive(self, job_name: str, worker_id: str) -> None:
-        """A liveness key vanished: lost unless it was re-created meanwhile (a re-registration)."""
+        """A liveness key vanished: lost unless it was re-created meanwhile (a re-registration),
+        or the lease behind it said nothing about the worker (see `_lease_holder`)."""
+        holder = self._lease_holder(job_name, worker_id)
+        if holder is None:
+            return
         key = self.table.job_key(job_name, "alive", worker_id)
         try:
             if await registry_call(self.registry, self.registry.get, key) is not None:
@@ -288,9 +295,28 @@ class Membership:
         except RegistryError as exc:
             log.warning("cannot confirm liveness key %s: %s", key, exc)
             return
+        if self._lease_holder(job_name, worker_id) != holder:
+            return  # re-registered (a fresh lease) while the key was read
         job = self.table.jobs.get(job_name)
         if job is not None:
             self.mark_lost(job, worker_id, "liveness lease expired", "lease_expired", time.time())
+
+    def _lease_holder(self, job_name: str, worker_id: str) -> tuple[str, int] | None:
+        """Who keeps the worker's liveness lease alive: ("agent", 0) for its agent's own lease,
+        ("core", lease) for one this Core refreshes on the agent's heartbeats. None when nobody
+        here does, so the key's deletion is no news about the worker: a lease the previous leader
+        held for an agent that has not reconnected to this Core yet expires because that leader
+        died. Such a worker has the reconnect grace, then the heartbeat timeout, to come back."""
+        job = self.table.jobs.get(job_name)
+        member = job.members.get(worker_id) if job is not None else None
+        if member is None or member.state.is_gone:
+            return None
+        if member.holds_own_lease:
+            return ("agent", 0)
+        session = self.sessions.get((job_name, worker_id))
+        if session is None or session.lease_id is None:
+            return None
+        return ("core", session.lease_id)
 
 
 def _frequencies(layout_json: str | bytes) -> dict[int, int]:

@@ -62,7 +62,7 @@ def build_app(core: Core) -> FastAPI:
                   description="Jobs, members and events of the ElasWave control plane.")
 
     def leader_only() -> None:
-        if not core.is_leader:
+        if not core.leads:
             raise HTTPException(503, detail=core.not_leader_message())
 
     def job_or_404(name: str) -> Job:
@@ -88,7 +88,7 @@ def build_app(core: Core) -> FastAPI:
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
-        return {"status": "ok", "role": "leader" if core.is_leader else "standby",
+        return {"status": "ok", "role": "leader" if core.leads else "standby",
                 "core_id": core.settings.core_id, "leader": core.not_leader_message().split("is ")[-1],
                 "uptime_s": time.time() - core.started_unix}
 

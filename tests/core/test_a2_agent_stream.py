@@ -263,6 +263,43 @@ def test_late_heartbeat_gets_one_report_now_before_the_worker_is_lost(core: tupl
     stream.close()
 
 
+@pytest.mark.timeout(60)
+def test_failed_device_probe_marks_the_worker_lost(core: tuple[CoreProcess, str]) -> None:
+    proc, token = core
+    job_token = create_job(proc, token, "probes")
+    sick = RawStream(proc.grpc_address, job_token, "probes", "w0")
+    other = RawStream(proc.grpc_address, job_token, "probes", "w1")
+    for s in (sick, other):
+        s.step(1)
+    wait_until(lambda: proc.states("probes") == {"w0": "RUNNING", "w1": "RUNNING"}, 10, "both RUNNING")
+    lost_before = proc.metric("elaswave_failures_detected_total", path="device_probe")
+
+    def probe(stream: RawStream, kind: int, healthy: bool, detail: str) -> None:
+        stream.send(probe=agent_pb2.HealthProbe(kind=kind, healthy=healthy, detail=detail, latency_ms=1.5))
+
+    # A healthy device probe and a failed host probe are recorded; neither is a fail-stop.
+    probe(sick, agent_pb2.PROBE_KIND_DEVICE, True, "cuda:0 answers")
+    probe(other, agent_pb2.PROBE_KIND_HOST, False, "disk 99% full")
+    wait_until(lambda: member(proc, "probes", "w1")["probes"].get("host", {}).get("healthy") is False, 5,
+               "w1's failed host probe recorded")
+    assert member(proc, "probes", "w0")["probes"]["device"]["healthy"] is True
+    assert proc.states("probes") == {"w0": "RUNNING", "w1": "RUNNING"}
+
+    # A failed device probe is: the worker is LOST with the probe's detail, on an open stream.
+    probe(sick, agent_pb2.PROBE_KIND_DEVICE, False, "cuda:0 ECC error")
+    wait_until(lambda: proc.states("probes")["w0"] == "LOST", 2, "w0 LOST after its device probe failed")
+    lost = member(proc, "probes", "w0")
+    assert lost["lost_reason"] == "device probe failed: cuda:0 ECC error"
+    assert lost["probes"]["device"]["healthy"] is False
+    assert proc.states("probes")["w1"] == "RUNNING"
+    events = proc.http.get("/api/v1/jobs/probes/events").json()["events"]
+    assert [(e["kind"], e["worker_id"], e["detail"]) for e in events if e["kind"] == "worker_lost"] == [
+        ("worker_lost", "w0", "device probe failed: cuda:0 ECC error")]
+    assert proc.metric("elaswave_failures_detected_total", path="device_probe") == lost_before + 1
+    sick.close()
+    other.leave()
+
+
 def _dvfs_layout() -> dict:
     # One stage, two data-parallel ranks; rank 1 runs at a locked 1500 MHz (a DVFS plan).
     layout = make_uniform_layout(num_layers=4, num_stages=1, dp=2, global_batch=8, num_micro_batches=2)

@@ -1,0 +1,199 @@
+"""Leases across leadership changes, on in-process Cores.
+
+A leader whose lease lapsed refuses requests, and its leader loop stops acting, even before it
+learns that it lost the lease. And a liveness lease that a previous leader held for an agent
+expiring is no loss: only a lease the leading Core holds (or the agent's own) speaks for a worker.
+
+The election's keepalive thread can sit in a registry call for the call's deadline (etcd: 5 s),
+longer than the leader TTL, so the Core's `is_leader` flag can lag the lease. Here that call is
+held for as long as the test wants: an in-process Core on a registry whose `refresh_lease`
+blocks on demand, so the window is entered and left deterministically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import grpc
+import httpx
+import pytest
+
+from core_service.config import CoreSettings, load_settings
+from core_service.core import Core
+from core_service.membership import Registration
+from core_service.registry import MemoryRegistry, Registry, WatchHandle
+from core_service.registry.base import KVEvent
+from elaswave.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+SCHEDULER_TOKEN = "scheduler-token-0123456789"
+ADMIN = {"Authorization": f"Bearer {SCHEDULER_TOKEN}"}
+LEADER_TTL_S = 1.0
+HEARTBEAT_TIMEOUT_S = 0.5
+SILENT_WORKER = Registration(job="train", worker_id="w0", host="h", pid=1, devices=[], stage=0, dp_rank=0, rank=0,
+                             holds_own_lease=True)
+
+
+class StallingRegistry(Registry):
+    """A MemoryRegistry whose `refresh_lease` blocks while `stalled` is set, like an etcd call
+    waiting for its deadline. Not a MemoryRegistry itself, so the Core keeps its short leader TTL."""
+
+    def __init__(self) -> None:
+        self.inner = MemoryRegistry()
+        self.stalled = threading.Event()
+        self.released = threading.Event()
+        self.stalled_calls = 0
+
+    def refresh_lease(self, lease_id: int) -> None:
+        if self.stalled.is_set():
+            self.stalled_calls += 1
+            self.released.wait(30)
+        self.inner.refresh_lease(lease_id)
+
+    def grant_lease(self, ttl_s: float) -> int:
+        return self.inner.grant_lease(ttl_s)
+
+    def revoke_lease(self, lease_id: int) -> None:
+        self.inner.revoke_lease(lease_id)
+
+    def put(self, key: str, value: bytes, lease: int | None = None) -> int:
+        return self.inner.put(key, value, lease)
+
+    def get(self, key: str) -> bytes | None:
+        return self.inner.get(key)
+
+    def get_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
+        return self.inner.get_prefix(prefix)
+
+    def delete(self, key: str) -> bool:
+        return self.inner.delete(key)
+
+    def delete_prefix(self, prefix: str) -> int:
+        return self.inner.delete_prefix(prefix)
+
+    def create(self, key: str, value: bytes, lease: int | None = None) -> bool:
+        return self.inner.create(key, value, lease)
+
+    def compare_and_swap(self, key: str, expected: bytes | None, value: bytes, lease: int | None = None,
+                         also: Sequence[tuple[str, bytes]] = ()) -> bool:
+        return self.inner.compare_and_swap(key, expected, value, lease, also)
+
+    def watch_prefix(self, prefix: str, callback: Callable[[KVEvent], None]) -> WatchHandle:
+        return self.inner.watch_prefix(prefix, callback)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+async def eventually(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def scheduler_call(core: Core) -> grpc.StatusCode:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{core.grpc_port}") as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        try:
+            await stub.GetJobState(scheduler_pb2.GetJobStateRequest(job="train"),
+                                   metadata=[("authorization", f"Bearer {SCHEDULER_TOKEN}")], timeout=5)
+        except grpc.aio.AioRpcError as err:
+            return err.code()
+        return grpc.StatusCode.OK
+
+
+@pytest.mark.timeout(60)
+def test_leader_with_a_lapsed_lease_refuses_requests_before_its_keepalive_reports_back() -> None:
+    registry = StallingRegistry()
+    settings = load_settings(dev_mode=True, core_id="a", grpc_port=0, http_port=0, registry_url="memory://",
+                             scheduler_token=SCHEDULER_TOKEN, leader_ttl_s=LEADER_TTL_S,
+                             heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+
+    async def scenario() -> None:
+        core = Core(settings, registry=registry)
+        await core.start()
+        try:
+            assert await core.wait_leader(10)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{core.http_port}", timeout=5) as http:
+                created = await http.post("/api/v1/jobs", json={"name": "train"}, headers=ADMIN)
+                assert created.status_code == 201, created.text
+                assert await scheduler_call(core) == grpc.StatusCode.OK
+
+                # The keepalive's next refresh hangs; the lease runs out behind it.
+                registry.stalled.set()
+                await eventually(lambda: registry.stalled_calls > 0, 5, "the keepalive to stall")
+                # The last refresh that went through was sent before the stalled one, so the lease
+                # is past its TTL by the time this sleep ends.
+                await asyncio.sleep(LEADER_TTL_S + 0.1)
+                assert core.is_leader  # the window: nobody has told the Core yet
+                assert not core.leads
+                assert await scheduler_call(core) == grpc.StatusCode.UNAVAILABLE
+                refused = await http.post("/api/v1/jobs", json={"name": "other"}, headers=ADMIN)
+                assert refused.status_code == 503 and refused.json()["detail"].startswith("not leader")
+                assert (await http.get("/api/v1/jobs/train")).status_code == 503
+                assert (await http.get("/healthz")).json()["role"] == "standby"
+                assert "other" not in core.table.jobs
+                # Nor does its leader loop act: a worker silent past the heartbeat timeout is left
+                # to the successor (registered in-process, as no agent can connect now).
+                await core.membership.register(SILENT_WORKER, time.time())
+                await asyncio.sleep(HEARTBEAT_TIMEOUT_S + 0.3)
+                assert core.table.get("train").members["w0"].state.value == "JOINING"
+
+                # The stalled refresh returns and finds its lease gone: the Core steps down for good.
+                registry.released.set()
+                await eventually(lambda: not core.is_leader or core.leads, 5, "the keepalive to report back")
+        finally:
+            registry.released.set()
+            await core.stop()
+            registry.close()
+
+    asyncio.run(scenario())
+
+
+def quiet_settings(core_id: str) -> CoreSettings:
+    # Heartbeats and Core-held leases outlast the test: only the deletions it makes count.
+    return load_settings(dev_mode=True, core_id=core_id, grpc_port=0, http_port=0, registry_url="memory://",
+                         scheduler_token=SCHEDULER_TOKEN, heartbeat_timeout_s=600.0, lease_ttl_s=600.0)
+
+
+@pytest.mark.timeout(60)
+def test_only_the_leaders_own_core_held_leases_count_as_liveness() -> None:
+    registry = MemoryRegistry()
+    worker = replace(SILENT_WORKER, holds_own_lease=False)
+    alive_key = "/elaswave/jobs/train/alive/w0"
+
+    async def scenario() -> None:
+        old = Core(quiet_settings("old"), registry=registry)
+        await old.start()
+        assert await old.wait_leader(10)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{old.http_port}", timeout=5) as http:
+            assert (await http.post("/api/v1/jobs", json={"name": "train"}, headers=ADMIN)).status_code == 201
+        old_lease = (await old.membership.register(worker, time.time())).lease_id
+        assert old_lease is not None and registry.get(alive_key) is not None
+        await old.stop()  # its lease for w0 lives on, as a crashed leader's would until its TTL
+
+        new = Core(quiet_settings("new"), registry=registry)
+        await new.start()
+        try:
+            assert await new.wait_leader(10)
+            job = new.table.get("train")
+            # The old leader's lease ends before w0 reconnects: no news about w0.
+            registry.revoke_lease(old_lease)
+            await asyncio.sleep(0.3)
+            assert job.members["w0"].state.value == "JOINING"
+            # w0 reconnects; the lease this Core now holds for it ends: that is a loss.
+            new_lease = (await new.membership.register(worker, time.time())).lease_id
+            assert new_lease is not None and new_lease != old_lease
+            registry.revoke_lease(new_lease)
+            await eventually(lambda: job.members["w0"].state.value == "LOST", 5, "w0 LOST")
+            assert job.members["w0"].lost_reason == "liveness lease expired"
+        finally:
+            await new.stop()
+            registry.close()
+
+    asyncio.run(scenario())
