@@ -148,15 +148,18 @@ class CostModel:
         default = float(self.profile.ref_mhz)
         if not layout.frequencies_mhz:
             return [default] * layout.num_stages  # the common case costs nothing per rank
-        stage_of = {r: p for p, s in enumerate(layout.stages) for r in s.ranks}
-        slowest = [math.inf] * layout.num_stages
-        locked = [0] * layout.num_stages
-        for rank, mhz in layout.frequencies_mhz:
-            if rank in stage_of:
-                p = stage_of[rank]
-                slowest[p], locked[p] = min(slowest[p], mhz), locked[p] + 1
-        return [min(slowest[p], default) if locked[p] < s.dp_size else slowest[p]
-                for p, s in enumerate(layout.stages)]
+        freqs = dict(layout.frequencies_mhz)
+        if len(freqs) < len(layout.frequencies_mhz):  # a rank listed twice: its slowest clock counts
+            freqs = {}
+            for rank, mhz in layout.frequencies_mhz:
+                freqs[rank] = min(mhz, freqs.get(rank, mhz))
+        out = []
+        for s in layout.stages:
+            locked = freqs.keys() & s.ranks  # membership tested in C: no Python step per rank
+            slowest = float(min(map(freqs.__getitem__, locked), default=math.inf))
+            unlocked = len(locked) < s.dp_size and len(locked) < len(set(s.ranks))
+            out.append(min(slowest, default) if unlocked else slowest)
+        return out
 
     def stage_compute(self, cond: StageConditions) -> tuple[np.ndarray, np.ndarray]:
         return self.profile.layer_times(cond.micro_batch, cond.freq_scale)

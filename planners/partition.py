@@ -101,9 +101,10 @@ class AdditiveCosts:
 
     def solve(self) -> PartitionResult:
         P, L = self.layer_cost.shape
-        return minimax_partition(
-            L, P, lambda p: self.stage_overhead[p] + _segment_sums(self.layer_cost[p]),
-            lambda p: self.stage_mem_base[p] + _segment_sums(self.layer_mem[p]), self.mem_cap)
+        # Every stage's (L+1, L+1) table in one numpy call each, as rebalance_layers does.
+        times = np.asarray(self.stage_overhead)[:, None, None] + _segment_sums(np.asarray(self.layer_cost))
+        mems = np.asarray(self.stage_mem_base)[:, None, None] + _segment_sums(np.asarray(self.layer_mem))
+        return minimax_partition(L, P, times.__getitem__, mems.__getitem__, self.mem_cap)
 
 
 def solve_partition_request(req: Any) -> dict[str, Any]:

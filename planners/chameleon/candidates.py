@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import lru_cache
 
 import numpy as np
 
 from planners.chameleon.estimators import StepEstimate, rerouting_step_time
-from planners.chameleon.state import Candidate, ClusterState, PipelinePlan, infeasible
+from planners.chameleon.state import Candidate, ClusterState, JobProfile, PipelinePlan, infeasible
 from planners.chameleon.stepmodel import make_stage, over_cap, stage_memory, step_time
 from planners.partition import AdditiveCosts
 
@@ -27,7 +28,7 @@ from planners.partition import AdditiveCosts
 def even_counts(total: int, parts: int) -> list[int]:
     """`total` split into `parts` integers differing by at most one (earlier parts larger)."""
     base, extra = divmod(total, parts)
-    return [base + (1 if j < extra else 0) for j in range(parts)]
+    return [base + 1] * extra + [base] * (parts - extra)
 
 
 def even_boundaries(num_layers: int, num_stages: int) -> tuple[int, ...]:
@@ -40,10 +41,14 @@ def current_boundaries(state: ClusterState) -> tuple[int, ...]:
     balanced AdaPipe-like initial layout ElasWave §7.1 compares against)."""
     if state.boundaries:
         return state.boundaries
-    shape, prof = state.shape, state.profile
+    return _balanced_boundaries(state.profile, state.shape.pp, state.shape.micro_batch)
+
+
+@lru_cache(maxsize=64)
+def _balanced_boundaries(prof: JobProfile, p: int, micro_batch: int) -> tuple[int, ...]:
+    """Algorithm 1 on the fault-free job, computed once per (profile, depth, micro-batch)."""
     costs = np.asarray(prof.layer_fwd_s) + np.asarray(prof.layer_bwd_s)
-    p = shape.pp
-    layer_cost = np.tile(costs * shape.micro_batch, (p, 1))
+    layer_cost = np.tile(costs * micro_batch, (p, 1))
     result = AdditiveCosts(layer_cost, np.zeros(p), np.zeros((p, prof.num_layers)), np.zeros(p),
                            np.full(p, np.inf)).solve()
     return result.boundaries if result.feasible else even_boundaries(prof.num_layers, p)
@@ -60,8 +65,9 @@ def _fixed_layout_pipe(state: ClusterState, replicas: list[int], samples: int, n
     shape = state.shape
     spans = stage_edges(current_boundaries(state), state.profile.num_layers)
     stages = []
+    base = np.asarray(replicas, dtype=np.int64) * shape.pp
     for s, (a, b) in enumerate(spans):
-        ranks = [shape.rank(d, s) for d in replicas if shape.rank(d, s) not in state.failed]
+        ranks = _without_failed((base + s).tolist(), state.failed)
         stage = make_stage(state, a, b, ranks, [samples] * len(ranks), s, len(spans), max(len(ranks), 1))
         if activation_scale is not None:
             mem = stage_memory(state.profile, a, b, s, len(spans), samples * activation_scale[s], len(ranks))
@@ -70,13 +76,37 @@ def _fixed_layout_pipe(state: ClusterState, replicas: list[int], samples: int, n
     return PipelinePlan(tuple(stages), num_slots)
 
 
+def _without_failed(ranks: list[int], failed: frozenset[int]) -> list[int]:
+    """`ranks` (in order) minus the failed ones: a C-level `list.remove` per failed rank while
+    there are few, one filtering pass when there are many."""
+    present = failed.intersection(ranks)
+    if len(present) > 64:
+        return [r for r in ranks if r not in present]
+    for r in present:
+        ranks.remove(r)
+    return ranks
+
+
+def _damaged_replicas(state: ClusterState) -> dict[int, int]:
+    """Replica -> number of its ranks that failed (only replicas that lost one)."""
+    out: dict[int, int] = {}
+    for r in state.failed:
+        d = r // state.shape.pp
+        out[d] = out.get(d, 0) + 1
+    return out
+
+
 def torchft(state: ClusterState) -> Candidate:
     shape = state.shape
-    whole = [d for d in range(shape.dp) if not any(shape.rank(d, s) in state.failed for s in range(shape.pp))]
+    damaged = _damaged_replicas(state)
+    whole = [d for d in range(shape.dp) if d not in damaged]
     if not whole:
         return infeasible("torchft", "every DP replica lost a rank; TorchFT has no whole replica left")
     slots = math.ceil(shape.global_batch / (len(whole) * shape.micro_batch))
     pipe = _fixed_layout_pipe(state, whole, shape.micro_batch, slots)
+    cap = over_cap((pipe,), state.profile)
+    if cap:  # fewer replicas shard the ZeRO-1 optimizer state over fewer ranks (eq. 14)
+        return infeasible("torchft", f"{len(whole)} whole replicas do not fit memory: {cap}")
     dropped = shape.dp - len(whole)
     return Candidate("torchft", True, f"dropped {dropped} of {shape.dp} replicas; {len(whole)} replicas run "
                      f"{slots} micro-batches each", (pipe,), step_time((pipe,), state.profile),
@@ -87,9 +117,13 @@ def torchft(state: ClusterState) -> Candidate:
 def _rerouting_shape(state: ClusterState) -> tuple[list[int], list[int]]:
     """Replicas that keep at least one rank, and per stage how many of their ranks are lost."""
     shape = state.shape
-    replicas = [d for d in range(shape.dp)
-                if not all(shape.rank(d, s) in state.failed for s in range(shape.pp))]
-    return replicas, [sum(shape.rank(d, s) in state.failed for d in replicas) for s in range(shape.pp)]
+    damaged = _damaged_replicas(state)
+    replicas = [d for d in range(shape.dp) if damaged.get(d, 0) < shape.pp]
+    failed = [0] * shape.pp
+    for r in state.failed:
+        if damaged[r // shape.pp] < shape.pp:
+            failed[r % shape.pp] += 1
+    return replicas, failed
 
 
 def rerouting_estimate(state: ClusterState) -> StepEstimate:

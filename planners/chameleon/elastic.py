@@ -14,11 +14,20 @@ with nominal/f and transfers do not.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
 
 from planners.chameleon.candidates import current_boundaries, even_counts, stage_edges
-from planners.chameleon.state import Candidate, ClusterState, JobProfile, PipelinePlan, StagePlan, infeasible
+from planners.chameleon.state import (
+    Candidate,
+    ClusterState,
+    JobProfile,
+    JobShape,
+    PipelinePlan,
+    StagePlan,
+    infeasible,
+)
 from planners.chameleon.stepmodel import make_stage, over_cap, step_time
 from planners.dvfs import bisection_search, model_frequency_guess
 from planners.partition import AdditiveCosts
@@ -27,8 +36,7 @@ from planners.partition import AdditiveCosts
 def elaswave(state: ClusterState, migrate: bool = True, dvfs: bool = True) -> Candidate:
     name = "elaswave" if migrate and dvfs else ("elaswave-migrate" if migrate else "elaswave-resize")
     shape = state.shape
-    groups = [[shape.rank(d, s) for d in range(shape.dp) if shape.rank(d, s) not in state.failed]
-              for s in range(shape.pp)]
+    groups = [state.stage_ranks(s) for s in range(shape.pp)]
     kept = [s for s in range(shape.pp) if groups[s]]
     if not kept:
         return infeasible(name, "no rank left")
@@ -36,10 +44,11 @@ def elaswave(state: ClusterState, migrate: bool = True, dvfs: bool = True) -> Ca
         return infeasible(name, f"stage(s) {[s for s in range(shape.pp) if not groups[s]]} lost every rank; "
                                 "resizing alone cannot serve them")
     ranks = [groups[s] for s in kept]
+    floor = _linear_per_sample(state) * shape.num_ranks / state.num_alive if dvfs else 0.0
     best: Candidate | None = None
     last_reason = "no slot size to try"
     for slot_size in _slot_sizes(state, [len(g) for g in ranks], migrate):
-        cand = _plan_for_slot_size(state, name, kept, ranks, slot_size, migrate, dvfs)
+        cand = _plan_for_slot_size(state, name, kept, ranks, slot_size, migrate, dvfs, floor)
         if not cand.feasible:
             last_reason = cand.reason
         elif best is None or cand.step_time_s < best.step_time_s:
@@ -56,14 +65,14 @@ def _slot_sizes(state: ClusterState, live: list[int], migrate: bool) -> list[int
     if not migrate:
         return [original]
     sizes = {original}
-    for s in range(max(1, original // 2), 2 * original + 1):
-        if any(s % n == 0 for n in live if n != shape.dp):
-            sizes.add(s)
+    lo, hi = max(1, original // 2), 2 * original
+    for n in {n for n in live if n != shape.dp}:  # the multiples of each damaged stage's survivor count
+        sizes.update(range(-(-lo // n) * n, hi + 1, n))
     return sorted(sizes)
 
 
 def _plan_for_slot_size(state: ClusterState, name: str, kept: list[int], ranks: list[list[int]],
-                        slot_size: int, migrate: bool, dvfs: bool) -> Candidate:
+                        slot_size: int, migrate: bool, dvfs: bool, floor_per_sample: float = 0.0) -> Candidate:
     shape, prof = state.shape, state.profile
     slots = math.ceil(shape.global_batch / slot_size)
     largest_slot = math.ceil(shape.global_batch / slots)
@@ -78,7 +87,7 @@ def _plan_for_slot_size(state: ClusterState, name: str, kept: list[int], ranks: 
     stages = [make_stage(state, a, b, g, n, i, len(spans), len(g))
               for i, ((a, b), g, n) in enumerate(zip(spans, ranks, samples, strict=True))]
     if dvfs and (state.failed or state.slowdown):
-        stages = _upclock_stragglers(state, stages, _linear_target(state, largest_slot))
+        stages = _upclock_stragglers(state, stages, floor_per_sample * largest_slot)
     pipe = PipelinePlan(tuple(stages), slots)
     cap = over_cap((pipe,), prof)
     if cap:
@@ -93,7 +102,7 @@ def _plan_for_slot_size(state: ClusterState, name: str, kept: list[int], ranks: 
 
 
 def _stage_weight(state: ClusterState, ranks: list[int], samples: list[int]) -> float:
-    return max(n * state.slowdown_of(r) for r, n in zip(ranks, samples, strict=True))
+    return state.worst_share(ranks, samples)
 
 
 def _partition(state: ClusterState, ranks: list[list[int]], samples: list[list[int]],
@@ -117,13 +126,21 @@ def _partition(state: ClusterState, ranks: list[list[int]], samples: list[list[i
 def _linear_target(state: ClusterState, slot_samples: int) -> float:
     """Mini-step time that would give linear scaling: the fault-free worst mini-step per sample,
     times the lost fraction of ranks, times this plan's slot size. DVFS never aims below it."""
-    fault_free = elaswave(ClusterState(state.shape, state.profile, boundaries=state.boundaries,
-                                       mttr=state.mttr), migrate=False, dvfs=False)
+    return _linear_per_sample(state) * slot_samples * state.shape.num_ranks / state.num_alive
+
+
+def _linear_per_sample(state: ClusterState) -> float:
+    """The fault-free worst mini-step per sample of the configured layout (0 if it cannot run);
+    cached per (job, profile, layout): every plan of one job shares it."""
+    return _fault_free_per_sample(state.shape, state.profile, state.boundaries)
+
+
+@lru_cache(maxsize=64)
+def _fault_free_per_sample(shape: JobShape, prof: JobProfile, boundaries: tuple[int, ...]) -> float:
+    fault_free = elaswave(ClusterState(shape, prof, boundaries=boundaries), migrate=False, dvfs=False)
     if not fault_free.feasible:
         return 0.0
-    shape = state.shape
-    per_sample = max(s.ministep_s for s in fault_free.pipelines[0].stages) / (shape.micro_batch * shape.dp)
-    return per_sample * slot_samples * shape.num_ranks / len(state.alive)
+    return max(s.ministep_s for s in fault_free.pipelines[0].stages) / (shape.micro_batch * shape.dp)
 
 
 def _upclock_stragglers(state: ClusterState, stages: list[StagePlan], floor_s: float) -> list[StagePlan]:

@@ -11,6 +11,7 @@ the optimizer state sharded ZeRO-1 style over the devices that hold each layer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 from planners.chameleon.coloring import colour_all_reduce_rounds, rounds_time
 from planners.chameleon.estimators import asymmetric_pipeline_time
@@ -27,7 +28,9 @@ def make_stage(state: ClusterState, layer_start: int, layer_stop: int, ranks: Se
     fwd = sum(prof.layer_fwd_s[layer_start:layer_stop])
     bwd = sum(prof.layer_bwd_s[layer_start:layer_stop])
     speed = freq / prof.freq_nominal_mhz
-    worst = max((n * state.slowdown_of(r) for r, n in zip(ranks, samples_per_slot, strict=True)), default=0.0)
+    if len(ranks) != len(samples_per_slot):
+        raise ValueError(f"{len(ranks)} ranks but {len(samples_per_slot)} sample counts")
+    worst = state.worst_share(ranks, samples_per_slot)
     max_samples = max(samples_per_slot, default=0)
     mem = stage_memory(prof, layer_start, layer_stop, stage_index, num_stages, max_samples, zero_shards)
     return StagePlan(layer_start, layer_stop, tuple(ranks), tuple(samples_per_slot), freq,
@@ -48,22 +51,30 @@ def stage_memory(prof: JobProfile, layer_start: int, layer_stop: int, stage_inde
 
 
 def pipeline_time(pipe: PipelinePlan) -> float:
-    """Eq. (11) makespan of one pipeline."""
+    """Eq. (11) makespan of one pipeline (memoised: the pipelines of a plan mostly share shapes)."""
     p2p = max((s.p2p_s for s in pipe.stages), default=0.0)
-    return asymmetric_pipeline_time([s.fwd_s for s in pipe.stages], [s.bwd_s for s in pipe.stages],
-                                    pipe.num_slots, p2p)
+    return _pipeline_time(tuple(s.fwd_s for s in pipe.stages), tuple(s.bwd_s for s in pipe.stages),
+                          pipe.num_slots, p2p)
+
+
+@lru_cache(maxsize=4096)
+def _pipeline_time(fwd: tuple[float, ...], bwd: tuple[float, ...], num_slots: int, p2p: float) -> float:
+    return asymmetric_pipeline_time(fwd, bwd, num_slots, p2p)
 
 
 def sync_time(pipes: Sequence[PipelinePlan], prof: JobProfile) -> float:
     """Gradient all-reduce after the last backward, serialised into coloured rounds."""
-    layers_of_device: list[frozenset[int]] = []
-    holders: dict[int, int] = {}
+    ranks_of_span: dict[tuple[int, int], int] = {}  # distinct layer spans: O(stages), not O(layers)
     for pipe in pipes:
         for stage in pipe.stages:
-            layers_of_device.append(frozenset(stage.layers))
-            for layer in stage.layers:
-                holders[layer] = holders.get(layer, 0) + len(stage.ranks)
-    rounds = colour_all_reduce_rounds(layers_of_device)
+            span = (stage.layer_start, stage.layer_stop)
+            ranks_of_span[span] = ranks_of_span.get(span, 0) + len(stage.ranks)
+    holders: dict[int, int] = {}
+    for (a, z), n in ranks_of_span.items():
+        for layer in range(a, z):
+            holders[layer] = holders.get(layer, 0) + n
+    # Devices holding the same layers add no edge the first of them does not: colour distinct sets.
+    rounds = colour_all_reduce_rounds([frozenset(range(a, z)) for a, z in ranks_of_span])
     per_layer = {layer: 2 * (n - 1) / n * prof.layer_param_bytes[layer] / prof.allreduce_bytes_per_s
                  for layer, n in holders.items()}
     return rounds_time(rounds, per_layer)

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planners import Layout, make_uniform_layout
+from planners import Layout, StageLayout, make_uniform_layout, validate
+from planners.dataflow import resize_after_join, resize_after_loss
 from planners.partition import apply_boundaries
 from planners.zero import (
     contiguous_ownership,
@@ -16,8 +17,10 @@ from planners.zero import (
     layer_move_cost,
     layout_ownership,
     migration_cost,
+    migration_cost_from_transfers,
     ownership_problems,
     shard_transfers,
+    shard_transfers_by_intervals,
 )
 from tests.planners.strategies import layouts
 
@@ -101,3 +104,77 @@ def test_transfers_require_same_model() -> None:
     a = make_uniform_layout(2, 1, 2, 2, 1, layer_numel=(4, 4))
     with pytest.raises(ValueError, match="disagree on layer_numel"):
         shard_transfers(a, replace(a, layer_numel=(4, 5)))
+
+
+def _reblock(layout: Layout, stages: tuple[StageLayout, ...], cuts: list[int]) -> tuple[StageLayout, ...]:
+    """`stages` (their ranks and weights) over new contiguous layer blocks ending at `cuts`."""
+    edges = [0, *cuts, layout.num_layers]
+    return tuple(replace(s, stage=p, layer_start=edges[p], layer_stop=edges[p + 1])
+                 for p, s in enumerate(stages))
+
+
+@st.composite
+def relayouts(draw: st.DrawFn) -> tuple[Layout, Layout]:
+    """(old, new) layouts of one model: new = old after losses, joins, moved boundaries, a dropped
+    or added stage, a reordered DP group, a switch of ZeRO layout, or an unrelated rank set."""
+    old = draw(layouts(max_layers=8, max_stages=4, max_dp=4))
+    new = old
+    kind = draw(st.sampled_from(["lose", "join", "boundaries", "restage", "permute", "unrelated"]))
+    if kind == "lose":
+        lost = [r for s in old.stages for r in s.ranks[1:] if draw(st.booleans())]
+        new = resize_after_loss(old, lost).layout
+    elif kind == "join":
+        fresh = iter(range(max(old.ranks()) + 1, max(old.ranks()) + 20))
+        new = resize_after_join(old, {s.stage: [next(fresh) for _ in range(draw(st.integers(0, 3)))]
+                                      for s in old.stages}).layout
+    elif kind == "permute":
+        stages = tuple(replace(s, ranks=tuple(draw(st.permutations(s.ranks))), sample_weights=())
+                       for s in old.stages)
+        new = replace(old, stages=stages)
+    if kind in ("lose", "join", "boundaries", "permute"):
+        stages = new.stages
+    elif kind == "restage":  # one stage fewer (its ranks leave) or one more (fresh ranks)
+        if old.num_stages > 1 and draw(st.booleans()):
+            gone = draw(st.integers(0, old.num_stages - 1))
+            stages = tuple(s for s in old.stages if s.stage != gone)
+        else:
+            stages = (*old.stages, StageLayout(old.num_stages, 0, 0, (max(old.ranks()) + 1, max(old.ranks()) + 2)))
+    else:
+        other = draw(layouts(max_layers=old.num_layers, max_stages=4, max_dp=4))
+        stages = other.stages
+    stages = stages[: old.num_layers]
+    if kind != "permute" and len(stages) > 0:
+        cuts = sorted(draw(st.sets(st.integers(1, old.num_layers - 1), min_size=len(stages) - 1,
+                                   max_size=len(stages) - 1))) if len(stages) > 1 else []
+        stages = _reblock(old, stages, cuts)
+    zero = draw(st.sampled_from([old.zero_layout, "interleaved", "contiguous"]))
+    new = replace(old, stages=stages, zero_layout=zero, stage_mem_cap_bytes=None)
+    return old, new
+
+
+@settings(max_examples=150, deadline=None)
+@given(relayouts())
+def test_closed_form_migration_cost_equals_the_enumerated_transfers(case: tuple[Layout, Layout]) -> None:
+    """`migration_cost` (closed form, no interval list) == `migration_cost_from_transfers` (every
+    `shard_transfers` interval counted) in total, across/inside stages and per stage."""
+    old, new = case
+    assert validate(old).ok and validate(new).ok, validate(new).problems
+    fast, slow = migration_cost(old, new), migration_cost_from_transfers(old, new)
+    assert (fast.total_elements, fast.cross_stage_elements, fast.intra_stage_elements,
+            fast.per_stage_elements) == (slow.total_elements, slow.cross_stage_elements,
+                                         slow.intra_stage_elements, slow.per_stage_elements)
+    transfers = shard_transfers(old, new)
+    assert transfers == shard_transfers_by_intervals(old, new)  # per-layer merge == every interval listed
+    assert fast.total_elements == sum(t.size for t in transfers)
+    assert fast.reason and slow.reason
+    if old == new:
+        assert fast.total_elements == 0
+
+
+@pytest.mark.parametrize("kind", ["interleaved", "contiguous"])
+@pytest.mark.parametrize("dp", [2, 3, 5])
+def test_closed_form_matches_transfers_on_the_paper_layer_move(kind: str, dp: int) -> None:
+    old = make_uniform_layout(8, 2, dp, dp, 1, layer_numel=(1000 * dp + 3,) * 8, zero_layout=kind)  # type: ignore[arg-type]
+    new = apply_boundaries(old, (3,))
+    assert migration_cost(old, new) == replace(migration_cost_from_transfers(old, new),
+                                               reason=migration_cost(old, new).reason)
