@@ -9,8 +9,12 @@ nothing the old leader persisted is lost. Mutating API calls answer only once th
 stored, so nothing acknowledged is lost either.
 
 Each leadership term has exactly one registry writer task; a Core that loses its lease drops its
-queued writes (its successor owns the registry). A leader whose loop keeps failing (e.g. plans
-cannot be stored) gives the leadership up and holds off campaigning, so a standby takes over.
+queued writes (its successor owns the registry). Every write of the term (records, events, plans,
+liveness keys) is fenced by the leader key: stored only while it still holds this Core's election
+entry, checked in the write's own transaction. So a Core whose lease lapsed before it noticed
+cannot overwrite its successor's records; the first write refused that way ends the term and the
+Core steps down. A leader whose loop keeps failing (e.g. plans cannot be stored) gives the
+leadership up and holds off campaigning, so a standby takes over.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from core_service.metrics import CoreMetrics
 from core_service.persist import NotDurable, Persister, registry_call
 from core_service.policies import default_policy, judge_offer, scale_table
 from core_service.registry import (
+    FenceLost,
     KVEvent,
     LeaderElection,
     MemoryRegistry,
@@ -48,6 +53,7 @@ from core_service.registry import (
     Registry,
     RegistryError,
     WatchHandle,
+    holder_of,
     open_registry,
 )
 from core_service.rest import build_app
@@ -130,7 +136,7 @@ class Core:
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         """Binds both servers and starts campaigning; returns once the ports are known."""
-        self.persister = Persister(self.registry)
+        self.persister = Persister(self.registry, on_fenced_out=self._on_fenced_out)
         self.table = JobTable(self.settings, self.registry, self.persister)
         self.membership = Membership(self.table, self.registry, self.metrics)
         self.engine = ScheduleEngine(self.table, self.metrics, self.policy, self._publish_plan,
@@ -270,11 +276,12 @@ class Core:
             await self._take_over()
 
     async def _take_over(self) -> None:
+        assert self._election is not None
         now = time.time()
         jobs = await asyncio.to_thread(self.table.read_registry, now)
         stored = {name: await asyncio.to_thread(self._stored_plans, name) for name in jobs}
         self.table.jobs = jobs
-        self.persister.start()
+        self.persister.start(self._election.fence)
         self.table.ensure_configured_jobs(now)
         self.engine.reset()
         for name, (epoch, latest) in stored.items():
@@ -297,12 +304,31 @@ class Core:
         self._loop.call_soon_threadsafe(
             lambda: asyncio.ensure_future(self._step_down("the leader lease was lost", flush=False)))
 
+    def _on_fenced_out(self, term: int, reason: str) -> None:
+        """The persister of `term` had a write refused: the leader key is no longer ours."""
+        asyncio.ensure_future(self._lost_the_leader_key(term, reason))
+
+    async def _lost_the_leader_key(self, term: int, reason: str) -> None:
+        """Steps down because a fenced write found the leader key held by another Core (or by
+        nobody). Our lease may still run, and the election checks the key only on its next
+        refresh (an in-memory registry's: an hour away), so the lease is released here, inside
+        the leadership lock: the campaign must not take over again with the stale election in
+        between. No hold-off: if nobody leads, this Core may win again and reload everything."""
+        async with self._leadership_lock:
+            if self.persister.terms_started != term or not self.is_leader:
+                return  # that term has ended already
+            await self._end_term(reason, flush=False)
+            await self._release_lease()
+
     async def _give_up_leadership(self, reason: str) -> None:
         """Steps down on purpose: stores what is queued (bounded), releases the lease at once so a
         standby takes over, and holds off campaigning meanwhile."""
         self._campaign_after = time.monotonic() + self.step_down_hold_off_s
         log.error("core %s gives the leadership up: %s", self.settings.core_id, reason)
         await self._step_down(reason, flush=True)
+        await self._release_lease()
+
+    async def _release_lease(self) -> None:
         if self._election is not None:
             try:
                 await asyncio.to_thread(self._election.resign)
@@ -313,23 +339,27 @@ class Core:
         """Ends this Core's leadership term; idempotent. With `flush` (we still hold the lease),
         queued writes are stored first; otherwise a successor may lead and they are dropped."""
         async with self._leadership_lock:
-            if self.is_leader:
-                log.warning("core %s stops leading (%s); standing by", self.settings.core_id, reason)
-            self.is_leader = False
-            self.metrics.is_leader.set(0)
-            current = asyncio.current_task()
-            for task in self._leader_tasks:
-                if task is not current:
-                    task.cancel()
-            self._leader_tasks.clear()
-            self.membership.kick_all()
-            self.membership.stop_watching()
-            if flush:
-                await self.persister.stop(self.stop_flush_s)
-            else:
-                await self.persister.abandon(f"core {self.settings.core_id} lost the leadership: {reason}")
-            self._leader_holder = None
-            await self._set_health(False)
+            await self._end_term(reason, flush=flush)
+
+    async def _end_term(self, reason: str, *, flush: bool) -> None:
+        """`_step_down` with the leadership lock already held."""
+        if self.is_leader:
+            log.warning("core %s stops leading (%s); standing by", self.settings.core_id, reason)
+        self.is_leader = False
+        self.metrics.is_leader.set(0)
+        current = asyncio.current_task()
+        for task in self._leader_tasks:
+            if task is not current:
+                task.cancel()
+        self._leader_tasks.clear()
+        self.membership.kick_all()
+        self.membership.stop_watching()
+        if flush:
+            await self.persister.stop(self.stop_flush_s)
+        else:
+            await self.persister.abandon(f"core {self.settings.core_id} lost the leadership: {reason}")
+        self._leader_holder = None
+        await self._set_health(False)
 
     async def _leader_loop(self) -> None:
         last_gauges = 0.0
@@ -379,15 +409,20 @@ class Core:
                 self.metrics.members.labels(job=job.name, state=state).set(count)
 
     async def _publish_plan(self, job: str, body: bytes, expected_epoch: int) -> int:
-        # The epoch-fenced compare-and-swap is etcd I/O: off the loop.
-        epoch = await registry_call(self.registry, self.plans.publish, job, body, expected_epoch)
+        # The epoch- and leader-fenced compare-and-swap is etcd I/O: off the loop.
+        try:
+            epoch = await registry_call(self.registry, self.plans.publish, job, body, expected_epoch,
+                                        self.persister.fence)
+        except FenceLost as exc:
+            self.persister.lost_fence(exc)  # ends the term: this Core steps down
+            raise
         await self.plan_feed.notify(job)
         return epoch
 
     def _on_leader_key(self, event: KVEvent) -> None:
         """Registry watch thread: keeps the leader's identity at hand for "not leader" answers."""
         if event.key == self._leader_key:
-            self._leader_holder = None if event.value is None else event.value.decode("utf-8")
+            self._leader_holder = None if event.value is None else holder_of(event.value)
 
     async def _refresh_leader_holder(self) -> None:
         if self._election is not None:

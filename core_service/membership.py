@@ -16,6 +16,7 @@ layout carries per-rank frequencies: at registration, and whenever a new plan is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -25,7 +26,7 @@ from core_service.jobs import Job, JobTable
 from core_service.metrics import CoreMetrics
 from core_service.model import DeviceInfo, MemberRecord, StepReport, WorkerState
 from core_service.persist import registry_call
-from core_service.registry import KVEvent, LeaseNotFound, Registry, RegistryError, WatchHandle
+from core_service.registry import FenceLost, KVEvent, LeaseNotFound, Registry, RegistryError, WatchHandle
 from elaswave.v1 import agent_pb2
 from planners.layout import Layout
 
@@ -140,7 +141,18 @@ class Membership:
         key = self.table.job_key(job.name, "alive", session.worker_id)
         value = json.dumps({"core": self.settings.core_id, "session": session.session_id}).encode()
         lease = await registry_call(self.registry, self.registry.grant_lease, ttl)
-        await registry_call(self.registry, self.registry.put, key, value, lease)
+        fence = self.table.persister.fence
+        try:
+            if fence is None:
+                await registry_call(self.registry, self.registry.put, key, value, lease)
+            else:
+                # A deposed leader must not re-point a worker's liveness key at its own lease.
+                await registry_call(self.registry, self.registry.put_fenced, fence, key, value, lease)
+        except FenceLost as exc:
+            self.table.persister.lost_fence(exc)  # ends the term: this Core steps down
+            with contextlib.suppress(RegistryError):
+                await registry_call(self.registry, self.registry.revoke_lease, lease)
+            raise
         session.lease_id, session.lease_refreshed = lease, now
 
     async def _drop_lease(self, session: AgentSession) -> None:

@@ -5,6 +5,12 @@ sequence number, so a mutating API call can wait until everything it queued is s
 (`wait_durable`) before it answers: an acknowledged change survives a leader crash. A leader
 that is deposed `abandon`s its queue: its successor owns the registry, and a late write from the
 old term would overwrite newer state.
+
+A term started with a `Fence` (the leader key holding this Core's election entry) makes every
+write conditional on it in the write's own registry transaction, so a Core whose lease lapsed
+before it noticed cannot overwrite its successor's records. A write refused that way (`FenceLost`)
+ends the term at once: nothing queued after it is tried, waiters fail, and `on_fenced_out` tells
+the owner, which must step down. It is never retried: the fence will not come back.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from core_service.registry import MemoryRegistry, Registry, RegistryError
+from core_service.registry import Fence, FenceLost, MemoryRegistry, Registry, RegistryError
 
 log = logging.getLogger("elaswave.core.persist")
 T = TypeVar("T")
@@ -45,15 +51,19 @@ class Persister:
     """Queues writes in call order and applies them on a worker thread, one at a time.
 
     Writes are retried with backoff while the backend is unavailable, so nothing queued is lost
-    while the term lasts. Writes are accepted only between `start()` and `stop()`/`abandon()`:
-    a standby has nothing to write.
+    while the term lasts. Writes are accepted only between `start()` and `stop()`/`abandon()` (or
+    a fenced write refused): a standby has nothing to write. `on_fenced_out(term, reason)` is
+    called on the event loop when a term ends because its fence was lost.
     """
 
-    def __init__(self, registry: Registry, retry_max_s: float = 2.0) -> None:
+    def __init__(self, registry: Registry, retry_max_s: float = 2.0,
+                 on_fenced_out: Callable[[int, str], None] | None = None) -> None:
         self.registry = registry
         self.retry_max_s = retry_max_s
+        self.on_fenced_out = on_fenced_out
         self._queue: asyncio.Queue[_Write | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+        self._fence: Fence | None = None
         self._queued_seq = 0
         self._stored_seq = 0
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -67,14 +77,28 @@ class Persister:
         return self._task is not None and not self._task.done()
 
     @property
+    def fence(self) -> Fence | None:
+        """The fence of the current (or last) term, for the term's writes that do not go
+        through the queue (plans, liveness keys): they must be fenced alike."""
+        return self._fence
+
+    def lost_fence(self, exc: FenceLost) -> None:
+        """Another write of this term was refused by the fence: the term ends exactly as if one
+        of its queued writes had been (nothing more is written, `on_fenced_out` is told)."""
+        if self.enabled:
+            self._fenced_out(self.terms_started, f"leadership lost: {exc}")
+
+    @property
     def backlog(self) -> int:
         """Writes queued but not stored yet."""
         return self._queued_seq - self._stored_seq
 
-    def start(self) -> None:
-        """Begins a leadership term with an empty queue and exactly one writer task."""
+    def start(self, fence: Fence | None = None) -> None:
+        """Begins a leadership term with an empty queue and exactly one writer task; with `fence`,
+        every write of the term is stored only while the fence holds."""
         if self.enabled:
             raise RuntimeError("the persister is already running: one writer task per leadership term")
+        self._fence = fence
         self._queue = asyncio.Queue()
         self._queued_seq = self._stored_seq = 0
         self._last_error = ""
@@ -127,14 +151,19 @@ class Persister:
     async def abandon(self, reason: str) -> None:
         """Ends the term now: queued writes are dropped and waiters fail with `reason`.
 
-        A write already handed to the registry thread still completes; nothing after it starts.
+        A write already handed to the registry thread still completes (fenced: only if this Core
+        still holds the fence then); nothing after it starts.
         """
-        self._stopped_reason = reason
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self._end_term(reason)
+
+    def _end_term(self, reason: str) -> None:
+        """Drops what is queued and fails every waiter with `reason` (the writer task is gone)."""
+        self._stopped_reason = reason
         dropped = self.backlog
         if dropped:
             log.warning("dropping %d queued registry write(s): %s", dropped, reason)
@@ -148,6 +177,7 @@ class Persister:
         self._queued_seq = self._stored_seq
 
     async def _drain(self) -> None:
+        term = self.terms_started
         while True:
             write = await self._queue.get()
             try:
@@ -155,8 +185,22 @@ class Persister:
                     return
                 await self._apply_with_retry(write)
                 self._stored(write.seq)
+            except FenceLost as exc:
+                # Leadership is gone: this write and everything after it must never land.
+                self._last_error = str(exc)
+                self._fenced_out(term, f"leadership lost: {exc}")
+                return
             finally:
                 self._queue.task_done()
+
+    def _fenced_out(self, term: int, reason: str) -> None:
+        log.error("registry writer of term %d stops: %s", term, reason)
+        task, self._task = self._task, None  # accepts no more writes from here on
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()  # its write in flight, if any, is fenced and refused as well
+        self._end_term(reason)
+        if self.on_fenced_out is not None:
+            self.on_fenced_out(term, reason)
 
     def _stored(self, seq: int) -> None:
         self._stored_seq = seq
@@ -169,13 +213,24 @@ class Persister:
         delay = 0.05
         while True:
             try:
-                if write.value is None:
-                    await registry_call(self.registry, self.registry.delete, write.key)
-                else:
-                    await registry_call(self.registry, self.registry.put, write.key, write.value)
+                await self._apply(write)
                 return
+            except FenceLost:
+                raise  # refused, not failed: retrying cannot bring the leadership back
             except RegistryError as exc:
                 self._last_error = f"{write.key}: {exc}"
                 log.warning("registry write of %s failed (%s); retrying in %.2fs", write.key, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.retry_max_s)
+
+    async def _apply(self, write: _Write) -> None:
+        fence, registry = self._fence, self.registry
+        if fence is None:
+            if write.value is None:
+                await registry_call(registry, registry.delete, write.key)
+            else:
+                await registry_call(registry, registry.put, write.key, write.value)
+        elif write.value is None:
+            await registry_call(registry, registry.delete_fenced, fence, write.key)
+        else:
+            await registry_call(registry, registry.put_fenced, fence, write.key, write.value)

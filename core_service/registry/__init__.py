@@ -7,14 +7,18 @@ from __future__ import annotations
 
 from core_service.registry.base import (
     BackendUnavailable,
+    Fence,
+    FenceLost,
     KVEvent,
     LeaseNotFound,
     Registry,
     RegistryError,
+    TxnResult,
+    TxnWrite,
     WatchCallback,
     WatchHandle,
 )
-from core_service.registry.election import LeaderElection
+from core_service.registry.election import LeaderElection, holder_of
 from core_service.registry.etcd import EtcdEndpoint, EtcdRegistry
 from core_service.registry.factory import open_registry
 from core_service.registry.memory import MemoryRegistry
@@ -24,6 +28,8 @@ __all__ = [
     "BackendUnavailable",
     "EtcdEndpoint",
     "EtcdRegistry",
+    "Fence",
+    "FenceLost",
     "KVEvent",
     "LeaderElection",
     "LeaseNotFound",
@@ -32,6 +38,9 @@ __all__ = [
     "Registry",
     "RegistryError",
     "StaleEpoch",
+    "holder_of",
+    "TxnResult",
+    "TxnWrite",
     "WatchCallback",
     "WatchHandle",
     "open_registry",

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from core_service.registry.base import (
+    Fence,
     KVEvent,
     LeaseNotFound,
     Registry,
@@ -31,6 +32,15 @@ log = logging.getLogger(__name__)
 
 # A standby re-reads the key at least this often, in case a watch event was missed.
 _RECHECK_S = 0.5
+# The key holds "<candidate><separator><term>": the term (the lease id, unique per grant) makes
+# each term's fence distinct, so a write left over from an earlier term of the same candidate
+# cannot pass the fence of a later one.
+_TERM_SEPARATOR = "\n#term="
+
+
+def holder_of(value: bytes) -> str:
+    """The candidate id recorded in a leadership key's value (without its term)."""
+    return value.decode("utf-8").split(_TERM_SEPARATOR, 1)[0]
 
 
 class LeaderElection:
@@ -53,6 +63,7 @@ class LeaderElection:
         self.on_lost = on_lost
         self._lock = threading.Lock()
         self._lease: int | None = None
+        self._term: bytes | None = None  # the key's value in this candidate's latest term
         self._valid_until = 0.0
         self._stop_keepalive = threading.Event()
         self._keepalive: threading.Thread | None = None
@@ -68,6 +79,20 @@ class LeaderElection:
             return self._lease
 
     @property
+    def fence(self) -> Fence:
+        """The condition "this candidate still holds the key", for writes only a leader may make
+        (``Registry.put_fenced``): checked by the backend in the write's own transaction, so it
+        holds even when this process's view of its lease is late."""
+        with self._lock:
+            term = self._term
+        # After a lost term this is still that term's value (refused: the key holds another now);
+        # before any term, a value no term stores, so every fenced write is refused.
+        return Fence(self._key, term if term is not None else b"")
+
+    def _term_value(self, lease: int) -> bytes:
+        return f"{self._candidate}{_TERM_SEPARATOR}{lease:x}".encode()
+
+    @property
     def is_leader(self) -> bool:
         with self._lock:
             return self._lease is not None and time.monotonic() < self._valid_until
@@ -75,7 +100,7 @@ class LeaderElection:
     def leader_id(self) -> str | None:
         """Who holds the leadership now, as recorded in the registry (None: nobody)."""
         holder = self._registry.get(self._key)
-        return None if holder is None else holder.decode("utf-8")
+        return None if holder is None else holder_of(holder)
 
     def campaign(self, timeout_s: float) -> bool:
         """Block until this candidate leads (True) or ``timeout_s`` passes (False)."""
@@ -118,12 +143,13 @@ class LeaderElection:
     def _try_acquire(self) -> bool:
         sent_at = time.monotonic()
         lease = self._registry.grant_lease(self._ttl_s)
-        if not self._registry.create(self._key, self._candidate.encode("utf-8"), lease=lease):
+        if not self._registry.create(self._key, self._term_value(lease), lease=lease):
             with contextlib.suppress(LeaseNotFound):
                 self._registry.revoke_lease(lease)
             return False
         with self._lock:
             self._lease = lease
+            self._term = self._term_value(lease)
             self._valid_until = sent_at + self._ttl_s
             self._stop_keepalive = threading.Event()
             self._keepalive = threading.Thread(
@@ -150,7 +176,7 @@ class LeaderElection:
                     self._lose(lease, f"could not refresh the lease in time: {exc}")
                     return
                 continue
-            if holder != self._candidate.encode("utf-8"):
+            if holder != self._term_value(lease):
                 self._lose(lease, f"key now held by {holder!r}")
                 return
             with self._lock:

@@ -1,8 +1,8 @@
 """etcd v3 backend of the registry, built on python3-etcd3 (module ``etcd3``).
 
-Atomic operations are etcd transactions (create: ``create_revision == 0``; CAS: ``value ==
-expected``); lease expiry is etcd's own, so the keys go and every watcher sees the deletions.
-Every RPC carries a deadline (``timeout_s``), and every connection failure surfaces as
+Atomic operations are etcd transactions (``transact``: absent is ``create_revision == 0``, else
+``value == expected``; create, CAS and fenced writes are built on it in ``base``); lease expiry is
+etcd's own, so the keys go and every watcher sees the deletions. Every RPC carries a deadline (``timeout_s``), and every connection failure surfaces as
 ``BackendUnavailable`` naming the endpoint.
 
 The client's endpoints are built with ``time_retry=0``: etcd3's default parks an endpoint as
@@ -28,6 +28,8 @@ from core_service.registry.base import (
     LeaseNotFound,
     Registry,
     RegistryError,
+    TxnResult,
+    TxnWrite,
     WatchCallback,
     WatchHandle,
     check_callback,
@@ -35,9 +37,9 @@ from core_service.registry.base import (
     check_lease_id,
     check_optional_lease,
     check_prefix,
+    check_transaction,
     check_ttl,
     check_value,
-    check_writes,
 )
 from core_service.registry.etcd_watch import EtcdPrefixWatch
 
@@ -131,27 +133,25 @@ class EtcdRegistry(Registry):
     def create(self, key: str, value: bytes, lease: int | None = None) -> bool:
         return self.compare_and_swap(key, None, value, lease)
 
-    def compare_and_swap(
-        self, key: str, expected: bytes | None, value: bytes, lease: int | None = None,
-        also: Sequence[tuple[str, bytes]] = (),
-    ) -> bool:
-        key, value, lease = check_key(key), check_value(value), check_optional_lease(lease)
-        writes = check_writes(also)
-        if key in {k for k, _ in writes}:
-            raise ValueError(f"also names the compared key {key!r}")
-        if expected is not None:
-            expected = check_value(expected, "expected")
+    def transact(self, compares: Sequence[tuple[str, bytes | None]], writes: Sequence[TxnWrite]) -> TxnResult:
+        checked_compares, checked_writes = check_transaction(compares, writes)
 
-        def swap(client: etcd3.MultiEndpointEtcd3Client) -> bool:
+        def commit(client: etcd3.MultiEndpointEtcd3Client) -> TxnResult:
             txn = client.transactions
-            guard = txn.create(key) == 0 if expected is None else txn.value(key) == expected
-            succeeded, _ = client.transaction(
-                compare=[guard], success=[txn.put(key, value, lease=lease), *(txn.put(k, v) for k, v in writes)],
-                failure=[],
-            )
-            return bool(succeeded)
+            guards = [txn.create(key) == 0 if expected is None else txn.value(key) == expected
+                      for key, expected in checked_compares]
+            ops = [txn.delete(w.key) if w.value is None else txn.put(w.key, w.value, lease=w.lease)
+                   for w in checked_writes]
+            # On failure the compared keys are read in the same revision: the caller learns what
+            # held them (e.g. who leads now) without a second, racy read.
+            succeeded, responses = client.transaction(
+                compare=guards, success=ops, failure=[txn.get(key) for key, _ in checked_compares])
+            if succeeded:
+                return TxnResult(True)
+            return TxnResult(False, tuple(bytes(kvs[0][0]) if kvs else None for kvs in responses))
 
-        return self._call(_describe("compare-and-swap", key, lease), swap)
+        first = checked_writes[0]
+        return self._call(_describe("transaction writing", first.key, first.lease), commit)
 
     def delete(self, key: str) -> bool:
         check_key(key)

@@ -22,6 +22,8 @@ from core_service.registry.base import (
     LeaseNotFound,
     Registry,
     RegistryError,
+    TxnResult,
+    TxnWrite,
     WatchCallback,
     WatchHandle,
     check_callback,
@@ -29,9 +31,9 @@ from core_service.registry.base import (
     check_lease_id,
     check_optional_lease,
     check_prefix,
+    check_transaction,
     check_ttl,
     check_value,
-    check_writes,
 )
 
 log = logging.getLogger(__name__)
@@ -151,28 +153,18 @@ class MemoryRegistry(Registry):
     def create(self, key: str, value: bytes, lease: int | None = None) -> bool:
         return self.compare_and_swap(key, None, value, lease)
 
-    def compare_and_swap(
-        self, key: str, expected: bytes | None, value: bytes, lease: int | None = None,
-        also: Sequence[tuple[str, bytes]] = (),
-    ) -> bool:
-        key, value, lease = check_key(key), check_value(value), check_optional_lease(lease)
-        writes = check_writes(also)
-        if key in {k for k, _ in writes}:
-            raise ValueError(f"also names the compared key {key!r}")
-        if expected is not None:
-            expected = check_value(expected, "expected")
+    def transact(self, compares: Sequence[tuple[str, bytes | None]], writes: Sequence[TxnWrite]) -> TxnResult:
+        checked_compares, checked_writes = check_transaction(compares, writes)
         with self._lock:
             self._check_open()
-            entry = self._data.get(key)
-            current = None if entry is None else entry.value
-            if current != expected:
-                return False
-            if lease is not None:
-                self._live_lease(lease)  # fail before writing anything
-            self._put_locked(key, value, lease)
-            for k, v in writes:
-                self._put_locked(k, v, None)
-            return True
+            current = tuple(self._value_locked(key) for key, _ in checked_compares)
+            if any(now != expected for now, (_, expected) in zip(current, checked_compares, strict=True)):
+                return TxnResult(False, current)
+            for write in checked_writes:
+                if write.lease is not None:
+                    self._live_lease(write.lease)  # fail before writing anything
+            self._apply_locked(checked_writes)
+            return TxnResult(True)
 
     def delete(self, key: str) -> bool:
         check_key(key)
@@ -228,17 +220,38 @@ class MemoryRegistry(Registry):
             raise LeaseNotFound(f"lease {lease_id} not found (expired, revoked or never granted)")
         return lease
 
+    def _value_locked(self, key: str) -> bytes | None:
+        entry = self._data.get(key)
+        return None if entry is None else entry.value
+
+    def _apply_locked(self, writes: list[TxnWrite]) -> None:
+        # Like etcd, a transaction's writes share one revision; deleting nothing changes nothing.
+        if all(w.value is None and w.key not in self._data for w in writes):
+            return
+        self._revision += 1
+        for write in writes:
+            if write.value is not None:
+                self._set_locked(write.key, write.value, write.lease)
+            elif write.key in self._data:
+                self._remove_locked(write.key)
+
     def _put_locked(self, key: str, value: bytes, lease_id: int | None) -> int:
+        if lease_id is not None:
+            self._live_lease(lease_id)  # fail before the revision moves
+        self._revision += 1
+        self._set_locked(key, value, lease_id)
+        return self._revision
+
+    def _set_locked(self, key: str, value: bytes, lease_id: int | None) -> None:
+        """Write ``key`` at the current revision (the caller has already bumped it)."""
         new_lease = None if lease_id is None else self._live_lease(lease_id)
         old = self._data.get(key)
         if old is not None and old.lease is not None and old.lease in self._leases:
             self._leases[old.lease].keys.discard(key)
         if new_lease is not None:
             new_lease.keys.add(key)
-        self._revision += 1
         self._data[key] = _Entry(value=value, lease=lease_id)
         self._emit_locked(KVEvent("put", key, value, self._revision))
-        return self._revision
 
     def _remove_locked(self, key: str) -> None:
         """Delete ``key`` at the current revision (the caller has already bumped it)."""

@@ -7,14 +7,24 @@ contention) and stores the plan under ``<prefix>/jobs/<job>/plans/<epoch:020d>``
 transaction: an epoch exists exactly when its plan does, so a publisher that dies mid-way leaves
 neither, and readers see plans in epoch order. With ``expected_epoch`` the swap only succeeds from
 that epoch, so a publisher that has not seen the latest plan gets ``StaleEpoch`` instead of
-overwriting it.
+overwriting it. With ``fence`` (the Core passes its leader-key fence) the same transaction also
+requires the publisher to still lead, else ``FenceLost``: a deposed leader that has seen the
+latest epoch cannot publish the next one over its successor either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from core_service.registry.base import KVEvent, Registry, RegistryError, WatchHandle, check_key, check_value
+from core_service.registry.base import (
+    Fence,
+    KVEvent,
+    Registry,
+    RegistryError,
+    WatchHandle,
+    check_key,
+    check_value,
+)
 
 EPOCH_DIGITS = 20
 MAX_PUBLISH_ATTEMPTS = 1000  # contention bound: each failed swap means another publisher succeeded
@@ -50,8 +60,10 @@ class PlanStore:
         """The last epoch allocated for ``job``; 0 before its first plan."""
         return _decode_epoch(self._registry.get(self.epoch_key(job)))
 
-    def publish(self, job: str, plan_json: bytes, expected_epoch: int | None = None) -> int:
-        """Store ``plan_json`` as the job's next plan; returns its epoch."""
+    def publish(self, job: str, plan_json: bytes, expected_epoch: int | None = None,
+                fence: Fence | None = None) -> int:
+        """Store ``plan_json`` as the job's next plan; returns its epoch. With ``fence``, only
+        while the fence holds (else ``FenceLost``, nothing stored)."""
         counter = self.epoch_key(job)
         plan_json = check_value(plan_json, "plan_json")
         if expected_epoch is not None:
@@ -63,7 +75,7 @@ class PlanStore:
                 raise StaleEpoch(job, expected_epoch, current)
             epoch = current + 1
             if self._registry.compare_and_swap(counter, raw, str(epoch).encode(),
-                                               also=[(self.plan_key(job, epoch), plan_json)]):
+                                               also=[(self.plan_key(job, epoch), plan_json)], fence=fence):
                 return epoch
         raise RegistryError(f"could not allocate an epoch for job {job!r} in {MAX_PUBLISH_ATTEMPTS} attempts")
 

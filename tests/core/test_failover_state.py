@@ -297,7 +297,13 @@ def test_acknowledged_changes_survive_a_leader_killed_right_after_answering(
     sender.join(timeout=10)
     assert "error" in result and "status" not in result
     core_c.wait_leader(timeout_s=15)
-    assert core_c.http.get("/api/v1/jobs/late").status_code == 404
+    # Unacknowledged is not the same as not applied: a write already in the paused etcd's socket
+    # passes its leader fence (the dead leader's lease outlives it by up to the TTL) and lands on
+    # resume. Either outcome is consistent; what must never happen is a 201 for a lost job.
+    late = core_c.http.get("/api/v1/jobs/late")
+    assert late.status_code in (200, 404), late.text
+    if late.status_code == 200:
+        assert late.json()["name"] == "late"
     assert core_c.states("train")["w1"] == "PREEMPTING"
 
 

@@ -13,6 +13,7 @@ blocks on demand, so the window is entered and left deterministically.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,18 @@ import pytest
 from core_service.config import CoreSettings, load_settings
 from core_service.core import Core
 from core_service.membership import Registration
-from core_service.registry import MemoryRegistry, Registry, WatchHandle
+from core_service.persist import NotDurable
+from core_service.registry import (
+    Fence,
+    FenceLost,
+    MemoryRegistry,
+    PlanStore,
+    Registry,
+    TxnResult,
+    TxnWrite,
+    WatchHandle,
+    holder_of,
+)
 from core_service.registry.base import KVEvent
 from elaswave.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -39,13 +51,18 @@ SILENT_WORKER = Registration(job="train", worker_id="w0", host="h", pid=1, devic
 
 class StallingRegistry(Registry):
     """A MemoryRegistry whose `refresh_lease` blocks while `stalled` is set, like an etcd call
-    waiting for its deadline. Not a MemoryRegistry itself, so the Core keeps its short leader TTL."""
+    waiting for its deadline, and whose transactions (every fenced write) block while
+    `writes_held` is set, like writes in flight through a partition. Not a MemoryRegistry itself,
+    so the Core keeps its short leader TTL."""
 
     def __init__(self) -> None:
         self.inner = MemoryRegistry()
         self.stalled = threading.Event()
         self.released = threading.Event()
         self.stalled_calls = 0
+        self.writes_held = threading.Event()
+        self.writes_released = threading.Event()
+        self.held_writes = 0
 
     def refresh_lease(self, lease_id: int) -> None:
         if self.stalled.is_set():
@@ -60,6 +77,7 @@ class StallingRegistry(Registry):
         self.inner.revoke_lease(lease_id)
 
     def put(self, key: str, value: bytes, lease: int | None = None) -> int:
+        self._hold_write()
         return self.inner.put(key, value, lease)
 
     def get(self, key: str) -> bytes | None:
@@ -69,6 +87,7 @@ class StallingRegistry(Registry):
         return self.inner.get_prefix(prefix)
 
     def delete(self, key: str) -> bool:
+        self._hold_write()
         return self.inner.delete(key)
 
     def delete_prefix(self, prefix: str) -> int:
@@ -78,8 +97,17 @@ class StallingRegistry(Registry):
         return self.inner.create(key, value, lease)
 
     def compare_and_swap(self, key: str, expected: bytes | None, value: bytes, lease: int | None = None,
-                         also: Sequence[tuple[str, bytes]] = ()) -> bool:
-        return self.inner.compare_and_swap(key, expected, value, lease, also)
+                         also: Sequence[tuple[str, bytes]] = (), fence: Fence | None = None) -> bool:
+        return self.inner.compare_and_swap(key, expected, value, lease, also, fence)
+
+    def transact(self, compares: Sequence[tuple[str, bytes | None]], writes: Sequence[TxnWrite]) -> TxnResult:
+        self._hold_write()
+        return self.inner.transact(compares, writes)
+
+    def _hold_write(self) -> None:
+        if self.writes_held.is_set():
+            self.held_writes += 1
+            self.writes_released.wait(30)
 
     def watch_prefix(self, prefix: str, callback: Callable[[KVEvent], None]) -> WatchHandle:
         return self.inner.watch_prefix(prefix, callback)
@@ -194,6 +222,140 @@ def test_only_the_leaders_own_core_held_leases_count_as_liveness() -> None:
             assert job.members["w0"].lost_reason == "liveness lease expired"
         finally:
             await new.stop()
+            registry.close()
+
+    asyncio.run(scenario())
+
+
+# ---- fenced writes: a deposed leader's writes never land -------------------------------------------
+LEADER_KEY = "/elaswave/core/leader"
+
+
+def fenced_settings(core_id: str) -> CoreSettings:
+    # A short leader lease; heartbeats and Core-held leases outlast the test.
+    return load_settings(dev_mode=True, core_id=core_id, grpc_port=0, http_port=0, registry_url="memory://",
+                         scheduler_token=SCHEDULER_TOKEN, leader_ttl_s=LEADER_TTL_S,
+                         heartbeat_timeout_s=600.0, lease_ttl_s=600.0)
+
+
+def stored_event_kinds(registry: Registry, job: str) -> list[str]:
+    return [json.loads(raw)["kind"] for _, raw in registry.get_prefix(f"/elaswave/jobs/{job}/events/")]
+
+
+@pytest.mark.timeout(60)
+def test_writes_a_deposed_leader_had_in_flight_never_land_and_it_steps_down() -> None:
+    registry = StallingRegistry()
+    job_dir = "/elaswave/jobs/train/"
+
+    async def scenario() -> None:
+        a = Core(fenced_settings("a"), registry=registry)
+        b: Core | None = None
+        await a.start()
+        try:
+            assert await a.wait_leader(10)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{a.http_port}", timeout=5) as http:
+                assert (await http.post("/api/v1/jobs", json={"name": "train"}, headers=ADMIN)).status_code == 201
+            await a.membership.register(SILENT_WORKER, time.time())
+            await a.persister.flush()
+            job = a.table.get("train")
+
+            # A partition: a's keepalive hangs (so a is never told it lost) and its writes stay in flight.
+            registry.stalled.set()
+            registry.writes_held.set()
+            await eventually(lambda: registry.stalled_calls > 0, 5, "the keepalive to stall")
+            a.table.record(job, "split_brain_probe", detail="queued by a leader about to be deposed", now=time.time())
+            a.membership.mark_lost(job, "w0", "killed", "process_exit", time.time())
+            await eventually(lambda: registry.held_writes > 0, 5, "a's first write to be in flight")
+            acknowledged = asyncio.ensure_future(a.persister.wait_durable(30))
+
+            # a's lease runs out behind the stalled refresh; b takes the leader key and writes its records.
+            b = Core(fenced_settings("b"), registry=registry.inner)
+            await b.start()
+            assert await b.wait_leader(10)
+            await b.persister.flush()
+            successor_view = registry.inner.get_prefix(job_dir)
+            assert a.is_leader, "nothing has told a yet: only the fence stands between it and b's records"
+
+            registry.writes_released.set()  # a's writes reach the registry, late
+            await eventually(lambda: not a.is_leader, 10, "a to step down")
+            assert not registry.released.is_set(), "a's keepalive is still stuck: the fence deposed it"
+            with pytest.raises(NotDurable, match="leadership lost.*refused"):
+                await acknowledged
+            assert not a.persister.enabled and a.persister.backlog == 0
+            a.table.record(job, "after_step_down", now=time.time())  # a standby writes nothing
+            await asyncio.sleep(0.3)
+            assert registry.inner.get_prefix(job_dir) == successor_view
+            assert "split_brain_probe" not in stored_event_kinds(registry.inner, "train")
+            assert b.is_leader and b.table.get("train").members["w0"].state.value == "JOINING"
+            assert holder_of(registry.inner.get(LEADER_KEY) or b"") == b.identity
+        finally:
+            registry.released.set()
+            registry.writes_released.set()
+            if b is not None:
+                await b.stop()
+            await a.stop()
+            registry.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_leader_whose_key_was_deleted_stores_nothing_more_and_starts_a_new_term() -> None:
+    # An in-memory registry: the Core's leader lease is an hour long, so only the fence can notice.
+    registry = MemoryRegistry()
+
+    async def scenario() -> None:
+        core = Core(quiet_settings("a"), registry=registry)
+        await core.start()
+        try:
+            assert await core.wait_leader(10)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{core.http_port}", timeout=5) as http:
+                assert (await http.post("/api/v1/jobs", json={"name": "train"}, headers=ADMIN)).status_code == 201
+            assert core.persister.terms_started == 1
+
+            registry.delete(LEADER_KEY)  # the leader key is gone while this Core goes on writing
+            core.table.record(core.table.get("train"), "written_without_the_key", now=time.time())
+            # The write is refused, the term ends; nobody leads, so this Core wins a fresh term.
+            await eventually(lambda: core.persister.terms_started == 2 and core.is_leader, 10, "a new term")
+            await eventually(lambda: "core_leader" in stored_event_kinds(registry, "train"), 5,
+                             "the new term to record its start")
+            assert stored_event_kinds(registry, "train") == ["job_created", "core_leader"]
+            assert "written_without_the_key" not in [e.kind for e in core.table.get("train").events]
+            assert holder_of(registry.get(LEADER_KEY) or b"") == core.identity  # same Core, a new term
+        finally:
+            await core.stop()
+            registry.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_plans_and_liveness_keys_are_fenced_too_and_a_refusal_ends_the_term() -> None:
+    registry = MemoryRegistry()
+    worker = replace(SILENT_WORKER, holds_own_lease=False)  # the Core writes its liveness key
+
+    async def scenario() -> None:
+        core = Core(quiet_settings("a"), registry=registry)
+        await core.start()
+        try:
+            assert await core.wait_leader(10)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{core.http_port}", timeout=5) as http:
+                assert (await http.post("/api/v1/jobs", json={"name": "train"}, headers=ADMIN)).status_code == 201
+
+            registry.delete(LEADER_KEY)
+            with pytest.raises(FenceLost):
+                await core._publish_plan("train", b'{"plan": "from a deposed leader"}', 0)
+            await eventually(lambda: core.persister.terms_started == 2 and core.is_leader, 10, "a second term")
+            assert PlanStore(registry, "/elaswave").current_epoch("train") == 0
+
+            registry.delete(LEADER_KEY)
+            with pytest.raises(FenceLost):
+                await core.membership.register(worker, time.time())
+            await eventually(lambda: core.persister.terms_started == 3 and core.is_leader, 10, "a third term")
+            assert registry.get("/elaswave/jobs/train/alive/w0") is None
+            assert registry.get("/elaswave/jobs/train/members/w0") is None
+        finally:
+            await core.stop()
             registry.close()
 
     asyncio.run(scenario())

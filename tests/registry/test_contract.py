@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from core_service.registry import KVEvent, LeaseNotFound, Registry
+from core_service.registry import Fence, FenceLost, KVEvent, LeaderElection, LeaseNotFound, Registry, TxnWrite
 from tests.registry.helpers import EXPIRY_SLACK_S, EventRecorder, lease_ttl
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,6 +88,106 @@ def test_compare_and_swap_writes_its_companions_all_or_nothing(registry: Registr
     with pytest.raises(LeaseNotFound):
         registry.compare_and_swap("/txn/epoch", b"1", b"2", lease=987654321, also=[("/txn/y", b"y")])
     assert registry.get("/txn/epoch") == b"1" and registry.get("/txn/x") is None and registry.get("/txn/y") is None
+
+
+def test_transact_compares_every_key_and_writes_in_one_revision_or_not_at_all(registry: Registry) -> None:
+    registry.put("/tx/a", b"1")
+    registry.put("/tx/gone", b"old")
+    writes = [TxnWrite("/tx/new", b"n"), TxnWrite("/tx/gone", None), TxnWrite("/tx/absent", None)]
+    failed = registry.transact([("/tx/a", b"1"), ("/tx/b", b"2")], writes)
+    assert not failed.succeeded and failed.current == (b"1", None), "what the compared keys held"
+    assert registry.get("/tx/new") is None and registry.get("/tx/gone") == b"old"
+    recorder = EventRecorder()
+    with registry.watch_prefix("/tx/", recorder):
+        assert registry.transact([("/tx/a", b"1"), ("/tx/b", None)], writes).succeeded
+        events = recorder.wait_for(lambda evs: len(evs) == 2, timeout_s=5)
+    assert {(e.kind, e.key) for e in events} == {("put", "/tx/new"), ("delete", "/tx/gone")}
+    assert events[0].revision == events[1].revision, "one transaction, one revision"
+    assert registry.get_prefix("/tx/") == [("/tx/a", b"1"), ("/tx/new", b"n")]
+
+
+# --- fenced writes: only while a fence key (the leader key) holds the expected value ------------------
+
+
+def test_fenced_put_and_delete_apply_only_while_the_fence_holds(registry: Registry) -> None:
+    fence = Fence("/f/leader", b"core-a")
+    registry.put(fence.key, b"core-a")
+    registry.put_fenced(fence, "/f/members/w0", b"record")
+    registry.put_fenced(fence, "/f/events/1", b"event")
+    registry.delete_fenced(fence, "/f/events/1")
+    registry.delete_fenced(fence, "/f/events/never-written")  # nothing to delete is no error
+    assert registry.get_prefix("/f/") == [("/f/leader", b"core-a"), ("/f/members/w0", b"record")]
+
+    registry.put(fence.key, b"core-b")  # another Core leads now
+    recorder = EventRecorder()
+    with registry.watch_prefix("/f/", recorder):
+        with pytest.raises(FenceLost, match="fence '/f/leader' holds b'core-b', not b'core-a'") as lost:
+            registry.put_fenced(fence, "/f/members/w0", b"stale")
+        assert lost.value.holder == b"core-b" and lost.value.fence == fence
+        assert "put '/f/members/w0' refused" in str(lost.value) and "nothing was written" in str(lost.value)
+        with pytest.raises(FenceLost, match="delete '/f/members/w0' refused"):
+            registry.delete_fenced(fence, "/f/members/w0")
+        registry.delete(fence.key)  # nobody leads
+        with pytest.raises(FenceLost, match="is absent") as absent:
+            registry.put_fenced(fence, "/f/members/w1", b"stale")
+        assert absent.value.holder is None
+        registry.put("/f/sentinel", b"s")
+        events = recorder.wait_for_key("put", "/f/sentinel", timeout_s=5)
+    assert [(e.kind, e.key) for e in events] == [("delete", "/f/leader"), ("put", "/f/sentinel")]
+    assert registry.get_prefix("/f/") == [("/f/members/w0", b"record"), ("/f/sentinel", b"s")]
+
+
+def test_fenced_writes_follow_the_election_that_holds_the_fence(registry: Registry) -> None:
+    ttl = lease_ttl(registry)
+    leader = LeaderElection(registry, "/fe/leader", "core-a", ttl)
+    standby = LeaderElection(registry, "/fe/leader", "core-b", ttl)
+    assert leader.campaign(timeout_s=5)
+    registry.put_fenced(leader.fence, "/fe/members/w0", b"from a")
+    with pytest.raises(FenceLost):
+        registry.put_fenced(standby.fence, "/fe/members/w0", b"from b")
+    # The leader's lease ends (as after a partition) and the standby takes the key.
+    lease = leader.lease_id
+    assert lease is not None
+    leader.abandon()  # its keepalive stops, but nothing here tells the old leader it lost
+    registry.revoke_lease(lease)
+    assert standby.campaign(timeout_s=5)
+    with pytest.raises(FenceLost, match=r"holds b'core-b\\n#term=\w+', not b'core-a\\n#term="):
+        registry.put_fenced(leader.fence, "/fe/members/w0", b"late write from a")
+    registry.put_fenced(standby.fence, "/fe/members/w0", b"from b")
+    assert registry.get("/fe/members/w0") == b"from b"
+    standby.resign()
+
+
+def test_compare_and_swap_with_a_fence_needs_both_the_fence_and_the_expected_value(registry: Registry) -> None:
+    fence = Fence("/fc/leader", b"core-a")
+    registry.put(fence.key, b"core-a")
+    companions = [("/fc/plans/1", b"plan")]
+    assert registry.compare_and_swap("/fc/epoch", b"7", b"1", also=companions, fence=fence) is False
+    assert registry.compare_and_swap("/fc/epoch", None, b"1", also=companions, fence=fence) is True
+    registry.put(fence.key, b"core-b")
+    with pytest.raises(FenceLost, match="compare-and-swap of '/fc/epoch' refused"):
+        registry.compare_and_swap("/fc/epoch", b"1", b"2", also=[("/fc/plans/2", b"late")], fence=fence)
+    assert registry.get_prefix("/fc/") == [("/fc/epoch", b"1"), ("/fc/leader", b"core-b"), ("/fc/plans/1", b"plan")]
+    with pytest.raises(ValueError, match="own fence key"):
+        registry.compare_and_swap("/fc/epoch", b"1", b"2", also=[(fence.key, b"core-a")], fence=fence)
+
+
+def test_fenced_writes_refuse_bad_input_before_writing(registry: Registry) -> None:
+    fence = Fence("/fb/leader", b"core-a")
+    registry.put(fence.key, b"core-a")
+    with pytest.raises(ValueError, match="own fence key"):
+        registry.put_fenced(fence, fence.key, b"core-z")
+    with pytest.raises(ValueError, match="own fence key"):
+        registry.delete_fenced(fence, fence.key)
+    with pytest.raises(TypeError, match="must be a Fence"):
+        registry.put_fenced(("/fb/leader", b"core-a"), "/fb/k", b"v")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bytes"):
+        registry.put_fenced(fence, "/fb/k", "not bytes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at least one write"):
+        registry.transact([(fence.key, b"core-a")], [])
+    with pytest.raises(ValueError, match="twice"):
+        registry.transact([], [TxnWrite("/fb/k", b"1"), TxnWrite("/fb/k", None)])
+    assert registry.get_prefix("/fb/") == [("/fb/leader", b"core-a")]
 
 
 def test_racing_creates_have_exactly_one_winner(registry: Registry) -> None:

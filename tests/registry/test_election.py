@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from core_service.registry import EtcdRegistry, LeaderElection, Registry
+from core_service.registry import EtcdRegistry, FenceLost, LeaderElection, Registry, holder_of
 from tests.registry.helpers import EXPIRY_SLACK_S, lease_ttl
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,6 +31,25 @@ def test_single_candidate_leads_and_is_recorded(registry: Registry) -> None:
     election.resign()
     assert not election.is_leader
     assert registry.get(KEY) is None
+
+
+def test_each_term_has_its_own_fence(registry: Registry) -> None:
+    # A write left over from an earlier term of the same Core must not pass a later term's fence.
+    election = LeaderElection(registry, KEY, "core-a", lease_ttl(registry))
+    assert election.campaign(timeout_s=5)
+    first = election.fence
+    registry.put_fenced(first, "/elaswave/jobs/j/members/w0", b"term 1")
+    election.resign()
+    with pytest.raises(FenceLost):
+        registry.put_fenced(election.fence, "/elaswave/jobs/j/members/w0", b"not leading")
+    assert election.campaign(timeout_s=5)
+    second = election.fence
+    assert second != first and election.leader_id() == "core-a"
+    with pytest.raises(FenceLost):
+        registry.put_fenced(first, "/elaswave/jobs/j/members/w0", b"late write of term 1")
+    registry.put_fenced(second, "/elaswave/jobs/j/members/w0", b"term 2")
+    assert registry.get("/elaswave/jobs/j/members/w0") == b"term 2"
+    election.resign()
 
 
 def test_standby_cannot_win_while_the_leader_refreshes(registry: Registry) -> None:
@@ -68,7 +87,8 @@ def test_standby_takes_over_when_the_leader_stops_refreshing(registry: Registry)
     assert leader.campaign(timeout_s=5)
     leader.abandon()  # the keepalive stops, the lease is not revoked: a crash as seen from outside
     assert not leader.is_leader
-    assert registry.get(KEY) == b"core-a"
+    stored = registry.get(KEY)
+    assert stored is not None and holder_of(stored) == "core-a"
     assert standby.campaign(timeout_s=ttl + EXPIRY_SLACK_S + 0.5)
     assert standby.leader_id() == "core-b"
     standby.resign()

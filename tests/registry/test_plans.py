@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from core_service.registry import LeaderElection, PlanStore, Registry, StaleEpoch
+from core_service.registry import FenceLost, LeaderElection, PlanStore, Registry, StaleEpoch
 from tests.registry.helpers import lease_ttl
 
 pytestmark = pytest.mark.timeout(60)
@@ -109,6 +109,22 @@ def test_a_deposed_leader_cannot_publish_over_its_successor(registry: Registry) 
     with pytest.raises(StaleEpoch):
         store.publish("job", b"late plan from a", expected_epoch=seen_by_old)
     assert store.latest("job") == (seen_by_old + 1, b"plan from b")
+    new.resign()
+
+
+def test_a_deposed_leader_that_saw_the_latest_epoch_is_stopped_by_the_leader_fence(registry: Registry) -> None:
+    ttl = lease_ttl(registry)
+    store = PlanStore(registry, PREFIX)
+    old = LeaderElection(registry, f"{PREFIX}/core/leader", "core-a", ttl)
+    new = LeaderElection(registry, f"{PREFIX}/core/leader", "core-b", ttl)
+    assert old.campaign(timeout_s=5)
+    assert store.publish("job", b"plan from a", expected_epoch=0, fence=old.fence) == 1
+    old.abandon()  # partitioned; its successor has published nothing yet, so epoch 1 is still current
+    assert new.campaign(timeout_s=ttl + 3)
+    with pytest.raises(FenceLost, match="holds b'core-b"):
+        store.publish("job", b"late plan from a", expected_epoch=1, fence=old.fence)
+    assert store.epochs("job") == [1] and store.current_epoch("job") == 1
+    assert store.publish("job", b"plan from b", expected_epoch=1, fence=new.fence) == 2
     new.resign()
 
 
