@@ -6,9 +6,12 @@ holds its etcd liveness lease, all over one stream to the leading Core (``agent.
 
 Shutdown, whatever the cause, ends with a Leave report: SIGINT stops a launched worker (SIGTERM,
 then SIGKILL after the grace) and leaves; SIGTERM first reports a PreemptionNotice, forwards
-SIGTERM to a launched worker, waits for it up to the grace, then leaves; a worker that fails on
-its own (non-zero status or a signal) is reported as WorkerExit, one that finishes (exit 0) only
-leaves, and the agent exits with the worker's exit status.
+SIGTERM to a launched worker (with a drain notice in its control file first, so a worker can
+tell a reported preemption from a plain stop), waits for it up to the grace, then leaves; a
+worker that fails on its own (non-zero status or a signal) is reported as WorkerExit, one that exits 0 only leaves
+(also after a preemption: the Core-driven worker exits 0 once the Core's plan has let it go at a
+step boundary, a planned departure the Core records as LEFT, not a failure), and the agent exits
+with the worker's exit status.
 
 Core commands:
 
@@ -167,12 +170,15 @@ class Agent:
             self._worker_done.set()
             self._request_shutdown(f"drained ({self.draining.reason}): worker {self._worker.pid} {status.detail}")
             return
-        if status.exit_code == 0 and not self._preempted:
-            # The worker finished its job (torchrun's notion of success): a clean departure, not a
-            # fail-stop, so the Core records LEFT rather than LOST.
-            log_event(logging.INFO, "worker_exit", pid=self._worker.pid, exit_code=0, detail=status.detail)
+        if status.exit_code == 0:
+            # The worker finished its job (torchrun's notion of success), or stopped cleanly after a
+            # preemption notice: a departure, not a fail-stop, so the Core records LEFT, not LOST.
+            log_event(logging.INFO, "worker_exit", pid=self._worker.pid, exit_code=0, detail=status.detail,
+                      preempted=self._preempted)
             self._worker_done.set()
-            self._request_shutdown(f"worker {self._worker.pid} finished ({status.detail})")
+            how = f"preempted (SIGTERM): worker {self._worker.pid} {status.detail}" if self._preempted \
+                else f"worker {self._worker.pid} finished ({status.detail})"
+            self._request_shutdown(how)
             return
         self.link.send_critical(agent_pb2.ConnectRequest(
             worker_exit=agent_pb2.WorkerExit(exit_code=status.exit_code, detail=status.detail)))
@@ -213,10 +219,17 @@ class Agent:
         if self._preempted:
             return
         self._preempted = True
-        deadline = time.time() + self.config.grace_s
+        now = time.time()
+        deadline = now + self.config.grace_s
         log_event(logging.WARNING, "preemption_notice", source="sigterm", deadline_unix=deadline)
         self.link.send_critical(notice("sigterm", deadline))
         self._spawn(self._finish_preemption(deadline))
+        # Written now, before that task forwards SIGTERM: the notice tells a worker that can wait
+        # for the Core's plan (executor.worker) that its departure was reported (a plain stop has none).
+        try:
+            self.control.set_drain(DrainNotice("preempted (SIGTERM)", deadline, now))
+        except OSError as exc:  # the worker then stops as on a plain SIGTERM; the report is sent anyway
+            log_event(logging.WARNING, "control_file_unwritable", path=self.control.path, error=str(exc))
 
     async def _finish_preemption(self, deadline_unix: float) -> None:
         if self._worker is not None and self._worker.launched:

@@ -17,7 +17,7 @@ import socket
 import tomllib
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
@@ -30,6 +30,8 @@ from pydantic_settings import (
 
 JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 MIN_TOKEN_LENGTH = 16
+PolicyName = Literal["elaswave", "elaswave-resize"]  # core_service.elaswave_policy.make_policy
+POLICIES: tuple[str, ...] = get_args(PolicyName)
 
 
 class ConfigError(ValueError):
@@ -92,6 +94,11 @@ class CoreSettings(BaseSettings):
     tls_key: Path | None = None
     tls_client_ca: Path | None = Field(default=None, description="set to require client certs (mTLS)")
     failslow: FailSlowSettings = Field(default_factory=FailSlowSettings)
+    policy: PolicyName = Field(
+        default="elaswave",
+        description="schedule-engine policy: elaswave (resize + re-partition + DVFS, elaswave.txt §4) or "
+                    "elaswave-resize (micro-batch resizing only, the ablation baseline)",
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -107,6 +114,14 @@ class CoreSettings(BaseSettings):
         if config_file:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(config_file)))
         return tuple(sources)
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _policy_known(cls, value: Any) -> Any:
+        if value not in POLICIES:
+            raise ValueError(f"policy {value!r} is unknown: choose 'elaswave' (resize + layer re-partition + "
+                             "DVFS, the default) or 'elaswave-resize' (micro-batch resizing only, the baseline)")
+        return value
 
     @field_validator("registry_url")
     @classmethod

@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry
 
 from core_service.agent_service import AgentServicer
 from core_service.config import CoreSettings
+from core_service.elaswave_policy import make_policy
 from core_service.engine import Policy, ScheduleEngine
 from core_service.executor_service import ExecutorServicer, PlanFeed
 from core_service.grpc_util import RpcError, generic_handler
@@ -43,7 +44,7 @@ from core_service.jobs import Job, JobTable, UnknownJob
 from core_service.membership import Membership
 from core_service.metrics import CoreMetrics
 from core_service.persist import NotDurable, Persister, registry_call
-from core_service.policies import default_policy, judge_offer, scale_table
+from core_service.policies import judge_offer, scale_table
 from core_service.registry import (
     FenceLost,
     KVEvent,
@@ -109,7 +110,7 @@ class Core:
         self._owns_registry = registry is None
         self.registry = open_registry(settings.registry_url) if registry is None else registry
         self.plans = PlanStore(self.registry, settings.key_prefix)
-        self.policy: Policy = policy or default_policy()
+        self.policy: Policy = policy or make_policy(settings.policy)
         self.plan_feed = PlanFeed()
         self.is_leader = False
         self.leader_info: dict[str, Any] = {}

@@ -49,6 +49,8 @@ class WorkerView:
     dp_rank: int
     rank: int
     state: str
+    # Last reported step time: the ElasWave policy sizes a fail-slow straggler's slowdown from it.
+    step_time_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class JobSnapshot:
     live: tuple[WorkerView, ...]
     gone: tuple[WorkerView, ...]
     changes: tuple[str, ...]  # "kind:worker" of every change since the last plan
+    model_json: str | None = None  # the job's registered model (`elaswave plan` state.json), if any
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ PublishPlan = Callable[[str, bytes, int], Awaitable[int]]  # (job, plan body, ex
 
 def snapshot_of(job: Job) -> JobSnapshot:
     def view(m: MemberRecord) -> WorkerView:
-        return WorkerView(m.worker_id, m.host, m.stage, m.dp_rank, m.rank, m.state.value)
+        step_time = m.last_step.step_time_s if m.last_step is not None else None
+        return WorkerView(m.worker_id, m.host, m.stage, m.dp_rank, m.rank, m.state.value, step_time)
 
     members = sorted(job.members.values(), key=lambda m: m.worker_id)
     return JobSnapshot(
@@ -95,6 +99,7 @@ def snapshot_of(job: Job) -> JobSnapshot:
         live=tuple(view(m) for m in members if not m.state.is_gone),
         gone=tuple(view(m) for m in members if m.state.is_gone),
         changes=tuple(f"{e.kind}:{e.worker_id}" for e in job.pending_changes),
+        model_json=job.model_json,
     )
 
 

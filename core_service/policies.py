@@ -1,10 +1,12 @@
 """Policies the schedule engine consults. They return decisions; the engine acts on them.
 
-`LayoutPolicy` is ElasWave's fail-stop response for jobs registered with a layout (planners.Layout
-JSON): lost and preempted ranks leave their stages and the survivors take their samples
-(micro-batch resizing, elaswave.txt §4.1 / planners.dataflow); a stage that loses every rank
-hands its layers to a neighbour; the result is validated (planners.validation) before it is
-published. Only a change that leaves no rank at all is refused. Jobs registered without a layout are
+The default is `core_service.elaswave_policy.ElasWavePolicy` (resize + re-partition + DVFS);
+`LayoutPolicy` here is its resize-only ablation baseline (config `policy = "elaswave-resize"`),
+and the dataflow step both share. For jobs registered with a layout (planners.Layout JSON): lost
+and preempted ranks leave their stages and the survivors take their samples (micro-batch
+resizing, elaswave.txt §4.1 / planners.dataflow); a stage that loses every rank hands its layers
+to a neighbour; the result is validated (planners.validation) before it is published. Only a
+change that leaves no rank at all is refused. Jobs registered without a layout are
 membership-only: changes are recorded and nothing is re-planned.
 """
 
@@ -27,31 +29,57 @@ GOING_STATES = frozenset({"LOST", "LEFT", "PREEMPTING", "DRAINING"})
 
 
 @dataclass(frozen=True)
+class Resized:
+    """The dataflow step (§4.1) for the ranks that go: the layout, or why there is none."""
+
+    layout: Layout | None
+    reasons: tuple[str, ...]
+    refusal: str = ""
+
+
+@dataclass(frozen=True)
 class LayoutPolicy:
+    """Resize only (§4.1): the ablation baseline of `ElasWavePolicy` (config `policy = "elaswave-resize"`)."""
+
     name: str = "elaswave-resize"
 
     def decide(self, snapshot: JobSnapshot) -> Decision:
         if snapshot.layout_json is None:
-            return Decision("none", "job has no layout: membership change recorded, nothing to re-plan",
-                            self.name)
+            return Decision("none", NO_LAYOUT, self.name)
         layout = Layout.from_json(snapshot.layout_json)
-        in_layout = set(layout.ranks())
-        going = sorted({w.rank for w in snapshot.gone + snapshot.live
-                        if w.state in GOING_STATES and w.rank in in_layout})
+        going = going_ranks(snapshot, layout)
         if not going:
             return Decision("none", "no rank of the current layout is leaving", self.name)
-        remaining, dropped = _drop_emptied_stages(layout, set(going))
-        if remaining is None:
-            return Decision("refuse", "every stage would lose all of its ranks", self.name)
-        result = resize_after_loss(remaining, [r for r in going if r in set(remaining.ranks())])
-        report = validate(result.layout)
-        if not report.ok:
-            return Decision("refuse", "resized layout does not validate: " + "; ".join(report.problems),
-                            self.name)
-        sizes = micro_batch_sizes(result.layout)
-        reasons = (*dropped, result.reason, f"micro-batch sizes per stage {list(sizes)}")
-        return Decision("publish", result.reason, self.name, layout_json=result.layout.to_json(),
-                        reasons=reasons)
+        resized = resize_for_going(layout, going)
+        if resized.layout is None:
+            return Decision("refuse", resized.refusal, self.name)
+        return Decision("publish", resized.reasons[-2], self.name, layout_json=resized.layout.to_json(),
+                        reasons=resized.reasons)
+
+
+NO_LAYOUT = "job has no layout: membership change recorded, nothing to re-plan"
+
+
+def going_ranks(snapshot: JobSnapshot, layout: Layout) -> list[int]:
+    """Ranks of `layout` whose worker is lost, left, preempted or draining."""
+    in_layout = set(layout.ranks())
+    return sorted({w.rank for w in snapshot.gone + snapshot.live
+                   if w.state in GOING_STATES and w.rank in in_layout})
+
+
+def resize_for_going(layout: Layout, going: list[int]) -> Resized:
+    """Stages that lose every rank hand their layers to a neighbour; the survivors of the others
+    take the going ranks' samples (micro-batch resizing, elaswave.txt §4.1); the result validates.
+    The last two reasons are the resize's own and the micro-batch sizes."""
+    remaining, dropped = _drop_emptied_stages(layout, set(going))
+    if remaining is None:
+        return Resized(None, dropped, "every stage would lose all of its ranks")
+    result = resize_after_loss(remaining, [r for r in going if r in set(remaining.ranks())])
+    report = validate(result.layout)
+    if not report.ok:
+        return Resized(None, dropped, "resized layout does not validate: " + "; ".join(report.problems))
+    sizes = micro_batch_sizes(result.layout)
+    return Resized(result.layout, (*dropped, result.reason, f"micro-batch sizes per stage {list(sizes)}"))
 
 
 def _drop_emptied_stages(layout: Layout, going: set[int]) -> tuple[Layout | None, tuple[str, ...]]:
@@ -68,10 +96,6 @@ def _drop_emptied_stages(layout: Layout, going: set[int]) -> tuple[Layout | None
         reasons.append(f"stage {stage.stage} lost every rank: layers {stage.layer_start}..{stage.layer_stop - 1} "
                        "move to a neighbouring stage")
         layout = drop_stage(layout, stage.stage)
-
-
-def default_policy() -> LayoutPolicy:
-    return LayoutPolicy()
 
 
 # Devices of an offer are expected to stay until reclaimed; FlexTrain models reclaims as a

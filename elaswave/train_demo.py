@@ -5,9 +5,10 @@ membership), the rendezvous store the executors build their groups on (its own p
 store inside a training rank would die with it), and one agent per worker, each launching a
 training process (`python -m executor.worker`) of a PP x DP x ZeRO-1 job. Mid-training one worker
 is killed with SIGKILL. Nothing is restarted: the agent reports the exit, the Core re-plans
-(micro-batch resizing, elaswave.txt §4.1) and publishes the plan, the survivors roll back, take
-the plan from `ExecutorService`, edit their groups in place, rebuild the lost optimizer shard from
-its ring snapshot (§5) and replay the step. The demo then checks the job against a fault-free
+(micro-batch resizing, elaswave.txt §4.1, and a block migrated off the damaged stage when the
+cost model says it pays, §4.2) and publishes the plan, the survivors roll back, take the plan from
+`ExecutorService`, edit their groups in place, rebuild the lost optimizer shard from its ring
+snapshot (§5), migrate the moved block (§6.2) and replay the step. The demo then checks the job against a fault-free
 single-process run of the same seed: the same loss to fp32 round-off before the failure (the
 DP reduction adds in another order than one process does), within 1e-4 mean relative deviation
 after it, and every sample of every global batch processed exactly once
@@ -63,6 +64,7 @@ class TrainDemo(Demo):
         cfg.check()
         self.cfg = cfg
         self.store = None
+        self.agents: dict[int, subprocess.Popen[bytes]] = {}  # by rank: tests signal one agent
 
     def layout(self) -> Any:
         from executor.model import ModelConfig, block_numel  # noqa: PLC0415 - torch only when run
@@ -93,7 +95,8 @@ class TrainDemo(Demo):
                          f"rank-{rank}", "--rank", str(rank), "--stage", str(stage.stage), "--dp-rank",
                          str(dp_rank), "--core", f"127.0.0.1:{grpc_port}", "--metrics-socket",
                          str(self.workdir / f"rank-{rank}.sock"), "--log-level", "WARNING", "--", *worker]
-                self.procs.append(subprocess.Popen(agent, env=env))
+                self.agents[rank] = subprocess.Popen(agent, env=env)
+                self.procs.append(self.agents[rank])
 
     def result_file(self, rank: int) -> Path:
         return self.workdir / f"rank-{rank}.json"
@@ -123,7 +126,8 @@ def create_job_with_layout(demo: TrainDemo, layout: Any) -> str:
     return response.json()["token"]
 
 
-def run_train_demo(demo: TrainDemo) -> int:
+def launch_job(demo: TrainDemo) -> dict[str, Any]:
+    """Core, job with its layout, store, and one agent + worker per rank; the Core's ports."""
     cfg = demo.cfg
     info = demo.start_core()
     print(f"[demo] Core up: gRPC 127.0.0.1:{info['grpc_port']}, REST http://127.0.0.1:{info['http_port']}/api/v1/jobs")
@@ -133,10 +137,21 @@ def run_train_demo(demo: TrainDemo) -> int:
     print(f"[demo] job 'demo': PP={cfg.pp} x DP={cfg.dp} x ZeRO-1 (interleaved), {cfg.layers} blocks, global batch "
           f"{cfg.global_batch} in {cfg.micro_batches} micro-batches, {cfg.steps} steps; store on port {store_port}")
     demo.start_training(info["grpc_port"], store_port, token, layout)
+    return info
+
+
+def wait_committed(demo: TrainDemo, step: int) -> dict[str, Any]:
+    """The job as the Core shows it once every worker has committed `step`."""
+    return demo.wait_for(f"every worker to commit step {step}",
+                         lambda j: len(j["members"]) == demo.workers
+                         and all(last_step(m) >= step for m in j["members"]))
+
+
+def run_train_demo(demo: TrainDemo) -> int:
+    cfg = demo.cfg
+    launch_job(demo)
     victim = f"rank-{cfg.victim_rank}"
-    job = demo.wait_for(f"every worker to commit step {cfg.kill_after_step}",
-                        lambda j: len(j["members"]) == demo.workers
-                        and all(last_step(m) >= cfg.kill_after_step for m in j["members"]))
+    job = wait_committed(demo, cfg.kill_after_step)
     member = next(m for m in job["members"] if m["worker_id"] == victim)
     print(f"[demo] {demo.workers} workers training; kill -9 {victim} (pid {member['pid']}, stage "
           f"{member['stage']}) during step {last_step(member) + 1}")
@@ -170,6 +185,7 @@ def report(demo: TrainDemo, killed_unix: float, results: dict[int, dict[str, Any
     assert demo.http is not None
     events = demo.http.get("/api/v1/jobs/demo/events").json()["events"]
     print_timeline(events, killed_unix, results)
+    print_layout(demo.job().get("layout"))
     model = TrainConfig(model=ModelConfig(num_layers=cfg.layers, dropout=cfg.dropout))
     ref = run_reference(model, cfg.global_batch, cfg.micro_batches, cfg.steps).losses
     losses = job_losses(results)
@@ -248,6 +264,17 @@ def check_membership(cfg: TrainDemoConfig, events: list[dict[str, Any]], final: 
     if final != expected:
         problems.append(f"final member states {final} != {expected}")
     return problems
+
+
+def print_layout(layout: dict[str, Any] | None) -> None:
+    """The layout the Core planned: which blocks each stage holds now, on which ranks (the ElasWave
+    policy resizes micro-batches and may also migrate blocks between adjacent stages, §4.1-4.2)."""
+    if layout is None:
+        return
+    stages = "; ".join(f"stage {s['stage']} blocks {s['layer_start']}..{s['layer_stop'] - 1} on ranks {s['ranks']}"
+                       for s in layout["stages"])
+    clocks = f"; clocks {dict(map(tuple, layout['frequencies_mhz']))} MHz" if layout["frequencies_mhz"] else ""
+    print(f"[demo] layout now: {stages}{clocks}")
 
 
 def print_timeline(events: list[dict[str, Any]], killed_unix: float, results: dict[int, dict[str, Any]]) -> None:

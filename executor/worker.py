@@ -12,7 +12,15 @@ no training rank hosts (executor.store_server), and runs the step-boundary proto
   APPLIED, edit their groups in place, remap the lost shard from its ring snapshot, replay the
   step and acknowledge RESUMED after the first committed step under the new layout;
 - a plan that arrives while a step is running aborts that step on every worker (the plan is the
-  abort signal: it also releases survivors blocked on a hung rather than a dead peer).
+  abort signal: it also releases survivors blocked on a hung rather than a dead peer);
+- a planned departure (scheduler preemption through the Core, or SIGTERM of the agent, which
+  reports a PreemptionNotice) is the same plan: the leaving worker rolls back with everyone at
+  the boundary, sees that its rank is gone and exits 0 (its agent then says Leave: LEFT, not
+  LOST). SIGTERM of the worker itself (the agent forwards it; Slurm signals every process) never
+  kills it mid-step: if its agent reported the preemption (a drain notice in the control file,
+  agent.control) it keeps training until the Core's plan lets it go, so the survivors never see
+  it vanish; otherwise (a plain stop), or with no such plan within `--timeout`, it stops at the
+  next step boundary and exits 143, which the survivors handle as a fail-stop.
 
 Each committed step is reported to the agent over the local metrics socket. At the end the
 worker writes its per-step losses, the samples it ran and its recovery timings as JSON.
@@ -23,12 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 TOKEN_ENV = "ELASWAVE_JOB_TOKEN"
+EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a SIGTERM'd process
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -60,6 +70,7 @@ class CoreDrivenWorker:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch  # noqa: PLC0415 - keep `--help` fast
 
+        from agent.control import ControlReader  # noqa: PLC0415
         from agent.local_metrics import StepMetricsClient  # noqa: PLC0415
         from executor.comm import Communicator, groups_for_stages  # noqa: PLC0415
         from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
@@ -82,10 +93,33 @@ class CoreDrivenWorker:
         self.participant = FabricParticipant(self.trainer, self.comm, verify_every=args.verify_every)
         self.proto = StepProtocol(self.comm, self.participant, timeout_s=args.timeout)
         self.metrics = StepMetricsClient.from_env()
+        self.control = ControlReader.from_env()
         token = os.environ.get(TOKEN_ENV, "")
         self.plans = PlanClient(args.core.split(","), args.job, args.worker_id, token, on_plan=self._plan_arrived)
         self.results: dict[str, Any] = {"rank": args.rank, "worker_id": args.worker_id, "losses": {},
                                         "samples": {}, "recoveries": [], "failures": []}
+        self.exit_code = 0
+        self._sigterm_at: float | None = None  # monotonic time of the first SIGTERM
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        # A preemption notice, not a kill: the agent reports it and the Core's plan lets this
+        # worker go at a step boundary (dying now would cost the survivors a fail-stop recovery).
+        if self._sigterm_at is None:
+            self._sigterm_at = time.monotonic()
+            # os.write, not print: a handler that prints while the main thread prints raises there.
+            os.write(2, f"worker {self.args.worker_id}: SIGTERM; leaving at a step boundary (with the Core's plan "
+                        f"if the agent reported a preemption, at most {self.args.timeout:g} s)\n".encode())
+
+    def _leave_without_plan(self) -> bool:
+        """After SIGTERM, whether to stop at this boundary with no plan: at once unless the agent
+        reported a preemption (the Core then plans this worker out), else after `--timeout`."""
+        if self._sigterm_at is None:
+            return False
+        try:
+            reported = self.control is not None and self.control.draining is not None
+        except ValueError:  # an unreadable control file: no report can be assumed
+            reported = False
+        return not reported or time.monotonic() - self._sigterm_at > self.args.timeout
 
     def _plan_arrived(self, plan: Any) -> None:
         # Runs on the subscription thread: a newer plan aborts the step in flight everywhere.
@@ -95,10 +129,16 @@ class CoreDrivenWorker:
     def run(self) -> dict[str, Any]:
         from executor.comm import PeerFailure  # noqa: PLC0415
 
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        # Restart system calls the signal interrupts: a SIGTERM must never fail a collective.
+        signal.siginterrupt(signal.SIGTERM, False)
         self.plans.start(after_epoch=self.proto.plan_epoch)
         step, resumed_epoch = 0, None
         try:
             while step < self.args.steps:
+                if self._leave_without_plan():
+                    self.results["left_at_step"], self.exit_code = step, EXIT_TERMINATED
+                    break  # no plan let this worker go: leave anyway, the survivors recover as from a fail-stop
                 started = time.perf_counter()
                 self.proto.begin_step(step)
                 result = None
@@ -152,8 +192,11 @@ class CoreDrivenWorker:
         self.plans.ack(published.epoch, "RECEIVED", waited)
         new = Layout.from_json(published.layout_json)
         if self.args.rank not in new.ranks():
-            self.plans.ack(published.epoch, "FAILED", 0.0, f"rank {self.args.rank} is not in the new layout")
+            # A planned departure, not a failed apply: a FAILED ack would make the Core re-plan.
+            self.plans.ack(published.epoch, "PAUSED", 0.0)
             self.results["left_at_step"] = step
+            print(f"worker {self.args.worker_id}: plan {published.epoch} has no rank {self.args.rank}; leaving at "
+                  f"the boundary of step {step} ({'; '.join(published.reasons)})", flush=True)
             return False
         self.plans.ack(published.epoch, "PAUSED", 0.0)
         plan = Plan(published.epoch, self.trainer.layout, new, published.reasons, published.predicted_step_time_s)
@@ -173,14 +216,15 @@ class CoreDrivenWorker:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results = CoreDrivenWorker(args).run()
+    worker = CoreDrivenWorker(args)
+    results = worker.run()
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(results, sort_keys=True))
     tmp.replace(args.out)
     sys.stdout.flush()
     # Skip interpreter teardown: a gloo group with an abandoned op (the dead peer's) would block
     # its destructor until the group timeout.
-    os._exit(0)
+    os._exit(worker.exit_code)
 
 
 if __name__ == "__main__":

@@ -200,14 +200,17 @@ def base_args(tmp_path: Path, cores: str, worker_id: str = "w0", *extra: str) ->
 
 
 def sleeper_command(tmp_path: Path, ignore_sigterm: bool = False) -> list[str]:
-    """A worker that sleeps; on SIGTERM it writes 'SIGTERM' to term.txt and exits 0 (or, with
-    ``ignore_sigterm``, ignores it). It touches ready.txt once its handler is installed (see
-    ``wait_worker_ready``)."""
+    """A worker that sleeps; on SIGTERM it copies its control file (if any) to
+    control_at_term.json, writes 'SIGTERM' to term.txt and exits 0 (or, with ``ignore_sigterm``,
+    ignores it). It touches ready.txt once its handler is installed (see ``wait_worker_ready``)."""
     script = tmp_path / "worker.py"
     handler = "signal.SIG_IGN" if ignore_sigterm else "on_term"
     script.write_text(
-        "import pathlib, signal, sys, time\n"
+        "import os, pathlib, signal, sys, time\n"
         "def on_term(*_):\n"
+        "    control = pathlib.Path(os.environ.get('ELASWAVE_CONTROL_FILE', '/nonexistent'))\n"
+        "    if control.exists():\n"
+        f"        pathlib.Path({str(tmp_path / 'control_at_term.json')!r}).write_text(control.read_text())\n"
         f"    pathlib.Path({str(tmp_path / 'term.txt')!r}).write_text('SIGTERM')\n"
         "    sys.exit(0)\n"
         f"signal.signal(signal.SIGTERM, {handler})\n"

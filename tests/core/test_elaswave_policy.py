@@ -1,0 +1,193 @@
+"""The ElasWave policy (resize + Algorithm 1 re-partition + DVFS, elaswave.txt §4.1-4.3) driving the
+schedule engine one tick at a time, and its resize-only baseline selected by configuration."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from core_service.config import ConfigError, FailSlowSettings, load_settings
+from core_service.elaswave_policy import ElasWavePolicy, make_policy
+from core_service.engine import JobSnapshot, WorkerView
+from core_service.model import JobPhase, StepReport
+from core_service.policies import LayoutPolicy
+from planners.layout import Layout, StageLayout, make_uniform_layout
+from planners.validation import validate
+from tests.core.test_engine import Harness, run
+
+
+def published(h: Harness) -> tuple[int, dict[str, Any], Layout]:
+    epoch, body = h.plans.latest("j")
+    plan = json.loads(body)
+    return epoch, plan, Layout.from_json(plan["layout_json"])
+
+
+async def settle(h: Harness, now: float) -> None:
+    """The joins are one change: planned once, nothing to do."""
+    assert await h.engine.tick(h.job, now) == JobPhase.PLANNING
+    assert await h.engine.tick(h.job, now + 0.1) == JobPhase.RUNNING
+    assert h.job.plan_epoch == 0
+
+
+async def apply_all(h: Harness, epoch: int, now: float) -> None:
+    for worker, member in h.job.members.items():
+        if not member.state.is_gone:
+            h.job.acks.setdefault(epoch, {})[worker] = "RESUMED"
+    assert await h.engine.tick(h.job, now) == JobPhase.RUNNING
+
+
+def moves(old: Layout, new: Layout) -> list[tuple[int, int, int]]:
+    return [(b, old.stage_of_layer(b), new.stage_of_layer(b)) for b in range(old.num_layers)
+            if old.stage_of_layer(b) != new.stage_of_layer(b)]
+
+
+@pytest.mark.timeout(60)
+def test_loss_in_one_stage_moves_a_block_to_the_adjacent_stage() -> None:
+    from executor.fabric.relayout import plan_relayout  # noqa: PLC0415 - torch only for this check
+
+    layout = make_uniform_layout(num_layers=4, num_stages=2, dp=3, global_batch=12, num_micro_batches=2)
+    h = Harness(layout, ElasWavePolicy())
+
+    async def scenario() -> None:
+        await h.join_layout("j", layout)
+        await settle(h, 1.0)
+        h.membership.mark_lost(h.job, "j-w4", "worker process killed by signal 9", "process_exit", 2.0)
+        assert await h.engine.tick(h.job, 2.0) == JobPhase.PLANNING
+        assert await h.engine.tick(h.job, 2.1) == JobPhase.APPLYING
+        epoch, plan, new = published(h)
+        assert epoch == 1 and plan["policy"] == "elaswave"
+        assert validate(new, exhaustive=True).ok
+        # Stage 1 lost a rank (micro-batch 2 -> 3); block 2 moves to stage 0, one stage only.
+        assert new.stages[1].ranks == (3, 5) and new.stages[0].ranks == (0, 1, 2)
+        assert moves(layout, new) == [(2, 1, 0)]
+        relayout = plan_relayout(layout, new)  # the executor accepts it in place
+        assert relayout.moves == ((2, 1, 0),) and relayout.lost == {4}
+        assert any("block 2 stage 1->0" in r for r in plan["reasons"]), plan["reasons"]
+        assert any(r.startswith("predicted step time") for r in plan["reasons"])
+        assert plan["predicted_step_time_s"] > 0
+        await apply_all(h, 1, 2.2)
+
+    run(scenario())
+
+
+def _three_stages() -> Layout:
+    # Stages 0 and 1 run one rank each after the loss (6 samples per slot), stage 2 six ranks (1
+    # each): Algorithm 1 wants stage 2 to take block 2 from stage 0, two stages away.
+    stages = (StageLayout(0, 0, 3, (0, 1)), StageLayout(1, 3, 6, (2,)), StageLayout(2, 6, 9, tuple(range(3, 9))))
+    return Layout(num_layers=9, global_batch=12, num_micro_batches=2, stages=stages, layer_numel=(1,) * 9)
+
+
+@pytest.mark.timeout(60)
+def test_best_partition_needing_a_two_stage_hop_falls_back_to_resize_only() -> None:
+    layout = _three_stages()
+    assert validate(layout).ok
+    h = Harness(layout, ElasWavePolicy())
+
+    async def scenario() -> None:
+        await h.join_layout("j", layout)
+        await settle(h, 1.0)
+        h.membership.mark_lost(h.job, "j-w1", "worker process killed by signal 9", "process_exit", 2.0)
+        assert await h.engine.tick(h.job, 2.0) == JobPhase.PLANNING
+        assert await h.engine.tick(h.job, 2.1) == JobPhase.APPLYING
+        _, plan, new = published(h)
+        assert validate(new, exhaustive=True).ok
+        assert new.boundaries == layout.boundaries and new.stages[0].ranks == (0,)
+        why = [r for r in plan["reasons"] if r.startswith("re-partition not adopted")]
+        assert len(why) == 1 and "block 2 stage 0->2" in why[0] and "more than one stage" in why[0], plan["reasons"]
+        assert "resize only" in why[0]
+
+    run(scenario())
+
+
+def _report(h: Harness, worker: str, step: int, seconds: float) -> None:
+    member = h.job.members[worker]
+    session = h.membership.sessions[("j", worker)]
+    h.membership.step(session, StepReport(step, seconds, seconds, None, 2, member.stage, member.dp_rank, float(step)))
+
+
+@pytest.mark.timeout(60)
+def test_slow_worker_is_up_clocked_and_given_its_clock_back_when_it_recovers() -> None:
+    layout = make_uniform_layout(num_layers=4, num_stages=2, dp=3, global_batch=12, num_micro_batches=2)
+    h = Harness(layout, ElasWavePolicy())
+    # A 12% straggler; the default ratio (1.5) would flag only stragglers DVFS cannot make up for.
+    h.job.failslow.settings = FailSlowSettings(ratio=1.05, trigger_steps=3, clear_steps=3)
+
+    def step_all(step: int, slow_s: float) -> None:
+        for worker in sorted(h.job.members):
+            _report(h, worker, step, slow_s if worker == "j-w4" else 1.0)
+
+    async def scenario() -> None:
+        await h.join_layout("j", layout)
+        await settle(h, 1.0)
+        for step in range(3):  # flagged only after trigger_steps consecutive slow steps
+            assert not h.job.pending_changes
+            step_all(step, 1.12)
+        assert [e.kind for e in h.job.pending_changes] == ["worker_slow"]
+        assert await h.engine.tick(h.job, 5.0) == JobPhase.PLANNING
+        assert await h.engine.tick(h.job, 5.1) == JobPhase.APPLYING
+        epoch, plan, new = published(h)
+        assert epoch == 1 and validate(new).ok
+        assert new.frequencies_mhz == ((4, 1568),)  # 1,400 MHz x 1.12, below the 1,650 MHz maximum
+        assert new.stages == layout.stages  # a sub-layer gap: no block moves, no rank leaves
+        assert any("DVFS" in r and "rank 4 at 1568 MHz" in r for r in plan["reasons"]), plan["reasons"]
+        assert any("fail-slow" in r for r in plan["reasons"])
+        await apply_all(h, 1, 5.2)
+        # Compensated: normal step times, but the worker is cleared only after clear_steps of them.
+        for step in range(3, 5):
+            step_all(step, 1.0)
+            assert not h.job.pending_changes and await h.engine.tick(h.job, 6.0 + step) == JobPhase.RUNNING
+        step_all(5, 1.0)
+        assert [e.kind for e in h.job.pending_changes] == ["worker_recovered"]
+        assert await h.engine.tick(h.job, 9.0) == JobPhase.PLANNING
+        assert await h.engine.tick(h.job, 9.1) == JobPhase.APPLYING
+        epoch, plan, new = published(h)
+        assert epoch == 2 and new.frequencies_mhz == ((4, 1400),)  # pinned at nominal: SetFrequency is sent
+        assert any("back to the nominal 1400 MHz" in r for r in plan["reasons"]), plan["reasons"]
+
+    run(scenario())
+
+
+def _snapshot(layout: Layout, lost: int, model: dict[str, Any] | None) -> JobSnapshot:
+    live = tuple(WorkerView(f"w{r}", "h", layout.stage_of_rank(r), 0, r, "RUNNING") for r in layout.ranks() if r != lost)
+    gone = (WorkerView(f"w{lost}", "h", layout.stage_of_rank(lost), 0, lost, "LOST"),)
+    return JobSnapshot("j", 0, layout.to_json(), live, gone, (f"worker_lost:w{lost}",),
+                       None if model is None else json.dumps(model))
+
+
+def test_registered_model_is_the_cost_model_when_the_job_has_one() -> None:
+    layout = make_uniform_layout(num_layers=4, num_stages=2, dp=3, global_batch=12, num_micro_batches=2)
+    # Block 2 is cheap: after rank 4 goes, stage 1 (blocks 2-3 at micro-batch 3) is still faster
+    # than stage 0, so nothing should move; the uniform model would move block 2.
+    model = {"job": {"pp": 2, "dp": 3, "micro_batch": 2, "global_batch": 12},
+             "profile": {"layer_fwd_s": [1.0, 1.0, 0.1, 1.0], "layer_bwd_s": [2.0, 2.0, 0.2, 2.0],
+                         "layer_param_bytes": [1.0] * 4, "layer_act_bytes": [0.0] * 4, "mem_cap_bytes": 1e12}}
+    with_model = ElasWavePolicy().decide(_snapshot(layout, 4, model))
+    assert with_model.action == "publish" and "registered profile" in with_model.reasons[0]
+    assert Layout.from_json(with_model.layout_json or "").boundaries == (2,)
+    assert any(r.startswith("no block moves") for r in with_model.reasons), with_model.reasons
+    uniform = ElasWavePolicy().decide(_snapshot(layout, 4, None))
+    assert "uniform blocks" in uniform.reasons[0]
+    assert Layout.from_json(uniform.layout_json or "").boundaries == (3,)
+
+
+def test_policy_is_selected_by_configuration() -> None:
+    assert load_settings(dev_mode=True).policy == "elaswave"
+    assert isinstance(make_policy(load_settings(dev_mode=True).policy), ElasWavePolicy)
+    baseline = make_policy(load_settings(dev_mode=True, policy="elaswave-resize").policy)
+    assert isinstance(baseline, LayoutPolicy) and baseline.name == "elaswave-resize"
+    with pytest.raises(ConfigError, match="policy 'resize' is unknown: choose 'elaswave'.*'elaswave-resize'"):
+        load_settings(dev_mode=True, policy="resize")
+
+
+def test_memory_caps_keep_a_block_where_it_is() -> None:
+    # Uniform model memory per block on a DP=3 stage: 1 element x (2 + 2 + 12/3) bytes = 8 bytes;
+    # stage 0 may hold two blocks (16 <= 20) but not the third the re-partition would give it.
+    capped = make_uniform_layout(num_layers=4, num_stages=2, dp=3, global_batch=12, num_micro_batches=2,
+                                 stage_mem_cap_bytes=(20.0, 1e9))
+    decision = ElasWavePolicy().decide(_snapshot(capped, 4, None))
+    assert decision.action == "publish"
+    new = Layout.from_json(decision.layout_json or "")
+    assert new.boundaries == (2,) and new.stages[1].ranks == (3, 5)
+    assert any(r.startswith("no block moves") for r in decision.reasons), decision.reasons
