@@ -263,14 +263,21 @@ class Communicator:
         untouched until `complete`. Ops never completed count as pending in the group's ledger,
         so an edit rebuilds that group instead of reusing it half-matched."""
         works: list[tuple[_Group, object]] = []
-        for name, tensor, dst, tag in sends:
-            g = self._route(name, dst)
-            g.ledger.sent[dst] += 1
-            works.append((g, g.pg.send([tensor], g.workers.index(dst), tag)))
-        for name, tensor, src, tag in recvs:
-            g = self._route(name, src)
-            g.ledger.received[src] += 1
-            works.append((g, g.pg.recv([tensor], g.workers.index(src), tag)))
+        ops = [(name, tensor, peer, tag, True) for name, tensor, peer, tag in sends]
+        ops += [(name, tensor, peer, tag, False) for name, tensor, peer, tag in recvs]
+        for name, tensor, peer, tag, is_send in ops:
+            g = self._route(name, peer)
+            try:
+                if is_send:
+                    g.ledger.sent[peer] += 1
+                    works.append((g, g.pg.send([tensor], g.workers.index(peer), tag)))
+                else:
+                    g.ledger.received[peer] += 1
+                    works.append((g, g.pg.recv([tensor], g.workers.index(peer), tag)))
+            except Exception as exc:  # noqa: BLE001 - gloo raises at issue time on a reset connection
+                for issued, _work in works:
+                    issued.ledger.pending += 1  # issued, never completed: those groups are half-used
+                self._fail(g, str(exc).splitlines()[0][:300])
         for g, _work in works:
             g.ledger.pending += 1
         return PendingOps(works)
@@ -407,7 +414,11 @@ class Communicator:
 
     def _collective(self, g: _Group, issue: Callable[[], object]) -> None:
         g.ledger.collectives += 1
-        self._wait(g, issue(), has_future=True)
+        try:
+            work = issue()
+        except Exception as exc:  # noqa: BLE001 - a dead peer can fail the op before it is queued
+            self._fail(g, str(exc).splitlines()[0][:300])
+        self._wait(g, work, has_future=True)
 
     def _wait(self, g: _Group, work: object, has_future: bool) -> None:
         done = threading.Event()

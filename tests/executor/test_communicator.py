@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from datetime import timedelta
 
@@ -255,3 +256,45 @@ def test_hung_peer_releases_survivors_within_the_timeout() -> None:
         assert got[w]["failure"] == "dp/0", got[w]
         # released by its own deadline or by the other survivor's abort flag, never later
         assert got[w]["seconds"] < HUNG_TIMEOUT_S + 1.5, got[w]
+
+
+class _ResetConnection:
+    """A process group whose peer's connection is already reset: gloo raises when the op is issued."""
+
+    def send(self, *_args: object) -> object:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection reset by peer\nmore")
+
+    recv = send
+    allreduce = send
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("op", ["send", "all_reduce"])
+def test_an_op_that_fails_when_issued_is_a_peer_failure_and_aborts_the_epoch(op: str) -> None:
+    server = StoreServer.start()
+    try:
+        # Both members build the group together (two threads, one store); then worker 0's peer
+        # connection is "reset".
+        comms: dict[int, Communicator] = {}
+
+        def build(worker: int) -> None:
+            comms[worker] = Communicator(server.connect(), worker, groups_for_stages([[0, 1]]),
+                                         timeout_s=GROUP_TIMEOUT_S, pp_links=False)
+
+        builders = [threading.Thread(target=build, args=(w,)) for w in (0, 1)]
+        for t in builders:
+            t.start()
+        for t in builders:
+            t.join(timeout=30)
+        comm = comms[0]
+        comm._groups["dp/0"].pg = _ResetConnection()  # type: ignore[assignment]
+        with pytest.raises(PeerFailure, match="Connection reset by peer") as failure:
+            if op == "send":
+                comm.send("dp/0", torch.ones(3), dst_worker=1)
+            else:
+                comm.all_reduce("dp/0", torch.ones(3))
+        assert failure.value.group == "dp/0"
+        assert comm.aborted()  # every survivor learns of it, not only this one
+        assert comm._groups["dp/0"].ledger.failed  # the next edit rebuilds this group
+    finally:
+        server.stop()
