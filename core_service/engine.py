@@ -227,7 +227,8 @@ class ScheduleEngine:
         if failed:
             self._enter(job, JobPhase.PLANNING, now, f"apply failed on {sorted(failed)}: re-planning")
             return
-        live = {m.worker_id for m in job.live_members() if m.state != WorkerState.JOINING}
+        # Members the plan removed (a preempted rank on its way out) never resume: not waited for.
+        live = {m.worker_id for m in job.live_members() if m.state != WorkerState.JOINING and job.in_layout(m)}
         if live and all(acks.get(w) in RESUMED_PHASES for w in live):
             self.metrics.apply_seconds.observe(now - applying.started)
             self._enter(job, JobPhase.RUNNING, now, f"epoch {applying.epoch} applied by {len(live)} workers")

@@ -23,6 +23,7 @@ from core_service.failslow import FailSlowDetector
 from core_service.model import Event, JobPhase, MemberRecord, WorkerState
 from core_service.persist import Persister
 from core_service.registry import Registry
+from planners.layout import Layout
 
 log = logging.getLogger("elaswave.core.jobs")
 
@@ -63,6 +64,7 @@ class Job:
     # Set by membership changes; the schedule engine clears it when it plans.
     pending_changes: list[Event] = field(default_factory=list)
     acks: dict[int, dict[str, str]] = field(default_factory=dict)
+    _layout_ranks: tuple[str, frozenset[int]] | None = field(default=None, repr=False, compare=False)
 
     def check_token(self, presented: str) -> bool:
         return hmac.compare_digest(token_digest(presented), self.token_sha256)
@@ -75,6 +77,17 @@ class Job:
 
     def live_members(self) -> list[MemberRecord]:
         return [m for m in self.members.values() if not m.state.is_gone]
+
+    def in_layout(self, member: MemberRecord) -> bool:
+        """Whether the current layout still holds `member`'s rank (True without a layout or a rank:
+        then every member counts). A rank a published plan removed is planned for already."""
+        if self.layout_json is None or member.rank < 0:
+            return True
+        cached = self._layout_ranks
+        if cached is None or cached[0] is not self.layout_json:
+            cached = (self.layout_json, frozenset(Layout.from_json(self.layout_json).ranks()))
+            self._layout_ranks = cached
+        return member.rank in cached[1]
 
     def spec_json(self) -> bytes:
         return json.dumps(
@@ -184,8 +197,12 @@ class JobTable:
         if state.is_gone:
             job.failslow.forget(member.worker_id)
         self.save_member(job, member)
-        # A worker starting to step changes nothing the planner cares about; every other move does.
+        # A worker starting to step changes nothing the planner cares about; every other move does,
+        # except a departure the current layout already planned for (a preempted or drained rank
+        # leaving after the plan that removed it): re-planning for it would interrupt the apply.
         changes_layout = state != WorkerState.RUNNING or kind == "worker_recovered"
+        if state.is_gone and not job.in_layout(member):
+            changes_layout = False
         return self.record(
             job, kind, worker_id=member.worker_id, detail=reason, now=now, membership_change=changes_layout
         )

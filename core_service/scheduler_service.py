@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from typing import TYPE_CHECKING
 
 import grpc
 
-from core_service.engine import Decision, WorkerView, snapshot_of
+from core_service.engine import Decision, snapshot_of
 from core_service.grpc_util import RpcError, bearer_token, finite, invalid, require
 from core_service.jobs import Job
 from core_service.model import MemberRecord, WorkerState
@@ -167,12 +168,11 @@ class SchedulerServicer:
         for worker_id in request.remove_worker_ids:
             require(worker_id in live_ids, f"worker {worker_id!r} is not a live member of {job.name!r}")
         removed = set(request.remove_worker_ids)
-        gone = snapshot.gone + tuple(
-            WorkerView(w.worker_id, w.host, w.stage, w.dp_rank, w.rank, "LOST") for w in snapshot.live if w.worker_id in removed
-        )
-        hypothetical = type(snapshot)(
-            job=snapshot.job, plan_epoch=snapshot.plan_epoch, layout_json=snapshot.layout_json,
-            live=tuple(w for w in snapshot.live if w.worker_id not in removed), gone=gone,
+        gone = snapshot.gone + tuple(dataclasses.replace(w, state="LOST") for w in snapshot.live
+                                     if w.worker_id in removed)
+        # Everything else (the registered model, step times) as the real plan would see it.
+        hypothetical = dataclasses.replace(
+            snapshot, live=tuple(w for w in snapshot.live if w.worker_id not in removed), gone=gone,
             changes=tuple(f"what_if_lost:{w}" for w in sorted(removed)),
         )
         if not hypothetical.live:
