@@ -40,6 +40,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 CONTROL_ENV = "ELASWAVE_CONTROL_FILE"
+# The worker's word back, beside the control file: it creates this file once it has completed
+# all of its work, so that its exit 0 reads as "finished" rather than "stopped early".
+FINISHED_ENV = "ELASWAVE_FINISHED_FILE"
+
+
+def finished_path(control: Path) -> Path:
+    return control.with_name(control.name + ".finished")
+
+
+def mark_finished() -> bool:
+    """Worker side: say "my work is complete" to the agent; False when no agent asked for it."""
+    path = os.environ.get(FINISHED_ENV)
+    if not path:
+        return False
+    Path(path).write_text(f"{time.time():.6f}\n")
+    return True
 VERSION = 1
 
 

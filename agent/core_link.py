@@ -87,9 +87,10 @@ class CoreLink:
         self._beat_now = True
         self._wakeup.set()
 
-    async def leave(self, reason: str) -> bool:
-        """Send Leave after everything queued, close the stream; True when it was written in time."""
-        self._leave = agent_pb2.ConnectRequest(leave=agent_pb2.Leave(reason=reason))
+    async def leave(self, reason: str, finished: bool = False) -> bool:
+        """Send Leave after everything queued, close the stream; True when it was written in time.
+        ``finished``: the worker completed its work (see ``agent_pb2.Leave.finished``)."""
+        self._leave = agent_pb2.ConnectRequest(leave=agent_pb2.Leave(reason=reason, finished=finished))
         self._wakeup.set()
         try:
             await asyncio.wait_for(self._left.wait(), self._config.leave_timeout_s)

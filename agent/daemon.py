@@ -43,7 +43,7 @@ from typing import Any
 
 from agent import probes
 from agent.config import TOKEN_ENV, AgentConfig, load_job_token
-from agent.control import CONTROL_ENV, ControlFile, DrainNotice, FrequencyState
+from agent.control import CONTROL_ENV, FINISHED_ENV, ControlFile, DrainNotice, FrequencyState, finished_path
 from agent.core_link import CommandHandlers, CoreLink
 from agent.devices import DeviceSet
 from agent.frequency import FrequencyController, FrequencyFailed, FrequencyRefused, select_controller
@@ -84,6 +84,7 @@ class Agent:
         self._shutdown_reason: str | None = None
         self._shutdown = asyncio.Event()
         self._preempted = False
+        self._worker_finished = False  # the worker said its work is complete, then exited 0
         self._tasks: list[asyncio.Task[None]] = []
         self.link = CoreLink(config, self._register_message,
                              CommandHandlers(self._on_report_now, self._on_drain, self._on_set_frequency))
@@ -146,7 +147,10 @@ class Agent:
             raise ValueError("draining: not launching the worker")
         if self.config.worker_pid is not None:
             return ForeignWorker(self.config.worker_pid)
+        finished = finished_path(self.control.path)
+        finished.unlink(missing_ok=True)  # a previous run's word is not this worker's
         env = dict(os.environ, **{SOCKET_ENV: str(self.config.socket_path), CONTROL_ENV: str(self.control.path),
+                                  FINISHED_ENV: str(finished),
                                   "ELASWAVE_JOB": self.config.job, "ELASWAVE_WORKER_ID": self.config.worker_id})
         return await LaunchedWorker.start(self.config.worker_command, env)
 
@@ -171,13 +175,19 @@ class Agent:
             self._request_shutdown(f"drained ({self.draining.reason}): worker {self._worker.pid} {status.detail}")
             return
         if status.exit_code == 0:
-            # The worker finished its job (torchrun's notion of success), or stopped cleanly after a
-            # preemption notice: a departure, not a fail-stop, so the Core records LEFT, not LOST.
+            # A clean departure, not a fail-stop, so the Core records LEFT, not LOST: the worker
+            # completed its work (it created the finished file: nothing to re-plan for), stopped
+            # after a preemption notice, or left a layout that no longer holds it.
+            self._worker_finished = not self._preempted and finished_path(self.control.path).exists()
             log_event(logging.INFO, "worker_exit", pid=self._worker.pid, exit_code=0, detail=status.detail,
-                      preempted=self._preempted)
+                      preempted=self._preempted, finished=self._worker_finished)
             self._worker_done.set()
-            how = f"preempted (SIGTERM): worker {self._worker.pid} {status.detail}" if self._preempted \
-                else f"worker {self._worker.pid} finished ({status.detail})"
+            if self._preempted:
+                how = f"preempted (SIGTERM): worker {self._worker.pid} {status.detail}"
+            elif self._worker_finished:
+                how = f"worker {self._worker.pid} finished its work ({status.detail})"
+            else:
+                how = f"worker {self._worker.pid} left ({status.detail})"
             self._request_shutdown(how)
             return
         self.link.send_critical(agent_pb2.ConnectRequest(
@@ -252,7 +262,7 @@ class Agent:
         # SIGINT or an internal error: the launched worker goes first, gracefully (no-op once it exited).
         await self._stop_launched_worker(time.time() + self.config.grace_s)
         self.metrics.close()
-        await self.link.leave(reason)
+        await self.link.leave(reason, finished=self._worker_finished)
         if self.lease is not None:
             await self.lease.revoke()
 

@@ -152,7 +152,7 @@ class AgentServicer:
         kind = msg.WhichOneof("body")
         self.core.metrics.agent_reports.labels(kind=kind or "empty").inc()
         if kind == "leave":
-            await self.core.membership.leave(session, msg.leave.reason, time.time())
+            await self.core.membership.leave(session, msg.leave.reason, time.time(), finished=msg.leave.finished)
             return True
         try:
             await self._handle(session, kind, msg)

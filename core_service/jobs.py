@@ -183,9 +183,11 @@ class JobTable:
         self.persister.put(self.job_key(job.name, "members", member.worker_id), member.to_json())
 
     def set_state(
-        self, job: Job, member: MemberRecord, state: WorkerState, reason: str, *, now: float, kind: str
+        self, job: Job, member: MemberRecord, state: WorkerState, reason: str, *, now: float, kind: str,
+        planned: bool = False,
     ) -> Event | None:
-        """Moves a member to `state`; a gone member never comes back through here (it re-registers)."""
+        """Moves a member to `state`; a gone member never comes back through here (it re-registers).
+        `planned`: the move needs no plan (a worker that finished its work)."""
         if member.state == state or member.state.is_gone:
             return None
         member.state = state
@@ -201,7 +203,7 @@ class JobTable:
         # except a departure the current layout already planned for (a preempted or drained rank
         # leaving after the plan that removed it): re-planning for it would interrupt the apply.
         changes_layout = state != WorkerState.RUNNING or kind == "worker_recovered"
-        if state.is_gone and not job.in_layout(member):
+        if planned or (state.is_gone and not job.in_layout(member)):
             changes_layout = False
         return self.record(
             job, kind, worker_id=member.worker_id, detail=reason, now=now, membership_change=changes_layout

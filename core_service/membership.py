@@ -216,10 +216,13 @@ class Membership:
         self.table.set_state(job, member, WorkerState.LOST, reason, now=now, kind="worker_lost")
         return True
 
-    async def leave(self, session: AgentSession, reason: str, now: float) -> None:
+    async def leave(self, session: AgentSession, reason: str, now: float, finished: bool = False) -> None:
         job = self.table.get(session.job)
         member = job.member(session.worker_id)
-        self.table.set_state(job, member, WorkerState.LEFT, reason or "left cleanly", now=now, kind="worker_left")
+        # A worker that completed its work takes nothing from the job: the others finish theirs too,
+        # so re-planning for it would only reshuffle a job that is ending.
+        self.table.set_state(job, member, WorkerState.LEFT, reason or "left cleanly", now=now,
+                             kind="worker_finished" if finished else "worker_left", planned=finished)
         await self.close_session(session, now, clean=True)
 
     async def close_session(self, session: AgentSession, now: float, *, clean: bool) -> None:

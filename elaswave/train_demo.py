@@ -260,6 +260,13 @@ def check_membership(cfg: TrainDemoConfig, events: list[dict[str, Any]], final: 
     rejoined = [e["worker_id"] for e in events if e["kind"] == "worker_rejoined"]
     if rejoined:
         problems.append(f"workers re-registered after leaving: {rejoined}")
+    survivors = sorted(f"rank-{r}" for r in range(cfg.pp * cfg.dp) if r != cfg.victim_rank)
+    finished = sorted(e["worker_id"] for e in events if e["kind"] == "worker_finished")
+    if finished != survivors:
+        problems.append(f"workers that finished their work {finished}, expected {survivors}")
+    epochs = [e["data"].get("epoch") for e in events if e["kind"] == "plan_published"]
+    if epochs != [1]:
+        problems.append(f"plans published for epochs {epochs}, expected one (the failure's)")
     expected = {f"rank-{r}": "LEFT" for r in range(cfg.pp * cfg.dp)} | {victim: "LOST"}
     if final != expected:
         problems.append(f"final member states {final} != {expected}")

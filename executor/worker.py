@@ -221,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(results, sort_keys=True))
     tmp.replace(args.out)
+    if worker.exit_code == 0 and results["committed_steps"] == args.steps:
+        from agent.control import mark_finished  # noqa: PLC0415
+
+        # The whole job is trained: the agent reports a finished worker, not a departure to plan for.
+        mark_finished()
     sys.stdout.flush()
     # Skip interpreter teardown: a gloo group with an abandoned op (the dead peer's) would block
     # its destructor until the group timeout.

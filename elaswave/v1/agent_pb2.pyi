@@ -116,10 +116,12 @@ class WorkerExit(_message.Message):
     def __init__(self, exit_code: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Leave(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "finished")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    finished: bool
+    def __init__(self, reason: _Optional[str] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("register", "heartbeat", "probe", "memory", "step", "preemption", "worker_exit", "leave")

@@ -83,27 +83,34 @@ def test_worker_kill9_is_reported_as_signal_exit(core, run_agent, tmp_path: Path
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("code", [0, 3])
-def test_worker_that_finishes_leaves_and_one_that_fails_reports_its_exit(core, run_agent, tmp_path: Path,
-                                                                         code: int):
+@pytest.mark.parametrize("how", ["finished", "left", "failed"])
+def test_worker_that_finishes_or_leaves_departs_and_one_that_fails_reports_its_exit(
+        core, run_agent, tmp_path: Path, how: str):
     ready = tmp_path / "go"
+    # "finished": the worker says its work is complete (agent.control.mark_finished), then exits 0.
+    say_done = "from agent.control import mark_finished; assert mark_finished()\n" if how == "finished" else ""
+    code = 3 if how == "failed" else 0
     worker = [sys.executable, "-c",
               f"import pathlib, sys, time\nwhile not pathlib.Path({str(ready)!r}).exists(): time.sleep(0.02)\n"
-              f"sys.exit({code})"]
+              f"{say_done}sys.exit({code})"]
     agent = run_agent(base_args(tmp_path, core.address, "w0") + ["--", *worker])
     pid = core.wait_kind("register")[0].request.register.pid
     core.wait_kind("heartbeat")
     ready.write_text("go")
     assert agent.wait() == code  # the agent exits with its worker's status
     assert _kinds(core)[-1] == "leave"
-    leave = core.of_kind("leave")[0].request.leave.reason
-    if code == 0:
-        # A finished worker is a departure (the Core records LEFT), not a fail-stop (LOST).
-        assert not core.of_kind("worker_exit")
-        assert leave == f"worker {pid} finished (exited with code 0)"
-    else:
+    leave = core.of_kind("leave")[0].request.leave
+    if how == "failed":
         assert [r.request.worker_exit.exit_code for r in core.of_kind("worker_exit")] == [3]
-        assert leave == f"worker {pid} exited with code 3"
+        assert (leave.reason, leave.finished) == (f"worker {pid} exited with code 3", False)
+        return
+    # Exit 0 is a departure (the Core records LEFT), not a fail-stop (LOST); only a worker that
+    # said so finished its work (nothing for the Core to re-plan).
+    assert not core.of_kind("worker_exit")
+    if how == "finished":
+        assert (leave.reason, leave.finished) == (f"worker {pid} finished its work (exited with code 0)", True)
+    else:
+        assert (leave.reason, leave.finished) == (f"worker {pid} left (exited with code 0)", False)
 
 
 @pytest.mark.timeout(30)

@@ -85,9 +85,9 @@ class RawStream:
         self.send(step=agent_pb2.StepMetrics(step=step, step_time_s=0.1, compute_time_s=0.09, loss=2.0,
                                              samples=2, stage=0, dp_rank=0))
 
-    def leave(self) -> None:
+    def leave(self, reason: str = "test done", finished: bool = False) -> None:
         self._stop.set()
-        self.send(leave=agent_pb2.Leave(reason="test done"))
+        self.send(leave=agent_pb2.Leave(reason=reason, finished=finished))
         self.outgoing.put(None)
         self._reader.join(timeout=5)
 
@@ -325,3 +325,34 @@ def test_layout_frequencies_are_sent_at_registration_and_with_each_plan(core: tu
     assert again.WhichOneof("body") == "set_frequency" and again.set_frequency.mhz == 1500
     assert json.loads(json.dumps(proc.job("dvfs")["layout"]))["frequencies_mhz"] == [[1, 1500]]
     pinned.leave()
+
+
+@pytest.mark.timeout(60)
+def test_a_finished_worker_is_no_change_to_plan_for_and_an_early_departure_is(
+        core: tuple[CoreProcess, str]) -> None:
+    proc, token = core
+    layout = make_uniform_layout(num_layers=4, num_stages=1, dp=3, global_batch=6, num_micro_batches=1)
+    job_token = create_job(proc, token, "ending", layout=json.loads(layout.to_json()))
+    streams = [RawStream(proc.grpc_address, job_token, "ending", f"w{r}", rank=r) for r in range(3)]
+    for s in streams:
+        s.step(1)
+    wait_until(lambda: set(proc.states("ending").values()) == {"RUNNING"}, 10, "three RUNNING")
+    time.sleep(0.3)  # the joins are planned for (nothing to do) within a few leader ticks
+    wait_until(lambda: proc.job("ending")["phase"] == "RUNNING", 10, "the joins handled")
+
+    def kinds_after(seq: int) -> list[str]:
+        events = proc.http.get("/api/v1/jobs/ending/events").json()["events"]
+        return [e["kind"] for e in events if e["seq"] > seq]
+
+    last = proc.http.get("/api/v1/jobs/ending/events").json()["events"][-1]["seq"]
+    streams[0].leave("worker 1 finished its work (exited with code 0)", finished=True)
+    wait_until(lambda: proc.states("ending")["w0"] == "LEFT", 5, "w0 LEFT")
+    time.sleep(0.5)  # several leader ticks: a change would have started planning by now
+    assert kinds_after(last) == ["worker_finished"]
+    assert proc.job("ending")["plan_epoch"] == 0 and proc.job("ending")["phase"] == "RUNNING"
+
+    # A worker that stops early (exit 0 without saying its work is done) is a departure to plan for.
+    streams[1].leave("worker 2 left (exited with code 0)")
+    wait_until(lambda: proc.job("ending")["plan_epoch"] == 1, 10, "a plan without w1")
+    assert kinds_after(last)[:3] == ["worker_finished", "worker_left", "phase_planning"]
+    streams[2].leave()
