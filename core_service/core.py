@@ -185,6 +185,7 @@ class Core:
     async def stop(self) -> None:
         """Graceful shutdown: stop accepting, flush the registry writes, resign leadership."""
         self._stopping.set()
+        self.membership.closing_streams = True  # the streams end because we stop, not the workers
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
         if self._http is not None:

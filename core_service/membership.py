@@ -73,6 +73,10 @@ class Membership:
         self._watches: list[WatchHandle] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._frequency_cache: dict[str, tuple[str, dict[int, int]]] = {}
+        # Set while this Core closes every stream itself (it stops leading or shuts down): those
+        # closes say nothing about the workers, and recording them as losses would make the next
+        # leader plan healthy workers out before they have had time to reconnect.
+        self.closing_streams = False
 
     # ---- registration -------------------------------------------------------------------------
     async def register(self, reg: Registration, now: float) -> AgentSession:
@@ -231,7 +235,7 @@ class Membership:
             return  # a newer stream of the same worker took over
         del self.sessions[(session.job, session.worker_id)]
         self.metrics.agent_streams.set(len(self.sessions))
-        if not clean:
+        if not clean and not self.closing_streams:
             job = self.table.get(session.job)
             self.mark_lost(job, session.worker_id, "agent stream closed without leave", "stream_closed", now)
         await self._drop_lease(session)
@@ -257,11 +261,13 @@ class Membership:
     # ---- liveness keys ------------------------------------------------------------------------
     def start_watching(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self.closing_streams = False  # a new term: a stream that closes now is a signal again
         prefix = self.settings.key_prefix + "/jobs/"
         self._watches.append(self.registry.watch_prefix(prefix, self._on_registry_event))
 
     def kick_all(self) -> None:
         """Closes every agent stream (this Core stopped leading); agents reconnect elsewhere."""
+        self.closing_streams = True
         for session in self.sessions.values():
             if session.handler is not None:
                 session.handler.cancel()

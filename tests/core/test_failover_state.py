@@ -27,7 +27,14 @@ from core_service.jobs import Job
 from core_service.membership import Registration
 from core_service.model import JobPhase
 from core_service.registry import MemoryRegistry, PlanStore, Registry
-from elaswave.v1 import executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from elaswave.v1 import (
+    agent_pb2,
+    agent_pb2_grpc,
+    executor_pb2,
+    executor_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from planners.layout import Layout, make_uniform_layout
 from tests.core.procs import CoreProcess, create_job, new_token, wait_until
 from tests.core.test_engine import FailingFor
@@ -311,3 +318,41 @@ def create_job_status(core: CoreProcess, token: str, name: str) -> int:
     response = core.http.post("/api/v1/jobs", json={"name": name}, headers={"Authorization": f"Bearer {token}"},
                               timeout=30)
     return response.status_code
+
+
+@pytest.mark.timeout(60)
+def test_a_core_that_stops_does_not_record_the_streams_it_closes_as_losses() -> None:
+    # Stopping (or stepping down) closes every agent stream from this side; stored as "stream
+    # closed without leave", those closes would make the next leader plan healthy workers out.
+    async def scenario() -> None:
+        registry = MemoryRegistry()
+        release = asyncio.Event()
+
+        async def reports(worker: int) -> AsyncIterator[agent_pb2.ConnectRequest]:
+            yield agent_pb2.ConnectRequest(register=agent_pb2.Register(
+                job="train", worker_id=f"w{worker}", host="h", pid=100 + worker, rank=worker,
+                heartbeat_interval_ms=200))
+            await release.wait()
+
+        async with running("a", registry=registry) as core:
+            await eventually(lambda: core.is_leader, 10, "core a to lead")
+            created = await create_job_rest(core, "train")
+            assert created.status_code == 201, created.text
+            token = created.json()["token"]
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{core.grpc_port}")
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            calls = [stub.Connect(reports(w), metadata=[("authorization", f"Bearer {token}")]) for w in (0, 1)]
+            for call in calls:
+                assert (await call.read()).WhichOneof("body") == "ack"
+            await eventually(lambda: len(core.table.get("train").members) == 2, 5, "two members")
+            await core.persister.wait_durable(5.0)
+        release.set()
+        await channel.close()
+        stored_events = [json.loads(v)["kind"] for _k, v in registry.get_prefix("/elaswave/jobs/train/events/")]
+        stored_states = {json.loads(v)["worker_id"]: json.loads(v)["state"]
+                         for _k, v in registry.get_prefix("/elaswave/jobs/train/members/")}
+        assert "worker_lost" not in stored_events, stored_events
+        assert stored_states == {"w0": "JOINING", "w1": "JOINING"}, stored_states
+        registry.close()
+
+    asyncio.run(scenario())
