@@ -122,6 +122,10 @@ class ExecutorServicer:
             peer = next((m for m in job.members.values() if m.rank == request.peer_rank), None)
             require(peer is not None, f"job {job.name!r} has no worker with rank {request.peer_rank}")
             return executor_pb2.ReportPeerFailureResponse(peer_marked_lost=False, peer_worker_id=peer.worker_id)
+        if not job.in_layout(peer):
+            # The plan in force already removed it (a preempted rank on its way out): its closed
+            # connections are expected, not a failure.
+            return executor_pb2.ReportPeerFailureResponse(peer_marked_lost=False, peer_worker_id=peer.worker_id)
         reason = (f"collective {request.operation or 'operation'} failed on {request.worker_id} at step "
                   f"{request.step}: {request.error or 'peer unreachable'}")
         marked = self.core.membership.mark_lost(job, peer.worker_id, reason, "collective_failure", time.time())

@@ -39,6 +39,17 @@ from typing import Any
 
 TOKEN_ENV = "ELASWAVE_JOB_TOKEN"
 EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a SIGTERM'd process
+EXIT_NO_PLAN = 75  # EX_TEMPFAIL: the step aborted and no plan came; the agent reports a failure
+
+
+def link_peer(group: str, rank: int) -> int | None:
+    """The other worker of a pipeline-link group ("link/a-b"), the one a failed link op names."""
+    kind, _, members = group.partition("/")
+    if kind != "link":
+        return None
+    ends = [int(x) for x in members.split("-")]
+    others = [r for r in ends if r != rank]
+    return others[0] if len(others) == 1 else None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -126,8 +137,17 @@ class CoreDrivenWorker:
         if plan.epoch > self.proto.plan_epoch and self.proto.step is not None:
             self.comm.signal_abort(f"Core published plan epoch {plan.epoch}")
 
+    def _report_peer(self, exc: Any, step: int) -> None:
+        """A link op that failed on its peer's side (not on the abort flag) names that peer: the
+        Core's collective-failure path (DESIGN.md §5) marks it lost if nothing else has, which is
+        how a hung peer, one whose process and agent still look alive, gets planned out."""
+        peer = link_peer(exc.group, self.args.rank)
+        if peer is not None and " aborted: " not in str(exc):
+            self.plans.report_peer_failure(peer, step, exc.group, exc.reason)
+
     def run(self) -> dict[str, Any]:
         from executor.comm import PeerFailure  # noqa: PLC0415
+        from executor.plan_client import PlanTimeout  # noqa: PLC0415
 
         signal.signal(signal.SIGTERM, self._on_sigterm)
         # Restart system calls the signal interrupts: a SIGTERM must never fail a collective.
@@ -151,6 +171,7 @@ class CoreDrivenWorker:
                 except PeerFailure as exc:
                     self.proto.report_failure(exc)
                     self.results["failures"].append({"step": step, "group": exc.group, "error": str(exc)[:300]})
+                    self._report_peer(exc, step)
                 if self.proto.should_commit():
                     self.proto.commit()
                     self._committed(step, result, time.perf_counter() - started)
@@ -160,8 +181,14 @@ class CoreDrivenWorker:
                     step += 1
                     continue
                 self.proto.rollback()
-                if not self._recover(step):
-                    break  # this worker is not in the new layout: it leaves
+                try:
+                    if not self._recover(step):
+                        break  # this worker is not in the new layout: it leaves
+                except PlanTimeout as exc:
+                    # Nothing the Core saw changed the job (no member lost): without a plan there is
+                    # no layout to replay on. Fail visibly, with results, rather than hang.
+                    self.results["fatal"], self.exit_code = str(exc), EXIT_NO_PLAN
+                    break
                 resumed_epoch = self.proto.plan_epoch
         finally:
             self.plans.close()

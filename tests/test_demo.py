@@ -27,9 +27,11 @@ def test_training_demo_recovers_in_place_and_matches_the_fault_free_run() -> Non
     assert run.returncode == 0, out[-4000:] + run.stderr[-4000:]
     assert "CHECK FAILED" not in out
     assert "[demo] checks passed" in out
-    # The victim was lost once, through the fastest path (its agent saw the exit), and nobody else.
+    # The victim was lost once, through one of the two fastest paths (its agent saw the exit, or a
+    # survivor's link op to it failed), and nobody else was.
     lost = re.findall(r"worker_lost\s+(rank-\d+)\s+(.*)", out)
-    assert lost == [("rank-4", "worker process killed by signal 9")], lost
+    assert [w for w, _ in lost] == ["rank-4"], lost
+    assert lost[0][1] == "worker process killed by signal 9" or lost[0][1].startswith("collective link/"), lost
     assert "worker_rejoined" not in out
     assert re.search(r"epoch 1 applied by 5 workers", out)
     # The ElasWave policy resized stage 1 (DP 3 -> 2) and, with the uniform block cost model,

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from agent.control import ControlFile, ControlReader, DrainNotice
-from executor.worker import EXIT_TERMINATED, CoreDrivenWorker
+from executor.worker import EXIT_TERMINATED, CoreDrivenWorker, link_peer
 
 
 def _worker(control: Path | None, timeout_s: float = 20.0) -> CoreDrivenWorker:
@@ -59,3 +59,8 @@ def test_unreadable_control_file_is_a_plain_stop(tmp_path: Path) -> None:
 
 def test_exit_status_of_a_worker_that_left_without_a_plan() -> None:
     assert EXIT_TERMINATED == 143
+
+
+def test_a_failed_link_op_names_its_peer_and_other_groups_name_none() -> None:
+    assert link_peer("link/1-4", 1) == 4 and link_peer("link/1-4", 4) == 1
+    assert link_peer("dp/0", 1) is None  # a collective does not say which member failed it
