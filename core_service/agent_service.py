@@ -153,6 +153,9 @@ class AgentServicer:
         self.core.metrics.agent_reports.labels(kind=kind or "empty").inc()
         if kind == "leave":
             await self.core.membership.leave(session, msg.leave.reason, time.time(), finished=msg.leave.finished)
+            # The agent takes the stream's clean close as "Leave delivered" and never sends it
+            # again: close it only once the departure is stored (else UNAVAILABLE, and it retries).
+            await self.core.wait_durable()
             return True
         try:
             await self._handle(session, kind, msg)

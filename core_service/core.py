@@ -387,7 +387,12 @@ class Core:
                 asyncio.ensure_future(self._give_up_leadership(
                     f"{failing} consecutive leader-loop ticks failed; last: {'; '.join(errors)}"))
                 return
-            await self._until_next_tick(tick_s)
+            if errors:
+                # A full interval after a failed tick, so that MAX_CONSECUTIVE_FAILURES keeps
+                # meaning seconds of failure, not a burst of events retried in milliseconds.
+                await asyncio.sleep(LOOP_INTERVAL_S)
+            else:
+                await self._until_next_tick(tick_s)
 
     async def _until_next_tick(self, tick_s: float) -> None:
         """Sleeps until the job table changes (a loss, a transition of the engine, an ack) or

@@ -98,7 +98,14 @@ class Membership:
         member.rank = reg.rank
         member.last_heartbeat_unix = now
         if not reg.holds_own_lease:
-            await self._grant_lease(job, session, now)
+            try:
+                await self._grant_lease(job, session, now)
+            except BaseException:
+                # No stream will serve this session: leave no session behind that commands
+                # would be queued on and never delivered.
+                if self.sessions.get((reg.job, reg.worker_id)) is session:
+                    del self.sessions[(reg.job, reg.worker_id)]
+                raise
         if job.layout_json is not None:
             self._send_frequencies(job, self._frequencies(job), [member])
         self.table.save_member(job, member)

@@ -112,8 +112,10 @@ class Persister:
         self._enqueue(key, None)
 
     def _enqueue(self, key: str, value: bytes | None) -> None:
+        # Counted even when dropped (no term, or the term was fenced out): a caller's wait_durable
+        # must then fail instead of acknowledging a change that was never stored.
+        self._queued_seq += 1
         if self.enabled:
-            self._queued_seq += 1
             self._queue.put_nowait(_Write(self._queued_seq, key, value))
 
     async def flush(self) -> None:
