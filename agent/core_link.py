@@ -173,20 +173,20 @@ class CoreLink:
         writer = asyncio.create_task(self._write_reports(call))
         try:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
-            if self._leave_written and writer not in done and (
-                    not reader.cancelled() and isinstance(reader.exception(), StreamRefused)):
-                # The Core answers Leave by closing the stream, which the reader can see before
-                # the writer's half-close returns: that is the Leave delivered, not a broken stream
-                # to reconnect (and re-register a departed worker) on.
-                self._left.set()
-                return
-            if writer in done and writer.exception() is None:
-                # Leave written: wait (bounded) for the Core to close its side, so that shutting
-                # down cannot cancel the stream while Leave is still in flight.
+            if self._leave_written:
+                # Leave is out. The Core answers it by closing the stream once the departure is
+                # stored; the reader can see that before the writer's half-close returns, or the
+                # half-close can fail on it. Wait (bounded) for the close: shutting down must not
+                # cancel the stream while Leave is in flight, and a clean close means delivered,
+                # not a broken stream to reconnect (and re-register a departed worker) on.
                 with contextlib.suppress(TimeoutError, grpc.aio.AioRpcError, StreamRefused):
                     await asyncio.wait_for(asyncio.shield(reader), self._config.rpc_timeout_s)
-                self._left.set()
-                return
+                closed = reader.done() and not reader.cancelled() and isinstance(reader.exception(), StreamRefused)
+                half_closed = writer.done() and not writer.cancelled() and writer.exception() is None
+                if closed or half_closed:
+                    self._left.set()
+                    return
+                done = {t for t in (reader, writer) if t.done()}
             for task in done:
                 task.result()
         finally:
