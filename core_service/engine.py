@@ -28,7 +28,6 @@ from typing import Literal, Protocol
 from core_service.jobs import Job, JobTable
 from core_service.metrics import CoreMetrics
 from core_service.model import Event, JobPhase, MemberRecord, WorkerState
-from planners.layout import Layout
 
 log = logging.getLogger("elaswave.core.engine")
 
@@ -267,15 +266,15 @@ class ScheduleEngine:
 
 def leaving_ranks(job: Job) -> list[tuple[MemberRecord, int]]:
     """Members in a leaving state whose rank is still in the job's current layout."""
-    if job.layout_json is None:
-        return []
     try:
-        in_layout = set(Layout.from_json(job.layout_json).ranks())
+        parsed = job.parsed_layout()
     except (ValueError, KeyError, TypeError) as exc:
         log.error("job=%s has a layout that cannot be read (%s); nothing re-planned", job.name, exc)
         return []
+    if parsed is None:
+        return []
     members = sorted(job.members.values(), key=lambda m: m.worker_id)
-    return [(m, m.rank) for m in members if m.state in LEAVING_STATES and m.rank in in_layout]
+    return [(m, m.rank) for m in members if m.state in LEAVING_STATES and m.rank in parsed.ranks]
 
 
 def _apply_unfinished(job: Job, epoch: int) -> bool:

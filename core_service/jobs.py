@@ -47,6 +47,16 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class ParsedLayout:
+    """A job's layout JSON parsed, with what the Core looks up in it on hot paths."""
+
+    source: str  # the layout_json it was parsed from (compared by identity)
+    layout: Layout
+    ranks: frozenset[int]
+    frequencies_mhz: dict[int, int]  # rank -> MHz the layout pins (DVFS)
+
+
 @dataclass
 class Job:
     name: str
@@ -64,7 +74,7 @@ class Job:
     # Set by membership changes; the schedule engine clears it when it plans.
     pending_changes: list[Event] = field(default_factory=list)
     acks: dict[int, dict[str, str]] = field(default_factory=dict)
-    _layout_ranks: tuple[str, frozenset[int]] | None = field(default=None, repr=False, compare=False)
+    _parsed: ParsedLayout | None = field(default=None, repr=False, compare=False)
 
     def check_token(self, presented: str) -> bool:
         return hmac.compare_digest(token_digest(presented), self.token_sha256)
@@ -78,16 +88,29 @@ class Job:
     def live_members(self) -> list[MemberRecord]:
         return [m for m in self.members.values() if not m.state.is_gone]
 
+    def parsed_layout(self) -> ParsedLayout | None:
+        """The current layout, parsed once per layout (None without one); raises ValueError (or
+        KeyError/TypeError) for a layout that cannot be read."""
+        if self.layout_json is None:
+            return None
+        cached = self._parsed
+        if cached is None or cached.source is not self.layout_json:
+            layout = Layout.from_json(self.layout_json)
+            cached = ParsedLayout(self.layout_json, layout, frozenset(layout.ranks()),
+                                  dict(layout.frequencies_mhz))
+            self._parsed = cached
+        return cached
+
     def in_layout(self, member: MemberRecord) -> bool:
         """Whether the current layout still holds `member`'s rank (True without a layout or a rank:
         then every member counts). A rank a published plan removed is planned for already."""
-        if self.layout_json is None or member.rank < 0:
+        if member.rank < 0:
             return True
-        cached = self._layout_ranks
-        if cached is None or cached[0] is not self.layout_json:
-            cached = (self.layout_json, frozenset(Layout.from_json(self.layout_json).ranks()))
-            self._layout_ranks = cached
-        return member.rank in cached[1]
+        try:
+            parsed = self.parsed_layout()
+        except (ValueError, KeyError, TypeError):
+            return True  # unreadable: count every member, as without a layout
+        return parsed is None or member.rank in parsed.ranks
 
     def spec_json(self) -> bytes:
         return json.dumps(

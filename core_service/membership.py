@@ -72,7 +72,6 @@ class Membership:
         self._next_session = 1
         self._watches: list[WatchHandle] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._frequency_cache: dict[str, tuple[str, dict[int, int]]] = {}
         # Set while this Core closes every stream itself (it stops leading or shuts down): those
         # closes say nothing about the workers, and recording them as losses would make the next
         # leader plan healthy workers out before they have had time to reconnect.
@@ -128,13 +127,9 @@ class Membership:
         return True
 
     def _frequencies(self, job: Job) -> dict[int, int]:
-        """The frequencies the job's current layout pins, parsed once per layout."""
-        assert job.layout_json is not None
-        cached = self._frequency_cache.get(job.name)
-        if cached is None or cached[0] is not job.layout_json:
-            cached = (job.layout_json, _frequencies(job.layout_json))
-            self._frequency_cache[job.name] = cached
-        return cached[1]
+        """The frequencies the job's current layout pins (parsed once per layout, by the job)."""
+        parsed = job.parsed_layout()
+        return {} if parsed is None else parsed.frequencies_mhz
 
     def _send_frequencies(self, job: Job, frequencies: dict[int, int], members: list[MemberRecord]) -> None:
         """SetFrequency to each of `members` whose rank the layout pins (DVFS for stragglers,

@@ -124,6 +124,8 @@ def test_llama2_34b_one_node_ratios_within_band() -> None:
     assert steady["elaswave"] / steady["recycle"] == pytest.approx(vs_recycle, rel=1e-12)
     # Linear scaling caps the ratio: TorchFT keeps 2 of 3 replicas, ElasWave 88 of 96 devices.
     assert vs_torchft <= (88 / 96) / (2 / 3) * 1.0001
+    # The paper's figures (1.60 and 1.35) with a +-25 % band; measured 1.33 and 1.31, and the bound
+    # above shows why 1.6 itself is out of reach for a plan at most linear in devices.
     assert 1.2 <= vs_torchft <= 2.0
     assert 1.01 <= vs_recycle <= 1.69
 
