@@ -54,6 +54,7 @@ class Demo:
     def __init__(self, workdir: Path, workers: int, timeout_s: float) -> None:
         self.workdir = workdir
         self.workers = workers
+        self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.scheduler_token = secrets.token_urlsafe(24)
         self.procs: list[subprocess.Popen[bytes]] = []

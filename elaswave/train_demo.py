@@ -2,14 +2,16 @@
 
 Every process is real and listens on loopback ports picked at random: a Core (in-memory
 membership), the rendezvous store the executors build their groups on (its own process: a
-store inside a training rank would die with it), and one agent per worker, each launching a
-training process (`python -m executor.worker`) of a PP x DP x ZeRO-1 job. Mid-training one worker
+store inside a training rank would die with it), and one agent per worker, each launching the
+GPT example (`examples/gpt/train.py`, written against the public `elaswave.train` API like any
+user's script) as one rank of a PP x DP x ZeRO-1 job. The layout comes from the script itself,
+run once in describe mode, as `elaswave run` does. Mid-training one worker
 is killed with SIGKILL. Nothing is restarted: the agent reports the exit, the Core re-plans
 (micro-batch resizing, elaswave.txt §4.1, and a block migrated off the damaged stage when the
 cost model says it pays, §4.2) and publishes the plan, the survivors roll back, take the plan from
 `ExecutorService`, edit their groups in place, rebuild the lost optimizer shard from its ring
 snapshot (§5), migrate the moved block (§6.2) and replay the step. The demo then checks the job against a fault-free
-single-process run of the same seed: the same loss to fp32 round-off before the failure (the
+single-process run of the same script and seed (`python examples/gpt/train.py`): the same loss to fp32 round-off before the failure (the
 DP reduction adds in another order than one process does), within 1e-4 mean relative deviation
 after it, and every sample of every global batch processed exactly once
 per stage; it exits non-zero if any check fails.
@@ -29,6 +31,18 @@ from pathlib import Path
 from typing import Any
 
 from elaswave.demo import Demo, states
+from elaswave.worker_env import (
+    CORE_ENV,
+    JOB_ENV,
+    LAYOUT_ENV,
+    RANK_ENV,
+    RESULTS_ENV,
+    STORE_ENV,
+    TIMEOUT_ENV,
+    TOKEN_ENV,
+)
+
+GPT_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
 
 MAX_MEAN_REL_DEV = 1e-4  # the engine's promise with placement-invariant RNG (DESIGN §1, promise 4)
 # Before the failure only the summation order differs from one process: fp32 round-off.
@@ -66,13 +80,23 @@ class TrainDemo(Demo):
         self.store = None
         self.agents: dict[int, subprocess.Popen[bytes]] = {}  # by rank: tests signal one agent
 
+    def script_args(self) -> list[str]:
+        c = self.cfg
+        return ["--steps", str(c.steps), "--layers", str(c.layers), "--dropout", str(c.dropout),
+                "--global-batch", str(c.global_batch), "--micro-batches", str(c.micro_batches)]
+
     def layout(self) -> Any:
-        from executor.model import ModelConfig, block_numel  # noqa: PLC0415 - torch only when run
+        """The script's units as its describe run reports them, split evenly over the stages
+        (ranks stage-major: the victim's stage is known in advance)."""
+        from elaswave.launcher_describe import describe  # noqa: PLC0415 - torch only when run
         from planners.layout import make_uniform_layout  # noqa: PLC0415
 
-        numel = block_numel(ModelConfig(num_layers=self.cfg.layers, dropout=self.cfg.dropout))
-        return make_uniform_layout(self.cfg.layers, self.cfg.pp, self.cfg.dp, self.cfg.global_batch,
-                                   self.cfg.micro_batches, (numel,) * self.cfg.layers)
+        if not GPT_SCRIPT.is_file():
+            raise FileNotFoundError(f"the GPT example is not at {GPT_SCRIPT}: run the demo from a source checkout")
+        desc = describe(GPT_SCRIPT, self.script_args(), timeout_s=self.timeout_s)
+        numel = tuple(u.numel for u in desc.units)
+        return make_uniform_layout(len(numel), self.cfg.pp, self.cfg.dp, self.cfg.global_batch,
+                                   self.cfg.micro_batches, numel)
 
     def start_store(self) -> int:
         from executor.store_server import StoreServer  # noqa: PLC0415
@@ -83,14 +107,13 @@ class TrainDemo(Demo):
     def start_training(self, grpc_port: int, store_port: int, job_token: str, layout: Any) -> None:
         layout_file = self.workdir / "layout.json"
         layout_file.write_text(layout.to_json())
-        env = dict(os.environ, ELASWAVE_JOB_TOKEN=job_token, PYTHONUNBUFFERED="1")
         for stage in layout.stages:
             for dp_rank, rank in enumerate(stage.ranks):
-                worker = [sys.executable, "-m", "executor.worker", "--job", "demo", "--worker-id", f"rank-{rank}",
-                          "--rank", str(rank), "--core", f"127.0.0.1:{grpc_port}",
-                          "--store", f"127.0.0.1:{store_port}", "--layout", str(layout_file),
-                          "--steps", str(self.cfg.steps), "--layers", str(self.cfg.layers),
-                          "--dropout", str(self.cfg.dropout), "--out", str(self.result_file(rank))]
+                env = dict(os.environ, PYTHONUNBUFFERED="1", **{
+                    TOKEN_ENV: job_token, JOB_ENV: "demo", RANK_ENV: str(rank), CORE_ENV: f"127.0.0.1:{grpc_port}",
+                    STORE_ENV: f"127.0.0.1:{store_port}", LAYOUT_ENV: str(layout_file), TIMEOUT_ENV: "20",
+                    RESULTS_ENV: str(self.result_file(rank))})
+                worker = [sys.executable, str(GPT_SCRIPT), *self.script_args()]
                 agent = [sys.executable, "-m", "elaswave.cli", "agent", "--job", "demo", "--worker-id",
                          f"rank-{rank}", "--rank", str(rank), "--stage", str(stage.stage), "--dp-rank",
                          str(dp_rank), "--core", f"127.0.0.1:{grpc_port}", "--metrics-socket",
@@ -177,17 +200,12 @@ def wait_departures(demo: TrainDemo, workers: list[str], timeout_s: float = 15.0
 
 
 def report(demo: TrainDemo, killed_unix: float, results: dict[int, dict[str, Any]]) -> int:
-    from executor.model import ModelConfig  # noqa: PLC0415
-    from executor.reference import run_reference  # noqa: PLC0415
-    from executor.trainer import TrainConfig  # noqa: PLC0415
-
     cfg = demo.cfg
     assert demo.http is not None
     events = demo.http.get("/api/v1/jobs/demo/events").json()["events"]
     print_timeline(events, killed_unix, results)
     print_layout(demo.job().get("layout"))
-    model = TrainConfig(model=ModelConfig(num_layers=cfg.layers, dropout=cfg.dropout))
-    ref = run_reference(model, cfg.global_batch, cfg.micro_batches, cfg.steps).losses
+    ref = fault_free_losses(demo)
     losses = job_losses(results)
     fail_step = min(r["step"] for res in results.values() for r in res["recoveries"])
     print(f"[demo] {'step':>4}  {'elastic job':>14}  {'fault-free':>14}  {'|diff|':>9}")
@@ -206,6 +224,17 @@ def report(demo: TrainDemo, killed_unix: float, results: dict[int, dict[str, Any
               "sample of every step from the failure on processed exactly once per stage; no snapshot checksum "
               "mismatch; no process restarted")
     return 1 if problems else 0
+
+
+def fault_free_losses(demo: TrainDemo) -> list[float]:
+    """The same script and seed in one process (no launcher environment): the reference."""
+    from elaswave.launcher_describe import clean_env  # noqa: PLC0415
+
+    out = demo.workdir / "fault_free_losses.json"
+    subprocess.run([sys.executable, str(GPT_SCRIPT), *demo.script_args(), "--losses-out", str(out)],
+                   env=clean_env(), check=True, stdout=subprocess.DEVNULL, timeout=demo.timeout_s)
+    losses = json.loads(out.read_text())
+    return [float(losses[str(s)]) for s in range(demo.cfg.steps)]
 
 
 def job_losses(results: dict[int, dict[str, Any]]) -> dict[int, float]:
@@ -278,7 +307,7 @@ def print_layout(layout: dict[str, Any] | None) -> None:
     policy resizes micro-batches and may also migrate blocks between adjacent stages, §4.1-4.2)."""
     if layout is None:
         return
-    stages = "; ".join(f"stage {s['stage']} blocks {s['layer_start']}..{s['layer_stop'] - 1} on ranks {s['ranks']}"
+    stages = "; ".join(f"stage {s["stage"]} units {s["layer_start"]}..{s['layer_stop'] - 1} on ranks {s['ranks']}"
                        for s in layout["stages"])
     clocks = f"; clocks {dict(map(tuple, layout['frequencies_mhz']))} MHz" if layout["frequencies_mhz"] else ""
     print(f"[demo] layout now: {stages}{clocks}")

@@ -1,89 +1,139 @@
-"""A built-in corpus and a layout-independent sampler (nothing is downloaded).
-
-The corpus is generated in code: a fixed random "grammar" — a sparse first-order Markov chain
-over the vocabulary, each token having a handful of likely successors — so a small model can
-actually learn it and the loss curve goes down. It is a pure function of `(vocab_size,
-num_tokens, seed)`.
+"""A layout-independent sampler over any map-style dataset, with prefetch (docs/api.md, "Data").
 
 The sampler defines the global batch of step `s` once for the whole job: row `j` of it is global
-sample `s * B + j` (B = global batch), a window of the corpus picked by a per-epoch permutation.
-Ranks ask for the rows of their own sample range, so the batch a step sees never depends on the
-layout, on how many ranks share it, or on whether the step is a replay after a rollback.
+sample `s * B + j` (B = global batch). Global sample `g` is dataset index `perm_e[g mod N]` with
+`e = g div N` (N = len(dataset)) and `perm_e` a seeded permutation of epoch `e` (the identity
+with `shuffle=False`). So the job walks the dataset epoch after epoch, every sample once per
+epoch; a global batch that straddles an epoch boundary takes its last rows from the next epoch
+(no sample is dropped and no batch is short). Ranks ask for the rows of their own sample range,
+so the batch a step sees never depends on the layout, on how many ranks share it, or on whether
+the step is a replay after a rollback; the data position of a job is just its next step.
+
+`Prefetcher` loads the rows a rank will need next on a background thread while the current step
+computes (dataset access and collation overlap compute; rows asked for that were not prefetched
+are loaded on the spot).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset, default_collate
+
+from executor.units import Activation
+
+Collate = Callable[[list[Any]], Any]
 
 
-def generate_corpus(vocab_size: int = 64, num_tokens: int = 1 << 15, seed: int = 0,
-                    successors: int = 4) -> torch.Tensor:
-    """Token stream (int64) of a seeded sparse Markov chain; deterministic across platforms."""
-    if vocab_size < 2 or num_tokens < 2 or not 1 <= successors <= vocab_size:
-        raise ValueError(f"bad corpus spec: vocab={vocab_size}, tokens={num_tokens}, successors={successors}")
-    rng = np.random.Generator(np.random.PCG64(seed))
-    nexts = np.stack([rng.choice(vocab_size, size=successors, replace=False) for _ in range(vocab_size)])
-    weights = rng.dirichlet(np.ones(successors), size=vocab_size)
-    choices = np.stack([rng.choice(successors, size=num_tokens, p=weights[v]) for v in range(vocab_size)])
-    tokens = np.empty(num_tokens, dtype=np.int64)
-    tokens[0] = rng.integers(vocab_size)
-    for i in range(1, num_tokens):
-        prev = tokens[i - 1]
-        tokens[i] = nexts[prev, choices[prev, i]]
-    return torch.from_numpy(tokens)
+@lru_cache(maxsize=4)
+def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    # Cached and shared by the training thread and the prefetch thread (lru_cache is thread-safe).
+    return np.random.Generator(np.random.PCG64([seed, epoch])).permutation(n)
 
 
 @dataclass(frozen=True)
 class SampleBatch:
-    """Rows of one step's global batch: their global sample ids, inputs and next-token targets."""
+    """Rows of one step's global batch: their global sample ids, inputs and targets (collated)."""
 
     sample_ids: tuple[int, ...]
-    inputs: torch.Tensor
-    targets: torch.Tensor
+    inputs: Activation | None
+    targets: Any
 
     def __len__(self) -> int:
         return len(self.sample_ids)
 
 
+def split_inputs_targets(batch: Any) -> tuple[Activation, Any]:
+    """A collated batch must be `(inputs, targets)`; inputs a tensor or a tuple of tensors."""
+    if not isinstance(batch, list | tuple) or len(batch) != 2:
+        raise TypeError("a collated batch must be a pair (inputs, targets): make the dataset return "
+                        f"(input, target) items or pass a collate_fn that does; got {type(batch).__name__}")
+    inputs, targets = batch
+    if isinstance(inputs, list):
+        inputs = tuple(inputs)
+    items = inputs if isinstance(inputs, tuple) else (inputs,)
+    if not items or not all(isinstance(t, torch.Tensor) for t in items):
+        raise TypeError("the inputs of a batch must be a tensor or a tuple of tensors, got "
+                        f"{type(inputs).__name__}")
+    return inputs, targets
+
+
 class GlobalBatchSampler:
     """Global batch of step `s` = samples `s*B .. s*B+B-1`; see the module docstring."""
 
-    def __init__(self, corpus: torch.Tensor, seq_len: int, global_batch: int, seed: int = 0) -> None:
-        if corpus.dim() != 1 or corpus.numel() < seq_len + 2:
-            raise ValueError(f"corpus must be a 1-D token stream longer than seq_len+1={seq_len + 1}")
-        if global_batch < 1 or seq_len < 1:
-            raise ValueError(f"global_batch and seq_len must be positive, got {global_batch}, {seq_len}")
-        self.corpus, self.seq_len, self.global_batch, self.seed = corpus, seq_len, global_batch, seed
-        self.num_windows = (corpus.numel() - 1) // seq_len
-        self._perm_epoch = -1
-        self._perm = np.empty(0, dtype=np.int64)
+    def __init__(self, dataset: Dataset[Any], global_batch: int, seed: int = 0, shuffle: bool = True,
+                 collate_fn: Collate | None = None) -> None:
+        try:
+            n = len(dataset)  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise TypeError(f"the dataset must be a map-style torch Dataset with __len__, got {type(dataset).__name__}") from exc
+        if global_batch < 1:
+            raise ValueError(f"global_batch must be positive, got {global_batch}")
+        if n < global_batch:
+            raise ValueError(f"the dataset has {n} samples, fewer than one global batch of {global_batch}: use a "
+                             "smaller global_batch or more data")
+        self.dataset, self.global_batch, self.seed, self.shuffle = dataset, global_batch, seed, shuffle
+        self.collate = collate_fn or default_collate
+        self.num_samples = n
 
     def sample_id(self, step: int, row: int) -> int:
         if step < 0 or not 0 <= row < self.global_batch:
             raise ValueError(f"no row {row} at step {step} (global batch {self.global_batch})")
         return step * self.global_batch + row
 
-    def _window(self, sample_id: int) -> int:
-        epoch, pos = divmod(sample_id, self.num_windows)
-        if epoch != self._perm_epoch:
-            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
-            self._perm, self._perm_epoch = rng.permutation(self.num_windows), epoch
-        return int(self._perm[pos])
-
-    def rows(self, step: int, start: int, stop: int) -> SampleBatch:
-        """Rows `[start, stop)` of step `step`'s global batch (may be empty)."""
+    def sample_ids(self, step: int, start: int, stop: int) -> tuple[int, ...]:
         if not 0 <= start <= stop <= self.global_batch:
             raise ValueError(f"rows [{start}, {stop}) outside the global batch of {self.global_batch}")
-        ids = tuple(self.sample_id(step, r) for r in range(start, stop))
-        if not ids:
-            empty = torch.empty(0, self.seq_len, dtype=torch.int64)
-            return SampleBatch(ids, empty, empty.clone())
-        windows = torch.stack([self.corpus[w * self.seq_len: w * self.seq_len + self.seq_len + 1]
-                               for w in (self._window(i) for i in ids)])
-        return SampleBatch(ids, windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
+        return tuple(self.sample_id(step, r) for r in range(start, stop))
 
-    def batch(self, step: int) -> SampleBatch:
-        return self.rows(step, 0, self.global_batch)
+    def epoch_of_step(self, step: int) -> int:
+        return step * self.global_batch // self.num_samples
+
+    def dataset_index(self, sample_id: int) -> int:
+        epoch, pos = divmod(sample_id, self.num_samples)
+        if not self.shuffle:
+            return pos
+        return int(_permutation(self.seed, epoch, self.num_samples)[pos])
+
+    def rows(self, step: int, start: int, stop: int) -> SampleBatch:
+        """Rows `[start, stop)` of step `step`'s global batch, loaded and collated (may be empty)."""
+        ids = self.sample_ids(step, start, stop)
+        if not ids:
+            return SampleBatch(ids, None, None)
+        inputs, targets = split_inputs_targets(self.collate([self.dataset[self.dataset_index(i)] for i in ids]))
+        return SampleBatch(ids, inputs, targets)
+
+
+class Prefetcher:
+    """Loads `GlobalBatchSampler.rows` ahead on one background thread (see the module docstring)."""
+
+    def __init__(self, sampler: GlobalBatchSampler) -> None:
+        self.sampler = sampler
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elaswave-data")
+        self._pending: dict[tuple[int, int, int], Future[SampleBatch]] = {}
+
+    def prefetch(self, step: int, ranges: Sequence[tuple[int, int]]) -> None:
+        """Start loading these row ranges of `step` (drops what was prefetched for older steps)."""
+        for key in [k for k in self._pending if k[0] < step]:
+            self._pending.pop(key).cancel()
+        for start, stop in ranges:
+            key = (step, start, stop)
+            if stop > start and key not in self._pending:
+                self._pending[key] = self._pool.submit(self.sampler.rows, step, start, stop)
+
+    def rows(self, step: int, start: int, stop: int) -> SampleBatch:
+        """The rows, from the prefetched load if there is one (blocks until it is done)."""
+        pending = self._pending.pop((step, start, stop), None)
+        return pending.result() if pending is not None else self.sampler.rows(step, start, stop)
+
+    def close(self) -> None:
+        for fut in self._pending.values():
+            fut.cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)

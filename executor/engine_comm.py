@@ -30,13 +30,16 @@ def pp_group_name(stage: int) -> str:
     return f"pp/{stage}-{stage + 1}"
 
 
-def groups_for_stage_ranks(stage_ranks: Sequence[Sequence[int]]) -> dict[str, tuple[int, ...]]:
-    """Every logical group of a job whose stage p is served by `stage_ranks[p]` (DP order)."""
+def groups_for_stage_ranks(stage_ranks: Sequence[Sequence[int]], world: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every logical group of a job whose stage p is served by `stage_ranks[p]` (DP order), and
+    with `world` the group of every rank ("world", for the global gradient norm)."""
     groups: dict[str, tuple[int, ...]] = {}
     for s, ranks in enumerate(stage_ranks):
         groups[dp_group_name(s)] = tuple(ranks)
         if s + 1 < len(stage_ranks):
             groups[pp_group_name(s)] = tuple(ranks) + tuple(stage_ranks[s + 1])
+    if world:
+        groups["world"] = tuple(r for ranks in stage_ranks for r in ranks)
     return groups
 
 

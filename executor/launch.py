@@ -22,13 +22,13 @@ from torch.distributed import TCPStore
 from executor.engine_comm import BACKENDS, EngineComm, StaticComm, groups_for_stage_ranks
 from executor.migration import migrate
 from executor.nonblocking_migration import NonBlockingMigration
-from executor.trainer import TrainConfig, Trainer
+from executor.trainer import Trainer, TrainSpec
 from planners.layout import Layout
 
 
 @dataclass(frozen=True)
 class JobSpec:
-    cfg: TrainConfig
+    cfg: TrainSpec  # the model, loss, data and optimizer (picklable: it crosses into the rank processes)
     layout: Layout
     steps: int
     # (step, layout): switch to `layout` (same ranks per stage) before running `step`.
@@ -64,7 +64,7 @@ def _membership(spec: JobSpec) -> dict[str, tuple[int, ...]]:
     for lay in layouts[1:]:
         if [s.ranks for s in lay.stages] != stage_ranks:
             raise ValueError("relayouts must keep every stage's ranks (pipeline-only changes)")
-    return groups_for_stage_ranks(stage_ranks)
+    return groups_for_stage_ranks(stage_ranks, world=spec.cfg.optimizer.max_grad_norm is not None)
 
 
 def _run_rank(spec: JobSpec, rank: int, trainer: Trainer) -> RankResult:

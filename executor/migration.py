@@ -17,12 +17,12 @@ ends waiting on it).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
 from executor.engine_comm import all_to_all_v, dp_group_name, pp_group_name
-from executor.model import block_name
 from executor.trainer import Trainer
 from executor.zero import ShardState, unit_ownership
 from planners.layout import Layout
@@ -84,7 +84,7 @@ def migrate(trainer: Trainer, new: Layout, mode: str = "blocking") -> MigrationR
         if me not in (t.src_rank, t.dst_rank):
             continue
         count += 1
-        name, n = block_name(t.layer), t.stop - t.start
+        name, n = trainer.unit_names[t.layer], t.stop - t.start
         width = 3 if t.layer in moving else 2
         if t.src_rank == me:
             sh = old_shards[name]
@@ -100,9 +100,8 @@ def migrate(trainer: Trainer, new: Layout, mode: str = "blocking") -> MigrationR
             incoming[(t.layer, t.start, t.stop)] = buf
             received += width * n
     stage = new.stage_layout_of_rank(me)
-    numel = {name: flat.numel() for name, flat in old_params.items()}
-    numel.update({block_name(layer): new.layer_numel[layer] for layer in stage.layers})
-    ownership = unit_ownership(new, stage, numel)
+    numel = {trainer.unit_names[layer]: new.layer_numel[layer] for layer in stage.layers}
+    ownership = unit_ownership(new, stage, trainer.unit_names)
     j = stage.dp_index(me)
     shards, params = {}, {}
     for name, iv in ownership.items():
@@ -111,7 +110,7 @@ def migrate(trainer: Trainer, new: Layout, mode: str = "blocking") -> MigrationR
                                   torch.zeros(hi - lo, device=trainer.device))
         params[name] = old_params[name] if name in old_params else torch.zeros(numel[name], device=trainer.device)
     _fill_from_local(shards, old_shards)
-    _fill_from_incoming(shards, params, incoming, moving)
+    _fill_from_incoming(shards, params, incoming, moving, trainer.unit_names)
     arrived = sorted(layer for layer, _, dst in moves if dst == stage.stage)
     _gather_arrived_params(trainer, stage.stage, ownership, params, arrived, j)
     trainer.reset_layout(new, trainer.comm, params, shards, trainer.optimizer.step_count, trainer.next_step)
@@ -131,13 +130,14 @@ def _fill_from_local(shards: dict[str, ShardState], old: dict[str, ShardState]) 
 
 
 def _fill_from_incoming(shards: dict[str, ShardState], params: dict[str, torch.Tensor],
-                        incoming: dict[tuple[int, int, int], torch.Tensor], moving: set[int]) -> None:
+                        incoming: dict[tuple[int, int, int], torch.Tensor], moving: set[int],
+                        names: Sequence[str]) -> None:
     for (layer, lo, hi), buf in incoming.items():
-        sh, n = shards[block_name(layer)], hi - lo
+        sh, n = shards[names[layer]], hi - lo
         sh.exp_avg[lo - sh.lo: hi - sh.lo] = buf[:n]
         sh.exp_avg_sq[lo - sh.lo: hi - sh.lo] = buf[n: 2 * n]
         if layer in moving:
-            params[block_name(layer)][lo:hi] = buf[2 * n:]
+            params[names[layer]][lo:hi] = buf[2 * n:]
 
 
 def _gather_arrived_params(trainer: Trainer, stage: int, ownership: dict[str, list[tuple[int, int]]],
@@ -145,7 +145,7 @@ def _gather_arrived_params(trainer: Trainer, stage: int, ownership: dict[str, li
     """Every rank of the destination stage holds one slice of each arrived block: all-gather them."""
     if not arrived:
         return
-    names = [block_name(layer) for layer in arrived]
+    names = [trainer.unit_names[layer] for layer in arrived]
     d = len(ownership[names[0]])
     mine = torch.cat([params[n][ownership[n][j][0]: ownership[n][j][1]] for n in names])
     sizes = [sum(ownership[n][k][1] - ownership[n][k][0] for n in names) for k in range(d)]

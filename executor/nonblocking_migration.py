@@ -32,7 +32,6 @@ from torch.distributed import ProcessGroupGloo
 
 from executor.engine_comm import EngineComm, p2p_channel, pp_group_name
 from executor.migration import MigrationReport, moved_layers
-from executor.model import block_name
 from executor.trainer import Trainer
 from executor.zero import ShardState, assign_flat, flat_grads, unit_ownership
 from planners.layout import Layout
@@ -106,11 +105,10 @@ class NonBlockingMigration:
         self.outgoing: list[_Outgoing] = []
         self.incoming: list[_Incoming] = []
         new_stage = new.stages[my_stage]
-        numel = {n: f.numel() for n, f in old_params.items()}
-        numel.update({block_name(layer): new.layer_numel[layer] for layer in new_stage.layers})
-        ownership = unit_ownership(new, new_stage, numel)
+        ownership = unit_ownership(new, new_stage, trainer.unit_names)
+        numel = dict(zip(trainer.unit_names, new.layer_numel, strict=True))
         for layer, src, dst in moves:
-            name, group = block_name(layer), pp_group_name(min(src, dst))
+            name, group = trainer.unit_names[layer], pp_group_name(min(src, dst))
             if src == my_stage:
                 out = _Outgoing(layer, trainer.model.units[name], dst < src, new.stages[dst].ranks[j], group)
                 for p in out.shadow.parameters():
@@ -149,10 +147,10 @@ class NonBlockingMigration:
         if slot >= self.k:
             return units
         self.shadow_slots_run += 1 if self.outgoing else 0
-        skipped = {block_name(inc.layer) for inc in self.incoming}
+        skipped = {self.trainer.unit_names[inc.layer] for inc in self.incoming}
         units = [(n, u) for n, u in units if n not in skipped]
-        front = [(block_name(o.layer), o.shadow) for o in sorted(self.outgoing, key=lambda o: o.layer) if o.in_front]
-        back = [(block_name(o.layer), o.shadow) for o in sorted(self.outgoing, key=lambda o: o.layer) if not o.in_front]
+        front = [(self.trainer.unit_names[o.layer], o.shadow) for o in sorted(self.outgoing, key=lambda o: o.layer) if o.in_front]
+        back = [(self.trainer.unit_names[o.layer], o.shadow) for o in sorted(self.outgoing, key=lambda o: o.layer) if not o.in_front]
         return front + units + back
 
     def before_forward(self, slot: int) -> None:
@@ -164,7 +162,7 @@ class NonBlockingMigration:
             self._send_payback()
         if slot >= self.k:
             for inc in self.incoming:
-                unit = self.trainer.model.units[block_name(inc.layer)]
+                unit = self.trainer.model.units[self.trainer.unit_names[inc.layer]]
                 inc.stash.append(flat_grads(unit))
                 for p in unit.parameters():
                     p.grad = None
@@ -179,7 +177,7 @@ class NonBlockingMigration:
             for g in inc.stash:  # the same left fold over slots that autograd would have done
                 total += g
             offset = 0
-            for p in self.trainer.model.units[block_name(inc.layer)].parameters():
+            for p in self.trainer.model.units[self.trainer.unit_names[inc.layer]].parameters():
                 p.grad = total[offset: offset + p.numel()].view_as(p).clone()
                 offset += p.numel()
 
@@ -201,7 +199,7 @@ class NonBlockingMigration:
             if inc.loaded:
                 continue
             self._wait(inc.payload_work)
-            name, n = block_name(inc.layer), inc.hi - inc.lo
+            name, n = self.trainer.unit_names[inc.layer], inc.hi - inc.lo
             numel = inc.payload.numel() - 2 * n
             assign_flat(self.trainer.model.units[name], inc.payload[:numel])
             shard = self.trainer.optimizer.shards[name]

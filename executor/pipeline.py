@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 from executor.engine_comm import EngineComm, pp_group_name
+from executor.units import Activation, ActivationSpec, TensorSpec, as_tuple
 from planners.layout import Layout, SampleRange
 
 OpKind = Literal["recv_f", "fwd", "send_f", "recv_b", "bwd", "send_b"]
@@ -99,61 +100,109 @@ def routes(layout: Layout, rank: int, slot: int, toward: Literal["next", "prev"]
     return sorted(out, key=lambda r: r.samples.start)
 
 
+def _empty(spec: ActivationSpec, rows: int, device: torch.device, grads_only: bool) -> list[torch.Tensor]:
+    return [torch.empty(rows, *t.shape, dtype=t.dtype, device=device)
+            for t in spec.tensors if t.carries_grad or not grads_only]
+
+
 class PipelineRunner:
     """Runs one step's 1F1B program for one rank.
 
     `forward(slot, inputs)` returns the stage output of the slot (`inputs` is None on the first
-    stage, a leaf that requires grad elsewhere); on the last stage it returns the scalar loss to
-    backpropagate. The runner does the backward itself, calls `after_backward(slot)`, and sends
-    `inputs.grad` upstream. A slot in which this rank has no samples is skipped without any message.
+    stage; elsewhere the received activation, a tensor or tuple whose floating-point tensors are
+    leaves that require grad); on the last stage it returns the scalar loss to backpropagate.
+    The runner does the backward itself, calls `after_backward(slot)`, and sends the inputs'
+    gradients upstream (floating-point tensors only; an input the stage did not use gets zeros).
+    `in_spec` / `out_spec` are the activations entering and leaving the stage (None at the ends).
+    A slot in which this rank has no samples is skipped without any message.
     """
 
-    def __init__(self, comm: EngineComm, layout: Layout, rank: int, act_shape: tuple[int, ...],
-                 device: torch.device | str = "cpu") -> None:
-        self.comm, self.layout, self.rank, self.act_shape = comm, layout, rank, act_shape
+    def __init__(self, comm: EngineComm, layout: Layout, rank: int, in_spec: ActivationSpec | None,
+                 out_spec: ActivationSpec | None, device: torch.device | str = "cpu") -> None:
+        self.comm, self.layout, self.rank = comm, layout, rank
         self.device = torch.device(device)
         self.stage = layout.stage_of_rank(rank)
+        if (in_spec is None) != (self.stage == 0) or (out_spec is None) != (self.stage == layout.num_stages - 1):
+            raise ValueError(f"stage {self.stage} of {layout.num_stages}: activation specs must be given exactly "
+                             "at the stage boundaries that exist")
+        self.in_spec, self.out_spec = in_spec, out_spec
         self.program = stage_program(layout.num_stages, self.stage, layout.num_micro_batches)
 
     def _group(self, toward: Literal["next", "prev"]) -> str:
         return pp_group_name(self.stage if toward == "next" else self.stage - 1)
 
-    def _recv(self, slot: int, toward: Literal["next", "prev"]) -> torch.Tensor:
-        buf = torch.empty(len(self.layout.samples_of(self.rank, slot)), *self.act_shape, device=self.device)
+    def _recv(self, slot: int, toward: Literal["next", "prev"], spec: ActivationSpec,
+              grads_only: bool) -> list[torch.Tensor]:
+        bufs = _empty(spec, len(self.layout.samples_of(self.rank, slot)), self.device, grads_only)
         for r in routes(self.layout, self.rank, slot, toward):
-            piece = torch.empty(len(r.samples), *self.act_shape, device=self.device)
-            self.comm.recv(self._group(toward), piece, r.peer)
-            buf[r.offset: r.offset + len(r.samples)] = piece
-        return buf
+            for buf in bufs:
+                piece = torch.empty(len(r.samples), *buf.shape[1:], dtype=buf.dtype, device=self.device)
+                self.comm.recv(self._group(toward), piece, r.peer)
+                buf[r.offset: r.offset + len(r.samples)] = piece
+        return bufs
 
-    def _send(self, slot: int, toward: Literal["next", "prev"], tensor: torch.Tensor) -> None:
+    def _send(self, slot: int, toward: Literal["next", "prev"], tensors: list[torch.Tensor]) -> None:
         for r in routes(self.layout, self.rank, slot, toward):
-            self.comm.send(self._group(toward), tensor[r.offset: r.offset + len(r.samples)].contiguous(), r.peer)
+            for t in tensors:
+                self.comm.send(self._group(toward), t[r.offset: r.offset + len(r.samples)].contiguous(), r.peer)
 
-    def run(self, forward: Callable[[int, torch.Tensor | None], torch.Tensor],
+    def _received(self, slot: int) -> Activation:
+        assert self.in_spec is not None
+        bufs = self._recv(slot, "prev", self.in_spec, grads_only=False)
+        for buf, t in zip(bufs, self.in_spec.tensors, strict=True):
+            if t.carries_grad:
+                buf.requires_grad_(True)
+        return tuple(bufs) if self.in_spec.is_tuple else bufs[0]
+
+    def _outgoing(self, out: Activation) -> list[torch.Tensor]:
+        assert self.out_spec is not None
+        items = as_tuple(out)
+        if ActivationSpec(tuple(TensorSpec(tuple(t.shape[1:]), t.dtype) for t in items),
+                          isinstance(out, tuple)) != self.out_spec:
+            raise ValueError(f"stage {self.stage} produced {ActivationSpec.of(out)}, the dry run found "
+                             f"{self.out_spec}: activations must keep their per-sample shape and dtype")
+        return [t.detach() for t in items]
+
+    def _backward(self, out: Activation, grads: list[torch.Tensor] | None) -> None:
+        if grads is None:  # the last stage: `out` is the scalar loss
+            assert isinstance(out, torch.Tensor)
+            out.backward()
+            return
+        assert self.out_spec is not None
+        floats = [t for t, spec in zip(as_tuple(out), self.out_spec.tensors, strict=True) if spec.carries_grad]
+        pairs = [(t, g) for t, g in zip(floats, grads, strict=True) if t.requires_grad]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+    def _input_grads(self, received: Activation) -> list[torch.Tensor]:
+        assert self.in_spec is not None
+        return [t.grad if t.grad is not None else torch.zeros_like(t)
+                for t, spec in zip(as_tuple(received), self.in_spec.tensors, strict=True) if spec.carries_grad]
+
+    def run(self, forward: Callable[[int, Activation | None], Activation],
             after_backward: Callable[[int], None] | None = None) -> None:
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        grads_from_next: dict[int, torch.Tensor] = {}
-        grads_to_prev: dict[int, torch.Tensor] = {}
+        inputs: dict[int, Activation] = {}
+        outputs: dict[int, Activation] = {}
+        grads_from_next: dict[int, list[torch.Tensor]] = {}
+        grads_to_prev: dict[int, list[torch.Tensor]] = {}
         for op in self.program:
             m = op.slot
             if len(self.layout.samples_of(self.rank, m)) == 0:
                 continue
             if op.kind == "recv_f":
-                inputs[m] = self._recv(m, "prev").requires_grad_(True)
+                inputs[m] = self._received(m)
             elif op.kind == "fwd":
                 outputs[m] = forward(m, inputs.get(m))
             elif op.kind == "send_f":
-                self._send(m, "next", outputs[m].detach())
+                self._send(m, "next", self._outgoing(outputs[m]))
             elif op.kind == "recv_b":
-                grads_from_next[m] = self._recv(m, "next")
+                assert self.out_spec is not None
+                grads_from_next[m] = self._recv(m, "next", self.out_spec, grads_only=True)
             elif op.kind == "bwd":
-                out = outputs.pop(m)
-                out.backward(grads_from_next.pop(m) if m in grads_from_next else None)
+                self._backward(outputs.pop(m), grads_from_next.pop(m, None))
                 received = inputs.pop(m, None)
                 if received is not None:
-                    grads_to_prev[m] = received.grad
+                    grads_to_prev[m] = self._input_grads(received)
                 if after_backward is not None:
                     after_backward(m)
             else:  # send_b

@@ -1,24 +1,22 @@
-"""Single-process reference training on the same batches (the ground truth for the engine).
+"""Single-process training of a `TrainSpec` on the same batches (the ground truth for the engine).
 
-One process holds the whole model, runs every micro-batch slot of the global batch (slot m =
-samples `[m*B//M, (m+1)*B//M)`, as in the Layout), accumulates gradients of
-`sum(per-sample loss) / B`, and applies the same `adamw_update` unit by unit. Dropout uses the
-placement-invariant RNG, so the reference sees exactly the masks any layout would draw.
+This is the engine itself on a one-rank layout (PP=1, DP=1, every unit on rank 0): the same
+sampler, the same slot split of the global batch, the same per-sample loss and optimizer update,
+in one process with no peers. It is what `elaswave.train` runs for a plain `python script.py`, and
+what every multi-rank layout must match to fp32 round-off (the DP reduction adds in another
+order).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from torch.distributed import HashStore
 
-from executor.model import ForwardContext, StageModel, per_sample_loss
-from executor.rng import DropoutRng
-from executor.trainer import TrainConfig, build_sampler
-from executor.zero import adamw_update, assign_flat, flat_grads, flat_params
-from planners.layout import slot_range
+from executor.engine_comm import StaticComm, groups_for_stage_ranks
+from executor.trainer import Trainer, TrainSpec
+from planners.layout import Layout, make_uniform_layout
 
 
 @dataclass
@@ -27,33 +25,22 @@ class ReferenceRun:
     state: dict[str, Any]  # same shape as Trainer.gather_full_state(), for the whole model
 
 
-def run_reference(cfg: TrainConfig, global_batch: int, num_micro_batches: int, steps: int) -> ReferenceRun:
-    m = cfg.model
-    model = StageModel(m, 0, m.num_layers)
-    sampler = build_sampler(cfg, global_batch)
-    rng = DropoutRng(cfg.rng_seed, "placement_invariant")
-    moments = {n: (torch.zeros(flat_params(u).numel()), torch.zeros(flat_params(u).numel()))
-               for n, u in model.units.items()}
+def single_rank_layout(spec: TrainSpec, global_batch: int, num_micro_batches: int) -> Layout:
+    numel = spec.unit_numels()
+    return make_uniform_layout(len(numel), 1, 1, global_batch, num_micro_batches, numel)
+
+
+def single_rank_trainer(spec: TrainSpec, global_batch: int, num_micro_batches: int) -> Trainer:
+    layout = single_rank_layout(spec, global_batch, num_micro_batches)
+    comm = StaticComm(HashStore(), 0, groups_for_stage_ranks([(0,)], world=True), timeout_s=60.0)
+    return Trainer(spec, layout, 0, comm)
+
+
+def run_reference(spec: TrainSpec, global_batch: int, num_micro_batches: int, steps: int) -> ReferenceRun:
+    trainer = single_rank_trainer(spec, global_batch, num_micro_batches)
     losses = []
     for step in range(steps):
-        rng.begin_step(step)
-        for p in model.parameters():
-            p.grad = None
-        per_sample: list[float] = []
-        for slot in range(num_micro_batches):
-            rows = slot_range(global_batch, num_micro_batches, slot)
-            batch = sampler.rows(step, rows.start, rows.stop)
-            if len(batch) == 0:
-                continue
-            loss = per_sample_loss(model(batch.inputs, ForwardContext(batch.sample_ids, rng)), batch.targets)
-            (loss.sum() / global_batch).backward()
-            per_sample.extend(float(v) for v in loss.detach())
-        losses.append(math.fsum(per_sample) / global_batch)
-        for name, unit in model.units.items():
-            param = flat_params(unit).clone()
-            adamw_update(param, flat_grads(unit), *moments[name], step + 1, cfg.optim)
-            assign_flat(unit, param)
-    state = {"step_count": steps,
-             "units": {n: {"param": flat_params(u).clone(), "exp_avg": moments[n][0],
-                           "exp_avg_sq": moments[n][1]} for n, u in model.units.items()}}
-    return ReferenceRun(losses, state)
+        loss = trainer.train_step(step).loss
+        assert loss is not None
+        losses.append(loss)
+    return ReferenceRun(losses, trainer.gather_full_state())

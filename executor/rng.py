@@ -15,7 +15,10 @@ sample receives then depends on which rank runs it and on what that rank ran bef
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -94,3 +97,49 @@ def apply_dropout(x: torch.Tensor, p: float, rng: DropoutRng | None, layer: int,
         raise ValueError(f"dropout input has {x.shape[0]} rows but {len(samples)} sample ids")
     # Masks are always drawn on the CPU generators, so a sample gets the same mask on any device.
     return x * rng.keep_mask(p, layer, site, samples, tuple(x.shape[1:])).to(x.device)
+
+
+# ------------------------------------------------------------------ the forward pass's context
+
+
+@dataclass(frozen=True)
+class UnitCall:
+    """What the engine is running right now on this thread: which unit, for which global samples,
+    at which step, with which dropout source (None outside an engine forward)."""
+
+    step: int
+    unit_index: int
+    samples: tuple[int, ...]
+    rng: DropoutRng | None
+
+
+_current = threading.local()
+
+
+def current_unit_call() -> UnitCall | None:
+    return getattr(_current, "call", None)
+
+
+@contextmanager
+def unit_call(call: UnitCall, torch_seed: int | None) -> Iterator[None]:
+    """Run one unit's forward under `call`. `torch_seed` re-seeds torch's global generator first,
+    so a user module drawing from it (`nn.Dropout`) draws the same numbers when a step is
+    replayed on the same layout; only `placement_invariant_dropout` is the same on any layout."""
+    previous = current_unit_call()
+    _current.call = call
+    if torch_seed is not None:
+        torch.manual_seed(torch_seed)
+    try:
+        yield
+    finally:
+        _current.call = previous
+
+
+def placement_invariant_dropout(x: torch.Tensor, p: float, site: int = 0, training: bool = True) -> torch.Tensor:
+    """Dropout whose mask for a sample depends only on (seed, step, unit, site, global sample):
+    the same on any layout, after any migration or micro-batch resize (ElasWave §4.4). Outside an
+    engine forward (or with `training=False`) it is the identity."""
+    call = current_unit_call()
+    if not training or call is None:
+        return x
+    return apply_dropout(x, p, call.rng, call.unit_index, site, call.samples)

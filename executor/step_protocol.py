@@ -32,7 +32,7 @@ from typing import Protocol
 
 from executor.comm.communicator import Communicator, EditReport
 from executor.comm.errors import PeerFailure
-from executor.comm.groups import all_workers, groups_for_stages
+from executor.comm.groups import WORLD_GROUP, all_workers, groups_for_stages
 from planners.layout import Plan
 
 COMMIT, ABORT = b"commit", b"abort"
@@ -176,7 +176,8 @@ class StepProtocol:
             raise StepProtocolError(f"worker {self.comm.worker} is not in the new layout of plan {plan.epoch}")
         lost = frozenset(plan.old.ranks()) - frozenset(plan.new.ranks())
         self.participant.check_plan(plan, lost)
-        report = self.comm.apply_edit(groups_for_stages([s.ranks for s in plan.new.stages]))
+        report = self.comm.apply_edit(groups_for_stages([s.ranks for s in plan.new.stages],
+                                                       world=WORLD_GROUP in self.comm.names()))
         self.participant.on_plan(plan, lost, self.committed_step)
         self.plan_epoch = plan.epoch
         return report

@@ -1,8 +1,10 @@
-"""The per-rank trainer: one stage's model, its ZeRO-1 shards and the 1F1B pipeline, built from a Layout.
+"""The per-rank trainer: one stage's units, its ZeRO-1 shards and the 1F1B pipeline, built from a Layout.
 
-The Layout (planners.layout) is the only description of the job: it says which blocks this rank's
-stage holds, which ranks share the stage (DP order = ZeRO shard index), which global samples this
-rank runs in every micro-batch slot, how ZeRO shards are owned and which RNG mode is on.
+The Layout (planners.layout) is the only description of the job: it says which units this rank's
+stage holds (unit i of the user's model is layer i of the layout), which ranks share the stage
+(DP order = ZeRO shard index), which global samples this rank runs in every micro-batch slot, how
+ZeRO shards are owned and which RNG mode is on. The model, loss, data and optimizer are the
+user's (`TrainSpec`); the engine knows no model.
 
 The loss of a step is the sum of per-sample losses divided by the fixed global batch (ElasWave
 §4.1), so neither the gradient scale nor the reported loss depends on how the batch is split.
@@ -11,31 +13,35 @@ The reported loss is assembled per sample and summed exactly (`math.fsum`) in sa
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
-from executor.data import GlobalBatchSampler, generate_corpus
-from executor.engine_comm import EngineComm, dp_group_name
-from executor.model import (
-    ForwardContext,
-    ModelConfig,
-    StageModel,
-    block_numel,
-    forward_units,
-    per_sample_loss,
-    unit_order,
+from executor.checkpoint import (
+    CheckpointError,
+    CheckpointMeta,
+    StagePayload,
+    check_fits,
+    latest_checkpoint,
+    load_unit_state,
+    read_meta,
 )
+from executor.data import Collate, GlobalBatchSampler, Prefetcher
+from executor.engine_comm import EngineComm, dp_group_name
+from executor.optim import OptimizerConfig
 from executor.pipeline import PipelineRunner
-from executor.rng import DropoutRng
+from executor.rng import DropoutRng, UnitCall, mix64, unit_call
+from executor.units import Activation, ActivationSpec, UnitModel, UnitProbe, call_unit, discover_boundaries
 from executor.zero import (
-    AdamWConfig,
     GradHook,
-    ShardedAdamW,
+    ShardedOptimizer,
     ShardState,
     assign_flat,
     flat_params,
@@ -43,15 +49,38 @@ from executor.zero import (
 )
 from planners.layout import Layout
 
+LossFn = Callable[[Activation, Any], torch.Tensor]
 
-@dataclass(frozen=True)
-class TrainConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    optim: AdamWConfig = field(default_factory=AdamWConfig)
+
+@dataclass(eq=False)
+class TrainSpec:
+    """Everything about a training job that is not its layout: the user's model as units, the
+    per-sample loss, the data and the optimizer (docs/api.md)."""
+
+    model: UnitModel
+    loss_fn: LossFn
+    dataset: Dataset[Any]
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    collate_fn: Collate | None = None
     data_seed: int = 0
+    shuffle: bool = True
     rng_seed: int = 0
-    corpus_tokens: int = 1 << 14
+    # One probe per unit (parameters, output activation); discovered by a dry run if not given.
+    probes: tuple[UnitProbe, ...] | None = None
 
+    def sampler(self, global_batch: int) -> GlobalBatchSampler:
+        return GlobalBatchSampler(self.dataset, global_batch, self.data_seed, self.shuffle, self.collate_fn)
+
+    def unit_probes(self) -> tuple[UnitProbe, ...]:
+        """The dry run's findings (run once per process, then kept)."""
+        if self.probes is None:
+            first = self.sampler(1).rows(0, 0, 1)
+            assert first.inputs is not None
+            self.probes = discover_boundaries(self.model, first.inputs)
+        return self.probes
+
+    def unit_numels(self) -> tuple[int, ...]:
+        return tuple(p.numel for p in self.unit_probes())
 
 @dataclass(frozen=True)
 class StepResult:
@@ -78,34 +107,55 @@ class StepOverlay(Protocol):
     def finish(self) -> None: ...
 
 
-def check_layout(cfg: TrainConfig, layout: Layout) -> None:
+def check_layout(spec: TrainSpec, layout: Layout) -> None:
     """Raise ValueError if `layout` does not describe this model (the planners need true sizes)."""
-    m = cfg.model
-    if layout.num_layers != m.num_layers:
-        raise ValueError(f"layout has {layout.num_layers} layers, model has {m.num_layers}")
-    expected = (block_numel(m),) * m.num_layers
-    if tuple(layout.layer_numel) != expected:
-        raise ValueError(f"layout.layer_numel {layout.layer_numel} != this model's block sizes {expected}")
+    numel = spec.unit_numels()
+    if layout.num_layers != len(numel):
+        raise ValueError(f"layout has {layout.num_layers} layers, the model has {len(numel)} units "
+                         f"{list(spec.model.names)}")
+    if tuple(layout.layer_numel) != numel:
+        raise ValueError(f"layout.layer_numel {layout.layer_numel} != the model's unit sizes {numel}")
     covered = [layer for s in layout.stages for layer in s.layers]
-    if covered != list(range(m.num_layers)):
-        raise ValueError(f"stages must hold layers 0..{m.num_layers - 1} in order, got {covered}")
+    if covered != list(range(len(numel))):
+        raise ValueError(f"stages must hold units 0..{len(numel) - 1} in order, got {covered}")
 
 
-def build_sampler(cfg: TrainConfig, global_batch: int) -> GlobalBatchSampler:
-    corpus = generate_corpus(cfg.model.vocab_size, cfg.corpus_tokens, cfg.data_seed)
-    return GlobalBatchSampler(corpus, cfg.model.seq_len, global_batch, cfg.data_seed)
+class StageModel(nn.Module):
+    """The units `[layer_start, layer_stop)` of one pipeline stage, by name, in forward order."""
+
+    def __init__(self, model: UnitModel, layer_start: int, layer_stop: int,
+                 reuse: Mapping[str, nn.Module] | None = None, device: torch.device | str = "cpu") -> None:
+        """Units named in `reuse` are taken as they are (a layout change keeps the modules it has)."""
+        super().__init__()
+        if not 0 <= layer_start < layer_stop <= len(model):
+            raise ValueError(f"stage units [{layer_start}, {layer_stop}) invalid for {len(model)} units")
+        self.layer_start, self.layer_stop = layer_start, layer_stop
+        self.units = nn.ModuleDict()
+        reuse = reuse or {}
+        for i in range(layer_start, layer_stop):
+            name = model.names[i]
+            self.units[name] = reuse[name] if name in reuse else model.build(i, device)
+        model.check_untied(dict(self.units.items()))
+
+    def unit_names(self) -> list[str]:
+        return list(self.units.keys())
 
 
 class Trainer:
     """One rank of the hybrid-parallel job; every rank of the layout builds one."""
 
-    def __init__(self, cfg: TrainConfig, layout: Layout, rank: int, comm: EngineComm,
+    def __init__(self, spec: TrainSpec, layout: Layout, rank: int, comm: EngineComm,
                  device: torch.device | str = "cpu") -> None:
-        check_layout(cfg, layout)
+        check_layout(spec, layout)
         stage = layout.stage_layout_of_rank(rank)  # raises if the rank is not in the layout
-        self.cfg, self.rank, self.comm, self.device = cfg, rank, comm, torch.device(device)
-        self.sampler = build_sampler(cfg, layout.global_batch)
-        self.model = StageModel(cfg.model, stage.layer_start, stage.layer_stop).to(self.device)
+        self.spec, self.rank, self.comm, self.device = spec, rank, comm, torch.device(device)
+        self.sampler = spec.sampler(layout.global_batch)
+        self.data = Prefetcher(self.sampler)
+        # Weight-decay runs of every unit, from the dry run: the snapshot of a neighbour's shard
+        # replays the update of units this rank may not even hold.
+        self.segments = {name: spec.optimizer.decay_segments(probe.meta_parameters())
+                         for name, probe in zip(spec.model.names, spec.unit_probes(), strict=True)}
+        self.model = StageModel(spec.model, stage.layer_start, stage.layer_stop, device=self.device)
         self.next_step = 0
         self.grad_hook: GradHook | None = None  # kept across layout changes; see executor.zero
         # An overlay armed for the next train_step (a non-blocking migration adopted between steps
@@ -113,21 +163,37 @@ class Trainer:
         self.armed_overlay: StepOverlay | None = None
         self._install_layout(layout, step_count=0)
 
+    @property
+    def unit_names(self) -> tuple[str, ...]:
+        """Every unit of the model, in order (unit i is layer i of the layout)."""
+        return self.spec.model.names
+
     # ------------------------------------------------------------------------------ structure
+    def _boundary(self, layer: int) -> ActivationSpec | None:
+        """The activation leaving unit `layer - 1` (None before the first unit / after the last)."""
+        probes = self.spec.unit_probes()
+        return probes[layer - 1].output if 0 < layer < len(probes) else None
+
     def _install_layout(self, layout: Layout, step_count: int) -> None:
         """(Re)derive everything layout-dependent: pipeline program, routes, ZeRO ownership, RNG."""
         self.layout = layout
         self.stage_layout = layout.stage_layout_of_rank(self.rank)
         self.stage = self.stage_layout.stage
         self.dp_index = self.stage_layout.dp_index(self.rank)
-        self.rng = DropoutRng(self.cfg.rng_seed, layout.rng_mode, self.rank)
-        self.runner = PipelineRunner(self.comm, layout, self.rank, (self.cfg.model.seq_len, self.cfg.model.hidden),
-                                     self.device)
+        self.rng = DropoutRng(self.spec.rng_seed, layout.rng_mode, self.rank)
+        self.runner = PipelineRunner(self.comm, layout, self.rank, self._boundary(self.stage_layout.layer_start),
+                                     self._boundary(self.stage_layout.layer_stop), self.device)
         units = dict(self.model.units.items())
-        numel = {n: sum(p.numel() for p in u.parameters()) for n, u in units.items()}
-        self.optimizer = ShardedAdamW(self.comm, dp_group_name(self.stage), units,
-                                      unit_ownership(layout, self.stage_layout, numel), self.dp_index,
-                                      self.cfg.optim, step_count, self.grad_hook, self.device)
+        self.optimizer = ShardedOptimizer(self.comm, dp_group_name(self.stage), units,
+                                          unit_ownership(layout, self.stage_layout, self.unit_names), self.dp_index,
+                                          self.spec.optimizer, step_count, self.grad_hook, self.device,
+                                          self.segments)
+        self.model.train()
+
+    def update_slice(self, unit: str, lo: int, param: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor,
+                     state2: torch.Tensor, step: int) -> None:
+        """The optimizer's update of elements `[lo, ...)` of `unit` (what a ring snapshot replays)."""
+        self.spec.optimizer.update_slice(param, grad, state1, state2, step, self.segments[unit], lo)
 
     def set_grad_hook(self, hook: GradHook | None) -> None:
         """Observe every step's reduced gradient slices (now and after any layout change)."""
@@ -159,20 +225,25 @@ class Trainer:
         sample_losses: dict[int, torch.Tensor] = {}
         fed: list[int] = []
         B = self.layout.global_batch
+        loads_data = self.is_first or self.is_last
 
-        def forward(slot: int, received: torch.Tensor | None) -> torch.Tensor:
+        def forward(slot: int, received: Activation | None) -> Activation:
             rows = self.layout.samples_of(self.rank, slot)
-            batch = self.sampler.rows(step, rows.start, rows.stop)
-            fed.extend(batch.sample_ids)
+            if loads_data:
+                batch = self.data.rows(step, rows.start, rows.stop)
+                ids = batch.sample_ids
+            else:
+                ids = self.sampler.sample_ids(step, rows.start, rows.stop)
+            fed.extend(ids)
             units = list(self.model.units.items())
             if overlay is not None:
                 overlay.before_forward(slot)
                 units = overlay.units_for_slot(slot, units)
-            x = forward_units(units, batch.inputs.to(self.device) if received is None else received,
-                              ForwardContext(batch.sample_ids, self.rng))
+            x = _to_device(batch.inputs, self.device) if received is None else received
+            x = self.forward_units(units, x, step, ids)
             if not self.is_last:
                 return x
-            per_sample = per_sample_loss(x, batch.targets.to(self.device))
+            per_sample = self._per_sample_loss(x, _to_device(batch.targets, self.device), len(ids))
             for row, value in zip(range(rows.start, rows.stop), per_sample.detach(), strict=True):
                 sample_losses[row] = value
             return per_sample.sum() / B
@@ -184,9 +255,33 @@ class Trainer:
         if overlay is not None:
             overlay.finish()
         self.next_step = step + 1
+        if loads_data:
+            self.data.prefetch(step + 1, [(r.start, r.stop) for r in
+                                          (self.layout.samples_of(self.rank, m) for m in range(self.layout.num_micro_batches))])
         processed = sum(len(self.layout.samples_of(self.rank, m)) for m in range(self.layout.num_micro_batches))
         loss = self._global_loss(sample_losses) if self.is_last else None
         return StepResult(step, loss, processed, B, tuple(fed))
+
+    def forward_units(self, units: list[tuple[str, nn.Module]], x: Activation, step: int,
+                      samples: tuple[int, ...]) -> Activation:
+        """Run `units` in order on rows `samples` (a stage's own units, or that list with a
+        migrating unit's shadow), each under its unit-call context (executor.rng)."""
+        for name, unit in units:
+            index = self.spec.model.index(name)
+            seed = mix64(self.spec.rng_seed, step, index, samples[0] if samples else 0)
+            with unit_call(UnitCall(step, index, samples, self.rng), seed):
+                x = call_unit(unit, x)
+            if isinstance(x, list):
+                x = tuple(x)
+        return x
+
+    def _per_sample_loss(self, output: Activation, targets: Any, rows: int) -> torch.Tensor:
+        loss = self.spec.loss_fn(output, targets)
+        if not isinstance(loss, torch.Tensor) or tuple(loss.shape) != (rows,) or not loss.dtype.is_floating_point:
+            got = f"{type(loss).__name__} {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn must return one floating-point loss per sample, shape ({rows},); got {got} "
+                             "(use reduction='none' and average over the other dimensions yourself)")
+        return loss
 
     def _global_loss(self, mine: Mapping[int, torch.Tensor]) -> float:
         """Exact sum of all per-sample losses of the global batch / B, from the last stage's ranks."""
@@ -243,17 +338,17 @@ class Trainer:
         """Adopt `layout` with state already remapped for it: full parameters of the new stage's
         units and this rank's new optimizer slices (what a migration, a live remap or a rollback
         across layouts ends in). Checks everything first; on ValueError nothing has changed."""
-        check_layout(self.cfg, layout)
+        check_layout(self.spec, layout)
         if layout.global_batch != self.sampler.global_batch:
             raise ValueError(f"the global batch is fixed for a job ({self.sampler.global_batch}), "
                              f"new layout says {layout.global_batch}")
         stage = layout.stage_layout_of_rank(self.rank)
-        model = StageModel(self.cfg.model, stage.layer_start, stage.layer_stop,
-                           reuse=self._spare_units(stage.layer_start, stage.layer_stop)).to(self.device)
+        model = StageModel(self.spec.model, stage.layer_start, stage.layer_stop,
+                           reuse=self._spare_units(stage.layer_start, stage.layer_stop), device=self.device)
         if set(params) != set(model.unit_names()) or set(shards) != set(model.unit_names()):
             raise ValueError(f"state for units {sorted(params)} / {sorted(shards)}, new stage holds {model.unit_names()}")
         numel = {n: sum(p.numel() for p in u.parameters()) for n, u in model.units.items()}
-        owned = unit_ownership(layout, stage, numel)
+        owned = unit_ownership(layout, stage, self.unit_names)
         j = stage.dp_index(self.rank)
         for name, sh in shards.items():
             if (sh.lo, sh.hi) != owned[name][j] or sh.exp_avg.numel() != sh.hi - sh.lo:
@@ -273,7 +368,7 @@ class Trainer:
     def _spare_units(self, layer_start: int, layer_stop: int) -> dict[str, nn.Module]:
         """Current modules a new stage `[layer_start, layer_stop)` can keep (their parameters are
         overwritten by reset_layout anyway; re-initialising them would only cost time)."""
-        keep = set(unit_order(self.cfg.model.num_layers, layer_start, layer_stop))
+        keep = set(self.unit_names[layer_start:layer_stop])
         return {n: u for n, u in self.model.units.items() if n in keep}
 
     def gather_full_state(self) -> dict[str, Any]:
@@ -283,3 +378,50 @@ class Trainer:
         return {"step_count": self.optimizer.step_count,
                 "units": {n: {"param": flat_params(u).clone(), "exp_avg": moments[n][0],
                               "exp_avg_sq": moments[n][1]} for n, u in self.model.units.items()}}
+
+
+def _to_device(x: Any, device: torch.device) -> Any:
+    """Move a batch's tensors (a tensor, or tuples / lists / dicts of them) to `device`."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, tuple | list):
+        return type(x)(_to_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_device(v, device) for k, v in x.items()}
+    return x
+
+
+def _unit_host_copy(unit: nn.Module) -> nn.Module:
+    return copy.deepcopy(unit).cpu()
+
+
+def checkpoint_payload(trainer: Trainer) -> StagePayload | None:
+    """This stage's units and full optimizer moments in host memory, on the stage's first rank
+    (None on the others). Collective over the stage's DP group: every rank of it must call."""
+    moments = trainer.optimizer.gather_moments()
+    if trainer.dp_index != 0:
+        return None
+    return StagePayload(trainer.next_step, trainer.optimizer.step_count, trainer.stage, trainer.layout.num_stages,
+                        {n: _unit_host_copy(u) for n, u in trainer.model.units.items()},
+                        {n: (m.cpu(), v.cpu()) for n, (m, v) in moments.items()})
+
+
+def load_checkpoint(trainer: Trainer, path: str | Path) -> CheckpointMeta:
+    """Load this rank's units and optimizer slices from a checkpoint written on any layout
+    (local reads only). Raises CheckpointError, changing nothing, if it is not this model's."""
+    ckpt = latest_checkpoint(path)
+    meta = read_meta(ckpt)
+    check_fits(meta, trainer.unit_names, trainer.spec.unit_numels(), trainer.layout.global_batch, ckpt)
+    loaded = {n: load_unit_state(ckpt, n) for n in trainer.model.unit_names()}
+    for name, (state, _m, _v) in loaded.items():
+        try:
+            trainer.model.units[name].load_state_dict(state, strict=True)
+        except RuntimeError as exc:
+            raise CheckpointError(f"{ckpt}: unit {name!r} does not fit: {exc}") from exc
+    for name, sh in trainer.optimizer.shards.items():
+        _state, m, v = loaded[name]
+        sh.exp_avg.copy_(m[sh.lo: sh.hi])
+        sh.exp_avg_sq.copy_(v[sh.lo: sh.hi])
+    trainer.optimizer.step_count = meta.step_count
+    trainer.next_step = meta.next_step
+    return meta

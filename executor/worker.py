@@ -1,8 +1,9 @@
-"""A training process driven by the Core: `python -m executor.worker` (what an agent launches).
+"""One rank of a launched job, driven by the Core (what `elaswave.train` runs under `elaswave run`).
 
-It builds its rank of the PP x DP x ZeRO engine from the job's layout, groups over the store that
-no training rank hosts (executor.store_server), and runs the step-boundary protocol of
-`executor.step_protocol`. What the engine's tests do by hand, the Core does here:
+It builds its rank of the PP x DP x ZeRO engine for the user's `TrainSpec` from the job's
+layout, groups over the store that no training rank hosts (executor.store_server), and runs the
+step-boundary protocol of `executor.step_protocol`. What the engine's tests do by hand, the Core
+does here:
 
 - a peer dies -> the survivors' collectives fail (a closed socket is seen in milliseconds), every
   survivor votes abort and rolls back to the last committed step;
@@ -22,24 +23,38 @@ no training rank hosts (executor.store_server), and runs the step-boundary proto
   it vanish; otherwise (a plain stop), or with no such plan within `--timeout`, it stops at the
   next step boundary and exits 143, which the survivors handle as a fail-stop.
 
-Each committed step is reported to the agent over the local metrics socket. At the end the
+Each committed step is reported to the agent over the local metrics socket. Checkpoints
+(executor.checkpoint) are gathered inside the step they capture, before the commit vote, and
+written in the background once it commits; a stop request from the launcher (the stop file says
+after which step) ends every worker at the same boundary with a final checkpoint. At the end the
 worker writes its per-step losses, the samples it ran and its recovery timings as JSON.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-TOKEN_ENV = "ELASWAVE_JOB_TOKEN"
-EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a SIGTERM'd process
-EXIT_NO_PLAN = 75  # EX_TEMPFAIL: the step aborted and no plan came; the agent reports a failure
+from elaswave.worker_env import EXIT_NO_PLAN, EXIT_TERMINATED, WorkerPlace
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """How long to train and what to keep; `place` is where this worker sits in the job."""
+
+    place: WorkerPlace
+    steps: int
+    verify_every: int = 2
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0  # steps between checkpoints (0: only the final one)
+    resume: Path | None = None
+    stop_file: Path | None = None
 
 
 def link_peer(group: str, rank: int) -> int | None:
@@ -52,65 +67,64 @@ def link_peer(group: str, rank: int) -> int | None:
     return others[0] if len(others) == 1 else None
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m executor.worker", description=__doc__.split("\n\n")[0])
-    p.add_argument("--job", required=True)
-    p.add_argument("--worker-id", required=True)
-    p.add_argument("--rank", type=int, required=True, help="this worker's global rank in the layout")
-    p.add_argument("--core", required=True, metavar="HOST:PORT[,HOST:PORT...]", help="Core gRPC address(es)")
-    p.add_argument("--store", required=True, metavar="HOST:PORT", help="the rendezvous store (executor.store_server)")
-    p.add_argument("--layout", required=True, type=Path, help="the job's initial layout (planners.Layout JSON)")
-    p.add_argument("--steps", type=int, required=True, help="train until this many steps are committed")
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks of the model (must match the layout)")
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--timeout", type=float, default=20.0, metavar="SECONDS",
-                   help="bound on every collective, vote and plan wait")
-    p.add_argument("--verify-every", type=int, default=2, help="check snapshot == live shard every N steps")
-    p.add_argument("--out", type=Path, required=True, help="write the worker's results here (JSON)")
-    args = p.parse_args(argv)
-    if args.steps <= 0 or args.timeout <= 0 or args.rank < 0:
-        p.error("--steps and --timeout must be positive and --rank >= 0")
-    if ":" not in args.store:
-        p.error(f"--store must be HOST:PORT, got {args.store!r}")
-    return args
+def read_stop_after(path: Path | None) -> int | None:
+    """The step after which the launcher asked every worker to stop (None: no request)."""
+    if path is None or not path.exists():
+        return None
+    try:
+        return int(json.loads(path.read_text())["stop_after_step"])
+    except (ValueError, KeyError, TypeError, OSError):
+        return None  # half-written or foreign: read again at the next boundary
 
 
 class CoreDrivenWorker:
     """One rank: engine + step protocol + plan subscription. See the module docstring."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        import torch  # noqa: PLC0415 - keep `--help` fast
+    def __init__(self, spec: Any, settings: WorkerSettings) -> None:
+        import torch  # noqa: PLC0415 - keep imports of the light modules light
 
         from agent.control import ControlReader  # noqa: PLC0415
         from agent.local_metrics import StepMetricsClient  # noqa: PLC0415
+        from executor.checkpoint import CheckpointWriter  # noqa: PLC0415
         from executor.comm import Communicator, groups_for_stages  # noqa: PLC0415
         from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
-        from executor.model import ModelConfig  # noqa: PLC0415
         from executor.plan_client import PlanClient  # noqa: PLC0415
         from executor.step_protocol import StepProtocol  # noqa: PLC0415
         from executor.store_server import connect_store  # noqa: PLC0415
-        from executor.trainer import TrainConfig, Trainer  # noqa: PLC0415
+        from executor.trainer import Trainer, load_checkpoint  # noqa: PLC0415
         from planners.layout import Layout  # noqa: PLC0415
 
         torch.set_num_threads(1)
-        self.args = args
-        layout = Layout.from_json(args.layout.read_text())
-        host, port = args.store.rsplit(":", 1)
-        store = connect_store(host, int(port), timeout_s=args.timeout)
-        self.comm = Communicator(store, args.rank, groups_for_stages([s.ranks for s in layout.stages]),
-                                 timeout_s=args.timeout)
-        cfg = TrainConfig(model=ModelConfig(num_layers=args.layers, dropout=args.dropout))
-        self.trainer = Trainer(cfg, layout, args.rank, self.comm)
-        self.participant = FabricParticipant(self.trainer, self.comm, verify_every=args.verify_every)
-        self.proto = StepProtocol(self.comm, self.participant, timeout_s=args.timeout)
+        place = settings.place
+        self.args, self.settings = place, settings
+        layout = Layout.from_json(place.layout_file.read_text())
+        host, port = place.store.rsplit(":", 1)
+        store = connect_store(host, int(port), timeout_s=place.timeout_s)
+        world = spec.optimizer.max_grad_norm is not None
+        self.comm = Communicator(store, place.rank, groups_for_stages([s.ranks for s in layout.stages], world=world),
+                                 timeout_s=place.timeout_s)
+        self.trainer = Trainer(spec, layout, place.rank, self.comm)
+        self.start_step = 0
+        if settings.resume is not None:
+            meta = load_checkpoint(self.trainer, settings.resume)
+            self.start_step = meta.next_step
+        self.participant = FabricParticipant(self.trainer, self.comm, verify_every=settings.verify_every)
+        self.proto = StepProtocol(self.comm, self.participant, timeout_s=place.timeout_s)
         self.metrics = StepMetricsClient.from_env()
         self.control = ControlReader.from_env()
-        token = os.environ.get(TOKEN_ENV, "")
-        self.plans = PlanClient(args.core.split(","), args.job, args.worker_id, token, on_plan=self._plan_arrived)
-        self.results: dict[str, Any] = {"rank": args.rank, "worker_id": args.worker_id, "losses": {},
-                                        "samples": {}, "recoveries": [], "failures": []}
+        self.plans = PlanClient(list(place.core), place.job, place.worker_id, place.token, on_plan=self._plan_arrived)
+        self.writer = None
+        if settings.checkpoint_dir is not None:
+            self.writer = CheckpointWriter(settings.checkpoint_dir, {
+                "units": spec.model.names, "unit_numel": spec.unit_numels(), "global_batch": layout.global_batch,
+                "data_seed": spec.data_seed, "rng_seed": spec.rng_seed, "init_seed": spec.model.init_seed,
+                "optimizer": spec.optimizer.kind})
+        self.results: dict[str, Any] = {"rank": place.rank, "worker_id": place.worker_id, "losses": {},
+                                        "samples": {}, "recoveries": [], "failures": [], "checkpoints": [],
+                                        "start_step": self.start_step}
         self.exit_code = 0
         self._sigterm_at: float | None = None  # monotonic time of the first SIGTERM
+        self._payload: Any = None  # this step's checkpoint share, written once the step commits
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
         # A preemption notice, not a kill: the agent reports it and the Core's plan lets this
@@ -119,7 +133,7 @@ class CoreDrivenWorker:
             self._sigterm_at = time.monotonic()
             # os.write, not print: a handler that prints while the main thread prints raises there.
             os.write(2, f"worker {self.args.worker_id}: SIGTERM; leaving at a step boundary (with the Core's plan "
-                        f"if the agent reported a preemption, at most {self.args.timeout:g} s)\n".encode())
+                        f"if the agent reported a preemption, at most {self.args.timeout_s:g} s)\n".encode())
 
     def _leave_without_plan(self) -> bool:
         """After SIGTERM, whether to stop at this boundary with no plan: at once unless the agent
@@ -130,7 +144,7 @@ class CoreDrivenWorker:
             reported = self.control is not None and self.control.draining is not None
         except ValueError:  # an unreadable control file: no report can be assumed
             reported = False
-        return not reported or time.monotonic() - self._sigterm_at > self.args.timeout
+        return not reported or time.monotonic() - self._sigterm_at > self.args.timeout_s
 
     def _plan_arrived(self, plan: Any) -> None:
         # Runs on the subscription thread: a newer plan aborts the step in flight everywhere.
@@ -153,9 +167,14 @@ class CoreDrivenWorker:
         # Restart system calls the signal interrupts: a SIGTERM must never fail a collective.
         signal.siginterrupt(signal.SIGTERM, False)
         self.plans.start(after_epoch=self.proto.plan_epoch)
-        step, resumed_epoch = 0, None
+        step, resumed_epoch = self.start_step, None
+        stop_after: int | None = None
         try:
-            while step < self.args.steps:
+            while step < self.settings.steps:
+                stop_after = read_stop_after(self.settings.stop_file) if stop_after is None else stop_after
+                if stop_after is not None and step > stop_after:
+                    self.results["stopped_after_step"] = step - 1
+                    break  # the launcher's stop: every worker leaves at this same boundary
                 if self._leave_without_plan():
                     self.results["left_at_step"], self.exit_code = step, EXIT_TERMINATED
                     break  # no plan let this worker go: leave anyway, the survivors recover as from a fail-stop
@@ -168,6 +187,7 @@ class CoreDrivenWorker:
                         self.comm.signal_abort(f"plan epoch {self.plans.newest_epoch()} is waiting")
                     else:
                         result = self.trainer.train_step(step)
+                        self._gather_checkpoint(step, stop_after)
                 except PeerFailure as exc:
                     self.proto.report_failure(exc)
                     self.results["failures"].append({"step": step, "group": exc.group, "error": str(exc)[:300]})
@@ -175,12 +195,14 @@ class CoreDrivenWorker:
                 if self.proto.should_commit():
                     self.proto.commit()
                     self._committed(step, result, time.perf_counter() - started)
+                    self._write_checkpoint()
                     if resumed_epoch is not None:
                         self.plans.ack(resumed_epoch, "RESUMED", time.perf_counter() - started)
                         resumed_epoch = None
                     step += 1
                     continue
                 self.proto.rollback()
+                self._payload = None  # the state it captured was rolled back
                 try:
                     if not self._recover(step):
                         break  # this worker is not in the new layout: it leaves
@@ -192,10 +214,44 @@ class CoreDrivenWorker:
                 resumed_epoch = self.proto.plan_epoch
         finally:
             self.plans.close()
+            self.trainer.data.close()
+        self._finish_checkpoints()
         self.results.update(committed_steps=step, plan_epoch=self.proto.plan_epoch,
                             checksum_mismatches=self.participant.checksum_mismatches,
                             verified_steps=list(self.participant.verified_steps))
         return self.results
+
+    def _checkpoint_due(self, step: int, stop_after: int | None) -> bool:
+        """Every worker reaches the same verdict: the settings are the job's and the stop step is
+        announced at least one boundary ahead (module docstring)."""
+        if self.writer is None:
+            return False
+        every = self.settings.checkpoint_every
+        return (every > 0 and (step + 1) % every == 0) or step + 1 == self.settings.steps or step == stop_after
+
+    def _gather_checkpoint(self, step: int, stop_after: int | None) -> None:
+        from executor.trainer import checkpoint_payload  # noqa: PLC0415
+
+        if self._checkpoint_due(step, stop_after):
+            t0 = time.perf_counter()
+            self._payload = checkpoint_payload(self.trainer)
+            self.results["checkpoints"].append({"step": step, "gather_s": time.perf_counter() - t0})
+
+    def _write_checkpoint(self) -> None:
+        if self._payload is not None and self.writer is not None:
+            self.writer.submit(self._payload)
+        self._payload = None
+
+    def _finish_checkpoints(self) -> None:
+        if self.writer is None:
+            return
+        try:
+            self.writer.wait(timeout_s=600.0)
+        except TimeoutError as exc:
+            self.results["checkpoint_error"] = str(exc)
+        if self.writer.errors:
+            self.results["checkpoint_error"] = "; ".join(f"{type(e).__name__}: {e}" for e in self.writer.errors)
+        self.results["checkpoints_written"] = [str(p) for p in self.writer.written]
 
     def _committed(self, step: int, result: Any, seconds: float) -> None:
         if result is None:
@@ -214,7 +270,7 @@ class CoreDrivenWorker:
         from planners.layout import Layout, Plan  # noqa: PLC0415
 
         t0 = time.perf_counter()
-        published = self.plans.wait_plan(self.proto.plan_epoch, timeout_s=self.args.timeout)
+        published = self.plans.wait_plan(self.proto.plan_epoch, timeout_s=self.args.timeout_s)
         waited = time.perf_counter() - t0
         self.plans.ack(published.epoch, "RECEIVED", waited)
         new = Layout.from_json(published.layout_json)
@@ -241,23 +297,20 @@ class CoreDrivenWorker:
         return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    worker = CoreDrivenWorker(args)
+def run_worker(spec: Any, settings: WorkerSettings) -> tuple[int, dict[str, Any]]:
+    """Train this rank to the end (or until it leaves); (exit code, results). Writes the results
+    to the place's results file when one is set, and tells the agent when the work is complete."""
+    worker = CoreDrivenWorker(spec, settings)
     results = worker.run()
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, sort_keys=True))
-    tmp.replace(args.out)
-    if worker.exit_code == 0 and results["committed_steps"] == args.steps:
+    out = settings.place.results_file
+    if out is not None:
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, sort_keys=True))
+        tmp.replace(out)
+    if worker.exit_code == 0 and results["committed_steps"] == settings.steps:
         from agent.control import mark_finished  # noqa: PLC0415
 
         # The whole job is trained: the agent reports a finished worker, not a departure to plan for.
         mark_finished()
     sys.stdout.flush()
-    # Skip interpreter teardown: a gloo group with an abandoned op (the dead peer's) would block
-    # its destructor until the group timeout.
-    os._exit(worker.exit_code)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return worker.exit_code, results

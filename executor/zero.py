@@ -1,4 +1,4 @@
-"""ZeRO-1 sharded AdamW over one stage's DP group (ElasWave §6.3, Fig. 10).
+"""ZeRO-1 sharded optimizer over one stage's DP group (ElasWave §6.3, Fig. 10).
 
 Every rank of a stage holds the full fp32 parameters of the stage's units and computes full
 gradients for its own samples; the optimizer state (Adam moments) of each unit is split among
@@ -8,59 +8,39 @@ the DP ranks by element intervals. A step is
    unit's gradient; the owner sums the D contributions *in DP-rank order*, so the reduction
    order is fixed by the layout and does not depend on which other units share the stage — a
    pipeline-only change leaves every unit's update bit-identical;
-2. the owner applies AdamW to its slices (`adamw_update`, the same function the single-process
-   reference uses);
-3. all-gather: the updated parameter slices go back to every rank of the stage.
+2. gradient clipping by the global norm (when configured): every rank's sum of squares of its
+   reduced slices is gathered over the job's "world" group and summed in rank order, so every
+   rank computes the same norm, exactly the norm of the full gradient up to summation order;
+   the slices are scaled before anything else (the snapshots included) sees them;
+3. the owner applies the optimizer to its slices (`OptimizerConfig.update_slice`, the same
+   function the snapshots replay);
+4. all-gather: the updated parameter slices go back to every rank of the stage.
 
-Ownership of the blocks is exactly `planners.zero.stage_ownership` (interleaved: DP rank j owns
-shard j of every layer; contiguous: the stage's blocks concatenated and cut into D chunks), so the
-planners' transfer plans describe this state. The embedding and head never migrate; they are
-split evenly among the stage's ranks under both layouts.
+Ownership of the units is exactly `planners.zero.stage_ownership` (interleaved: DP rank j owns
+shard j of every unit; contiguous: the stage's units concatenated and cut into D chunks), so the
+planners' transfer plans describe this state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from executor.comm.groups import WORLD_GROUP
 from executor.engine_comm import EngineComm, all_to_all_v
-from executor.model import EMBED, HEAD, block_name
-from planners.layout import Layout, SampleRange, StageLayout, split_evenly
+from executor.optim import OptimizerConfig, Segments
+from planners.layout import Layout, StageLayout
 from planners.zero import stage_ownership
 
 Interval = tuple[int, int]
 # Called with (step number being applied, {unit: my reduced gradient slice}) before the update:
 # how the parameter fabric's ring snapshots see each step's gradient shards (ElasWave §5.1).
 GradHook = Callable[[int, dict[str, torch.Tensor]], None]
-
-
-@dataclass(frozen=True)
-class AdamWConfig:
-    lr: float = 3e-3
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0 or not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1) or self.eps <= 0:
-            raise ValueError(f"invalid AdamW hyper-parameters: {self}")
-
-
-def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                 exp_avg_sq: torch.Tensor, step: int, cfg: AdamWConfig) -> None:
-    """One decoupled-weight-decay Adam step on 1-D slices, in place (`step` counts from 1)."""
-    param.mul_(1.0 - cfg.lr * cfg.weight_decay)
-    exp_avg.mul_(cfg.beta1).add_(grad, alpha=1.0 - cfg.beta1)
-    exp_avg_sq.mul_(cfg.beta2).addcmul_(grad, grad, value=1.0 - cfg.beta2)
-    bias1 = 1.0 - cfg.beta1 ** step
-    bias2 = 1.0 - cfg.beta2 ** step
-    denom = (exp_avg_sq / bias2).sqrt_().add_(cfg.eps)
-    param.addcdiv_(exp_avg, denom, value=-cfg.lr / bias1)
 
 
 # ---------------------------------------------------------------------------- flat unit views
@@ -90,19 +70,29 @@ def assign_flat(unit: nn.Module, flat: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------- ownership
 
 
-def unit_ownership(layout: Layout, stage: StageLayout,
-                   unit_numel: Mapping[str, int]) -> dict[str, list[Interval]]:
-    """unit name -> `[lo, hi)` owned by each DP index of the stage (possibly empty)."""
+def unit_ownership(layout: Layout, stage: StageLayout, names: Sequence[str]) -> dict[str, list[Interval]]:
+    """unit name -> `[lo, hi)` owned by each DP index of the stage (possibly empty); `names[i]` is
+    the name of layer (unit) i of the model."""
     d = stage.dp_size
-    owned: dict[str, list[Interval]] = {}
-    for name in (EMBED, HEAD):
-        if name in unit_numel:
-            owned[name] = [(r.start, r.stop) for r in split_evenly(SampleRange(0, unit_numel[name]), d)]
-    for layer in stage.layers:
-        owned[block_name(layer)] = [(0, 0)] * d
+    owned: dict[str, list[Interval]] = {names[layer]: [(0, 0)] * d for layer in stage.layers}
     for iv in stage_ownership(layout, stage):
-        owned[block_name(iv.layer)][stage.dp_index(iv.rank)] = (iv.start, iv.stop)
+        owned[names[iv.layer]][stage.dp_index(iv.rank)] = (iv.start, iv.stop)
     return owned
+
+
+
+
+def global_grad_norm(comm: EngineComm, sum_sq: float) -> float:
+    """The norm of the whole model's gradient from every rank's sum of squares over the slices it
+    owns: gathered over the world group and added in rank order (the same bits on every rank)."""
+    mine = torch.tensor([sum_sq], dtype=torch.float64)
+    ranks = comm.workers(WORLD_GROUP)
+    parts = [torch.empty(1, dtype=torch.float64) for _ in ranks]
+    if len(ranks) == 1:
+        parts[0] = mine
+    else:
+        comm.all_gather(WORLD_GROUP, parts, mine)
+    return math.sqrt(math.fsum(float(p) for p in parts))
 
 
 @dataclass
@@ -115,16 +105,20 @@ class ShardState:
     exp_avg_sq: torch.Tensor
 
 
-class ShardedAdamW:
-    """ZeRO-1 AdamW for the units of one stage; see the module docstring."""
+class ShardedOptimizer:
+    """ZeRO-1 optimizer for the units of one stage; see the module docstring."""
 
     def __init__(self, comm: EngineComm, group: str, units: Mapping[str, nn.Module],
-                 ownership: Mapping[str, list[Interval]], dp_index: int, cfg: AdamWConfig,
+                 ownership: Mapping[str, list[Interval]], dp_index: int, cfg: OptimizerConfig,
                  step_count: int = 0, grad_hook: GradHook | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", segments: Mapping[str, Segments] | None = None) -> None:
         self.comm, self.group, self.cfg, self.grad_hook = comm, group, cfg, grad_hook
         self.device = torch.device(device)
         self.units = dict(units)
+        segments = segments or {}
+        self.segments = {n: segments[n] if n in segments else cfg.decay_segments(u.named_parameters())
+                         for n, u in self.units.items()}
+        self.last_grad_norm: float | None = None
         self.ownership = {n: list(ownership[n]) for n in self.units}
         self.dp_index, self.dp_size = dp_index, len(next(iter(self.ownership.values())))
         self.step_count = step_count
@@ -156,15 +150,28 @@ class ShardedAdamW:
     def step(self) -> None:
         """reduce-scatter -> update my slices -> all-gather the parameters."""
         grads = self.reduce_scatter_grads()
+        if self.cfg.max_grad_norm is not None:
+            self._clip(grads, self.cfg.max_grad_norm)
         if self.grad_hook is not None:
             self.grad_hook(self.step_count + 1, grads)
         self.step_count += 1
         updated = []
         for name, sh in self.shards.items():
             param = flat_params(self.units[name])[sh.lo: sh.hi].clone()
-            adamw_update(param, grads[name], sh.exp_avg, sh.exp_avg_sq, self.step_count, self.cfg)
+            self.cfg.update_slice(param, grads[name], sh.exp_avg, sh.exp_avg_sq, self.step_count,
+                                  self.segments[name], sh.lo)
             updated.append(param)
         self._all_gather_params(torch.cat(updated) if updated else torch.empty(0, device=self.device))
+
+    def _clip(self, grads: dict[str, torch.Tensor], max_norm: float) -> None:
+        """Scale the reduced slices by torch's `clip_grad_norm_` coefficient of the global norm."""
+        sum_sq = math.fsum(float(g.double().pow(2).sum()) for g in grads.values())
+        norm = global_grad_norm(self.comm, sum_sq)
+        self.last_grad_norm = norm
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads.values():
+                g.mul_(coef)
 
     def _all_gather_params(self, my_slices: torch.Tensor) -> None:
         sizes = [self._size_owned_by(k) for k in range(self.dp_size)]

@@ -25,8 +25,13 @@ def pp_group_name(stage: int) -> str:
     return f"pp/{stage}-{stage + 1}"
 
 
-def groups_for_stages(stage_workers: Sequence[Sequence[int]]) -> dict[str, tuple[int, ...]]:
-    """One DP group per stage (in DP-rank order) and one group per pair of adjacent stages."""
+WORLD_GROUP = "world"
+
+
+def groups_for_stages(stage_workers: Sequence[Sequence[int]], world: bool = False) -> dict[str, tuple[int, ...]]:
+    """One DP group per stage (in DP-rank order) and one group per pair of adjacent stages; with
+    `world`, one group of every worker (stage-major order) for job-wide reductions (the global
+    gradient norm of clipping)."""
     if not stage_workers or any(len(ws) == 0 for ws in stage_workers):
         raise MembershipError(f"every stage needs at least one worker, got {list(map(list, stage_workers))}")
     seen = [w for ws in stage_workers for w in ws]
@@ -37,6 +42,8 @@ def groups_for_stages(stage_workers: Sequence[Sequence[int]]) -> dict[str, tuple
         groups[dp_group_name(s)] = tuple(ws)
         if s + 1 < len(stage_workers):
             groups[pp_group_name(s)] = tuple(ws) + tuple(stage_workers[s + 1])
+    if world:
+        groups[WORLD_GROUP] = tuple(seen)
     return groups
 
 

@@ -3,7 +3,7 @@
 In a stage's DP group (workers w_0..w_{D-1} in DP order), worker w_i keeps in host memory a copy
 of the shard owned by w_{(i+1) mod D}. Every step, each worker sends its *gradient* shard (not
 its three times larger optimizer state) to the worker that backs it up; that worker applies the
-same AdamW update as the live optimizer (`executor.zero.adamw_update`: the same code path on the
+same update as the live optimizer (`Trainer.update_slice`: the same code path on the
 same operands, hence bitwise equal) to
 its copy in a background thread, off the critical path. The update of step s is applied only when
 step s commits, so a rolled-back step never reaches a snapshot. `verify` compares checksums.
@@ -21,17 +21,15 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from executor.comm.communicator import Communicator, PendingOps
 from executor.fabric.state import ShardState
-from executor.zero import AdamWConfig, adamw_update
 
 SNAPSHOT_TAG = 7100
-# (param, grad, exp_avg, exp_avg_sq, step, hyper): the live optimizer's own update function
-UpdateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, Any], None]
+# (unit, lo, param, grad, exp_avg, exp_avg_sq, step): the live optimizer's own update of a slice
+UpdateFn = Callable[[str, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
 
 
 @dataclass
@@ -73,9 +71,8 @@ class RingSnapshot:
     TimeoutError.
     """
 
-    def __init__(self, comm: Communicator, group: str, hyper: Any = AdamWConfig(),  # noqa: B008 - frozen
-                 update_fn: UpdateFn = adamw_update) -> None:
-        self.comm, self.group, self.hyper, self.update_fn = comm, group, hyper, update_fn
+    def __init__(self, comm: Communicator, group: str, update_fn: UpdateFn) -> None:
+        self.comm, self.group, self.update_fn = comm, group, update_fn
         workers = comm.workers(group)
         if len(workers) < 2:
             raise SnapshotError(f"group {group!r} has one worker: a ring snapshot needs at least two")
@@ -230,7 +227,7 @@ class RingSnapshot:
                 with self._lock:
                     state = self._require_state()
                     for k, shard in state.units.items():
-                        self.update_fn(shard.param, grads[k], shard.exp_avg, shard.exp_avg_sq, step, self.hyper)
+                        self.update_fn(k, shard.start, shard.param, grads[k], shard.exp_avg, shard.exp_avg_sq, step)
                     state.step = step
             except BaseException as exc:  # noqa: BLE001 - surfaced by flush()
                 self._errors.append(exc)

@@ -25,6 +25,7 @@ following step re-seeds the ring.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,29 +37,19 @@ from executor.fabric.remap import live_remap
 from executor.fabric.snapshot import RingSnapshot, SnapshotError
 from executor.fabric.state import ShardState, UnitShard
 from executor.migration import MigrationReport, migrate
-from executor.model import EMBED, HEAD, ModelConfig, block_numel, build_unit, unit_order
 from executor.nonblocking_migration import NonBlockingMigration, check_nonblocking
 from executor.trainer import Trainer
 from executor.zero import ShardState as ZeroShard
-from executor.zero import adamw_update, flat_params, unit_ownership
+from executor.zero import flat_params, unit_ownership
 from planners.layout import Layout, Plan
 
 
-def unit_numels(cfg: ModelConfig) -> dict[str, int]:
-    numel = {f"block_{k}": block_numel(cfg) for k in range(cfg.num_layers)}
-    for name in (EMBED, HEAD):
-        numel[name] = sum(p.numel() for p in build_unit(cfg, name).parameters())
-    return numel
-
-
-def engine_ownership(cfg: ModelConfig, layout: Layout) -> dict[str, list[tuple[int, int, int]]]:
-    """unit -> (worker, lo, hi) of the engine's ZeRO shards (blocks per the planners, embedding
-    and head split evenly), empty intervals left out."""
-    numel = unit_numels(cfg)
+def engine_ownership(layout: Layout, names: Sequence[str]) -> dict[str, list[tuple[int, int, int]]]:
+    """unit -> (worker, lo, hi) of the engine's ZeRO shards (per the planners), empty intervals
+    left out; `names[i]` is unit i."""
     own: dict[str, list[tuple[int, int, int]]] = {}
     for stage in layout.stages:
-        names = unit_order(layout.num_layers, stage.layer_start, stage.layer_stop)
-        for name, ivs in unit_ownership(layout, stage, {n: numel[n] for n in names}).items():
+        for name, ivs in unit_ownership(layout, stage, names).items():
             own[name] = sorted((stage.ranks[k], lo, hi) for k, (lo, hi) in enumerate(ivs) if hi > lo)
             own[name].sort(key=lambda t: t[1])
     return own
@@ -186,12 +177,12 @@ class FabricParticipant:
         """Live remap of the committed shards to `target` (same stage boundaries as now): only
         the Adam moments travel, the parameters are replicated on every rank of the stage."""
         assert plan.old is not None
-        cfg = self.trainer.cfg.model
+        names = self.trainer.unit_names
         mine = shard_state_of(self.trainer)
         snap = self.snapshot.state() if self.snapshot is not None else None
         params = self.trainer.unit_params()
         remapped = live_remap(self.comm, plan.old, target, lost, mine, snap, step=mine.step,
-                              old_own=engine_ownership(cfg, plan.old), new_own=engine_ownership(cfg, target),
+                              old_own=engine_ownership(plan.old, names), new_own=engine_ownership(target, names),
                               params=params)
         shards = {name: ZeroShard(0, 0, torch.zeros(0), torch.zeros(0)) for name in params}
         for name, sh in remapped.units.items():
@@ -207,7 +198,7 @@ class FabricParticipant:
         group = dp_group_name(self.trainer.stage)
         self.snapshot = None
         if self.snapshots and len(self.comm.workers(group)) >= 2:
-            snap = RingSnapshot(self.comm, group, self.trainer.cfg.optim, update_fn=adamw_update)
+            snap = RingSnapshot(self.comm, group, update_fn=self.trainer.update_slice)
             try:
                 snap.seed(shard_state_of(self.trainer))
             except BaseException:

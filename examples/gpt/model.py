@@ -1,25 +1,26 @@
-"""GPT-style decoder split into pipeline stages; transformer blocks are the unit of migration.
+"""A small GPT-style decoder written against the public API, as any user's model would be.
 
-A stage builds only what it holds: the token+position embedding (first stage), blocks
-`[layer_start, layer_stop)`, and the final norm + LM head (last stage). Nothing is tied across
-stages. Every unit is initialised from a generator keyed by `(init_seed, unit name)`, so a block
-has the same initial weights whichever stage builds it — a layout change never changes the model.
-
-Units are named `"embed"`, `"block_<i>"` and `"head"`; the optimizer shards and the layer
-migration work unit by unit, in `unit_order`.
+The model is a list of units: `"embed"` (token + position embedding), `"block_<i>"` (pre-norm
+transformer blocks) and `"head"` (final norm + LM head). Nothing is tied across units (the LM
+head has its own weight). `gpt_units(cfg)` hands them to ElasWave; the engine builds each unit
+under a seed that depends only on its name, so `_init_unit`'s generator (keyed by the name too)
+gives the same GPT-2-style initial weights whichever rank builds it. Dropout is
+`elaswave.dropout`, whose mask for a sample does not depend on which rank runs it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor.rng import EMBED_LAYER, SITE_ATTN, SITE_EMBED, SITE_MLP, DropoutRng, apply_dropout, mix64
+import elaswave
+
+SITE_EMBED, SITE_ATTN, SITE_MLP = 0, 1, 2
 
 EMBED = "embed"
 HEAD = "head"
@@ -49,17 +50,9 @@ class ModelConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
 
-@dataclass
-class ForwardContext:
-    """What a forward pass needs besides activations: the global ids of the rows, and the RNG."""
-
-    samples: Sequence[int]
-    rng: DropoutRng | None
-
-
 def _init_unit(module: nn.Module, name: str, init_seed: int) -> None:
     """GPT-2 style init, drawn from a generator keyed by the unit name (placement-independent)."""
-    gen = torch.Generator().manual_seed(mix64(init_seed, *name.encode()))
+    gen = torch.Generator().manual_seed(elaswave.unit_seed(init_seed, name))
     with torch.no_grad():
         for pname, p in module.named_parameters():
             if pname.endswith("bias"):
@@ -77,10 +70,10 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
 
-    def forward(self, tokens: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tok(tokens) + self.pos(positions)[None]
-        return apply_dropout(x, self.cfg.dropout, ctx.rng, EMBED_LAYER, SITE_EMBED, ctx.samples)
+        return elaswave.dropout(x, self.cfg.dropout, SITE_EMBED, self.training)
 
 
 class Block(nn.Module):
@@ -106,11 +99,11 @@ class Block(nn.Module):
         y = scores.softmax(dim=-1) @ v
         return self.proj(y.transpose(1, 2).reshape(b, t, h))
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.cfg.dropout
-        x = x + apply_dropout(self._attention(self.ln1(x)), p, ctx.rng, self.layer, SITE_ATTN, ctx.samples)
+        x = x + elaswave.dropout(self._attention(self.ln1(x)), p, SITE_ATTN, self.training)
         mlp = self.out(F.gelu(self.fc(self.ln2(x))))
-        return x + apply_dropout(mlp, p, ctx.rng, self.layer, SITE_MLP, ctx.samples)
+        return x + elaswave.dropout(mlp, p, SITE_MLP, self.training)
 
 
 class Head(nn.Module):
@@ -127,13 +120,6 @@ def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     """Mean token cross-entropy of each sample: shape (batch,)."""
     b, t, v = logits.shape
     return F.cross_entropy(logits.reshape(b * t, v), targets.reshape(b * t), reduction="none").view(b, t).mean(1)
-
-
-def forward_units(units: Sequence[tuple[str, nn.Module]], x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-    """Run `units` in order (a stage's own units, or that list with a migrating block's shadow)."""
-    for name, unit in units:
-        x = unit(x) if name == HEAD else unit(x, ctx)
-    return x
 
 
 def build_unit(cfg: ModelConfig, name: str) -> nn.Module:
@@ -153,48 +139,16 @@ def build_unit(cfg: ModelConfig, name: str) -> nn.Module:
     return unit
 
 
-def unit_order(num_layers: int, layer_start: int, layer_stop: int) -> list[str]:
-    """Units a stage holding blocks `[layer_start, layer_stop)` owns, in forward order."""
-    names = [EMBED] if layer_start == 0 else []
-    names += [block_name(i) for i in range(layer_start, layer_stop)]
-    if layer_stop == num_layers:
-        names.append(HEAD)
-    return names
+def unit_names(cfg: ModelConfig) -> list[str]:
+    """Every unit of the model, in forward order."""
+    return [EMBED, *(block_name(i) for i in range(cfg.num_layers)), HEAD]
 
 
 def block_numel(cfg: ModelConfig) -> int:
-    """Parameters of one block: what `Layout.layer_numel` must say for this model."""
+    """Parameters of one block."""
     return sum(p.numel() for p in Block(cfg, 0).parameters())
 
 
-class StageModel(nn.Module):
-    """The units of one pipeline stage; `forward` runs them in order and returns the activations
-    (or, on the last stage, the logits)."""
-
-    def __init__(self, cfg: ModelConfig, layer_start: int, layer_stop: int,
-                 reuse: Mapping[str, nn.Module] | None = None) -> None:
-        """Build the units of `[layer_start, layer_stop)`; units named in `reuse` are taken as they
-        are (a layout change keeps the modules it already has instead of re-initialising them)."""
-        super().__init__()
-        if not 0 <= layer_start < layer_stop <= cfg.num_layers:
-            raise ValueError(f"stage layers [{layer_start}, {layer_stop}) invalid for {cfg.num_layers} layers")
-        self.cfg = cfg
-        self.layer_start, self.layer_stop = layer_start, layer_stop
-        self.units = nn.ModuleDict()
-        reuse = reuse or {}
-        for name in unit_order(cfg.num_layers, layer_start, layer_stop):
-            self.units[name] = reuse[name] if name in reuse else build_unit(cfg, name)
-
-    @property
-    def is_first(self) -> bool:
-        return self.layer_start == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.layer_stop == self.cfg.num_layers
-
-    def unit_names(self) -> list[str]:
-        return list(self.units.keys())
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return forward_units(list(self.units.items()), x, ctx)
+def gpt_units(cfg: ModelConfig) -> elaswave.Units:
+    """The model as ElasWave units (what a training script hands to `elaswave.train`)."""
+    return elaswave.Units(unit_names(cfg), functools.partial(build_unit, cfg), init_seed=cfg.init_seed)

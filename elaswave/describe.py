@@ -1,0 +1,50 @@
+"""Describe mode: what the launcher learns about a script's model before any worker starts.
+
+Every unit is built once (one at a time) and run on one micro-batch of real data on this
+machine's CPU: its parameter count and bytes, the activation it emits, its forward and backward
+seconds per sample (the profiled costs the initial partition balances, ElasWave §4.2 / eq. 1),
+and a fingerprint of its initial weights, which every rank can compare with its own build.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from elaswave.worker_env import ModelDescription, UnitDescription
+from executor.trainer import TrainSpec
+from executor.units import Activation, ActivationSpec, as_tuple, call_unit, fingerprint
+
+PROFILE_ROWS = 4  # samples per timed micro-batch: enough to dilute the per-call overhead
+
+
+def describe(spec: TrainSpec, global_batch: int, micro_batches: int, steps: int) -> ModelDescription:
+    """Build, run and time every unit (see the module docstring)."""
+    probes = spec.unit_probes()
+    sampler = spec.sampler(global_batch)
+    rows = min(PROFILE_ROWS, global_batch)
+    batch = sampler.rows(0, 0, rows)
+    assert batch.inputs is not None
+    x: Activation = batch.inputs
+    units, prints = [], {}
+    for i, (name, probe) in enumerate(zip(spec.model.names, probes, strict=True)):
+        unit = spec.model.build(i)
+        prints[name] = fingerprint(unit)
+        x_in = _leaf(x)
+        t0 = time.perf_counter()
+        out = call_unit(unit, x_in)
+        t1 = time.perf_counter()
+        floats = [t for t in as_tuple(out) if t.requires_grad]
+        if floats:
+            torch.autograd.backward(floats, [torch.ones_like(t) for t in floats])
+        t2 = time.perf_counter()
+        units.append(UnitDescription(name, probe.numel, probe.param_bytes, (t1 - t0) / rows, (t2 - t1) / rows,
+                                     ActivationSpec.of(out).bytes_per_sample()))
+        x = tuple(t.detach() for t in out) if isinstance(out, tuple) else out.detach()
+    return ModelDescription(tuple(units), global_batch, micro_batches, sampler.num_samples, steps, prints)
+
+
+def _leaf(x: Activation) -> Activation:
+    items = tuple(t.detach().requires_grad_(t.dtype.is_floating_point) for t in as_tuple(x))
+    return items if isinstance(x, tuple) else items[0]

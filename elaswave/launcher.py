@@ -1,0 +1,209 @@
+"""`elaswave run`: the launcher, with torchrun's habits.
+
+    elaswave run [--nnodes N] [--nproc-per-node K] [--pp P] [--job NAME] [--checkpoint-dir DIR]
+                 [--checkpoint-every N] [--resume DIR] [--timeout S] script.py [script args]
+
+On one machine (no --core) it
+
+1. runs `python script.py args` once in describe mode (`launcher_describe`): the script's
+   `elaswave.train(...)` writes its model's units, measured costs and schedule, and exits;
+2. lays the job out (`planners.placement`): stage boundaries by measured cost, DP per stage,
+   each stage's ranks spread over the (simulated) nodes;
+3. starts an embedded Core, creates the job with that layout over REST, starts the rendezvous
+   store and one agent per rank, each launching `python script.py args` as that rank
+   (`launcher_procs`), with the worker contract of `elaswave.worker_env` in its environment;
+4. prints progress from the Core about once a second and exits when every worker has
+   (`launcher_monitor`), 0 when the job completed;
+5. on Ctrl-C or SIGTERM asks the workers to stop two steps on (`ELASWAVE_STOP_FILE`), waits for
+   them (bounded), tears everything down and prints how to resume.
+
+`--nnodes N` without `--core` simulates N nodes here: node n runs ranks n*K .. n*K+K-1, and the
+rank -> node map is in `<run dir>/nodes.json`. Multi-node jobs through `--core` are not supported
+yet: the flag is refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from types import FrameType
+
+from elaswave import worker_env as we
+
+DEFAULT_WORKER_TIMEOUT_S = 20.0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "run", help="launch a training script as an elastic PP x DP x ZeRO job (like torchrun)",
+        description="Run a script that calls elaswave.train(...) as an elastic job: describe its model once, "
+        "lay it out over --nnodes x --nproc-per-node workers in --pp stages, start an embedded Core, the "
+        "rendezvous store and one agent per worker, and show progress until the job ends. Ctrl-C stops "
+        "the job at a step boundary (checkpointing first when --checkpoint-dir is set).",
+        epilog="example: elaswave run --nproc-per-node 4 --pp 2 --checkpoint-dir ckpt train.py --lr 3e-4",
+    )
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="nodes; without --core they are simulated on this machine (default 1)")
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    parser.add_argument("--core", metavar="HOST:PORT", help="join a multi-node job through this Core (not supported yet)")
+    parser.add_argument("--job", help="job name (default: the script's name)")
+    parser.add_argument("--resume", type=Path, metavar="DIR", help="resume from the latest checkpoint in DIR")
+    parser.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="write checkpoints to DIR")
+    parser.add_argument("--checkpoint-every", type=int, metavar="N", help="steps between checkpoints")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_WORKER_TIMEOUT_S, metavar="S",
+                        help=f"seconds any collective, vote or plan wait may take (default {DEFAULT_WORKER_TIMEOUT_S:g})")
+    parser.add_argument("--run-dir", type=Path, metavar="DIR",
+                        help="layout, logs and results of this run (default ./elaswave-run/<job>)")
+    parser.add_argument("--describe-timeout", type=float, default=300.0, metavar="S",
+                        help="seconds the script may take to describe its model (default 300)")
+    parser.add_argument("--stop-timeout", type=float, default=60.0, metavar="S",
+                        help="seconds workers get to stop after Ctrl-C/SIGTERM before they are killed (default 60)")
+    parser.add_argument("--tee", action="store_true",
+                        help="workers print to this terminal (default: to <run dir>/rank-R.log)")
+    parser.add_argument("script", type=Path, help="the training script (calls elaswave.train)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    parser.set_defaults(func=run)
+
+
+class UsageError(ValueError):
+    """A flag is wrong; the message says which and how to fix it."""
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.core:
+        raise UsageError("--core (a multi-node job through a shared Core) is not supported yet; on one machine "
+                         "leave it out (--nnodes N then simulates N nodes here)")
+    for name in ("nnodes", "nproc_per_node", "pp"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise UsageError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    for name in ("timeout", "describe_timeout", "stop_timeout"):
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive number of seconds")
+    if not args.script.is_file():
+        raise UsageError(f"script {str(args.script)!r} does not exist (give the path of a Python file)")
+    if args.resume is not None and not args.resume.is_dir():
+        raise UsageError(f"--resume {str(args.resume)!r} is not a directory of checkpoints")
+    if args.job is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", args.job):
+        raise UsageError(f"--job {args.job!r}: use 1-63 letters, digits, '.', '_' or '-', starting with a "
+                         "letter or digit")
+
+
+def job_name(args: argparse.Namespace) -> str:
+    if args.job:
+        return str(args.job)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", args.script.stem).strip("-._") or "job"
+    return name[:63]
+
+
+class StopRequest:
+    """SIGINT/SIGTERM handler: the first asks for a clean stop, the second for an immediate one."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.hard = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:
+            self.hard = True
+            raise KeyboardInterrupt  # out of any wait: tear down now
+        self.signum = signum
+        print(f"\n[elaswave] {signal.Signals(signum).name}: stopping the job at a step boundary "
+              "(again to stop at once)", file=sys.stderr, flush=True)
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        check_args(args)
+    except UsageError as exc:
+        print(f"elaswave run: error: {exc}", file=sys.stderr)
+        return we.EXIT_USAGE
+    stop = StopRequest()
+    stop.install()
+    try:
+        return _run(args, stop)
+    except KeyboardInterrupt:
+        print("[elaswave] stopped", file=sys.stderr)
+        return 128 + (stop.signum or signal.SIGINT)
+
+
+def _run(args: argparse.Namespace, stop: StopRequest) -> int:
+    from elaswave.launcher_describe import DescribeError, describe, unit_costs  # noqa: PLC0415
+    from planners.placement import PlacementError, plan_placement  # noqa: PLC0415
+
+    name = job_name(args)
+    print(f"[elaswave] describing the model: python {args.script} {shlex.join(args.script_args)}".rstrip(),
+          flush=True)
+    try:
+        desc = describe(args.script, args.script_args, args.describe_timeout)
+    except DescribeError as exc:
+        print(f"elaswave run: error: {exc}", file=sys.stderr)
+        return 1
+    if stop.signum is not None:
+        return 128 + stop.signum
+    try:
+        placement = plan_placement(unit_costs(desc), global_batch=desc.global_batch,
+                                   micro_batches=desc.micro_batches, nnodes=args.nnodes,
+                                   nproc_per_node=args.nproc_per_node, pp=args.pp)
+    except PlacementError as exc:
+        print(f"elaswave run: error: {exc}", file=sys.stderr)
+        return we.EXIT_USAGE
+    print(f"[elaswave] {len(desc.units)} units, {sum(u.numel for u in desc.units):,} parameters, global batch "
+          f"{desc.global_batch} in {desc.micro_batches} micro-batches, {desc.steps} steps", flush=True)
+    print(f"[elaswave] layout: {placement.reason}", flush=True)
+    for warning in placement.warnings:
+        print(f"[elaswave] WARNING: {warning}", file=sys.stderr, flush=True)
+    run_dir = prepare_run_dir(args.run_dir or Path.cwd() / "elaswave-run" / name)
+    (run_dir / "layout.json").write_text(placement.layout.to_json())
+    nodes = {str(n): list(placement.ranks_on_node(n)) for n in range(args.nnodes)}
+    (run_dir / "nodes.json").write_text(json.dumps({"rank_node": list(placement.rank_node), "nodes": nodes,
+                                                    "exposed_stages": list(placement.exposed_stages)}, indent=1))
+    print(f"[elaswave] run directory {run_dir} (layout.json, nodes.json, rank-R.log, rank-R.json)", flush=True)
+    from elaswave.launcher_session import Session  # noqa: PLC0415 - httpx only once we launch
+
+    with tempfile.TemporaryDirectory(prefix="ew-") as sockets:  # short: Unix socket paths <= 107 bytes
+        session = Session(args, name, desc, placement, run_dir, Path(sockets), stop)
+        try:
+            return session.run()
+        finally:
+            session.teardown()
+
+
+def prepare_run_dir(path: Path) -> Path:
+    """Create the run directory; files a previous run of the launcher left there are removed."""
+    path = path.resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    for pattern in ("rank-*.json", "rank-*.log", "stop.json", "stop.json.tmp", "layout.json", "nodes.json",
+                    "core.json", "core.log", "store.log"):
+        for stale in path.glob(pattern):
+            if stale.is_file():
+                stale.unlink()
+    return path
+
+
+def resume_command(args: argparse.Namespace, checkpoint_dir: Path) -> str:
+    """The command that resumes this run from `checkpoint_dir` (same flags, same script)."""
+    cmd = ["elaswave", "run", "--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
+           "--pp", str(args.pp), "--resume", str(checkpoint_dir)]
+    if args.job:
+        cmd += ["--job", args.job]
+    if args.checkpoint_dir:
+        cmd += ["--checkpoint-dir", str(args.checkpoint_dir)]
+    if args.checkpoint_every:
+        cmd += ["--checkpoint-every", str(args.checkpoint_every)]
+    if args.timeout != DEFAULT_WORKER_TIMEOUT_S:
+        cmd += ["--timeout", f"{args.timeout:g}"]
+    return shlex.join([*cmd, str(args.script), *args.script_args])
+

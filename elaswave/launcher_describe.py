@@ -1,0 +1,120 @@
+"""The launcher's describe phase: run the user's script once to learn its model (stdlib only).
+
+The script runs as `python script.py args` with `ELASWAVE_DESCRIBE_FILE` set; its
+`elaswave.train(...)` writes a `ModelDescription` there and exits 0 without training
+(`elaswave.worker_env`). Everything else about the run (the units' costs, the batch, the steps)
+comes from that file, so the launcher never imports torch or the script.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from elaswave.worker_env import (
+    CHECKPOINT_DIR_ENV,
+    CHECKPOINT_EVERY_ENV,
+    CORE_ENV,
+    DESCRIBE_ENV,
+    JOB_ENV,
+    LAYOUT_ENV,
+    RANK_ENV,
+    RESULTS_ENV,
+    RESUME_ENV,
+    STOP_FILE_ENV,
+    STORE_ENV,
+    TIMEOUT_ENV,
+    TOKEN_ENV,
+    WORKER_ID_ENV,
+    ModelDescription,
+)
+from planners.placement import UnitCost
+
+# What a launcher or agent sets for a worker. A launcher started from inside another job's
+# worker (a test, a notebook) must not pass its own place on, or the child would think it is
+# that rank of that job.
+WORKER_CONTRACT_ENV: tuple[str, ...] = (
+    JOB_ENV, WORKER_ID_ENV, RANK_ENV, CORE_ENV, STORE_ENV, LAYOUT_ENV, TOKEN_ENV, TIMEOUT_ENV, RESULTS_ENV,
+    CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV, RESUME_ENV, DESCRIBE_ENV, STOP_FILE_ENV,
+    "ELASWAVE_METRICS_SOCKET", "ELASWAVE_CONTROL_FILE", "ELASWAVE_FINISHED_FILE",
+)
+STDERR_TAIL_LINES = 30
+
+
+class DescribeError(RuntimeError):
+    """The describe run failed; the message says why and what to fix."""
+
+
+def clean_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`base` (default os.environ) without any worker-contract variable."""
+    env = dict(os.environ if base is None else base)
+    for name in WORKER_CONTRACT_ENV:
+        env.pop(name, None)
+    return env
+
+
+def describe(script: Path, script_args: Sequence[str], timeout_s: float,
+             extra_env: Mapping[str, str] | None = None) -> ModelDescription:
+    """Run the script in describe mode; blocks until it exits, at most `timeout_s` seconds.
+
+    Raises DescribeError when it exits non-zero (with its stderr's tail), times out, never calls
+    `elaswave.train()` (exits without writing the file) or writes a file that cannot be read."""
+    with tempfile.TemporaryDirectory(prefix="elaswave-describe-") as tmp:
+        out = Path(tmp) / "description.json"
+        env = clean_env() | dict(extra_env or {}) | {DESCRIBE_ENV: str(out), "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, str(script), *script_args]
+        # Own session: a Ctrl-C at the terminal reaches the launcher, which ends this run itself.
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            _stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise DescribeError(f"{script.name} did not finish describing its model within {timeout_s:g} s "
+                                "(raise --describe-timeout if building the units is that slow)") from None
+        except BaseException:  # KeyboardInterrupt, the launcher's stop: take the child with us
+            _kill_group(proc)
+            raise
+        if proc.returncode != 0:
+            raise DescribeError(f"{script.name} exited with {_status(proc.returncode)} while describing its model "
+                                f"(`python {script.name}` with {DESCRIBE_ENV} set); its stderr ends with:\n"
+                                + tail(stderr, STDERR_TAIL_LINES))
+        if not out.exists():
+            raise DescribeError(f"{script.name} never called elaswave.train(): it exited 0 without describing a "
+                                "model. Call elaswave.train(units=..., loss_fn=..., dataset=..., ...) in the script")
+        try:
+            return ModelDescription.from_json(out.read_text())
+        except (ValueError, TypeError, KeyError) as exc:
+            raise DescribeError(f"{script.name} wrote a model description the launcher cannot read ({exc}); "
+                                "are the launcher and the script's elaswave the same version?") from None
+
+
+def unit_costs(description: ModelDescription) -> tuple[UnitCost, ...]:
+    return tuple(UnitCost(u.name, u.numel, u.param_bytes, u.forward_s_per_sample + u.backward_s_per_sample)
+                 for u in description.units)
+
+
+def tail(text: str, lines: int) -> str:
+    kept = text.rstrip().splitlines()[-lines:]
+    return "\n".join("    " + line for line in kept) if kept else "    (nothing on stderr)"
+
+
+def _status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"signal {-code}"
+    return f"status {code}"
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=10)

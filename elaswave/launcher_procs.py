@@ -1,0 +1,219 @@
+"""The processes `elaswave run` starts on one machine: a Core, the rendezvous store, one agent per rank.
+
+Every child runs in its own session, so a Ctrl-C at the terminal reaches only the launcher, which
+then stops the job at a step boundary (`launcher_monitor`) instead of every process dying at once.
+Each child also gets a parent-death signal (Linux), so a launcher killed with SIGKILL does not
+leave a Core, a store or training processes behind. Every wait here is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+LOOPBACK = "127.0.0.1"
+
+
+class LaunchError(RuntimeError):
+    """A part of the job could not be started; the message says which and why."""
+
+
+def _die_with_parent(signum: int) -> Callable[[], None] | None:
+    """preexec_fn: `signum` to the child when the launcher dies (None where prctl is missing)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: nothing to import in the child
+    parent = os.getpid()
+
+    def arm() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return arm
+
+
+def spawn(cmd: list[str], env: Mapping[str, str], log: Path | None, death_signal: int) -> subprocess.Popen[bytes]:
+    """Start `cmd` in its own session; stdout and stderr to `log` (None: the launcher's terminal)."""
+    out: TextIO | None = log.open("ab") if log is not None else None  # type: ignore[assignment]
+    try:
+        return subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                start_new_session=True, preexec_fn=_die_with_parent(death_signal))
+    except OSError as exc:
+        raise LaunchError(f"cannot start {cmd[:4]}: {exc}") from exc
+    finally:
+        if out is not None:
+            out.close()  # the child holds its own copy
+
+
+def stop_process(proc: subprocess.Popen[Any], signum: int, timeout_s: float) -> None:
+    """`signum`, then SIGKILL after `timeout_s`; blocks at most about 2 x timeout_s."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=timeout_s)
+
+
+@dataclass
+class LocalCore:
+    """An embedded Core: in-memory membership, loopback, random ports and scheduler token."""
+
+    process: subprocess.Popen[bytes]
+    grpc_port: int
+    http: httpx.Client
+    scheduler_token: str
+
+    @classmethod
+    def start(cls, run_dir: Path, env: Mapping[str, str], timeout_s: float = 30.0) -> LocalCore:
+        """Start it and wait (at most `timeout_s`) until it leads."""
+        ready = run_dir / "core.json"
+        ready.unlink(missing_ok=True)
+        token = secrets.token_urlsafe(24)
+        cmd = [sys.executable, "-m", "elaswave.cli", "core", "--grpc-host", LOOPBACK, "--grpc-port", "0",
+               "--http-host", LOOPBACK, "--http-port", "0", "--registry", "memory://",
+               "--ready-file", str(ready), "--log-level", "WARNING"]
+        proc = spawn(cmd, dict(env, ELASWAVE_SCHEDULER_TOKEN=token), run_dir / "core.log", signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ready.exists():
+                if proc.poll() is not None:
+                    raise LaunchError(f"the embedded Core exited with status {proc.returncode} before it was "
+                                      f"ready; see {run_dir / 'core.log'}")
+                _check(deadline, "the embedded Core to start", timeout_s)
+                time.sleep(0.05)
+            info = json.loads(ready.read_text())
+            http = httpx.Client(base_url=f"http://{LOOPBACK}:{info['http_port']}", timeout=5.0)
+            while http.get("/healthz").json().get("role") != "leader":
+                _check(deadline, "the embedded Core to lead", timeout_s)
+                time.sleep(0.05)
+        except BaseException:
+            stop_process(proc, signal.SIGTERM, 5.0)
+            raise
+        return cls(proc, int(info["grpc_port"]), http, token)
+
+    def create_job(self, name: str, expected_workers: int, layout_json: str) -> str:
+        """POST /api/v1/jobs with the layout; returns the job token."""
+        body = {"name": name, "expected_workers": expected_workers, "layout": json.loads(layout_json)}
+        response = self.http.post("/api/v1/jobs", json=body,
+                                  headers={"Authorization": f"Bearer {self.scheduler_token}"})
+        if response.status_code != 201:
+            raise LaunchError(f"the Core refused job {name!r}: HTTP {response.status_code} {response.text[:500]}")
+        return str(response.json()["token"])
+
+    def stop(self) -> None:
+        self.http.close()
+        stop_process(self.process, signal.SIGINT, 10.0)
+
+
+@dataclass
+class LocalStore:
+    """The executors' rendezvous store (`executor.store_server`) in its own process."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+
+    @classmethod
+    def start(cls, env: Mapping[str, str], log: Path, timeout_s: float = 60.0) -> LocalStore:
+        """Start it and wait (at most `timeout_s`: it imports torch) for the port it bound."""
+        cmd = [sys.executable, "-m", "executor.store_server", "--host", LOOPBACK, "--port", "0"]
+        proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=log.open("ab"), start_new_session=True,
+                                preexec_fn=_die_with_parent(signal.SIGTERM))
+        assert proc.stdout is not None
+        lines: list[bytes] = []
+        reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        reader.join(timeout_s)
+        text = lines[0].decode(errors="replace").strip() if lines else ""
+        if not text.startswith("PORT "):
+            stop_process(proc, signal.SIGTERM, 5.0)
+            why = "timed out" if not lines else f"said {text!r}"
+            raise LaunchError(f"the rendezvous store did not start ({why}); see {log}")
+        return cls(proc, int(text.split()[1]))
+
+    @property
+    def address(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+    def stop(self) -> None:
+        stop_process(self.process, signal.SIGTERM, 10.0)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    rank: int
+    stage: int
+    dp_rank: int
+    node: int
+
+
+@dataclass
+class Agents:
+    """One `elaswave agent` per rank, each launching `python script.py args`."""
+
+    procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    specs: dict[int, RankSpec] = field(default_factory=dict)
+
+    def start(self, spec: RankSpec, job: str, core: str, socket_dir: Path, worker_cmd: list[str],
+              env: Mapping[str, str], log: Path | None) -> None:
+        cmd = [sys.executable, "-m", "elaswave.cli", "agent", "--job", job, "--worker-id", f"rank-{spec.rank}",
+               "--rank", str(spec.rank), "--stage", str(spec.stage), "--dp-rank", str(spec.dp_rank),
+               "--core", core, "--metrics-socket", str(socket_dir / f"rank-{spec.rank}.sock"),
+               "--log-level", "WARNING", "--", *worker_cmd]
+        # SIGINT on the launcher's death: the agent's clean shutdown stops its worker and leaves.
+        self.procs[spec.rank] = spawn(cmd, env, log, signal.SIGINT)
+        self.specs[spec.rank] = spec
+
+    def running(self) -> list[int]:
+        return [r for r, p in self.procs.items() if p.poll() is None]
+
+    def exit_codes(self) -> dict[int, int | None]:
+        return {r: p.poll() for r, p in self.procs.items()}
+
+    def wait_all(self, timeout_s: float) -> bool:
+        """Block until every agent exited, at most `timeout_s`; True if they all did."""
+        deadline = time.monotonic() + timeout_s
+        while self.running():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGINT every agent still running (it stops its worker and says Leave), then SIGKILL."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGINT)
+        if not self.wait_all(timeout_s):
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+            self.wait_all(5.0)
+
+
+def _check(deadline: float, what: str, timeout_s: float) -> None:
+    if time.monotonic() > deadline:
+        raise LaunchError(f"timed out after {timeout_s:g} s waiting for {what}")

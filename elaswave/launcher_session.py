@@ -1,0 +1,152 @@
+"""One `elaswave run` on one machine once the layout is known: start, watch, stop, tear down.
+
+`Session.run` blocks until every agent has exited (each ends with its worker, whose every wait
+is bounded by `ELASWAVE_TIMEOUT_S`), or, after a stop request, at most `--stop-timeout` seconds
+more; `Session.teardown` then stops whatever is left, each process bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from elaswave import worker_env as we
+from elaswave.launcher_describe import clean_env, tail
+from elaswave.launcher_monitor import Monitor, outcome, write_stop_file
+from elaswave.launcher_procs import Agents, LaunchError, LocalCore, LocalStore, RankSpec
+
+if TYPE_CHECKING:
+    from elaswave.launcher import StopRequest
+    from planners.placement import Placement
+
+POLL_S = 0.25
+LOG_TAIL_LINES = 15
+MAX_FAILED_LOGS = 3
+
+
+class Session:
+    def __init__(self, args: argparse.Namespace, job: str, desc: we.ModelDescription, placement: Placement,
+                 run_dir: Path, socket_dir: Path, stop: StopRequest) -> None:
+        self.args, self.job, self.desc, self.placement = args, job, desc, placement
+        self.run_dir, self.socket_dir, self.stop = run_dir, socket_dir, stop
+        self.core: LocalCore | None = None
+        self.store: LocalStore | None = None
+        self.agents = Agents()
+        self.stop_file = run_dir / "stop.json"
+
+    def run(self) -> int:
+        try:
+            token = self._start()
+            self._start_agents(token)
+        except LaunchError as exc:
+            print(f"elaswave run: error: {exc}", file=sys.stderr)
+            return 1
+        return self._watch()
+
+    def _start(self) -> str:
+        env = clean_env()
+        self.core = LocalCore.start(self.run_dir, env)
+        layout = self.placement.layout
+        token = self.core.create_job(self.job, len(layout.ranks()), layout.to_json())
+        self.store = LocalStore.start(env, self.run_dir / "store.log")
+        print(f"[elaswave] Core up (gRPC 127.0.0.1:{self.core.grpc_port}, REST {self.core.http.base_url}"
+              f"/api/v1/jobs/{self.job}), store on {self.store.address}", flush=True)
+        return token
+
+    def worker_env(self, token: str, rank: int) -> dict[str, str]:
+        """The worker contract (`elaswave.worker_env`) for `rank`; the agent adds its worker id."""
+        assert self.core is not None and self.store is not None
+        args = self.args
+        env = clean_env() | {
+            we.TOKEN_ENV: token, we.JOB_ENV: self.job, we.RANK_ENV: str(rank),
+            we.CORE_ENV: f"127.0.0.1:{self.core.grpc_port}", we.STORE_ENV: self.store.address,
+            we.LAYOUT_ENV: str(self.run_dir / "layout.json"), we.RESULTS_ENV: str(self.run_dir / f"rank-{rank}.json"),
+            we.TIMEOUT_ENV: f"{args.timeout:g}", we.STOP_FILE_ENV: str(self.stop_file), "PYTHONUNBUFFERED": "1",
+        }
+        if args.checkpoint_dir is not None:
+            env[we.CHECKPOINT_DIR_ENV] = str(args.checkpoint_dir.resolve())
+        if args.checkpoint_every is not None:
+            env[we.CHECKPOINT_EVERY_ENV] = str(args.checkpoint_every)
+        if args.resume is not None:
+            env[we.RESUME_ENV] = str(args.resume.resolve())
+        return env
+
+    def _start_agents(self, token: str) -> None:
+        assert self.core is not None
+        worker_cmd = [sys.executable, str(self.args.script), *self.args.script_args]
+        for stage in self.placement.layout.stages:
+            for dp_rank, rank in enumerate(stage.ranks):
+                spec = RankSpec(rank, stage.stage, dp_rank, self.placement.rank_node[rank])
+                log = None if self.args.tee else self.run_dir / f"rank-{rank}.log"
+                self.agents.start(spec, self.job, f"127.0.0.1:{self.core.grpc_port}", self.socket_dir, worker_cmd,
+                                  self.worker_env(token, rank), log)
+        where = "this terminal" if self.args.tee else f"{self.run_dir}/rank-R.log"
+        print(f"[elaswave] {len(self.agents.procs)} workers started (one agent each); their output goes to "
+              f"{where}", flush=True)
+
+    def _watch(self) -> int:
+        assert self.core is not None
+        monitor = Monitor(self.core.http, self.job, len(self.agents.procs), self.desc.steps,
+                          self.desc.global_batch, sys.stdout)
+        stop_deadline: float | None = None
+        while self.agents.running():
+            if self.core.process.poll() is not None:
+                print(f"elaswave run: error: the embedded Core exited (status {self.core.process.returncode}); "
+                      f"see {self.run_dir / 'core.log'}", file=sys.stderr)
+                return 1
+            monitor.poll()
+            if self.stop.signum is not None and stop_deadline is None:
+                stop_deadline = time.monotonic() + self.args.stop_timeout
+                self._request_stop(monitor.snapshot.step(monitor.snapshot.live))
+            if stop_deadline is not None and time.monotonic() > stop_deadline:
+                print(f"[elaswave] workers {self.agents.running()} did not stop within {self.args.stop_timeout:g} s; "
+                      "stopping them now", file=sys.stderr, flush=True)
+                break
+            monitor.show()
+            time.sleep(POLL_S)
+        monitor.poll()  # agents exit after their Leave is stored: the Core's view is final
+        monitor.show(interval_s=0.0)
+        result = outcome(self.job, self.agents.exit_codes(), monitor.events, monitor.snapshot, self.desc.steps,
+                         self.stop.signum)
+        for rank in result.failed_ranks[:MAX_FAILED_LOGS]:
+            self._show_log(rank)
+        print(f"[elaswave] {result.summary}", file=sys.stderr if result.exit_code else sys.stdout, flush=True)
+        if self.stop.signum is not None:
+            self._print_resume()
+        return result.exit_code
+
+    def _request_stop(self, committed: int) -> None:
+        stop_after = committed + 2
+        write_stop_file(self.stop_file, stop_after)
+        print(f"[elaswave] asked the workers to stop after step {stop_after} ({self.stop_file}); waiting up to "
+              f"{self.args.stop_timeout:g} s", file=sys.stderr, flush=True)
+
+    def _show_log(self, rank: int) -> None:
+        log = self.run_dir / f"rank-{rank}.log"
+        if log.exists() and log.stat().st_size:
+            text = log.read_text(errors="replace")
+            print(f"[elaswave] rank {rank} exited with status {self.agents.procs[rank].poll()}; {log} ends with:\n"
+                  + tail(text, LOG_TAIL_LINES), file=sys.stderr, flush=True)
+
+    def _print_resume(self) -> None:
+        from elaswave.launcher import resume_command  # noqa: PLC0415 - no import cycle at module load
+
+        if self.args.checkpoint_dir is not None:
+            print(f"[elaswave] resume with: {resume_command(self.args, self.args.checkpoint_dir)}", flush=True)
+        elif self.args.resume is not None:
+            print(f"[elaswave] no --checkpoint-dir was given; if the script checkpoints to {self.args.resume}, "
+                  f"resume with: {resume_command(self.args, self.args.resume)}", flush=True)
+        else:
+            print("[elaswave] no --checkpoint-dir was given, so the launcher knows of no checkpoint to resume "
+                  "from; pass --checkpoint-dir DIR next time", flush=True)
+
+    def teardown(self) -> None:
+        """Agents first (they still need the Core to say Leave), then the store, the Core last."""
+        self.agents.stop()
+        if self.store is not None:
+            self.store.stop()
+        if self.core is not None:
+            self.core.stop()

@@ -1,0 +1,130 @@
+"""What a launcher tells a training process, and what the process tells back (stdlib only).
+
+`elaswave run` (the launcher) starts one agent per worker; the agent starts the user's script.
+The script calls `elaswave.train(...)`, which reads its place in the job from the environment
+variables below. Nothing here imports torch, grpc or the agent, so the launcher, the agent and
+the engine can all share it.
+
+Two modes of one script:
+
+- **describe** (`ELASWAVE_DESCRIBE_FILE` set): `elaswave.train` builds every unit once, one at a
+  time, runs one sample through them (the dry run that discovers activation shapes), times each
+  unit's forward and backward, writes a `ModelDescription` JSON to that path and exits 0 without
+  training. The launcher runs this once, before any worker, and builds the initial layout from
+  the units' sizes and measured costs. A script that exits without writing the file never called
+  the API: the launcher says so.
+- **train** (`ELASWAVE_RANK` and the rest set): the process is rank `ELASWAVE_RANK` of the job
+  laid out by `ELASWAVE_LAYOUT_FILE`, builds its groups over the store at `ELASWAVE_STORE`,
+  takes plans from the Core at `ELASWAVE_CORE`, and trains.
+
+Without either, `elaswave.train` runs the whole model in this one process (PP=1, DP=1): the same
+script, no launcher, the reference every layout must match.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+JOB_ENV = "ELASWAVE_JOB"
+WORKER_ID_ENV = "ELASWAVE_WORKER_ID"
+RANK_ENV = "ELASWAVE_RANK"
+CORE_ENV = "ELASWAVE_CORE"  # HOST:PORT[,HOST:PORT...], the Core's gRPC address(es)
+STORE_ENV = "ELASWAVE_STORE"  # HOST:PORT of the rendezvous store
+LAYOUT_ENV = "ELASWAVE_LAYOUT_FILE"  # the job's initial layout (planners.Layout JSON)
+TOKEN_ENV = "ELASWAVE_JOB_TOKEN"  # the job's token (never on a command line)
+TIMEOUT_ENV = "ELASWAVE_TIMEOUT_S"  # bound on every collective, vote and plan wait (seconds)
+RESULTS_ENV = "ELASWAVE_RESULTS_FILE"  # optional: the worker writes its per-step record here
+CHECKPOINT_DIR_ENV = "ELASWAVE_CHECKPOINT_DIR"  # where checkpoints go (overrides the script's)
+CHECKPOINT_EVERY_ENV = "ELASWAVE_CHECKPOINT_EVERY"  # steps between checkpoints (overrides)
+RESUME_ENV = "ELASWAVE_RESUME_DIR"  # resume from the latest checkpoint in this directory
+DESCRIBE_ENV = "ELASWAVE_DESCRIBE_FILE"  # describe mode: write a ModelDescription here and exit
+STOP_FILE_ENV = "ELASWAVE_STOP_FILE"  # launcher's stop request: checkpoint and leave at a boundary
+
+EXIT_OK = 0
+EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a SIGTERM'd process
+EXIT_NO_PLAN = 75  # EX_TEMPFAIL: a step aborted and no plan came; the agent reports a failure
+EXIT_USAGE = 64  # EX_USAGE: the script's model, data or settings cannot train (message on stderr)
+
+DESCRIPTION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class UnitDescription:
+    """One unit as the dry run found it: parameters (elements, bytes), measured forward and
+    backward seconds per sample (on the describing machine), and the activation it emits."""
+
+    name: str
+    numel: int
+    param_bytes: int
+    forward_s_per_sample: float
+    backward_s_per_sample: float
+    activation_bytes_per_sample: int
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """What a launcher needs to lay a job out before any worker starts."""
+
+    units: tuple[UnitDescription, ...]
+    global_batch: int
+    micro_batches: int
+    dataset_len: int
+    steps: int
+    fingerprints: dict[str, str] = field(default_factory=dict)  # unit -> digest of its initial weights
+    version: int = DESCRIPTION_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> ModelDescription:
+        raw: dict[str, Any] = json.loads(text)
+        if raw.get("version") != DESCRIPTION_VERSION:
+            raise ValueError(f"model description version {raw.get('version')!r}, expected {DESCRIPTION_VERSION}")
+        units = tuple(UnitDescription(**u) for u in raw.pop("units"))
+        raw.pop("version")
+        return ModelDescription(units=units, **raw)
+
+
+@dataclass(frozen=True)
+class WorkerPlace:
+    """A launched worker's place in the job, read from the environment."""
+
+    job: str
+    worker_id: str
+    rank: int
+    core: tuple[str, ...]
+    store: str
+    layout_file: Path
+    token: str
+    timeout_s: float = 20.0
+    results_file: Path | None = None
+
+
+def _required(name: str) -> str:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        raise ValueError(f"${name} is not set: launch this script with `elaswave run`")
+    return value
+
+
+def worker_place_from_env() -> WorkerPlace | None:
+    """The worker's place if a launcher started this process, None for a plain `python script.py`.
+
+    Raises ValueError naming the variable when the environment is set only in part."""
+    if not os.environ.get(RANK_ENV):
+        return None
+    rank = int(_required(RANK_ENV))
+    timeout = float(os.environ.get(TIMEOUT_ENV) or 20.0)
+    if rank < 0 or timeout <= 0:
+        raise ValueError(f"${RANK_ENV} must be >= 0 and ${TIMEOUT_ENV} positive, got {rank}, {timeout}")
+    results = os.environ.get(RESULTS_ENV)
+    return WorkerPlace(job=_required(JOB_ENV), worker_id=_required(WORKER_ID_ENV), rank=rank,
+                       core=tuple(_required(CORE_ENV).split(",")), store=_required(STORE_ENV),
+                       layout_file=Path(_required(LAYOUT_ENV)), token=os.environ.get(TOKEN_ENV, ""),
+                       timeout_s=timeout, results_file=Path(results) if results else None)

@@ -1,0 +1,217 @@
+"""Layout-independent, atomic, asynchronous checkpoints (docs/api.md, "Checkpoints").
+
+A checkpoint is a directory `<root>/step-<NNNNNNNN>/` holding, per unit of the model:
+
+- `model/<unit>.pt`: the unit's `state_dict()` (plain `torch.save`; `unit.load_state_dict(torch.load(f))`
+  works without ElasWave, and `load_model_state(dir)` merges every unit into the whole model's
+  state dict under `"<unit>.<parameter>"`);
+- `optim/<unit>.pt`: `{"exp_avg": flat, "exp_avg_sq": flat}` over the unit's flat parameter
+  vector (its `parameters()` concatenated in order): full tensors, never shards, so any layout can
+  slice them;
+
+and `meta.json` with the step to train next (the data position: the sampler is a pure function
+of the step), the optimizer's update count, the units and their sizes, the global batch, the
+data and RNG seeds (all randomness is counter-based on (seed, step), so this *is* the RNG state).
+
+Writing is collective per stage and asynchronous: at a committed step boundary the ranks of each
+stage gather their units' full state into host memory (one exchange in the stage's DP group, the
+only part the step waits for), then the stage's first rank writes the files on a background
+thread into `<root>/.tmp-step-<N>/`, and marks its stage done. The rank of stage 0 that writes
+(the coordinator) renames the directory to `step-<N>` once every stage is done and then points
+`<root>/latest` at it (write a temporary file, `os.replace`). A checkpoint killed mid-write is
+never `latest`. The root must be storage every node sees (a shared filesystem), as for any
+multi-node checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+FORMAT_VERSION = 1
+LATEST = "latest"
+STAGE_DONE = "stage-{stage}.done"
+
+
+class CheckpointError(ValueError):
+    """A directory that is not a usable checkpoint, or one that does not fit this model."""
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    next_step: int
+    step_count: int
+    units: tuple[str, ...]
+    unit_numel: tuple[int, ...]
+    global_batch: int
+    num_stages: int
+    data_seed: int
+    rng_seed: int
+    init_seed: int
+    optimizer: str
+    written_unix: float
+    version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str, where: Path) -> CheckpointMeta:
+        try:
+            raw = json.loads(text)
+            if raw.get("version") != FORMAT_VERSION:
+                raise CheckpointError(f"{where}: checkpoint format {raw.get('version')!r}, expected {FORMAT_VERSION}")
+            raw["units"], raw["unit_numel"] = tuple(raw["units"]), tuple(raw["unit_numel"])
+            return CheckpointMeta(**raw)
+        except (json.JSONDecodeError, TypeError, KeyError) as exc:
+            raise CheckpointError(f"{where}: meta.json is not an ElasWave checkpoint description ({exc})") from exc
+
+
+def step_dir_name(next_step: int) -> str:
+    return f"step-{next_step:08d}"
+
+
+def latest_checkpoint(root: str | Path) -> Path:
+    """The directory `root/latest` points at (or `root` itself if it is one checkpoint).
+
+    Raises CheckpointError saying what is missing when `root` holds no complete checkpoint."""
+    root = Path(root)
+    if (root / "meta.json").is_file():
+        return root
+    if not root.is_dir():
+        raise CheckpointError(f"{root} does not exist or is not a directory")
+    pointer = root / LATEST
+    if not pointer.is_file():
+        raise CheckpointError(f"{root} is not a checkpoint directory: it has neither meta.json nor a '{LATEST}' "
+                              "file (pass the directory given as checkpoint_dir, or one step-NNNNNNNN inside it)")
+    target = root / pointer.read_text().strip()
+    if not (target / "meta.json").is_file():
+        raise CheckpointError(f"{root}/{LATEST} names {target.name}, which has no meta.json")
+    return target
+
+
+def read_meta(path: str | Path) -> CheckpointMeta:
+    ckpt = latest_checkpoint(path)
+    return CheckpointMeta.from_json((ckpt / "meta.json").read_text(), ckpt)
+
+
+def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The whole model's state dict (`"<unit>.<parameter>"` keys) from a checkpoint, with plain torch."""
+    ckpt = latest_checkpoint(path)
+    meta = read_meta(ckpt)
+    out: dict[str, torch.Tensor] = {}
+    for unit in meta.units:
+        for key, value in torch.load(ckpt / "model" / f"{unit}.pt", weights_only=True).items():
+            out[f"{unit}.{key}"] = value
+    return out
+
+
+def load_unit_state(ckpt: Path, unit: str) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(state dict, exp_avg, exp_avg_sq) of one unit, full tensors."""
+    try:
+        params = torch.load(ckpt / "model" / f"{unit}.pt", weights_only=True)
+        optim = torch.load(ckpt / "optim" / f"{unit}.pt", weights_only=True)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{ckpt}: unit {unit!r} is missing ({exc.filename})") from exc
+    return params, optim["exp_avg"], optim["exp_avg_sq"]
+
+
+def check_fits(meta: CheckpointMeta, units: Sequence[str], numel: Sequence[int], global_batch: int,
+               where: Path) -> None:
+    """Refuse (CheckpointError) a checkpoint of another model or batch."""
+    if tuple(units) != meta.units or tuple(numel) != meta.unit_numel:
+        raise CheckpointError(f"{where} holds units {list(zip(meta.units, meta.unit_numel, strict=True))}, this "
+                              f"model has {list(zip(units, numel, strict=True))}")
+    if global_batch != meta.global_batch:
+        raise CheckpointError(f"{where} was trained with global batch {meta.global_batch}, this job uses "
+                              f"{global_batch}: resuming would change the sample order")
+
+
+@dataclass
+class StagePayload:
+    """One stage's units, gathered to host memory at a committed step (what the writer saves)."""
+
+    next_step: int
+    step_count: int
+    stage: int
+    num_stages: int
+    units: dict[str, nn.Module]  # host copies, for state_dict()
+    moments: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+class CheckpointWriter:
+    """Writes this rank's share of each checkpoint on a background thread (module docstring).
+
+    `submit` returns at once; `wait(timeout_s)` blocks until every submitted write is finished
+    (and, on the coordinator, committed) or raises TimeoutError."""
+
+    def __init__(self, root: Path, meta: dict[str, Any], commit_timeout_s: float = 600.0) -> None:
+        self.root, self.meta, self.commit_timeout_s = root, meta, commit_timeout_s
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._threads: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
+        self.written: list[Path] = []
+
+    def submit(self, payload: StagePayload) -> None:
+        """Write `payload` (this rank is its stage's writer; stage 0's writer also commits)."""
+        t = threading.Thread(target=self._write, args=(payload,), daemon=True,
+                             name=f"elaswave-ckpt-{payload.next_step}")
+        t.start()
+        self._threads.append(t)
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise TimeoutError(f"checkpoint write {t.name} still running after {timeout_s:g} s")
+        self._threads.clear()
+
+    def _write(self, payload: StagePayload) -> None:
+        try:
+            tmp = self.root / f".tmp-{step_dir_name(payload.next_step)}"
+            (tmp / "model").mkdir(parents=True, exist_ok=True)
+            (tmp / "optim").mkdir(parents=True, exist_ok=True)
+            for name, unit in payload.units.items():
+                _save(unit.state_dict(), tmp / "model" / f"{name}.pt")
+                m, v = payload.moments[name]
+                _save({"exp_avg": m, "exp_avg_sq": v}, tmp / "optim" / f"{name}.pt")
+            (tmp / STAGE_DONE.format(stage=payload.stage)).write_text(f"{time.time():.6f}\n")
+            if payload.stage == 0:
+                self._commit(tmp, payload)
+        except BaseException as exc:  # noqa: BLE001 - reported by the worker, never crashes training
+            self.errors.append(exc)
+
+    def _commit(self, tmp: Path, payload: StagePayload) -> None:
+        deadline = time.monotonic() + self.commit_timeout_s
+        while not all((tmp / STAGE_DONE.format(stage=s)).exists() for s in range(payload.num_stages)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"checkpoint {tmp}: not every stage wrote its units within {self.commit_timeout_s:g} s")
+            time.sleep(0.02)
+        meta = CheckpointMeta(next_step=payload.next_step, step_count=payload.step_count, num_stages=payload.num_stages,
+                              written_unix=time.time(), **self.meta)
+        (tmp / "meta.json").write_text(meta.to_json())
+        final = self.root / step_dir_name(payload.next_step)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = self.root / f".{LATEST}.tmp"
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, self.root / LATEST)
+        self.written.append(final)
+
+
+def _save(obj: Mapping[str, Any], path: Path) -> None:
+    part = path.with_suffix(".part")
+    torch.save({k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in obj.items()}, part)
+    os.replace(part, path)

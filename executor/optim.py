@@ -1,0 +1,157 @@
+"""Elementwise optimizers over ZeRO-1 slices: AdamW, Adam and SGD with momentum (docs/api.md).
+
+Every update here is elementwise, so applying it to a slice `[lo, hi)` of a unit's flat
+parameter vector is the same arithmetic as applying it to the whole vector: that is what lets
+the optimizer state stay sharded (ZeRO-1, ElasWave §6.3), be snapshotted on a ring neighbour and
+replayed there (§5.1), and be remapped onto any layout (§5.2). The live shard and its snapshot
+call the very same `OptimizerConfig.update_slice`.
+
+Two state vectors per element are kept for every optimizer (`exp_avg`, `exp_avg_sq`): Adam's
+two moments; for SGD the first holds the momentum buffer and the second stays zero (one unused
+fp32 vector per element: the price of one state format for the fabric).
+
+Per-parameter-group weight decay is a per-element property: `decay_segments` cuts a unit's flat
+vector into runs of parameters with and without decay (`no_decay(name, param)`, the usual "no
+decay on norms and biases" is `no_decay_norms_and_biases`). The learning rate of update `t`
+(1-based) is `lr * schedule(t - 1)`. Gradient clipping by the global norm is computed exactly
+across stages and shards by the engine (`executor.zero`), which scales the reduced gradient slices
+before they reach this module or the snapshots.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+OptimizerKind = Literal["adamw", "adam", "sgd"]
+Schedule = Callable[[int], float]
+NoDecay = Callable[[str, nn.Parameter], bool]
+# (start, stop, weight decay) runs of a unit's flat parameter vector
+Segments = tuple[tuple[int, int, float], ...]
+
+
+def no_decay_norms_and_biases(name: str, param: nn.Parameter) -> bool:
+    """The usual rule: no weight decay on biases and normalisation weights (every tensor of
+    fewer than two dimensions)."""
+    return param.dim() < 2
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_factor: float = 0.0) -> Schedule:
+    """Linear warm-up from 1/warmup to 1 over `warmup_steps`, then cosine decay to `min_factor`
+    at `total_steps` (held there after). Returns the factor of update `t` (0-based)."""
+    if warmup_steps < 0 or total_steps < 1 or warmup_steps > total_steps or not 0.0 <= min_factor <= 1.0:
+        raise ValueError(f"warmup_cosine needs 0 <= warmup <= total, total >= 1 and 0 <= min_factor <= 1; got "
+                         f"warmup={warmup_steps}, total={total_steps}, min_factor={min_factor}")
+
+    def factor(t: int) -> float:
+        if t < warmup_steps:
+            return (t + 1) / warmup_steps
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (t - warmup_steps) / span)
+        return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """One optimizer and its hyper-parameters; `kind` picks the update rule."""
+
+    kind: OptimizerKind = "adamw"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    schedule: Schedule | None = None
+    no_decay: NoDecay | None = None
+    max_grad_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.kind not in ("adamw", "adam", "sgd"):
+            problems.append(f"kind must be adamw, adam or sgd, got {self.kind!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            problems.append(f"lr must be a positive number, got {self.lr}")
+        if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
+            problems.append(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if not self.eps > 0:
+            problems.append(f"eps must be positive, got {self.eps}")
+        if not 0.0 <= self.weight_decay < 1.0 / self.lr:
+            problems.append(f"weight_decay must be in [0, 1/lr), got {self.weight_decay}")
+        if not 0.0 <= self.momentum < 1.0 or not 0.0 <= self.dampening <= 1.0:
+            problems.append(f"momentum must be in [0, 1) and dampening in [0, 1], got {self.momentum}, {self.dampening}")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            problems.append("nesterov needs momentum > 0 and dampening 0")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            problems.append(f"max_grad_norm must be positive (or None), got {self.max_grad_norm}")
+        if problems:
+            raise ValueError("invalid optimizer settings: " + "; ".join(problems))
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of update `step` (1-based)."""
+        if self.schedule is None:
+            return self.lr
+        factor = float(self.schedule(step - 1))
+        if not (math.isfinite(factor) and factor >= 0):
+            raise ValueError(f"the learning-rate schedule returned {factor} for update {step - 1}")
+        return self.lr * factor
+
+    def decay_segments(self, named_params: Iterable[tuple[str, nn.Parameter]]) -> Segments:
+        """A unit's flat vector (its `named_parameters()` in order) as runs of (start, stop,
+        weight decay), merged where equal."""
+        runs: list[tuple[int, int, float]] = []
+        pos = 0
+        for pname, p in named_params:
+            wd = 0.0 if self.no_decay is not None and self.no_decay(pname, p) else self.weight_decay
+            if runs and runs[-1][1] == pos and runs[-1][2] == wd:
+                runs[-1] = (runs[-1][0], pos + p.numel(), wd)
+            else:
+                runs.append((pos, pos + p.numel(), wd))
+            pos += p.numel()
+        return tuple(runs)
+
+    def update_slice(self, param: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
+                     step: int, segments: Segments, lo: int) -> None:
+        """Apply update `step` (1-based) in place to elements `[lo, lo + len(param))` of a unit
+        whose flat vector has `segments`; `param`, `grad` and the states are 1-D slices."""
+        hi = lo + param.numel()
+        lr = self.lr_at(step)
+        for start, stop, wd in segments:
+            a, b = max(lo, start), min(hi, stop)
+            if a < b:
+                s = slice(a - lo, b - lo)
+                self._update(param[s], grad[s], state1[s], state2[s], step, lr, wd)
+
+    def _update(self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
+                lr: float, wd: float) -> None:
+        # The arithmetic of torch.optim's single-tensor implementations, in the same order.
+        if self.kind == "sgd":
+            if wd:
+                g = g.add(p, alpha=wd)
+            if self.momentum:
+                if step == 1:
+                    m.copy_(g)
+                else:
+                    m.mul_(self.momentum).add_(g, alpha=1.0 - self.dampening)
+                g = g.add(m, alpha=self.momentum) if self.nesterov else m
+            p.add_(g, alpha=-lr)
+            return
+        beta1, beta2 = self.betas
+        if self.kind == "adamw":
+            p.mul_(1.0 - lr * wd)
+        elif wd:
+            g = g.add(p, alpha=wd)
+        m.lerp_(g, 1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        bias1 = 1.0 - beta1**step
+        bias2_sqrt = math.sqrt(1.0 - beta2**step)
+        denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
+        p.addcdiv_(m, denom, value=-lr / bias1)

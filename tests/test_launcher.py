@@ -1,0 +1,256 @@
+"""`elaswave run`, the launcher: every process real (Core, store, agents, workers), on loopback.
+
+Most tests drive the launcher with `launcher_fake_script.py`, a stand-in that describes a model
+and "steps" without training, so they test the launcher alone: describe errors, placement on
+simulated nodes, the worker contract in the environment, progress, a worker killed with SIGKILL,
+Ctrl-C. The end-to-end tests at the bottom train a real model through `elaswave.train`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from elaswave.launcher import job_name, resume_command
+from elaswave.launcher_monitor import Snapshot, outcome
+
+pytestmark = pytest.mark.multiproc
+FAKE = Path(__file__).with_name("launcher_fake_script.py")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def elaswave_run(*args: str | Path, cwd: Path, timeout_s: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "elaswave.cli", "run", *map(str, args)], cwd=cwd, text=True,
+                          capture_output=True, timeout=timeout_s, stdin=subprocess.DEVNULL, env=_env())
+
+
+def _env() -> dict[str, str]:
+    # The launcher and the scripts it runs import elaswave from this checkout, wherever cwd is.
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+
+
+class Launcher:
+    """`elaswave run` in the background, its output collected line by line."""
+
+    def __init__(self, *args: str | Path, cwd: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "elaswave.cli", "run", *map(str, args)], cwd=cwd,
+                                     text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=_env())
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, what: str, predicate: Any, timeout_s: float = 60) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.kill()
+        pytest.fail(f"waiting for {what}; launcher output:\n{self.output[-4000:]}")
+
+    def wait(self, timeout_s: float = 90) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"launcher still running after {timeout_s} s:\n{self.output[-4000:]}")
+        self._reader.join(5)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def core_job(run_dir: Path, job: str) -> dict[str, Any]:
+    """The job as the launcher's embedded Core shows it (its ports are in <run dir>/core.json)."""
+    info = json.loads((run_dir / "core.json").read_text())
+    return httpx.get(f"http://127.0.0.1:{info['http_port']}/api/v1/jobs/{job}", timeout=5).json()
+
+
+def _member_steps(run_dir: Path, job: str) -> dict[str, int]:
+    try:
+        job_view = core_job(run_dir, job)
+    except (OSError, httpx.HTTPError, ValueError):
+        return {}
+    return {m["worker_id"]: int((m.get("last_step") or {}).get("step", -1)) for m in job_view.get("members", [])}
+
+
+# ---------------------------------------------------------------------------------------- describe
+
+
+@pytest.mark.timeout(60)
+def test_a_script_that_never_calls_the_api_fails_clearly(tmp_path: Path) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text("print('training the old way')\n")
+    run = elaswave_run("--nproc-per-node", "2", script, cwd=tmp_path)
+    assert run.returncode != 0
+    assert "plain.py never called elaswave.train()" in run.stderr
+    assert not (tmp_path / "elaswave-run").exists()  # nothing was launched
+
+
+@pytest.mark.timeout(60)
+def test_a_script_that_fails_while_describing_shows_its_stderr(tmp_path: Path) -> None:
+    script = tmp_path / "broken.py"
+    script.write_text("import sys\nprint('loading data', file=sys.stderr)\nraise SystemExit('no such dataset: foo')\n")
+    run = elaswave_run(script, cwd=tmp_path)
+    assert run.returncode != 0
+    assert "broken.py exited with status 1 while describing its model" in run.stderr
+    assert "loading data" in run.stderr and "no such dataset: foo" in run.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--pp", "3", "--nproc-per-node", "2"], "--pp 3 needs at least 3 workers"),
+    (["--pp", "6", "--nproc-per-node", "6"], "--pp 6 needs at least 6 units"),
+    (["--core", "10.0.0.1:7070"], "--core (a multi-node job through a shared Core) is not supported yet"),
+    (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1"),
+    (["--job", "bad name!"], "--job 'bad name!'"),
+])
+def test_bad_flags_are_refused_with_what_to_fix(tmp_path: Path, flags: list[str], message: str) -> None:
+    run = elaswave_run(*flags, FAKE, cwd=tmp_path)
+    assert run.returncode == 64, run.stderr
+    assert message in run.stderr
+
+
+def test_a_missing_script_is_refused(tmp_path: Path) -> None:
+    run = elaswave_run("nothere.py", cwd=tmp_path, timeout_s=30)
+    assert run.returncode == 64 and "script 'nothere.py' does not exist" in run.stderr
+
+
+# -------------------------------------------------------------------------------- launch and watch
+
+
+@pytest.mark.timeout(120)
+def test_a_job_on_two_simulated_nodes_runs_to_completion(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run = elaswave_run("--nnodes", "2", "--nproc-per-node", "2", "--pp", "2", "--job", "fake",
+                       "--checkpoint-dir", ckpt, "--checkpoint-every", "3", "--timeout", "7", FAKE,
+                       "--step-time", "0.1", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_dir = tmp_path / "elaswave-run" / "fake"
+    assert "job 'fake' finished: 6/6 steps, 4 of 4 workers finished" in run.stdout
+    assert "WARNING" not in run.stderr  # every stage spans both nodes
+    nodes = json.loads((run_dir / "nodes.json").read_text())
+    assert nodes["rank_node"] == [0, 0, 1, 1] and nodes["exposed_stages"] == []
+    layout = json.loads((run_dir / "layout.json").read_text())
+    assert [s["ranks"] for s in layout["stages"]] == [[0, 2], [1, 3]]
+    assert layout["num_layers"] == 5 and len(layout["layer_numel"]) == 5
+    for rank in range(4):
+        result = json.loads((run_dir / f"rank-{rank}.json").read_text())
+        assert result["rank"] == rank and result["worker_id"] == f"rank-{rank}" and result["job"] == "fake"
+        assert result["committed_steps"] == 6 and result["token_set"] and result["timeout_s"] == 7
+        assert result["env"] == {"ELASWAVE_CHECKPOINT_DIR": str(ckpt), "ELASWAVE_CHECKPOINT_EVERY": "3",
+                                 "ELASWAVE_RESUME_DIR": None}
+    assert re.search(r"loss (0\.8333|1\.0000|1\.2500)", run.stdout)  # the last stage's loss (5 / (step + 1))
+    assert re.search(r"step \d/6 .* workers \d/4", run.stdout)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_is_lost_and_the_launcher_waits_for_the_others(tmp_path: Path) -> None:
+    launcher = Launcher("--nnodes", "2", "--nproc-per-node", "2", "--pp", "2", "--job", "kill", FAKE,
+                        "--step-time", "0.2", "--steps", "40", cwd=tmp_path)
+    run_dir = tmp_path / "elaswave-run" / "kill"
+    launcher.wait_for("every worker to commit step 2",
+                      lambda: len(s := _member_steps(run_dir, "kill")) == 4 and min(s.values()) >= 2)
+    node0 = json.loads((run_dir / "nodes.json").read_text())["nodes"]["0"]
+    victim = next(m for m in core_job(run_dir, "kill")["members"] if m["rank"] == node0[1])
+    os.kill(victim["pid"], signal.SIGKILL)
+    code = launcher.wait()
+    out = launcher.output
+    assert code == 0, out[-4000:]
+    assert f"event: worker_lost rank-{node0[1]}" in out
+    assert f"job 'kill' finished: 40/40 steps, 3 of 4 workers finished; lost on the way and planned around: " \
+           f"rank-{node0[1]}" in out
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_the_job_at_a_step_boundary_and_prints_the_resume_command(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    launcher = Launcher("--nproc-per-node", "2", "--job", "stopme", "--checkpoint-dir", ckpt, FAKE,
+                        "--step-time", "0.2", "--steps", "500", cwd=tmp_path)
+    run_dir = tmp_path / "elaswave-run" / "stopme"
+    launcher.wait_for("step 3", lambda: min(_member_steps(run_dir, "stopme").values() or [-1]) >= 3)
+    pids = [m["pid"] for m in core_job(run_dir, "stopme")["members"]]
+    launcher.proc.send_signal(signal.SIGINT)
+    code = launcher.wait()
+    out = launcher.output
+    assert code == 128 + signal.SIGINT, out[-4000:]
+    stop_after = json.loads((run_dir / "stop.json").read_text())["stop_after_step"]
+    assert stop_after >= 5
+    for rank in range(2):
+        # The fake worker stops before step stop_after + 1, as the contract asks.
+        assert json.loads((run_dir / f"rank-{rank}.json").read_text())["committed_steps"] == stop_after + 1
+    assert f"job 'stopme' stopped on request after step {stop_after}" in out
+    assert f"resume with: elaswave run --nnodes 1 --nproc-per-node 2 --pp 1 --resume {ckpt} --job stopme " \
+           f"--checkpoint-dir {ckpt} {FAKE} --step-time 0.2 --steps 500" in out
+    for pid in pids:  # every worker is gone (the Core and store with the launcher's teardown)
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.timeout(90)
+def test_workers_that_all_fail_make_the_launcher_fail_with_their_logs(tmp_path: Path) -> None:
+    script = tmp_path / "fails.py"
+    script.write_text(FAKE.read_text().replace("    layout = json.loads(",
+                                               "    raise SystemExit('CUDA out of memory (pretend)')\n"
+                                               "    layout = json.loads(", 1))
+    run = elaswave_run("--nproc-per-node", "2", "--timeout", "5", script, cwd=tmp_path)
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert "job 'fails' failed" in run.stderr and "no worker finished" in run.stderr
+    assert "CUDA out of memory (pretend)" in run.stderr  # the failed rank's log tail
+
+
+# ------------------------------------------------------------------------------------ pure helpers
+
+
+def test_job_name_comes_from_the_script() -> None:
+    ns = argparse.Namespace(job=None, script=Path("dir/my train!.py"))
+    assert job_name(ns) == "my-train"
+    assert job_name(argparse.Namespace(job="x1", script=Path("a.py"))) == "x1"
+
+
+def test_resume_command_repeats_the_run() -> None:
+    ns = argparse.Namespace(nnodes=2, nproc_per_node=4, pp=2, job=None, checkpoint_dir=Path("ck"),
+                            checkpoint_every=10, timeout=20.0, script=Path("train.py"), script_args=["--lr", "3e-4"])
+    assert resume_command(ns, Path("ck")) == ("elaswave run --nnodes 2 --nproc-per-node 4 --pp 2 --resume ck "
+                                              "--checkpoint-dir ck --checkpoint-every 10 train.py --lr 3e-4")
+
+
+def test_outcome_rules() -> None:
+    snap = Snapshot(members=[{"worker_id": "rank-0", "state": "LEFT", "last_step": {"step": 9}}])
+    finished = [{"kind": "worker_finished", "worker_id": "rank-0"}]
+    lost = [{"kind": "worker_lost", "worker_id": "rank-1", "detail": "killed by signal 9"}]
+    assert outcome("j", {0: 0, 1: 0}, finished, snap, 10, None).exit_code == 0
+    done = outcome("j", {0: 0, 1: 137}, finished + lost, snap, 10, None)
+    assert done.exit_code == 0 and "rank-1 (killed by signal 9)" in done.summary
+    failed = outcome("j", {0: 1, 1: 137}, lost, snap, 10, None)
+    assert failed.exit_code == 1 and failed.failed_ranks == (0, 1)
+    assert outcome("j", {0: 0, 1: 0}, [], snap, 10, signal.SIGTERM).exit_code == 128 + signal.SIGTERM
+    assert outcome("j", {0: 0, 1: 1}, [], snap, 10, signal.SIGINT).exit_code == 1
