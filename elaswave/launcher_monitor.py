@@ -75,7 +75,7 @@ class Monitor:
     snapshot: Snapshot = field(default_factory=Snapshot)
     events: list[dict[str, Any]] = field(default_factory=list)
     _history: deque[tuple[float, int]] = field(default_factory=deque)
-    _last_line: str = ""
+    _last_key: tuple[object, ...] = ()
     _last_print: float = 0.0
 
     def poll(self) -> Snapshot:
@@ -128,14 +128,16 @@ class Monitor:
         return "  ".join(parts)
 
     def show(self, interval_s: float = 1.0) -> None:
-        """Print the progress line when it changed, at most once per `interval_s`."""
+        """Print the progress line when the job moved (step, workers, events; not the rate alone),
+        at most once per `interval_s`."""
         now = time.monotonic()
         if now - self._last_print < interval_s:
             return
-        line = self.progress_line()
-        if line != self._last_line:
-            self._print(line)
-            self._last_line = line
+        snap = self.snapshot
+        key = (snap.step(), len(snap.live), len(snap.members), snap.phase, snap.error, len(self.events))
+        if key != self._last_key:
+            self._print(self.progress_line())
+            self._last_key = key
         self._last_print = now
 
     def _print(self, text: str) -> None:

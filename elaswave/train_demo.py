@@ -307,7 +307,7 @@ def print_layout(layout: dict[str, Any] | None) -> None:
     policy resizes micro-batches and may also migrate blocks between adjacent stages, §4.1-4.2)."""
     if layout is None:
         return
-    stages = "; ".join(f"stage {s["stage"]} units {s["layer_start"]}..{s['layer_stop'] - 1} on ranks {s['ranks']}"
+    stages = "; ".join(f"stage {s['stage']} units {s['layer_start']}..{s['layer_stop'] - 1} on ranks {s['ranks']}"
                        for s in layout["stages"])
     clocks = f"; clocks {dict(map(tuple, layout['frequencies_mhz']))} MHz" if layout["frequencies_mhz"] else ""
     print(f"[demo] layout now: {stages}{clocks}")

@@ -13,16 +13,18 @@ import queue
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 
+from executor.checkpoint import CheckpointWriter
 from executor.engine_comm import BACKENDS, EngineComm, StaticComm, groups_for_stage_ranks
 from executor.migration import migrate
 from executor.nonblocking_migration import NonBlockingMigration
-from executor.trainer import Trainer, TrainSpec
+from executor.trainer import Trainer, TrainSpec, checkpoint_payload, load_checkpoint
 from planners.layout import Layout
 
 
@@ -44,6 +46,12 @@ class JobSpec:
     # (the dynamic communicator shrinks NCCL groups in place where the installed build can).
     backend: str = "gloo"
     timeout_s: float = 60.0
+    # Layout-independent checkpoints (executor.checkpoint): written into `checkpoint_dir` after
+    # each step in `checkpoint_steps`; `resume_dir`: start from its latest checkpoint instead of
+    # step 0 (losses then cover the steps run from there).
+    checkpoint_dir: str | None = None
+    checkpoint_steps: tuple[int, ...] = ()
+    resume_dir: str | None = None
 
 
 @dataclass
@@ -67,10 +75,21 @@ def _membership(spec: JobSpec) -> dict[str, tuple[int, ...]]:
     return groups_for_stage_ranks(stage_ranks, world=spec.cfg.optimizer.max_grad_norm is not None)
 
 
+def _checkpoint_writer(spec: JobSpec) -> CheckpointWriter | None:
+    if spec.checkpoint_dir is None:
+        return None
+    t = spec.cfg
+    return CheckpointWriter(Path(spec.checkpoint_dir), {
+        "units": t.model.names, "unit_numel": t.unit_numels(), "global_batch": spec.layout.global_batch,
+        "data_seed": t.data_seed, "rng_seed": t.rng_seed, "init_seed": t.model.init_seed, "optimizer": t.optimizer.kind})
+
+
 def _run_rank(spec: JobSpec, rank: int, trainer: Trainer) -> RankResult:
     relayouts = dict(spec.relayouts)
     losses, processed, reports, replayed = [], [], [], {}
-    for step in range(spec.steps):
+    start = load_checkpoint(trainer, spec.resume_dir).next_step if spec.resume_dir is not None else 0
+    writer = _checkpoint_writer(spec)
+    for step in range(start, spec.steps):
         overlay = None
         if step in relayouts and spec.migration == "nonblocking":
             overlay = NonBlockingMigration(trainer, relayouts[step], spec.shadow_slots)
@@ -85,6 +104,14 @@ def _run_rank(spec: JobSpec, rank: int, trainer: Trainer) -> RankResult:
             reports.append(overlay.report().as_dict())
         losses.append(result.loss)
         processed.append(result.samples_processed)
+        if writer is not None and step in spec.checkpoint_steps:
+            payload = checkpoint_payload(trainer)
+            if payload is not None:
+                writer.submit(payload)
+    if writer is not None:
+        writer.wait(120.0)
+        if writer.errors:
+            raise RuntimeError(f"rank {rank}: checkpoint write failed: {writer.errors[0]!r}")
     state = trainer.gather_full_state()
     return RankResult(rank, trainer.stage, trainer.dp_index, losses, processed,
                       state if trainer.dp_index == 0 else None, reports, replayed)

@@ -47,12 +47,14 @@ GradHook = Callable[[int, dict[str, torch.Tensor]], None]
 
 
 def flat_params(unit: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in unit.parameters()])
+    """The unit's parameters concatenated in `parameters()` order (empty for a unit without any)."""
+    params = [p.detach().reshape(-1) for p in unit.parameters()]
+    return torch.cat(params) if params else torch.empty(0)
 
 
 def flat_grads(unit: nn.Module) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in unit.parameters()])
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in unit.parameters()]
+    return torch.cat(grads) if grads else torch.empty(0)
 
 
 def assign_flat(unit: nn.Module, flat: torch.Tensor) -> None:

@@ -254,3 +254,99 @@ def test_outcome_rules() -> None:
     assert failed.exit_code == 1 and failed.failed_ranks == (0, 1)
     assert outcome("j", {0: 0, 1: 0}, [], snap, 10, signal.SIGTERM).exit_code == 128 + signal.SIGTERM
     assert outcome("j", {0: 0, 1: 1}, [], snap, 10, signal.SIGINT).exit_code == 1
+
+
+# ------------------------------------------------------------------ end to end, through elaswave.train
+
+TINY = '''"""A tiny regression trained with elaswave.train (written by tests/test_launcher.py)."""
+import argparse
+import json
+
+import torch
+from torch import nn
+
+import elaswave
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=8)
+p.add_argument("--losses-out")
+args = p.parse_args()
+g = torch.Generator().manual_seed(0)
+x = torch.randn(256, 8, generator=g)
+y = x.sum(dim=1, keepdim=True).tanh()
+torch.manual_seed(0)  # every process must build the same initial weights
+units = [nn.Linear(8, 16), nn.Sequential(nn.Tanh(), nn.Linear(16, 16)), nn.Sequential(nn.Tanh(), nn.Linear(16, 16)),
+         nn.Sequential(nn.Tanh(), nn.Linear(16, 1))]
+
+
+def loss_fn(out, target):
+    return ((out - target) ** 2).mean(dim=1)
+
+
+result = elaswave.train(units, loss_fn, torch.utils.data.TensorDataset(x, y), global_batch=8, micro_batches=2,
+                        steps=args.steps, optimizer=elaswave.AdamW(lr=1e-2))
+if args.losses_out:
+    with open(args.losses_out, "w") as f:
+        json.dump({str(k): v for k, v in result.losses.items()}, f)
+'''
+
+
+def _tiny(tmp_path: Path) -> Path:
+    pytest.importorskip("elaswave.api", reason="elaswave.train is not there yet")
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY)
+    return script
+
+
+def _reference_losses(script: Path, steps: int) -> dict[int, float]:
+    """The same script as one plain process (no launcher): the fault-free reference."""
+    out = script.with_name("reference.json")
+    subprocess.run([sys.executable, str(script), "--steps", str(steps), "--losses-out", str(out)], check=True,
+                   timeout=60, env=_env(), cwd=script.parent, capture_output=True)
+    return {int(k): v for k, v in json.loads(out.read_text()).items()}
+
+
+def _job_losses(run_dir: Path, ranks: list[int]) -> dict[int, float]:
+    losses: dict[int, float] = {}
+    for rank in ranks:
+        for step, loss in json.loads((run_dir / f"rank-{rank}.json").read_text())["losses"].items():
+            losses.setdefault(int(step), loss)
+    return losses
+
+
+@pytest.mark.timeout(180)
+def test_end_to_end_pp2_dp2_trains_like_the_single_process_run(tmp_path: Path) -> None:
+    script = _tiny(tmp_path)
+    run = elaswave_run("--nproc-per-node", "4", "--pp", "2", script, "--steps", "8", cwd=tmp_path, timeout_s=150)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "job 'tiny' finished: 8/8 steps, 4 of 4 workers finished" in run.stdout
+    assert "losing it empties every stage" in run.stderr  # one machine: the warning says so
+    run_dir = tmp_path / "elaswave-run" / "tiny"
+    results = {r: json.loads((run_dir / f"rank-{r}.json").read_text()) for r in range(4)}
+    assert all(res["committed_steps"] == 8 and res["rank"] == r for r, res in results.items())
+    losses = _job_losses(run_dir, list(range(4)))
+    reference = _reference_losses(script, 8)
+    assert sorted(losses) == list(range(8))
+    for step in range(8):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-4), (step, losses, reference)
+
+
+@pytest.mark.timeout(240)
+def test_end_to_end_a_worker_killed_on_a_simulated_node_and_the_job_finishes(tmp_path: Path) -> None:
+    script = _tiny(tmp_path)
+    launcher = Launcher("--nnodes", "2", "--nproc-per-node", "2", "--pp", "2", script, "--steps", "60", cwd=tmp_path)
+    run_dir = tmp_path / "elaswave-run" / "tiny"
+    launcher.wait_for("every worker to commit step 3",
+                      lambda: len(s := _member_steps(run_dir, "tiny")) == 4 and min(s.values()) >= 3, timeout_s=120)
+    nodes = json.loads((run_dir / "nodes.json").read_text())
+    victim_rank = nodes["nodes"]["0"][1]  # node 0's second rank: stage 1 keeps its rank on node 1
+    victim = next(m for m in core_job(run_dir, "tiny")["members"] if m["rank"] == victim_rank)
+    os.kill(victim["pid"], signal.SIGKILL)
+    code = launcher.wait(timeout_s=180)
+    out = launcher.output
+    assert code == 0, out[-4000:]
+    assert f"event: worker_lost rank-{victim_rank}" in out
+    assert "job 'tiny' finished: 60/60 steps, 3 of 4 workers finished" in out
+    survivors = [r for r in range(4) if r != victim_rank]
+    assert all(json.loads((run_dir / f"rank-{r}.json").read_text())["committed_steps"] == 60 for r in survivors)
+    assert sorted(_job_losses(run_dir, survivors)) == list(range(60))

@@ -1,17 +1,28 @@
 """A deterministic ZeRO-1 workload for the fabric tests: interleaved shards of a few flat layers,
-AdamW through the engine's update function (the one the snapshots apply), gradients that depend only on (step, layer)."""
+AdamW through the optimizer's slice update (the function the snapshots apply), gradients that
+depend only on (step, layer). Each layer's flat vector mixes runs with and without weight decay,
+so a shard that starts mid-vector must find its own decay runs (`update_slice(..., lo)`)."""
 
 from __future__ import annotations
 
 import torch
 
 from executor.fabric.state import ShardState, UnitShard
-from executor.zero import AdamWConfig, adamw_update
+from executor.optim import OptimizerConfig, Segments
 from planners.layout import Layout, make_uniform_layout
 from planners.zero import stage_ownership
 
 LAYER_NUMEL = (37, 50, 23)
-HYPER = AdamWConfig(lr=1e-2, weight_decay=0.1)
+HYPER = OptimizerConfig("adamw", lr=1e-2, weight_decay=0.1)
+# Per layer: decay on the first part, none on the rest (a "weight" then a "bias", say).
+SEGMENTS: dict[str, Segments] = {
+    f"block_{k}": ((0, n - n // 3, HYPER.weight_decay), (n - n // 3, n, 0.0)) for k, n in enumerate(LAYER_NUMEL)}
+
+
+def update_fn(unit: str, lo: int, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+              exp_avg_sq: torch.Tensor, step: int) -> None:
+    """The live optimizer's update of elements [lo, ...) of `unit` (what a snapshot replays)."""
+    HYPER.update_slice(param, grad, exp_avg, exp_avg_sq, step, SEGMENTS[unit], lo)
 
 
 def layout_for(dp_workers: tuple[int, ...]) -> Layout:
@@ -51,5 +62,5 @@ def grads_for(state: ShardState, step: int, scale: float = 1.0) -> dict[str, tor
 
 def live_update(state: ShardState, step: int, grads: dict[str, torch.Tensor]) -> None:
     for k, s in state.units.items():
-        adamw_update(s.param, grads[k], s.exp_avg, s.exp_avg_sq, step, HYPER)
+        update_fn(k, s.start, s.param, grads[k], s.exp_avg, s.exp_avg_sq, step)
     state.step = step

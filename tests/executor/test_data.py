@@ -1,9 +1,161 @@
+"""The layout-independent sampler over a map-style dataset (executor.data) and the GPT example's
+Markov corpus (examples/gpt/data.py)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.data import Dataset
 
-from executor.data import GlobalBatchSampler, generate_corpus
+from examples.gpt.data import MarkovWindows, generate_corpus
+from executor.data import GlobalBatchSampler, Prefetcher
+
+
+class Numbers(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Item i is (tensor([i, i]), tensor(-i)): the dataset index can be read off every row."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.reads: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        self.reads.append(i)
+        return torch.tensor([i, i]), torch.tensor(-i)
+
+
+def _indices(sampler: GlobalBatchSampler, step: int, start: int = 0, stop: int | None = None) -> list[int]:
+    batch = sampler.rows(step, start, sampler.global_batch if stop is None else stop)
+    assert isinstance(batch.inputs, torch.Tensor)
+    assert torch.equal(batch.targets, -batch.inputs[:, 0])
+    return batch.inputs[:, 0].tolist()
+
+
+def test_each_epoch_is_a_seeded_permutation_of_the_dataset() -> None:
+    sampler = GlobalBatchSampler(Numbers(12), global_batch=4, seed=5)
+    epoch0 = [i for s in range(3) for i in _indices(sampler, s)]
+    epoch1 = [i for s in range(3, 6) for i in _indices(sampler, s)]
+    assert sorted(epoch0) == sorted(epoch1) == list(range(12))  # every sample once per epoch
+    assert epoch0 != list(range(12)) and epoch0 != epoch1  # shuffled, and differently each epoch
+    assert [sampler.epoch_of_step(s) for s in range(7)] == [0, 0, 0, 1, 1, 1, 2]
+    # A pure function of (seed, global sample id): another sampler of the same seed agrees, another seed does not.
+    again = GlobalBatchSampler(Numbers(12), global_batch=4, seed=5)
+    assert [i for s in range(6) for i in _indices(again, s)] == epoch0 + epoch1
+    other = GlobalBatchSampler(Numbers(12), global_batch=4, seed=6)
+    assert [i for s in range(3) for i in _indices(other, s)] != epoch0
+
+
+def test_a_batch_that_crosses_an_epoch_takes_its_last_rows_from_the_next_epoch() -> None:
+    sampler = GlobalBatchSampler(Numbers(10), global_batch=4, seed=1)
+    assert sampler.sample_ids(2, 0, 4) == (8, 9, 10, 11)  # samples 8, 9 of epoch 0; 0, 1 of epoch 1
+    rows = _indices(sampler, 2)
+    assert rows[:2] == [sampler.dataset_index(8), sampler.dataset_index(9)]
+    assert rows[2:] == [sampler.dataset_index(10), sampler.dataset_index(11)]
+    flat = [i for s in range(5) for i in _indices(sampler, s)]  # 20 samples = exactly two epochs
+    assert sorted(flat[:10]) == sorted(flat[10:]) == list(range(10))
+    assert all(len(sampler.rows(s, 0, 4)) == 4 for s in range(5))  # no short batch, nothing dropped
+
+
+def test_shuffle_off_walks_the_dataset_in_order() -> None:
+    sampler = GlobalBatchSampler(Numbers(6), global_batch=4, shuffle=False)
+    assert [i for s in range(3) for i in _indices(sampler, s)] == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]
+
+
+def test_any_split_of_a_step_reassembles_the_global_batch() -> None:
+    sampler = GlobalBatchSampler(Numbers(50), global_batch=8, seed=3)
+    whole = sampler.rows(5, 0, 8)
+    assert whole.sample_ids == tuple(range(40, 48))
+    for cuts in ([0, 3, 8], [0, 1, 2, 7, 8], [0, 8, 8]):
+        fresh = GlobalBatchSampler(Numbers(50), global_batch=8, seed=3)  # another rank, another process
+        parts = [fresh.rows(5, lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
+        parts = [p for p in parts if len(p)]
+        assert torch.equal(torch.cat([p.inputs for p in parts]), whole.inputs)
+        assert torch.equal(torch.cat([p.targets for p in parts]), whole.targets)
+        assert sum((p.sample_ids for p in parts), ()) == whole.sample_ids
+    empty = sampler.rows(5, 3, 3)
+    assert len(empty) == 0 and empty.inputs is None
+    # Replaying a step after others gives the same rows (rollback + replay).
+    sampler.rows(6, 0, 8)
+    assert torch.equal(sampler.rows(5, 0, 8).inputs, whole.inputs)
+
+
+def test_tuple_inputs_and_a_custom_collate() -> None:
+    class Pairs(Dataset[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+            return (torch.tensor([float(i)]), torch.tensor([i])), torch.tensor(i)
+
+    batch = GlobalBatchSampler(Pairs(), 2, shuffle=False).rows(0, 0, 2)
+    assert isinstance(batch.inputs, tuple) and len(batch.inputs) == 2
+    assert batch.inputs[1].dtype == torch.int64 and batch.inputs[1][:, 0].tolist() == [0, 1]
+
+    def collate(items: list) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.stack([x[0][0] for x in items]) * 10, torch.stack([x[1] for x in items])
+
+    batch = GlobalBatchSampler(Pairs(), 2, shuffle=False, collate_fn=collate).rows(1, 0, 2)
+    assert batch.inputs.tolist() == [[20.0], [30.0]]
+
+
+def test_prefetched_rows_equal_rows_loaded_on_the_spot() -> None:
+    data = Numbers(30)
+    sampler = GlobalBatchSampler(data, global_batch=6, seed=2)
+    pre = Prefetcher(sampler)
+    try:
+        pre.prefetch(1, [(0, 3), (3, 6)])
+        asked = [(1, 0, 3), (1, 3, 6)]
+        pre.prefetch(2, [(0, 6)])
+        pre.prefetch(3, [(0, 2)])  # drops what is left of step 2: loaded on the spot when asked for
+        asked += [(2, 0, 6), (3, 0, 2), (3, 1, 4)]  # (3, 1, 4) was never prefetched
+        for step, lo, hi in asked:
+            got, direct = pre.rows(step, lo, hi), sampler.rows(step, lo, hi)
+            assert got.sample_ids == direct.sample_ids and torch.equal(got.inputs, direct.inputs)
+    finally:
+        pre.close()
+
+
+def test_bad_datasets_and_requests_are_refused() -> None:
+    with pytest.raises(ValueError, match="fewer than one global batch of 8"):
+        GlobalBatchSampler(Numbers(7), global_batch=8)
+    with pytest.raises(ValueError, match="global_batch must be positive"):
+        GlobalBatchSampler(Numbers(7), global_batch=0)
+
+    class Stream(Dataset[int]):  # no __len__: an iterable-style source
+        def __getitem__(self, i: int) -> int:
+            return i
+
+    with pytest.raises(TypeError, match="map-style"):
+        GlobalBatchSampler(Stream(), global_batch=2)
+    sampler = GlobalBatchSampler(Numbers(8), global_batch=4)
+    with pytest.raises(ValueError, match="outside the global batch"):
+        sampler.rows(0, 2, 5)
+    with pytest.raises(ValueError, match="no row"):
+        sampler.sample_id(-1, 0)
+
+    class NoTargets(Dataset[torch.Tensor]):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.zeros(3)
+
+    with pytest.raises(TypeError, match=r"pair \(inputs, targets\)"):
+        GlobalBatchSampler(NoTargets(), global_batch=2).rows(0, 0, 2)
+
+
+def test_sampler_reads_only_the_rows_asked_for() -> None:
+    data = Numbers(40)
+    sampler = GlobalBatchSampler(data, global_batch=8)
+    sampler.rows(3, 2, 5)
+    assert sorted(data.reads) == sorted(sampler.dataset_index(i) for i in (26, 27, 28))
+
+
+# ------------------------------------------------------------------ the GPT example's corpus
 
 
 def test_corpus_is_deterministic_and_structured() -> None:
@@ -18,39 +170,18 @@ def test_corpus_is_deterministic_and_structured() -> None:
     assert max(len(f) for f in followers.values()) <= 4
 
 
-def test_any_split_of_a_step_reassembles_the_global_batch() -> None:
-    sampler = GlobalBatchSampler(generate_corpus(64, 4096), seq_len=16, global_batch=8)
-    whole = sampler.batch(5)
-    assert whole.sample_ids == tuple(range(40, 48))
-    for cuts in ([0, 3, 8], [0, 1, 2, 7, 8], [0, 8, 8]):
-        parts = [GlobalBatchSampler(generate_corpus(64, 4096), 16, 8).rows(5, lo, hi)
-                 for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
-        assert torch.equal(torch.cat([p.inputs for p in parts]), whole.inputs)
-        assert torch.equal(torch.cat([p.targets for p in parts]), whole.targets)
-        assert sum((p.sample_ids for p in parts), ()) == whole.sample_ids
-
-
-def test_targets_are_inputs_shifted_and_steps_differ() -> None:
-    sampler = GlobalBatchSampler(generate_corpus(64, 4096), seq_len=16, global_batch=4)
-    b = sampler.batch(0)
-    assert torch.equal(b.inputs[:, 1:], b.targets[:, :-1])
-    assert not torch.equal(b.inputs, sampler.batch(1).inputs)
-    # Replaying a step after others gives the same rows (rollback + replay).
-    assert torch.equal(sampler.batch(0).inputs, b.inputs)
-
-
-def test_epochs_cover_every_window_once() -> None:
-    sampler = GlobalBatchSampler(generate_corpus(64, 16 * 12 + 1), seq_len=16, global_batch=4)
-    assert sampler.num_windows == 12
+def test_markov_windows_are_next_token_pairs_covering_the_corpus() -> None:
+    data = MarkovWindows(64, seq_len=16, num_tokens=16 * 12 + 1, seed=0)
+    assert len(data) == 12
+    x, y = data[3]
+    assert torch.equal(x[1:], y[:-1]) and x.shape == y.shape == (16,)
+    assert torch.equal(torch.cat([data[i][0] for i in range(12)]), data.corpus[:-1])
+    sampler = GlobalBatchSampler(data, global_batch=4)
     seen = {tuple(sampler.rows(s, r, r + 1).inputs[0].tolist()) for s in range(3) for r in range(4)}
-    assert len(seen) == 12
-
-
-def test_bad_requests_are_rejected() -> None:
-    sampler = GlobalBatchSampler(generate_corpus(64, 1024), seq_len=16, global_batch=4)
-    with pytest.raises(ValueError, match="outside the global batch"):
-        sampler.rows(0, 2, 5)
-    with pytest.raises(ValueError, match="longer than"):
-        GlobalBatchSampler(torch.arange(10), seq_len=16, global_batch=4)
+    assert len(seen) == 12  # one epoch: every window once
+    with pytest.raises(IndexError):
+        data[12]
+    with pytest.raises(ValueError, match="no window"):
+        MarkovWindows(64, seq_len=16, num_tokens=10)
     with pytest.raises(ValueError, match="bad corpus"):
         generate_corpus(1, 100)

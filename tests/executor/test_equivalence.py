@@ -14,7 +14,7 @@ import torch
 
 from executor.launch import JobSpec, job_losses, merged_state, run_job
 from executor.reference import run_reference
-from tests.executor.engine_cases import layout, states_equal, train_config
+from tests.executor.engine_cases import gpt_spec, layout, states_equal
 
 STEPS = 10
 
@@ -37,10 +37,10 @@ def _assert_matches_reference(results: dict, cfg, global_batch: int, slots: int,
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_pp2_dp2_matches_reference_and_zero_layouts_agree_bit_for_bit() -> None:
-    cfg = train_config()
+    cfg = gpt_spec()
     runs = {}
     for zero in ("interleaved", "contiguous"):
-        lay = layout([(0, 2), (2, 4)], [(0, 1), (2, 3)], global_batch=8, num_micro_batches=4, zero_layout=zero)
+        lay = layout([(0, 3), (3, 6)], [(0, 1), (2, 3)], global_batch=8, num_micro_batches=4, zero_layout=zero)
         runs[zero] = run_job(JobSpec(cfg, lay, STEPS))
         _assert_matches_reference(runs[zero], cfg, 8, 4, STEPS)
     # Both layouts reduce every element in DP-rank order and apply the same AdamW: same bits.
@@ -57,8 +57,8 @@ def test_pp2_dp2_matches_reference_and_zero_layouts_agree_bit_for_bit() -> None:
     ([(0,), (1, 2)], [(1,), (1, 3)]),  # fan-out
 ])
 def test_uneven_stages_match_reference(ranks: list[tuple[int, ...]], weights: list[tuple[int, ...]]) -> None:
-    cfg = train_config()
-    lay = layout([(0, 1), (1, 4)], ranks, global_batch=7, num_micro_batches=3, weights=weights)
+    cfg = gpt_spec()
+    lay = layout([(0, 2), (2, 6)], ranks, global_batch=7, num_micro_batches=3, weights=weights)
     results = run_job(JobSpec(cfg, lay, STEPS))
     _assert_matches_reference(results, cfg, 7, 3, STEPS)
     for r, res in results.items():
@@ -70,8 +70,8 @@ def test_uneven_stages_match_reference(ranks: list[tuple[int, ...]], weights: li
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_rollback_and_replay_is_exact() -> None:
-    cfg = train_config(dropout=0.1)
-    lay = layout([(0, 2), (2, 4)], [(0, 1), (2, 3)])
+    cfg = gpt_spec(dropout=0.1)
+    lay = layout([(0, 3), (3, 6)], [(0, 1), (2, 3)])
     plain = run_job(JobSpec(cfg, lay, 6))
     replayed = run_job(JobSpec(cfg, lay, 6, replay_steps=(2, 5)))
     assert job_losses(plain) == job_losses(replayed)
@@ -83,12 +83,12 @@ def test_rollback_and_replay_is_exact() -> None:
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_dropout_rng_is_placement_invariant_only_in_that_mode() -> None:
-    cfg, steps = train_config(dropout=0.1), 5
+    cfg, steps = gpt_spec(dropout=0.1), 5
     losses = {}
     for mode in ("placement_invariant", "per_rank"):
         for dp in (1, 2):
             ranks = [tuple(range(dp)), tuple(range(dp, 2 * dp))]
-            lay = layout([(0, 2), (2, 4)], ranks, rng_mode=mode)
+            lay = layout([(0, 3), (3, 6)], ranks, rng_mode=mode)
             losses[mode, dp] = job_losses(run_job(JobSpec(cfg, lay, steps)))
     inv1, inv2 = losses["placement_invariant", 1], losses["placement_invariant", 2]
     assert inv1 == pytest.approx(inv2, rel=1e-6)
@@ -103,10 +103,10 @@ def test_dropout_rng_is_placement_invariant_only_in_that_mode() -> None:
 def test_dynamic_communicator_drives_the_same_engine_bit_for_bit() -> None:
     """The fault-tolerant executor.comm.Communicator (pipeline pairs served by per-link groups)
     in place of StaticComm: same losses and state, including a blocking layer migration."""
-    cfg = train_config(dropout=0.1)
+    cfg = gpt_spec(dropout=0.1)
     ranks = [(0, 1), (2, 3)]
-    start = layout([(0, 2), (2, 4)], ranks, global_batch=6)
-    relayouts = ((2, layout([(0, 1), (1, 4)], ranks, global_batch=6)),)
+    start = layout([(0, 3), (3, 6)], ranks, global_batch=6)
+    relayouts = ((2, layout([(0, 2), (2, 6)], ranks, global_batch=6)),)  # block 1 -> stage 1
     static = run_job(JobSpec(cfg, start, 4, relayouts=relayouts))
     dynamic = run_job(JobSpec(cfg, start, 4, relayouts=relayouts, comm_kind="dynamic"))
     assert job_losses(static) == job_losses(dynamic)

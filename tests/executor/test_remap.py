@@ -15,13 +15,13 @@ from executor.fabric.state import ShardState
 from executor.store_server import StoreServer, connect_store
 from planners.zero import layout_ownership, shard_transfers
 from tests.executor.fabric_workload import (
-    HYPER,
     LAYER_NUMEL,
     grads_for,
     initial_state,
     layout_for,
     live_update,
     unit_name,
+    update_fn,
 )
 from tests.executor.ft_procs import collect, spawn
 
@@ -39,7 +39,7 @@ def _train(live: ShardState, snap: RingSnapshot, first: int, last: int) -> None:
 def _remap_worker(worker: int, port: int) -> dict[str, object]:
     comm = Communicator(connect_store("127.0.0.1", port), worker, {"dp/0": OLD}, timeout_s=30.0)
     live = initial_state(layout_for(OLD), worker)
-    snap = RingSnapshot(comm, "dp/0", HYPER)
+    snap = RingSnapshot(comm, "dp/0", update_fn)
     snap.seed(live)
     _train(live, snap, 1, STEPS)
     pre = live.to_numpy()
@@ -48,7 +48,7 @@ def _remap_worker(worker: int, port: int) -> dict[str, object]:
     report = comm.apply_edit({"dp/0": NEW})
     new_state = live_remap(comm, layout_for(OLD), layout_for(NEW), {LOST}, live, snap.state(), step=STEPS)
     post = new_state.to_numpy()
-    ring = RingSnapshot(comm, "dp/0", HYPER)  # the ring re-forms over the survivors
+    ring = RingSnapshot(comm, "dp/0", update_fn)  # the ring re-forms over the survivors
     ring.seed(new_state)
     _train(new_state, ring, STEPS + 1, STEPS + MORE)
     return {"pre": pre, "post": post, "rebuilt": report.rebuilt, "verified_after": ring.verify(new_state)}

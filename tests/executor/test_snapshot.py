@@ -19,7 +19,7 @@ from executor.step_protocol import StepProtocol
 from executor.store_server import StoreServer, connect_store
 from executor.trainer import Trainer
 from tests.executor import engine_cases
-from tests.executor.fabric_workload import HYPER, grads_for, initial_state, layout_for, live_update
+from tests.executor.fabric_workload import grads_for, initial_state, layout_for, live_update, update_fn
 from tests.executor.ft_procs import collect, spawn
 
 WORKERS = (0, 1, 2)
@@ -30,7 +30,7 @@ ROLLED_BACK_STEP = 11
 def _snapshot_worker(worker: int, port: int) -> dict[str, object]:
     comm = Communicator(connect_store("127.0.0.1", port), worker, {"dp/0": WORKERS}, timeout_s=30.0)
     live = initial_state(layout_for(WORKERS), worker)
-    snap = RingSnapshot(comm, "dp/0", HYPER)
+    snap = RingSnapshot(comm, "dp/0", update_fn)
     snap.seed(live)
     for step in range(1, STEPS + 1):
         if step == ROLLED_BACK_STEP:  # a step that fails after the gradient exchange: rolled back
@@ -80,7 +80,7 @@ ENGINE_VERIFY_EVERY = 7  # checksums at committed steps 7 and 14; a mismatch wou
 
 
 def _engine_layout() -> Any:
-    return engine_cases.layout([(0, 2), (2, 4)], [(0, 1), (2, 3)], global_batch=8, num_micro_batches=2)
+    return engine_cases.layout([(0, 3), (3, 6)], [(0, 1), (2, 3)], global_batch=8, num_micro_batches=2)
 
 
 def _vote(proto: StepProtocol, store: Any, worker: int, step: int) -> bool:
@@ -103,7 +103,7 @@ def _engine_snapshot_worker(worker: int, port: int) -> dict[str, object]:
     layout = _engine_layout()
     store = connect_store("127.0.0.1", port)
     comm = Communicator(store, worker, groups_for_stages([s.ranks for s in layout.stages]), timeout_s=30.0)
-    trainer = Trainer(engine_cases.train_config(dropout=0.1), layout, worker, comm)
+    trainer = Trainer(engine_cases.gpt_spec(dropout=0.1), layout, worker, comm)
     initial = shard_state_of(trainer).to_numpy()
     participant = FabricParticipant(trainer, comm, verify_every=ENGINE_VERIFY_EVERY)
     proto = StepProtocol(comm, participant, timeout_s=30.0)
@@ -158,6 +158,6 @@ def test_snapshot_rejects_out_of_order_use() -> None:
             return (0,)
 
     with pytest.raises(SnapshotError, match="at least two"):
-        RingSnapshot(OneGroup(), "dp/0", HYPER)  # type: ignore[arg-type]
+        RingSnapshot(OneGroup(), "dp/0", update_fn)  # type: ignore[arg-type]
     state = ShardState(step=3)
     assert ShardState.from_wire(state.header(), state.payload()).bitwise_equal(state)

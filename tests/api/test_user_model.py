@@ -1,0 +1,85 @@
+"""A model that is not the GPT trains on any layout exactly as in one process (docs/api.md).
+
+The toy model (tests/api/toy_model.py) has units of different kinds and sizes, a tuple activation
+with an integer member crossing stage boundaries, a Huber loss, SGD with Nesterov momentum, a
+warm-up + cosine schedule, decay groups and global-norm clipping. Every layout must give the
+single-process run's losses to fp32 round-off at every step, and its final parameters and
+optimizer state; the single process must match plain torch.optim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from executor.data import GlobalBatchSampler
+from executor.launch import JobSpec, job_losses, merged_state, run_job
+from executor.reference import run_reference
+from planners.layout import Layout, StageLayout
+from tests.api.toy_model import UNITS, huber_per_sample, toy_spec
+
+STEPS, BATCH, SLOTS = 6, 8, 2
+REL = 2e-6
+
+
+def toy_layout(bounds: list[tuple[int, int]], ranks: list[tuple[int, ...]]) -> Layout:
+    numel = toy_spec().unit_numels()
+    stages = tuple(StageLayout(p, lo, hi, r) for p, ((lo, hi), r) in enumerate(zip(bounds, ranks, strict=True)))
+    return Layout(len(UNITS), BATCH, SLOTS, stages, numel)
+
+
+def assert_close_states(a: dict, b: dict, atol: float = 1e-5) -> None:
+    assert a["step_count"] == b["step_count"]
+    assert set(a["units"]) == set(b["units"])
+    for name in a["units"]:
+        for key in ("param", "exp_avg"):
+            diff = float((a["units"][name][key] - b["units"][name][key]).abs().max())
+            assert diff <= atol, (name, key, diff)
+
+
+def test_single_process_matches_torch_optim() -> None:
+    spec = toy_spec(STEPS)
+    ref = run_reference(spec, BATCH, SLOTS, STEPS)
+    model = nn.Sequential(*[spec.model.build(i) for i in range(len(UNITS))])
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.SGD([{"params": decay, "weight_decay": 1e-3}, {"params": no_decay, "weight_decay": 0.0}],
+                          lr=0.2, momentum=0.9, nesterov=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, spec.optimizer.schedule)
+    sampler = GlobalBatchSampler(spec.dataset, BATCH)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for slot in range(SLOTS):
+            rows = sampler.rows(step, slot * BATCH // SLOTS, (slot + 1) * BATCH // SLOTS)
+            x = rows.inputs
+            for unit in model:
+                x = unit(*x) if isinstance(x, tuple) else unit(x)
+            loss = huber_per_sample(x, rows.targets).sum() / BATCH
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        sched.step()
+        losses.append(total)
+    assert ref.losses == pytest.approx(losses, rel=1e-5)
+    for name, unit in zip(UNITS, model, strict=True):
+        flat = torch.cat([p.detach().reshape(-1) for p in unit.parameters()])
+        assert torch.allclose(ref.state["units"][name]["param"], flat, atol=1e-6), name
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("bounds, ranks", [
+    ([(0, 3), (3, 6)], [(0, 1), (2, 3)]),  # PP=2 x DP=2; the boundary carries a tuple with an int member
+    ([(0, 3), (3, 4), (4, 6)], [(0,), (1,), (2,)]),  # PP=3 x DP=1: tuples on both boundaries
+    ([(0, 2), (2, 6)], [(0, 1), (2,)]),  # stages of different DP sizes
+], ids=["pp2xdp2", "pp3xdp1", "dp2-dp1"])
+def test_layouts_match_single_process(bounds: list[tuple[int, int]], ranks: list[tuple[int, ...]]) -> None:
+    spec = toy_spec(STEPS)
+    ref = run_reference(spec, BATCH, SLOTS, STEPS)
+    results = run_job(JobSpec(spec, toy_layout(bounds, ranks), STEPS, timeout_s=60.0))
+    assert job_losses(results) == pytest.approx(ref.losses, rel=REL)
+    assert_close_states(merged_state(results), ref.state)
