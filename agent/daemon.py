@@ -19,7 +19,7 @@ Core commands:
   outcome (applied, or refused/failed with the reason, clock unchanged) goes into a device probe
   sent at once, and every device probe names the controller and the clock, so the Core always
   shows the applied frequency. The clock is also published in the worker's control file.
-- Drain: the drain notice goes into the worker's control file (``agent.control``) so the worker
+- Drain: the drain notice goes into the worker's control file (``elaswave.local_protocol``) so the worker
   stops at its next step boundary; a worker still running after ``--drain-grace`` (or at the
   Drain deadline, if sooner) gets SIGTERM, and SIGKILL ``--grace`` later. The agent reports
   "draining" at once and, once the worker is gone, leaves with a Leave that says how it ended:
@@ -43,15 +43,24 @@ from typing import Any
 
 from agent import probes
 from agent.config import TOKEN_ENV, AgentConfig, load_job_token
-from agent.control import CONTROL_ENV, FINISHED_ENV, ControlFile, DrainNotice, FrequencyState, finished_path
 from agent.core_link import CommandHandlers, CoreLink
 from agent.devices import DeviceSet
 from agent.frequency import FrequencyController, FrequencyFailed, FrequencyRefused, select_controller
 from agent.lease import AliveLease
-from agent.local_metrics import SOCKET_ENV, MetricsReceiver
+from agent.local_metrics import MetricsReceiver
 from agent.logs import log_event
 from agent.preemption import notice, watch_notice_file
-from agent.worker import EXIT_CODE_UNKNOWN, ExitStatus, ForeignWorker, LaunchedWorker, Worker
+from agent.worker import ExitStatus, ForeignWorker, LaunchedWorker, Worker
+from elaswave.local_protocol import (
+    CONTROL_ENV,
+    EXIT_CODE_UNKNOWN,
+    FINISHED_ENV,
+    SOCKET_ENV,
+    ControlFile,
+    DrainNotice,
+    FrequencyState,
+    finished_path,
+)
 from elaswave.v1 import agent_pb2
 
 

@@ -12,8 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
-import os
 import socket
 import stat
 from collections.abc import Callable
@@ -21,53 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.logs import log_event
+from elaswave.local_protocol import _MAX_DATAGRAM, BadMetrics, validate_step_metrics
 from elaswave.v1 import agent_pb2
-
-SOCKET_ENV = "ELASWAVE_METRICS_SOCKET"
-# A datagram on a Unix socket is delivered whole; 64 KiB is far above one record (~150 bytes).
-_MAX_DATAGRAM = 65536
-
-_INT_FIELDS = {"step": 0, "samples": 0, "stage": -1, "dp_rank": -1}  # name -> minimum value
-_SECONDS_FIELDS = ("step_time_s", "compute_time_s")
-FIELDS = frozenset({*_INT_FIELDS, *_SECONDS_FIELDS, "loss"})
-
-
-class BadMetrics(ValueError):
-    """A step-metrics record that does not follow the schema; the message says why."""
 
 
 def parse_step_metrics(record: object) -> agent_pb2.StepMetrics:
-    """Validate one decoded JSON record and build its proto; ``BadMetrics`` says what is wrong.
-
-    Every field is required except ``loss`` (absent or null = NaN, "not known on this worker").
-    """
-    if not isinstance(record, dict):
-        raise BadMetrics(f"expected a JSON object, got {type(record).__name__}")
-    unknown = sorted(set(record) - FIELDS)
-    if unknown:
-        raise BadMetrics(f"unknown field(s) {unknown}")
-    missing = sorted((set(_INT_FIELDS) | set(_SECONDS_FIELDS)) - set(record))
-    if missing:
-        raise BadMetrics(f"missing field(s) {missing}")
-    values: dict[str, float | int] = {}
-    for name, minimum in _INT_FIELDS.items():
-        value = record[name]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise BadMetrics(f"{name} must be an integer, got {value!r}")
-        if value < minimum:
-            raise BadMetrics(f"{name} must be >= {minimum}, got {value}")
-        values[name] = value
-    for name in _SECONDS_FIELDS:
-        value = record[name]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-            raise BadMetrics(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-        values[name] = float(value)
-    loss = record.get("loss")
-    if loss is None:
-        loss = math.nan
-    elif isinstance(loss, bool) or not isinstance(loss, int | float):
-        raise BadMetrics(f"loss must be a number or null, got {loss!r}")
-    return agent_pb2.StepMetrics(loss=float(loss), **values)
+    """Validate one decoded JSON record (elaswave.local_protocol's rules) and build its proto."""
+    return agent_pb2.StepMetrics(**validate_step_metrics(record))
 
 
 def parse_line(line: bytes) -> agent_pb2.StepMetrics:
@@ -154,65 +112,3 @@ def _remove_stale_socket(path: Path) -> None:
     finally:
         probe.close()
     raise ValueError(f"--metrics-socket: another agent is already listening on {path}")
-
-
-class StepMetricsClient:
-    """The executor's end: ``send`` never blocks and never raises because the agent is gone.
-
-    Arguments are validated with the same rules as the agent (a ValueError is a bug in the
-    caller, not a transport problem). ``dropped`` counts records the kernel refused.
-    """
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-        self.sent = 0
-        self.dropped = 0
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.setblocking(False)
-
-    @classmethod
-    def from_env(cls) -> StepMetricsClient | None:
-        """A client for the socket the launching agent exported, or None outside an agent."""
-        path = os.environ.get(SOCKET_ENV)
-        return cls(path) if path else None
-
-    def send(
-        self,
-        *,
-        step: int,
-        step_time_s: float,
-        compute_time_s: float,
-        loss: float | None,
-        samples: int,
-        stage: int,
-        dp_rank: int,
-    ) -> bool:
-        """Send one step's metrics; True when the agent's socket took it."""
-        record = {
-            "step": step,
-            "step_time_s": step_time_s,
-            "compute_time_s": compute_time_s,
-            "loss": None if loss is None or math.isnan(loss) else loss,
-            "samples": samples,
-            "stage": stage,
-            "dp_rank": dp_rank,
-        }
-        parse_step_metrics(record)
-        data = (json.dumps(record) + "\n").encode()
-        try:
-            self._sock.sendto(data, self.path)
-        except OSError:
-            # Agent gone (ENOENT/ECONNREFUSED) or its queue full (EAGAIN): drop, never stall training.
-            self.dropped += 1
-            return False
-        self.sent += 1
-        return True
-
-    def close(self) -> None:
-        self._sock.close()
-
-    def __enter__(self) -> StepMetricsClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import psutil
 
-# WorkerExit.exit_code when the status cannot be known: a foreign pid whose parent reaped it
-# before we looked. Not a valid signal number (1..64) nor an exit code (0..255).
-EXIT_CODE_UNKNOWN = -255
+from elaswave.local_protocol import EXIT_CODE_UNKNOWN
+
 _FOREIGN_POLL_S = 0.05
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 

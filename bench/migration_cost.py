@@ -1,7 +1,9 @@
 """Migration bytes and time: interleaved vs contiguous ZeRO layout, blocking vs non-blocking
 migration (ElasWave §6.2-6.3, Figs. 9-10), side by side.
 
-A PP=2 x DP=D gloo job of the engine's GPT model (`executor.launch.run_job`) moves `--move`
+A PP=2 x DP=D gloo job of the GPT example (examples/gpt: units embed, block_0.., head; stage 0
+holds the embedding and the first `--layers-per-stage` blocks, stage 1 the other blocks and the
+head; `executor.launch.run_job`) moves `--move`
 blocks from the end of stage 0 to stage 1 and back again, `--migrations` times (a pipeline-only
 change: every stage keeps its ranks). The same job runs once per combination of ZeRO layout
 ({interleaved, contiguous}) and migration mode ({blocking, non-blocking}); non-blocking needs the
@@ -34,16 +36,19 @@ the result.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from examples.gpt.data import MarkovWindows
+from examples.gpt.model import ModelConfig, block_numel, gpt_units, per_sample_loss
 from executor.launch import JobSpec, RankResult, run_job
 from executor.migration import moved_layers
-from executor.model import ModelConfig, block_numel
 from executor.nonblocking_migration import check_nonblocking
-from executor.trainer import TrainConfig
+from executor.optim import OptimizerConfig
+from executor.trainer import TrainSpec
 from planners.layout import Layout, StageLayout, make_uniform_layout
 from planners.zero import layer_move_cost, migration_cost, shard_transfers
 
@@ -64,11 +69,26 @@ class Setup:
 
     @property
     def num_layers(self) -> int:
+        """Transformer blocks of the model."""
         return 2 * self.layers_per_stage
 
-    def train_config(self) -> TrainConfig:
-        return TrainConfig(model=ModelConfig(hidden=self.hidden, num_heads=4, num_layers=self.num_layers,
-                                             seq_len=32))
+    @property
+    def num_units(self) -> int:
+        """Units (layout layers): embed, the blocks, head."""
+        return self.num_layers + 2
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(hidden=self.hidden, num_heads=4, num_layers=self.num_layers, seq_len=32)
+
+    def train_spec(self) -> TrainSpec:
+        cfg = self.model_config()
+        spec = TrainSpec(gpt_units(cfg), per_sample_loss, MarkovWindows(cfg.vocab_size, cfg.seq_len, 1 << 14, seed=0),
+                         OptimizerConfig("adamw", lr=3e-3, weight_decay=0.01))
+        spec.unit_probes()  # the dry run, once, here (the spec carries it into the rank processes)
+        return spec
+
+    def block_numel(self) -> int:
+        return block_numel(self.model_config())
 
 
 @dataclass(frozen=True)
@@ -82,15 +102,25 @@ class Row:
 
 
 def layouts(setup: Setup, zero: str) -> tuple[Layout, Layout]:
-    """The even split and the one with `move` blocks shifted from stage 0 to stage 1 (§6.2)."""
-    numel = block_numel(setup.train_config().model)
-    even = make_uniform_layout(setup.num_layers, 2, setup.dp, global_batch=setup.dp * MICRO_BATCHES,
-                               num_micro_batches=MICRO_BATCHES, layer_numel=(numel,) * setup.num_layers,
+    """The even split (embed + L blocks | L blocks + head) and the one with `move` blocks shifted
+    from stage 0 to stage 1 (§6.2)."""
+    even = make_uniform_layout(setup.num_units, 2, setup.dp, global_batch=setup.dp * MICRO_BATCHES,
+                               num_micro_batches=MICRO_BATCHES, layer_numel=unit_numels(setup),
                                zero_layout=zero)  # type: ignore[arg-type]
     s0, s1 = even.stages
+    assert s0.layer_stop == 1 + setup.layers_per_stage, even
     cut = s0.layer_stop - setup.move
     shifted = (StageLayout(0, 0, cut, s0.ranks), StageLayout(1, cut, s1.layer_stop, s1.ranks))
     return even, even.replace(stages=shifted)
+
+
+@functools.lru_cache(maxsize=4)
+def train_spec(setup: Setup) -> TrainSpec:
+    return setup.train_spec()
+
+
+def unit_numels(setup: Setup) -> tuple[int, ...]:
+    return train_spec(setup).unit_numels()
 
 
 def schedule(setup: Setup, zero: str) -> list[tuple[Layout, Layout]]:
@@ -136,7 +166,7 @@ def predicted_nonblocking(old: Layout, new: Layout) -> tuple[int, int]:
 def run(setup: Setup, zero: str, mode: str) -> dict[int, RankResult]:
     pairs = schedule(setup, zero)
     relayouts = tuple((i + 1, new) for i, (_, new) in enumerate(pairs))
-    spec = JobSpec(setup.train_config(), pairs[0][0], setup.migrations + 2, relayouts=relayouts,
+    spec = JobSpec(train_spec(setup), pairs[0][0], setup.migrations + 2, relayouts=relayouts,
                    migration=mode, shadow_slots=setup.shadow_slots, timeout_s=120.0)
     return run_job(spec)
 
@@ -183,7 +213,7 @@ def measure_all(setup: Setup) -> dict[tuple[str, str], Row | str]:
 
 
 def print_header(setup: Setup) -> None:
-    numel = block_numel(setup.train_config().model)
+    numel = setup.block_numel()
     print(f"# layer migration, PP=2 x DP={setup.dp} on gloo, {os.cpu_count()} shared CPU cores; "
           f"{setup.num_layers} blocks of {numel:,} params (hidden {setup.hidden}), {setup.move} block(s) "
           f"moved between stage 0 and 1, {setup.migrations} migrations per job, "
@@ -200,7 +230,7 @@ def ratio(a: float, b: float) -> str:
 def print_ratios(setup: Setup, rows: dict[tuple[str, str], Row | str]) -> None:
     ib, cb, inb = rows[("interleaved", "blocking")], rows[("contiguous", "blocking")], \
         rows[("interleaved", "nonblocking")]
-    numel = block_numel(setup.train_config().model)
+    numel = setup.block_numel()
     formula = [layer_move_cost(z, setup.layers_per_stage, setup.dp, numel) for z in ("interleaved", "contiguous")]
     print(f"\nplanner, one block moved (layer_move_cost, §6.3 / Fig. 10): |O| elements "
           f"{formula[0].total_elements:,} interleaved vs {formula[1].total_elements:,} contiguous "

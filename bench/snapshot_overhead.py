@@ -1,9 +1,9 @@
 """Step time with vs without per-step ring snapshots (ElasWave §7.3, Table 3), side by side.
 
-A PP=2 x DP=3 gloo job of the engine's GPT model runs the same steps with the parameter fabric's
+A PP=2 x DP=3 gloo job of the GPT example (examples/gpt, 4 blocks: 6 units) runs the same steps with the parameter fabric's
 snapshots on and off (alternating runs, same seed), through the step protocol (commit point and
 rollback copies in both). With snapshots each worker also sends its gradient shard to its ring
-neighbour every step, and that neighbour applies AdamW to its host copy in a background thread.
+neighbour every step, and that neighbour applies the same AdamW update to its host copy in a background thread.
 
 On this CPU-only machine the "host" update competes with training for the same cores (on an
 accelerator it runs on otherwise idle host cores), so the overhead measured here is an upper bound.
@@ -30,17 +30,21 @@ from typing import Any
 
 import torch
 
+from examples.gpt.data import MarkovWindows
+from examples.gpt.model import ModelConfig, gpt_units, per_sample_loss
 from executor.comm import Communicator, groups_for_stages
 from executor.fabric.trainer_state import FabricParticipant
-from executor.model import ModelConfig, block_numel
+from executor.optim import OptimizerConfig
 from executor.step_protocol import StepProtocol
 from executor.store_server import StoreServer, connect_store
-from executor.trainer import TrainConfig, Trainer
+from executor.trainer import Trainer, TrainSpec
 from planners.layout import make_uniform_layout
 
 
-def train_config(hidden: int) -> TrainConfig:
-    return TrainConfig(model=ModelConfig(hidden=hidden, num_heads=4, num_layers=4, seq_len=32))
+def train_spec(hidden: int) -> TrainSpec:
+    cfg = ModelConfig(hidden=hidden, num_heads=4, num_layers=4, seq_len=32)
+    return TrainSpec(gpt_units(cfg), per_sample_loss, MarkovWindows(cfg.vocab_size, cfg.seq_len, 1 << 14, seed=0),
+                     OptimizerConfig("adamw", lr=3e-3, weight_decay=0.01))
 
 
 WARMUP = 2
@@ -50,12 +54,12 @@ TIMEOUT_S = 120.0
 def _worker(worker: int, port: int, hidden: int, snapshots: bool, steps: int, verify_every: int,
             results: Any) -> None:
     torch.set_num_threads(1)
-    cfg = train_config(hidden)
-    layout = make_uniform_layout(4, 2, 3, global_batch=12, num_micro_batches=2,
-                                 layer_numel=(block_numel(cfg.model),) * 4)
+    spec = train_spec(hidden)
+    numel = spec.unit_numels()  # embed, 4 blocks, head: stage 0 = embed + 2 blocks, stage 1 = 2 blocks + head
+    layout = make_uniform_layout(len(numel), 2, 3, global_batch=12, num_micro_batches=2, layer_numel=numel)
     comm = Communicator(connect_store("127.0.0.1", port, TIMEOUT_S), worker,
                         groups_for_stages([s.ranks for s in layout.stages]), timeout_s=TIMEOUT_S)
-    trainer = Trainer(cfg, layout, worker, comm)
+    trainer = Trainer(spec, layout, worker, comm)
     participant = FabricParticipant(trainer, comm, snapshots=snapshots, verify_every=verify_every)
     proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
     times = []

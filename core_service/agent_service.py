@@ -20,11 +20,11 @@ from fastapi import APIRouter, HTTPException
 from fastapi.params import Depends
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agent.worker import EXIT_CODE_UNKNOWN
 from core_service.grpc_util import Malformed, RpcError, bearer_token, finite, invalid, require
 from core_service.jobs import UnknownJob
 from core_service.membership import AgentSession, Registration
 from core_service.model import DeviceInfo, StepReport, WorkerState
+from elaswave.local_protocol import EXIT_CODE_UNKNOWN
 from elaswave.v1 import agent_pb2
 
 if TYPE_CHECKING:

@@ -105,15 +105,16 @@ def job_name(args: argparse.Namespace) -> str:
 
 
 class StopRequest:
-    """SIGINT/SIGTERM handler: the first asks for a clean stop, the second for an immediate one."""
+    """SIGINT/SIGTERM handler. Before the workers start (`graceful` False) any signal ends the
+    launcher at once; once they run, the first asks for a clean stop, the second for an immediate one."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self.hard = False
+        self.graceful = False
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None:
-            self.hard = True
+        if self.signum is not None or not self.graceful:
+            self.signum = self.signum or signum
             raise KeyboardInterrupt  # out of any wait: tear down now
         self.signum = signum
         print(f"\n[elaswave] {signal.Signals(signum).name}: stopping the job at a step boundary "
@@ -151,8 +152,6 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     except DescribeError as exc:
         print(f"elaswave run: error: {exc}", file=sys.stderr)
         return 1
-    if stop.signum is not None:
-        return 128 + stop.signum
     try:
         placement = plan_placement(unit_costs(desc), global_batch=desc.global_batch,
                                    micro_batches=desc.micro_batches, nnodes=args.nnodes,
@@ -175,6 +174,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
 
     with tempfile.TemporaryDirectory(prefix="ew-") as sockets:  # short: Unix socket paths <= 107 bytes
         session = Session(args, name, desc, placement, run_dir, Path(sockets), stop)
+        stop.graceful = True
         try:
             return session.run()
         finally:

@@ -178,5 +178,7 @@ def outcome(job: str, exit_codes: dict[int, int | None], events: list[dict[str, 
     if not failed or finished:
         return Outcome(0, f"job {job!r} finished: {step + 1}/{total_steps} steps, {len(finished)} of "
                           f"{len(exit_codes)} workers finished{lost_note}", failed)
-    return Outcome(1, f"job {job!r} failed at step {step}: no worker finished; ranks {list(failed)} exited "
-                      f"non-zero ({', '.join(f'rank {r}: {exit_codes[r]}' for r in failed)}){lost_note}", failed)
+    where = f"after step {step}" if step >= 0 else "before its first step"
+    codes = ", ".join(f"rank {r}: {exit_codes[r]}" for r in failed)
+    return Outcome(1, f"job {job!r} failed {where}: no worker finished; ranks {list(failed)} exited non-zero "
+                      f"({codes}); see their logs in the run directory", failed)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO
 
 import httpx
 
@@ -50,7 +50,7 @@ def _die_with_parent(signum: int) -> Callable[[], None] | None:
 
 def spawn(cmd: list[str], env: Mapping[str, str], log: Path | None, death_signal: int) -> subprocess.Popen[bytes]:
     """Start `cmd` in its own session; stdout and stderr to `log` (None: the launcher's terminal)."""
-    out: TextIO | None = log.open("ab") if log is not None else None  # type: ignore[assignment]
+    out: BinaryIO | None = log.open("ab") if log is not None else None
     try:
         return subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                 start_new_session=True, preexec_fn=_die_with_parent(death_signal))
@@ -136,9 +136,9 @@ class LocalStore:
     def start(cls, env: Mapping[str, str], log: Path, timeout_s: float = 60.0) -> LocalStore:
         """Start it and wait (at most `timeout_s`: it imports torch) for the port it bound."""
         cmd = [sys.executable, "-m", "executor.store_server", "--host", LOOPBACK, "--port", "0"]
-        proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=log.open("ab"), start_new_session=True,
-                                preexec_fn=_die_with_parent(signal.SIGTERM))
+        with log.open("ab") as err:  # the child keeps its own copy
+            proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=err, start_new_session=True, preexec_fn=_die_with_parent(signal.SIGTERM))
         assert proc.stdout is not None
         lines: list[bytes] = []
         reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]

@@ -202,8 +202,8 @@ def discover_boundaries(model: UnitModel, sample_input: Activation) -> tuple[Uni
     """Run one sample through every unit on the CPU, one unit built at a time (so at most one
     unit's weights are held), and record each unit's parameters and output spec."""
     probes: list[UnitProbe] = []
+    ActivationSpec.of(sample_input)  # a clear TypeError before slicing what is not a batch
     x: Activation = tuple(t[:1] for t in sample_input) if isinstance(sample_input, tuple) else sample_input[:1]
-    ActivationSpec.of(x)
     for i, name in enumerate(model.names):
         unit = model.build(i)
         x = _real_forward(unit, name, x)

@@ -19,7 +19,7 @@ does here:
   the boundary, sees that its rank is gone and exits 0 (its agent then says Leave: LEFT, not
   LOST). SIGTERM of the worker itself (the agent forwards it; Slurm signals every process) never
   kills it mid-step: if its agent reported the preemption (a drain notice in the control file,
-  agent.control) it keeps training until the Core's plan lets it go, so the survivors never see
+  elaswave.local_protocol) it keeps training until the Core's plan lets it go, so the survivors never see
   it vanish; otherwise (a plain stop), or with no such plan within `--timeout`, it stops at the
   next step boundary and exits 143, which the survivors handle as a fail-stop.
 
@@ -83,8 +83,10 @@ class CoreDrivenWorker:
     def __init__(self, spec: Any, settings: WorkerSettings) -> None:
         import torch  # noqa: PLC0415 - keep imports of the light modules light
 
-        from agent.control import ControlReader  # noqa: PLC0415
-        from agent.local_metrics import StepMetricsClient  # noqa: PLC0415
+        from elaswave.local_protocol import (
+            ControlReader,  # noqa: PLC0415
+            StepMetricsClient,  # noqa: PLC0415
+        )
         from executor.checkpoint import CheckpointWriter  # noqa: PLC0415
         from executor.comm import Communicator, groups_for_stages  # noqa: PLC0415
         from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
@@ -308,7 +310,7 @@ def run_worker(spec: Any, settings: WorkerSettings) -> tuple[int, dict[str, Any]
         tmp.write_text(json.dumps(results, sort_keys=True))
         tmp.replace(out)
     if worker.exit_code == 0 and results["committed_steps"] == settings.steps:
-        from agent.control import mark_finished  # noqa: PLC0415
+        from elaswave.local_protocol import mark_finished  # noqa: PLC0415
 
         # The whole job is trained: the agent reports a finished worker, not a departure to plan for.
         mark_finished()

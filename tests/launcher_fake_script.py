@@ -16,9 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from agent.control import mark_finished
-from agent.local_metrics import StepMetricsClient
 from elaswave import worker_env as we
+from elaswave.local_protocol import StepMetricsClient, mark_finished
 
 STEPS = 6
 GLOBAL_BATCH = 8

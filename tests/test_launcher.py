@@ -140,6 +140,30 @@ def test_bad_flags_are_refused_with_what_to_fix(tmp_path: Path, flags: list[str]
     assert message in run.stderr
 
 
+@pytest.mark.timeout(60)
+def test_a_describe_run_that_hangs_is_bounded(tmp_path: Path) -> None:
+    script = tmp_path / "hangs.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    started = time.monotonic()
+    run = elaswave_run("--describe-timeout", "2", script, cwd=tmp_path)
+    assert run.returncode == 1 and time.monotonic() - started < 30
+    assert "hangs.py did not finish describing its model within 2 s" in run.stderr
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_describing_ends_the_launcher_and_the_script(tmp_path: Path) -> None:
+    script = tmp_path / "slow.py"
+    script.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(120)\n")
+    launcher = Launcher(script, cwd=tmp_path)
+    launcher.wait_for("the describe run", lambda: any("describing the model" in line for line in launcher.lines))
+    time.sleep(1.0)
+    children = psutil.Process(launcher.proc.pid).children(recursive=True)
+    launcher.proc.send_signal(signal.SIGINT)
+    assert launcher.wait(timeout_s=20) == 128 + signal.SIGINT
+    psutil.wait_procs(children, timeout=10)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
 def test_a_missing_script_is_refused(tmp_path: Path) -> None:
     run = elaswave_run("nothere.py", cwd=tmp_path, timeout_s=30)
     assert run.returncode == 64 and "script 'nothere.py' does not exist" in run.stderr

@@ -28,6 +28,7 @@ from elaswave.train_demo import (
     MAX_REL_DEV_BEFORE,
     TrainDemo,
     TrainDemoConfig,
+    fault_free_losses,
     job_losses,
     launch_job,
     wait_committed,
@@ -53,6 +54,7 @@ class Outcome:
     pids_before: dict[str, int]
     pids_after: dict[str, int]
     victim_agent_status: int | None
+    fault_free: list[float]  # the same script in one process
 
 
 def _preempt_through_core(demo: TrainDemo) -> None:
@@ -86,7 +88,7 @@ def _run(tmp_path: Path, preempt: Callable[[TrainDemo], None]) -> Outcome:
         except subprocess.TimeoutExpired:  # reported by the assertion on the status
             status = None
         return Outcome(preempted_unix, events, results, states(job), pids_before,
-                       {m["worker_id"]: m["pid"] for m in job["members"]}, status)
+                       {m["worker_id"]: m["pid"] for m in job["members"]}, status, fault_free_losses(demo))
     finally:
         demo.stop()
 
@@ -130,10 +132,6 @@ def _check_core_view(out: Outcome) -> tuple[dict[str, Any], dict[str, Any], dict
 
 def _check_training(out: Outcome) -> tuple[int, float]:
     """The victim left at a step boundary; every step trained once, exactly, vs the fault-free run."""
-    from executor.model import ModelConfig  # noqa: PLC0415 - torch only when the test runs
-    from executor.reference import run_reference  # noqa: PLC0415
-    from executor.trainer import TrainConfig  # noqa: PLC0415
-
     victim = out.results[CFG.victim_rank]
     left = victim["left_at_step"]
     assert CFG.kill_after_step < left < CFG.steps and victim["committed_steps"] == left
@@ -152,8 +150,7 @@ def _check_training(out: Outcome) -> tuple[int, float]:
         if rank != CFG.victim_rank:
             assert res["committed_steps"] == CFG.steps
             assert [(r["step"], r["epoch"]) for r in res["recoveries"]] == [(left, 1)], res["recoveries"]
-    ref = run_reference(TrainConfig(model=ModelConfig(num_layers=CFG.layers, dropout=CFG.dropout)),
-                        CFG.global_batch, CFG.micro_batches, CFG.steps).losses
+    ref = out.fault_free
     losses = job_losses(out.results)
     assert sorted(losses) == list(range(CFG.steps))
     for step in range(left):

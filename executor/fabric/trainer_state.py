@@ -3,7 +3,7 @@
 Per step: the trainer's ZeRO-1 optimizer reduce-scatters gradients and hands the reduced slices to
 its gradient hook (`Trainer.set_grad_hook`, kept across every layout change); this participant's
 hook sends them around the DP ring (`RingSnapshot`), and the holder applies
-`executor.zero.adamw_update` — the engine's own update function — to its host copy once the step
+`Trainer.update_slice` — the engine's own optimizer update — to its host copy once the step
 commits. Every `verify_every` steps the ring compares checksums of snapshot and live shard.
 
 On a plan (`on_plan`) it is the one diff-and-apply path of the engine (`relayout.plan_relayout`):

@@ -19,8 +19,7 @@ import psutil
 import pytest
 
 from agent.devices import DeviceSet
-from agent.local_metrics import StepMetricsClient
-from agent.worker import EXIT_CODE_UNKNOWN
+from elaswave.local_protocol import EXIT_CODE_UNKNOWN, StepMetricsClient
 from elaswave.v1 import agent_pb2
 from tests.agent.harness import RecordingCore, base_args, sleeper_command, wait_worker_ready
 
@@ -87,8 +86,8 @@ def test_worker_kill9_is_reported_as_signal_exit(core, run_agent, tmp_path: Path
 def test_worker_that_finishes_or_leaves_departs_and_one_that_fails_reports_its_exit(
         core, run_agent, tmp_path: Path, how: str):
     ready = tmp_path / "go"
-    # "finished": the worker says its work is complete (agent.control.mark_finished), then exits 0.
-    say_done = "from agent.control import mark_finished; assert mark_finished()\n" if how == "finished" else ""
+    # "finished": the worker says its work is complete (elaswave.local_protocol.mark_finished), then exits 0.
+    say_done = "from elaswave.local_protocol import mark_finished; assert mark_finished()\n" if how == "finished" else ""
     code = 3 if how == "failed" else 0
     worker = [sys.executable, "-c",
               f"import pathlib, sys, time\nwhile not pathlib.Path({str(ready)!r}).exists(): time.sleep(0.02)\n"

@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from agent.control import ControlReader
+from elaswave.local_protocol import ControlReader
 from tests.agent.harness import AgentProcess
 from tests.core.procs import CoreProcess, create_job, new_token, wait_until
 

@@ -9,14 +9,6 @@ from pathlib import Path
 import pytest
 
 from agent.config import Address, AgentConfig
-from agent.control import (
-    BadControlFile,
-    ControlFile,
-    ControlReader,
-    DrainNotice,
-    FrequencyState,
-    parse_control,
-)
 from agent.frequency import (
     ClockRange,
     FrequencyRefused,
@@ -25,6 +17,14 @@ from agent.frequency import (
     parse_clock_range,
     parse_npu_smi_common,
     select_controller,
+)
+from elaswave.local_protocol import (
+    BadControlFile,
+    ControlFile,
+    ControlReader,
+    DrainNotice,
+    FrequencyState,
+    parse_control,
 )
 
 CLOCK = ClockRange(800, 1400, 1650)

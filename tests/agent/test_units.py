@@ -13,10 +13,11 @@ import pytest
 from agent.backoff import AddressRotation, Backoff, parse_leader_hint
 from agent.config import Address, AgentConfig, default_metrics_socket, parse_address, parse_address_list
 from agent.daemon import agent_exit_code
-from agent.local_metrics import BadMetrics, StepMetricsClient, _remove_stale_socket, parse_line
+from agent.local_metrics import _remove_stale_socket, parse_line
 from agent.logs import format_event
 from agent.preemption import parse_notice_deadline
-from agent.worker import EXIT_CODE_UNKNOWN, ExitStatus, describe_exit
+from agent.worker import ExitStatus, describe_exit
+from elaswave.local_protocol import EXIT_CODE_UNKNOWN, BadMetrics, StepMetricsClient
 
 GOOD = {"step": 3, "step_time_s": 1.5, "compute_time_s": 1.0, "loss": 2.25, "samples": 16, "stage": 1, "dp_rank": 0}
 

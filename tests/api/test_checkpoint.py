@@ -16,7 +16,6 @@ import torch
 from executor.checkpoint import (
     CheckpointError,
     CheckpointWriter,
-    StagePayload,
     latest_checkpoint,
     load_model_state,
     read_meta,

@@ -27,26 +27,25 @@ import torch
 from executor.comm import Communicator, PeerFailure, groups_for_stages
 from executor.comm.groups import physical_groups
 from executor.fabric.trainer_state import FabricParticipant, shard_state_of
-from executor.model import ModelConfig
 from executor.step_protocol import StepProtocol, plan_key
 from executor.store_server import StoreServer, connect_store
-from executor.trainer import TrainConfig, Trainer
+from executor.trainer import Trainer
 from planners.dataflow import resize_after_loss
 from planners.layout import Layout, Plan, make_uniform_layout
+from tests.executor.engine_cases import NUM_UNITS, gpt_spec
 from tests.executor.ft_procs import collect, spawn
 
 STEPS, FAIL_STEP, VICTIM = 8, 4, 4
 WORKERS = list(range(6))
 BATCH = 12
-CFG = TrainConfig(model=ModelConfig(num_layers=4, dropout=0.1))
+CFG = gpt_spec(dropout=0.1)  # 4 blocks: units embed, block_0..block_3, head
 TIMEOUT_S = 20.0
 
 
 def base_layout(rng_mode: str) -> Layout:
-    from executor.model import block_numel
-
-    return make_uniform_layout(4, 2, 3, global_batch=BATCH, num_micro_batches=2,
-                               layer_numel=(block_numel(CFG.model),) * 4, rng_mode=rng_mode)  # type: ignore[arg-type]
+    """Stage 0: embed, block_0, block_1 on workers 0-2; stage 1: block_2, block_3, head on 3-5."""
+    return make_uniform_layout(NUM_UNITS, 2, 3, global_batch=BATCH, num_micro_batches=2,
+                               layer_numel=CFG.unit_numels(), rng_mode=rng_mode)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

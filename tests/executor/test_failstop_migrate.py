@@ -1,18 +1,20 @@
 """Re-layout through one path, `FabricParticipant.on_plan` (ElasWave §4.2, §5.2, §6.2).
 
 * A loss whose plan also rebalances the pipeline: PP=2 x DP=3, worker 4 (stage 1) is killed with
-  SIGKILL mid-step; the plan drops it *and* moves block 2 from the damaged stage 1 to stage 0.
+  SIGKILL mid-step; the plan drops it *and* moves block 2 (unit 3) from the damaged stage 1 to
+  stage 0.
   The survivors live-remap the committed shards onto the new ranks with the old boundaries, then
   migrate the block, then re-seed the snapshot ring. Right after recovery the gathered parameters
   and Adam moments equal the fault-free run's at the last committed step bitwise; the remaining
   losses follow the fault-free ones (mean relative deviation <= 1e-4); the same samples are fed;
   the snapshots verify after recovery and equal the live shards bitwise at the end.
-* A pipeline-only plan (no rank lost, block 1 moves to stage 1) applied at a step boundary
+* A pipeline-only plan (no rank lost, block 1 = unit 2 moves to stage 1) applied at a step boundary
   through the same protocol path, with blocking and with non-blocking migration (shadow layer and
   gradient payback inside the next step, Fig. 9): no group is rebuilt, and losses and final
   state are bit-identical to the run without the move.
 
-Job driver and assertions come from test_failstop.py.
+Job driver and assertions come from test_failstop.py. Units: 0 embed, 1-4 block_0..block_3, 5 head;
+the base layout holds units [0, 3) on stage 0 and [3, 6) on stage 1.
 """
 
 from __future__ import annotations
@@ -51,19 +53,19 @@ def with_bounds(layout: Layout, bounds: list[tuple[int, int]]) -> Layout:
 
 
 def loss_and_rebalance(victim: int) -> Layout:
-    """The victim leaves stage 1 and block 2 moves out of stage 1 into stage 0 (§4.2)."""
-    return with_bounds(resize_after_loss(base_layout(RNG), {victim}).layout, [(0, 3), (3, 4)])
+    """The victim leaves stage 1 and block 2 (unit 3) moves out of stage 1 into stage 0 (§4.2)."""
+    return with_bounds(resize_after_loss(base_layout(RNG), {victim}).layout, [(0, 4), (4, 6)])
 
 
 def test_plan_is_diffed_into_remap_then_migration() -> None:
     old = base_layout(RNG)
     steps = plan_relayout(old, loss_and_rebalance(4))
-    assert steps.lost == {4} and steps.moves == ((2, 1, 0),)
+    assert steps.lost == {4} and steps.moves == ((3, 1, 0),)
     assert steps.remap_to is not None
     assert [s.ranks for s in steps.remap_to.stages] == [(0, 1, 2), (3, 5)]
-    assert [(s.layer_start, s.layer_stop) for s in steps.remap_to.stages] == [(0, 2), (2, 4)]
-    pipeline_only = plan_relayout(old, with_bounds(old, [(0, 1), (1, 4)]))
-    assert pipeline_only.remap_to is None and pipeline_only.moves == ((1, 0, 1),) and not pipeline_only.lost
+    assert [(s.layer_start, s.layer_stop) for s in steps.remap_to.stages] == [(0, 3), (3, 6)]
+    pipeline_only = plan_relayout(old, with_bounds(old, [(0, 2), (2, 6)]))
+    assert pipeline_only.remap_to is None and pipeline_only.moves == ((2, 0, 1),) and not pipeline_only.lost
     loss_only = plan_relayout(old, resize_after_loss(old, {1}).layout)
     assert loss_only.moves == () and loss_only.remap_to is not None
     assert plan_relayout(old, old).is_empty
@@ -74,7 +76,7 @@ def test_unsupported_plans_are_refused_with_the_reason() -> None:
     with pytest.raises(RelayoutError, match=r"unsupported .*: adding ranks \(ranks \[4\] join"):
         plan_relayout(resize_after_loss(old, {4}).layout, old)
     with pytest.raises(RelayoutError, match=r"unsupported .*: changing the number of stages \(2 -> 1\)"):
-        plan_relayout(old, replace(old, stages=(replace(old.stages[0], layer_stop=4),)))
+        plan_relayout(old, replace(old, stages=(replace(old.stages[0], layer_stop=6),)))
     with pytest.raises(RelayoutError, match="unsupported .*: changing the global batch"):
         plan_relayout(old, replace(old, global_batch=6))
     three = make_uniform_layout(6, 3, 1, global_batch=6, num_micro_batches=2, layer_numel=(8,) * 6)
@@ -93,7 +95,7 @@ def test_kill9_with_layer_rebalance_recovers_bitwise() -> None:
     assert sorted(got_losses) == list(range(STEPS))
     assert all(got_losses[s] == ref_losses[s] for s in range(FAIL_STEP))
     deviation = _mean_rel_dev(got_losses, ref_losses, range(FAIL_STEP, STEPS))
-    print(f"\nloss + block 2 moved to stage 0: mean relative loss deviation {deviation:.3e}")
+    print(f"\nloss + block 2 (unit 3) moved to stage 0: mean relative loss deviation {deviation:.3e}")
     assert deviation <= 1e-4
     assert_recovered_bitwise(clean, faulty)
     assert_same_samples(clean, faulty, FAIL_STEP)
@@ -102,10 +104,11 @@ def test_kill9_with_layer_rebalance_recovers_bitwise() -> None:
     assert_exact_edit(faulty, plan)
     for w, r in faulty.items():
         (report,) = r["migrations"]  # the block moved once, in the recovery
-        assert report["moved_layers"] == ((2, 1, 0),), w
+        assert report["moved_layers"] == ((3, 1, 0),), w
         assert r["stage_after"] == r["stage"]  # ranks keep their stage, the block changed stage
-    # stage 0 now holds blocks 0-2 (DP 3), stage 1 holds block 3 (DP 2)
-    assert {u for r in faulty.values() if r["stage"] == 0 for u in r["recovered_state"]["units"]} >= {"block_2"}
+    # stage 0 now holds embed and blocks 0-2 (DP 3), stage 1 holds block 3 and the head (DP 2)
+    assert {u for r in faulty.values() if r["stage"] == 0 for u in r["recovered_state"]["units"]} == {
+        "embed", "block_0", "block_1", "block_2"}
     assert_snapshots_equal_live(faulty)
 
 
@@ -118,7 +121,7 @@ def test_pipeline_only_plan_through_protocol_is_bit_identical(migration: str) ->
     the ring is re-seeded inside the step after it. Either way the losses and the final state are
     bit-identical to the run without the move, and the snapshots end equal to the live shards."""
     old = base_layout(RNG)
-    sc = Scenario(RNG, relayout_at=RELAYOUT_AT, new_layout=with_bounds(old, [(0, 1), (1, 4)]), migration=migration)
+    sc = Scenario(RNG, relayout_at=RELAYOUT_AT, new_layout=with_bounds(old, [(0, 2), (2, 6)]), migration=migration)
     clean, moved = _clean(RNG), _run(sc)
     assert _last_stage_losses(moved) == _last_stage_losses(clean)
     assert_states_bitwise(_merged(clean, "final_state"), _merged(moved, "final_state"))
@@ -128,7 +131,7 @@ def test_pipeline_only_plan_through_protocol_is_bit_identical(migration: str) ->
     for w, r in moved.items():
         assert r["edits"][0]["rebuilt"] == () and r["edits"][0]["at_step"] == RELAYOUT_AT, w
         (report,) = r["migrations"]
-        assert report["moved_layers"] == ((1, 0, 1),) and report["mode"] == migration, (w, report)
+        assert report["moved_layers"] == ((2, 0, 1),) and report["mode"] == migration, (w, report)
         if migration == "nonblocking":  # stage 0 ran block 1 as a shadow, stage 1 folded its payback
             assert (report["shadow_slots_run"], report["payback_slots"]) == ((1, 0) if r["stage"] == 0 else (0, 1)), w
         assert r["samples"] == clean[w]["samples"]
@@ -146,11 +149,11 @@ def test_nonblocking_plan_path_falls_back_where_it_cannot_apply() -> None:
     part = FabricParticipant.__new__(FabricParticipant)
     part.comm, part.migration, part.shadow_slots = Gloo(), "nonblocking", 1  # type: ignore[assignment]
     old = base_layout(RNG)
-    assert part._nonblocking_applies(old, plan_relayout(old, with_bounds(old, [(0, 1), (1, 4)])).moves)
+    assert part._nonblocking_applies(old, plan_relayout(old, with_bounds(old, [(0, 2), (2, 6)])).moves)
     rebalance = plan_relayout(old, loss_and_rebalance(4))
     assert not part._nonblocking_applies(rebalance.remap_to, rebalance.moves)
     part.migration = "blocking"
-    assert not part._nonblocking_applies(old, ((1, 0, 1),))
+    assert not part._nonblocking_applies(old, ((2, 0, 1),))
     with pytest.raises(ValueError, match="migration must be one of"):
         FabricParticipant(None, None, migration="async")  # type: ignore[arg-type]
 

@@ -17,7 +17,7 @@ from executor.comm import Communicator, MembershipError, PeerFailure, groups_for
 from executor.launch import JobSpec, job_losses, merged_state, run_job
 from executor.nonblocking_migration import MIGRATE_TAG
 from executor.store_server import StoreServer, connect_store
-from tests.executor.engine_cases import layout, max_state_diff, states_equal, train_config
+from tests.executor.engine_cases import gpt_block_numel, gpt_spec, layout, max_state_diff, states_equal
 from tests.executor.ft_procs import collect, spawn
 
 RANKS = [(0, 1), (2, 3)]
@@ -27,19 +27,19 @@ STEPS = 7
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_nonblocking_migration_on_dynamic_communicator_is_bit_identical() -> None:
-    """PP=2 x DP=2 on executor.comm.Communicator: block 1 moves to stage 1 before step 2, blocks 1
-    and 2 move back to stage 0 before step 5, both non-blocking (shadow + payback over k=2 slots).
+    """PP=2 x DP=2 on executor.comm.Communicator: block 1 (unit 2) moves to stage 1 before step 2,
+    blocks 1 and 2 (units 2, 3) move to stage 0 before step 5, both non-blocking (shadow + payback over k=2 slots).
     Losses and final parameters and moments are bit-identical to the run without moves."""
-    cfg = train_config(dropout=0.1)
-    start = layout([(0, 2), (2, 4)], RANKS)
-    relayouts = ((2, layout([(0, 1), (1, 4)], RANKS)), (5, layout([(0, 3), (3, 4)], RANKS)))
+    cfg = gpt_spec(dropout=0.1)
+    start = layout([(0, 3), (3, 6)], RANKS)
+    relayouts = ((2, layout([(0, 2), (2, 6)], RANKS)), (5, layout([(0, 4), (4, 6)], RANKS)))
     base = run_job(JobSpec(cfg, start, STEPS, comm_kind="dynamic", timeout_s=30.0))
     moved = run_job(JobSpec(cfg, start, STEPS, relayouts=relayouts, migration="nonblocking", shadow_slots=2,
                             comm_kind="dynamic", timeout_s=30.0))
     assert job_losses(moved) == job_losses(base)
     assert states_equal(merged_state(moved), merged_state(base)), max_state_diff(merged_state(moved),
                                                                                  merged_state(base))
-    numel = start.layer_numel[1]
+    numel = gpt_block_numel()
     for rank, res in moved.items():
         assert [m["mode"] for m in res.migrations] == ["nonblocking", "nonblocking"]
         first, second = res.migrations

@@ -1,73 +1,144 @@
+"""The model as units (executor/units.py) and the GPT example written against it
+(examples/gpt/model.py): a unit is the same tensor wherever it is built, stages of units compose
+to the whole model, the dry run finds every boundary, and bad units are refused clearly."""
+
 from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
+from torch import nn
 
-from executor.model import (
+from examples.gpt.model import (
     EMBED,
     HEAD,
-    ForwardContext,
     ModelConfig,
-    StageModel,
     block_name,
     block_numel,
     build_unit,
+    gpt_units,
     per_sample_loss,
-    unit_order,
+    unit_names,
 )
-from executor.rng import DropoutRng
+from executor.rng import DropoutRng, UnitCall, unit_call
+from executor.trainer import StageModel
+from executor.units import (
+    ActivationSpec,
+    TensorSpec,
+    UnitBuildError,
+    UnitModel,
+    call_unit,
+    discover_boundaries,
+    fingerprint,
+)
 from executor.zero import flat_params
 
 CFG = ModelConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=4, num_layers=4, dropout=0.2)
+UNITS = gpt_units(CFG)
 
 
-def _ctx(n: int, step: int = 0) -> ForwardContext:
-    rng = DropoutRng(11)
+def _run(stage: StageModel, x: torch.Tensor, samples: list[int], step: int = 0, seed: int = 11) -> torch.Tensor:
+    """Run a stage's units in order the way the engine does: each under its unit-call context."""
+    rng = DropoutRng(seed)
     rng.begin_step(step)
-    return ForwardContext(list(range(100, 100 + n)), rng)
+    for name, unit in stage.units.items():
+        with unit_call(UnitCall(step, UNITS.index(name), tuple(samples), rng), None):
+            x = call_unit(unit, x)
+    return x
+
+
+def _tokens(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_gpt_is_embed_blocks_head() -> None:
+    assert list(UNITS.names) == unit_names(CFG) == [EMBED, "block_0", "block_1", "block_2", "block_3", HEAD]
+    assert block_numel(CFG) == sum(p.numel() for p in build_unit(CFG, block_name(2)).parameters())
+    assert StageModel(UNITS, 1, 3).unit_names() == ["block_0", "block_1"]
+    assert StageModel(UNITS, 3, 6).unit_names() == ["block_2", "block_3", HEAD]
 
 
 def test_stages_compose_to_the_whole_model_bit_for_bit() -> None:
-    tokens = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0))
-    whole = StageModel(CFG, 0, 4)(tokens, _ctx(3))
-    for cut in (1, 2, 3):
-        first, second = StageModel(CFG, 0, cut), StageModel(CFG, cut, 4)
-        assert torch.equal(second(first(tokens, _ctx(3)), _ctx(3)), whole)
+    tokens = _tokens(3)
+    samples = [100, 101, 102]
+    whole = _run(StageModel(UNITS, 0, 6), tokens, samples)
+    assert whole.shape == (3, 16, 64)
+    for cut in range(1, 6):
+        first, second = StageModel(UNITS, 0, cut), StageModel(UNITS, cut, 6)
+        assert torch.equal(_run(second, _run(first, tokens, samples), samples), whole), cut
 
 
 def test_units_are_initialised_identically_wherever_they_are_built() -> None:
-    a, b = StageModel(CFG, 0, 2), StageModel(CFG, 1, 4)
-    assert torch.equal(flat_params(a.units[block_name(1)]), flat_params(b.units[block_name(1)]))
-    assert not torch.equal(flat_params(a.units[block_name(0)]), flat_params(a.units[block_name(1)]))
-    assert torch.equal(flat_params(build_unit(CFG, HEAD)), flat_params(b.units[HEAD]))
+    a, b = StageModel(UNITS, 0, 3), StageModel(UNITS, 2, 6)
+    assert torch.equal(flat_params(a.units["block_1"]), flat_params(b.units["block_1"]))
+    assert not torch.equal(flat_params(a.units["block_0"]), flat_params(a.units["block_1"]))
+    # Whatever the caller's global RNG state, and without disturbing it.
+    torch.manual_seed(999)
+    before = torch.random.get_rng_state()
+    head = UNITS.build(UNITS.index(HEAD))
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert torch.equal(flat_params(head), flat_params(b.units[HEAD]))
+    # Another model object over the same config (another rank) builds the same bits; another
+    # init seed does not.
+    assert fingerprint(gpt_units(CFG).build(2)) == fingerprint(UNITS.build(2))
+    other = gpt_units(ModelConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=4, num_layers=4, init_seed=7))
+    assert fingerprint(other.build(2)) != fingerprint(UNITS.build(2))
 
 
-def test_embedding_on_first_stage_head_on_last_only() -> None:
-    assert unit_order(4, 0, 2) == [EMBED, "block_0", "block_1"]
-    assert unit_order(4, 2, 4) == ["block_2", "block_3", HEAD]
-    assert unit_order(4, 1, 3) == ["block_1", "block_2"]
-    assert StageModel(CFG, 1, 3).unit_names() == ["block_1", "block_2"]
-    assert block_numel(CFG) == sum(p.numel() for p in build_unit(CFG, "block_0").parameters())
+def test_a_unit_built_in_another_process_is_bitwise_identical() -> None:
+    """Another rank is another process, with its own RNG history: it must build the same bits."""
+    script = textwrap.dedent("""
+        import torch
+        torch.manual_seed(4321)
+        torch.rand(17)
+        from examples.gpt.model import ModelConfig, gpt_units
+        from executor.units import fingerprint
+        units = gpt_units(ModelConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=4, num_layers=4, dropout=0.2))
+        print(" ".join(fingerprint(units.build(i)) for i in reversed(range(len(units)))))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    theirs = out.stdout.split()[::-1]
+    assert theirs == [fingerprint(UNITS.build(i)) for i in range(len(UNITS))]
+
+
+def test_dry_run_finds_every_boundary() -> None:
+    probes = discover_boundaries(UNITS, _tokens(2))
+    hidden = ActivationSpec((TensorSpec((16, 32), torch.float32),), False)
+    assert [p.output for p in probes] == [hidden] * 5 + [ActivationSpec((TensorSpec((16, 64), torch.float32),), False)]
+    assert [p.numel for p in probes] == [sum(q.numel() for q in UNITS.build(i).parameters()) for i in range(6)]
+    assert probes[1].numel == block_numel(CFG)
+    assert [n for n, _ in probes[0].params] == ["tok.weight", "pos.weight"]
+    assert hidden.bytes_per_sample() == 16 * 32 * 4
 
 
 def test_attention_is_causal() -> None:
-    model = StageModel(ModelConfig(dropout=0.0), 0, 4)
-    tokens = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    model = StageModel(gpt_units(ModelConfig(dropout=0.0)), 0, 6)
+    tokens = _tokens(1, seed=1)
     changed = tokens.clone()
     changed[0, 10] = (changed[0, 10] + 1) % 64
-    a, b = model(tokens, _ctx(1)), model(changed, _ctx(1))
+    a, b = _run(model, tokens, [0]), _run(model, changed, [0])
     assert torch.equal(a[:, :10], b[:, :10])
     assert not torch.allclose(a[:, 10:], b[:, 10:])
 
 
 def test_dropout_follows_the_sample_not_the_batch() -> None:
-    model = StageModel(CFG, 0, 4)
-    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))
-    both = model(tokens, _ctx(4))
-    rng = DropoutRng(11)
-    alone = model(tokens[2:3], ForwardContext([102], rng))
+    model = StageModel(UNITS, 0, 6)
+    tokens = _tokens(4, seed=2)
+    both = _run(model, tokens, [100, 101, 102, 103])
+    alone = _run(model, tokens[2:3], [102])
     assert torch.allclose(both[2:3], alone, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(both, model(tokens, _ctx(4, step=1)))
+    assert not torch.allclose(both, _run(model, tokens, [100, 101, 102, 103], step=1))
+    # Outside an engine forward, or in eval mode, elaswave.dropout is the identity.
+    outside = model.units["block_0"](model.units[EMBED](tokens))
+    model.eval()
+    assert torch.equal(_run(model, tokens, [100, 101, 102, 103]), _run(model, tokens, [0, 1, 2, 3]))
+    model.train()
+    nodrop = StageModel(gpt_units(ModelConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=4, num_layers=4)), 0, 2)
+    assert torch.equal(outside, nodrop.units["block_0"](nodrop.units[EMBED](tokens)))
 
 
 def test_per_sample_loss_is_mean_token_cross_entropy() -> None:
@@ -79,10 +150,42 @@ def test_per_sample_loss_is_mean_token_cross_entropy() -> None:
 
 
 def test_a_stage_can_reuse_modules_it_already_has() -> None:
-    old = StageModel(CFG, 0, 2)
-    new = StageModel(CFG, 0, 3, reuse=dict(old.units.items()))
+    old = StageModel(UNITS, 0, 3)
+    new = StageModel(UNITS, 0, 4, reuse=dict(old.units.items()))
     assert new.units["block_1"] is old.units["block_1"]
     assert torch.equal(flat_params(new.units["block_2"]), flat_params(build_unit(CFG, "block_2")))
+
+
+def test_user_state_dict_overrides_the_constructor() -> None:
+    whole = {f"{name}.{k}": v for i, name in enumerate(UNITS.names) for k, v in UNITS.build(i).state_dict().items()}
+    state = {k: torch.full_like(v, 0.5) if k.startswith(f"{HEAD}.") else v for k, v in whole.items()}
+    loaded = UnitModel(UNITS.names, functools.partial(build_unit, CFG), CFG.init_seed, state)
+    head_numel = sum(v.numel() for k, v in whole.items() if k.startswith(f"{HEAD}."))
+    assert torch.equal(flat_params(loaded.build(5)), torch.full((head_numel,), 0.5))
+    assert torch.equal(flat_params(loaded.build(1)), flat_params(UNITS.build(1)))
+    # Loading is strict: a unit whose weights are missing is refused, not silently left as drawn.
+    partial = UnitModel(UNITS.names, functools.partial(build_unit, CFG), state_dict={
+        k: v for k, v in state.items() if not k.startswith("block_0.")})
+    with pytest.raises(UnitBuildError, match=r"(?s)state_dict does not fit unit 'block_0'.*Missing key"):
+        partial.build(1)
+    with pytest.raises(UnitBuildError, match="units \\['decoder'\\] that the model does not have"):
+        UnitModel(UNITS.names, functools.partial(build_unit, CFG), state_dict={"decoder.w": torch.zeros(1)})
+    bad = UnitModel(UNITS.names, functools.partial(build_unit, CFG), state_dict={f"{HEAD}.lm.weight": torch.zeros(3)})
+    with pytest.raises(UnitBuildError, match="state_dict does not fit unit 'head'"):
+        bad.build(5)
+
+
+def test_units_from_modules() -> None:
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    units = UnitModel.from_modules(seq)
+    assert units.names == ("0", "1", "2")
+    built = units.build(2)
+    assert built is not seq[2] and torch.equal(flat_params(built), flat_params(seq[2]))
+    named = UnitModel.from_modules({"enc": nn.Linear(2, 2), "dec": nn.Linear(2, 1)})
+    assert named.names == ("enc", "dec")
+    with pytest.raises(UnitBuildError, match="'x' is a int, not an nn.Module"):
+        UnitModel.from_modules({"x": 3})  # type: ignore[dict-item]
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -95,10 +198,73 @@ def test_bad_model_config(kwargs: dict[str, object], message: str) -> None:
         ModelConfig(**kwargs)  # type: ignore[arg-type]
 
 
-def test_bad_stage_bounds_and_unit_names() -> None:
+def test_build_errors_name_the_unit_and_the_cause() -> None:
     with pytest.raises(ValueError, match="invalid"):
-        StageModel(CFG, 2, 2)
+        StageModel(UNITS, 2, 2)
+    with pytest.raises(ValueError, match="invalid"):
+        StageModel(UNITS, 0, 7)
     with pytest.raises(ValueError, match="unknown model unit"):
         build_unit(CFG, "decoder")
-    with pytest.raises(ValueError, match="out of range"):
-        build_unit(CFG, "block_9")
+    bad_names = UnitModel(["embed", "block_9"], functools.partial(build_unit, CFG))
+    with pytest.raises(UnitBuildError, match=r"building unit 'block_9' failed: ValueError: .*out of range"):
+        bad_names.build(1)
+    not_a_module = UnitModel(["a"], lambda name: torch.zeros(3))
+    with pytest.raises(UnitBuildError, match=r"build_unit\('a'\) returned Tensor, not an nn.Module"):
+        not_a_module.build(0)
+    with pytest.raises(UnitBuildError, match="no units"):
+        UnitModel([], functools.partial(build_unit, CFG))
+    with pytest.raises(UnitBuildError, match="unique"):
+        UnitModel(["embed", "embed"], functools.partial(build_unit, CFG))
+    with pytest.raises(UnitBuildError, match="without '.'"):
+        UnitModel(["enc.0"], functools.partial(build_unit, CFG))
+
+
+def test_tied_weights_across_units_are_refused() -> None:
+    shared = nn.Linear(4, 4)
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = shared
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    tied = UnitModel(["a", "b"], lambda name: shared if name == "a" else Wrap())
+    with pytest.raises(UnitBuildError, match="units 'a' and 'b' share a parameter"):
+        StageModel(tied, 0, 2)
+
+
+def test_dry_run_errors_name_the_unit() -> None:
+    units = UnitModel(["lin", "pair", "bad"], lambda name: {
+        "lin": nn.Linear(4, 4), "pair": _Pair(), "bad": nn.Linear(5, 2)}[name])
+    with pytest.raises(UnitBuildError, match=r"unit 'bad' failed on one sample of input tuple of"):
+        discover_boundaries(units, torch.zeros(3, 4))
+    dict_out = UnitModel(["d"], lambda name: _Dict())
+    with pytest.raises(UnitBuildError, match="unit 'd': an activation must be a tensor, or a tuple of tensors"):
+        discover_boundaries(dict_out, torch.zeros(3, 4))
+    with pytest.raises(TypeError, match="first dimension is the sample"):
+        discover_boundaries(dict_out, torch.tensor(1.0))
+
+
+class _Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x.sum(1, keepdim=True)
+
+
+class _Dict(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"x": x}
+
+
+def test_tuple_activations_are_unpacked_into_the_next_unit() -> None:
+    class Add(nn.Module):
+        def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+            return x + s
+
+    units = UnitModel(["pair", "add"], lambda name: _Pair() if name == "pair" else Add())
+    probes = discover_boundaries(units, torch.ones(3, 4))
+    assert probes[0].output.is_tuple and [t.shape for t in probes[0].output.tensors] == [(4,), (1,)]
+    assert probes[1].output == ActivationSpec((TensorSpec((4,), torch.float32),), False)
+    x = torch.ones(2, 4)
+    assert torch.equal(call_unit(Add(), call_unit(_Pair(), x)), x + 4)

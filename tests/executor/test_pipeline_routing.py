@@ -8,7 +8,7 @@ import pytest
 
 from executor.pipeline import Op, compute_order, routes, stage_program
 from planners.layout import Layout, SampleRange
-from tests.executor.engine_cases import layout
+from tests.executor.engine_cases import NUM_UNITS, layout
 
 Message = tuple[str, int, int, int, int]  # (direction, slot, sender, receiver, first sample)
 
@@ -59,7 +59,7 @@ def _naive_program(num_stages: int, stage: int, num_slots: int) -> list[Op]:
 
 
 def _uniform(p: int, dp: list[int], batch: int, slots: int) -> Layout:
-    bounds = [(s, s + 1) for s in range(p - 1)] + [(p - 1, 4)]
+    bounds = [(s, s + 1) for s in range(p - 1)] + [(p - 1, NUM_UNITS)]
     ranks, nxt = [], 0
     for d in dp:
         ranks.append(tuple(range(nxt, nxt + d)))
@@ -106,7 +106,7 @@ def test_the_simulator_catches_the_naive_order() -> None:
 
 
 def test_routes_cover_each_slice_exactly_and_agree_between_ends() -> None:
-    lay = layout([(0, 2), (2, 4)], [(0, 1, 2), (3, 4)], global_batch=11, num_micro_batches=2,
+    lay = layout([(0, 3), (3, 6)], [(0, 1, 2), (3, 4)], global_batch=11, num_micro_batches=2,
                  weights=[(3, 1, 2), (1, 1)])
     for slot in range(2):
         for rank in lay.ranks():
@@ -125,7 +125,7 @@ def test_routes_cover_each_slice_exactly_and_agree_between_ends() -> None:
 
 
 def test_routing_fan_out_and_fan_in() -> None:
-    lay = layout([(0, 2), (2, 4)], [(0,), (1, 2)], global_batch=8, num_micro_batches=2)
+    lay = layout([(0, 3), (3, 6)], [(0,), (1, 2)], global_batch=8, num_micro_batches=2)
     assert [(r.peer, r.samples, r.offset) for r in routes(lay, 0, 1, "next")] == [
         (1, SampleRange(4, 6), 0), (2, SampleRange(6, 8), 2)]
     assert [(r.peer, r.samples, r.offset) for r in routes(lay, 2, 1, "prev")] == [(0, SampleRange(6, 8), 0)]
@@ -134,6 +134,6 @@ def test_routing_fan_out_and_fan_in() -> None:
 def test_bad_program_requests() -> None:
     with pytest.raises(ValueError, match="no stage"):
         stage_program(2, 2, 4)
-    lay = layout([(0, 4)], [(0,)])
+    lay = layout([(0, NUM_UNITS)], [(0,)])
     with pytest.raises(ValueError, match="no next stage"):
         routes(lay, 0, 0, "next")

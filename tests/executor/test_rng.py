@@ -3,7 +3,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.rng import DropoutRng, apply_dropout, mix64
+from executor.rng import (
+    DropoutRng,
+    UnitCall,
+    apply_dropout,
+    current_unit_call,
+    mix64,
+    placement_invariant_dropout,
+    unit_call,
+)
 
 
 def test_mix64_is_deterministic_and_separates_tuples() -> None:
@@ -74,3 +82,36 @@ def test_bad_arguments_are_rejected() -> None:
         DropoutRng(0, "global")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="dropout probability"):
         DropoutRng(0).keep_mask(1.0, 0, 1, [0], (2,))
+
+
+def test_placement_invariant_dropout_takes_its_key_from_the_unit_call() -> None:
+    """`elaswave.dropout` in a user's unit: the mask of a row depends on (seed, step, unit, site,
+    global sample), whichever rank runs it and whatever else is in its batch."""
+    x = torch.ones(4, 16)
+    assert placement_invariant_dropout(x, 0.5) is x  # outside an engine forward: identity
+    a, b = DropoutRng(7, "placement_invariant", rank=0), DropoutRng(7, "placement_invariant", rank=5)
+    a.begin_step(3)
+    b.begin_step(3)
+    with unit_call(UnitCall(3, 2, (10, 11, 12, 13), a), None):
+        assert current_unit_call() == UnitCall(3, 2, (10, 11, 12, 13), a)
+        whole = placement_invariant_dropout(x, 0.5, site=1)
+        assert placement_invariant_dropout(x, 0.5, site=1, training=False) is x
+    assert current_unit_call() is None
+    with unit_call(UnitCall(3, 2, (12, 13), b), None):
+        part = placement_invariant_dropout(x[:2], 0.5, site=1)
+    assert torch.equal(whole[2:], part)
+    assert torch.equal(whole, apply_dropout(x, 0.5, a, 2, 1, [10, 11, 12, 13]))
+    with unit_call(UnitCall(3, 3, (10, 11, 12, 13), a), None):  # another unit: another mask
+        assert not torch.equal(whole, placement_invariant_dropout(x, 0.5, site=1))
+
+
+def test_unit_call_reseeds_torch_for_user_rng_and_nests() -> None:
+    """`nn.Dropout` (torch's global generator) repeats under the same seed (a replay on the same
+    layout); unit calls nest and restore the outer call."""
+    outer = UnitCall(0, 0, (0,), None)
+    with unit_call(outer, 123):
+        first = torch.rand(5)
+        with unit_call(UnitCall(0, 1, (0,), None), 123):
+            assert current_unit_call().unit_index == 1  # type: ignore[union-attr]
+            assert torch.equal(torch.rand(5), first)
+        assert current_unit_call() is outer

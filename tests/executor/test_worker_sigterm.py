@@ -2,24 +2,24 @@
 
 The multi-process outcome is in tests/test_preemption_e2e.py; here the decision alone, with no
 engine: leave at the next boundary without a plan at once for a plain stop (no drain notice in
-the control file), only after `--timeout` when the agent reported the preemption.
+the control file), only after the worker's timeout when the agent reported the preemption.
 """
 
 from __future__ import annotations
 
-import argparse
 import signal
 import time
 from pathlib import Path
 
-from agent.control import ControlFile, ControlReader, DrainNotice
-from executor.worker import EXIT_TERMINATED, CoreDrivenWorker, link_peer
+from elaswave.local_protocol import ControlFile, ControlReader, DrainNotice
+from elaswave.worker_env import EXIT_TERMINATED, WorkerPlace
+from executor.worker import CoreDrivenWorker, link_peer
 
 
 def _worker(control: Path | None, timeout_s: float = 20.0) -> CoreDrivenWorker:
     # The decision reads only these fields: skip building the engine.
     worker = object.__new__(CoreDrivenWorker)
-    worker.args = argparse.Namespace(timeout=timeout_s, worker_id="rank-4")
+    worker.args = WorkerPlace("job", "rank-4", 4, ("127.0.0.1:1",), "127.0.0.1:2", Path("layout.json"), "", timeout_s)
     worker.control = None if control is None else ControlReader(control)
     worker._sigterm_at = None
     return worker

@@ -1,4 +1,22 @@
-"""The agent -> worker control file: clock factor and drain notice (the worker reads, never writes).
+"""The worker's side of the local protocol with its agent: one neutral module (stdlib only).
+
+Three channels link a training process and the agent that launched it, all on the same host:
+
+1. **The control file** (agent -> worker): clock factor and drain notice; see "Control file" below.
+2. **Step metrics** (worker -> agent): one JSON record per committed step, sent as a datagram on
+   the Unix socket the agent exports in ``ELASWAVE_METRICS_SOCKET`` (``StepMetricsClient``). A send
+   never blocks the training loop; when the agent is gone the kernel refuses at once and the
+   record is dropped (the agent's absence is the Core's business).
+3. **Exit status and the finished marker**: a worker that completed all its work creates the file
+   named by ``ELASWAVE_FINISHED_FILE`` (``mark_finished``) and exits 0; the agent reports that as
+   finished rather than as a departure. Exit codes with a meaning are listed below.
+
+Nothing here imports the agent daemon, grpc, protobuf or torch: the engine (``executor``), the
+Core and the agent all import this module, and none of them imports another's internals.
+
+Control file
+------------
+The agent -> worker control file: clock factor and drain notice (the worker reads, never writes).
 
 Contract (version 1). The agent launching a worker exports ``ELASWAVE_CONTROL_FILE`` with the
 path (default ``<metrics socket dir>/<job>.<worker>.control.json``; ``--control-file``). The
@@ -34,10 +52,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from elaswave.worker_env import EXIT_NO_PLAN, EXIT_OK, EXIT_TERMINATED, EXIT_USAGE, TOKEN_ENV
+
+# WorkerExit.exit_code when the status cannot be known: a foreign pid whose parent reaped it
+# before we looked. Not a valid signal number (1..64) nor an exit code (0..255).
+EXIT_CODE_UNKNOWN = -255
+
+__all__ = ["EXIT_CODE_UNKNOWN", "EXIT_NO_PLAN", "EXIT_OK", "EXIT_TERMINATED", "EXIT_USAGE", "TOKEN_ENV"]
+
 
 CONTROL_ENV = "ELASWAVE_CONTROL_FILE"
 # The worker's word back, beside the control file: it creates this file once it has completed
@@ -190,3 +218,115 @@ class ControlReader:
     def draining(self) -> DrainNotice | None:
         state = self.poll()
         return None if state is None else state.drain
+
+
+# ------------------------------------------------------------------------------ step metrics
+
+SOCKET_ENV = "ELASWAVE_METRICS_SOCKET"
+# A datagram on a Unix socket is delivered whole; 64 KiB is far above one record (~150 bytes).
+_MAX_DATAGRAM = 65536
+
+_INT_FIELDS = {"step": 0, "samples": 0, "stage": -1, "dp_rank": -1}  # name -> minimum value
+_SECONDS_FIELDS = ("step_time_s", "compute_time_s")
+FIELDS = frozenset({*_INT_FIELDS, *_SECONDS_FIELDS, "loss"})
+
+
+class BadMetrics(ValueError):
+    """A step-metrics record that does not follow the schema; the message says why."""
+
+
+def validate_step_metrics(record: object) -> dict[str, float | int]:
+    """Validate one decoded JSON record; the fields as numbers, ``loss`` NaN when unknown.
+    ``BadMetrics`` says what is wrong.
+
+    Every field is required except ``loss`` (absent or null = NaN, "not known on this worker").
+    """
+    if not isinstance(record, dict):
+        raise BadMetrics(f"expected a JSON object, got {type(record).__name__}")
+    unknown = sorted(set(record) - FIELDS)
+    if unknown:
+        raise BadMetrics(f"unknown field(s) {unknown}")
+    missing = sorted((set(_INT_FIELDS) | set(_SECONDS_FIELDS)) - set(record))
+    if missing:
+        raise BadMetrics(f"missing field(s) {missing}")
+    values: dict[str, float | int] = {}
+    for name, minimum in _INT_FIELDS.items():
+        value = record[name]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadMetrics(f"{name} must be an integer, got {value!r}")
+        if value < minimum:
+            raise BadMetrics(f"{name} must be >= {minimum}, got {value}")
+        values[name] = value
+    for name in _SECONDS_FIELDS:
+        value = record[name]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise BadMetrics(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        values[name] = float(value)
+    loss = record.get("loss")
+    if loss is None:
+        loss = math.nan
+    elif isinstance(loss, bool) or not isinstance(loss, int | float):
+        raise BadMetrics(f"loss must be a number or null, got {loss!r}")
+    return {"loss": float(loss), **values}
+
+
+class StepMetricsClient:
+    """The executor's end: ``send`` never blocks and never raises because the agent is gone.
+
+    Arguments are validated with the same rules as the agent (a ValueError is a bug in the
+    caller, not a transport problem). ``dropped`` counts records the kernel refused.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.sent = 0
+        self.dropped = 0
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+
+    @classmethod
+    def from_env(cls) -> StepMetricsClient | None:
+        """A client for the socket the launching agent exported, or None outside an agent."""
+        path = os.environ.get(SOCKET_ENV)
+        return cls(path) if path else None
+
+    def send(
+        self,
+        *,
+        step: int,
+        step_time_s: float,
+        compute_time_s: float,
+        loss: float | None,
+        samples: int,
+        stage: int,
+        dp_rank: int,
+    ) -> bool:
+        """Send one step's metrics; True when the agent's socket took it."""
+        record = {
+            "step": step,
+            "step_time_s": step_time_s,
+            "compute_time_s": compute_time_s,
+            "loss": None if loss is None or math.isnan(loss) else loss,
+            "samples": samples,
+            "stage": stage,
+            "dp_rank": dp_rank,
+        }
+        validate_step_metrics(record)
+        data = (json.dumps(record) + "\n").encode()
+        try:
+            self._sock.sendto(data, self.path)
+        except OSError:
+            # Agent gone (ENOENT/ECONNREFUSED) or its queue full (EAGAIN): drop, never stall training.
+            self.dropped += 1
+            return False
+        self.sent += 1
+        return True
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> StepMetricsClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
