@@ -12,10 +12,9 @@ from collections.abc import Sequence
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "core_service.cli",
     "agent.cli",
-    "elaswave.demo",
+    "harness.demo",
     "planners.cli",
     "simulator.cli",
-    "executor.cli",
     "elaswave.launcher",
 )
 

@@ -41,7 +41,7 @@ either the old or the new JSON object, never a torn one::
   SIGKILL ``--grace`` seconds after that.
 
 Readers call ``ControlReader.poll()`` once per step: it re-reads only when the file's mtime or
-size (or inode) changed, so the cost per step is one ``stat``. ``elaswave/dummy_worker.py`` is the reference
+size (or inode) changed, so the cost per step is one ``stat``. ``harness/dummy_worker.py`` is the reference
 reader. ``executor.worker`` (Core-driven) reads only ``drain``, after a SIGTERM: set means the
 agent reported the preemption, so the worker keeps training until the Core's plan lets it go.
 The agent also sets ``drain`` (reason "preempted (SIGTERM)") when SIGTERM reaches it.

@@ -1,7 +1,7 @@
 """A planned departure with the real engine, driven by the Core (DESIGN §1, §5 "Scheduler API", §7).
 
 The demo's job (PP=2 x DP=3 ZeRO-1, one agent + Core-driven worker per rank) is started through
-`elaswave.train_demo`; once every worker committed step k, one worker is preempted, either as a
+`harness.training`; once every worker committed step k, one worker is preempted, either as a
 cluster scheduler would through the Core (REST `POST /api/v1/jobs/{job}/preempt`, scheduler token)
 or as Kubernetes/Slurm would (SIGTERM to its agent, which reports a PreemptionNotice). Either way
 the Core marks it PREEMPTING and publishes a plan without it; every worker takes the plan at the
@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from elaswave.demo import states
-from elaswave.train_demo import (
+from harness.demo import states
+from harness.training import (
     MAX_MEAN_REL_DEV,
     MAX_REL_DEV_BEFORE,
     TrainDemo,
@@ -70,7 +70,7 @@ def _sigterm_agent(demo: TrainDemo) -> None:
 
 
 def _run(tmp_path: Path, preempt: Callable[[TrainDemo], None]) -> Outcome:
-    demo = TrainDemo(tmp_path, CFG, timeout_s=45)  # fails with what it waited for, inside the marker
+    demo = TrainDemo(tmp_path, CFG, timeout_s=90)  # fails with what it waited for, inside the marker
     try:
         launch_job(demo)
         job = wait_committed(demo, CFG.kill_after_step)

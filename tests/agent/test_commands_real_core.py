@@ -50,7 +50,7 @@ def _start_agent(agents: list[AgentProcess], tmp_path: Path, core: CoreProcess, 
     args = ["--job", job, "--worker-id", "w0", "--core", core.grpc_address,
             "--metrics-socket", str(tmp_path / "w0.sock"), "--control-file", str(tmp_path / "w0.control.json"),
             "--heartbeat-interval", str(heartbeat_s), "--probe-interval", "60", *extra,
-            "--", sys.executable, "-m", "elaswave.dummy_worker", "--step-time", str(step_time_s)]
+            "--", sys.executable, "-m", "harness.dummy_worker", "--step-time", str(step_time_s)]
     agent = AgentProcess(args, tmp_path / "agent.log", {"ELASWAVE_JOB_TOKEN": job_token})
     agents.append(agent)
     return agent

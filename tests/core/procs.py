@@ -125,7 +125,7 @@ class AgentProcess:
             cmd += ["--rank", str(rank)]
         if etcd:
             cmd += ["--etcd", etcd, "--lease-ttl", str(lease_ttl_s)]
-        cmd += ["--", sys.executable, "-m", "elaswave.dummy_worker", "--step-time", str(step_time_s),
+        cmd += ["--", sys.executable, "-m", "harness.dummy_worker", "--step-time", str(step_time_s),
                 "--stage", str(stage), "--dp-rank", str(dp_rank)]
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elaswave.demo import Demo, states
 from elaswave.worker_env import (
     CORE_ENV,
     JOB_ENV,
@@ -41,6 +40,7 @@ from elaswave.worker_env import (
     TIMEOUT_ENV,
     TOKEN_ENV,
 )
+from harness.demo import Demo, states
 
 GPT_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
 

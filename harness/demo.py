@@ -1,6 +1,6 @@
 """`elaswave demo`: ElasWave end to end on one machine, on embedded defaults.
 
-By default the elastic training job of `elaswave.train_demo`: a Core, agents, and a PP x DP x
+By default the elastic training job of `harness.training`: a Core, agents, and a PP x DP x
 ZeRO-1 job whose worker is killed mid-training and which recovers in place under the Core's plan.
 `--control-plane` runs the control plane alone: a Core with in-memory membership, a job created
 through the REST API, a few agents each launching a dummy worker, one worker killed with SIGKILL
@@ -26,7 +26,7 @@ import httpx
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from elaswave.train_demo import TrainDemoConfig  # noqa: PLC0415 - light: no torch at import
+    from harness.training import TrainDemoConfig  # noqa: PLC0415 - light: no torch at import
 
     d = TrainDemoConfig()
     parser = subparsers.add_parser(
@@ -92,7 +92,7 @@ class Demo:
             cmd = [sys.executable, "-m", "elaswave.cli", "agent", "--job", "demo", "--worker-id", f"worker-{i}",
                    "--stage", "0", "--dp-rank", str(i), "--core", f"127.0.0.1:{grpc_port}",
                    "--metrics-socket", str(self.workdir / f"worker-{i}.sock"), "--log-level", "WARNING",
-                   "--", sys.executable, "-m", "elaswave.dummy_worker", "--stage", "0", "--dp-rank", str(i)]
+                   "--", sys.executable, "-m", "harness.dummy_worker", "--stage", "0", "--dp-rank", str(i)]
             self.procs.append(subprocess.Popen(cmd, env=env))
 
     def job(self) -> dict[str, Any]:
@@ -131,7 +131,7 @@ def states(job: dict[str, Any]) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elaswave.train_demo import TrainDemo, TrainDemoConfig, run_train_demo  # noqa: PLC0415
+    from harness.training import TrainDemo, TrainDemoConfig, run_train_demo  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="elaswave-demo-") as tmp:
         if args.control_plane:
