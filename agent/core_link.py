@@ -41,6 +41,7 @@ class CommandHandlers:
     report_now: Callable[[], Awaitable[None]]
     drain: Callable[[agent_pb2.Drain], Awaitable[None]]
     set_frequency: Callable[[agent_pb2.SetFrequency], Awaitable[None]]
+    checkpoint: Callable[[agent_pb2.Checkpoint], Awaitable[None]] | None = None
 
 
 class CoreLink:
@@ -211,6 +212,8 @@ class CoreLink:
                 await self._handlers.drain(response.drain)
             elif kind == "set_frequency":
                 await self._handlers.set_frequency(response.set_frequency)
+            elif kind == "checkpoint" and self._handlers.checkpoint is not None:
+                await self._handlers.checkpoint(response.checkpoint)
             elif kind == "rejected":
                 # The Core refused one report; the stream stays up. A bug on our side: say it loudly.
                 log_event(logging.ERROR, "core_rejected_report", report=response.rejected.report,

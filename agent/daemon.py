@@ -56,6 +56,7 @@ from elaswave.local_protocol import (
     EXIT_CODE_UNKNOWN,
     FINISHED_ENV,
     SOCKET_ENV,
+    CheckpointRequest,
     ControlFile,
     DrainNotice,
     FrequencyState,
@@ -96,7 +97,8 @@ class Agent:
         self._worker_finished = False  # the worker said its work is complete, then exited 0
         self._tasks: list[asyncio.Task[None]] = []
         self.link = CoreLink(config, self._register_message,
-                             CommandHandlers(self._on_report_now, self._on_drain, self._on_set_frequency))
+                             CommandHandlers(self._on_report_now, self._on_drain, self._on_set_frequency,
+                                                             self._on_checkpoint))
         self.metrics = MetricsReceiver(config.socket_path, self._on_step_metrics)
         self.lease = AliveLease(config.etcd, config.alive_key, self._lease_value, config.lease_ttl_s,
                                 config.rpc_timeout_s) if config.etcd else None
@@ -389,6 +391,12 @@ class Agent:
         if not await self._wait_worker(term_at - time.time()):
             log_event(logging.WARNING, "drain_sigterm", pid=self._worker.pid, why="worker still running")
             await self._terminate(self._worker, time.time() + self.config.grace_s)
+
+    async def _on_checkpoint(self, request: agent_pb2.Checkpoint) -> None:
+        """Relay the Core's checkpoint request to the worker through the control file."""
+        log_event(logging.INFO, "checkpoint_request", after_step=request.after_step, stop=request.stop)
+        notice = CheckpointRequest(int(request.after_step), bool(request.stop), time.time())
+        await asyncio.to_thread(self.control.set_checkpoint, notice)
 
     async def _on_set_frequency(self, request: agent_pb2.SetFrequency) -> None:
         """Apply the clock, or say why not; the outcome goes to the Core in a report at once."""

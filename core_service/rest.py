@@ -81,10 +81,12 @@ def build_app(core: Core) -> FastAPI:
     # Latency histogram and refusal counts of every request; Core -> agent commands (SetFrequency,
     # Drain, ReportNow) on the worker's live stream.
     from core_service.agent_service import worker_command_router
+    from core_service.checkpoint_request import checkpoint_router
     from core_service.metrics import observe_http
 
     observe_http(app, core.metrics)
     app.include_router(worker_command_router(core, [Depends(leader_only), Depends(admin)]))
+    app.include_router(checkpoint_router(core, [Depends(leader_only), Depends(admin)]))
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:

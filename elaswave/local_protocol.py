@@ -26,7 +26,8 @@ either the old or the new JSON object, never a torn one::
     {"version": 1, "seq": 3, "agent_pid": 4242, "updated_unix": 1.7e9,
      "frequency": {"controller": "simulated", "mhz": 1200, "nominal_mhz": 1400,
                    "min_mhz": 800, "max_mhz": 1650, "factor": 0.857142857},
-     "drain": {"reason": "scheduler", "deadline_unix": 1.7e9, "since_unix": 1.7e9}}
+     "drain": {"reason": "scheduler", "deadline_unix": 1.7e9, "since_unix": 1.7e9},
+     "checkpoint": {"after_step": 41, "stop": false, "since_unix": 1.7e9}}
 
 - ``seq`` increases by one on every write.
 - ``frequency`` is the clock the agent's controller applied (``null`` with no controller).
@@ -39,10 +40,15 @@ either the old or the new JSON object, never a torn one::
   sees it stops at its next step boundary and exits 0. If it is still running ``--drain-grace``
   seconds later (or at the Drain deadline, whichever is first) the agent sends SIGTERM, and
   SIGKILL ``--grace`` seconds after that.
+- ``checkpoint`` (absent or ``null`` until the Core relays an operator's request) asks every
+  worker of the job to checkpoint the state committed by step ``after_step`` and, with
+  ``stop``, to leave the job at that boundary. The Core picks a step every worker reaches only
+  after the request is written, so all of them act at the same boundary.
 
 Readers call ``ControlReader.poll()`` once per step: it re-reads only when the file's mtime or
 size (or inode) changed, so the cost per step is one ``stat``. ``harness/dummy_worker.py`` is the reference
-reader. ``executor.worker`` (Core-driven) reads only ``drain``, after a SIGTERM: set means the
+reader. ``executor.worker`` (Core-driven) reads ``checkpoint`` at every boundary and ``drain``
+after a SIGTERM: set means the
 agent reported the preemption, so the worker keeps training until the Core's plan lets it go.
 The agent also sets ``drain`` (reason "preempted (SIGTERM)") when SIGTERM reaches it.
 """
@@ -113,12 +119,22 @@ class DrainNotice:
 
 
 @dataclass(frozen=True)
+class CheckpointRequest:
+    """Checkpoint the state committed by step ``after_step``; with ``stop``, leave after it."""
+
+    after_step: int
+    stop: bool
+    since_unix: float
+
+
+@dataclass(frozen=True)
 class ControlState:
-    """What a worker reads: ``frequency``/``drain`` None when not set."""
+    """What a worker reads: ``frequency``/``drain``/``checkpoint`` None when not set."""
 
     seq: int
     frequency: FrequencyState | None
     drain: DrainNotice | None
+    checkpoint: CheckpointRequest | None = None
 
 
 class ControlFile:
@@ -129,12 +145,14 @@ class ControlFile:
         self.seq = 0
         self.frequency: FrequencyState | None = None
         self.drain: DrainNotice | None = None
+        self.checkpoint: CheckpointRequest | None = None
 
     def publish(self) -> None:
         self.seq += 1
         body = {"version": VERSION, "seq": self.seq, "agent_pid": os.getpid(), "updated_unix": time.time(),
                 "frequency": None if self.frequency is None else self.frequency.to_dict(),
-                "drain": None if self.drain is None else asdict(self.drain)}
+                "drain": None if self.drain is None else asdict(self.drain),
+                "checkpoint": None if self.checkpoint is None else asdict(self.checkpoint)}
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
         try:
@@ -153,6 +171,10 @@ class ControlFile:
         self.drain = notice
         self.publish()
 
+    def set_checkpoint(self, request: CheckpointRequest) -> None:
+        self.checkpoint = request
+        self.publish()
+
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
 
@@ -168,19 +190,21 @@ def parse_control(raw: str) -> ControlState:
         raise BadControlFile(f"not JSON: {exc}") from exc
     if not isinstance(body, dict) or body.get("version") != VERSION:
         raise BadControlFile(f"expected a JSON object with version {VERSION}")
-    freq, drain = body.get("frequency"), body.get("drain")
+    freq, drain, ckpt = body.get("frequency"), body.get("drain"), body.get("checkpoint")
     try:
         frequency = None if freq is None else FrequencyState(
             str(freq["controller"]), int(freq["mhz"]), int(freq["nominal_mhz"]), int(freq["min_mhz"]),
             int(freq["max_mhz"]))
         notice = None if drain is None else DrainNotice(
             str(drain["reason"]), float(drain["deadline_unix"]), float(drain["since_unix"]))
+        checkpoint = None if ckpt is None else CheckpointRequest(
+            int(ckpt["after_step"]), bool(ckpt["stop"]), float(ckpt["since_unix"]))
         seq = int(body["seq"])
     except (KeyError, TypeError, ValueError) as exc:
         raise BadControlFile(f"missing or malformed field: {exc!r}") from exc
     if frequency is not None and not (frequency.nominal_mhz > 0 and math.isfinite(frequency.factor)):
         raise BadControlFile(f"nominal_mhz must be > 0, got {frequency.nominal_mhz}")
-    return ControlState(seq, frequency, notice)
+    return ControlState(seq, frequency, notice, checkpoint)
 
 
 class ControlReader:
@@ -218,6 +242,11 @@ class ControlReader:
     def draining(self) -> DrainNotice | None:
         state = self.poll()
         return None if state is None else state.drain
+
+    @property
+    def checkpoint(self) -> CheckpointRequest | None:
+        state = self.poll()
+        return None if state is None else state.checkpoint
 
 
 # ------------------------------------------------------------------------------ step metrics

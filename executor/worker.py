@@ -170,10 +170,11 @@ class CoreDrivenWorker:
         signal.siginterrupt(signal.SIGTERM, False)
         self.plans.start(after_epoch=self.proto.plan_epoch)
         step, resumed_epoch = self.start_step, None
-        stop_after: int | None = None
+        stop_after: int | None = None  # leave after committing this step (launcher or operator)
+        save_at: set[int] = set()  # steps an operator asked to checkpoint
         try:
             while step < self.settings.steps:
-                stop_after = read_stop_after(self.settings.stop_file) if stop_after is None else stop_after
+                stop_after = self._poll_requests(stop_after, save_at)
                 if stop_after is not None and step > stop_after:
                     self.results["stopped_after_step"] = step - 1
                     break  # the launcher's stop: every worker leaves at this same boundary
@@ -189,7 +190,7 @@ class CoreDrivenWorker:
                         self.comm.signal_abort(f"plan epoch {self.plans.newest_epoch()} is waiting")
                     else:
                         result = self.trainer.train_step(step)
-                        self._gather_checkpoint(step, stop_after)
+                        self._gather_checkpoint(step, stop_after, save_at)
                 except PeerFailure as exc:
                     self.proto.report_failure(exc)
                     self.results["failures"].append({"step": step, "group": exc.group, "error": str(exc)[:300]})
@@ -223,18 +224,37 @@ class CoreDrivenWorker:
                             verified_steps=list(self.participant.verified_steps))
         return self.results
 
-    def _checkpoint_due(self, step: int, stop_after: int | None) -> bool:
-        """Every worker reaches the same verdict: the settings are the job's and the stop step is
-        announced at least one boundary ahead (module docstring)."""
+    def _poll_requests(self, stop_after: int | None, save_at: set[int]) -> int | None:
+        """Read the launcher's stop file and the operator's checkpoint request (control file) at a
+        boundary; returns the step to stop after (None: keep going) and adds to `save_at`."""
+        if stop_after is None:
+            stop_after = read_stop_after(self.settings.stop_file)
+        try:
+            request = self.control.checkpoint if self.control is not None else None
+        except ValueError:  # an unreadable control file: read again at the next boundary
+            request = None
+        if request is not None and request.after_step not in save_at:
+            save_at.add(request.after_step)
+            if self.writer is None:
+                self.results["checkpoint_error"] = (f"a checkpoint after step {request.after_step} was requested, "
+                                                    "but this worker has no checkpoint directory")
+            if request.stop:
+                stop_after = request.after_step if stop_after is None else min(stop_after, request.after_step)
+        return stop_after
+
+    def _checkpoint_due(self, step: int, stop_after: int | None, save_at: set[int]) -> bool:
+        """Every worker reaches the same verdict: the settings are the job's, and a stop or an
+        operator's request is announced at least one boundary ahead (module docstring)."""
         if self.writer is None:
             return False
         every = self.settings.checkpoint_every
-        return (every > 0 and (step + 1) % every == 0) or step + 1 == self.settings.steps or step == stop_after
+        return ((every > 0 and (step + 1) % every == 0) or step + 1 == self.settings.steps or step == stop_after
+                or step in save_at)
 
-    def _gather_checkpoint(self, step: int, stop_after: int | None) -> None:
+    def _gather_checkpoint(self, step: int, stop_after: int | None, save_at: set[int]) -> None:
         from executor.trainer import checkpoint_payload  # noqa: PLC0415
 
-        if self._checkpoint_due(step, stop_after):
+        if self._checkpoint_due(step, stop_after, save_at):
             t0 = time.perf_counter()
             self._payload = checkpoint_payload(self.trainer)
             self.results["checkpoints"].append({"step": step, "gather_s": time.perf_counter() - t0})

@@ -171,6 +171,14 @@ class ReportNow(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class Checkpoint(_message.Message):
+    __slots__ = ("after_step", "stop")
+    AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    after_step: int
+    stop: bool
+    def __init__(self, after_step: _Optional[int] = ..., stop: _Optional[bool] = ...) -> None: ...
+
 class ReportRejected(_message.Message):
     __slots__ = ("report", "reason")
     REPORT_FIELD_NUMBER: _ClassVar[int]
@@ -180,15 +188,17 @@ class ReportRejected(_message.Message):
     def __init__(self, report: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
-    __slots__ = ("ack", "set_frequency", "drain", "report_now", "rejected")
+    __slots__ = ("ack", "set_frequency", "drain", "report_now", "rejected", "checkpoint")
     ACK_FIELD_NUMBER: _ClassVar[int]
     SET_FREQUENCY_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     REPORT_NOW_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     ack: RegisterAck
     set_frequency: SetFrequency
     drain: Drain
     report_now: ReportNow
     rejected: ReportRejected
-    def __init__(self, ack: _Optional[_Union[RegisterAck, _Mapping]] = ..., set_frequency: _Optional[_Union[SetFrequency, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., report_now: _Optional[_Union[ReportNow, _Mapping]] = ..., rejected: _Optional[_Union[ReportRejected, _Mapping]] = ...) -> None: ...
+    checkpoint: Checkpoint
+    def __init__(self, ack: _Optional[_Union[RegisterAck, _Mapping]] = ..., set_frequency: _Optional[_Union[SetFrequency, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., report_now: _Optional[_Union[ReportNow, _Mapping]] = ..., rejected: _Optional[_Union[ReportRejected, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,74 @@
+"""`POST /api/v1/jobs/{job}/checkpoint`: an operator asks a running job for a checkpoint (docs/api.md).
+
+The Core cannot reach into the workers' memory; it relays the request on every live agent's
+stream (`Checkpoint` command), and each agent writes it into its worker's control file
+(elaswave.local_protocol). The step to save is chosen so that every worker sees the request
+before it gets there: two steps past the furthest step any worker has reported (workers of one
+synchronous job are never more than one step apart). With `stop`, every worker leaves the job
+after that step: the operator's clean stop, ending with a checkpoint from which
+`elaswave run --resume DIR` continues on any layout. Workers started without a checkpoint
+directory cannot save and say so in their results.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from fastapi import APIRouter, HTTPException
+from fastapi.params import Depends
+from pydantic import BaseModel, ConfigDict, Field
+
+from core_service.agent_service import HTTP_STATUS
+from core_service.grpc_util import RpcError
+from elaswave.v1 import agent_pb2
+
+if TYPE_CHECKING:
+    from core_service.core import Core
+
+# Steps past the furthest reported step: one for a worker a step behind, one for the request's travel.
+LEAD_STEPS = 2
+
+
+class CheckpointRequestBody(BaseModel):
+    """Body of POST /api/v1/jobs/{job}/checkpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+    stop: bool = Field(default=False, description="leave the job after the checkpointed step (a clean stop)")
+
+
+def request_checkpoint(core: Core, job_name: str, body: CheckpointRequestBody, now: float) -> dict[str, Any]:
+    """Queue the Checkpoint command on every live agent stream of the job; records an event."""
+    job = core.job_or_not_found(job_name)
+    live = [m for m in job.live_members() if (job_name, m.worker_id) in core.membership.sessions]
+    if not live:
+        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"job {job_name!r} has no worker with a live agent stream")
+    steps = [m.last_step.step for m in live if m.last_step is not None]
+    if not steps:
+        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                       f"no worker of job {job_name!r} has committed a step yet; ask again once it trains")
+    after_step = max(steps) + LEAD_STEPS
+    command = agent_pb2.ConnectResponse(checkpoint=agent_pb2.Checkpoint(after_step=after_step, stop=body.stop))
+    for member in live:
+        core.membership.send(job_name, member.worker_id, command)
+    what = "checkpoint and stop" if body.stop else "checkpoint"
+    event = core.table.record(job, "checkpoint_requested", detail=f"{what} after step {after_step}", now=now,
+                              data={"after_step": after_step, "stop": body.stop, "workers": len(live)})
+    return {"job": job_name, "after_step": after_step, "stop": body.stop,
+            "workers": sorted(m.worker_id for m in live), "event_seq": event.seq}
+
+
+def checkpoint_router(core: Core, dependencies: list[Depends]) -> APIRouter:
+    """The REST route; `dependencies` are the app's leader and scheduler-token checks."""
+    router = APIRouter(dependencies=dependencies)
+
+    @router.post("/api/v1/jobs/{job}/checkpoint", status_code=202)
+    async def post_checkpoint(job: str, body: CheckpointRequestBody | None = None) -> dict[str, Any]:
+        # async: the commands go into asyncio.Queues, which only the event loop may touch.
+        try:
+            return request_checkpoint(core, job, body or CheckpointRequestBody(), time.time())
+        except RpcError as err:
+            raise HTTPException(HTTP_STATUS.get(err.code, 400), detail=err.message) from None
+
+    return router
