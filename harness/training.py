@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from elaswave.worker_env import (
+    CHECKPOINT_DIR_ENV,
     CORE_ENV,
     JOB_ENV,
     LAYOUT_ENV,
@@ -60,6 +61,7 @@ class TrainDemoConfig:
     kill_after_step: int = 4  # kill once every worker has committed this step
     victim_rank: int = 4  # stage 1 (stage-major numbering: stage p holds ranks p*dp .. p*dp+dp-1)
     dropout: float = 0.1
+    checkpoint_dir: str | None = None  # workers checkpoint here (and answer operators' requests)
 
     def check(self) -> None:
         if not 0 <= self.victim_rank < self.pp * self.dp:
@@ -113,6 +115,8 @@ class TrainDemo(Demo):
                     TOKEN_ENV: job_token, JOB_ENV: "demo", RANK_ENV: str(rank), CORE_ENV: f"127.0.0.1:{grpc_port}",
                     STORE_ENV: f"127.0.0.1:{store_port}", LAYOUT_ENV: str(layout_file), TIMEOUT_ENV: "20",
                     RESULTS_ENV: str(self.result_file(rank))})
+                if self.cfg.checkpoint_dir is not None:
+                    env[CHECKPOINT_DIR_ENV] = self.cfg.checkpoint_dir
                 worker = [sys.executable, str(GPT_SCRIPT), *self.script_args()]
                 agent = [sys.executable, "-m", "elaswave.cli", "agent", "--job", "demo", "--worker-id",
                          f"rank-{rank}", "--rank", str(rank), "--stage", str(stage.stage), "--dp-rank",

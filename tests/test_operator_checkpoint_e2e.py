@@ -1,0 +1,83 @@
+"""An operator checkpoints and stops a running job over REST; it resumes on another layout.
+
+Real processes on loopback (harness.training): a Core, a store and four agents, each running the
+GPT example (`examples/gpt/train.py`) as one rank of a PP=2 x DP=2 job with a checkpoint
+directory. Once every worker has committed step 2, `POST /api/v1/jobs/demo/checkpoint
+{"stop": true}` goes to the Core, which relays it through every agent. Every worker must save
+the same step and leave at that boundary; the checkpoint must be complete; and the same script,
+resumed from it in one process (another layout), must train the following steps exactly as a
+fault-free single-process run of all the steps does (fp32 round-off: the DP reduction order differs).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from executor.checkpoint import latest_checkpoint, read_meta
+from harness.training import GPT_SCRIPT, TrainDemo, TrainDemoConfig, launch_job, wait_committed
+
+CFG = TrainDemoConfig(pp=2, dp=2, steps=40, kill_after_step=2, victim_rank=3, dropout=0.1)
+
+
+def _script(*args: str, out: Path) -> dict[int, float]:
+    subprocess.run([sys.executable, str(GPT_SCRIPT), "--steps", str(CFG.steps), "--layers", str(CFG.layers),
+                    "--dropout", str(CFG.dropout), "--global-batch", str(CFG.global_batch),
+                    "--micro-batches", str(CFG.micro_batches), "--losses-out", str(out), *args],
+                   check=True, stdout=subprocess.DEVNULL, timeout=120)
+    return {int(k): v for k, v in json.loads(out.read_text()).items()}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_operator_checkpoint_and_stop_then_resume_elsewhere(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    cfg = TrainDemoConfig(**{**CFG.__dict__, "checkpoint_dir": str(root)})
+    demo = TrainDemo(tmp_path, cfg, timeout_s=120)
+    try:
+        launch_job(demo)
+        wait_committed(demo, 2)
+        assert demo.http is not None
+        response = demo.http.post("/api/v1/jobs/demo/checkpoint", json={"stop": True},
+                                  headers={"Authorization": f"Bearer {demo.scheduler_token}"})
+        assert response.status_code == 202, response.text
+        after = response.json()["after_step"]
+        results = demo.wait_results(list(range(cfg.pp * cfg.dp)))
+    finally:
+        demo.stop()
+    for rank, res in results.items():
+        assert res.get("stopped_after_step") == after, (rank, res.get("stopped_after_step"), after)
+        assert res["committed_steps"] == after + 1 and "checkpoint_error" not in res, (rank, res)
+    meta = read_meta(root)
+    assert latest_checkpoint(root).name == f"step-{after + 1:08d}" and meta.next_step == after + 1
+    assert meta.num_stages == 2 and meta.step_count == after + 1
+    fault_free = _script(out=tmp_path / "fault_free.json")
+    resumed = _script("--resume", str(root), out=tmp_path / "resumed.json")
+    assert sorted(resumed) == list(range(after + 1, CFG.steps))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(fault_free[step], rel=2e-6), step
+
+
+def test_checkpoint_request_is_refused_clearly_without_training_workers() -> None:
+    from harness.demo import Demo
+
+    demo = Demo(Path("/tmp"), 1, timeout_s=30)
+    try:
+        demo.start_core()
+        assert demo.http is not None
+        token = {"Authorization": f"Bearer {demo.scheduler_token}"}
+        missing = demo.http.post("/api/v1/jobs/nope/checkpoint", json={}, headers=token)
+        assert missing.status_code == 404, missing.text
+        demo.http.post("/api/v1/jobs", json={"name": "idle", "expected_workers": 1}, headers=token).raise_for_status()
+        idle = demo.http.post("/api/v1/jobs/idle/checkpoint", json={}, headers=token)
+        assert idle.status_code == 409 and "no worker" in idle.json()["detail"], idle.text
+        unauth = demo.http.post("/api/v1/jobs/idle/checkpoint", json={})
+        assert unauth.status_code == 401
+        bad = demo.http.post("/api/v1/jobs/idle/checkpoint", json={"stop": "soon"}, headers=token)
+        assert bad.status_code == 422
+    finally:
+        demo.stop()
