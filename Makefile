@@ -39,6 +39,8 @@ proto-check: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 bench: install system-deps
 	$(BIN)/python -m bench.run_all

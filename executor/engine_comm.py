@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch.distributed import AllToAllOptions, PrefixStore, ProcessGroup, ProcessGroupGloo, Store
@@ -90,7 +90,8 @@ BACKENDS: tuple[str, ...] = ("gloo", "nccl", "hccl")
 def make_group(backend: str, store: Store, rank: int, size: int, timeout: timedelta) -> ProcessGroup:
     """One process group of `backend` built directly over `store` (which should be prefixed)."""
     if backend == "gloo":
-        return ProcessGroupGloo(store, rank, size, timeout)
+        # A c10d backend object used as a ProcessGroup (torch's stubs keep the two types apart).
+        return cast(ProcessGroup, ProcessGroupGloo(store, rank, size, timeout))
     if backend == "nccl":
         if not (torch.cuda.is_available() and torch.distributed.is_nccl_available()):
             raise RuntimeError("backend 'nccl' needs CUDA and a torch build with NCCL")
@@ -98,7 +99,7 @@ def make_group(backend: str, store: Store, rank: int, size: int, timeout: timede
 
         nccl_opts = ProcessGroupNCCL.Options()
         nccl_opts._timeout = timeout
-        return ProcessGroupNCCL(store, rank, size, nccl_opts)
+        return cast(ProcessGroup, ProcessGroupNCCL(store, rank, size, nccl_opts))
     if backend == "hccl":
         try:
             import torch_npu  # noqa: F401, PLC0415 - optional extra `elaswave[npu]`
@@ -162,7 +163,7 @@ class StaticComm:
 
     def post_exchange(self, sends: Sequence[tuple[str, torch.Tensor, int, int]],
                       recvs: Sequence[tuple[str, torch.Tensor, int, int]]) -> list[object]:
-        works = [self.group(n).send([t], self.group_rank(n, peer), tag) for n, t, peer, tag in sends]
+        works: list[object] = [self.group(n).send([t], self.group_rank(n, peer), tag) for n, t, peer, tag in sends]
         return works + [self.group(n).recv([t], self.group_rank(n, peer), tag) for n, t, peer, tag in recvs]
 
     def complete(self, ops: list[object]) -> None:

@@ -132,7 +132,7 @@ class StepProtocol:
             elif time.monotonic() > deadline:
                 outcome = ABORT
             if outcome is not None:
-                return store.compare_set(f"{base}/decision", "", outcome) == COMMIT
+                return store.compare_set(f"{base}/decision", "", outcome) == COMMIT  # type: ignore[arg-type]  # bytes are fine
             time.sleep(POLL_S)
 
     def commit(self) -> None:

@@ -75,9 +75,10 @@ class StoreServer:
 
 
 def _read_port(proc: subprocess.Popen[str], timeout_s: float) -> int:
-    assert proc.stdout is not None
+    stdout = proc.stdout
+    assert stdout is not None
     result: list[str] = []
-    reader = threading.Thread(target=lambda: result.append(proc.stdout.readline()), daemon=True)
+    reader = threading.Thread(target=lambda: result.append(stdout.readline()), daemon=True)
     reader.start()
     reader.join(timeout_s)
     line = result[0].strip() if result else ""

@@ -104,7 +104,7 @@ class AdditiveCosts:
         # Every stage's (L+1, L+1) table in one numpy call each, as rebalance_layers does.
         times = np.asarray(self.stage_overhead)[:, None, None] + _segment_sums(np.asarray(self.layer_cost))
         mems = np.asarray(self.stage_mem_base)[:, None, None] + _segment_sums(np.asarray(self.layer_mem))
-        return minimax_partition(L, P, times.__getitem__, mems.__getitem__, self.mem_cap)
+        return minimax_partition(L, P, times.__getitem__, mems.__getitem__, [float(c) for c in self.mem_cap])
 
 
 def solve_partition_request(req: Any) -> dict[str, Any]:
@@ -207,9 +207,10 @@ def rebalance_layers(layout: Layout, cost: CostModel) -> GraphPlan:
     fwd, bwd = np.stack([f for f, _ in compute]), np.stack([b for _, b in compute])
     p2p_f = np.array([c.p2p_f_s for c in conds])[:, None, None]
     p2p_b = np.array([c.p2p_b_s for c in conds])[:, None, None]
-    times = ministep_time(_segment_sums(fwd), _segment_sums(bwd), p2p_f, p2p_b, cost.link.sigma_f, cost.link.sigma_b)
+    times = np.asarray(ministep_time(_segment_sums(fwd), _segment_sums(bwd), p2p_f, p2p_b, cost.link.sigma_f,
+                                     cost.link.sigma_b))
     layer_mem = np.stack([cost.layer_mem_bytes(layout, p, c.micro_batch) for p, c in enumerate(conds)])
-    mems = cost.memory.stage_base_bytes + _segment_sums(layer_mem)
+    mems = np.asarray(cost.memory.stage_base_bytes + _segment_sums(layer_mem))
 
     def seg_time(p: int) -> np.ndarray:
         return np.asarray(times[p])

@@ -117,7 +117,8 @@ def _rank_problems(layout: Layout) -> list[str]:
     if all(s.ranks and min(s.ranks) >= 0 for s in layout.stages) and \
             len(set().union(*(s.ranks for s in layout.stages))) == total:
         return []
-    out, seen = [], {}
+    out: list[str] = []
+    seen: dict[int, int] = {}
     for s in layout.stages:
         if not s.ranks:
             out.append(f"stage {s.stage} has no ranks")

@@ -204,7 +204,7 @@ class Communicator:
         return self.store.check([self.abort_key()])
 
     # ----- guarded ops ---------------------------------------------------------------------
-    def all_reduce(self, name: str, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM) -> None:
+    def all_reduce(self, name: str, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:  # type: ignore[assignment]
         g = self._handle(name)
         opts = AllreduceOptions()
         opts.reduceOp = op
@@ -345,7 +345,8 @@ class Communicator:
         full = self.mode is RebuildMode.FULL
         can_shrink = self._can_shrink()
         key = f"{self.namespace}/e{self.epoch}/ledger/"
-        self.store.set(key + str(self.worker), ledger_mod.encode({n: g.ledger for n, g in self._groups.items()}))
+        # c10d stores take bytes as well as str (torch's stubs say str only)
+        self.store.set(key + str(self.worker), ledger_mod.encode({n: g.ledger for n, g in self._groups.items()}))  # type: ignore[arg-type]
         needed: set[int] = set()
         for name, g in self._groups.items():  # members whose ledgers decide reuse or shrink
             target = new.get(name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,18 +89,18 @@ class ShardState:
         return torch.cat(parts) if parts else torch.empty(0)
 
     @staticmethod
-    def _parse(header: torch.Tensor) -> dict[str, object]:
+    def _parse(header: torch.Tensor) -> dict[str, Any]:
         return json.loads(bytes(header.tolist()).decode())
 
     @staticmethod
     def payload_numel(header: torch.Tensor) -> int:
-        return sum(3 * (stop - start) for _, start, stop in ShardState._parse(header)["units"])  # type: ignore[union-attr]
+        return sum(3 * (stop - start) for _, start, stop in ShardState._parse(header)["units"])
 
     @staticmethod
     def from_wire(header: torch.Tensor, payload: torch.Tensor) -> ShardState:
         h = ShardState._parse(header)
-        state, pos = ShardState(step=int(h["step"])), 0  # type: ignore[arg-type]
-        for name, start, stop in h["units"]:  # type: ignore[union-attr]
+        state, pos = ShardState(step=int(h["step"])), 0
+        for name, start, stop in h["units"]:
             n = stop - start
             rows = [payload[pos + j * n: pos + (j + 1) * n].clone() for j in range(3)]
             state.units[name] = UnitShard(start, stop, *rows)

@@ -87,7 +87,7 @@ def state_from_dict(d: Any) -> tuple[ClusterState, tuple[str, ...]]:
 
 def _profile(p: dict[str, Any]) -> JobProfile:
     n = _int(p, "num_layers", "profile") if "num_layers" in p else None
-    per_layer: dict[str, tuple[float, ...]] = {}
+    per_layer: dict[str, Any] = {}  # field -> tuple of per-layer values
     for k in PER_LAYER:
         v = _need(p, k, "profile")
         if isinstance(v, list):

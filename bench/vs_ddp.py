@@ -1,0 +1,567 @@
+"""Fault-free step time of ElasWave vs what a user would otherwise run (DDP, torch pipelining), side by side.
+
+The same model, weights, data order, loss and optimizer in every configuration: the GPT example
+(examples/gpt: hidden 256, 4 heads, 4 blocks, seq 32; units embed, block_0..3, head, each built by
+`gpt_units(cfg).build(i)`), the Markov corpus (vocab 64) in `executor.data.GlobalBatchSampler`'s
+sample order, global batch 32 in 2 micro-batches, loss = sum of per-sample losses / 32, AdamW
+(lr 3e-3, weight decay 0.01 on every parameter), dropout 0, gloo on CPU, one thread per process.
+
+Configurations (rank r of stage p is r = p * DP + j, as `planners.layout.make_uniform_layout` numbers them):
+
+- `ddp`: `torch.nn.parallel.DistributedDataParallel` over the whole model (PP=1), gradient
+  accumulation over the 2 micro-batches with `no_sync()` on the first, `torch.optim.AdamW`.
+- `pipe`: `torch.distributed.pipelining` (PipelineStage + Schedule1F1B, PP=2) in two pipeline
+  replicas (DP=2); each stage module is wrapped in DDP over its stage's DP group, which the
+  pipelining stage drives itself (no_sync until the last backward). `--pipe-schedule gpipe` for
+  ScheduleGPipe.
+- `static`: the ElasWave engine (executor.trainer.Trainer: 1F1B with blocking send/recv, ZeRO-1
+  reduce-scatter / update / all-gather) over `executor.engine_comm.StaticComm`: no snapshots, no
+  step protocol.
+- `ft`: the engine on its fault-tolerant path: `executor.comm.Communicator` (dynamic groups,
+  guarded waits), `FabricParticipant` (ring snapshots on) and `StepProtocol` (commit vote every step).
+
+The job's step time is, per step, that of its slowest worker; medians over all timed steps of all
+repeats, configurations alternated within each repeat. The first step's loss of every configuration
+is printed and checked against the first configuration's (relative tolerance `--loss-rtol`).
+A profile (exclusive time per step, mean over workers, from perf_counter wrappers in the worker
+processes, main thread only) shows where the engine's time goes against DDP.
+
+    python -m bench.vs_ddp --steps 8 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import importlib.metadata
+import math
+import multiprocessing as mp
+import os
+import platform
+import queue
+import statistics
+import threading
+import time
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from examples.gpt.data import MarkovWindows
+from examples.gpt.model import ModelConfig, gpt_units, per_sample_loss
+from executor.optim import OptimizerConfig
+from executor.trainer import TrainSpec
+from planners.layout import Layout, make_uniform_layout
+
+GLOBAL_BATCH = 32
+MICRO_BATCHES = 2
+LR, WEIGHT_DECAY = 3e-3, 0.01
+TIMEOUT_S = 180.0
+CFG = ModelConfig(hidden=256, num_heads=4, num_layers=4, seq_len=32, dropout=0.0)
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    kind: str  # ddp | pipe | static | ft
+    pp: int
+    dp: int
+
+    @property
+    def shape(self) -> str:
+        return f"PP={self.pp} x DP={self.dp}"
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp
+
+
+CONFIGS = {c.name: c for c in (
+    Config("ddp-dp2", "ddp", 1, 2), Config("static-dp2", "static", 1, 2), Config("ft-dp2", "ft", 1, 2),
+    Config("ddp-dp4", "ddp", 1, 4), Config("static-dp4", "static", 1, 4), Config("ft-dp4", "ft", 1, 4),
+    Config("pipe-pp2dp2", "pipe", 2, 2), Config("static-pp2dp2", "static", 2, 2), Config("ft-pp2dp2", "ft", 2, 2),
+)}
+BASELINE_KINDS = ("ddp", "pipe")
+LABELS = {"ddp": "torch DDP", "static": "ElasWave engine, static path (StaticComm)",
+          "ft": "ElasWave engine, fault-tolerant path (Communicator + snapshots + commit vote)"}
+
+
+def train_spec() -> TrainSpec:
+    return TrainSpec(gpt_units(CFG), per_sample_loss, MarkovWindows(CFG.vocab_size, CFG.seq_len, 1 << 14, seed=0),
+                     OptimizerConfig("adamw", lr=LR, weight_decay=WEIGHT_DECAY))
+
+
+def job_layout(spec: TrainSpec, pp: int, dp: int) -> Layout:
+    numel = spec.unit_numels()
+    return make_uniform_layout(len(numel), pp, dp, global_batch=GLOBAL_BATCH, num_micro_batches=MICRO_BATCHES,
+                               layer_numel=numel)
+
+
+def sum_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """This micro-batch's share of the step loss: sum of per-sample losses / global batch."""
+    return per_sample_loss(logits, targets).sum() / GLOBAL_BATCH
+
+
+# --------------------------------------------------------------------------------- profiling
+
+
+class Prof:
+    """Exclusive wall time per label, main thread only (nested wrapped calls subtract from their caller)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.stack: list[list[float]] = []  # [start, time spent in wrapped children]
+        self.main = threading.get_ident()
+        self.on = True
+
+    def wrap(self, owner: Any, attr: str, label: str) -> None:
+        fn = getattr(owner, attr)
+        prof = self
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != prof.main:
+                return fn(*args, **kwargs)
+            frame = [time.perf_counter(), 0.0]
+            prof.stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                prof.stack.pop()
+                elapsed = time.perf_counter() - frame[0]
+                prof.totals[label] += elapsed - frame[1]
+                if prof.stack:
+                    prof.stack[-1][1] += elapsed
+
+        setattr(owner, attr, timed)
+
+    def span(self, label: str) -> _Span:
+        return _Span(self, label)
+
+    def reset(self) -> None:
+        self.totals.clear()
+
+
+class _Span:
+    def __init__(self, prof: Prof, label: str) -> None:
+        self.prof, self.label = prof, label
+
+    def __enter__(self) -> None:
+        self.frame = [time.perf_counter(), 0.0]
+        self.prof.stack.append(self.frame)
+
+    def __exit__(self, *exc: object) -> None:
+        self.prof.stack.pop()
+        elapsed = time.perf_counter() - self.frame[0]
+        self.prof.totals[self.label] += elapsed - self.frame[1]
+        if self.prof.stack:
+            self.prof.stack[-1][1] += elapsed
+
+
+def instrument_engine(prof: Prof) -> None:
+    """Wrap the engine's methods (class level, in this worker process only)."""
+    import executor.zero as zero  # noqa: PLC0415
+    from executor.data import Prefetcher  # noqa: PLC0415
+    from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
+    from executor.pipeline import PipelineRunner  # noqa: PLC0415
+    from executor.step_protocol import StepProtocol  # noqa: PLC0415
+    from executor.trainer import Trainer  # noqa: PLC0415
+
+    for owner, attr, label in (
+        (Trainer, "train_step", "step glue (zero grads, rng, prefetch bookkeeping)"),
+        (Prefetcher, "rows", "data: load / wait for prefetch"),
+        (Prefetcher, "prefetch", "data: submit prefetch"),
+        (Trainer, "forward_units", "forward"),
+        (Trainer, "_per_sample_loss", "forward (loss)"),
+        (PipelineRunner, "_backward", "backward"),
+        (PipelineRunner, "_input_grads", "backward"),
+        (PipelineRunner, "_send", "pipeline send"),
+        (PipelineRunner, "_recv", "pipeline recv"),
+        (zero.ShardedOptimizer, "step", "zero: update glue (param slice copies, cat)"),
+        (zero.ShardedOptimizer, "reduce_scatter_grads", "zero: reduce-scatter glue (cat, sum)"),
+        (zero, "flat_grads", "zero: flatten grads"),
+        (zero, "flat_params", "zero: flatten params"),
+        (zero, "assign_flat", "zero: copy params back into modules"),
+        (zero, "all_to_all_v", "zero: all_to_all_v (reduce-scatter + all-gather comm)"),
+        (zero.ShardedOptimizer, "_all_gather_params", "zero: all-gather glue"),
+        (OptimizerConfig, "update_slice", "optimizer: AdamW math on own shard"),
+        (Trainer, "_global_loss", "loss all-gather"),
+        (FabricParticipant, "_on_grads", "snapshot: post gradient exchange (+ periodic verify)"),
+        (FabricParticipant, "before_vote", "snapshot: wait for exchange before vote"),
+        (StepProtocol, "should_commit", "step protocol: commit vote (store round trips, 10 ms poll)"),
+        (StepProtocol, "commit", "step protocol: commit (rollback copy of params + shards)"),
+        (StepProtocol, "begin_step", "step protocol: begin"),
+    ):
+        prof.wrap(owner, attr, label)
+
+
+# ----------------------------------------------------------------------------------- workers
+
+
+def _init_worker() -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+
+def _ranks_rows(layout: Layout, rank: int) -> list[tuple[int, int]]:
+    return [(r.start, r.stop) for r in (layout.samples_of(rank, m) for m in range(MICRO_BATCHES))]
+
+
+def _ddp_worker(cfg: Config, rank: int, store: Any, steps: int, prof: Prof) -> tuple[list[float], float | None]:
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch import nn  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.world, timeout=timedelta(seconds=TIMEOUT_S))
+    spec = train_spec()
+    layout = job_layout(spec, 1, cfg.dp)
+    units = spec.model
+    model = DDP(nn.Sequential(*(units.build(i) for i in range(len(units)))))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    sampler = spec.sampler(GLOBAL_BATCH)
+    rows = _ranks_rows(layout, rank)
+    times, loss0 = [], None
+    for step in range(steps):
+        if step == WARMUP:
+            prof.reset()
+        t0 = time.perf_counter()
+        local = torch.zeros(1)
+        for m, (lo, hi) in enumerate(rows):
+            with prof.span("data: load"):
+                batch = sampler.rows(step, lo, hi)
+            last = m == len(rows) - 1
+            with (model.no_sync() if not last else contextlib.nullcontext()):
+                with prof.span("forward (incl. loss)"):
+                    loss = sum_loss(model(batch.inputs), batch.targets)
+                with prof.span("backward, last micro-batch (incl. DDP bucket all-reduce)" if last
+                               else "backward, first micro-batch (no_sync: compute only)"):
+                    loss.backward()
+            local += loss.detach()
+        with prof.span("optimizer: torch AdamW step"):
+            opt.step()
+        with prof.span("optimizer: zero_grad"):
+            opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        if step == 0:  # the loss all-reduce is for the check only, outside the timed step
+            dist.all_reduce(local)
+            loss0 = float(local)
+    return times, loss0
+
+
+def _pipe_worker(cfg: Config, rank: int, store: Any, steps: int, prof: Prof, schedule: str) -> tuple[list[float], float | None]:
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch import nn  # noqa: PLC0415
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.world, timeout=timedelta(seconds=TIMEOUT_S))
+    spec = train_spec()
+    layout = job_layout(spec, cfg.pp, cfg.dp)
+    stage_of = layout.stage_layout_of_rank(rank)
+    stage, j = stage_of.stage, stage_of.dp_index(rank)
+    # every rank creates every group, in the same order
+    pp_groups = [dist.new_group([s.ranks[k] for s in layout.stages]) for k in range(cfg.dp)]
+    dp_groups = [dist.new_group(list(s.ranks)) for s in layout.stages]
+    units = spec.model
+    submod = DDP(nn.Sequential(*(units.build(i) for i in stage_of.layers)), process_group=dp_groups[stage])
+    pstage = PipelineStage(submod, stage, cfg.pp, torch.device("cpu"), group=pp_groups[j])
+    last = stage == cfg.pp - 1
+    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+    sched = cls(pstage, MICRO_BATCHES, loss_fn=sum_loss if last else None, scale_grads=False)
+    opt = torch.optim.AdamW(submod.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    sampler = spec.sampler(GLOBAL_BATCH)
+    rows = _ranks_rows(layout, rank)
+    times, loss0 = [], None
+    for step in range(steps):
+        if step == WARMUP:
+            prof.reset()
+        t0 = time.perf_counter()
+        with prof.span("data: load"):
+            parts = [sampler.rows(step, lo, hi) for lo, hi in rows]
+            inputs = torch.cat([p.inputs for p in parts])
+            targets = torch.cat([p.targets for p in parts])
+        losses: list[torch.Tensor] = []
+        with prof.span("pipeline schedule step (fwd, bwd, p2p, DDP all-reduce)"):
+            if stage == 0:
+                sched.step(inputs)
+            elif last:
+                sched.step(target=targets, losses=losses)
+            else:
+                sched.step()
+        with prof.span("optimizer: torch AdamW step"):
+            opt.step()
+        with prof.span("optimizer: zero_grad"):
+            opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        if step == 0:
+            local = torch.stack([x.detach() for x in losses]).sum().reshape(1) if last else torch.zeros(1)
+            dist.all_reduce(local)
+            loss0 = float(local)  # stage 0 adds zeros, the last stage's replicas their halves
+    return times, loss0
+
+
+def _engine_worker(cfg: Config, rank: int, port: int, run_id: str, steps: int, prof: Prof) -> tuple[list[float], float | None]:
+    from executor.comm import Communicator, groups_for_stages  # noqa: PLC0415
+    from executor.engine_comm import StaticComm, groups_for_stage_ranks  # noqa: PLC0415
+    from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
+    from executor.step_protocol import StepProtocol  # noqa: PLC0415
+    from executor.store_server import connect_store  # noqa: PLC0415
+    from executor.trainer import Trainer  # noqa: PLC0415
+
+    instrument_engine(prof)
+    spec = train_spec()
+    layout = job_layout(spec, cfg.pp, cfg.dp)
+    stage_ranks = [s.ranks for s in layout.stages]
+    store = connect_store("127.0.0.1", port, TIMEOUT_S)
+    if cfg.kind == "ft":
+        comm: Any = Communicator(store, rank, groups_for_stages(stage_ranks), timeout_s=TIMEOUT_S, namespace=run_id)
+    else:
+        comm = StaticComm(store, rank, groups_for_stage_ranks(stage_ranks), timeout_s=TIMEOUT_S, namespace=run_id)
+    trainer = Trainer(spec, layout, rank, comm)
+    proto = None
+    if cfg.kind == "ft":
+        participant = FabricParticipant(trainer, comm, snapshots=True)
+        proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
+    times, loss0 = [], None
+    for step in range(steps):
+        if step == WARMUP:
+            prof.reset()
+        t0 = time.perf_counter()
+        if proto is not None:
+            proto.begin_step(step)
+        result = trainer.train_step(step)
+        if proto is not None:
+            if not proto.should_commit():
+                raise RuntimeError(f"step {step} did not commit in a fault-free run")
+            proto.commit()
+        times.append(time.perf_counter() - t0)
+        if step == 0:
+            loss0 = result.loss
+    return times, loss0
+
+
+WARMUP = 2
+
+
+def _worker(cfg: Config, rank: int, port: int, run_id: str, steps: int, schedule: str, results: Any) -> None:
+    _init_worker()
+    prof = Prof()
+    try:
+        if cfg.kind in BASELINE_KINDS:
+            from torch.distributed import PrefixStore  # noqa: PLC0415
+
+            from executor.store_server import connect_store  # noqa: PLC0415
+
+            store = PrefixStore(run_id, connect_store("127.0.0.1", port, TIMEOUT_S))
+            if cfg.kind == "ddp":
+                times, loss0 = _ddp_worker(cfg, rank, store, steps, prof)
+            else:
+                times, loss0 = _pipe_worker(cfg, rank, store, steps, prof, schedule)
+        else:
+            times, loss0 = _engine_worker(cfg, rank, port, run_id, steps, prof)
+        results.put((rank, None, times[WARMUP:], loss0, dict(prof.totals)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        results.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", [], None, {}))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+@dataclass
+class RunResult:
+    step_times: list[float]  # per timed step, the slowest worker's
+    loss0: float | None
+    profile_ms: dict[str, float]  # exclusive ms per step, mean over workers
+
+
+_RUNS = 0
+
+
+def run(cfg: Config, steps: int, schedule: str, port: int) -> RunResult:
+    """One job of `cfg` for WARMUP + steps steps; raises RuntimeError with the first worker error."""
+    global _RUNS
+    _RUNS += 1
+    run_id = f"vs_ddp/{os.getpid()}/{_RUNS}"
+    ctx = mp.get_context("forkserver")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(cfg, r, port, run_id, WARMUP + steps, schedule, results))
+             for r in range(cfg.world)]
+    for p in procs:
+        p.start()
+    per_worker, losses, profiles, errors = [], [], [], []
+    try:
+        for _ in procs:
+            _rank, err, times, loss0, prof = results.get(timeout=TIMEOUT_S)
+            if err is not None:
+                errors.append(f"rank {_rank}: {err}")
+                break
+            per_worker.append(times)
+            profiles.append(prof)
+            if loss0 is not None:
+                losses.append(loss0)
+    except queue.Empty:
+        errors.append(f"a worker did not report within {TIMEOUT_S:.0f}s (hang?)")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if errors:
+        raise RuntimeError(errors[0])
+    if len(set(losses)) > 1 and max(losses) - min(losses) > 1e-6 * abs(max(losses)):
+        raise RuntimeError(f"{cfg.name}: ranks disagree on the first step's loss: {losses}")
+    steps_ = [max(ts) for ts in zip(*per_worker, strict=True)]
+    labels = {k for p in profiles for k in p}
+    prof_ms = {k: 1e3 * sum(p.get(k, 0.0) for p in profiles) / len(profiles) / steps for k in labels}
+    return RunResult(steps_, losses[0] if losses else None, prof_ms)
+
+
+# -------------------------------------------------------------------------------------- main
+
+
+def machine() -> str:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"nproc {os.cpu_count()} (affinity {len(os.sched_getaffinity(0))}), CPU {cpu}, "
+            f"{platform.system()} {platform.release()}, Python {platform.python_version()}, "
+            f"torch {importlib.metadata.version('torch')}")
+
+
+def label(cfg: Config, schedule: str) -> str:
+    if cfg.kind == "pipe":
+        return f"torch.distributed.pipelining {'Schedule1F1B' if schedule == '1f1b' else 'ScheduleGPipe'} + DDP per stage"
+    return LABELS[cfg.kind]
+
+
+def baseline_of(cfg: Config, chosen: list[Config]) -> Config | None:
+    for c in chosen:
+        if c.kind in BASELINE_KINDS and (c.pp, c.dp) == (cfg.pp, cfg.dp):
+            return c
+    return None
+
+
+def print_profile(names: list[str], profiles: dict[str, list[dict[str, float]]], medians: dict[str, float],
+                  top: int) -> None:
+    avg = {n: _mean_profile(profiles[n]) for n in names}
+    print(f"\n### Profile, PP=1 x DP=2: exclusive ms per step (mean over workers and repeats; top {top} per configuration)\n")
+    for n in names:
+        items = sorted(avg[n].items(), key=lambda kv: -kv[1])
+        covered = sum(avg[n].values())
+        print(f"**{n}** (median step {1e3 * medians[n]:.1f} ms; instrumented {covered:.1f} ms of the mean worker step)\n")
+        print("| where | ms / step | share of step |")
+        print("|---|---|---|")
+        for k, v in items[:top]:
+            print(f"| {k} | {v:.2f} | {100 * v / (1e3 * medians[n]):.1f}% |")
+        rest = sum(v for _k, v in items[top:])
+        if rest:
+            print(f"| (other instrumented items) | {rest:.2f} | {100 * rest / (1e3 * medians[n]):.1f}% |")
+        print()
+
+
+def _mean_profile(ps: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for p in ps for k in p}
+    return {k: sum(p.get(k, 0.0) for p in ps) / len(ps) for k in keys}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="NAME",
+                        help=f"configurations to run (default all: {' '.join(CONFIGS)})")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per run (after 2 warm-up steps)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration, alternated")
+    parser.add_argument("--pipe-schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    parser.add_argument("--loss-rtol", type=float, default=1e-5)
+    parser.add_argument("--top", type=int, default=8, help="profile rows per configuration")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.repeats < 1:
+        parser.error("--steps and --repeats must be positive")
+    chosen = [CONFIGS[n] for n in args.configs]
+
+    from executor.store_server import StoreServer  # noqa: PLC0415
+
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "executor.trainer", "executor.fabric",
+                                                         "torch.distributed.pipelining"])
+    print(f"# ElasWave vs DDP / torch pipelining, fault-free, gloo on CPU\n\n- machine: {machine()}")
+    print(f"- model: GPT example, hidden {CFG.hidden}, {CFG.num_heads} heads, {CFG.num_layers} blocks, seq {CFG.seq_len}, "
+          f"vocab {CFG.vocab_size}; global batch {GLOBAL_BATCH} in {MICRO_BATCHES} micro-batches; AdamW lr {LR} wd {WEIGHT_DECAY}")
+    print(f"- {args.repeats} repeats x ({WARMUP} warm-up + {args.steps} timed steps) per configuration, "
+          "alternated; one torch thread per worker process\n")
+    samples: dict[str, list[float]] = defaultdict(list)
+    profiles: dict[str, list[dict[str, float]]] = defaultdict(list)
+    loss0: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    server = StoreServer.start()
+    t_start = time.monotonic()
+    try:
+        for rep in range(args.repeats):
+            for cfg in chosen:
+                if cfg.name in failed:
+                    continue
+                t0 = time.monotonic()
+                try:
+                    res = run(cfg, args.steps, args.pipe_schedule, server.port)
+                except RuntimeError as exc:
+                    failed[cfg.name] = str(exc)
+                    print(f"[repeat {rep}] {cfg.name}: FAILED: {str(exc).splitlines()[0]}", flush=True)
+                    continue
+                samples[cfg.name].extend(res.step_times)
+                profiles[cfg.name].append(res.profile_ms)
+                if res.loss0 is not None:
+                    loss0.setdefault(cfg.name, res.loss0)
+                    if res.loss0 != loss0[cfg.name]:
+                        print(f"  note: {cfg.name} first-step loss changed between repeats: {res.loss0!r} vs {loss0[cfg.name]!r}")
+                print(f"[repeat {rep}] {cfg.name}: median step {statistics.median(res.step_times):.4f} s "
+                      f"(run {time.monotonic() - t0:.1f} s), first-step loss {res.loss0!r}", flush=True)
+    finally:
+        server.stop()
+    print(f"\n(total {time.monotonic() - t_start:.0f} s)\n")
+
+    medians = {n: statistics.median(v) for n, v in samples.items()}
+    print("| configuration | shape | median step s | samples/s | ratio to baseline (step time) | first-step loss |")
+    print("|---|---|---|---|---|---|")
+    for cfg in chosen:
+        if cfg.name not in medians:
+            print(f"| {cfg.name}: {label(cfg, args.pipe_schedule)} | {cfg.shape} | failed | | | |")
+            continue
+        base = baseline_of(cfg, chosen)
+        ratio = (f"{medians[cfg.name] / medians[base.name]:.2f}x {base.name}"
+                 if base is not None and base.name in medians else "n/a")
+        print(f"| {cfg.name}: {label(cfg, args.pipe_schedule)} | {cfg.shape} | {medians[cfg.name]:.4f} "
+              f"| {GLOBAL_BATCH / medians[cfg.name]:.1f} | {ratio} | {loss0.get(cfg.name, float('nan')):.8f} |")
+
+    ok = True
+    if loss0:
+        ref_name = next(iter(loss0))
+        ref = loss0[ref_name]
+        worst = max(abs(v - ref) / abs(ref) for v in loss0.values())
+        ok = worst <= args.loss_rtol and len(loss0) == len(medians)
+        print(f"\nfirst-step loss: max relative difference to {ref_name} {worst:.2e} "
+              f"({'OK' if ok else 'MISMATCH'}, tolerance {args.loss_rtol:g})")
+    for name, err in failed.items():
+        print(f"\n{name} failed:\n```\n{err.strip()[-3000:]}\n```")
+
+    dp2 = [n for n in ("ddp-dp2", "static-dp2", "ft-dp2") if n in medians]
+    if dp2:
+        print_profile(dp2, profiles, medians, args.top)
+        if "ddp-dp2" in dp2:
+            d = _mean_profile(profiles["ddp-dp2"])
+            a = d.get("backward, last micro-batch (incl. DDP bucket all-reduce)", math.nan)
+            b = d.get("backward, first micro-batch (no_sync: compute only)", math.nan)
+            print(f"DDP's exposed all-reduce, estimated as backward(last) - backward(first): {a - b:.2f} ms / step\n")
+    return 0 if ok and not failed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
