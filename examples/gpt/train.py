@@ -24,6 +24,7 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip by the global gradient norm (0: off)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", default=None)
@@ -38,7 +39,8 @@ def main() -> None:
         global_batch=args.global_batch,
         micro_batches=args.micro_batches,
         steps=args.steps,
-        optimizer=elaswave.AdamW(lr=args.lr, weight_decay=0.01),
+        optimizer=elaswave.AdamW(lr=args.lr, weight_decay=0.01, no_decay=elaswave.no_decay_norms_and_biases,
+                                 max_grad_norm=args.max_grad_norm or None),
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
