@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import functools
 import importlib.metadata
 import math
@@ -205,6 +206,8 @@ def instrument_engine(prof: Prof) -> None:
 
 def _init_worker() -> None:
     torch.set_num_threads(1)
+    if os.environ.get("VS_DDP_DUMP_AFTER_S"):  # diagnosing a hang: every worker's stacks to stderr
+        faulthandler.dump_traceback_later(float(os.environ["VS_DDP_DUMP_AFTER_S"]), exit=True)
     torch.manual_seed(0)
 
 

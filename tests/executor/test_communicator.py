@@ -17,7 +17,8 @@ import torch
 from torch.distributed import TCPStore
 
 from executor.comm import Communicator, MembershipError, PeerFailure, groups_for_stages
-from executor.comm.groups import decide_edit, physical_groups, shrink_exclusions
+from executor.comm.groups import WORLD_GROUP, decide_edit, physical_groups, shrink_exclusions
+from executor.engine_comm import groups_for_stage_ranks
 from executor.store_server import StoreServer, connect_store
 from tests.executor.ft_procs import collect, kill9, spawn
 
@@ -129,6 +130,12 @@ def test_groups_for_stages_and_bad_input() -> None:
         "dp/0": (0, 1), "dp/1": (2, 3), "link/0-2": (0, 2), "link/0-3": (0, 3), "link/1-2": (1, 2),
         "link/1-3": (1, 3)}
     assert physical_groups(g, pp_links=False) == g
+    # With `world` (gradient clipping's global norm): one more group of every worker, stage-major,
+    # served by one physical group of its own; the stage groups and links are unchanged.
+    w = groups_for_stages([[0, 1], [2, 3]], world=True)
+    assert w == {**g, WORLD_GROUP: (0, 1, 2, 3)}
+    assert physical_groups(w, pp_links=True) == {**physical_groups(g, pp_links=True), WORLD_GROUP: (0, 1, 2, 3)}
+    assert groups_for_stage_ranks([[0, 1], [2, 3]], world=True) == w  # the static comm's groups agree
     with pytest.raises(MembershipError, match="two stages"):
         groups_for_stages([[0, 1], [1, 2]])
     with pytest.raises(MembershipError, match="at least one worker"):

@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from executor.comm import Communicator, PeerFailure, groups_for_stages
-from executor.comm.groups import physical_groups
+from executor.comm.groups import WORLD_GROUP, physical_groups
 from executor.fabric.trainer_state import FabricParticipant, shard_state_of
+from executor.optim import OptimizerConfig
 from executor.step_protocol import StepProtocol, plan_key
 from executor.store_server import StoreServer, connect_store
 from executor.trainer import Trainer
@@ -39,6 +40,9 @@ STEPS, FAIL_STEP, VICTIM = 8, 4, 4
 WORKERS = list(range(6))
 BATCH = 12
 CFG = gpt_spec(dropout=0.1)  # 4 blocks: units embed, block_0..block_3, head
+# The same job with gradient clipping by the global norm (clips most steps of this run): every
+# step adds one all-gather over the job-wide "world" group, which a loss must rebuild too.
+CLIP_CFG = gpt_spec(dropout=0.1, optimizer=OptimizerConfig("adamw", lr=3e-3, weight_decay=0.01, max_grad_norm=1.0))
 TIMEOUT_S = 20.0
 
 
@@ -58,6 +62,7 @@ class Scenario:
     relayout_at: int = -1  # >= 0: no kill; the published plan is applied before this step
     new_layout: Layout | None = None  # the plan's layout (default after a kill: resize_after_loss)
     migration: str = "blocking"  # FabricParticipant's migration mode on the plan path
+    clip: bool = False  # CLIP_CFG (and its world group) instead of CFG
 
     def plan(self) -> Plan | None:
         old = base_layout(self.rng_mode)
@@ -75,7 +80,8 @@ class KillingCommunicator(Communicator):
     FAIL_STEP. Ops of a victim in step FAIL_STEP, in order: 1-4 pipeline receives and sends,
     5 gradient reduce-scatter, 6 snapshot checksum exchange (a verify step), 7 snapshot gradient
     exchange (posted; the survivors wait for it just before the commit vote), 8 parameter
-    all-gather (after its own optimizer update), 9 loss all-gather (last stage only)."""
+    all-gather (after its own optimizer update), 9 loss all-gather (last stage only). With
+    clipping, the global-norm all-gather on "world" comes right after the reduce-scatter (op 6)."""
 
     kill_at_op = 0
     current_step = -1
@@ -111,10 +117,11 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
     layout = base_layout(sc.rng_mode)
     store = connect_store("127.0.0.1", port)
     cls = KillingCommunicator if inject and worker == sc.victim else Communicator
-    comm = cls(store, worker, groups_for_stages([s.ranks for s in layout.stages]), timeout_s=TIMEOUT_S)
+    comm = cls(store, worker, groups_for_stages([s.ranks for s in layout.stages], world=sc.clip),
+               timeout_s=TIMEOUT_S)
     if isinstance(comm, KillingCommunicator):
         comm.kill_at_op = sc.kill_at_op
-    trainer = Trainer(CFG, layout, worker, comm)
+    trainer = Trainer(CLIP_CFG if sc.clip else CFG, layout, worker, comm)
     participant = FabricParticipant(trainer, comm, verify_every=2, migration=sc.migration)
     proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
     losses: dict[int, float | None] = {}
@@ -228,14 +235,15 @@ def _mean_rel_dev(a: dict[int, float], b: dict[int, float], steps: range) -> flo
     return float(np.mean([abs(a[s] - b[s]) / abs(b[s]) for s in steps]))
 
 
-_CLEAN: dict[str, dict[int, dict[str, Any]]] = {}
+_CLEAN: dict[tuple[str, bool], dict[int, dict[str, Any]]] = {}
 
 
-def _clean(rng_mode: str) -> dict[int, dict[str, Any]]:
-    """The fault-free run of the same seed (computed once per RNG mode and pytest process)."""
-    if rng_mode not in _CLEAN:
-        _CLEAN[rng_mode] = _run(Scenario(rng_mode))
-    return _CLEAN[rng_mode]
+def _clean(rng_mode: str, clip: bool = False) -> dict[int, dict[str, Any]]:
+    """The fault-free run of the same seed (computed once per RNG mode, clipping on or off, and
+    pytest process)."""
+    if (rng_mode, clip) not in _CLEAN:
+        _CLEAN[rng_mode, clip] = _run(Scenario(rng_mode, clip=clip))
+    return _CLEAN[rng_mode, clip]
 
 
 def assert_states_bitwise(ref: dict[str, Any], got: dict[str, Any]) -> None:
@@ -275,13 +283,13 @@ def _balanced(name: str, members: tuple[int, ...], ledgers: dict[int, Any]) -> b
                for a in members for b in members if a != b)
 
 
-def assert_exact_edit(results: dict[int, dict[str, Any]], plan: Plan) -> dict[int, set[str]]:
+def assert_exact_edit(results: dict[int, dict[str, Any]], plan: Plan, world: bool = False) -> dict[int, set[str]]:
     """Every worker rebuilt exactly the groups that lost a member or whose ops were left
     half-matched (by the ledgers every member published for the edit) and reused every other
-    group; returns each worker's half-matched groups."""
+    group; returns each worker's half-matched groups. `world`: the job has the world group."""
     assert plan.old is not None
-    old = physical_groups(groups_for_stages([s.ranks for s in plan.old.stages]), pp_links=True)
-    new = physical_groups(groups_for_stages([s.ranks for s in plan.new.stages]), pp_links=True)
+    old = physical_groups(groups_for_stages([s.ranks for s in plan.old.stages], world=world), pp_links=True)
+    new = physical_groups(groups_for_stages([s.ranks for s in plan.new.stages], world=world), pp_links=True)
     ledgers = {w: r["ledger"] for w, r in results.items()}
     dirty: dict[int, set[str]] = {}
     for w, r in results.items():
@@ -291,8 +299,10 @@ def assert_exact_edit(results: dict[int, dict[str, Any]], plan: Plan) -> dict[in
         (edit,) = r["edits"]
         assert set(edit["rebuilt"]) == changed | dirty[w], (w, edit, changed, dirty[w])
         assert set(edit["reused"]) == set(mine) - changed - dirty[w], (w, edit)
-        lost_stages = {plan.old.stage_of_rank(v) for v in set(plan.old.ranks()) - set(plan.new.ranks())}
-        assert changed == ({f"dp/{r['stage']}"} if r["stage"] in lost_stages else set()), (w, changed)
+        lost = set(plan.old.ranks()) - set(plan.new.ranks())
+        lost_stages = {plan.old.stage_of_rank(v) for v in lost}
+        expect = {f"dp/{r['stage']}"} if r["stage"] in lost_stages else set()
+        assert changed == expect | ({WORLD_GROUP} if world and lost else set()), (w, changed)
     return dirty
 
 
@@ -320,15 +330,18 @@ def assert_snapshots_equal_live(results: dict[int, dict[str, Any]]) -> None:
                          ids=["pipeline", "grad-reduce-scatter", "snapshot-exchange", "param-all-gather", "loss",
                               "stage0-checksum-exchange"])
 def test_kill9_mid_step_recovers_in_place(victim: int, kill_at_op: int) -> None:
-    sc = Scenario(kill_at_op=kill_at_op, victim=victim)
-    clean, faulty = _clean(sc.rng_mode), _run(sc)
+    _check_kill_recovery(Scenario(kill_at_op=kill_at_op, victim=victim))
+
+
+def _check_kill_recovery(sc: Scenario) -> dict[int, dict[str, Any]]:
+    clean, faulty = _clean(sc.rng_mode, sc.clip), _run(sc)
     ref_losses, got_losses = _last_stage_losses(clean), _last_stage_losses(faulty)
     assert sorted(got_losses) == sorted(ref_losses) == list(range(STEPS))
     for s in range(FAIL_STEP):  # same layout before the failure: identical bits
         assert got_losses[s] == ref_losses[s]
     deviation = _mean_rel_dev(got_losses, ref_losses, range(FAIL_STEP, STEPS))
-    print(f"\nvictim {victim}, kill at op {kill_at_op}: mean relative loss deviation vs fault-free over steps "
-          f"{FAIL_STEP}..{STEPS - 1}: {deviation:.3e} (placement-invariant RNG)")
+    print(f"\nvictim {sc.victim}, kill at op {sc.kill_at_op}{' (clipping)' if sc.clip else ''}: mean relative loss "
+          f"deviation vs fault-free over steps {FAIL_STEP}..{STEPS - 1}: {deviation:.3e} (placement-invariant RNG)")
     assert deviation <= 1e-4
     assert_recovered_bitwise(clean, faulty)
     assert_same_samples(clean, faulty, FAIL_STEP)
@@ -336,10 +349,22 @@ def test_kill9_mid_step_recovers_in_place(victim: int, kill_at_op: int) -> None:
         assert [e["at_step"] for e in r["edits"]] == [FAIL_STEP]
     plan = sc.plan()
     assert plan is not None
-    dirty = assert_exact_edit(faulty, plan)
-    print(f"half-matched groups rebuilt besides dp/{plan.old.stage_of_rank(victim) if plan.old else '?'}: "
+    dirty = assert_exact_edit(faulty, plan, world=sc.clip)
+    print(f"half-matched groups rebuilt besides dp/{plan.old.stage_of_rank(sc.victim) if plan.old else '?'}: "
           f"{ {w: sorted(d) for w, d in dirty.items() if d} }")
     assert_snapshots_equal_live(faulty)
+    return faulty
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_kill9_in_the_global_norm_all_gather_with_clipping_recovers_in_place() -> None:
+    """Gradient clipping by the global norm: the victim dies entering the all-gather of every
+    rank's sum of squares over the world group. The survivors rebuild the world group with the
+    others and recover bitwise, as without clipping."""
+    faulty = _check_kill_recovery(Scenario(kill_at_op=6, victim=4, clip=True))
+    failures = {w: r["failures"] for w, r in faulty.items()}
+    assert any(group == WORLD_GROUP for fs in failures.values() for _, group in fs), failures
 
 
 @pytest.mark.multiproc
