@@ -179,12 +179,18 @@ def _train_single_process(spec: TrainSpec, global_batch: int, micro_batches: int
 
 def _train_as_worker(spec: TrainSpec, place: worker_env.WorkerPlace, steps: int, ckpt_dir: Path | None,
                      every: int, resume: Path | None) -> TrainResult:
-    from executor.worker import WorkerSettings, run_worker  # noqa: PLC0415
+    from executor.worker import ModelMismatch, WorkerSettings, run_worker  # noqa: PLC0415
 
     stop = os.environ.get(worker_env.STOP_FILE_ENV)
+    described = os.environ.get(worker_env.DESCRIPTION_ENV)
+    prints = worker_env.ModelDescription.from_json(Path(described).read_text()).fingerprints if described else None
     settings = WorkerSettings(place, steps, checkpoint_dir=ckpt_dir, checkpoint_every=every, resume=resume,
-                              stop_file=Path(stop) if stop else None)
-    code, results = run_worker(spec, settings)
+                              stop_file=Path(stop) if stop else None, fingerprints=prints)
+    try:
+        code, results = run_worker(spec, settings)
+    except ModelMismatch as exc:
+        print(f"elaswave: rank {place.rank}: {exc}", file=sys.stderr, flush=True)
+        os._exit(worker_env.EXIT_USAGE)
     if code != 0:
         os._exit(code)
     # Skip interpreter teardown once the script is done: a gloo group with an abandoned op (a

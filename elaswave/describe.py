@@ -17,6 +17,7 @@ from executor.trainer import TrainSpec
 from executor.units import Activation, ActivationSpec, as_tuple, call_unit, fingerprint
 
 PROFILE_ROWS = 4  # samples per timed micro-batch: enough to dilute the per-call overhead
+REPEATS = 3  # timed runs per unit after one untimed warm-up; the fastest counts (others were disturbed)
 
 
 def describe(spec: TrainSpec, global_batch: int, micro_batches: int, steps: int) -> ModelDescription:
@@ -31,18 +32,26 @@ def describe(spec: TrainSpec, global_batch: int, micro_batches: int, steps: int)
     for i, (name, probe) in enumerate(zip(spec.model.names, probes, strict=True)):
         unit = spec.model.build(i)
         prints[name] = fingerprint(unit)
-        x_in = _leaf(x)
-        t0 = time.perf_counter()
-        out = call_unit(unit, x_in)
-        t1 = time.perf_counter()
-        floats = [t for t in as_tuple(out) if t.requires_grad]
-        if floats:
-            torch.autograd.backward(floats, [torch.ones_like(t) for t in floats])
-        t2 = time.perf_counter()
-        units.append(UnitDescription(name, probe.numel, probe.param_bytes, (t1 - t0) / rows, (t2 - t1) / rows,
+        timings = [_time_unit(unit, x) for _ in range(REPEATS + 1)][1:]  # the first call warms caches up
+        fwd, bwd = min(t[0] for t in timings), min(t[1] for t in timings)
+        out = timings[-1][2]
+        units.append(UnitDescription(name, probe.numel, probe.param_bytes, fwd / rows, bwd / rows,
                                      ActivationSpec.of(out).bytes_per_sample()))
         x = tuple(t.detach() for t in out) if isinstance(out, tuple) else out.detach()
     return ModelDescription(tuple(units), global_batch, micro_batches, sampler.num_samples, steps, prints)
+
+
+def _time_unit(unit: torch.nn.Module, x: Activation) -> tuple[float, float, Activation]:
+    """(forward seconds, backward seconds, output) of one call on `x`."""
+    x_in = _leaf(x)
+    t0 = time.perf_counter()
+    out = call_unit(unit, x_in)
+    t1 = time.perf_counter()
+    floats = [t for t in as_tuple(out) if t.requires_grad]
+    if floats:
+        torch.autograd.backward(floats, [torch.ones_like(t) for t in floats])
+    unit.zero_grad(set_to_none=True)
+    return t1 - t0, time.perf_counter() - t1, out
 
 
 def _leaf(x: Activation) -> Activation:

@@ -166,6 +166,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
         print(f"[elaswave] WARNING: {warning}", file=sys.stderr, flush=True)
     run_dir = prepare_run_dir(args.run_dir or Path.cwd() / "elaswave-run" / name)
     (run_dir / "layout.json").write_text(placement.layout.to_json())
+    (run_dir / "description.json").write_text(desc.to_json())
     nodes = {str(n): list(placement.ranks_on_node(n)) for n in range(args.nnodes)}
     (run_dir / "nodes.json").write_text(json.dumps({"rank_node": list(placement.rank_node), "nodes": nodes,
                                                     "exposed_stages": list(placement.exposed_stages)}, indent=1))

@@ -63,7 +63,8 @@ class Session:
         env = clean_env() | {
             we.TOKEN_ENV: token, we.JOB_ENV: self.job, we.RANK_ENV: str(rank),
             we.CORE_ENV: f"127.0.0.1:{self.core.grpc_port}", we.STORE_ENV: self.store.address,
-            we.LAYOUT_ENV: str(self.run_dir / "layout.json"), we.RESULTS_ENV: str(self.run_dir / f"rank-{rank}.json"),
+            we.LAYOUT_ENV: str(self.run_dir / "layout.json"),
+            we.DESCRIPTION_ENV: str(self.run_dir / "description.json"), we.RESULTS_ENV: str(self.run_dir / f"rank-{rank}.json"),
             we.TIMEOUT_ENV: f"{args.timeout:g}", we.STOP_FILE_ENV: str(self.stop_file), "PYTHONUNBUFFERED": "1",
         }
         if args.checkpoint_dir is not None:

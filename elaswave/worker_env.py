@@ -44,6 +44,7 @@ CHECKPOINT_EVERY_ENV = "ELASWAVE_CHECKPOINT_EVERY"  # steps between checkpoints 
 RESUME_ENV = "ELASWAVE_RESUME_DIR"  # resume from the latest checkpoint in this directory
 DESCRIBE_ENV = "ELASWAVE_DESCRIBE_FILE"  # describe mode: write a ModelDescription here and exit
 STOP_FILE_ENV = "ELASWAVE_STOP_FILE"  # launcher's stop request: checkpoint and leave at a boundary
+DESCRIPTION_ENV = "ELASWAVE_DESCRIPTION_FILE"  # the describe run's ModelDescription (unit fingerprints)
 
 EXIT_OK = 0
 EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a SIGTERM'd process

@@ -74,12 +74,16 @@ class StepProtocol:
     """One worker's side of the protocol. Every method states how long it may block."""
 
     def __init__(self, comm: Communicator, participant: StepParticipant, plan_epoch: int = 0,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, committed_step: int = -1) -> None:
+        """`committed_step`: the last step already committed (-1: none; a resumed job starts at
+        its checkpoint's last step)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if committed_step < -1:
+            raise ValueError(f"committed_step must be >= -1, got {committed_step}")
         self.comm, self.participant, self.timeout_s = comm, participant, timeout_s
         self.plan_epoch = plan_epoch
-        self.committed_step = -1  # last committed step (-1: none yet)
+        self.committed_step = committed_step  # last committed step (-1: none yet)
         self.step: int | None = None
         self.failure: str | None = None
         # Every abort decision makes every survivor roll back once, so all agree on this count;

@@ -140,6 +140,8 @@ class UnitModel:
         for name, m in named.items():
             if not isinstance(m, nn.Module):
                 raise UnitBuildError(f"unit {name!r} is a {type(m).__name__}, not an nn.Module")
+        # Checked before the deep copies below, which would silently untie a shared weight.
+        UnitModel.check_untied(named)
         return UnitModel(tuple(named), lambda name: copy.deepcopy(named[name]))
 
     def __len__(self) -> int:
@@ -172,7 +174,8 @@ class UnitModel:
         except RuntimeError as exc:
             raise UnitBuildError(f"state_dict does not fit unit {name!r}: {exc}") from exc
 
-    def check_untied(self, units: Mapping[str, nn.Module]) -> None:
+    @staticmethod
+    def check_untied(units: Mapping[str, nn.Module]) -> None:
         """Refuse parameters shared between units: a tied weight (an embedding reused by the head)
         would be updated twice, once on each stage that holds a copy."""
         owner: dict[int, str] = {}

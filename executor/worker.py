@@ -55,6 +55,27 @@ class WorkerSettings:
     checkpoint_every: int = 0  # steps between checkpoints (0: only the final one)
     resume: Path | None = None
     stop_file: Path | None = None
+    # unit -> fingerprint of its initial weights in the launcher's describe run: every process must
+    # build the same model (elaswave.worker_env.ModelDescription.fingerprints)
+    fingerprints: dict[str, str] | None = None
+
+
+class ModelMismatch(ValueError):
+    """This process built its units with other weights than the describe run did."""
+
+
+def check_fingerprints(units: dict[str, Any], expected: dict[str, str] | None) -> None:
+    """Raise ModelMismatch naming the units whose initial weights differ from the describe run's."""
+    from executor.units import fingerprint  # noqa: PLC0415
+
+    if not expected:
+        return
+    differ = [n for n, u in units.items() if n in expected and fingerprint(u) != expected[n]]
+    if differ:
+        raise ModelMismatch(f"units {differ} were built with other initial weights in this process than in the "
+                            "launcher's describe run: build the model the same way in every process (seed it with "
+                            "torch.manual_seed before building it, or hand elaswave.Units a build_unit function, "
+                            "which the engine seeds by unit name)")
 
 
 def link_peer(group: str, rank: int) -> int | None:
@@ -106,12 +127,14 @@ class CoreDrivenWorker:
         self.comm = Communicator(store, place.rank, groups_for_stages([s.ranks for s in layout.stages], world=world),
                                  timeout_s=place.timeout_s)
         self.trainer = Trainer(spec, layout, place.rank, self.comm)
+        check_fingerprints(dict(self.trainer.model.units.items()), settings.fingerprints)
         self.start_step = 0
         if settings.resume is not None:
             meta = load_checkpoint(self.trainer, settings.resume)
             self.start_step = meta.next_step
         self.participant = FabricParticipant(self.trainer, self.comm, verify_every=settings.verify_every)
-        self.proto = StepProtocol(self.comm, self.participant, timeout_s=place.timeout_s)
+        self.proto = StepProtocol(self.comm, self.participant, timeout_s=place.timeout_s,
+                                  committed_step=self.start_step - 1)
         self.metrics = StepMetricsClient.from_env()
         self.control = ControlReader.from_env()
         self.plans = PlanClient(list(place.core), place.job, place.worker_id, place.token, on_plan=self._plan_arrived)
@@ -329,10 +352,11 @@ def run_worker(spec: Any, settings: WorkerSettings) -> tuple[int, dict[str, Any]
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(results, sort_keys=True))
         tmp.replace(out)
-    if worker.exit_code == 0 and results["committed_steps"] == settings.steps:
+    if worker.exit_code == 0 and (results["committed_steps"] == settings.steps or "stopped_after_step" in results):
         from elaswave.local_protocol import mark_finished  # noqa: PLC0415
 
-        # The whole job is trained: the agent reports a finished worker, not a departure to plan for.
+        # The whole job is trained, or stopped where the launcher or an operator asked: the agent
+        # reports a finished worker, not a departure for the Core to plan around.
         mark_finished()
     sys.stdout.flush()
     return worker.exit_code, results

@@ -1,4 +1,4 @@
-"""Train the small GPT on the bundled Markov corpus: `elaswave run --nproc-per-node 6 --pp 2 examples/gpt/train.py`.
+"""Train the small GPT on the bundled Markov corpus: `elaswave run --nproc-per-node 4 --pp 2 examples/gpt/train.py`.
 
 Also `python examples/gpt/train.py` (one process, the fault-free reference). See README.md here.
 """

@@ -106,3 +106,10 @@ def test_sequential_trains_and_returns_a_plain_state_dict() -> None:
     assert result.state_dict is not None
     fresh = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     fresh.load_state_dict(result.state_dict)  # "<unit>.<param>" keys are nn.Sequential's own
+
+
+def test_a_sequential_with_a_tied_weight_is_refused_not_untied() -> None:
+    emb, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight  # the usual tied LM head
+    with pytest.raises(UnitBuildError, match="units '0' and '1' share a parameter"):
+        elaswave.Units.from_modules(nn.Sequential(emb, head))
