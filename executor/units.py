@@ -202,13 +202,21 @@ class UnitProbe:
 
 
 def discover_boundaries(model: UnitModel, sample_input: Activation) -> tuple[UnitProbe, ...]:
-    """Run one sample through every unit on the CPU, one unit built at a time (so at most one
-    unit's weights are held), and record each unit's parameters and output spec."""
+    """Run one sample through every unit on the CPU, one unit built at a time, and record each
+    unit's parameters and output spec. The parameters stay referenced until the end, so a build
+    function that hands two units the same tensor is refused even when the two would sit on
+    different stages (a tied weight would be updated once per stage holding it)."""
     probes: list[UnitProbe] = []
     ActivationSpec.of(sample_input)  # a clear TypeError before slicing what is not a batch
     x: Activation = tuple(t[:1] for t in sample_input) if isinstance(sample_input, tuple) else sample_input[:1]
+    owners: dict[int, tuple[str, nn.Parameter]] = {}
     for i, name in enumerate(model.names):
         unit = model.build(i)
+        for p in unit.parameters():
+            other = owners.setdefault(id(p), (name, p))[0]
+            if other != name:
+                raise UnitBuildError(f"units {other!r} and {name!r} share a parameter: tied weights across units "
+                                     "are not supported; give each unit its own copy (untie them)")
         x = _real_forward(unit, name, x)
         probes.append(UnitProbe(sum(p.numel() for p in unit.parameters()),
                                 sum(p.numel() * p.element_size() for p in unit.parameters()), ActivationSpec.of(x),
