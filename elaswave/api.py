@@ -121,7 +121,7 @@ def train(
     if place is None:
         return _train_single_process(spec, global_batch, micro_batches, steps, ckpt_dir, every, resume_dir,
                                      log_every, on_step)
-    return _train_as_worker(spec, place, steps, ckpt_dir, every, resume_dir)
+    return _train_as_worker(spec, place, steps, ckpt_dir, every, resume_dir, log_every, on_step)
 
 
 def _checkpoint_settings(checkpoint_dir: str | Path | None, every: int,
@@ -178,14 +178,16 @@ def _train_single_process(spec: TrainSpec, global_batch: int, micro_batches: int
 
 
 def _train_as_worker(spec: TrainSpec, place: worker_env.WorkerPlace, steps: int, ckpt_dir: Path | None,
-                     every: int, resume: Path | None) -> TrainResult:
+                     every: int, resume: Path | None, log_every: int,
+                     on_step: Callable[[int, float | None], None] | None) -> TrainResult:
     from executor.worker import ModelMismatch, WorkerSettings, run_worker  # noqa: PLC0415
 
     stop = os.environ.get(worker_env.STOP_FILE_ENV)
     described = os.environ.get(worker_env.DESCRIPTION_ENV)
     prints = worker_env.ModelDescription.from_json(Path(described).read_text()).fingerprints if described else None
     settings = WorkerSettings(place, steps, checkpoint_dir=ckpt_dir, checkpoint_every=every, resume=resume,
-                              stop_file=Path(stop) if stop else None, fingerprints=prints)
+                              stop_file=Path(stop) if stop else None, fingerprints=prints, on_step=on_step,
+                              log_every=log_every)
     try:
         code, results = run_worker(spec, settings)
     except ModelMismatch as exc:

@@ -37,6 +37,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,10 @@ class WorkerSettings:
     # unit -> fingerprint of its initial weights in the launcher's describe run: every process must
     # build the same model (elaswave.worker_env.ModelDescription.fingerprints)
     fingerprints: dict[str, str] | None = None
+    # Called after every committed step with (step, loss or None), on every rank (the script's
+    # `on_step`); `log_every`: the first rank of the last stage prints a progress line this often.
+    on_step: Callable[[int, float | None], None] | None = None
+    log_every: int = 0
 
 
 class ModelMismatch(ValueError):
@@ -309,6 +314,12 @@ class CoreDrivenWorker:
                               loss=None if result is None else result.loss,
                               samples=0 if result is None else result.samples_processed,
                               stage=self.trainer.stage, dp_rank=self.trainer.dp_index)
+        if self.settings.on_step is not None:
+            self.settings.on_step(step, result.loss)
+        every = self.settings.log_every
+        if every and (step + 1) % every == 0 and result.loss is not None and self.trainer.dp_index == 0:
+            rate = self.trainer.layout.global_batch / seconds if seconds > 0 else float("inf")
+            print(f"step {step:>6}  loss {result.loss:.6f}  {rate:,.0f} samples/s (this step)", flush=True)
 
     def _recover(self, step: int) -> bool:
         """Wait for the Core's plan, apply it, and say so; False if this worker is not in it."""

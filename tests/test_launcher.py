@@ -23,7 +23,9 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+import torch
 
+import elaswave
 from elaswave.launcher import job_name, resume_command
 from elaswave.launcher_monitor import Snapshot, outcome
 
@@ -294,6 +296,7 @@ import elaswave
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=8)
 p.add_argument("--losses-out")
+p.add_argument("--state-out")
 args = p.parse_args()
 g = torch.Generator().manual_seed(0)
 x = torch.randn(256, 8, generator=g)
@@ -312,6 +315,8 @@ result = elaswave.train(units, loss_fn, torch.utils.data.TensorDataset(x, y), gl
 if args.losses_out:
     with open(args.losses_out, "w") as f:
         json.dump({str(k): v for k, v in result.losses.items()}, f)
+if args.state_out and result.state_dict is not None:
+    torch.save(result.state_dict, args.state_out)
 '''
 
 
@@ -322,11 +327,12 @@ def _tiny(tmp_path: Path) -> Path:
     return script
 
 
-def _reference_losses(script: Path, steps: int) -> dict[int, float]:
+def _reference_losses(script: Path, steps: int, state_out: Path | None = None) -> dict[int, float]:
     """The same script as one plain process (no launcher): the fault-free reference."""
     out = script.with_name("reference.json")
-    subprocess.run([sys.executable, str(script), "--steps", str(steps), "--losses-out", str(out)], check=True,
-                   timeout=60, env=_env(), cwd=script.parent, capture_output=True)
+    extra = ["--state-out", str(state_out)] if state_out is not None else []
+    subprocess.run([sys.executable, str(script), "--steps", str(steps), "--losses-out", str(out), *extra], check=True,
+                   timeout=120, env=_env(), cwd=script.parent, capture_output=True)
     return {int(k): v for k, v in json.loads(out.read_text()).items()}
 
 
@@ -358,7 +364,9 @@ def test_end_to_end_pp2_dp2_trains_like_the_single_process_run(tmp_path: Path) -
 @pytest.mark.timeout(240)
 def test_end_to_end_a_worker_killed_on_a_simulated_node_and_the_job_finishes(tmp_path: Path) -> None:
     script = _tiny(tmp_path)
-    launcher = Launcher("--nnodes", "2", "--nproc-per-node", "2", "--pp", "2", script, "--steps", "60", cwd=tmp_path)
+    ckpt = tmp_path / "ckpt"
+    launcher = Launcher("--nnodes", "2", "--nproc-per-node", "2", "--pp", "2", "--checkpoint-dir", str(ckpt), script,
+                        "--steps", "60", cwd=tmp_path)
     run_dir = tmp_path / "elaswave-run" / "tiny"
     launcher.wait_for("every worker to commit step 3",
                       lambda: len(s := _member_steps(run_dir, "tiny")) == 4 and min(s.values()) >= 3, timeout_s=120)
@@ -373,4 +381,15 @@ def test_end_to_end_a_worker_killed_on_a_simulated_node_and_the_job_finishes(tmp
     assert "job 'tiny' finished: 60/60 steps, 3 of 4 workers finished" in out
     survivors = [r for r in range(4) if r != victim_rank]
     assert all(json.loads((run_dir / f"rank-{r}.json").read_text())["committed_steps"] == 60 for r in survivors)
-    assert sorted(_job_losses(run_dir, survivors)) == list(range(60))
+    losses = _job_losses(run_dir, survivors)
+    assert sorted(losses) == list(range(60))
+    # Recovered in place, the job is the fault-free run: the same losses and, at the end, the same
+    # parameters, up to fp32 round-off (the survivors split the batch differently).
+    reference = _reference_losses(script, 60, state_out=tmp_path / "reference.pt")
+    for step in range(60):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-4, abs=1e-6), step
+    final = elaswave.load_model_state(ckpt)
+    expected = torch.load(tmp_path / "reference.pt", weights_only=True)
+    assert final.keys() == expected.keys()
+    worst = max(float((final[k] - expected[k]).abs().max()) for k in final)
+    assert worst <= 1e-5, worst
