@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument("--core", metavar="HOST:PORT", help="join a multi-node job through this Core (not supported yet)")
     parser.add_argument("--job", help="job name (default: the script's name)")
+    parser.add_argument("--mem-per-worker", type=float, metavar="GIB",
+                        help="memory one worker may use (GiB): stage boundaries keep every worker within it, "
+                             "and a job that cannot fit is refused with what to change")
     parser.add_argument("--resume", type=Path, metavar="DIR", help="resume from the latest checkpoint in DIR")
     parser.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="write checkpoints to DIR")
     parser.add_argument("--checkpoint-every", type=int, metavar="N", help="steps between checkpoints")
@@ -155,7 +158,8 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     try:
         placement = plan_placement(unit_costs(desc), global_batch=desc.global_batch,
                                    micro_batches=desc.micro_batches, nnodes=args.nnodes,
-                                   nproc_per_node=args.nproc_per_node, pp=args.pp)
+                                   nproc_per_node=args.nproc_per_node, pp=args.pp,
+                                   mem_cap_bytes=None if args.mem_per_worker is None else args.mem_per_worker * 2**30)
     except PlacementError as exc:
         print(f"elaswave run: error: {exc}", file=sys.stderr)
         return we.EXIT_USAGE

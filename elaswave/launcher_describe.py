@@ -97,8 +97,8 @@ def describe(script: Path, script_args: Sequence[str], timeout_s: float,
 
 
 def unit_costs(description: ModelDescription) -> tuple[UnitCost, ...]:
-    return tuple(UnitCost(u.name, u.numel, u.param_bytes, u.forward_s_per_sample + u.backward_s_per_sample)
-                 for u in description.units)
+    return tuple(UnitCost(u.name, u.numel, u.param_bytes, u.forward_s_per_sample + u.backward_s_per_sample,
+                          u.activation_bytes_per_sample) for u in description.units)
 
 
 def tail(text: str, lines: int) -> str:

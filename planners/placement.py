@@ -16,6 +16,13 @@ any worker starts, with the units the script's describe run measured. It decides
   second, ...), each stage a window of that order, so a stage of D ranks spans min(D, N) nodes
   and one node loss never empties a stage when every stage has >= 2 ranks and N >= 2. Where that
   is impossible the result's `warnings` name the stages a single node loss would empty.
+* **Memory.** With a per-worker cap, only partitions whose every stage fits are considered
+  (Algorithm 1's memory constraint). A worker of stage p holding units with P parameter bytes
+  (fp32: n = P / 4 elements) keeps the weights, their gradients and the step's rollback copy
+  (3 P), its ZeRO-1 share of the two optimizer states, their rollback copy and the ring snapshot
+  of its neighbour's share (parameters and both states) (28 n / D_p bytes), and the activations of
+  the micro-batches in flight under 1F1B: min(P_stages - p, M) of them, B / (M D_p) samples each,
+  at the units' measured activation bytes per sample. `stage_mem_bytes` reports the estimate.
 
 Pure: no I/O, no clocks; bad input raises `PlacementError` saying what to change.
 """
@@ -45,6 +52,7 @@ class UnitCost:
     numel: int
     param_bytes: int
     seconds_per_sample: float  # forward + backward, on the describing machine
+    activation_bytes_per_sample: int = 0  # the output the unit keeps for its backward
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class Placement:
     rank_node: tuple[int, ...]  # rank_node[r] = node that runs global rank r
     stage_step_s: tuple[float, ...]  # predicted compute seconds per step of each stage (one rank)
     stage_param_bytes: tuple[int, ...]
+    stage_mem_bytes: tuple[float, ...]  # estimated peak bytes of one worker of each stage (module doc)
     exposed_stages: tuple[int, ...]  # stages whose ranks all sit on one node
     warnings: tuple[str, ...]
     reason: str
@@ -67,14 +76,21 @@ class Placement:
 
 
 def plan_placement(units: Sequence[UnitCost], *, global_batch: int, micro_batches: int, nnodes: int,
-                   nproc_per_node: int, pp: int = 1, time_tolerance: float = 0.01) -> Placement:
-    """Lay `units` out over `nnodes` x `nproc_per_node` workers in `pp` stages (see module doc)."""
+                   nproc_per_node: int, pp: int = 1, time_tolerance: float = 0.01,
+                   mem_cap_bytes: float | None = None) -> Placement:
+    """Lay `units` out over `nnodes` x `nproc_per_node` workers in `pp` stages (see module doc);
+    with `mem_cap_bytes`, every worker's estimated memory must fit it."""
     _check_input(units, global_batch, micro_batches, nnodes, nproc_per_node, pp, time_tolerance)
+    if mem_cap_bytes is not None and not (math.isfinite(mem_cap_bytes) and mem_cap_bytes > 0):
+        raise PlacementError(f"the memory cap per worker must be a positive number of bytes, got {mem_cap_bytes}")
     world = nnodes * nproc_per_node
     dp_sizes = tuple(world // pp + (1 if p < world % pp else 0) for p in range(pp))
     cost = np.array([u.seconds_per_sample for u in units], dtype=float)
     size = np.array([u.param_bytes for u in units], dtype=float)
-    result = balanced_partition(cost, size, tuple(global_batch / d for d in dp_sizes), time_tolerance)
+    memory = StageMemory(size, np.array([u.activation_bytes_per_sample for u in units], dtype=float),
+                         dp_sizes, global_batch, micro_batches)
+    result = balanced_partition(cost, size, tuple(global_batch / d for d in dp_sizes), time_tolerance,
+                                memory, mem_cap_bytes)
     edges = (0, *result.boundaries, len(units))
     stage_ranks = _spread_ranks(dp_sizes, nnodes, nproc_per_node)
     stages = tuple(StageLayout(p, edges[p], edges[p + 1], stage_ranks[p]) for p in range(pp))
@@ -87,21 +103,53 @@ def plan_placement(units: Sequence[UnitCost], *, global_batch: int, micro_batche
     rank_node = tuple(r // nproc_per_node for r in range(world))
     step_s = tuple(float(cost[edges[p]:edges[p + 1]].sum()) * global_batch / dp_sizes[p] for p in range(pp))
     stage_bytes = tuple(int(size[edges[p]:edges[p + 1]].sum()) for p in range(pp))
+    stage_mem = tuple(float(memory.matrix(p)[edges[p], edges[p + 1]]) for p in range(pp))
     exposed = tuple(p for p, s in enumerate(stages) if len({rank_node[r] for r in s.ranks}) < 2)
     warnings = _warnings(layout, rank_node, exposed, nnodes)
-    return Placement(layout, rank_node, step_s, stage_bytes, exposed, warnings,
+    return Placement(layout, rank_node, step_s, stage_bytes, stage_mem, exposed, warnings,
                      _reason(layout, units, rank_node, step_s, dp_sizes, nnodes, nproc_per_node))
 
 
+@dataclass(frozen=True)
+class StageMemory:
+    """The per-worker memory estimate of the module docstring, as Algorithm 1's segment tables."""
+
+    param_bytes: np.ndarray  # per unit
+    activation_bytes: np.ndarray  # per unit, per sample
+    dp_sizes: tuple[int, ...]
+    global_batch: int
+    micro_batches: int
+
+    def matrix(self, stage: int) -> np.ndarray:
+        """(L+1, L+1): [k, l] = bytes of one worker of `stage` holding units k..l-1."""
+        d = self.dp_sizes[stage]
+        in_flight = min(len(self.dp_sizes) - stage, self.micro_batches)
+        samples = self.global_batch / (self.micro_batches * d)
+        per_unit = (3.0 * self.param_bytes + 7.0 * self.param_bytes / d
+                    + self.activation_bytes * samples * in_flight)
+        return _segment_sums(per_unit)
+
+
 def balanced_partition(cost: np.ndarray, size: np.ndarray, samples_per_rank: Sequence[float],
-                       time_tolerance: float = 0.01) -> PartitionResult:
+                       time_tolerance: float = 0.01, memory: StageMemory | None = None,
+                       mem_cap_bytes: float | None = None) -> PartitionResult:
     """Contiguous partition of units into len(samples_per_rank) stages: minimax stage time
-    (sum of per-sample cost x samples per rank), then, within `time_tolerance` of that optimum,
-    minimax stage size. Stage p's boundaries are `result.boundaries` (Algorithm 1's convention)."""
+    (sum of per-sample cost x samples per rank) among the partitions whose every worker fits
+    `mem_cap_bytes` (by `memory`), then, within `time_tolerance` of that optimum, minimax stage
+    size. Stage p's boundaries are `result.boundaries` (Algorithm 1's convention)."""
     L, P = len(cost), len(samples_per_rank)
     seg_cost, seg_size = _segment_sums(cost), _segment_sums(size)
     times = [seg_cost * s for s in samples_per_rank]
     no_cap = [math.inf] * P
+    if memory is not None and mem_cap_bytes is not None:
+        mems = [memory.matrix(p) for p in range(P)]
+        fitting = minimax_partition(L, P, times.__getitem__, mems.__getitem__, [mem_cap_bytes] * P)
+        if not fitting.feasible:
+            raise PlacementError(_over_cap(mems, mem_cap_bytes, L, P))
+        if not all(m <= mem_cap_bytes for m in _stage_values(mems, fitting)):
+            raise PlacementError(fitting.reason)
+        # Within the cap, the time optimum is the answer: balancing bytes could break the cap.
+        return fitting
     fastest = minimax_partition(L, P, times.__getitem__, lambda p: seg_size, no_cap)
     if not fastest.feasible:
         raise PlacementError(fastest.reason)
@@ -110,6 +158,21 @@ def balanced_partition(cost: np.ndarray, size: np.ndarray, samples_per_rank: Seq
     cap = fastest.worst_stage_time * (1.0 + time_tolerance) + 1e-12 * max(1.0, fastest.worst_stage_time)
     balanced = minimax_partition(L, P, lambda p: seg_size, times.__getitem__, [cap] * P)
     return balanced if balanced.feasible else fastest
+
+
+def _stage_values(mats: Sequence[np.ndarray], result: PartitionResult) -> list[float]:
+    edges = (0, *result.boundaries, mats[0].shape[0] - 1)
+    return [float(m[edges[p], edges[p + 1]]) for p, m in enumerate(mats)]
+
+
+def _over_cap(mems: Sequence[np.ndarray], cap: float, L: int, P: int) -> str:
+    """What to change when no partition fits: the least memory any split needs per worker."""
+    best = minimax_partition(L, P, mems.__getitem__, mems.__getitem__, [math.inf] * P)
+    need = best.worst_stage_time  # the minimax objective here is memory itself
+    return (f"no split of the {L} units over {P} stage(s) fits {cap / 2**30:.3g} GiB per worker: the best split "
+            f"needs {need / 2**30:.3g} GiB on its largest stage (weights, gradients and rollback copy; ZeRO-1 "
+            "optimizer share, its copy and the neighbour's snapshot; activations in flight). Use more stages "
+            "(--pp), more workers per stage, a smaller global batch or more micro-batches, or a larger cap")
 
 
 def _segment_sums(per_unit: np.ndarray) -> np.ndarray:

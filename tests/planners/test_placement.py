@@ -132,3 +132,33 @@ def test_layout_uses_every_unit_as_a_layer() -> None:
     assert layout.zero_layout == "interleaved" and layout.rng_mode == "placement_invariant"
     assert layout.frequencies_mhz == () and layout.stages[0].ranks == (0, 1)
     assert "embed..head" in p.reason
+
+
+# ------------------------------------------------------------------------------ memory cap
+
+
+def _mem_units() -> list[UnitCost]:
+    # 6 equal units of 1 MiB of parameters, 1 MiB of activations per sample, 1 ms per sample each
+    return [UnitCost(f"u{i}", 1 << 18, 1 << 20, 1e-3, 1 << 20) for i in range(6)]
+
+
+def test_memory_cap_shapes_the_split_and_is_reported() -> None:
+    free = plan_placement(_mem_units(), global_batch=32, micro_batches=2, nnodes=1, nproc_per_node=2, pp=2)
+    assert [s.num_layers for s in free.layout.stages] == [3, 3]
+    # Stage 0 keeps 2 micro-batches in flight (1F1B), stage 1 one: capping at what 3 units need on
+    # stage 1 but not on stage 0 forces the boundary toward stage 0.
+    cap = max(free.stage_mem_bytes) - 1
+    capped = plan_placement(_mem_units(), global_batch=32, micro_batches=2, nnodes=1, nproc_per_node=2, pp=2,
+                            mem_cap_bytes=cap)
+    assert all(m <= cap for m in capped.stage_mem_bytes)
+    assert [s.num_layers for s in capped.layout.stages] != [3, 3]
+
+
+def test_a_job_that_cannot_fit_the_memory_cap_is_refused_with_what_to_change() -> None:
+    with pytest.raises(PlacementError, match=r"no split of the 6 units over 2 stage\(s\) fits .* GiB per worker: "
+                                             r"the best split needs .* Use more stages"):
+        plan_placement(_mem_units(), global_batch=32, micro_batches=2, nnodes=1, nproc_per_node=2, pp=2,
+                       mem_cap_bytes=1 << 20)
+    with pytest.raises(PlacementError, match="positive number of bytes"):
+        plan_placement(_mem_units(), global_batch=32, micro_batches=2, nnodes=1, nproc_per_node=2, pp=2,
+                       mem_cap_bytes=0)
