@@ -255,13 +255,13 @@ def repartition(resized: Layout, factors: dict[int, float], model: JobModel,
         jumps = [m for m in block_moves(resized, best) if abs(m[1] - m[2]) > 1]
         return resized, [f"re-partition not adopted: Algorithm 1's best partition (boundaries "
                          f"{list(plan.partition.boundaries)}) moves {describe(jumps)} by more than one stage, and "
-                         "no partition as good moves every block at most one; the executor migrates blocks between "
+                         "no partition as good moves every unit at most one; the executor migrates units between "
                          f"adjacent stages only (§6.2): resize only (predicted {t0:.4g} -> {t_best:.4g} "
                          f"{model.unit} forgone)"]
     candidate = apply_boundaries(base, bounds)
     moves, t1 = block_moves(resized, candidate), model.cost.step_time(candidate)
     if not moves:
-        return resized, [f"no block moves: the current boundaries {list(resized.boundaries)} are optimal "
+        return resized, [f"no unit moves: the current boundaries {list(resized.boundaries)} are optimal "
                          "(Algorithm 1)"]
     if t1 >= t0 * (1 - min_gain):
         return resized, [f"re-partition not adopted: moving {describe(moves)} would change the predicted step only "
@@ -280,8 +280,8 @@ def block_moves(old: Layout, new: Layout) -> list[tuple[int, int, int]]:
 
 
 def describe(moves: list[tuple[int, int, int]], most: int = 8) -> str:
-    said = ", ".join(f"block {b} stage {a}->{c}" for b, a, c in moves[:most])
-    return said if len(moves) <= most else f"{said}, ... ({len(moves)} blocks)"
+    said = ", ".join(f"unit {b} stage {a}->{c}" for b, a, c in moves[:most])
+    return said if len(moves) <= most else f"{said}, ... ({len(moves)} units)"
 
 
 def adjacent_optimum(layout: Layout, cost: CostModel, worst: float) -> tuple[int, ...] | None:

@@ -57,6 +57,42 @@ def job_summary(job: Job) -> dict[str, Any]:
             "has_layout": job.layout_json is not None, "last_event_seq": job.next_seq - 1}
 
 
+async def store_new_job(core: Core, body: CreateJobRequest) -> CreateJobResponse:
+    """Create the job (POST /api/v1/jobs, and the rendezvous of `elaswave run --core`); raises
+    HTTPException with what is wrong. Async: the job table is only ever changed on the event loop
+    (a sync handler would run in a worker thread), and it returns once the job is stored."""
+    if not core.settings.allow_job_creation:
+        raise HTTPException(403, detail="job creation through the API is disabled (allow_job_creation)")
+    layout_json = None
+    if body.layout is not None:
+        try:
+            layout = Layout.from_json(json.dumps(body.layout))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise HTTPException(422, detail=f"layout: {exc}") from None
+        report = validate(layout)
+        if not report.ok:
+            raise HTTPException(422, detail="layout does not validate: " + "; ".join(report.problems))
+        layout_json = layout.to_json()
+    model_json = None
+    if body.model is not None:
+        try:
+            state_from_dict(body.model)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise HTTPException(422, detail=f"model: {exc}") from None
+        model_json = json.dumps(body.model, sort_keys=True)
+    token = body.token or secrets.token_urlsafe(24)
+    spec = JobSpec(name=body.name, token=SecretStr(token), expected_workers=body.expected_workers)
+    try:
+        core.table.create_job(spec, layout_json, now=time.time(), model_json=model_json)
+    except JobExists as exc:
+        raise HTTPException(409, detail=str(exc)) from None
+    try:
+        await core.wait_durable()
+    except RpcError as err:
+        raise HTTPException(503, detail=err.message) from None
+    return CreateJobResponse(name=body.name, token=token)
+
+
 def build_app(core: Core) -> FastAPI:
     app = FastAPI(title="ElasWave Core", version="v1",
                   description="Jobs, members and events of the ElasWave control plane.")
@@ -83,10 +119,12 @@ def build_app(core: Core) -> FastAPI:
     from core_service.agent_service import worker_command_router
     from core_service.checkpoint_request import checkpoint_router
     from core_service.metrics import observe_http
+    from core_service.rendezvous import rendezvous_router
 
     observe_http(app, core.metrics)
     app.include_router(worker_command_router(core, [Depends(leader_only), Depends(admin)]))
     app.include_router(checkpoint_router(core, [Depends(leader_only), Depends(admin)]))
+    app.include_router(rendezvous_router(core, [Depends(leader_only), Depends(admin)]))
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
@@ -104,38 +142,7 @@ def build_app(core: Core) -> FastAPI:
 
     @app.post("/api/v1/jobs", status_code=201, dependencies=[Depends(leader_only), Depends(admin)])
     async def create_job(body: CreateJobRequest) -> CreateJobResponse:
-        # async: the job table is only ever changed on the event loop (a sync handler would run in
-        # a worker thread), and the answer waits until the job is stored in the registry.
-        if not core.settings.allow_job_creation:
-            raise HTTPException(403, detail="job creation through the API is disabled (allow_job_creation)")
-        layout_json = None
-        if body.layout is not None:
-            try:
-                layout = Layout.from_json(json.dumps(body.layout))
-            except (ValueError, TypeError, KeyError) as exc:
-                raise HTTPException(422, detail=f"layout: {exc}") from None
-            report = validate(layout)
-            if not report.ok:
-                raise HTTPException(422, detail="layout does not validate: " + "; ".join(report.problems))
-            layout_json = layout.to_json()
-        model_json = None
-        if body.model is not None:
-            try:
-                state_from_dict(body.model)
-            except (ValueError, TypeError, KeyError) as exc:
-                raise HTTPException(422, detail=f"model: {exc}") from None
-            model_json = json.dumps(body.model, sort_keys=True)
-        token = body.token or secrets.token_urlsafe(24)
-        spec = JobSpec(name=body.name, token=SecretStr(token), expected_workers=body.expected_workers)
-        try:
-            core.table.create_job(spec, layout_json, now=time.time(), model_json=model_json)
-        except JobExists as exc:
-            raise HTTPException(409, detail=str(exc)) from None
-        try:
-            await core.wait_durable()
-        except RpcError as err:
-            raise HTTPException(503, detail=err.message) from None
-        return CreateJobResponse(name=body.name, token=token)
+        return await store_new_job(core, body)
 
     @app.get("/api/v1/jobs/{job}", dependencies=[Depends(leader_only)])
     def get_job(job: str) -> dict[str, Any]:

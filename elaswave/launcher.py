@@ -2,6 +2,7 @@
 
     elaswave run [--nnodes N] [--nproc-per-node K] [--pp P] [--job NAME] [--checkpoint-dir DIR]
                  [--checkpoint-every N] [--resume DIR] [--timeout S] script.py [script args]
+    elaswave run --core HOST:PORT --nnodes N ... script.py [script args]     # on every node
 
 On one machine (no --core) it
 
@@ -18,14 +19,16 @@ On one machine (no --core) it
    them (bounded), tears everything down and prints how to resume.
 
 `--nnodes N` without `--core` simulates N nodes here: node n runs ranks n*K .. n*K+K-1, and the
-rank -> node map is in `<run dir>/nodes.json`. Multi-node jobs through `--core` are not supported
-yet: the flag is refused with a message saying so.
+rank -> node map is in `<run dir>/nodes.json`. With `--core HOST:PORT` (a running `elaswave core`'s
+REST address) the same command on each of N nodes joins one job: the Core lays it out, creates it
+and hosts its store, and each launcher runs its own node's ranks (`launcher_join`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import signal
@@ -52,7 +55,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="nodes; without --core they are simulated on this machine (default 1)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
-    parser.add_argument("--core", metavar="HOST:PORT", help="join a multi-node job through this Core (not supported yet)")
+    parser.add_argument("--core", metavar="HOST:PORT",
+                        help="join a multi-node job through the Core whose REST API is at HOST:PORT (its --http-port): "
+                        "run the same command on each of --nnodes nodes; needs $ELASWAVE_SCHEDULER_TOKEN")
+    parser.add_argument("--node-id", help="with --core: this node's name in the job, unique per node "
+                        "(default: host name and launcher pid)")
+    parser.add_argument("--rendezvous-timeout", type=float, default=300.0, metavar="S",
+                        help="with --core: seconds to wait for the other nodes to join (default 300)")
     parser.add_argument("--job", help="job name (default: the script's name)")
     parser.add_argument("--mem-per-worker", type=float, metavar="GIB",
                         help="memory one worker may use (GiB): stage boundaries keep every worker within it, "
@@ -80,15 +89,26 @@ class UsageError(ValueError):
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.core:
-        raise UsageError("--core (a multi-node job through a shared Core) is not supported yet; on one machine "
-                         "leave it out (--nnodes N then simulates N nodes here)")
+    from elaswave.launcher_join import NODE_ID_PATTERN, SCHEDULER_TOKEN_ENV, parse_core  # noqa: PLC0415
+
+    if args.core is not None:
+        try:
+            parse_core(args.core)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if not os.environ.get(SCHEDULER_TOKEN_ENV, "").strip():
+            raise UsageError(f"--core needs the Core's scheduler token in ${SCHEDULER_TOKEN_ENV} (joining a job "
+                             "creates it); export it on every node")
+    elif args.node_id is not None:
+        raise UsageError("--node-id names a node of a multi-node job: it needs --core")
+    if args.node_id is not None and not NODE_ID_PATTERN.fullmatch(args.node_id):
+        raise UsageError(f"--node-id {args.node_id!r}: use 1-128 letters, digits, '.', '_', ':', '@' or '-'")
     for name in ("nnodes", "nproc_per_node", "pp"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise UsageError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
-    for name in ("timeout", "describe_timeout", "stop_timeout"):
+    for name in ("timeout", "describe_timeout", "stop_timeout", "rendezvous_timeout"):
         if not getattr(args, name) > 0:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number of seconds")
     if not args.script.is_file():
@@ -155,30 +175,52 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     except DescribeError as exc:
         print(f"elaswave run: error: {exc}", file=sys.stderr)
         return 1
-    try:
-        placement = plan_placement(unit_costs(desc), global_batch=desc.global_batch,
-                                   micro_batches=desc.micro_batches, nnodes=args.nnodes,
-                                   nproc_per_node=args.nproc_per_node, pp=args.pp,
-                                   mem_cap_bytes=None if args.mem_per_worker is None else args.mem_per_worker * 2**30)
-    except PlacementError as exc:
-        print(f"elaswave run: error: {exc}", file=sys.stderr)
-        return we.EXIT_USAGE
+    joined = None
+    if args.core is not None:
+        from elaswave.launcher_join import JoinError, join_job, placement_of  # noqa: PLC0415
+
+        print(f"[elaswave] joining job {name!r} through the Core at {args.core}: waiting up to "
+              f"{args.rendezvous_timeout:g} s for all {args.nnodes} nodes", flush=True)
+        try:
+            joined = join_job(args, name, desc.to_json(), os.environ["ELASWAVE_SCHEDULER_TOKEN"].strip())
+        except JoinError as exc:
+            print(f"elaswave run: error: {exc}", file=sys.stderr)
+            return exc.exit_code
+        placement = placement_of(joined)
+        print(f"[elaswave] joined as node {joined.node_index} of {args.nnodes} ({joined.node_id}): ranks "
+              f"{list(joined.ranks)}; store at {joined.store_address}", flush=True)
+    else:
+        try:
+            placement = plan_placement(unit_costs(desc), global_batch=desc.global_batch,
+                                       micro_batches=desc.micro_batches, nnodes=args.nnodes,
+                                       nproc_per_node=args.nproc_per_node, pp=args.pp,
+                                       mem_cap_bytes=mem_cap_bytes(args))
+        except PlacementError as exc:
+            print(f"elaswave run: error: {exc}", file=sys.stderr)
+            return we.EXIT_USAGE
     print(f"[elaswave] {len(desc.units)} units, {sum(u.numel for u in desc.units):,} parameters, global batch "
           f"{desc.global_batch} in {desc.micro_batches} micro-batches, {desc.steps} steps", flush=True)
     print(f"[elaswave] layout: {placement.reason}", flush=True)
     for warning in placement.warnings:
         print(f"[elaswave] WARNING: {warning}", file=sys.stderr, flush=True)
-    run_dir = prepare_run_dir(args.run_dir or Path.cwd() / "elaswave-run" / name)
+    # Several nodes of one job may share a working directory (simulated nodes, a shared home).
+    default_dir = Path.cwd() / "elaswave-run" / name
+    if joined is not None:
+        default_dir = default_dir / f"node-{joined.node_index}"
+    run_dir = prepare_run_dir(args.run_dir or default_dir)
     (run_dir / "layout.json").write_text(placement.layout.to_json())
     (run_dir / "description.json").write_text(desc.to_json())
     nodes = {str(n): list(placement.ranks_on_node(n)) for n in range(args.nnodes)}
-    (run_dir / "nodes.json").write_text(json.dumps({"rank_node": list(placement.rank_node), "nodes": nodes,
-                                                    "exposed_stages": list(placement.exposed_stages)}, indent=1))
+    record: dict[str, object] = {"rank_node": list(placement.rank_node), "nodes": nodes,
+                                 "exposed_stages": list(placement.exposed_stages)}
+    if joined is not None:
+        record |= {"this_node": joined.node_index, "node_ids": joined.nodes}
+    (run_dir / "nodes.json").write_text(json.dumps(record, indent=1))
     print(f"[elaswave] run directory {run_dir} (layout.json, nodes.json, rank-R.log, rank-R.json)", flush=True)
     from elaswave.launcher_session import Session  # noqa: PLC0415 - httpx only once we launch
 
     with tempfile.TemporaryDirectory(prefix="ew-") as sockets:  # short: Unix socket paths <= 107 bytes
-        session = Session(args, name, desc, placement, run_dir, Path(sockets), stop)
+        session = Session(args, name, desc, placement, run_dir, Path(sockets), stop, joined)
         stop.graceful = True
         try:
             return session.run()
@@ -198,11 +240,23 @@ def prepare_run_dir(path: Path) -> Path:
     return path
 
 
+def mem_cap_bytes(args: argparse.Namespace) -> float | None:
+    return None if args.mem_per_worker is None else float(args.mem_per_worker) * 2**30
+
+
+def next_job_name(name: str) -> str:
+    """`name-2` for `name`, `name-3` for `name-2`: a name the Core has not seen for the resumed job."""
+    match = re.fullmatch(r"(.*)-(\d+)", name)
+    return f"{match[1]}-{int(match[2]) + 1}" if match else f"{name[:61]}-2"
+
+
 def resume_command(args: argparse.Namespace, checkpoint_dir: Path) -> str:
     """The command that resumes this run from `checkpoint_dir` (same flags, same script)."""
     cmd = ["elaswave", "run", "--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
            "--pp", str(args.pp), "--resume", str(checkpoint_dir)]
-    if args.job:
+    if getattr(args, "core", None):  # on every node again, as a new job: the Core keeps the old name
+        cmd += ["--core", args.core, "--job", next_job_name(job_name(args))]
+    elif args.job:
         cmd += ["--job", args.job]
     if args.checkpoint_dir:
         cmd += ["--checkpoint-dir", str(args.checkpoint_dir)]

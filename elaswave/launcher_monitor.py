@@ -20,7 +20,8 @@ import httpx
 
 # Events that say something happened to the job (per-step chatter and plan acks are left out).
 NOTABLE_EVENTS = frozenset({"worker_lost", "worker_left", "worker_finished", "worker_preempting", "worker_slow",
-                            "worker_rejoined", "plan_published", "decision_refuse", "worker_draining"})
+                            "worker_rejoined", "plan_published", "decision_refuse", "worker_draining",
+                            "checkpoint_requested"})
 RATE_WINDOW_S = 10.0
 
 
@@ -158,13 +159,13 @@ class Outcome:
 
 
 def outcome(job: str, exit_codes: dict[int, int | None], events: list[dict[str, Any]], snapshot: Snapshot,
-            total_steps: int, stop_signal: int | None) -> Outcome:
+            total_steps: int, stop_signal: int | None, world: int | None = None) -> Outcome:
     """How the job ended, from the agents' exit statuses and the Core's events.
 
     0 when the job completed: every agent exited 0, or some worker finished its work (it commits
     its last step only with the whole job) and the others were lost on the way and planned around.
     After a stop request (Ctrl-C, SIGTERM) the shell's 128 + signal when the workers left cleanly.
-    Otherwise 1."""
+    Otherwise 1. `world`: the job's workers, where this launcher runs only some (one node of several)."""
     finished = sorted({e["worker_id"] for e in events if e["kind"] == "worker_finished"})
     failed = tuple(sorted(r for r, c in exit_codes.items() if c != 0))
     lost = [f"{e['worker_id']} ({e['detail']})" for e in events if e["kind"] == "worker_lost"]
@@ -177,7 +178,7 @@ def outcome(job: str, exit_codes: dict[int, int | None], events: list[dict[str, 
         return Outcome(128 + stop_signal, f"job {job!r} stopped on request after step {step}{lost_note}", ())
     if not failed or finished:
         return Outcome(0, f"job {job!r} finished: {step + 1}/{total_steps} steps, {len(finished)} of "
-                          f"{len(exit_codes)} workers finished{lost_note}", failed)
+                          f"{world or len(exit_codes)} workers finished{lost_note}", failed)
     where = f"after step {step}" if step >= 0 else "before its first step"
     codes = ", ".join(f"rank {r}: {exit_codes[r]}" for r in failed)
     return Outcome(1, f"job {job!r} failed {where}: no worker finished; ranks {list(failed)} exited non-zero "

@@ -1,5 +1,9 @@
 """One `elaswave run` on one machine once the layout is known: start, watch, stop, tear down.
 
+Alone (no `--core`) it starts an embedded Core and the store and runs every rank; joined to a
+multi-node job (`launcher_join`) it uses the remote Core and the store it hosts, runs this node's
+ranks only, and asks the Core to stop the whole job on Ctrl-C.
+
 `Session.run` blocks until every agent has exited (each ends with its worker, whose every wait
 is bounded by `ELASWAVE_TIMEOUT_S`), or, after a stop request, at most `--stop-timeout` seconds
 more; `Session.teardown` then stops whatever is left, each process bounded.
@@ -8,34 +12,45 @@ more; `Session.teardown` then stops whatever is left, each process bounded.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
+
 from elaswave import worker_env as we
 from elaswave.launcher_describe import clean_env, tail
+from elaswave.launcher_join import SCHEDULER_TOKEN_ENV, stop_job, stopped_by_the_core
 from elaswave.launcher_monitor import Monitor, outcome, write_stop_file
-from elaswave.launcher_procs import Agents, LaunchError, LocalCore, LocalStore, RankSpec
+from elaswave.launcher_procs import LOOPBACK, Agents, LaunchError, LocalCore, LocalStore, RankSpec
 
 if TYPE_CHECKING:
     from elaswave.launcher import StopRequest
+    from elaswave.launcher_join import Joined
     from planners.placement import Placement
 
 POLL_S = 0.25
 LOG_TAIL_LINES = 15
 MAX_FAILED_LOGS = 3
+STOP_RETRY_S = 1.0  # the Core refuses a stop before the first committed step: ask again
 
 
 class Session:
     def __init__(self, args: argparse.Namespace, job: str, desc: we.ModelDescription, placement: Placement,
-                 run_dir: Path, socket_dir: Path, stop: StopRequest) -> None:
+                 run_dir: Path, socket_dir: Path, stop: StopRequest, joined: Joined | None = None) -> None:
         self.args, self.job, self.desc, self.placement = args, job, desc, placement
-        self.run_dir, self.socket_dir, self.stop = run_dir, socket_dir, stop
+        self.run_dir, self.socket_dir, self.stop, self.joined = run_dir, socket_dir, stop, joined
         self.core: LocalCore | None = None
         self.store: LocalStore | None = None
+        self.http: httpx.Client | None = None  # the Core's REST API, local or remote
+        self.core_address = self.store_address = ""  # gRPC, store: HOST:PORT
         self.agents = Agents()
         self.stop_file = run_dir / "stop.json"
+        self._stop_asked_at = 0.0
+        self._core_stop_accepted = False
 
     def run(self) -> int:
         try:
@@ -47,22 +62,33 @@ class Session:
         return self._watch()
 
     def _start(self) -> str:
+        if self.joined is not None:  # the Core created the job and hosts the store
+            self.http = httpx.Client(base_url=self.joined.rest_url, timeout=5.0)
+            self.core_address, self.store_address = self.joined.grpc_address, self.joined.store_address
+            return self.joined.token
         env = clean_env()
         self.core = LocalCore.start(self.run_dir, env)
         layout = self.placement.layout
         token = self.core.create_job(self.job, len(layout.ranks()), layout.to_json())
         self.store = LocalStore.start(env, self.run_dir / "store.log")
-        print(f"[elaswave] Core up (gRPC 127.0.0.1:{self.core.grpc_port}, REST {self.core.http.base_url}"
+        self.http = self.core.http
+        self.core_address, self.store_address = f"{LOOPBACK}:{self.core.grpc_port}", self.store.address
+        print(f"[elaswave] Core up (gRPC {self.core_address}, REST {self.core.http.base_url}"
               f"/api/v1/jobs/{self.job}), store on {self.store.address}", flush=True)
         return token
 
+    def node_ranks(self) -> set[int]:
+        """The ranks this launcher runs: every rank alone, its node's joined to a multi-node job."""
+        if self.joined is None:
+            return set(self.placement.layout.ranks())
+        return set(self.joined.ranks)
+
     def worker_env(self, token: str, rank: int) -> dict[str, str]:
         """The worker contract (`elaswave.worker_env`) for `rank`; the agent adds its worker id."""
-        assert self.core is not None and self.store is not None
         args = self.args
         env = clean_env() | {
             we.TOKEN_ENV: token, we.JOB_ENV: self.job, we.RANK_ENV: str(rank),
-            we.CORE_ENV: f"127.0.0.1:{self.core.grpc_port}", we.STORE_ENV: self.store.address,
+            we.CORE_ENV: self.core_address, we.STORE_ENV: self.store_address,
             we.LAYOUT_ENV: str(self.run_dir / "layout.json"),
             we.DESCRIPTION_ENV: str(self.run_dir / "description.json"), we.RESULTS_ENV: str(self.run_dir / f"rank-{rank}.json"),
             we.TIMEOUT_ENV: f"{args.timeout:g}", we.STOP_FILE_ENV: str(self.stop_file), "PYTHONUNBUFFERED": "1",
@@ -76,25 +102,27 @@ class Session:
         return env
 
     def _start_agents(self, token: str) -> None:
-        assert self.core is not None
         worker_cmd = [sys.executable, str(self.args.script), *self.args.script_args]
+        mine = self.node_ranks()
         for stage in self.placement.layout.stages:
             for dp_rank, rank in enumerate(stage.ranks):
+                if rank not in mine:
+                    continue
                 spec = RankSpec(rank, stage.stage, dp_rank, self.placement.rank_node[rank])
                 log = None if self.args.tee else self.run_dir / f"rank-{rank}.log"
-                self.agents.start(spec, self.job, f"127.0.0.1:{self.core.grpc_port}", self.socket_dir, worker_cmd,
+                self.agents.start(spec, self.job, self.core_address, self.socket_dir, worker_cmd,
                                   self.worker_env(token, rank), log)
         where = "this terminal" if self.args.tee else f"{self.run_dir}/rank-R.log"
         print(f"[elaswave] {len(self.agents.procs)} workers started (one agent each); their output goes to "
               f"{where}", flush=True)
 
     def _watch(self) -> int:
-        assert self.core is not None
-        monitor = Monitor(self.core.http, self.job, len(self.agents.procs), self.desc.steps,
+        assert self.http is not None
+        monitor = Monitor(self.http, self.job, len(self.placement.layout.ranks()), self.desc.steps,
                           self.desc.global_batch, sys.stdout)
         stop_deadline: float | None = None
         while self.agents.running():
-            if self.core.process.poll() is not None:
+            if self.core is not None and self.core.process.poll() is not None:
                 print(f"elaswave run: error: the embedded Core exited (status {self.core.process.returncode}); "
                       f"see {self.run_dir / 'core.log'}", file=sys.stderr)
                 return 1
@@ -102,6 +130,8 @@ class Session:
             if self.stop.signum is not None and stop_deadline is None:
                 stop_deadline = time.monotonic() + self.args.stop_timeout
                 self._request_stop(monitor.snapshot.step(monitor.snapshot.live))
+            elif stop_deadline is not None:
+                self._retry_core_stop()
             if stop_deadline is not None and time.monotonic() > stop_deadline:
                 print(f"[elaswave] workers {self.agents.running()} did not stop within {self.args.stop_timeout:g} s; "
                       "stopping them now", file=sys.stderr, flush=True)
@@ -110,20 +140,46 @@ class Session:
             time.sleep(POLL_S)
         monitor.poll()  # agents exit after their Leave is stored: the Core's view is final
         monitor.show(interval_s=0.0)
+        stop_signal = self.stop.signum
+        if stop_signal is None and self.joined is not None and stopped_by_the_core(monitor.events):
+            # Another node's Ctrl-C or an operator stopped the job: end as if SIGTERM'd here.
+            stop_signal = signal.SIGTERM
         result = outcome(self.job, self.agents.exit_codes(), monitor.events, monitor.snapshot, self.desc.steps,
-                         self.stop.signum)
+                         stop_signal, world=monitor.world)
         for rank in result.failed_ranks[:MAX_FAILED_LOGS]:
             self._show_log(rank)
         print(f"[elaswave] {result.summary}", file=sys.stderr if result.exit_code else sys.stdout, flush=True)
-        if self.stop.signum is not None:
+        if stop_signal is not None:
             self._print_resume()
         return result.exit_code
 
     def _request_stop(self, committed: int) -> None:
+        if self.joined is not None:  # through the Core, so that the stop reaches every node
+            self._stop_asked_at = 0.0
+            self._core_stop_accepted = False
+            self._retry_core_stop()
+            return
         stop_after = committed + 2
         write_stop_file(self.stop_file, stop_after)
         print(f"[elaswave] asked the workers to stop after step {stop_after} ({self.stop_file}); waiting up to "
               f"{self.args.stop_timeout:g} s", file=sys.stderr, flush=True)
+
+    def _retry_core_stop(self) -> None:
+        """Ask the Core to stop the job until it accepts (at most once per STOP_RETRY_S); the
+        caller's --stop-timeout bounds the whole stop."""
+        if self.joined is None or self._core_stop_accepted or time.monotonic() - self._stop_asked_at < STOP_RETRY_S:
+            return
+        first = self._stop_asked_at == 0.0
+        self._stop_asked_at = time.monotonic()
+        assert self.http is not None
+        accepted, said = stop_job(self.http, self.job, os.environ.get(SCHEDULER_TOKEN_ENV, "").strip())
+        self._core_stop_accepted = accepted
+        if accepted:
+            print(f"[elaswave] asked the Core to stop job {self.job!r} on every node: {said}; waiting up to "
+                  f"{self.args.stop_timeout:g} s", file=sys.stderr, flush=True)
+        elif first:
+            print(f"[elaswave] the Core did not take the stop yet ({said}); asking again every "
+                  f"{STOP_RETRY_S:g} s for up to {self.args.stop_timeout:g} s", file=sys.stderr, flush=True)
 
     def _show_log(self, rank: int) -> None:
         log = self.run_dir / f"rank-{rank}.log"
@@ -147,6 +203,8 @@ class Session:
     def teardown(self) -> None:
         """Agents first (they still need the Core to say Leave), then the store, the Core last."""
         self.agents.stop()
+        if self.joined is not None and self.http is not None:
+            self.http.close()  # a local Core's client closes with it
         if self.store is not None:
             self.store.stop()
         if self.core is not None:

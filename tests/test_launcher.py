@@ -132,7 +132,7 @@ def test_a_script_that_fails_while_describing_shows_its_stderr(tmp_path: Path) -
 @pytest.mark.parametrize(("flags", "message"), [
     (["--pp", "3", "--nproc-per-node", "2"], "--pp 3 needs at least 3 workers"),
     (["--pp", "6", "--nproc-per-node", "6"], "--pp 6 needs at least 6 units"),
-    (["--core", "10.0.0.1:7070"], "--core (a multi-node job through a shared Core) is not supported yet"),
+    (["--core", "10.0.0.1"], "--core '10.0.0.1': give the Core's REST address as HOST:PORT"),
     (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1"),
     (["--job", "bad name!"], "--job 'bad name!'"),
 ])

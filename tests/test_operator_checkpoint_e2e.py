@@ -62,10 +62,10 @@ def test_operator_checkpoint_and_stop_then_resume_elsewhere(tmp_path: Path) -> N
         assert loss == pytest.approx(fault_free[step], rel=2e-6), step
 
 
-def test_checkpoint_request_is_refused_clearly_without_training_workers() -> None:
+def test_checkpoint_request_is_refused_clearly_without_training_workers(tmp_path: Path) -> None:
     from harness.demo import Demo
 
-    demo = Demo(Path("/tmp"), 1, timeout_s=30)
+    demo = Demo(tmp_path, 1, timeout_s=30)
     try:
         demo.start_core()
         assert demo.http is not None

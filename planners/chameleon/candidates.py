@@ -70,7 +70,7 @@ def _fixed_layout_pipe(state: ClusterState, replicas: list[int], samples: int, n
         ranks = _without_failed((base + s).tolist(), state.failed)
         stage = make_stage(state, a, b, ranks, [samples] * len(ranks), s, len(spans), max(len(ranks), 1))
         if activation_scale is not None:
-            mem = stage_memory(state.profile, a, b, s, len(spans), round(samples * activation_scale[s]), len(ranks))
+            mem = stage_memory(state.profile, a, b, s, len(spans), samples * activation_scale[s], len(ranks))
             stage = replace(stage, mem_bytes=mem)
         stages.append(stage)
     return PipelinePlan(tuple(stages), num_slots)

@@ -38,7 +38,7 @@ def make_stage(state: ClusterState, layer_start: int, layer_stop: int, ranks: Se
 
 
 def stage_memory(prof: JobProfile, layer_start: int, layer_stop: int, stage_index: int, num_stages: int,
-                 samples: int, zero_shards: int) -> float:
+                 samples: float, zero_shards: int) -> float:
     """Eq. (14): static (weights, grads, 1/zero_shards of optimizer) + in-flight activations."""
     n = layer_stop - layer_start
     if n <= 0:

@@ -64,7 +64,7 @@ def test_loss_in_one_stage_moves_a_block_to_the_adjacent_stage() -> None:
         assert moves(layout, new) == [(2, 1, 0)]
         relayout = plan_relayout(layout, new)  # the executor accepts it in place
         assert relayout.moves == ((2, 1, 0),) and relayout.lost == {4}
-        assert any("block 2 stage 1->0" in r for r in plan["reasons"]), plan["reasons"]
+        assert any("unit 2 stage 1->0" in r for r in plan["reasons"]), plan["reasons"]
         assert any(r.startswith("predicted step time") for r in plan["reasons"])
         assert plan["predicted_step_time_s"] > 0
         await apply_all(h, 1, 2.2)
@@ -95,7 +95,7 @@ def test_best_partition_needing_a_two_stage_hop_falls_back_to_resize_only() -> N
         assert validate(new, exhaustive=True).ok
         assert new.boundaries == layout.boundaries and new.stages[0].ranks == (0,)
         why = [r for r in plan["reasons"] if r.startswith("re-partition not adopted")]
-        assert len(why) == 1 and "block 2 stage 0->2" in why[0] and "more than one stage" in why[0], plan["reasons"]
+        assert len(why) == 1 and "unit 2 stage 0->2" in why[0] and "more than one stage" in why[0], plan["reasons"]
         assert "resize only" in why[0]
 
     run(scenario())
@@ -166,7 +166,7 @@ def test_registered_model_is_the_cost_model_when_the_job_has_one() -> None:
     with_model = ElasWavePolicy().decide(_snapshot(layout, 4, model))
     assert with_model.action == "publish" and "registered profile" in with_model.reasons[0]
     assert Layout.from_json(with_model.layout_json or "").boundaries == (2,)
-    assert any(r.startswith("no block moves") for r in with_model.reasons), with_model.reasons
+    assert any(r.startswith("no unit moves") for r in with_model.reasons), with_model.reasons
     uniform = ElasWavePolicy().decide(_snapshot(layout, 4, None))
     assert "uniform blocks" in uniform.reasons[0]
     assert Layout.from_json(uniform.layout_json or "").boundaries == (3,)
@@ -190,4 +190,4 @@ def test_memory_caps_keep_a_block_where_it_is() -> None:
     assert decision.action == "publish"
     new = Layout.from_json(decision.layout_json or "")
     assert new.boundaries == (2,) and new.stages[1].ranks == (3, 5)
-    assert any(r.startswith("no block moves") for r in decision.reasons), decision.reasons
+    assert any(r.startswith("no unit moves") for r in decision.reasons), decision.reasons

@@ -1,0 +1,146 @@
+"""Rendezvous stores the Core hosts for jobs formed by `elaswave run --core` (core_service.rendezvous).
+
+Every executor of a job builds its communication groups over one `TCPStore` (DESIGN §2). On one
+machine the launcher runs it; across nodes it must outlive any node, so the Core hosts it: one
+`executor.store_server` child process per job, bound to the Core's REST interface (the address
+the nodes reached the Core at), started when the job's last node joins.
+
+Why the Core and not the first node to join: a store on node 0 dies with node 0 and takes every
+survivor's rendezvous with it, so losing that one node would end the job however well the
+layout spreads the stages. Hosting it here costs the Core one process per running job (it
+imports torch: about 200 MB and a few seconds to start), hence `MAX_STORES`. What it does not do
+yet: a standby Core taking over does not inherit the stores (they die with the Core that started
+them), so a Core failover ends the jobs whose groups still need their store.
+
+A store stops when its job is gone from the table, when every member of the job has been gone
+(LEFT or LOST) for `GONE_GRACE_S`, when no worker registered within `UNCLAIMED_S`, or with the
+Core: the child gets SIGTERM when the Core process dies (Linux parent-death signal, armed by the
+child itself so that the Core never forks with a Python `preexec_fn` while gRPC threads run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from core_service.core import Core
+
+log = logging.getLogger(__name__)
+
+MAX_STORES = 32
+STORE_START_S = 60.0  # the child imports torch before it binds
+WATCH_INTERVAL_S = 5.0
+GONE_GRACE_S = 30.0  # every member gone this long: the job is over
+UNCLAIMED_S = 600.0  # no worker ever registered: the nodes gave up
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class StoreError(RuntimeError):
+    """A store could not be started; the message says why."""
+
+
+class JobStores:
+    """The stores this Core runs, one per job, each with a task that ends it with its job."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+
+    async def start(self, job: str) -> int:
+        """Start the job's store on the Core's REST interface; returns its port. At most
+        `STORE_START_S`; raises StoreError (the Core serves too many, or the child failed)."""
+        if job in self.procs:
+            raise StoreError(f"job {job!r} already has a store")
+        if len(self.procs) >= MAX_STORES:
+            raise StoreError(f"this Core already runs {MAX_STORES} job stores; wait for a job to end")
+        # Forked from the event loop's thread, which lives as long as the Core: the child's
+        # parent-death signal is tied to the forking thread, not the process.
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "core_service.job_store", "--host", self.core.settings.http_host,
+            "--parent", str(os.getpid()), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            start_new_session=True)
+        assert proc.stdout is not None
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), STORE_START_S)).decode(errors="replace").strip()
+        except TimeoutError:
+            line = ""
+        if not line.startswith("PORT "):
+            _terminate(proc)
+            raise StoreError(f"the rendezvous store for job {job!r} did not start within {STORE_START_S:g} s "
+                             f"({'said ' + repr(line) if line else 'no port announced'}); see the Core's log")
+        self.procs[job] = proc
+        self._watchers[job] = asyncio.ensure_future(self._watch(job, proc))
+        log.info("rendezvous store for job %s on %s:%s", job, self.core.settings.http_host, line.split()[1])
+        return int(line.split()[1])
+
+    def stop(self, job: str) -> None:
+        """End the job's store (no wait: the child exits on SIGTERM within its own bounds)."""
+        task = self._watchers.pop(job, None)
+        if task is not None:
+            task.cancel()
+        proc = self.procs.pop(job, None)
+        if proc is not None:
+            _terminate(proc)
+
+    async def _watch(self, job: str, proc: asyncio.subprocess.Process) -> None:
+        started = gone_since = time.monotonic()
+        try:
+            while proc.returncode is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(proc.wait(), WATCH_INTERVAL_S)
+                record = self.core.table.jobs.get(job)
+                now = time.monotonic()
+                if record is None:
+                    break
+                if record.live_members():
+                    gone_since = now
+                    continue
+                over = now - gone_since > GONE_GRACE_S if record.members else now - started > UNCLAIMED_S
+                if over:  # every worker left or was lost, or none ever came
+                    break
+        finally:
+            _terminate(proc)
+            if self.procs.get(job) is proc:
+                del self.procs[job]
+                self._watchers.pop(job, None)
+            log.info("rendezvous store for job %s stopped", job)
+
+
+def _terminate(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+
+
+def _arm_parent_death(parent: int) -> None:
+    """SIGTERM to this process when the Core dies; exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:
+        sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="A job's rendezvous store, run by the Core")
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--parent", type=int, required=True, help="the Core's pid")
+    args = parser.parse_args(argv)
+    _arm_parent_death(args.parent)
+    from executor.store_server import main as serve  # noqa: PLC0415 - torch only in the child
+
+    return serve(["--host", args.host, "--port", "0"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""`POST /api/v1/rendezvous/{job}`: the nodes of `elaswave run --core` join one job (docs/api.md).
+
+Every node runs the same command; its launcher describes the model and posts its description
+here with the job's shape (nnodes, nproc_per_node, pp), then posts the same request again
+whenever an answer comes back 202 (still waiting: who joined, how many are missing). Each request
+waits at most its `poll_s`; the node's whole wait is bounded by the `timeout_s` of its first
+request. Once all `nnodes` nodes have joined with the same shape and the same model, every node
+gets the same answer (200) but its own place:
+
+* node indices in join order, ranks `n*K .. n*K+K-1` on node n;
+* the layout and rank -> node map of `planners.placement.plan_placement`, computed once, from the
+  first node's description (measured costs differ a little from node to node; one set of them
+  makes every node see the same layout), so each stage's ranks are spread over the nodes;
+* the job, created here through the same path as `POST /api/v1/jobs`, and its token;
+* the Core's gRPC port and the port of the job's rendezvous store, which this Core hosts
+  (`core_service.job_store`: a store on any node would die with that node); both are reached at
+  the host the node reached this REST API at.
+
+Refusals change nothing: 409 for a node whose shape or model differs from the first node's
+(naming the difference), a node id that already joined, or a node more than `nnodes` (also once
+the job exists); 422 for a description that cannot be read or a shape that cannot be laid out;
+408 when the wait expires (the node is withdrawn; the answer says who joined and who is
+missing). A node that stops asking (its launcher was stopped, its machine died) is withdrawn
+`LEASE_S` after its last answer. A node is known by its `node_id` and the `session` its launcher
+made up, so a second node that reuses an id is refused instead of taken for the first.
+
+Why polls and not one long request that waits for the others: a node whose machine dies leaves
+its connection half open and a long request would hold its place forever, and the Core's HTTP
+middleware hides a client's disconnect from the handler anyway.
+
+The waiting nodes live in this Core's memory only (this first version): a Core restart or a
+failover to a standby forgets them, and the nodes then time out and must be started again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, HTTPException, Response
+from fastapi.params import Depends
+from pydantic import BaseModel, ConfigDict, Field
+
+from core_service.config import JOB_NAME_PATTERN
+from core_service.job_store import JobStores, StoreError
+from elaswave.launcher_describe import model_difference, unit_costs
+from elaswave.worker_env import ModelDescription
+from planners.placement import Placement, PlacementError, plan_placement
+
+if TYPE_CHECKING:
+    from core_service.core import Core
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_POLL_S = 10.0
+LEASE_S = 5.0  # a node that has not polled again this long after its last answer is withdrawn
+POLL_STEP_S = 0.5
+MAX_PENDING_JOBS = 64
+REMEMBERED_JOBS = 1024  # formed jobs kept to answer their nodes' next poll and refuse latecomers
+
+
+class JoinRequest(BaseModel):
+    """Body of POST /api/v1/rendezvous/{job}."""
+
+    model_config = ConfigDict(extra="forbid")
+    node_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$", description="unique per node")
+    session: str = Field(pattern=r"^[A-Za-z0-9_-]{8,64}$",
+                         description="random, one per launcher run: tells a node's next poll from another node "
+                                     "reusing its id")
+    nnodes: int = Field(ge=1, le=4096)
+    nproc_per_node: int = Field(ge=1, le=4096)
+    pp: int = Field(ge=1, le=4096)
+    description: dict[str, Any] = Field(description="the node's ModelDescription (its describe run)")
+    host: str = Field(default="", max_length=255, description="where this node runs (recorded, shown)")
+    timeout_s: float = Field(default=DEFAULT_TIMEOUT_S, gt=0, le=3600,
+                             description="how long to wait for the others, from the node's first poll")
+    poll_s: float = Field(default=DEFAULT_POLL_S, gt=0, le=60, description="how long this request may wait")
+    mem_per_worker_bytes: float | None = Field(default=None, gt=0, description="--mem-per-worker, in bytes")
+
+
+@dataclass(eq=False)  # a node is itself: compared by identity
+class Node:
+    node_id: str
+    session: str
+    host: str
+    description: ModelDescription
+    deadline: float  # monotonic: its first poll + timeout_s
+    seen: float = field(default_factory=time.monotonic)  # the end of its last poll
+    polls: int = 0  # requests of this node waiting now
+
+
+@dataclass
+class Gathering:
+    """One job's nodes while they join."""
+
+    job: str
+    nnodes: int
+    nproc_per_node: int
+    pp: int
+    mem_per_worker_bytes: float | None
+    placement: Placement
+    nodes: list[Node] = field(default_factory=list)
+    closed: bool = False  # all nodes joined: the job is being created, no one joins or leaves
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    error: HTTPException | None = None
+
+
+def placement_json(placement: Placement) -> dict[str, Any]:
+    """Every field of the placement (the launcher rebuilds it: `elaswave.launcher_join.placement_of`)."""
+    out: dict[str, Any] = {f.name: getattr(placement, f.name) for f in fields(placement)}
+    out["layout"] = json.loads(placement.layout.to_json())
+    return out
+
+
+@dataclass
+class Formed:
+    """A job whose nodes all joined: each node's answer, for its next poll."""
+
+    nnodes: int
+    answers: dict[str, tuple[str, dict[str, Any]]]  # node id -> (session, answer)
+
+
+class Rendezvous:
+    """The joining nodes of every job, on the event loop (asyncio only, no locks)."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.stores = JobStores(core)
+        self.gatherings: dict[str, Gathering] = {}
+        self.formed: OrderedDict[str, Formed] = OrderedDict()
+        self._completing: set[asyncio.Task[None]] = set()
+
+    async def join(self, job: str, body: JoinRequest) -> tuple[int, dict[str, Any]]:
+        """One poll of one node: (200, its place) once the job is formed, (202, who joined so far)
+        when `poll_s` passed first; raises HTTPException for a refusal or the expired wait (408)."""
+        if not JOB_NAME_PATTERN.match(job):
+            raise HTTPException(422, detail=f"job name {job!r} is not valid (letters, digits, '.', '_', '-')")
+        try:
+            desc = ModelDescription.from_json(json.dumps(body.description))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise HTTPException(422, detail=f"description: not a model description this Core can read ({exc})") from None
+        if (formed := self.formed.get(job)) is not None:
+            session, answer = formed.answers.get(body.node_id, ("", {}))
+            if session != body.session:
+                raise HTTPException(409, detail=f"all {formed.nnodes} nodes of job {job!r} have joined already; "
+                                                "this node is one too many (check --nnodes), or start a new job "
+                                                "under another --job name")
+            return 200, answer
+        g = self.gatherings.get(job)
+        if g is not None:
+            self._expire(g)
+            g = self.gatherings.get(job)
+        node = None if g is None else next((n for n in g.nodes if n.node_id == body.node_id), None)
+        if g is None or node is None or node.session != body.session:
+            g = g or self._open(job, body, desc)
+            self._admit(g, body, desc)
+            node = Node(body.node_id, body.session, body.host, desc, time.monotonic() + body.timeout_s)
+            g.nodes.append(node)
+            log.info("rendezvous %s: node %s joined (%d of %d)", job, node.node_id, len(g.nodes), g.nnodes)
+            if len(g.nodes) == g.nnodes:
+                g.closed = True
+                task = asyncio.ensure_future(self._complete(g))  # not this request's task: it may go away
+                self._completing.add(task)  # the loop holds tasks weakly
+                task.add_done_callback(self._completing.discard)
+        node.polls += 1
+        try:
+            await self._wait(g, node, body.poll_s)
+        finally:
+            node.polls, node.seen = node.polls - 1, time.monotonic()  # its lease runs from the end of the poll
+        if g.ready.is_set():
+            if g.error is not None:
+                raise g.error
+            return 200, self.formed[job].answers[node.node_id][1]
+        joined = [n.node_id for n in g.nodes]
+        if not g.closed and time.monotonic() >= node.deadline:
+            self._withdraw(g, node)
+            raise HTTPException(408, detail=f"job {job!r}: only {len(joined)} of {g.nnodes} nodes joined within "
+                                            f"{body.timeout_s:g} s ({', '.join(joined)}); {g.nnodes - len(joined)} "
+                                            "never came. This node withdrew: start the missing nodes (or check "
+                                            "--nnodes), then this one again")
+        return 202, {"job": job, "joined": joined, "nnodes": g.nnodes, "missing": g.nnodes - len(joined)}
+
+    def _open(self, job: str, body: JoinRequest, desc: ModelDescription) -> Gathering:
+        """The first node of a job: check the job is new and can be laid out (nothing stored yet)."""
+        if job in self.core.table.jobs:
+            raise HTTPException(409, detail=f"job {job!r} already exists on this Core; use another --job name")
+        if len(self.gatherings) >= MAX_PENDING_JOBS:
+            raise HTTPException(503, detail=f"{MAX_PENDING_JOBS} jobs are gathering their nodes already; try later")
+        try:
+            placement = plan_placement(unit_costs(desc), global_batch=desc.global_batch,
+                                       micro_batches=desc.micro_batches, nnodes=body.nnodes,
+                                       nproc_per_node=body.nproc_per_node, pp=body.pp,
+                                       mem_cap_bytes=body.mem_per_worker_bytes)
+        except PlacementError as exc:
+            raise HTTPException(422, detail=str(exc)) from None
+        gathering = Gathering(job, body.nnodes, body.nproc_per_node, body.pp, body.mem_per_worker_bytes, placement)
+        self.gatherings[job] = gathering
+        return gathering
+
+    @staticmethod
+    def _admit(g: Gathering, body: JoinRequest, desc: ModelDescription) -> None:
+        if g.closed:
+            raise HTTPException(409, detail=f"all {g.nnodes} nodes of job {g.job!r} have joined already; this "
+                                            "node is one too many (check --nnodes)")
+        first = g.nodes[0] if g.nodes else None
+        if first is None:  # the node that opened the gathering: nothing to compare with
+            return
+        for name in ("nnodes", "nproc_per_node", "pp", "mem_per_worker_bytes"):
+            if getattr(body, name) != getattr(g, name):
+                flag = "--mem-per-worker (bytes)" if name == "mem_per_worker_bytes" else "--" + name.replace("_", "-")
+                raise HTTPException(409, detail=f"{flag} {getattr(body, name)} here but "
+                                                f"{getattr(g, name)} on node {first.node_id!r}: every node of job "
+                                                f"{g.job!r} must run the same command")
+        if any(n.node_id == body.node_id for n in g.nodes):
+            raise HTTPException(409, detail=f"node {body.node_id!r} has joined job {g.job!r} already; give every "
+                                            "node its own --node-id")
+        if diff := model_difference(desc, first.description, first.node_id):
+            raise HTTPException(409, detail=f"this node's model differs from the job's: {diff}")
+
+    @staticmethod
+    async def _wait(g: Gathering, node: Node, poll_s: float) -> None:
+        """Until the job is formed, `poll_s` passed or the node's deadline; once all nodes are in,
+        until the job is formed (bounded by the store's start and the registry write)."""
+        end = min(time.monotonic() + poll_s, node.deadline)
+        while not g.ready.is_set() and (g.closed or time.monotonic() < end):
+            # Never long between looks: the gathering may close while this node waits.
+            step = POLL_STEP_S if g.closed else max(0.0, min(POLL_STEP_S, end - time.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(g.ready.wait(), step)
+
+    def _expire(self, g: Gathering) -> None:
+        """Withdraw the nodes that stopped polling (launcher stopped, machine gone)."""
+        if g.closed:
+            return
+        now = time.monotonic()
+        for node in [n for n in g.nodes if not n.polls and now - n.seen > LEASE_S]:
+            log.info("rendezvous %s: node %s stopped asking for %.0f s; withdrawn", g.job, node.node_id, now - node.seen)
+            self._withdraw(g, node)
+
+    def _withdraw(self, g: Gathering, node: Node) -> None:
+        if node in g.nodes:  # a node's two polls may both expire
+            g.nodes.remove(node)
+        if not g.nodes and self.gatherings.get(g.job) is g:
+            del self.gatherings[g.job]
+
+    async def _complete(self, g: Gathering) -> None:
+        """Start the job's store, create the job, answer every node (errors go to every node)."""
+        from core_service.rest import CreateJobRequest, store_new_job  # noqa: PLC0415 - rest imports us
+
+        placement = g.placement
+        try:
+            store_port = await self.stores.start(g.job)
+            try:
+                created = await store_new_job(self.core, CreateJobRequest(
+                    name=g.job, expected_workers=len(placement.rank_node),
+                    layout=json.loads(placement.layout.to_json())))
+            except BaseException:
+                self.stores.stop(g.job)
+                raise
+            common = {
+                "job": g.job, "token": created.token, "nnodes": g.nnodes, "nproc_per_node": g.nproc_per_node,
+                "pp": g.pp, "layout": json.loads(placement.layout.to_json()), "rank_node": list(placement.rank_node),
+                "placement": placement_json(placement), "grpc_port": self.core.grpc_port, "store_port": store_port,
+                "nodes": [{"index": i, "node_id": n.node_id, "host": n.host,
+                           "ranks": list(placement.ranks_on_node(i))} for i, n in enumerate(g.nodes)],
+            }
+            self.formed[g.job] = Formed(g.nnodes, {
+                n.node_id: (n.session, {**common, "node_index": i, "node_id": n.node_id,
+                                        "ranks": list(placement.ranks_on_node(i))}) for i, n in enumerate(g.nodes)})
+            while len(self.formed) > REMEMBERED_JOBS:
+                self.formed.popitem(last=False)
+            log.info("rendezvous %s: all %d nodes joined; job created, store on port %d", g.job, g.nnodes, store_port)
+        except HTTPException as exc:
+            g.error = exc
+        except StoreError as exc:
+            g.error = HTTPException(503, detail=str(exc))
+        except Exception as exc:  # answer the nodes whatever went wrong, then let the log say it
+            log.exception("rendezvous %s: creating the job failed", g.job)
+            g.error = HTTPException(500, detail=f"the Core could not create job {g.job!r}: {exc}")
+        finally:
+            if self.gatherings.get(g.job) is g:
+                del self.gatherings[g.job]
+            g.ready.set()
+
+
+def rendezvous_router(core: Core, dependencies: list[Depends]) -> APIRouter:
+    """The REST route; `dependencies` are the app's leader and scheduler-token checks."""
+    router = APIRouter(dependencies=dependencies)
+    rendezvous = Rendezvous(core)
+
+    @router.post("/api/v1/rendezvous/{job}", responses={202: {"description": "still waiting for nodes"}})
+    async def post_rendezvous(job: str, body: JoinRequest, response: Response) -> dict[str, Any]:
+        # async: the gatherings and the job table are only touched on the event loop.
+        response.status_code, answer = await rendezvous.join(job, body)
+        return answer
+
+    return router

@@ -1,0 +1,154 @@
+"""`elaswave run --core HOST:PORT`: join a multi-node job through a running Core.
+
+`HOST:PORT` is the Core's REST address (`elaswave core --http-host/--http-port`, default port
+8080): the same command on every node posts this node's model description to the Core's
+rendezvous (`POST /api/v1/rendezvous/<job>`, core_service.rendezvous) and asks again every
+`POLL_S` seconds, at most `--rendezvous-timeout` in all, until all `--nnodes` nodes have joined. The answer is the job's layout,
+this node's index (join order) and ranks, the job token, and the ports of the Core's gRPC API
+and of the job's rendezvous store, which the Core hosts; both are reached at the host of
+`--core`. The launcher then starts agents for this node's ranks only, shows the job-wide
+progress from the Core, and asks the Core to stop the whole job on Ctrl-C
+(`POST /api/v1/jobs/<job>/checkpoint {"stop": true}`), so the stop reaches every node.
+
+The rendezvous and the stop are scheduler calls: `$ELASWAVE_SCHEDULER_TOKEN` must hold the
+Core's scheduler token (never on a command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from planners.placement import Placement
+
+SCHEDULER_TOKEN_ENV = "ELASWAVE_SCHEDULER_TOKEN"
+NODE_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+POLL_S = 10.0  # each request waits this long at most, then the launcher asks again
+# Past the rendezvous wait: the Core starts the job's store (it imports torch) and stores the job.
+CREATION_MARGIN_S = 90.0
+
+
+class JoinError(RuntimeError):
+    """The node could not join; the message says why. `exit_code`: 64 for what the user must fix."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def parse_core(text: str) -> tuple[str, int]:
+    """`HOST:PORT` -> (host, port); raises ValueError saying what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--core {text!r}: give the Core's REST address as HOST:PORT (its --http-port, "
+                         "default 8080), e.g. --core 10.0.0.5:8080")
+    return host, int(port)
+
+
+def default_node_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"[:128]
+
+
+@dataclass(frozen=True)
+class Joined:
+    """This node's place in the job, as the Core's rendezvous answered."""
+
+    rest_url: str
+    grpc_address: str
+    store_address: str
+    token: str
+    node_index: int
+    node_id: str
+    ranks: tuple[int, ...]
+    answer: dict[str, Any]
+
+    @property
+    def nodes(self) -> list[dict[str, Any]]:
+        return list(self.answer["nodes"])
+
+
+def join_job(args: argparse.Namespace, job: str, description_json: str, scheduler_token: str) -> Joined:
+    """Post this node's description and ask again until the others joined (bounded by
+    --rendezvous-timeout, which the Core enforces too); raises JoinError."""
+    import httpx  # noqa: PLC0415 - only once the describe run succeeded
+
+    host, port = parse_core(args.core)
+    rest_url = f"http://{host}:{port}"
+    body = {"node_id": args.node_id or default_node_id(), "session": secrets.token_urlsafe(12),
+            "nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "pp": args.pp,
+            "description": json.loads(description_json), "host": socket.gethostname(),
+            "timeout_s": args.rendezvous_timeout, "poll_s": POLL_S,
+            "mem_per_worker_bytes": None if args.mem_per_worker is None else float(args.mem_per_worker) * 2**30}
+    deadline = time.monotonic() + args.rendezvous_timeout + CREATION_MARGIN_S
+    shown: list[str] = []
+    with httpx.Client(base_url=rest_url, timeout=httpx.Timeout(10.0, read=POLL_S + CREATION_MARGIN_S),
+                      headers={"Authorization": f"Bearer {scheduler_token}"}) as client:
+        while True:
+            try:
+                response = client.post(f"/api/v1/rendezvous/{job}", json=body)
+            except httpx.HTTPError as exc:
+                raise JoinError(f"cannot reach the Core's REST API at {rest_url} ({type(exc).__name__}: {exc}); is "
+                                "`elaswave core` running there, and is that its --http-port?") from None
+            if response.status_code == 200:
+                break
+            if response.status_code != 202:
+                raise JoinError(f"the Core refused this node: HTTP {response.status_code}: {_detail(response)}",
+                                64 if response.status_code in (401, 403, 409, 422) else 1)
+            waiting = response.json()
+            if waiting["joined"] != shown:
+                shown = list(waiting["joined"])
+                print(f"[elaswave] {len(shown)} of {waiting['nnodes']} nodes joined ({', '.join(shown)}); waiting "
+                      f"for {waiting['missing']} more", flush=True)
+            if time.monotonic() > deadline:  # the Core forgot us (restarted?) and keeps saying wait
+                raise JoinError(f"the other nodes did not join within {args.rendezvous_timeout:g} s")
+    answer = response.json()
+    return Joined(rest_url=rest_url, grpc_address=f"{host}:{answer['grpc_port']}",
+                  store_address=f"{host}:{answer['store_port']}", token=str(answer["token"]),
+                  node_index=int(answer["node_index"]), node_id=str(answer["node_id"]),
+                  ranks=tuple(answer["ranks"]), answer=answer)
+
+
+def placement_of(joined: Joined) -> Placement:
+    """The Core's placement as a `planners.placement.Placement` (the same one on every node)."""
+    from planners.layout import Layout  # noqa: PLC0415
+    from planners.placement import Placement  # noqa: PLC0415
+
+    fields: dict[str, Any] = dict(joined.answer["placement"])  # every field of Placement, as JSON
+    layout = Layout.from_json(json.dumps(fields.pop("layout")))
+    rest: dict[str, Any] = {k: v if isinstance(v, str) else tuple(v) for k, v in fields.items()}
+    return Placement(layout=layout, **rest)
+
+
+def _detail(response: Any) -> str:
+    try:
+        detail = response.json().get("detail")
+    except ValueError:
+        detail = None
+    return str(detail if detail is not None else response.text[:500])
+
+
+def stop_job(http: Any, job: str, scheduler_token: str) -> tuple[bool, str]:
+    """Ask the Core to stop every worker of the job at a step boundary; (accepted, what it said)."""
+    import httpx  # noqa: PLC0415
+
+    try:
+        response = http.post(f"/api/v1/jobs/{job}/checkpoint", json={"stop": True},
+                             headers={"Authorization": f"Bearer {scheduler_token}"})
+    except httpx.HTTPError as exc:
+        return False, f"the Core did not answer ({type(exc).__name__})"
+    if response.status_code == 202:
+        return True, f"every worker stops after step {response.json()['after_step']}"
+    return False, f"HTTP {response.status_code}: {_detail(response)}"
+
+
+def stopped_by_the_core(events: list[dict[str, Any]]) -> bool:
+    """Whether someone (another node's launcher, an operator) asked the Core to stop the job."""
+    return any(e["kind"] == "checkpoint_requested" and (e.get("data") or {}).get("stop") for e in events)

@@ -1,0 +1,258 @@
+"""`elaswave run --core`: nodes join one job through a running Core (core_service.rendezvous).
+
+Every process is real and on loopback: an `elaswave core` with an in-memory registry, and for
+the end-to-end tests two launchers in their own processes, each one simulated node. The REST
+tests post descriptions straight to the rendezvous and launch no worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from core_service.rendezvous import LEASE_S
+from elaswave import worker_env as we
+from elaswave.launcher import next_job_name, resume_command
+from tests.core.procs import CoreProcess, create_job, new_token
+from tests.test_launcher import FAKE, TINY, Launcher, _env, _job_losses, _reference_losses
+
+pytestmark = pytest.mark.multiproc
+UNITS = [("embed", 4096, 1e-5), ("block0", 1024, 1e-4), ("block1", 1024, 1e-4), ("head", 4096, 2e-5)]
+
+
+@pytest.fixture
+def core(tmp_path: Path) -> Iterator[tuple[CoreProcess, str]]:
+    token = new_token()
+    proc = CoreProcess(tmp_path, "core", "memory://", token)
+    proc.wait_leader()
+    try:
+        yield proc, token
+    finally:
+        proc.stop()
+
+
+def description(units: list[tuple[str, int, float]] = UNITS, **overrides: Any) -> dict[str, Any]:
+    desc = we.ModelDescription(
+        units=tuple(we.UnitDescription(name, numel, 4 * numel, cost, 2 * cost, 64) for name, numel, cost in units),
+        global_batch=8, micro_batches=2, dataset_len=64, steps=6, fingerprints={"embed": "abc"})
+    return json.loads(desc.to_json()) | overrides
+
+
+def join_body(node_id: str, **overrides: Any) -> dict[str, Any]:
+    return {"node_id": node_id, "session": f"session-{node_id}", "nnodes": 2, "nproc_per_node": 2, "pp": 2,
+            "description": description(), "timeout_s": 30.0, "poll_s": 30.0} | overrides
+
+
+def post_join(core: CoreProcess, token: str | None, job: str, body: dict[str, Any],
+              client_timeout_s: float = 60.0) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.post(f"http://127.0.0.1:{core.http_port}/api/v1/rendezvous/{job}", json=body, headers=headers,
+                      timeout=client_timeout_s)
+
+
+class Waiting:
+    """A node's rendezvous request waiting in a thread."""
+
+    def __init__(self, core: CoreProcess, token: str, job: str, body: dict[str, Any]) -> None:
+        self.response: httpx.Response | None = None
+        self._thread = threading.Thread(target=self._post, args=(core, token, job, body), daemon=True)
+        self._thread.start()
+
+    def _post(self, core: CoreProcess, token: str, job: str, body: dict[str, Any]) -> None:
+        self.response = post_join(core, token, job, body)
+
+    def result(self, timeout_s: float = 60.0) -> httpx.Response:
+        self._thread.join(timeout_s)
+        assert self.response is not None, "the waiting node got no answer"
+        return self.response
+
+
+def wait_until_waiting(core: CoreProcess, job: str, node: str, timeout_s: float = 10.0) -> None:
+    """Until the Core's log says `node` joined `job` (the first node is then the first in order)."""
+    deadline = time.monotonic() + timeout_s
+    while f"rendezvous {job}: node {node} joined" not in core.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"node {node} never joined:\n{core.log()}"
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------- REST refusals
+
+
+@pytest.mark.timeout(60)
+def test_the_rendezvous_needs_the_scheduler_token_and_a_readable_request(core: tuple[CoreProcess, str]) -> None:
+    proc, token = core
+    assert post_join(proc, None, "j", join_body("a")).status_code == 401
+    assert post_join(proc, "x" * 32, "j", join_body("a")).status_code == 403
+    bad = post_join(proc, token, "j", join_body("a", description={"units": []}))
+    assert bad.status_code == 422 and "not a model description" in bad.json()["detail"]
+    too_deep = post_join(proc, token, "j", join_body("a", pp=5))
+    assert too_deep.status_code == 422 and "--pp 5 needs at least 5 units" in too_deep.json()["detail"]
+    assert post_join(proc, token, "j", join_body("a", nnodes=0)).status_code == 422
+    assert proc.http.get("/api/v1/jobs/j").status_code == 404  # nothing was created
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_that_expires_is_408_and_withdraws_the_node(core: tuple[CoreProcess, str]) -> None:
+    proc, token = core
+    started = time.monotonic()
+    alone = post_join(proc, token, "j", join_body("a", timeout_s=1.0))
+    assert alone.status_code == 408 and time.monotonic() - started < 10
+    assert "only 1 of 2 nodes joined within 1 s (a); 1 never came" in alone.json()["detail"]
+    assert proc.http.get("/api/v1/jobs/j").status_code == 404
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_stops_asking_is_withdrawn(core: tuple[CoreProcess, str]) -> None:
+    proc, token = core
+    waiting = post_join(proc, token, "j", join_body("a", poll_s=0.2))
+    assert waiting.status_code == 202, waiting.text
+    assert waiting.json() == {"job": "j", "joined": ["a"], "nnodes": 2, "missing": 1}
+    again = post_join(proc, token, "j", join_body("a", poll_s=0.2))  # the same node asking again
+    assert again.status_code == 202 and again.json()["joined"] == ["a"]
+    impostor = post_join(proc, token, "j", join_body("a", session="another-session", poll_s=0.2))
+    assert impostor.status_code == 409 and "node 'a' has joined job 'j' already" in impostor.json()["detail"]
+    time.sleep(LEASE_S + 1)  # a stops asking: its launcher went away
+    b = post_join(proc, token, "j", join_body("b", poll_s=0.2))
+    assert b.status_code == 202 and b.json()["joined"] == ["b"], b.text
+
+@pytest.mark.timeout(90)
+def test_nodes_that_differ_are_refused_and_the_others_form_the_job(core: tuple[CoreProcess, str]) -> None:
+    proc, token = core
+    first = Waiting(proc, token, "j", join_body("a"))
+    wait_until_waiting(proc, "j", "a")
+    other_units = [*UNITS[:1], ("block0", 2048, 1e-4), *UNITS[2:]]
+    refusals = {
+        "unit 1 is 'block0' with 2048 parameters here but 'block0' with 1024": join_body(
+            "b", description=description(other_units)),
+        "global_batch is 16 here but 8": join_body("b", description=description(global_batch=16)),
+        "the initial weights of units ['embed'] differ": join_body("b", description=description(fingerprints={})),
+        "--pp 1 here but 2 on node 'a'": join_body("b", pp=1),
+        "--nnodes 3 here but 2": join_body("b", nnodes=3),
+        "node 'a' has joined job 'j' already": join_body("a", session="another-session"),
+    }
+    for message, body in refusals.items():
+        response = post_join(proc, token, "j", body)
+        assert response.status_code == 409 and message in response.json()["detail"], (message, response.text)
+    # The same command on the second node forms the job; both get the same layout.
+    second = post_join(proc, token, "j", join_body("b", description=description(
+        [(n, s, 3 * c) for n, s, c in UNITS])))  # other measured times: the first node's are used
+    a, b = first.result().json(), second.json()
+    assert second.status_code == 200, second.text
+    assert (a["node_index"], a["ranks"], b["node_index"], b["ranks"]) == (0, [0, 1], 1, [2, 3])
+    assert a["layout"] == b["layout"] and a["rank_node"] == b["rank_node"] == [0, 0, 1, 1]
+    assert a["token"] == b["token"] and a["store_port"] == b["store_port"] > 0
+    for stage in a["layout"]["stages"]:  # losing either node leaves every stage a rank
+        assert {a["rank_node"][r] for r in stage["ranks"]} == {0, 1}
+    job = proc.job("j")
+    assert job["expected_workers"] == 4 and job["layout"]["stages"] == a["layout"]["stages"]
+    late = post_join(proc, token, "j", join_body("c"))
+    assert late.status_code == 409 and "all 2 nodes of job 'j' have joined already" in late.json()["detail"]
+    create_job(proc, token, "taken")
+    taken = post_join(proc, token, "taken", join_body("a"))
+    assert taken.status_code == 409 and "already exists" in taken.json()["detail"]
+
+
+# ------------------------------------------------------------------------------ the launcher
+
+
+def _run(*args: str | Path, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "elaswave.cli", "run", *map(str, args)], cwd=cwd, text=True,
+                          capture_output=True, timeout=60, stdin=subprocess.DEVNULL, env=env)
+
+
+@pytest.mark.timeout(90)
+def test_the_launcher_refuses_core_without_a_token_or_an_address(tmp_path: Path) -> None:
+    env = _env()
+    env.pop("ELASWAVE_SCHEDULER_TOKEN", None)
+    no_token = _run("--core", "127.0.0.1:1", "--nnodes", "2", FAKE, cwd=tmp_path, env=env)
+    assert no_token.returncode == 64 and "--core needs the Core's scheduler token" in no_token.stderr
+    env["ELASWAVE_SCHEDULER_TOKEN"] = new_token()
+    bad = _run("--core", "somewhere", FAKE, cwd=tmp_path, env=env)
+    assert bad.returncode == 64 and "give the Core's REST address as HOST:PORT" in bad.stderr
+    lonely = _run("--node-id", "n1", FAKE, cwd=tmp_path, env=env)
+    assert lonely.returncode == 64 and "--node-id names a node of a multi-node job: it needs --core" in lonely.stderr
+    nobody = _run("--core", "127.0.0.1:1", "--nnodes", "2", FAKE, cwd=tmp_path, env=env)
+    assert nobody.returncode == 1 and "cannot reach the Core's REST API at http://127.0.0.1:1" in nobody.stderr
+
+
+def _two_nodes(proc: CoreProcess, tmp_path: Path, *script_args: str) -> tuple[Launcher, Launcher]:
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY)
+    flags = ("--core", f"127.0.0.1:{proc.http_port}", "--nnodes", "2", "--nproc-per-node", "2", "--pp", "2")
+    first = Launcher(*flags, "--node-id", "node-a", script, *script_args, cwd=tmp_path)
+    wait_until_waiting(proc, "tiny", "node-a", timeout_s=60)  # node-a is node 0
+    return first, Launcher(*flags, "--node-id", "node-b", script, *script_args, cwd=tmp_path)
+
+
+@pytest.mark.timeout(240)
+def test_two_nodes_train_one_job_like_the_single_process_run(core: tuple[CoreProcess, str], tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    proc, token = core
+    monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
+    nodes = _two_nodes(proc, tmp_path, "--steps", "8")
+    codes = [n.wait(timeout_s=180) for n in nodes]
+    for node in nodes:
+        assert "job 'tiny' finished: 8/8 steps, 4 of 4 workers finished" in node.output, node.output[-3000:]
+    assert codes == [0, 0]
+    run_dirs = [tmp_path / "elaswave-run" / "tiny" / f"node-{i}" for i in range(2)]
+    records = [json.loads((d / "nodes.json").read_text()) for d in run_dirs]
+    assert [r["this_node"] for r in records] == [0, 1] and records[0]["rank_node"] == records[1]["rank_node"]
+    assert [n["node_id"] for n in records[0]["node_ids"]] == ["node-a", "node-b"]
+    layout = json.loads((run_dirs[0] / "layout.json").read_text())
+    assert layout == json.loads((run_dirs[1] / "layout.json").read_text())
+    for stage in layout["stages"]:  # each stage has a rank on each node: no node loss empties one
+        assert sorted(records[0]["rank_node"][r] for r in stage["ranks"]) == [0, 1]
+    for d, ranks in zip(run_dirs, ([0, 1], [2, 3]), strict=True):  # each node ran its own ranks only
+        assert sorted(int(p.stem.split("-")[1]) for p in d.glob("rank-*.json")) == ranks
+    losses = _job_losses(run_dirs[0], [0, 1]) | _job_losses(run_dirs[1], [2, 3])
+    reference = _reference_losses(tmp_path / "tiny.py", 8)
+    assert sorted(losses) == list(range(8))
+    for step in range(8):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-4), (step, losses, reference)
+    assert {m["state"] for m in proc.job("tiny")["members"]} == {"LEFT"}
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_on_one_node_stops_the_job_on_every_node(core: tuple[CoreProcess, str], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    proc, token = core
+    monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
+    first, second = _two_nodes(proc, tmp_path, "--steps", "100000")
+    first.wait_for("every worker to commit step 3", lambda: len(s := _member_steps_remote(proc)) == 4
+                   and min(s.values()) >= 3, timeout_s=150)
+    os.kill(first.proc.pid, signal.SIGINT)
+    codes = first.wait(timeout_s=90), second.wait(timeout_s=90)
+    assert codes == (128 + signal.SIGINT, 128 + signal.SIGTERM), first.output[-3000:] + second.output[-3000:]
+    assert "asked the Core to stop job 'tiny' on every node" in first.output
+    assert "event: checkpoint_requested" in second.output and "stopped on request" in second.output
+    steps = {json.loads(p.read_text())["committed_steps"] for p in tmp_path.glob("elaswave-run/tiny/node-*/rank-*.json")}
+    assert len(steps) == 1 and 3 <= steps.pop() < 100000  # every rank left at the same boundary
+
+
+def _member_steps_remote(proc: CoreProcess) -> dict[str, int]:
+    try:
+        members = proc.job("tiny")["members"]
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return {m["worker_id"]: int((m.get("last_step") or {}).get("step", -1)) for m in members}
+
+
+
+def test_the_resume_command_of_a_joined_node_names_a_new_job() -> None:
+    ns = argparse.Namespace(nnodes=2, nproc_per_node=2, pp=2, job=None, core="10.0.0.5:8080", checkpoint_dir=None,
+                            checkpoint_every=None, timeout=20.0, script=Path("train.py"), script_args=[])
+    assert resume_command(ns, Path("ck")) == ("elaswave run --nnodes 2 --nproc-per-node 2 --pp 2 --resume ck --core "
+                                              "10.0.0.5:8080 --job train-2 train.py")
+    assert next_job_name("train-2") == "train-3" and next_job_name("x" * 63) == "x" * 61 + "-2"
