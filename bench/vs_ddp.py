@@ -48,6 +48,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -116,13 +117,28 @@ def sum_loss(logits: torch.Tensor, targets: torch.Tensor, dp: int = 1) -> torch.
 
 
 class Prof:
-    """Exclusive wall time per label, main thread only (nested wrapped calls subtract from their caller)."""
+    """Exclusive wall time and main-thread CPU time per label (nested wrapped calls subtract from
+    their caller); calls from other threads are not counted."""
 
     def __init__(self) -> None:
-        self.totals: dict[str, float] = defaultdict(float)
-        self.stack: list[list[float]] = []  # [start, time spent in wrapped children]
+        self.totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # label -> [wall s, CPU s]
+        self.stack: list[list[float]] = []  # [wall start, CPU start, wall in children, CPU in children]
         self.main = threading.get_ident()
-        self.on = True
+
+    def enter(self) -> list[float]:
+        frame = [time.perf_counter(), time.thread_time(), 0.0, 0.0]
+        self.stack.append(frame)
+        return frame
+
+    def exit(self, frame: list[float], label: str) -> None:
+        self.stack.pop()
+        wall, cpu = time.perf_counter() - frame[0], time.thread_time() - frame[1]
+        total = self.totals[label]
+        total[0] += wall - frame[2]
+        total[1] += cpu - frame[3]
+        if self.stack:
+            self.stack[-1][2] += wall
+            self.stack[-1][3] += cpu
 
     def wrap(self, owner: Any, attr: str, label: str) -> None:
         fn = getattr(owner, attr)
@@ -132,40 +148,24 @@ class Prof:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if threading.get_ident() != prof.main:
                 return fn(*args, **kwargs)
-            frame = [time.perf_counter(), 0.0]
-            prof.stack.append(frame)
+            frame = prof.enter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                prof.stack.pop()
-                elapsed = time.perf_counter() - frame[0]
-                prof.totals[label] += elapsed - frame[1]
-                if prof.stack:
-                    prof.stack[-1][1] += elapsed
+                prof.exit(frame, label)
 
         setattr(owner, attr, timed)
 
-    def span(self, label: str) -> _Span:
-        return _Span(self, label)
+    @contextlib.contextmanager
+    def span(self, label: str) -> Iterator[None]:
+        frame = self.enter()
+        try:
+            yield
+        finally:
+            self.exit(frame, label)
 
     def reset(self) -> None:
         self.totals.clear()
-
-
-class _Span:
-    def __init__(self, prof: Prof, label: str) -> None:
-        self.prof, self.label = prof, label
-
-    def __enter__(self) -> None:
-        self.frame = [time.perf_counter(), 0.0]
-        self.prof.stack.append(self.frame)
-
-    def __exit__(self, *exc: object) -> None:
-        self.prof.stack.pop()
-        elapsed = time.perf_counter() - self.frame[0]
-        self.prof.totals[self.label] += elapsed - self.frame[1]
-        if self.prof.stack:
-            self.prof.stack[-1][1] += elapsed
 
 
 def instrument_engine(prof: Prof) -> None:
@@ -405,7 +405,8 @@ def _worker(cfg: Config, rank: int, port: int, run_id: str, steps: int, schedule
                 times, checked = _pipe_worker(cfg, rank, store, steps, prof, schedule)
         else:
             times, checked = _engine_worker(cfg, rank, port, run_id, steps, prof)
-        results.put((rank, None, times.wall[WARMUP:], times.cpu[WARMUP:], checked, dict(prof.totals)))
+        results.put((rank, None, times.wall[WARMUP:], times.cpu[WARMUP:], checked,
+                     {k: tuple(v) for k, v in prof.totals.items()}))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         results.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", [], [], {}, {}))
     results.close()
@@ -418,11 +419,11 @@ class RunResult:
     step_times: list[float]  # per timed step, the slowest worker's wall time
     cpu_times: list[float]  # per timed step, CPU seconds summed over the workers
     losses: dict[int, float]  # job loss of the first and the last step
-    profile_ms: dict[str, float]  # exclusive ms per timed step, mean over workers
+    profile_ms: dict[str, tuple[float, float]]  # exclusive (wall, CPU) ms per timed step, mean over workers
 
 
 _RUNS = 0
-REST = "(rest of the step, not instrumented)"
+REST = "(rest: not instrumented; its CPU includes every other thread: gloo, prefetch, snapshot updater)"
 
 
 def run(cfg: Config, steps: int, schedule: str, port: int) -> RunResult:
@@ -445,7 +446,8 @@ def run(cfg: Config, steps: int, schedule: str, port: int) -> RunResult:
                 break
             walls.append(wall)
             cpus.append(cpu)
-            prof[REST] = max(0.0, sum(wall) - sum(prof.values()))
+            prof[REST] = [max(0.0, sum(wall) - sum(v[0] for v in prof.values())),
+                          max(0.0, sum(cpu) - sum(v[1] for v in prof.values()))]
             profiles.append(prof)
             if checked:
                 reported.append(checked)
@@ -466,7 +468,8 @@ def run(cfg: Config, steps: int, schedule: str, port: int) -> RunResult:
         if other.keys() != losses.keys() or any(abs(other[k] - losses[k]) > 1e-6 * abs(losses[k]) for k in losses):
             raise RuntimeError(f"{cfg.name}: ranks disagree on the loss: {reported}")
     labels = {k for p in profiles for k in p}
-    prof_ms = {k: 1e3 * sum(p.get(k, 0.0) for p in profiles) / len(profiles) / steps for k in labels}
+    prof_ms = {k: tuple(1e3 * sum(p[k][i] for p in profiles if k in p) / len(profiles) / steps for i in (0, 1))
+               for k in labels}
     return RunResult([max(ts) for ts in zip(*walls, strict=True)], [sum(cs) for cs in zip(*cpus, strict=True)],
                      losses, prof_ms)
 
@@ -506,31 +509,37 @@ def baseline_of(cfg: Config, chosen: list[Config]) -> Config | None:
     return None
 
 
-def _mean_profile(ps: list[dict[str, float]]) -> dict[str, float]:
+def _mean_profile(ps: list[dict[str, tuple[float, float]]]) -> dict[str, tuple[float, float]]:
     keys = {k for p in ps for k in p}
-    return {k: sum(p.get(k, 0.0) for p in ps) / len(ps) for k in keys}
+    return {k: (sum(p.get(k, (0.0, 0.0))[0] for p in ps) / len(ps), sum(p.get(k, (0.0, 0.0))[1] for p in ps) / len(ps))
+            for k in keys}
 
 
-def print_profile(cfgs: list[Config], profiles: dict[str, list[dict[str, float]]], top: int) -> None:
-    print(f"\n### Profile, {cfgs[0].shape}: exclusive wall ms per timed step, mean over workers and repeats "
-          f"(top {top} per configuration; share of the mean worker step)\n")
+def print_profile(cfgs: list[Config], profiles: dict[str, list[dict[str, tuple[float, float]]]], top: int) -> None:
+    print(f"\n### Profile, {cfgs[0].shape}: exclusive ms per timed step, mean over workers and repeats; wall "
+          f"and CPU (main thread; top {top} by CPU)\n")
     for cfg in cfgs:
         avg = _mean_profile(profiles[cfg.name])
-        items = sorted(avg.items(), key=lambda kv: -kv[1])
-        step_ms = sum(avg.values())
-        print(f"**{cfg.name}** (mean worker step {step_ms:.1f} ms)\n")
-        print("| where | ms / step | share |")
-        print("|---|---|---|")
-        for k, v in items[:top]:
-            print(f"| {k} | {v:.2f} | {100 * v / step_ms:.1f}% |")
-        rest = sum(v for _k, v in items[top:])
-        if rest:
-            print(f"| (the other {len(items) - top} items) | {rest:.2f} | {100 * rest / step_ms:.1f}% |")
+        items = sorted(avg.items(), key=lambda kv: (kv[0] == REST, -kv[1][1]))
+        wall_ms, cpu_ms = (sum(v[i] for v in avg.values()) for i in (0, 1))
+        print(f"**{cfg.name}**: mean worker step {wall_ms:.1f} ms wall, {cpu_ms:.1f} ms CPU\n")
+        print("| where | wall ms / step | CPU ms / step | wall share |")
+        print("|---|---|---|---|")
+        shown = [kv for kv in items if kv[0] != REST][:top]
+        for k, (w, c) in shown:
+            print(f"| {k} | {w:.2f} | {c:.2f} | {100 * w / wall_ms:.1f}% |")
+        others = [kv for kv in items if kv[0] != REST and kv not in shown]
+        if others:
+            w, c = (sum(v[i] for _k, v in others) for i in (0, 1))
+            print(f"| (the other {len(others)} items) | {w:.2f} | {c:.2f} | {100 * w / wall_ms:.1f}% |")
+        w, c = avg.get(REST, (0.0, 0.0))
+        print(f"| {REST} | {w:.2f} | {c:.2f} | {100 * w / wall_ms:.1f}% |")
         print()
         if cfg.kind == "ddp":
-            a = avg.get("backward, last micro-batch (incl. DDP bucket all-reduce)", math.nan)
-            b = avg.get("backward, first micro-batch (no_sync: compute only)", math.nan)
-            print(f"DDP's exposed all-reduce, estimated as backward(last) - backward(first): {a - b:.2f} ms / step\n")
+            a = avg.get("backward, last micro-batch (incl. DDP bucket all-reduce)", (math.nan, math.nan))
+            b = avg.get("backward, first micro-batch (no_sync: compute only)", (math.nan, math.nan))
+            print("DDP's exposed all-reduce, estimated as backward(last micro-batch) - backward(first): "
+                  f"{a[0] - b[0]:.2f} ms wall, {a[1] - b[1]:.2f} ms CPU per step\n")
 
 
 def main(argv: list[str] | None = None) -> int:

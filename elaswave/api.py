@@ -25,10 +25,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from elaswave import worker_env
-from executor.checkpoint import CheckpointWriter, load_model_state
+from executor.checkpoint import load_model_state
 from executor.data import Collate
 from executor.optim import OptimizerConfig
-from executor.trainer import LossFn, TrainSpec, checkpoint_payload, load_checkpoint
+from executor.trainer import LossFn, TrainSpec, checkpoint_payload, checkpoint_writer, load_checkpoint
 from executor.units import UnitModel
 
 ModelLike = UnitModel | nn.Sequential | Sequence[nn.Module] | Mapping[str, nn.Module]
@@ -147,10 +147,7 @@ def _train_single_process(spec: TrainSpec, global_batch: int, micro_batches: int
     start = load_checkpoint(trainer, resume).next_step if resume is not None else 0
     writer = None
     if ckpt_dir is not None:
-        writer = CheckpointWriter(ckpt_dir, {
-            "units": spec.model.names, "unit_numel": spec.unit_numels(), "global_batch": global_batch,
-            "data_seed": spec.data_seed, "rng_seed": spec.rng_seed, "init_seed": spec.model.init_seed,
-            "optimizer": spec.optimizer.kind})
+        writer = checkpoint_writer(spec, ckpt_dir, global_batch)
     losses: dict[int, float] = {}
     t0 = time.perf_counter()
     for step in range(start, steps):

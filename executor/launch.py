@@ -24,7 +24,7 @@ from executor.checkpoint import CheckpointWriter
 from executor.engine_comm import BACKENDS, EngineComm, StaticComm, groups_for_stage_ranks
 from executor.migration import migrate
 from executor.nonblocking_migration import NonBlockingMigration
-from executor.trainer import Trainer, TrainSpec, checkpoint_payload, load_checkpoint
+from executor.trainer import Trainer, TrainSpec, checkpoint_payload, checkpoint_writer, load_checkpoint
 from planners.layout import Layout
 
 
@@ -78,10 +78,7 @@ def _membership(spec: JobSpec) -> dict[str, tuple[int, ...]]:
 def _checkpoint_writer(spec: JobSpec) -> CheckpointWriter | None:
     if spec.checkpoint_dir is None:
         return None
-    t = spec.cfg
-    return CheckpointWriter(Path(spec.checkpoint_dir), {
-        "units": t.model.names, "unit_numel": t.unit_numels(), "global_batch": spec.layout.global_batch,
-        "data_seed": t.data_seed, "rng_seed": t.rng_seed, "init_seed": t.model.init_seed, "optimizer": t.optimizer.kind})
+    return checkpoint_writer(spec.cfg, Path(spec.checkpoint_dir), spec.layout.global_batch)
 
 
 def _run_rank(spec: JobSpec, rank: int, trainer: Trainer) -> RankResult:

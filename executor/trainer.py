@@ -27,6 +27,7 @@ from torch.utils.data import Dataset
 from executor.checkpoint import (
     CheckpointError,
     CheckpointMeta,
+    CheckpointWriter,
     StagePayload,
     check_fits,
     latest_checkpoint,
@@ -393,6 +394,13 @@ def _to_device(x: Any, device: torch.device) -> Any:
 
 def _unit_host_copy(unit: nn.Module) -> nn.Module:
     return copy.deepcopy(unit).cpu()
+
+
+def checkpoint_writer(spec: TrainSpec, root: Path, global_batch: int) -> CheckpointWriter:
+    """A writer of this job's checkpoints under `root` (the model, batch and seeds go in meta.json)."""
+    return CheckpointWriter(root, {"units": spec.model.names, "unit_numel": spec.unit_numels(),
+                                   "global_batch": global_batch, "data_seed": spec.data_seed, "rng_seed": spec.rng_seed,
+                                   "init_seed": spec.model.init_seed, "optimizer": spec.optimizer.kind})
 
 
 def checkpoint_payload(trainer: Trainer) -> StagePayload | None:

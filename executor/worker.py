@@ -113,13 +113,12 @@ class CoreDrivenWorker:
             ControlReader,  # noqa: PLC0415
             StepMetricsClient,  # noqa: PLC0415
         )
-        from executor.checkpoint import CheckpointWriter  # noqa: PLC0415
         from executor.comm import Communicator, groups_for_stages  # noqa: PLC0415
         from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
         from executor.plan_client import PlanClient  # noqa: PLC0415
         from executor.step_protocol import StepProtocol  # noqa: PLC0415
         from executor.store_server import connect_store  # noqa: PLC0415
-        from executor.trainer import Trainer, load_checkpoint  # noqa: PLC0415
+        from executor.trainer import Trainer, checkpoint_writer, load_checkpoint  # noqa: PLC0415
         from planners.layout import Layout  # noqa: PLC0415
 
         torch.set_num_threads(1)
@@ -145,10 +144,7 @@ class CoreDrivenWorker:
         self.plans = PlanClient(list(place.core), place.job, place.worker_id, place.token, on_plan=self._plan_arrived)
         self.writer = None
         if settings.checkpoint_dir is not None:
-            self.writer = CheckpointWriter(settings.checkpoint_dir, {
-                "units": spec.model.names, "unit_numel": spec.unit_numels(), "global_batch": layout.global_batch,
-                "data_seed": spec.data_seed, "rng_seed": spec.rng_seed, "init_seed": spec.model.init_seed,
-                "optimizer": spec.optimizer.kind})
+            self.writer = checkpoint_writer(spec, settings.checkpoint_dir, layout.global_batch)
         self.results: dict[str, Any] = {"rank": place.rank, "worker_id": place.worker_id, "losses": {},
                                         "samples": {}, "recoveries": [], "failures": [], "checkpoints": [],
                                         "start_step": self.start_step}

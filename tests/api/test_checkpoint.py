@@ -15,14 +15,13 @@ import torch
 
 from executor.checkpoint import (
     CheckpointError,
-    CheckpointWriter,
     latest_checkpoint,
     load_model_state,
     read_meta,
 )
 from executor.launch import JobSpec, job_losses, merged_state, run_job
 from executor.reference import run_reference, single_rank_trainer
-from executor.trainer import checkpoint_payload, load_checkpoint
+from executor.trainer import checkpoint_payload, checkpoint_writer, load_checkpoint
 from tests.api.test_user_model import BATCH, REL, SLOTS, assert_close_states, toy_layout
 from tests.api.toy_model import UNITS, toy_spec
 
@@ -88,7 +87,7 @@ def test_single_process_resume_is_bitwise(tmp_path: Path) -> None:
     trainer = single_rank_trainer(spec, BATCH, SLOTS)
     for step in range(AT + 1):
         trainer.train_step(step)
-    writer = CheckpointWriter(tmp_path, _meta(spec))
+    writer = checkpoint_writer(spec, tmp_path, BATCH)
     payload = checkpoint_payload(trainer)
     assert payload is not None
     writer.submit(payload)
@@ -96,12 +95,6 @@ def test_single_process_resume_is_bitwise(tmp_path: Path) -> None:
     resumed = single_rank_trainer(toy_spec(STEPS), BATCH, SLOTS)
     assert load_checkpoint(resumed, tmp_path).next_step == AT + 1
     assert [resumed.train_step(s).loss for s in range(AT + 1, STEPS)] == full.losses[AT + 1:]
-
-
-def _meta(spec) -> dict:  # noqa: ANN001
-    return {"units": spec.model.names, "unit_numel": spec.unit_numels(), "global_batch": BATCH,
-            "data_seed": spec.data_seed, "rng_seed": spec.rng_seed, "init_seed": spec.model.init_seed,
-            "optimizer": spec.optimizer.kind}
 
 
 def _write_slowly(root: str, started: object) -> None:
@@ -120,7 +113,7 @@ def _write_slowly(root: str, started: object) -> None:
     trainer = single_rank_trainer(spec, BATCH, SLOTS)
     for step in range(5):
         trainer.train_step(step)
-    writer = ck.CheckpointWriter(Path(root), _meta(spec))
+    writer = checkpoint_writer(spec, Path(root), BATCH)
     writer.submit(checkpoint_payload(trainer))
     writer.wait(60.0)
 
@@ -132,7 +125,7 @@ def test_checkpoint_killed_mid_write_leaves_the_previous_one(tmp_path: Path) -> 
     trainer = single_rank_trainer(spec, BATCH, SLOTS)
     for step in range(AT + 1):
         trainer.train_step(step)
-    writer = CheckpointWriter(tmp_path, _meta(spec))
+    writer = checkpoint_writer(spec, tmp_path, BATCH)
     writer.submit(checkpoint_payload(trainer))
     writer.wait(60.0)
     before = load_model_state(tmp_path)
@@ -162,7 +155,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
     spec = toy_spec(STEPS)
     trainer = single_rank_trainer(spec, BATCH, SLOTS)
     trainer.train_step(0)
-    writer = CheckpointWriter(tmp_path, _meta(spec))
+    writer = checkpoint_writer(spec, tmp_path, BATCH)
     writer.submit(checkpoint_payload(trainer))
     writer.wait(60.0)
     other = single_rank_trainer(toy_spec(STEPS), BATCH * 2, SLOTS)
