@@ -71,6 +71,7 @@ def train(
     micro_batches: int = 1,
     optimizer: OptimizerConfig | None = None,
     collate_fn: Collate | None = None,
+    loader_workers: int = 0,
     data_seed: int = 0,
     shuffle: bool = True,
     seed: int = 0,
@@ -90,7 +91,9 @@ def train(
     - `dataset[i]` returns `(input, target)` (or `collate_fn` turns a list of items into
       `(inputs, targets)`); inputs a tensor or a tuple of tensors, first dimension the sample.
       Global batch `s` is samples `s*B .. s*B+B-1` of a seeded per-epoch permutation
-      (`data_seed`, `shuffle`), crossing epochs without dropping a sample.
+      (`data_seed`, `shuffle`), crossing epochs without dropping a sample. Loading overlaps
+      compute: a prefetch thread, or `loader_workers` spawned processes per rank (the dataset and
+      `collate_fn` must then be picklable).
     - `micro_batches` per step (the pipeline's M); `optimizer`: `elaswave.AdamW/Adam/SGD(...)`.
     - `checkpoint_dir`, `checkpoint_every`: layout-independent checkpoints every N steps and at
       the end (the launcher's `--checkpoint-dir` / `--checkpoint-every` override them);
@@ -107,7 +110,9 @@ def train(
                          f"steps={steps}, global_batch={global_batch}, micro_batches={micro_batches}, "
                          f"checkpoint_every={checkpoint_every}")
     spec = TrainSpec(as_units(model, seed, state_dict), loss_fn, dataset, optimizer or OptimizerConfig(),
-                     collate_fn, data_seed, shuffle, rng_seed=seed)
+                     collate_fn, data_seed, shuffle, rng_seed=seed, loader_workers=loader_workers)
+    if loader_workers < 0:
+        raise ValueError(f"loader_workers must be >= 0, got {loader_workers}")
     spec.sampler(global_batch)  # a dataset smaller than a global batch is refused here, with the sizes
     ckpt_dir, every, resume_dir = _checkpoint_settings(checkpoint_dir, checkpoint_every, resume)
     describe_to = os.environ.get(worker_env.DESCRIBE_ENV)

@@ -9,15 +9,18 @@ epoch; a global batch that straddles an epoch boundary takes its last rows from 
 so the batch a step sees never depends on the layout, on how many ranks share it, or on whether
 the step is a replay after a rollback; the data position of a job is just its next step.
 
-`Prefetcher` loads the rows a rank will need next on a background thread while the current step
-computes (dataset access and collation overlap compute; rows asked for that were not prefetched
-are loaded on the spot).
+`Prefetcher` loads the rows a rank will need next while the current step computes (dataset
+access and collation overlap compute; rows asked for that were not prefetched are loaded on the
+spot): on one background thread by default, or with `workers > 0` in that many loader processes
+(spawned, each holding its own copy of the dataset, so the dataset and `collate_fn` must be
+picklable), for datasets whose `__getitem__` is CPU-heavy and would hold the GIL.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -106,17 +109,65 @@ class GlobalBatchSampler:
         ids = self.sample_ids(step, start, stop)
         if not ids:
             return SampleBatch(ids, None, None)
-        inputs, targets = split_inputs_targets(self.collate([self.dataset[self.dataset_index(i)] for i in ids]))
+        inputs, targets = load_items(self.dataset, self.collate, [self.dataset_index(i) for i in ids])
         return SampleBatch(ids, inputs, targets)
+
+
+def load_items(dataset: Dataset[Any], collate: Collate, indices: Sequence[int]) -> tuple[Activation, Any]:
+    """Dataset items `indices`, collated and split into (inputs, targets)."""
+    return split_inputs_targets(collate([dataset[i] for i in indices]))
+
+
+# A loader process's own copy of the dataset (set once by its initializer).
+_loader_state: tuple[Dataset[Any], Collate] | None = None
+
+
+def _init_loader(dataset: Dataset[Any], collate: Collate) -> None:
+    import torch  # noqa: PLC0415 - the loader process computes nothing heavy: one thread is plenty
+
+    torch.set_num_threads(1)
+    global _loader_state
+    _loader_state = (dataset, collate)
+
+
+def _load_in_loader(indices: tuple[int, ...]) -> tuple[Activation, Any]:
+    assert _loader_state is not None, "loader process started without its dataset"
+    return load_items(*_loader_state, indices)
 
 
 class Prefetcher:
     """Loads `GlobalBatchSampler.rows` ahead on one background thread (see the module docstring)."""
 
-    def __init__(self, sampler: GlobalBatchSampler) -> None:
-        self.sampler = sampler
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elaswave-data")
+    def __init__(self, sampler: GlobalBatchSampler, workers: int = 0) -> None:
+        if workers < 0:
+            raise ValueError(f"loader_workers must be >= 0, got {workers}")
+        self.sampler, self.workers = sampler, workers
+        self._pool: Executor
+        if workers:
+            # spawn, not fork: the training process already runs gloo and OpenMP threads.
+            self._pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _init_loader,
+                                             (sampler.dataset, sampler.collate))
+        else:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elaswave-data")
         self._pending: dict[tuple[int, int, int], Future[SampleBatch]] = {}
+
+    def _submit(self, step: int, start: int, stop: int) -> Future[SampleBatch]:
+        if not self.workers:
+            return self._pool.submit(self.sampler.rows, step, start, stop)
+        ids = self.sampler.sample_ids(step, start, stop)
+        loaded = self._pool.submit(_load_in_loader, tuple(self.sampler.dataset_index(i) for i in ids))
+        batch: Future[SampleBatch] = Future()
+
+        def done(f: Future[tuple[Activation, Any]]) -> None:
+            if f.cancelled():
+                batch.cancel()
+            elif f.exception() is not None:
+                batch.set_exception(f.exception())
+            else:
+                batch.set_result(SampleBatch(ids, *f.result()))
+
+        loaded.add_done_callback(done)
+        return batch
 
     def prefetch(self, step: int, ranges: Sequence[tuple[int, int]]) -> None:
         """Start loading these row ranges of `step` (drops what was prefetched for older steps)."""
@@ -125,11 +176,13 @@ class Prefetcher:
         for start, stop in ranges:
             key = (step, start, stop)
             if stop > start and key not in self._pending:
-                self._pending[key] = self._pool.submit(self.sampler.rows, step, start, stop)
+                self._pending[key] = self._submit(step, start, stop)
 
     def rows(self, step: int, start: int, stop: int) -> SampleBatch:
         """The rows, from the prefetched load if there is one (blocks until it is done)."""
         pending = self._pending.pop((step, start, stop), None)
+        if pending is None and self.workers and stop > start:
+            pending = self._submit(step, start, stop)  # the loader's copy: the main process keeps none busy
         return pending.result() if pending is not None else self.sampler.rows(step, start, stop)
 
     def close(self) -> None:

@@ -66,6 +66,7 @@ class TrainSpec:
     data_seed: int = 0
     shuffle: bool = True
     rng_seed: int = 0
+    loader_workers: int = 0  # loader processes per rank (0: one prefetch thread); executor.data
     # One probe per unit (parameters, output activation); discovered by a dry run if not given.
     probes: tuple[UnitProbe, ...] | None = None
 
@@ -151,7 +152,7 @@ class Trainer:
         stage = layout.stage_layout_of_rank(rank)  # raises if the rank is not in the layout
         self.spec, self.rank, self.comm, self.device = spec, rank, comm, torch.device(device)
         self.sampler = spec.sampler(layout.global_batch)
-        self.data = Prefetcher(self.sampler)
+        self.data = Prefetcher(self.sampler, spec.loader_workers)
         # Weight-decay runs of every unit, from the dry run: the snapshot of a neighbour's shard
         # replays the update of units this rank may not even hold.
         self.segments = {name: spec.optimizer.decay_segments(probe.meta_parameters())

@@ -113,3 +113,21 @@ def test_a_sequential_with_a_tied_weight_is_refused_not_untied() -> None:
     head.weight = emb.weight  # the usual tied LM head
     with pytest.raises(UnitBuildError, match="units '0' and '1' share a parameter"):
         elaswave.Units.from_modules(nn.Sequential(emb, head))
+
+
+def test_loader_processes_feed_the_same_batches_as_the_prefetch_thread() -> None:
+    from tests.api.toy_model import Regression, huber_per_sample, toy_optimizer
+
+    def run(workers: int) -> elaswave.TrainResult:
+        from tests.api.toy_model import build_unit
+
+        units = elaswave.Units(["embed", "conv", "split", "mlp", "merge", "head"], build_unit)
+        return elaswave.train(units, huber_per_sample, Regression(), global_batch=8, micro_batches=2, steps=4,
+                              optimizer=toy_optimizer(4), loader_workers=workers)
+
+    threaded, processes = run(0), run(2)
+    assert processes.losses == threaded.losses
+    assert processes.state_dict is not None and threaded.state_dict is not None
+    assert all(torch.equal(processes.state_dict[k], threaded.state_dict[k]) for k in threaded.state_dict)
+    with pytest.raises(ValueError, match="loader_workers must be >= 0"):
+        elaswave.train(small_units(), mse, DATA, global_batch=4, steps=1, loader_workers=-1)
