@@ -39,6 +39,8 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "snapshot_overhead": (["--hidden", "64", "256", "--steps", "20", "--repeats", "3"],
                           ["--hidden", "64", "--steps", "3", "--repeats", "1"]),
     "migration_cost": ([], ["--dp", "2", "--hidden", "64", "--migrations", "2"]),
+    "checkpoint_cost": (["--hidden", "256", "--steps", "12", "--every", "3"],
+                        ["--hidden", "64", "--steps", "6", "--every", "2"]),
     "agent_fanin": (["--agents", "1000", "3000", "10000", "--window", "20", "--kills", "50"],
                     ["--agents", "200", "--window", "5", "--warmup", "2", "--kills", "5"]),
 }
