@@ -43,6 +43,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
                         ["--hidden", "64", "--steps", "6", "--every", "2"]),
     "agent_fanin": (["--agents", "1000", "3000", "10000", "--window", "20", "--kills", "50"],
                     ["--agents", "200", "--window", "5", "--warmup", "2", "--kills", "5"]),
+    "vs_ddp": ([], ["--configs", "ddp-dp2", "static-dp2", "ft-dp2", "--steps", "2", "--repeats", "1"]),
 }
 
 

@@ -20,15 +20,22 @@ Configurations (rank r of stage p is r = p * DP + j, as `planners.layout.make_un
 - `ft`: the engine on its fault-tolerant path: `executor.comm.Communicator` (dynamic groups,
   guarded waits), `FabricParticipant` (ring snapshots on) and `StepProtocol` (commit vote every step).
 
-The job's step time is, per step, that of its slowest worker; medians over all timed steps of all
-repeats, configurations alternated within each repeat. The first step's loss of every configuration
-and the last step's are printed and checked against the first configuration's (relative tolerances
-`--loss-rtol`, `--last-loss-rtol`: the last step's loss shows that every configuration applies
-the same gradients, which a forward-only check would miss).
-A profile (exclusive time per step, mean over workers, from perf_counter wrappers in the worker
-processes, main thread only) shows where the engine's time goes against DDP.
+The job's step time is, per step, that of its slowest worker; the table gives medians over all
+timed steps of all repeats (configurations alternated, the order reversed on odd repeats) and the
+median of per-repeat ratios to the baseline of the same shape (paired in time, so less exposed to
+load drift on a shared machine), and the CPU seconds per step summed over the workers (process CPU
+time, every thread: what the work costs, nearly independent of other jobs competing for the cores).
+The first and the last step's loss of every configuration are checked against the first
+configuration's (`--loss-rtol`, `--last-loss-rtol`): the last step's loss shows that every
+configuration applies the same gradients, which a forward-only check would miss.
 
-    python -m bench.vs_ddp --steps 8 --repeats 3
+The profile: exclusive wall and main-thread CPU time per item and step, mean over workers, from
+perf_counter / thread_time wrappers around the engine's methods (class level, inside the worker
+processes) and around the baselines' phases. A hang: `VS_DDP_DUMP_AFTER_S=60` dumps every
+worker's stacks after 60 s.
+
+    python -m bench.vs_ddp                      # every configuration, 4 repeats x 6 steps
+    python -m bench.vs_ddp --configs ddp-dp2 static-dp2 ft-dp2 --profile all
 """
 
 from __future__ import annotations
