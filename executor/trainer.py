@@ -313,7 +313,7 @@ class Trainer:
     # ----------------------------------------------------------------------------------- state
     def unit_params(self) -> dict[str, torch.Tensor]:
         """Full flat parameters of this stage's units (a copy)."""
-        return {n: flat_params(u).clone() for n, u in self.model.units.items()}
+        return {n: flat_params(u) for n, u in self.model.units.items()}  # torch.cat copies already
 
     def state_dict_for_rollback(self) -> dict[str, Any]:
         """Everything a rollback needs on this rank: parameters, optimizer shards, step counters."""

@@ -52,6 +52,18 @@ def flat_params(unit: nn.Module) -> torch.Tensor:
     return torch.cat(params) if params else torch.empty(0)
 
 
+def flat_slice(unit: nn.Module, lo: int, hi: int) -> torch.Tensor:
+    """A copy of elements `[lo, hi)` of the unit's flat parameters, without flattening the rest."""
+    pieces, pos = [], 0
+    for p in unit.parameters():
+        n = p.numel()
+        a, b = max(lo, pos), min(hi, pos + n)
+        if a < b:
+            pieces.append(p.detach().reshape(-1)[a - pos: b - pos])
+        pos += n
+    return torch.cat(pieces) if pieces else torch.empty(0)
+
+
 def flat_grads(unit: nn.Module) -> torch.Tensor:
     grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in unit.parameters()]
     return torch.cat(grads) if grads else torch.empty(0)
@@ -120,6 +132,7 @@ class ShardedOptimizer:
         segments = segments or {}
         self.segments = {n: segments[n] if n in segments else cfg.decay_segments(u.named_parameters())
                          for n, u in self.units.items()}
+        self._numel = {n: sum(p.numel() for p in u.parameters()) for n, u in self.units.items()}
         self.last_grad_norm: float | None = None
         self.ownership = {n: list(ownership[n]) for n in self.units}
         self.dp_index, self.dp_size = dp_index, len(next(iter(self.ownership.values())))
@@ -159,7 +172,7 @@ class ShardedOptimizer:
         self.step_count += 1
         updated = []
         for name, sh in self.shards.items():
-            param = flat_params(self.units[name])[sh.lo: sh.hi].clone()
+            param = flat_slice(self.units[name], sh.lo, sh.hi)
             self.cfg.update_slice(param, grads[name], sh.exp_avg, sh.exp_avg_sq, self.step_count,
                                   self.segments[name], sh.lo)
             updated.append(param)
@@ -178,7 +191,8 @@ class ShardedOptimizer:
     def _all_gather_params(self, my_slices: torch.Tensor) -> None:
         sizes = [self._size_owned_by(k) for k in range(self.dp_size)]
         pieces = all_to_all_v(self.comm, self.group, [my_slices] * self.dp_size, sizes)
-        flats = {n: flat_params(u) for n, u in self.units.items()}
+        # Every element is overwritten below (ownership covers each unit exactly once).
+        flats = {n: torch.empty(self._numel[n], device=self.device) for n in self.units}
         for k, piece in enumerate(pieces):
             pos = 0
             for name, iv in self.ownership.items():
