@@ -49,8 +49,11 @@ example:
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "agent", help="run the agent daemon beside one training worker", description=DESCRIPTION,
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "agent",
+        help="run the agent daemon beside one training worker",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
     parser.set_defaults(func=run_agent)
@@ -60,73 +63,165 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     who = parser.add_argument_group("identity")
     who.add_argument("--job", required=True, help="job name (required)")
     who.add_argument("--worker-id", required=True, help="this worker's id inside the job (required)")
-    who.add_argument("--stage", type=int, default=-1, help="pipeline stage of the worker; -1 = unknown (default)")
-    who.add_argument("--dp-rank", type=int, default=-1, help="data-parallel rank in the stage; -1 = unknown (default)")
-    who.add_argument("--rank", type=int, default=-1,
-                     help="global training rank of the worker in the job's layout; -1 = none (default)")
+    who.add_argument(
+        "--stage", type=int, default=-1, help="pipeline stage of the worker; -1 = unknown (default)"
+    )
+    who.add_argument(
+        "--dp-rank", type=int, default=-1, help="data-parallel rank in the stage; -1 = unknown (default)"
+    )
+    who.add_argument(
+        "--rank",
+        type=int,
+        default=-1,
+        help="global training rank of the worker in the job's layout; -1 = none (default)",
+    )
 
     worker = parser.add_argument_group("worker")
     worker.add_argument("--pid", type=int, help="watch this running process instead of launching a command")
-    worker.add_argument("command", nargs="*", metavar="-- COMMAND", help="worker command to launch, after '--'")
+    worker.add_argument(
+        "command", nargs="*", metavar="-- COMMAND", help="worker command to launch, after '--'"
+    )
 
     core = parser.add_argument_group("core link")
-    core.add_argument("--core", required=True, metavar="HOST:PORT[,HOST:PORT...]",
-                      help="Core addresses, tried in turn; a standby's leader hint is followed (required)")
+    core.add_argument(
+        "--core",
+        required=True,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="Core addresses, tried in turn; a standby's leader hint is followed (required)",
+    )
     core.add_argument("--job-token-file", type=Path, help=f"file holding the job token (else ${TOKEN_ENV})")
     core.add_argument("--tls-ca", type=Path, help="PEM CA bundle: use TLS to the Core (default: plaintext)")
-    core.add_argument("--tls-cert", type=Path, help="PEM client certificate for mTLS (needs --tls-ca, --tls-key)")
+    core.add_argument(
+        "--tls-cert", type=Path, help="PEM client certificate for mTLS (needs --tls-ca, --tls-key)"
+    )
     core.add_argument("--tls-key", type=Path, help="PEM client private key for mTLS")
-    core.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS",
-                      help="seconds between heartbeats (default 0.5)")
-    core.add_argument("--register-timeout", type=float, default=5.0, metavar="SECONDS",
-                      help="seconds to wait for the Core's RegisterAck (default 5)")
-    core.add_argument("--rpc-timeout", type=float, default=2.0, metavar="SECONDS",
-                      help="seconds any single write or etcd call may take (default 2)")
-    core.add_argument("--leave-timeout", type=float, default=2.0, metavar="SECONDS",
-                      help="seconds to spend delivering Leave on shutdown (default 2)")
+    core.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=0.5,
+        metavar="SECONDS",
+        help="seconds between heartbeats (default 0.5)",
+    )
+    core.add_argument(
+        "--register-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds to wait for the Core's RegisterAck (default 5)",
+    )
+    core.add_argument(
+        "--rpc-timeout",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="seconds any single write or etcd call may take (default 2)",
+    )
+    core.add_argument(
+        "--leave-timeout",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="seconds to spend delivering Leave on shutdown (default 2)",
+    )
 
     probing = parser.add_argument_group("probes and metrics")
-    probing.add_argument("--probe-interval", type=float, default=5.0, metavar="SECONDS",
-                         help="seconds between host/process/device/interconnect reports (default 5)")
-    probing.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
-                         help="peer to probe by TCP connect latency; repeat for several (default none)")
-    probing.add_argument("--peer-timeout", type=float, default=0.5, metavar="SECONDS",
-                         help="seconds before a peer probe counts as failed (default 0.5)")
-    probing.add_argument("--metrics-socket", type=Path,
-                         help="Unix datagram socket for step metrics (default "
-                              "$XDG_RUNTIME_DIR/elaswave/<job>.<worker>.metrics.sock, or /tmp/elaswave-<uid>/...)")
+    probing.add_argument(
+        "--probe-interval",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds between host/process/device/interconnect reports (default 5)",
+    )
+    probing.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="peer to probe by TCP connect latency; repeat for several (default none)",
+    )
+    probing.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=0.5,
+        metavar="SECONDS",
+        help="seconds before a peer probe counts as failed (default 0.5)",
+    )
+    probing.add_argument(
+        "--metrics-socket",
+        type=Path,
+        help="Unix datagram socket for step metrics (default "
+        "$XDG_RUNTIME_DIR/elaswave/<job>.<worker>.metrics.sock, or /tmp/elaswave-<uid>/...)",
+    )
 
     preempt = parser.add_argument_group("preemption")
-    preempt.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
-                         help="seconds between SIGTERM and the worker's forced end (default 30, as Kubernetes/Slurm)")
-    preempt.add_argument("--notice-file", type=Path,
-                         help="report preemption when this file appears (or exists at start); its content may be "
-                              "a deadline in unix seconds, else now + --grace (default: no file watched)")
+    preempt.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="seconds between SIGTERM and the worker's forced end (default 30, as Kubernetes/Slurm)",
+    )
+    preempt.add_argument(
+        "--notice-file",
+        type=Path,
+        help="report preemption when this file appears (or exists at start); its content may be "
+        "a deadline in unix seconds, else now + --grace (default: no file watched)",
+    )
 
     clock = parser.add_argument_group("device clock (DVFS) and drain")
-    clock.add_argument("--frequency-controller", default="auto", choices=CHOICES,
-                       help="who applies SetFrequency: nvml (NVIDIA), npu-smi (Ascend), simulated (CPU runs), "
-                            "none; auto = nvml on CUDA hosts, npu-smi on Ascend hosts, simulated on CPU hosts "
-                            "(default auto)")
-    clock.add_argument("--clock-range", default=DEFAULT_CLOCK_RANGE, metavar="MIN:NOMINAL:MAX",
-                       help="MHz range of the simulated and npu-smi controllers; SetFrequency outside it is "
-                            f"refused, 0 restores NOMINAL (default {DEFAULT_CLOCK_RANGE}: 910B, ElasWave §5)")
-    clock.add_argument("--npu-smi-set", metavar="COMMAND",
-                       help="command that sets one Ascend device's AI core clock, with {id} and {mhz} "
-                            "placeholders (default: none, npu-smi requests are refused)")
-    clock.add_argument("--control-file", type=Path,
-                       help=f"file the agent writes the clock factor and drain notice to, exported as "
-                            f"${CONTROL_ENV} (default: beside the metrics socket, <job>.<worker>.control.json)")
-    clock.add_argument("--drain-grace", type=float, default=10.0, metavar="SECONDS",
-                       help="seconds a drained worker has to stop at a step boundary before SIGTERM (default 10)")
+    clock.add_argument(
+        "--frequency-controller",
+        default="auto",
+        choices=CHOICES,
+        help="who applies SetFrequency: nvml (NVIDIA), npu-smi (Ascend), simulated (CPU runs), "
+        "none; auto = nvml on CUDA hosts, npu-smi on Ascend hosts, simulated on CPU hosts "
+        "(default auto)",
+    )
+    clock.add_argument(
+        "--clock-range",
+        default=DEFAULT_CLOCK_RANGE,
+        metavar="MIN:NOMINAL:MAX",
+        help="MHz range of the simulated and npu-smi controllers; SetFrequency outside it is "
+        f"refused, 0 restores NOMINAL (default {DEFAULT_CLOCK_RANGE}: 910B, ElasWave §5)",
+    )
+    clock.add_argument(
+        "--npu-smi-set",
+        metavar="COMMAND",
+        help="command that sets one Ascend device's AI core clock, with {id} and {mhz} "
+        "placeholders (default: none, npu-smi requests are refused)",
+    )
+    clock.add_argument(
+        "--control-file",
+        type=Path,
+        help=f"file the agent writes the clock factor and drain notice to, exported as "
+        f"${CONTROL_ENV} (default: beside the metrics socket, <job>.<worker>.control.json)",
+    )
+    clock.add_argument(
+        "--drain-grace",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds a drained worker has to stop at a step boundary before SIGTERM (default 10)",
+    )
 
     lease = parser.add_argument_group("etcd liveness lease")
-    lease.add_argument("--etcd", metavar="HOST:PORT", help="hold the liveness lease in this etcd (default: the Core does)")
+    lease.add_argument(
+        "--etcd", metavar="HOST:PORT", help="hold the liveness lease in this etcd (default: the Core does)"
+    )
     lease.add_argument("--etcd-prefix", default="/elaswave", help="key prefix (default /elaswave)")
-    lease.add_argument("--lease-ttl", type=int, default=3, metavar="SECONDS",
-                       help="lease time-to-live in whole seconds, refreshed every TTL/3 (default 3)")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="log verbosity (default INFO)")
+    lease.add_argument(
+        "--lease-ttl",
+        type=int,
+        default=3,
+        metavar="SECONDS",
+        help="lease time-to-live in whole seconds, refreshed every TTL/3 (default 3)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log verbosity (default INFO)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:

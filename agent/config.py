@@ -120,8 +120,10 @@ class AgentConfig:
             if not (math.isfinite(seconds) and seconds >= 0):
                 raise ValueError(f"{flag}: must be >= 0 seconds, got {seconds}")
         if self.frequency_controller not in CHOICES:
-            raise ValueError(f"--frequency-controller: expected one of {', '.join(CHOICES)}, "
-                             f"got {self.frequency_controller!r}")
+            raise ValueError(
+                f"--frequency-controller: expected one of {', '.join(CHOICES)}, "
+                f"got {self.frequency_controller!r}"
+            )
         if self.npu_smi_set is not None and "{mhz}" not in self.npu_smi_set:
             raise ValueError(f"--npu-smi-set: the command must contain {{mhz}}, got {self.npu_smi_set!r}")
         if self.lease_ttl_s < 1:
@@ -129,7 +131,9 @@ class AgentConfig:
         if self.backoff_max_s < self.backoff_initial_s:
             raise ValueError("backoff: the cap must not be below the initial delay")
         if not self.etcd_prefix.startswith("/") or self.etcd_prefix.endswith("/"):
-            raise ValueError(f"--etcd-prefix: must start with '/' and not end with '/', got {self.etcd_prefix!r}")
+            raise ValueError(
+                f"--etcd-prefix: must start with '/' and not end with '/', got {self.etcd_prefix!r}"
+            )
         if len(os.fsencode(str(self.socket_path))) > _MAX_UNIX_PATH_BYTES:
             raise ValueError(
                 f"--metrics-socket: {self.socket_path} is longer than the {_MAX_UNIX_PATH_BYTES} bytes "
@@ -169,8 +173,10 @@ class AgentConfig:
 
 def _require_name(value: str, flag: str) -> None:
     if not _NAME.fullmatch(value):
-        raise ValueError(f"{flag}: must be 1-128 letters, digits or '._:@-', starting with a letter or "
-                         f"digit, got {value!r}")
+        raise ValueError(
+            f"{flag}: must be 1-128 letters, digits or '._:@-', starting with a letter or "
+            f"digit, got {value!r}"
+        )
 
 
 def load_job_token(token_file: Path | None) -> str | None:

@@ -96,7 +96,9 @@ class CoreLink:
         try:
             await asyncio.wait_for(self._left.wait(), self._config.leave_timeout_s)
         except TimeoutError:
-            log_event(logging.WARNING, "leave_not_delivered", reason=reason, timeout_s=self._config.leave_timeout_s)
+            log_event(
+                logging.WARNING, "leave_not_delivered", reason=reason, timeout_s=self._config.leave_timeout_s
+            )
         self._stopping = True
         return self._left.is_set()
 
@@ -109,17 +111,33 @@ class CoreLink:
                 await self._session(address)
             except grpc.aio.AioRpcError as exc:
                 hint = parse_leader_hint(exc.details() or "")
-                log_event(logging.WARNING, "core_stream_failed", core=address, code=exc.code().name,
-                          details=exc.details() or "", leader_hint=hint or "")
+                log_event(
+                    logging.WARNING,
+                    "core_stream_failed",
+                    core=address,
+                    code=exc.code().name,
+                    details=exc.details() or "",
+                    leader_hint=hint or "",
+                )
             except Exception as exc:  # whatever broke this stream, the link must keep trying
-                log_event(logging.WARNING, "core_stream_failed", core=address, error=type(exc).__name__,
-                          details=str(exc))
+                log_event(
+                    logging.WARNING,
+                    "core_stream_failed",
+                    core=address,
+                    error=type(exc).__name__,
+                    details=str(exc),
+                )
             if self._stopping or self._left.is_set():
                 return
             self._rotation.failed(hint)
             delay = self._backoff.next_delay()
-            log_event(logging.INFO, "core_reconnect_wait", next_core=self._rotation.current(),
-                      delay_ms=round(delay * 1000, 1), failures=self._backoff.failures)
+            log_event(
+                logging.INFO,
+                "core_reconnect_wait",
+                next_core=self._rotation.current(),
+                delay_ms=round(delay * 1000, 1),
+                failures=self._backoff.failures,
+            )
             await asyncio.sleep(delay)
 
     # ---- one stream -----------------------------------------------------------------------
@@ -165,9 +183,15 @@ class CoreLink:
         # Re-send what earlier Cores saw but this one may not have (a new leader, a restart).
         self._critical.extendleft(reversed(self._critical_written))
         self._critical_written.clear()
-        log_event(logging.INFO, "core_registered", core=address, session=first.ack.session,
-                  core_id=first.ack.core_id, heartbeat_timeout_ms=first.ack.heartbeat_timeout_ms,
-                  sessions=self.sessions)
+        log_event(
+            logging.INFO,
+            "core_registered",
+            core=address,
+            session=first.ack.session,
+            core_id=first.ack.core_id,
+            heartbeat_timeout_ms=first.ack.heartbeat_timeout_ms,
+            sessions=self.sessions,
+        )
 
     async def _serve(self, call: grpc.aio.StreamStreamCall) -> None:
         reader = asyncio.create_task(self._read_commands(call))
@@ -182,7 +206,9 @@ class CoreLink:
                 # not a broken stream to reconnect (and re-register a departed worker) on.
                 with contextlib.suppress(TimeoutError, grpc.aio.AioRpcError, StreamRefused):
                     await asyncio.wait_for(asyncio.shield(reader), self._config.rpc_timeout_s)
-                closed = reader.done() and not reader.cancelled() and isinstance(reader.exception(), StreamRefused)
+                closed = (
+                    reader.done() and not reader.cancelled() and isinstance(reader.exception(), StreamRefused)
+                )
                 half_closed = writer.done() and not writer.cancelled() and writer.exception() is None
                 if closed or half_closed:
                     self._left.set()
@@ -216,8 +242,12 @@ class CoreLink:
                 await self._handlers.checkpoint(response.checkpoint)
             elif kind == "rejected":
                 # The Core refused one report; the stream stays up. A bug on our side: say it loudly.
-                log_event(logging.ERROR, "core_rejected_report", report=response.rejected.report,
-                          reason=response.rejected.reason)
+                log_event(
+                    logging.ERROR,
+                    "core_rejected_report",
+                    report=response.rejected.report,
+                    reason=response.rejected.reason,
+                )
             else:
                 log_event(logging.WARNING, "core_command_ignored", command=kind)
         except Exception as exc:  # a failing handler must not take the stream down
@@ -236,7 +266,9 @@ class CoreLink:
             elif now >= next_heartbeat or self._beat_now:
                 self._beat_now = False
                 await self._write(call, self._heartbeat())
-                next_heartbeat = max(next_heartbeat + interval, now) if now >= next_heartbeat else next_heartbeat
+                next_heartbeat = (
+                    max(next_heartbeat + interval, now) if now >= next_heartbeat else next_heartbeat
+                )
             elif self._outbox:
                 await self._write(call, self._outbox.popleft())
             elif self._leave is not None:

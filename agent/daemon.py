@@ -96,18 +96,29 @@ class Agent:
         self._preempted = False
         self._worker_finished = False  # the worker said its work is complete, then exited 0
         self._tasks: list[asyncio.Task[None]] = []
-        self.link = CoreLink(config, self._register_message,
-                             CommandHandlers(self._on_report_now, self._on_drain, self._on_set_frequency,
-                                                             self._on_checkpoint))
+        self.link = CoreLink(
+            config,
+            self._register_message,
+            CommandHandlers(self._on_report_now, self._on_drain, self._on_set_frequency, self._on_checkpoint),
+        )
         self.metrics = MetricsReceiver(config.socket_path, self._on_step_metrics)
-        self.lease = AliveLease(config.etcd, config.alive_key, self._lease_value, config.lease_ttl_s,
-                                config.rpc_timeout_s) if config.etcd else None
+        self.lease = (
+            AliveLease(
+                config.etcd, config.alive_key, self._lease_value, config.lease_ttl_s, config.rpc_timeout_s
+            )
+            if config.etcd
+            else None
+        )
 
     async def run(self) -> int:
         """Run until shutdown; returns the agent's exit status (see ``agent_exit_code``)."""
         if load_job_token(self.config.job_token_file) is None:  # a bad token file raises here, at start
-            log_event(logging.WARNING, "no_job_token", why=f"neither --job-token-file nor ${TOKEN_ENV} is set; "
-                      "a Core with authentication will refuse this agent")
+            log_event(
+                logging.WARNING,
+                "no_job_token",
+                why=f"neither --job-token-file nor ${TOKEN_ENV} is set; "
+                "a Core with authentication will refuse this agent",
+            )
         probes.prime_cpu_percent()
         self._install_signal_handlers()
         await self.metrics.start()
@@ -115,16 +126,30 @@ class Agent:
             self._devices = await asyncio.to_thread(DeviceSet.discover)
             await asyncio.to_thread(self._select_frequency_controller)  # before the worker reads the file
             self._worker = await self._start_worker()
-            log_event(logging.INFO, "agent_started", job=self.config.job, worker_id=self.config.worker_id,
-                      worker_pid=self._worker.pid, launched=self._worker.launched,
-                      devices=",".join(f"{d.kind}:{d.index}" for d in self._devices.devices),
-                      cores=",".join(map(str, self.config.cores)), etcd=self.config.etcd or "")
+            log_event(
+                logging.INFO,
+                "agent_started",
+                job=self.config.job,
+                worker_id=self.config.worker_id,
+                worker_pid=self._worker.pid,
+                launched=self._worker.launched,
+                devices=",".join(f"{d.kind}:{d.index}" for d in self._devices.devices),
+                cores=",".join(map(str, self.config.cores)),
+                etcd=self.config.etcd or "",
+            )
             self._spawn(self.link.run(), self._watch_worker(), self._probe_loop())
             if self.lease is not None:
                 self._spawn(self.lease.run())
             if self.config.notice_file is not None:
-                self._spawn(watch_notice_file(self.config.notice_file, self.config.notice_poll_s,
-                                              self.config.grace_s, time.time, self._on_notice_file))
+                self._spawn(
+                    watch_notice_file(
+                        self.config.notice_file,
+                        self.config.notice_poll_s,
+                        self.config.grace_s,
+                        time.time,
+                        self._on_notice_file,
+                    )
+                )
             await self._shutdown.wait()
             await self._leave()
         finally:
@@ -138,18 +163,36 @@ class Agent:
         assert self._devices is not None
         npu_ids = [d.index for d in self._devices.devices if d.kind == "npu"]
         self.frequency, self._frequency_why = select_controller(
-            self.config.frequency_controller, self._devices.kind, self.config.clock_range, npu_ids,
-            self.config.npu_smi_set)
+            self.config.frequency_controller,
+            self._devices.kind,
+            self.config.clock_range,
+            npu_ids,
+            self.config.npu_smi_set,
+        )
         if self.frequency is None:
             log_event(logging.WARNING, "frequency_controller", controller="none", why=self._frequency_why)
             self.control.publish()
             return
         clock = self.frequency.clock_range()
-        log_event(logging.INFO, "frequency_controller", controller=self.frequency.name, range=str(clock),
-                  current_mhz=self.frequency.current_mhz(), why=self._frequency_why, control_file=self.control.path)
+        log_event(
+            logging.INFO,
+            "frequency_controller",
+            controller=self.frequency.name,
+            range=str(clock),
+            current_mhz=self.frequency.current_mhz(),
+            why=self._frequency_why,
+            control_file=self.control.path,
+        )
         # The worker starts at the current clock (the nominal one for the simulated controller).
-        self.control.set_frequency(FrequencyState(self.frequency.name, self.frequency.current_mhz(),
-                                                  clock.nominal_mhz, clock.min_mhz, clock.max_mhz))
+        self.control.set_frequency(
+            FrequencyState(
+                self.frequency.name,
+                self.frequency.current_mhz(),
+                clock.nominal_mhz,
+                clock.min_mhz,
+                clock.max_mhz,
+            )
+        )
 
     # ---- worker -----------------------------------------------------------------------------
 
@@ -160,9 +203,16 @@ class Agent:
             return ForeignWorker(self.config.worker_pid)
         finished = finished_path(self.control.path)
         finished.unlink(missing_ok=True)  # a previous run's word is not this worker's
-        env = dict(os.environ, **{SOCKET_ENV: str(self.config.socket_path), CONTROL_ENV: str(self.control.path),
-                                  FINISHED_ENV: str(finished),
-                                  "ELASWAVE_JOB": self.config.job, "ELASWAVE_WORKER_ID": self.config.worker_id})
+        env = dict(
+            os.environ,
+            **{
+                SOCKET_ENV: str(self.config.socket_path),
+                CONTROL_ENV: str(self.control.path),
+                FINISHED_ENV: str(finished),
+                "ELASWAVE_JOB": self.config.job,
+                "ELASWAVE_WORKER_ID": self.config.worker_id,
+            },
+        )
         return await LaunchedWorker.start(self.config.worker_command, env)
 
     def _drained_exit(self, status: ExitStatus) -> bool:
@@ -180,18 +230,33 @@ class Agent:
         if self._drained_exit(status):
             # A planned departure: the Leave carries the exit; a WorkerExit would read as a failure.
             assert self.draining is not None
-            log_event(logging.INFO, "worker_exit", pid=self._worker.pid, exit_code=status.exit_code,
-                      detail=status.detail, drained=True)
+            log_event(
+                logging.INFO,
+                "worker_exit",
+                pid=self._worker.pid,
+                exit_code=status.exit_code,
+                detail=status.detail,
+                drained=True,
+            )
             self._worker_done.set()
-            self._request_shutdown(f"drained ({self.draining.reason}): worker {self._worker.pid} {status.detail}")
+            self._request_shutdown(
+                f"drained ({self.draining.reason}): worker {self._worker.pid} {status.detail}"
+            )
             return
         if status.exit_code == 0:
             # A clean departure, not a fail-stop, so the Core records LEFT, not LOST: the worker
             # completed its work (it created the finished file: nothing to re-plan for), stopped
             # after a preemption notice, or left a layout that no longer holds it.
             self._worker_finished = not self._preempted and finished_path(self.control.path).exists()
-            log_event(logging.INFO, "worker_exit", pid=self._worker.pid, exit_code=0, detail=status.detail,
-                      preempted=self._preempted, finished=self._worker_finished)
+            log_event(
+                logging.INFO,
+                "worker_exit",
+                pid=self._worker.pid,
+                exit_code=0,
+                detail=status.detail,
+                preempted=self._preempted,
+                finished=self._worker_finished,
+            )
             self._worker_done.set()
             if self._preempted:
                 how = f"preempted (SIGTERM): worker {self._worker.pid} {status.detail}"
@@ -201,10 +266,18 @@ class Agent:
                 how = f"worker {self._worker.pid} left ({status.detail})"
             self._request_shutdown(how)
             return
-        self.link.send_critical(agent_pb2.ConnectRequest(
-            worker_exit=agent_pb2.WorkerExit(exit_code=status.exit_code, detail=status.detail)))
-        log_event(logging.WARNING, "worker_exit", pid=self._worker.pid, exit_code=status.exit_code,
-                  detail=status.detail)
+        self.link.send_critical(
+            agent_pb2.ConnectRequest(
+                worker_exit=agent_pb2.WorkerExit(exit_code=status.exit_code, detail=status.detail)
+            )
+        )
+        log_event(
+            logging.WARNING,
+            "worker_exit",
+            pid=self._worker.pid,
+            exit_code=status.exit_code,
+            detail=status.detail,
+        )
         self._worker_done.set()
         cause = "preempted (SIGTERM); " if self._preempted else ""
         self._request_shutdown(f"{cause}worker {self._worker.pid} {status.detail}")
@@ -286,8 +359,12 @@ class Agent:
     def _on_task_done(self, task: asyncio.Task[None]) -> None:
         # A part of the agent that dies must not leave a half-working agent behind: stop loudly.
         if not task.cancelled() and task.exception() is not None:
-            log_event(logging.ERROR, "agent_task_failed", task=task.get_coro().__qualname__,
-                      error=repr(task.exception()))
+            log_event(
+                logging.ERROR,
+                "agent_task_failed",
+                task=task.get_coro().__qualname__,
+                error=repr(task.exception()),
+            )
             self._request_shutdown(f"internal error: {task.exception()!r}")
 
     async def _cancel_tasks(self) -> None:
@@ -314,8 +391,13 @@ class Agent:
 
     def _lease_value(self) -> dict[str, object]:
         worker_pid = self._worker.pid if self._worker is not None else 0
-        return {"host": self.host, "pid": worker_pid, "agent_pid": os.getpid(),
-                "agent_start_unix": self.started_unix, "worker_id": self.config.worker_id}
+        return {
+            "host": self.host,
+            "pid": worker_pid,
+            "agent_pid": os.getpid(),
+            "agent_start_unix": self.started_unix,
+            "worker_id": self.config.worker_id,
+        }
 
     def _on_step_metrics(self, metrics: agent_pb2.StepMetrics) -> None:
         # The latest placement goes into the next Register (after a reconnect).
@@ -340,8 +422,9 @@ class Agent:
         if self.draining is not None:
             process_probe.detail += f"; {self._draining_detail()}"
         found = [probes.host_probe(), process_probe, device_probe]
-        found += await asyncio.gather(*(probes.interconnect_probe(peer, self.config.peer_timeout_s)
-                                        for peer in self.config.peers))
+        found += await asyncio.gather(
+            *(probes.interconnect_probe(peer, self.config.peer_timeout_s) for peer in self.config.peers)
+        )
         self.link.send(agent_pb2.ConnectRequest(memory=usage))
         for probe in found:
             self.link.send(agent_pb2.ConnectRequest(probe=probe))
@@ -355,7 +438,9 @@ class Agent:
                 current = f"{self.frequency.current_mhz()} MHz"
             except Exception as exc:  # a clock that cannot be read is reported, not raised
                 current = f"unreadable ({exc})"
-            text = f"clock controller {self.frequency.name} at {current} (range {self.frequency.clock_range()})"
+            text = (
+                f"clock controller {self.frequency.name} at {current} (range {self.frequency.clock_range()})"
+            )
         return f"{text}; {self._last_set_frequency}" if self._last_set_frequency else text
 
     def _draining_detail(self) -> str:
@@ -376,8 +461,13 @@ class Agent:
             return
         self.draining = drain
         now = time.time()
-        log_event(logging.WARNING, "drain", reason=drain.reason, deadline_unix=drain.deadline_unix,
-                  drain_grace_s=self.config.drain_grace_s)
+        log_event(
+            logging.WARNING,
+            "drain",
+            reason=drain.reason,
+            deadline_unix=drain.deadline_unix,
+            drain_grace_s=self.config.drain_grace_s,
+        )
         await asyncio.to_thread(self.control.set_drain, DrainNotice(drain.reason, drain.deadline_unix, now))
         await self._report()
         self._spawn(self._finish_drain(now))
@@ -417,7 +507,9 @@ class Agent:
                 outcome = f"{asked} failed: {exc}"
             else:
                 self.control.set_frequency(state)
-                outcome = (f"{asked} applied: {state.controller} {state.mhz} MHz "
-                           f"(factor {state.factor:.4f} of nominal {state.nominal_mhz})")
+                outcome = (
+                    f"{asked} applied: {state.controller} {state.mhz} MHz "
+                    f"(factor {state.factor:.4f} of nominal {state.nominal_mhz})"
+                )
         log_event(logging.INFO, "set_frequency", mhz=mhz, outcome=outcome)
         return outcome

@@ -71,12 +71,16 @@ class DeviceSet:
         found = _accelerator_module()
         if found is None:
             total = psutil.virtual_memory().total
-            return cls("cpu", None, [common_pb2.Device(kind="cpu", index=0, name=_cpu_name(), memory_bytes=total)])
+            return cls(
+                "cpu", None, [common_pb2.Device(kind="cpu", index=0, name=_cpu_name(), memory_bytes=total)]
+            )
         kind, module = found
         devices = []
         for index in range(module.device_count()):
             props = module.get_device_properties(index)
-            devices.append(common_pb2.Device(kind=kind, index=index, name=props.name, memory_bytes=props.total_memory))
+            devices.append(
+                common_pb2.Device(kind=kind, index=index, name=props.name, memory_bytes=props.total_memory)
+            )
         return cls(kind, module, devices)
 
     @property
@@ -102,7 +106,8 @@ class DeviceSet:
             used.append(used_bytes)
             total.append(total_bytes)
         detail = "; ".join(errors) or ", ".join(
-            f"{self.kind}:{d.index} used {u / 2**30:.2f}/{t / 2**30:.2f} GiB" for d, u, t in zip(self.devices, used, total, strict=True)
+            f"{self.kind}:{d.index} used {u / 2**30:.2f}/{t / 2**30:.2f} GiB"
+            for d, u, t in zip(self.devices, used, total, strict=True)
         )
         probe = agent_pb2.HealthProbe(
             kind=agent_pb2.PROBE_KIND_DEVICE,

@@ -64,15 +64,19 @@ class ClockRange:
 
     def __post_init__(self) -> None:
         if not 0 < self.min_mhz <= self.nominal_mhz <= self.max_mhz:
-            raise ValueError(f"clock range needs 0 < min <= nominal <= max MHz, got "
-                             f"{self.min_mhz}:{self.nominal_mhz}:{self.max_mhz}")
+            raise ValueError(
+                f"clock range needs 0 < min <= nominal <= max MHz, got "
+                f"{self.min_mhz}:{self.nominal_mhz}:{self.max_mhz}"
+            )
 
     def resolve(self, mhz: int, controller: str) -> int:
         """The clock to apply for a request (0 -> nominal); FrequencyRefused when out of range."""
         if mhz == 0:
             return self.nominal_mhz
         if not self.min_mhz <= mhz <= self.max_mhz:
-            raise FrequencyRefused(f"{mhz} MHz is outside the {controller} range {self.min_mhz}..{self.max_mhz} MHz")
+            raise FrequencyRefused(
+                f"{mhz} MHz is outside the {controller} range {self.min_mhz}..{self.max_mhz} MHz"
+            )
         return mhz
 
     def __str__(self) -> str:
@@ -158,7 +162,9 @@ class NvmlController:
         return self._clock
 
     def current_mhz(self) -> int:
-        return min(int(self._nvml.nvmlDeviceGetClockInfo(h, self._nvml.NVML_CLOCK_GRAPHICS)) for h in self._handles)
+        return min(
+            int(self._nvml.nvmlDeviceGetClockInfo(h, self._nvml.NVML_CLOCK_GRAPHICS)) for h in self._handles
+        )
 
     def apply(self, mhz: int) -> FrequencyState:
         target = self._clock.resolve(mhz, self.name)
@@ -169,7 +175,9 @@ class NvmlController:
                 else:
                     self._nvml.nvmlDeviceSetGpuLockedClocks(handle, target, target)
         except self._nvml.NVMLError as exc:
-            raise FrequencyFailed(f"NVML could not {'reset' if mhz == 0 else 'lock'} the GPU clock: {exc}") from exc
+            raise FrequencyFailed(
+                f"NVML could not {'reset' if mhz == 0 else 'lock'} the GPU clock: {exc}"
+            ) from exc
         c = self._clock
         return FrequencyState(self.name, target, c.nominal_mhz, c.min_mhz, c.max_mhz)
 
@@ -191,7 +199,9 @@ def _visible_gpus(count: int) -> list[int | str]:
 
 
 def _nvml_handle(nvml: ModuleType, ref: int | str) -> object:
-    return nvml.nvmlDeviceGetHandleByIndex(ref) if isinstance(ref, int) else nvml.nvmlDeviceGetHandleByUUID(ref)
+    return (
+        nvml.nvmlDeviceGetHandleByIndex(ref) if isinstance(ref, int) else nvml.nvmlDeviceGetHandleByUUID(ref)
+    )
 
 
 def _nvml_range(nvml: ModuleType, handles: list[object]) -> ClockRange:
@@ -248,30 +258,39 @@ class NpuSmiController:
     def _run(self, args: list[str]) -> str:
         done = subprocess.run(args, capture_output=True, text=True, timeout=_NPU_SMI_TIMEOUT_S, check=False)
         if done.returncode != 0:
-            raise ValueError(f"{shlex.join(args)} exited {done.returncode}: {(done.stderr or done.stdout).strip()[:200]}")
+            raise ValueError(
+                f"{shlex.join(args)} exited {done.returncode}: {(done.stderr or done.stdout).strip()[:200]}"
+            )
         return done.stdout
 
     def current_mhz(self) -> int:
-        return min(parse_npu_smi_common(self._run([self._binary, "info", "-t", "common", "-i", str(i)]))[1]
-                   for i in self._ids)
+        return min(
+            parse_npu_smi_common(self._run([self._binary, "info", "-t", "common", "-i", str(i)]))[1]
+            for i in self._ids
+        )
 
     def apply(self, mhz: int) -> FrequencyState:
         target = self._clock.resolve(mhz, self.name)
         if self._set_template is None:
-            raise FrequencyRefused("npu-smi has no portable command to set the AI core clock; start the agent "
-                                   "with --npu-smi-set 'COMMAND with {id} and {mhz}' for this product")
+            raise FrequencyRefused(
+                "npu-smi has no portable command to set the AI core clock; start the agent "
+                "with --npu-smi-set 'COMMAND with {id} and {mhz}' for this product"
+            )
         for device in self._ids:
             args = [part.format(id=device, mhz=target) for part in shlex.split(self._set_template)]
             try:
                 self._run(args)
             except (OSError, subprocess.SubprocessError, ValueError) as exc:
-                raise FrequencyFailed(f"npu-smi could not set device {device} to {target} MHz: {exc}") from exc
+                raise FrequencyFailed(
+                    f"npu-smi could not set device {device} to {target} MHz: {exc}"
+                ) from exc
         c = self._clock
         return FrequencyState(self.name, target, c.nominal_mhz, c.min_mhz, c.max_mhz)
 
 
-def select_controller(choice: str, device_kind: str, clock: ClockRange, npu_ids: list[int],
-                      npu_smi_set: str | None) -> tuple[FrequencyController | None, str]:
+def select_controller(
+    choice: str, device_kind: str, clock: ClockRange, npu_ids: list[int], npu_smi_set: str | None
+) -> tuple[FrequencyController | None, str]:
     """(controller, why) for ``--frequency-controller``; ValueError when an explicit one cannot run.
 
     ``auto``: NVML on CUDA hosts, npu-smi on Ascend hosts, simulated on CPU-only hosts; an

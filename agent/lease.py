@@ -22,8 +22,9 @@ from agent.logs import log_event
 
 
 class AliveLease:
-    def __init__(self, etcd: Address, key: str, describe: Callable[[], dict[str, object]], ttl_s: int,
-                 timeout_s: float) -> None:
+    def __init__(
+        self, etcd: Address, key: str, describe: Callable[[], dict[str, object]], ttl_s: int, timeout_s: float
+    ) -> None:
         self.etcd = etcd
         self.key = key
         self.ttl_s = ttl_s
@@ -70,8 +71,14 @@ class AliveLease:
         self._lease_id = lease.id
         self.grants += 1
         self.held = True
-        log_event(logging.INFO, "etcd_lease_granted", key=self.key, lease=lease.id, ttl_s=self.ttl_s,
-                  grants=self.grants)
+        log_event(
+            logging.INFO,
+            "etcd_lease_granted",
+            key=self.key,
+            lease=lease.id,
+            ttl_s=self.ttl_s,
+            grants=self.grants,
+        )
 
     def _connect(self) -> etcd3.Etcd3Client:
         # A fresh client after every error: etcd3 marks a failed endpoint unusable for 300 s.

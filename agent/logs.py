@@ -38,7 +38,9 @@ def log_event(level: int, event: str, **fields: object) -> None:
 def setup_logging(level: str = "INFO") -> None:
     """Send agent logs to stderr as one line per event, UTC timestamps."""
     handler = logging.StreamHandler(sys.stderr)
-    formatter = logging.Formatter("%(asctime)s.%(msecs)03dZ %(levelname)s agent %(message)s", "%Y-%m-%dT%H:%M:%S")
+    formatter = logging.Formatter(
+        "%(asctime)s.%(msecs)03dZ %(levelname)s agent %(message)s", "%Y-%m-%dT%H:%M:%S"
+    )
     formatter.converter = time.gmtime
     handler.setFormatter(formatter)
     logger = get_logger()

@@ -59,6 +59,12 @@ async def watch_notice_file(
         content = ""
         log_event(logging.WARNING, "notice_file_unreadable", path=path, error=exc.strerror or str(exc))
     deadline, note = parse_notice_deadline(content, clock(), grace_s)
-    log_event(logging.WARNING, "preemption_notice", source="notice-file", path=path, deadline_unix=deadline,
-              note=note)
+    log_event(
+        logging.WARNING,
+        "preemption_notice",
+        source="notice-file",
+        path=path,
+        deadline_unix=deadline,
+        note=note,
+    )
     on_notice(deadline)

@@ -64,7 +64,9 @@ def process_probe(worker: Worker | None) -> agent_pb2.HealthProbe:
     )
 
 
-def memory_usage(worker: Worker | None, devices: DeviceSet) -> tuple[agent_pb2.MemoryUsage, agent_pb2.HealthProbe]:
+def memory_usage(
+    worker: Worker | None, devices: DeviceSet
+) -> tuple[agent_pb2.MemoryUsage, agent_pb2.HealthProbe]:
     """The MemoryUsage report and the DEVICE probe taken with it (one device read serves both)."""
     memory = psutil.virtual_memory()
     rss = worker.rss_bytes() if worker is not None else 0

@@ -119,8 +119,9 @@ class LaunchedWorker(Worker):
     @classmethod
     async def start(cls, command: Sequence[str], env: Mapping[str, str]) -> LaunchedWorker:
         try:
-            process = await asyncio.create_subprocess_exec(*command, env=dict(env),
-                                                           preexec_fn=_die_with_parent(os.getpid()))
+            process = await asyncio.create_subprocess_exec(
+                *command, env=dict(env), preexec_fn=_die_with_parent(os.getpid())
+            )
         except OSError as exc:
             raise ValueError(f"cannot start worker command {list(command)!r}: {exc}") from exc
         return cls(process)

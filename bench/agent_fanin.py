@@ -44,8 +44,24 @@ STREAMS_PER_CHANNEL = 200
 def start_core(tmp: Path, token: str) -> tuple[subprocess.Popen, dict]:
     ready = tmp / "core.json"
     env = dict(os.environ, ELASWAVE_SCHEDULER_TOKEN=token, ELASWAVE_EVENTS_KEPT="100000")
-    cmd = [sys.executable, "-m", "elaswave.cli", "core", "--grpc-port", "0", "--http-port", "0",
-           "--ready-file", str(ready), "--heartbeat-timeout", "5", "--lease-ttl", "5", "--log-level", "WARNING"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "elaswave.cli",
+        "core",
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        "--ready-file",
+        str(ready),
+        "--heartbeat-timeout",
+        "5",
+        "--lease-ttl",
+        "5",
+        "--log-level",
+        "WARNING",
+    ]
     proc = subprocess.Popen(cmd, env=env)
     deadline = time.monotonic() + 30
     while not ready.exists():
@@ -57,7 +73,9 @@ def start_core(tmp: Path, token: str) -> tuple[subprocess.Popen, dict]:
 
 def reports_total(http: httpx.Client) -> float:
     text = http.get("/metrics").text
-    return sum(float(m.group(1)) for m in re.finditer(r'^elaswave_agent_reports_total\{[^}]*\} (\S+)$', text, re.M))
+    return sum(
+        float(m.group(1)) for m in re.finditer(r"^elaswave_agent_reports_total\{[^}]*\} (\S+)$", text, re.M)
+    )
 
 
 class SimAgent:
@@ -69,8 +87,15 @@ class SimAgent:
         self.sent = 0  # reports handed to the stream (after the register message)
 
     async def requests(self):  # noqa: ANN201 - async generator of ConnectRequest
-        reg = agent_pb2.Register(job=self.job, worker_id=self.worker_id, host="bench", pid=1, stage=0,
-                                 dp_rank=0, heartbeat_interval_ms=1000)
+        reg = agent_pb2.Register(
+            job=self.job,
+            worker_id=self.worker_id,
+            host="bench",
+            pid=1,
+            stage=0,
+            dp_rank=0,
+            heartbeat_interval_ms=1000,
+        )
         yield agent_pb2.ConnectRequest(register=reg)
         while True:
             item = await self.queue.get()
@@ -92,22 +117,37 @@ class SimAgent:
         while not stop.is_set():
             seq += 1
             if seq % 5 == 0:
-                msg = agent_pb2.ConnectRequest(step=agent_pb2.StepMetrics(
-                    step=seq, step_time_s=1.0, compute_time_s=0.9, loss=1.0, samples=8, stage=0, dp_rank=0))
+                msg = agent_pb2.ConnectRequest(
+                    step=agent_pb2.StepMetrics(
+                        step=seq, step_time_s=1.0, compute_time_s=0.9, loss=1.0, samples=8, stage=0, dp_rank=0
+                    )
+                )
             else:
                 msg = agent_pb2.ConnectRequest(heartbeat=agent_pb2.Heartbeat(seq=seq, sent_unix=time.time()))
             self.queue.put_nowait(msg)
             await asyncio.sleep(1.0)
 
 
-async def load(grpc_port: int, http_port: int, job_token: str, n: int, window_s: float, kills: int,
-               warmup_s: float, register_timeout_s: float) -> dict:
+async def load(
+    grpc_port: int,
+    http_port: int,
+    job_token: str,
+    n: int,
+    window_s: float,
+    kills: int,
+    warmup_s: float,
+    register_timeout_s: float,
+) -> dict:
     # A local subchannel pool gives each channel its own TCP connection (by default channels to
     # one target share one), as separate agent processes would have.
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}", options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(max(1, n // STREAMS_PER_CHANNEL))]
-    agents = [SimAgent(agent_pb2_grpc.AgentServiceStub(channels[i % len(channels)]), "bench", job_token, f"a{i}")
-              for i in range(n)]
+    channels = [
+        grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}", options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(max(1, n // STREAMS_PER_CHANNEL))
+    ]
+    agents = [
+        SimAgent(agent_pb2_grpc.AgentServiceStub(channels[i % len(channels)]), "bench", job_token, f"a{i}")
+        for i in range(n)
+    ]
     stop = asyncio.Event()
     tasks = [asyncio.ensure_future(a.run(stop)) for a in agents]
     tasks += [asyncio.ensure_future(a.report_loop(stop)) for a in agents]
@@ -138,7 +178,9 @@ async def load(grpc_port: int, http_port: int, job_token: str, n: int, window_s:
     async def watcher() -> None:
         nonlocal since
         while time.monotonic() < start + window_s + 5 and len(seen_at) < kills:
-            events = (await http.get("/api/v1/jobs/bench/events", params={"since": since, "limit": 10000})).json()
+            events = (
+                await http.get("/api/v1/jobs/bench/events", params={"since": since, "limit": 10000})
+            ).json()
             now = time.monotonic()
             for event in events["events"]:
                 since = max(since, event["seq"])
@@ -164,11 +206,19 @@ async def load(grpc_port: int, http_port: int, job_token: str, n: int, window_s:
     def p(q: float) -> float:
         return latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else float("nan")
 
-    return {"agents": n, "registered": len(registered), "register_s": register_s, "sent_per_s": sent / elapsed,
-            "handled_per_s": (after - before) / elapsed,
-            "kills": kills, "detected": len(latencies), "p50_ms": p(0.5) * 1000, "p99_ms": p(0.99) * 1000,
-            "max_ms": (latencies[-1] * 1000 if latencies else float("nan")),
-            "mean_ms": statistics.fmean(latencies) * 1000 if latencies else float("nan")}
+    return {
+        "agents": n,
+        "registered": len(registered),
+        "register_s": register_s,
+        "sent_per_s": sent / elapsed,
+        "handled_per_s": (after - before) / elapsed,
+        "kills": kills,
+        "detected": len(latencies),
+        "p50_ms": p(0.5) * 1000,
+        "p99_ms": p(0.99) * 1000,
+        "max_ms": (latencies[-1] * 1000 if latencies else float("nan")),
+        "mean_ms": statistics.fmean(latencies) * 1000 if latencies else float("nan"),
+    }
 
 
 def run_one(n: int, window_s: float, kills: int, warmup_s: float, register_timeout_s: float) -> dict:
@@ -179,15 +229,28 @@ def run_one(n: int, window_s: float, kills: int, warmup_s: float, register_timeo
             http = httpx.Client(base_url=f"http://127.0.0.1:{info['http_port']}", timeout=10)
             while http.get("/healthz").json()["role"] != "leader":
                 time.sleep(0.05)
-            job_token = http.post("/api/v1/jobs", json={"name": "bench"},
-                                  headers={"Authorization": f"Bearer {token}"}).json()["token"]
+            job_token = http.post(
+                "/api/v1/jobs", json={"name": "bench"}, headers={"Authorization": f"Bearer {token}"}
+            ).json()["token"]
             core, me = psutil.Process(proc.pid), psutil.Process()
             core_before, me_before = core.cpu_times(), me.cpu_times()
             started = time.monotonic()
-            result = asyncio.run(load(info["grpc_port"], info["http_port"], job_token, n, window_s, kills, warmup_s,
-                                      register_timeout_s))
+            result = asyncio.run(
+                load(
+                    info["grpc_port"],
+                    info["http_port"],
+                    job_token,
+                    n,
+                    window_s,
+                    kills,
+                    warmup_s,
+                    register_timeout_s,
+                )
+            )
             core_after, me_after = core.cpu_times(), me.cpu_times()
-            result["core_cpu_s"] = (core_after.user + core_after.system) - (core_before.user + core_before.system)
+            result["core_cpu_s"] = (core_after.user + core_after.system) - (
+                core_before.user + core_before.system
+            )
             result["load_cpu_s"] = (me_after.user + me_after.system) - (me_before.user + me_before.system)
             result["wall_s"] = time.monotonic() - started
             return result
@@ -197,26 +260,40 @@ def run_one(n: int, window_s: float, kills: int, warmup_s: float, register_timeo
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--agents", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--window", type=float, default=20.0, help="measurement window, seconds")
-    parser.add_argument("--warmup", type=float, default=5.0, help="seconds after registration before measuring")
+    parser.add_argument(
+        "--warmup", type=float, default=5.0, help="seconds after registration before measuring"
+    )
     parser.add_argument("--kills", type=int, default=50, help="agents that vanish during the window")
-    parser.add_argument("--register-timeout", type=float, default=120.0,
-                        help="seconds to wait for every agent to register; then measure with those that did")
+    parser.add_argument(
+        "--register-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for every agent to register; then measure with those that did",
+    )
     args = parser.parse_args()
-    print(f"machine: {platform.machine()}, {psutil.cpu_count()} cores, "
-          f"{psutil.virtual_memory().total / 2**30:.0f} GiB, Python {platform.python_version()}; "
-          "Core and load generator share the machine")
-    print("| agents | registered | register (s) | sent reports/s | handled reports/s | Core CPU (cores) | "
-          "load CPU (cores) | kills detected | p50 detect (ms) | p99 detect (ms) | max (ms) |")
+    print(
+        f"machine: {platform.machine()}, {psutil.cpu_count()} cores, "
+        f"{psutil.virtual_memory().total / 2**30:.0f} GiB, Python {platform.python_version()}; "
+        "Core and load generator share the machine"
+    )
+    print(
+        "| agents | registered | register (s) | sent reports/s | handled reports/s | Core CPU (cores) | "
+        "load CPU (cores) | kills detected | p50 detect (ms) | p99 detect (ms) | max (ms) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in args.agents:
         r = run_one(n, args.window, args.kills, args.warmup, args.register_timeout)
-        print(f"| {r['agents']} | {r['registered']} | {r['register_s']:.1f} | {r['sent_per_s']:.0f} | "
-              f"{r['handled_per_s']:.0f} | {r['core_cpu_s'] / r['wall_s']:.2f} | {r['load_cpu_s'] / r['wall_s']:.2f} | "
-              f"{r['detected']}/{r['kills']} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | {r['max_ms']:.0f} |",
-              flush=True)
+        print(
+            f"| {r['agents']} | {r['registered']} | {r['register_s']:.1f} | {r['sent_per_s']:.0f} | "
+            f"{r['handled_per_s']:.0f} | {r['core_cpu_s'] / r['wall_s']:.2f} | {r['load_cpu_s'] / r['wall_s']:.2f} | "
+            f"{r['detected']}/{r['kills']} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | {r['max_ms']:.0f} |",
+            flush=True,
+        )
     return 0
 
 

@@ -44,8 +44,12 @@ WARMUP = 2
 
 def train_spec(hidden: int) -> TrainSpec:
     cfg = ModelConfig(hidden=hidden, num_heads=4, num_layers=4, seq_len=32, dropout=0.0)
-    return TrainSpec(gpt_units(cfg), per_sample_loss, MarkovWindows(cfg.vocab_size, cfg.seq_len, 1 << 14, seed=0),
-                     OptimizerConfig("adamw", lr=3e-3, weight_decay=0.01))
+    return TrainSpec(
+        gpt_units(cfg),
+        per_sample_loss,
+        MarkovWindows(cfg.vocab_size, cfg.seq_len, 1 << 14, seed=0),
+        OptimizerConfig("adamw", lr=3e-3, weight_decay=0.01),
+    )
 
 
 def _worker(rank: int, port: int, args: tuple[int, int, int, int, str, bool], results: Any) -> None:
@@ -53,16 +57,24 @@ def _worker(rank: int, port: int, args: tuple[int, int, int, int, str, bool], re
     torch.set_num_threads(1)
     spec = train_spec(hidden)
     numel = spec.unit_numels()
-    layout = make_uniform_layout(len(numel), pp, 4 // pp, global_batch=32, num_micro_batches=2, layer_numel=numel)
-    comm = Communicator(connect_store("127.0.0.1", port, TIMEOUT_S), rank,
-                        groups_for_stages([s.ranks for s in layout.stages]), timeout_s=TIMEOUT_S)
+    layout = make_uniform_layout(
+        len(numel), pp, 4 // pp, global_batch=32, num_micro_batches=2, layer_numel=numel
+    )
+    comm = Communicator(
+        connect_store("127.0.0.1", port, TIMEOUT_S),
+        rank,
+        groups_for_stages([s.ranks for s in layout.stages]),
+        timeout_s=TIMEOUT_S,
+    )
     trainer = Trainer(spec, layout, rank, comm)
     start, load_s = 0, 0.0
     if resume:
         t0 = time.perf_counter()
         start = load_checkpoint(trainer, root).next_step
         load_s = time.perf_counter() - t0
-    proto = StepProtocol(comm, FabricParticipant(trainer, comm), timeout_s=TIMEOUT_S, committed_step=start - 1)
+    proto = StepProtocol(
+        comm, FabricParticipant(trainer, comm), timeout_s=TIMEOUT_S, committed_step=start - 1
+    )
     writer = checkpoint_writer(spec, Path(root), layout.global_batch)
     plain, saving, gather = [], [], []
     for step in range(start, start + steps):
@@ -89,7 +101,9 @@ def _worker(rank: int, port: int, args: tuple[int, int, int, int, str, bool], re
     os._exit(0)
 
 
-def run(args: tuple[int, int, int, int, str, bool]) -> list[tuple[int, list[float], list[float], list[float], float]]:
+def run(
+    args: tuple[int, int, int, int, str, bool],
+) -> list[tuple[int, list[float], list[float], list[float], float]]:
     server = StoreServer.start()
     try:
         ctx = mp.get_context("forkserver")
@@ -128,15 +142,23 @@ def main(argv: list[str] | None = None) -> int:
     gather = statistics.median(t for _, _, _, g, _ in written for t in g)
     load = max(r[4] for r in resumed)
     first = max(r[1][0] for r in resumed)
-    print(f"# checkpoint cost, GPT hidden {args.hidden} (4 blocks, seq 32, batch 32 in 2 micro-batches), "
-          f"PP=2 x DP=2 on gloo, {os.cpu_count()} shared CPU cores, torch {torch.__version__}; "
-          f"checkpoint of {size / 2**20:.1f} MiB every {args.every} steps")
-    print("| step without | step with a checkpoint | stall | stall / step | gather (in step) | gather / step |")
+    print(
+        f"# checkpoint cost, GPT hidden {args.hidden} (4 blocks, seq 32, batch 32 in 2 micro-batches), "
+        f"PP=2 x DP=2 on gloo, {os.cpu_count()} shared CPU cores, torch {torch.__version__}; "
+        f"checkpoint of {size / 2**20:.1f} MiB every {args.every} steps"
+    )
+    print(
+        "| step without | step with a checkpoint | stall | stall / step | gather (in step) | gather / step |"
+    )
     print("|---|---|---|---|---|---|")
-    print(f"| {plain * 1e3:.1f} ms | {saving * 1e3:.1f} ms | {(saving - plain) * 1e3:+.1f} ms | "
-          f"{(saving - plain) / plain:+.2f} | {gather * 1e3:.1f} ms | {gather / plain:.2f} |")
-    print(f"resume on PP=1 x DP=4: loading the checkpoint {load * 1e3:.1f} ms = {load / plain:.2f} step; "
-          f"first step after it {first * 1e3:.1f} ms")
+    print(
+        f"| {plain * 1e3:.1f} ms | {saving * 1e3:.1f} ms | {(saving - plain) * 1e3:+.1f} ms | "
+        f"{(saving - plain) / plain:+.2f} | {gather * 1e3:.1f} ms | {gather / plain:.2f} |"
+    )
+    print(
+        f"resume on PP=1 x DP=4: loading the checkpoint {load * 1e3:.1f} ms = {load / plain:.2f} step; "
+        f"first step after it {first * 1e3:.1f} ms"
+    )
     return 0
 
 

@@ -58,7 +58,9 @@ def _check_groups(comm: Communicator) -> None:
         t = torch.ones(1)
         comm.all_reduce(name, t)
         if t.item() != len(comm.workers(name)):
-            raise RuntimeError(f"group {name}: all-reduce gave {t.item()}, expected {len(comm.workers(name))}")
+            raise RuntimeError(
+                f"group {name}: all-reduce gave {t.item()}, expected {len(comm.workers(name))}"
+            )
 
 
 def _edit_worker(worker: int, port: int, stages: list[list[int]], victim: int, results: Any) -> None:
@@ -81,18 +83,33 @@ def _edit_worker(worker: int, port: int, stages: list[list[int]], victim: int, r
     full = comm.apply_edit(new)
     full_s = time.perf_counter() - t0
     _check_groups(comm)
-    results.put((worker, partial_s, full_s, len(report.rebuilt), len(report.rebuilt) + len(report.reused),
-                 len(full.rebuilt)))
+    results.put(
+        (
+            worker,
+            partial_s,
+            full_s,
+            len(report.rebuilt),
+            len(report.rebuilt) + len(report.reused),
+            len(full.rebuilt),
+        )
+    )
     results.close()
     results.join_thread()
     os._exit(0)  # skip interpreter teardown of the groups
 
 
-def _restart_worker(rank: int, worker: int, world: int, port: int, stages: list[list[int]], results: Any) -> None:
+def _restart_worker(
+    rank: int, worker: int, world: int, port: int, stages: list[list[int]], results: Any
+) -> None:
     torch.set_num_threads(1)
     store = connect_store("127.0.0.1", port, TIMEOUT_S)
-    torch.distributed.init_process_group("gloo", store=torch.distributed.PrefixStore("restart/world", store),
-                                         rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
+    torch.distributed.init_process_group(
+        "gloo",
+        store=torch.distributed.PrefixStore("restart/world", store),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=TIMEOUT_S),
+    )
     comm = Communicator(store, worker, groups_for_stages(stages), timeout_s=TIMEOUT_S, namespace="restart")
     _check_groups(comm)
     results.put((worker, time.time()))
@@ -118,8 +135,9 @@ def measure(n: int) -> dict[str, float]:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "executor.comm"])
         results = ctx.Queue()
-        procs = [ctx.Process(target=_edit_worker, args=(w, server.port, stages, victim, results))
-                 for w in range(n)]
+        procs = [
+            ctx.Process(target=_edit_worker, args=(w, server.port, stages, victim, results)) for w in range(n)
+        ]
         for p in procs:
             p.start()
         rows = _gather(results, n - 1)
@@ -130,8 +148,12 @@ def measure(n: int) -> dict[str, float]:
         sctx = mp.get_context("spawn")
         restart_results = sctx.Queue()
         t0 = time.time()
-        rprocs = [sctx.Process(target=_restart_worker, args=(r, w, len(flat), server.port, survivors, restart_results))
-                  for r, w in enumerate(flat)]
+        rprocs = [
+            sctx.Process(
+                target=_restart_worker, args=(r, w, len(flat), server.port, survivors, restart_results)
+            )
+            for r, w in enumerate(flat)
+        ]
         for p in rprocs:
             p.start()
         ready = _gather(restart_results, len(flat))
@@ -157,17 +179,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for n in args.ranks:
         layout_for(n)
-    print(f"# communicator recovery after losing 1 rank; PP={PP}, gloo on {os.cpu_count()} CPU cores, "
-          "all ranks are local processes sharing them")
-    print("| ranks | gloo groups in job | rebuilt per worker, partial / full | partial s | full rebuild s "
-          "| restart s | full / partial | restart / partial |")
+    print(
+        f"# communicator recovery after losing 1 rank; PP={PP}, gloo on {os.cpu_count()} CPU cores, "
+        "all ranks are local processes sharing them"
+    )
+    print(
+        "| ranks | gloo groups in job | rebuilt per worker, partial / full | partial s | full rebuild s "
+        "| restart s | full / partial | restart / partial |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for n in args.ranks:
         m = measure(n)
-        print(f"| {n} | {m['groups_total']} | {m['groups_rebuilt_partial']} / {m['groups_rebuilt_full']} "
-              f"| {m['partial_s']:.3f} "
-              f"| {m['full_s']:.3f} | {m['restart_s']:.2f} | {m['full_s'] / m['partial_s']:.1f}x "
-              f"| {m['restart_s'] / m['partial_s']:.0f}x |", flush=True)
+        print(
+            f"| {n} | {m['groups_total']} | {m['groups_rebuilt_partial']} / {m['groups_rebuilt_full']} "
+            f"| {m['partial_s']:.3f} "
+            f"| {m['full_s']:.3f} | {m['restart_s']:.2f} | {m['full_s'] / m['partial_s']:.1f}x "
+            f"| {m['restart_s'] / m['partial_s']:.0f}x |",
+            flush=True,
+        )
     return 0
 
 

@@ -54,8 +54,12 @@ from planners.zero import layer_move_cost, migration_cost, shard_transfers
 
 BYTES = 4  # float32
 MICRO_BATCHES = 4
-COMBOS = (("interleaved", "blocking"), ("interleaved", "nonblocking"),
-          ("contiguous", "blocking"), ("contiguous", "nonblocking"))
+COMBOS = (
+    ("interleaved", "blocking"),
+    ("interleaved", "nonblocking"),
+    ("contiguous", "blocking"),
+    ("contiguous", "nonblocking"),
+)
 
 
 @dataclass(frozen=True)
@@ -82,8 +86,12 @@ class Setup:
 
     def train_spec(self) -> TrainSpec:
         cfg = self.model_config()
-        spec = TrainSpec(gpt_units(cfg), per_sample_loss, MarkovWindows(cfg.vocab_size, cfg.seq_len, 1 << 14, seed=0),
-                         OptimizerConfig("adamw", lr=3e-3, weight_decay=0.01))
+        spec = TrainSpec(
+            gpt_units(cfg),
+            per_sample_loss,
+            MarkovWindows(cfg.vocab_size, cfg.seq_len, 1 << 14, seed=0),
+            OptimizerConfig("adamw", lr=3e-3, weight_decay=0.01),
+        )
         spec.unit_probes()  # the dry run, once, here (the spec carries it into the rank processes)
         return spec
 
@@ -104,9 +112,15 @@ class Row:
 def layouts(setup: Setup, zero: str) -> tuple[Layout, Layout]:
     """The even split (embed + L blocks | L blocks + head) and the one with `move` blocks shifted
     from stage 0 to stage 1 (§6.2)."""
-    even = make_uniform_layout(setup.num_units, 2, setup.dp, global_batch=setup.dp * MICRO_BATCHES,
-                               num_micro_batches=MICRO_BATCHES, layer_numel=unit_numels(setup),
-                               zero_layout=zero)  # type: ignore[arg-type]
+    even = make_uniform_layout(
+        setup.num_units,
+        2,
+        setup.dp,
+        global_batch=setup.dp * MICRO_BATCHES,
+        num_micro_batches=MICRO_BATCHES,
+        layer_numel=unit_numels(setup),
+        zero_layout=zero,
+    )
     s0, s1 = even.stages
     assert s0.layer_stop == 1 + setup.layers_per_stage, even
     cut = s0.layer_stop - setup.move
@@ -166,8 +180,15 @@ def predicted_nonblocking(old: Layout, new: Layout) -> tuple[int, int]:
 def run(setup: Setup, zero: str, mode: str) -> dict[int, RankResult]:
     pairs = schedule(setup, zero)
     relayouts = tuple((i + 1, new) for i, (_, new) in enumerate(pairs))
-    spec = JobSpec(train_spec(setup), pairs[0][0], setup.migrations + 2, relayouts=relayouts,
-                   migration=mode, shadow_slots=setup.shadow_slots, timeout_s=120.0)
+    spec = JobSpec(
+        train_spec(setup),
+        pairs[0][0],
+        setup.migrations + 2,
+        relayouts=relayouts,
+        migration=mode,
+        shadow_slots=setup.shadow_slots,
+        timeout_s=120.0,
+    )
     return run_job(spec)
 
 
@@ -177,14 +198,20 @@ def summarize(setup: Setup, zero: str, mode: str, results: dict[int, RankResult]
     for i, (old, new) in enumerate(schedule(setup, zero)):
         measured = (sum(r["elements_sent"] for r in reports[i]), busiest(reports[i]))
         if measured != predict(old, new):
-            raise RuntimeError(f"{zero}/{mode} migration {i}: measured {measured} elements "
-                               f"(total, busiest rank), planner predicts {predict(old, new)}")
+            raise RuntimeError(
+                f"{zero}/{mode} migration {i}: measured {measured} elements "
+                f"(total, busiest rank), planner predicts {predict(old, new)}"
+            )
     old, new = schedule(setup, zero)[0]
     total, top = predict(old, new)
-    return Row(BYTES * sum(r["elements_sent"] for r in reports[0]), BYTES * total,
-               BYTES * busiest(reports[0]), BYTES * top,
-               statistics.median(max(r["seconds"] for r in rs) for rs in reports),
-               statistics.median(max(r["wait_seconds"] for r in rs) for rs in reports))
+    return Row(
+        BYTES * sum(r["elements_sent"] for r in reports[0]),
+        BYTES * total,
+        BYTES * busiest(reports[0]),
+        BYTES * top,
+        statistics.median(max(r["seconds"] for r in rs) for rs in reports),
+        statistics.median(max(r["wait_seconds"] for r in rs) for rs in reports),
+    )
 
 
 def busiest(reports: list[dict[str, Any]]) -> int:
@@ -195,9 +222,11 @@ def format_row(zero: str, mode: str, row: Row | str) -> str:
     if isinstance(row, str):
         return f"| {zero} | {mode} | {row} | | | | | | |"
     wait = f"{1e3 * row.wait_s:.2f}" if mode == "nonblocking" else "-"
-    return (f"| {zero} | {mode} | {row.bytes_moved:,} | {row.predicted_bytes:,} | {row.busiest_rank_bytes:,} "
-            f"| {row.predicted_busiest:,} | {1e3 * row.stall_s:.2f} | {wait} "
-            f"| {1e3 * (row.stall_s + row.wait_s):.2f} |")
+    return (
+        f"| {zero} | {mode} | {row.bytes_moved:,} | {row.predicted_bytes:,} | {row.busiest_rank_bytes:,} "
+        f"| {row.predicted_busiest:,} | {1e3 * row.stall_s:.2f} | {wait} "
+        f"| {1e3 * (row.stall_s + row.wait_s):.2f} |"
+    )
 
 
 def measure_all(setup: Setup) -> dict[tuple[str, str], Row | str]:
@@ -214,12 +243,16 @@ def measure_all(setup: Setup) -> dict[tuple[str, str], Row | str]:
 
 def print_header(setup: Setup) -> None:
     numel = setup.block_numel()
-    print(f"# layer migration, PP=2 x DP={setup.dp} on gloo, {os.cpu_count()} shared CPU cores; "
-          f"{setup.num_layers} blocks of {numel:,} params (hidden {setup.hidden}), {setup.move} block(s) "
-          f"moved between stage 0 and 1, {setup.migrations} migrations per job, "
-          f"shadow slots {setup.shadow_slots} of {MICRO_BATCHES}")
-    print("| ZeRO layout | migration | bytes moved | predicted | busiest rank bytes | predicted "
-          "| boundary stall ms | in-step wait ms | stall + wait ms |")
+    print(
+        f"# layer migration, PP=2 x DP={setup.dp} on gloo, {os.cpu_count()} shared CPU cores; "
+        f"{setup.num_layers} blocks of {numel:,} params (hidden {setup.hidden}), {setup.move} block(s) "
+        f"moved between stage 0 and 1, {setup.migrations} migrations per job, "
+        f"shadow slots {setup.shadow_slots} of {MICRO_BATCHES}"
+    )
+    print(
+        "| ZeRO layout | migration | bytes moved | predicted | busiest rank bytes | predicted "
+        "| boundary stall ms | in-step wait ms | stall + wait ms |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
 
 
@@ -228,23 +261,34 @@ def ratio(a: float, b: float) -> str:
 
 
 def print_ratios(setup: Setup, rows: dict[tuple[str, str], Row | str]) -> None:
-    ib, cb, inb = rows[("interleaved", "blocking")], rows[("contiguous", "blocking")], \
-        rows[("interleaved", "nonblocking")]
+    ib, cb, inb = (
+        rows[("interleaved", "blocking")],
+        rows[("contiguous", "blocking")],
+        rows[("interleaved", "nonblocking")],
+    )
     numel = setup.block_numel()
-    formula = [layer_move_cost(z, setup.layers_per_stage, setup.dp, numel) for z in ("interleaved", "contiguous")]
-    print(f"\nplanner, one block moved (layer_move_cost, §6.3 / Fig. 10): |O| elements "
-          f"{formula[0].total_elements:,} interleaved vs {formula[1].total_elements:,} contiguous "
-          f"({formula[1].intra_stage_elements:,} inside stages), busiest stage "
-          f"{ratio(formula[1].critical_stage_elements, formula[0].critical_stage_elements)} "
-          f"(formula (D+1)/2 = {(setup.dp + 1) / 2:.1f}x)")
+    formula = [
+        layer_move_cost(z, setup.layers_per_stage, setup.dp, numel) for z in ("interleaved", "contiguous")
+    ]
+    print(
+        f"\nplanner, one block moved (layer_move_cost, §6.3 / Fig. 10): |O| elements "
+        f"{formula[0].total_elements:,} interleaved vs {formula[1].total_elements:,} contiguous "
+        f"({formula[1].intra_stage_elements:,} inside stages), busiest stage "
+        f"{ratio(formula[1].critical_stage_elements, formula[0].critical_stage_elements)} "
+        f"(formula (D+1)/2 = {(setup.dp + 1) / 2:.1f}x)"
+    )
     if isinstance(ib, Row) and isinstance(cb, Row):
-        print(f"contiguous / interleaved (blocking): bytes moved {ratio(cb.bytes_moved, ib.bytes_moved)}, "
-              f"busiest rank {ratio(cb.busiest_rank_bytes, ib.busiest_rank_bytes)}, "
-              f"stall {ratio(cb.stall_s, ib.stall_s)}")
+        print(
+            f"contiguous / interleaved (blocking): bytes moved {ratio(cb.bytes_moved, ib.bytes_moved)}, "
+            f"busiest rank {ratio(cb.busiest_rank_bytes, ib.busiest_rank_bytes)}, "
+            f"stall {ratio(cb.stall_s, ib.stall_s)}"
+        )
     if isinstance(ib, Row) and isinstance(inb, Row):
-        print(f"blocking / non-blocking (interleaved): boundary stall {ratio(ib.stall_s, inb.stall_s)}, "
-              f"stall vs stall + in-step wait {ratio(ib.stall_s, inb.stall_s + inb.wait_s)}, "
-              f"bytes moved {ratio(ib.bytes_moved, inb.bytes_moved)}")
+        print(
+            f"blocking / non-blocking (interleaved): boundary stall {ratio(ib.stall_s, inb.stall_s)}, "
+            f"stall vs stall + in-step wait {ratio(ib.stall_s, inb.stall_s + inb.wait_s)}, "
+            f"bytes moved {ratio(ib.bytes_moved, inb.bytes_moved)}"
+        )
 
 
 def parse_args(argv: list[str] | None) -> Setup:

@@ -60,8 +60,9 @@ def synthetic_cost_model(num_layers: int, seed: int = 0) -> CostModel:
     fwd = tuple(tuple(b * m for m in sizes) for b in base)
     bwd = tuple(tuple(2 * b * m for m in sizes) for b in base)
     memory = MemoryProfile(act_bytes_per_sample=(64e6,) * num_layers, stage_base_bytes=2 * GIB)
-    link = LinkModel(boundary_bytes_per_sample=16e6, bandwidth_bytes_per_s=25e9, latency_s=2e-5,
-                     sigma_f=0.6, sigma_b=0.6)
+    link = LinkModel(
+        boundary_bytes_per_sample=16e6, bandwidth_bytes_per_s=25e9, latency_s=2e-5, sigma_f=0.6, sigma_b=0.6
+    )
     return CostModel(LayerProfile(sizes, fwd, bwd, ref_mhz=1500), memory, link)
 
 
@@ -83,8 +84,14 @@ def whole_plan(layout: Any, failed: int, cost: CostModel) -> tuple[Plan, dict[st
     _, ms["validate"] = _timed(lambda: ensure_valid(new, cost))
 
     def assemble() -> tuple[Plan, str]:
-        plan = Plan(1, layout, new, (flow.reason, graph.reason, dvfs.reason, moved.reason, rng.reason),
-                    cost.step_time(new), tuple(cost.stage_memory_bytes(new, p) for p in range(new.num_stages)))
+        plan = Plan(
+            1,
+            layout,
+            new,
+            (flow.reason, graph.reason, dvfs.reason, moved.reason, rng.reason),
+            cost.step_time(new),
+            tuple(cost.stage_memory_bytes(new, p) for p in range(new.num_stages)),
+        )
         return plan, plan.to_json()
 
     (plan, _), ms["plan"] = _timed(assemble)
@@ -96,8 +103,14 @@ def measure(num_layers: int, num_stages: int, devices: int, repeats: int) -> dic
     dp = devices // num_stages
     micro_per_rank, num_micro = 4, 2 * num_stages
     cost = synthetic_cost_model(num_layers)
-    layout = make_uniform_layout(num_layers, num_stages, dp, global_batch=dp * num_micro * micro_per_rank,
-                                 num_micro_batches=num_micro, layer_numel=(LAYER_NUMEL,) * num_layers)
+    layout = make_uniform_layout(
+        num_layers,
+        num_stages,
+        dp,
+        global_batch=dp * num_micro * micro_per_rank,
+        num_micro_batches=num_micro,
+        layer_numel=(LAYER_NUMEL,) * num_layers,
+    )
     layout = layout.replace(stage_mem_cap_bytes=(64.0 * GIB,) * num_stages)
     failed = layout.stages[1].ranks[0]
     rows: dict[str, list[float]] = {k: [] for k in (*STAGES, "total", "diff")}
@@ -115,10 +128,22 @@ def policy_state(num_layers: int, num_stages: int, devices: int) -> dict[str, An
     (stage 1 of replica 0) failed."""
     dp = devices // num_stages
     return {
-        "job": {"pp": num_stages, "dp": dp, "micro_batch": 4, "global_batch": dp * 4 * 2 * num_stages, "tp": 1},
-        "profile": {"num_layers": num_layers, "layer_fwd_s": 4e-3, "layer_bwd_s": 8e-3,
-                    "layer_param_bytes": 2.0 * LAYER_NUMEL, "layer_act_bytes": 64e6,
-                    "mem_cap_bytes": 64.0 * GIB, "p2p_s_per_sample": 16e6 / 25e9},
+        "job": {
+            "pp": num_stages,
+            "dp": dp,
+            "micro_batch": 4,
+            "global_batch": dp * 4 * 2 * num_stages,
+            "tp": 1,
+        },
+        "profile": {
+            "num_layers": num_layers,
+            "layer_fwd_s": 4e-3,
+            "layer_bwd_s": 8e-3,
+            "layer_param_bytes": 2.0 * LAYER_NUMEL,
+            "layer_act_bytes": 64e6,
+            "mem_cap_bytes": 64.0 * GIB,
+            "p2p_s_per_sample": 16e6 / 25e9,
+        },
         "failed_ranks": [1],
         "policies": list(POLICY_COLUMNS),
     }
@@ -146,30 +171,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--devices", type=int, nargs="+", default=[1_000, 10_000, 100_000])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--policy-devices", type=int, nargs="*", default=None,
-                        help="device counts for the policy-path table (default: --devices; none to skip)")
+    parser.add_argument(
+        "--policy-devices",
+        type=int,
+        nargs="*",
+        default=None,
+        help="device counts for the policy-path table (default: --devices; none to skip)",
+    )
     args = parser.parse_args(argv)
-    print("| L | P | devices | DP/stage | " + " | ".join(f"{k} ms" for k in STAGES)
-          + " | **total ms** | diff ms |")
+    print(
+        "| L | P | devices | DP/stage | "
+        + " | ".join(f"{k} ms" for k in STAGES)
+        + " | **total ms** | diff ms |"
+    )
     print("|---:|---:|---:|---:|" + "---:|" * (len(STAGES) + 2))
     for num_layers in args.layers:
         for num_stages in args.stages:
             for devices in args.devices:
                 r = measure(num_layers, num_stages, devices, args.repeats)
-                print(f"| {num_layers} | {num_stages} | {devices} | {devices // num_stages} | "
-                      + " | ".join(f"{r[k]:.2f}" for k in STAGES) + f" | **{r['total']:.2f}** | {r['diff']:.1f} |")
+                print(
+                    f"| {num_layers} | {num_stages} | {devices} | {devices // num_stages} | "
+                    + " | ".join(f"{r[k]:.2f}" for k in STAGES)
+                    + f" | **{r['total']:.2f}** | {r['diff']:.1f} |"
+                )
     policy_devices = args.devices if args.policy_devices is None else args.policy_devices
     if policy_devices:
         L, P = max(args.layers), max(args.stages)
         print()
         print(f"`elaswave plan` policy path, L = {L}, P = {P}, rank 1 failed (median of {args.repeats}, ms):")
         print()
-        print("| devices | replicas | " + " | ".join(POLICY_COLUMNS) + " | `plan()` (all four + eq. 8 + JSON) |")
+        print(
+            "| devices | replicas | " + " | ".join(POLICY_COLUMNS) + " | `plan()` (all four + eq. 8 + JSON) |"
+        )
         print("|---:|---:|" + "---:|" * (len(POLICY_COLUMNS) + 1))
         for devices in policy_devices:
             r = measure_policies(L, P, devices, args.repeats)
-            print(f"| {devices} | {devices // P} | " + " | ".join(f"{r[k]:.1f}" for k in POLICY_COLUMNS)
-                  + f" | {r['cli']:.1f} |")
+            print(
+                f"| {devices} | {devices // P} | "
+                + " | ".join(f"{r[k]:.1f}" for k in POLICY_COLUMNS)
+                + f" | {r['cli']:.1f} |"
+            )
     return 0
 
 

@@ -33,16 +33,24 @@ RESULTS = ROOT / "bench" / "results" / "latest.md"
 # name -> (default args, --quick args)
 BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     # The defaults are the commands whose results the README reports.
-    "plan_latency": (["--devices", "1000", "10000", "100000", "--repeats", "5"],
-                     ["--layers", "32", "--stages", "4", "16", "--devices", "1000", "10000", "--repeats", "2"]),
+    "plan_latency": (
+        ["--devices", "1000", "10000", "100000", "--repeats", "5"],
+        ["--layers", "32", "--stages", "4", "16", "--devices", "1000", "10000", "--repeats", "2"],
+    ),
     "comm_recovery": (["--ranks", "8", "16", "32"], ["--ranks", "8"]),
-    "snapshot_overhead": (["--hidden", "64", "256", "--steps", "20", "--repeats", "3"],
-                          ["--hidden", "64", "--steps", "3", "--repeats", "1"]),
+    "snapshot_overhead": (
+        ["--hidden", "64", "256", "--steps", "20", "--repeats", "3"],
+        ["--hidden", "64", "--steps", "3", "--repeats", "1"],
+    ),
     "migration_cost": ([], ["--dp", "2", "--hidden", "64", "--migrations", "2"]),
-    "checkpoint_cost": (["--hidden", "256", "--steps", "12", "--every", "3"],
-                        ["--hidden", "64", "--steps", "6", "--every", "2"]),
-    "agent_fanin": (["--agents", "1000", "3000", "10000", "--window", "20", "--kills", "50"],
-                    ["--agents", "200", "--window", "5", "--warmup", "2", "--kills", "5"]),
+    "checkpoint_cost": (
+        ["--hidden", "256", "--steps", "12", "--every", "3"],
+        ["--hidden", "64", "--steps", "6", "--every", "2"],
+    ),
+    "agent_fanin": (
+        ["--agents", "1000", "3000", "10000", "--window", "20", "--kills", "50"],
+        ["--agents", "200", "--window", "5", "--warmup", "2", "--kills", "5"],
+    ),
     "vs_ddp": ([], ["--configs", "ddp-dp2", "static-dp2", "ft-dp2", "--steps", "2", "--repeats", "1"]),
 }
 
@@ -71,8 +79,14 @@ def cpu_model() -> str:
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=10, check=False)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return out.stdout.strip() or "unknown"
@@ -104,8 +118,15 @@ def run_one(name: str, args: list[str], tee: Tee, timeout_s: float) -> int:
     cmd = [sys.executable, "-m", f"bench.{name}", *args]
     tee.line(f"\n## {name}\n\n`{shlex.join(['python', *cmd[1:]])}`\n")
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        start_new_session=True,
+    )
     timer = threading.Timer(timeout_s, kill_group, args=(proc.pid,))
     timer.start()
     try:
@@ -122,8 +143,13 @@ def run_one(name: str, args: list[str], tee: Tee, timeout_s: float) -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), metavar="NAME",
-                        help=f"run only these benchmarks (of {', '.join(BENCHMARKS)})")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=list(BENCHMARKS),
+        metavar="NAME",
+        help=f"run only these benchmarks (of {', '.join(BENCHMARKS)})",
+    )
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per benchmark")
     return parser.parse_args(argv)

@@ -43,22 +43,31 @@ from planners.layout import make_uniform_layout
 
 def train_spec(hidden: int) -> TrainSpec:
     cfg = ModelConfig(hidden=hidden, num_heads=4, num_layers=4, seq_len=32)
-    return TrainSpec(gpt_units(cfg), per_sample_loss, MarkovWindows(cfg.vocab_size, cfg.seq_len, 1 << 14, seed=0),
-                     OptimizerConfig("adamw", lr=3e-3, weight_decay=0.01))
+    return TrainSpec(
+        gpt_units(cfg),
+        per_sample_loss,
+        MarkovWindows(cfg.vocab_size, cfg.seq_len, 1 << 14, seed=0),
+        OptimizerConfig("adamw", lr=3e-3, weight_decay=0.01),
+    )
 
 
 WARMUP = 2
 TIMEOUT_S = 120.0
 
 
-def _worker(worker: int, port: int, hidden: int, snapshots: bool, steps: int, verify_every: int,
-            results: Any) -> None:
+def _worker(
+    worker: int, port: int, hidden: int, snapshots: bool, steps: int, verify_every: int, results: Any
+) -> None:
     torch.set_num_threads(1)
     spec = train_spec(hidden)
     numel = spec.unit_numels()  # embed, 4 blocks, head: stage 0 = embed + 2 blocks, stage 1 = 2 blocks + head
     layout = make_uniform_layout(len(numel), 2, 3, global_batch=12, num_micro_batches=2, layer_numel=numel)
-    comm = Communicator(connect_store("127.0.0.1", port, TIMEOUT_S), worker,
-                        groups_for_stages([s.ranks for s in layout.stages]), timeout_s=TIMEOUT_S)
+    comm = Communicator(
+        connect_store("127.0.0.1", port, TIMEOUT_S),
+        worker,
+        groups_for_stages([s.ranks for s in layout.stages]),
+        timeout_s=TIMEOUT_S,
+    )
     trainer = Trainer(spec, layout, worker, comm)
     participant = FabricParticipant(trainer, comm, snapshots=snapshots, verify_every=verify_every)
     proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
@@ -79,14 +88,21 @@ def _worker(worker: int, port: int, hidden: int, snapshots: bool, steps: int, ve
     os._exit(0)
 
 
-def run(hidden: int, snapshots: bool, steps: int, verify_every: int) -> tuple[list[float], list[dict[str, float]]]:
+def run(
+    hidden: int, snapshots: bool, steps: int, verify_every: int
+) -> tuple[list[float], list[dict[str, float]]]:
     """Per-step time of the slowest worker (the job's step time), and each worker's snapshot stats."""
     server = StoreServer.start()
     try:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "executor.trainer", "executor.fabric"])
         results = ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(w, server.port, hidden, snapshots, steps, verify_every, results)) for w in range(6)]
+        procs = [
+            ctx.Process(
+                target=_worker, args=(w, server.port, hidden, snapshots, steps, verify_every, results)
+            )
+            for w in range(6)
+        ]
         for p in procs:
             p.start()
         per_worker, stats = [], []
@@ -118,7 +134,9 @@ def breakdown_ms(stats: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def measure(hidden: int, steps: int, repeats: int, verify_every: int) -> tuple[float, float, dict[str, float]]:
+def measure(
+    hidden: int, steps: int, repeats: int, verify_every: int
+) -> tuple[float, float, dict[str, float]]:
     samples: dict[bool, list[float]] = {False: [], True: []}
     stats: list[dict[str, float]] = []
     for _ in range(repeats):
@@ -134,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, nargs="+", default=[64, 256], help="model widths to measure")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--verify-every", type=int, default=None,
-                        help="checksum snapshot vs live every N steps, N <= --steps so checks run "
-                             "(default: min(5, --steps))")
+    parser.add_argument(
+        "--verify-every",
+        type=int,
+        default=None,
+        help="checksum snapshot vs live every N steps, N <= --steps so checks run (default: min(5, --steps))",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.repeats < 1 or min(args.hidden) < 4:
         parser.error("--steps and --repeats must be positive and --hidden at least 4")
@@ -144,19 +165,27 @@ def main(argv: list[str] | None = None) -> int:
         args.verify_every = min(5, args.steps)
     if not 1 <= args.verify_every <= args.steps:
         parser.error(f"--verify-every must be in 1..--steps ({args.steps}), or no checksum would be measured")
-    print(f"# per-step snapshot overhead, PP=2 x DP=3 on gloo, {os.cpu_count()} shared CPU cores, "
-          f"{args.repeats} x {args.steps} steps each, checksum every {args.verify_every} steps")
-    print("| hidden | median step s, off | on | overhead | post ms | wait before vote ms | background update ms "
-          f"| one checksum ms | checksum ms per step, every {ENGINE_VERIFY_EVERY} |")
+    print(
+        f"# per-step snapshot overhead, PP=2 x DP=3 on gloo, {os.cpu_count()} shared CPU cores, "
+        f"{args.repeats} x {args.steps} steps each, checksum every {args.verify_every} steps"
+    )
+    print(
+        "| hidden | median step s, off | on | overhead | post ms | wait before vote ms | background update ms "
+        f"| one checksum ms | checksum ms per step, every {ENGINE_VERIFY_EVERY} |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for hidden in args.hidden:
         off, on, ms = measure(hidden, args.steps, args.repeats, args.verify_every)
         check = ms["verify_per_check"]
-        print(f"| {hidden} | {off:.4f} | {on:.4f} | {100 * (on / off - 1):+.1f}% | {ms['post_s']:.2f} "
-              f"| {ms['finish_wait_s']:.2f} | {ms['update_s']:.2f} | {check:.2f} | {check / ENGINE_VERIFY_EVERY:.3f} |")
-    print("post, wait and the checksum are on the step's critical path (a checksum also waits for the "
-          "queued background updates); the background update is not, but on this machine it shares the "
-          "cores the training processes use. The median step times mostly miss the checksum steps.")
+        print(
+            f"| {hidden} | {off:.4f} | {on:.4f} | {100 * (on / off - 1):+.1f}% | {ms['post_s']:.2f} "
+            f"| {ms['finish_wait_s']:.2f} | {ms['update_s']:.2f} | {check:.2f} | {check / ENGINE_VERIFY_EVERY:.3f} |"
+        )
+    print(
+        "post, wait and the checksum are on the step's critical path (a checksum also waits for the "
+        "queued background updates); the background update is not, but on this machine it shares the "
+        "cores the training processes use. The median step times mostly miss the checksum steps."
+    )
     return 0
 
 

@@ -92,25 +92,42 @@ class Config:
         return self.pp * self.dp
 
 
-CONFIGS = {c.name: c for c in (
-    Config("ddp-dp2", "ddp", 1, 2), Config("static-dp2", "static", 1, 2), Config("ft-dp2", "ft", 1, 2),
-    Config("ddp-dp4", "ddp", 1, 4), Config("static-dp4", "static", 1, 4), Config("ft-dp4", "ft", 1, 4),
-    Config("pipe-pp2dp2", "pipe", 2, 2), Config("static-pp2dp2", "static", 2, 2), Config("ft-pp2dp2", "ft", 2, 2),
-)}
+CONFIGS = {
+    c.name: c
+    for c in (
+        Config("ddp-dp2", "ddp", 1, 2),
+        Config("static-dp2", "static", 1, 2),
+        Config("ft-dp2", "ft", 1, 2),
+        Config("ddp-dp4", "ddp", 1, 4),
+        Config("static-dp4", "static", 1, 4),
+        Config("ft-dp4", "ft", 1, 4),
+        Config("pipe-pp2dp2", "pipe", 2, 2),
+        Config("static-pp2dp2", "static", 2, 2),
+        Config("ft-pp2dp2", "ft", 2, 2),
+    )
+}
 BASELINE_KINDS = ("ddp", "pipe")
-LABELS = {"ddp": "torch DDP", "static": "ElasWave engine, static path (StaticComm)",
-          "ft": "ElasWave engine, fault-tolerant path (Communicator + snapshots + commit vote)"}
+LABELS = {
+    "ddp": "torch DDP",
+    "static": "ElasWave engine, static path (StaticComm)",
+    "ft": "ElasWave engine, fault-tolerant path (Communicator + snapshots + commit vote)",
+}
 
 
 def train_spec() -> TrainSpec:
-    return TrainSpec(gpt_units(CFG), per_sample_loss, MarkovWindows(CFG.vocab_size, CFG.seq_len, 1 << 14, seed=0),
-                     OptimizerConfig("adamw", lr=LR, weight_decay=WEIGHT_DECAY))
+    return TrainSpec(
+        gpt_units(CFG),
+        per_sample_loss,
+        MarkovWindows(CFG.vocab_size, CFG.seq_len, 1 << 14, seed=0),
+        OptimizerConfig("adamw", lr=LR, weight_decay=WEIGHT_DECAY),
+    )
 
 
 def job_layout(spec: TrainSpec, pp: int, dp: int) -> Layout:
     numel = spec.unit_numels()
-    return make_uniform_layout(len(numel), pp, dp, global_batch=GLOBAL_BATCH, num_micro_batches=MICRO_BATCHES,
-                               layer_numel=numel)
+    return make_uniform_layout(
+        len(numel), pp, dp, global_batch=GLOBAL_BATCH, num_micro_batches=MICRO_BATCHES, layer_numel=numel
+    )
 
 
 def sum_loss(logits: torch.Tensor, targets: torch.Tensor, dp: int = 1) -> torch.Tensor:
@@ -247,7 +264,9 @@ def _ddp_worker(cfg: Config, rank: int, store: Any, steps: int, prof: Prof) -> t
     from torch import nn  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.world, timeout=timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=cfg.world, timeout=timedelta(seconds=TIMEOUT_S)
+    )
     spec = train_spec()
     layout = job_layout(spec, 1, cfg.dp)
     units = spec.model
@@ -266,11 +285,14 @@ def _ddp_worker(cfg: Config, rank: int, store: Any, steps: int, prof: Prof) -> t
             with prof.span("data: load"):
                 batch = sampler.rows(step, lo, hi)
             last = m == len(rows) - 1
-            with (model.no_sync() if not last else contextlib.nullcontext()):
+            with model.no_sync() if not last else contextlib.nullcontext():
                 with prof.span("forward (incl. loss)"):
                     loss = sum_loss(model(batch.inputs), batch.targets, cfg.dp)
-                with prof.span("backward, last micro-batch (incl. DDP bucket all-reduce)" if last
-                               else "backward, first micro-batch (no_sync: compute only)"):
+                with prof.span(
+                    "backward, last micro-batch (incl. DDP bucket all-reduce)"
+                    if last
+                    else "backward, first micro-batch (no_sync: compute only)"
+                ):
                     loss.backward()
             local += loss.detach() / cfg.dp
         with prof.span("optimizer: torch AdamW step"):
@@ -284,14 +306,17 @@ def _ddp_worker(cfg: Config, rank: int, store: Any, steps: int, prof: Prof) -> t
     return times, checked
 
 
-def _pipe_worker(cfg: Config, rank: int, store: Any, steps: int, prof: Prof,
-                 schedule: str) -> tuple[Clock, dict[int, float]]:
+def _pipe_worker(
+    cfg: Config, rank: int, store: Any, steps: int, prof: Prof, schedule: str
+) -> tuple[Clock, dict[int, float]]:
     import torch.distributed as dist  # noqa: PLC0415
     from torch import nn  # noqa: PLC0415
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.world, timeout=timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=cfg.world, timeout=timedelta(seconds=TIMEOUT_S)
+    )
     spec = train_spec()
     layout = job_layout(spec, cfg.pp, cfg.dp)
     stage_of = layout.stage_layout_of_rank(rank)
@@ -307,13 +332,21 @@ def _pipe_worker(cfg: Config, rank: int, store: Any, steps: int, prof: Prof,
     mb = GLOBAL_BATCH // MICRO_BATCHES // cfg.dp
     act = torch.empty(mb, CFG.seq_len, CFG.hidden, requires_grad=True)
     grad = torch.empty(mb, CFG.seq_len, CFG.hidden)
-    tokens, logits = torch.zeros(mb, CFG.seq_len, dtype=torch.int64), torch.empty(mb, CFG.seq_len, CFG.vocab_size,
-                                                                                 requires_grad=True)
-    pstage = PipelineStage(submod, stage, cfg.pp, torch.device("cpu"), group=pp_groups[j],
-                           input_args=tokens if stage == 0 else act,
-                           output_args=logits if stage == cfg.pp - 1 else act,
-                           output_grads=None if stage == cfg.pp - 1 else grad,
-                           input_grads=None if stage == 0 else grad)
+    tokens, logits = (
+        torch.zeros(mb, CFG.seq_len, dtype=torch.int64),
+        torch.empty(mb, CFG.seq_len, CFG.vocab_size, requires_grad=True),
+    )
+    pstage = PipelineStage(
+        submod,
+        stage,
+        cfg.pp,
+        torch.device("cpu"),
+        group=pp_groups[j],
+        input_args=tokens if stage == 0 else act,
+        output_args=logits if stage == cfg.pp - 1 else act,
+        output_grads=None if stage == cfg.pp - 1 else grad,
+        input_grads=None if stage == 0 else grad,
+    )
     last = stage == cfg.pp - 1
     cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
     # every stage gets loss_fn: without it a schedule has no backward (`_has_backward = loss_fn is not None`)
@@ -345,14 +378,19 @@ def _pipe_worker(cfg: Config, rank: int, store: Any, steps: int, prof: Prof,
             opt.zero_grad(set_to_none=True)
         times.stop()
         if step in (0, steps - 1):  # outside the timed step, as for DDP
-            local = torch.stack([x.detach() for x in losses]).sum().reshape(1) / cfg.dp if last else torch.zeros(1)
+            local = (
+                torch.stack([x.detach() for x in losses]).sum().reshape(1) / cfg.dp
+                if last
+                else torch.zeros(1)
+            )
             dist.all_reduce(local)  # stage 0 adds zeros, the last stage's replicas their halves
             checked[step] = float(local)
     return times, checked
 
 
-def _engine_worker(cfg: Config, rank: int, port: int, run_id: str, steps: int,
-                   prof: Prof) -> tuple[Clock, dict[int, float]]:
+def _engine_worker(
+    cfg: Config, rank: int, port: int, run_id: str, steps: int, prof: Prof
+) -> tuple[Clock, dict[int, float]]:
     from executor.comm import Communicator, groups_for_stages  # noqa: PLC0415
     from executor.engine_comm import StaticComm, groups_for_stage_ranks  # noqa: PLC0415
     from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
@@ -366,9 +404,13 @@ def _engine_worker(cfg: Config, rank: int, port: int, run_id: str, steps: int,
     stage_ranks = [s.ranks for s in layout.stages]
     store = connect_store("127.0.0.1", port, TIMEOUT_S)
     if cfg.kind == "ft":
-        comm: Any = Communicator(store, rank, groups_for_stages(stage_ranks), timeout_s=TIMEOUT_S, namespace=run_id)
+        comm: Any = Communicator(
+            store, rank, groups_for_stages(stage_ranks), timeout_s=TIMEOUT_S, namespace=run_id
+        )
     else:
-        comm = StaticComm(store, rank, groups_for_stage_ranks(stage_ranks), timeout_s=TIMEOUT_S, namespace=run_id)
+        comm = StaticComm(
+            store, rank, groups_for_stage_ranks(stage_ranks), timeout_s=TIMEOUT_S, namespace=run_id
+        )
     trainer = Trainer(spec, layout, rank, comm)
     proto = None
     if cfg.kind == "ft":
@@ -412,8 +454,16 @@ def _worker(cfg: Config, rank: int, port: int, run_id: str, steps: int, schedule
                 times, checked = _pipe_worker(cfg, rank, store, steps, prof, schedule)
         else:
             times, checked = _engine_worker(cfg, rank, port, run_id, steps, prof)
-        results.put((rank, None, times.wall[WARMUP:], times.cpu[WARMUP:], checked,
-                     {k: tuple(v) for k, v in prof.totals.items()}))
+        results.put(
+            (
+                rank,
+                None,
+                times.wall[WARMUP:],
+                times.cpu[WARMUP:],
+                checked,
+                {k: tuple(v) for k, v in prof.totals.items()},
+            )
+        )
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         results.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", [], [], {}, {}))
     results.close()
@@ -440,8 +490,10 @@ def run(cfg: Config, steps: int, schedule: str, port: int) -> RunResult:
     run_id = f"vs_ddp/{os.getpid()}/{_RUNS}"
     ctx = mp.get_context("forkserver")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(cfg, r, port, run_id, WARMUP + steps, schedule, results))
-             for r in range(cfg.world)]
+    procs = [
+        ctx.Process(target=_worker, args=(cfg, r, port, run_id, WARMUP + steps, schedule, results))
+        for r in range(cfg.world)
+    ]
     for p in procs:
         p.start()
     walls, cpus, reported, profiles, errors = [], [], [], [], []
@@ -453,13 +505,17 @@ def run(cfg: Config, steps: int, schedule: str, port: int) -> RunResult:
                 break
             walls.append(wall)
             cpus.append(cpu)
-            prof[REST] = [max(0.0, sum(wall) - sum(v[0] for v in prof.values())),
-                          max(0.0, sum(cpu) - sum(v[1] for v in prof.values()))]
+            prof[REST] = [
+                max(0.0, sum(wall) - sum(v[0] for v in prof.values())),
+                max(0.0, sum(cpu) - sum(v[1] for v in prof.values())),
+            ]
             profiles.append(prof)
             if checked:
                 reported.append(checked)
     except queue.Empty:
-        errors.append(f"a worker did not report within {TIMEOUT_S:.0f}s (hang? set VS_DDP_DUMP_AFTER_S to dump stacks)")
+        errors.append(
+            f"a worker did not report within {TIMEOUT_S:.0f}s (hang? set VS_DDP_DUMP_AFTER_S to dump stacks)"
+        )
     finally:
         for p in procs:
             p.join(timeout=5 if errors else TIMEOUT_S)
@@ -472,13 +528,21 @@ def run(cfg: Config, steps: int, schedule: str, port: int) -> RunResult:
         raise RuntimeError(f"{cfg.name}: no worker reported the loss")
     losses = reported[0]
     for other in reported[1:]:
-        if other.keys() != losses.keys() or any(abs(other[k] - losses[k]) > 1e-6 * abs(losses[k]) for k in losses):
+        if other.keys() != losses.keys() or any(
+            abs(other[k] - losses[k]) > 1e-6 * abs(losses[k]) for k in losses
+        ):
             raise RuntimeError(f"{cfg.name}: ranks disagree on the loss: {reported}")
     labels = {k for p in profiles for k in p}
-    prof_ms = {k: tuple(1e3 * sum(p[k][i] for p in profiles if k in p) / len(profiles) / steps for i in (0, 1))
-               for k in labels}
-    return RunResult([max(ts) for ts in zip(*walls, strict=True)], [sum(cs) for cs in zip(*cpus, strict=True)],
-                     losses, prof_ms)
+    prof_ms = {
+        k: tuple(1e3 * sum(p[k][i] for p in profiles if k in p) / len(profiles) / steps for i in (0, 1))
+        for k in labels
+    }
+    return RunResult(
+        [max(ts) for ts in zip(*walls, strict=True)],
+        [sum(cs) for cs in zip(*cpus, strict=True)],
+        losses,
+        prof_ms,
+    )
 
 
 # -------------------------------------------------------------------------------------- main
@@ -497,9 +561,11 @@ def machine() -> str:
         load = "load average " + " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:
         load = "load average ?"
-    return (f"nproc {os.cpu_count()} (affinity {len(os.sched_getaffinity(0))}), CPU {cpu}, {load} at start, "
-            f"{platform.system()} {platform.release()}, Python {platform.python_version()}, "
-            f"torch {importlib.metadata.version('torch')}")
+    return (
+        f"nproc {os.cpu_count()} (affinity {len(os.sched_getaffinity(0))}), CPU {cpu}, {load} at start, "
+        f"{platform.system()} {platform.release()}, Python {platform.python_version()}, "
+        f"torch {importlib.metadata.version('torch')}"
+    )
 
 
 def label(cfg: Config, schedule: str) -> str:
@@ -518,13 +584,22 @@ def baseline_of(cfg: Config, chosen: list[Config]) -> Config | None:
 
 def _mean_profile(ps: list[dict[str, tuple[float, float]]]) -> dict[str, tuple[float, float]]:
     keys = {k for p in ps for k in p}
-    return {k: (sum(p.get(k, (0.0, 0.0))[0] for p in ps) / len(ps), sum(p.get(k, (0.0, 0.0))[1] for p in ps) / len(ps))
-            for k in keys}
+    return {
+        k: (
+            sum(p.get(k, (0.0, 0.0))[0] for p in ps) / len(ps),
+            sum(p.get(k, (0.0, 0.0))[1] for p in ps) / len(ps),
+        )
+        for k in keys
+    }
 
 
-def print_profile(cfgs: list[Config], profiles: dict[str, list[dict[str, tuple[float, float]]]], top: int) -> None:
-    print(f"\n### Profile, {cfgs[0].shape}: exclusive ms per timed step, mean over workers and repeats; wall "
-          f"and CPU (main thread; top {top} by CPU)\n")
+def print_profile(
+    cfgs: list[Config], profiles: dict[str, list[dict[str, tuple[float, float]]]], top: int
+) -> None:
+    print(
+        f"\n### Profile, {cfgs[0].shape}: exclusive ms per timed step, mean over workers and repeats; wall "
+        f"and CPU (main thread; top {top} by CPU)\n"
+    )
     for cfg in cfgs:
         avg = _mean_profile(profiles[cfg.name])
         items = sorted(avg.items(), key=lambda kv: (kv[0] == REST, -kv[1][1]))
@@ -545,24 +620,46 @@ def print_profile(cfgs: list[Config], profiles: dict[str, list[dict[str, tuple[f
         if cfg.kind == "ddp":
             a = avg.get("backward, last micro-batch (incl. DDP bucket all-reduce)", (math.nan, math.nan))
             b = avg.get("backward, first micro-batch (no_sync: compute only)", (math.nan, math.nan))
-            print("DDP's exposed all-reduce, estimated as backward(last micro-batch) - backward(first): "
-                  f"{a[0] - b[0]:.2f} ms wall, {a[1] - b[1]:.2f} ms CPU per step\n")
+            print(
+                "DDP's exposed all-reduce, estimated as backward(last micro-batch) - backward(first): "
+                f"{a[0] - b[0]:.2f} ms wall, {a[1] - b[1]:.2f} ms CPU per step\n"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="NAME",
-                        help=f"configurations to run (default all: {' '.join(CONFIGS)})")
-    parser.add_argument("--steps", type=int, default=6, help=f"timed steps per run (after {WARMUP} warm-up steps)")
-    parser.add_argument("--repeats", type=int, default=4,
-                        help="runs of each configuration, alternated (order reversed on odd repeats)")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=list(CONFIGS),
+        default=list(CONFIGS),
+        metavar="NAME",
+        help=f"configurations to run (default all: {' '.join(CONFIGS)})",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=6, help=f"timed steps per run (after {WARMUP} warm-up steps)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=4,
+        help="runs of each configuration, alternated (order reversed on odd repeats)",
+    )
     parser.add_argument("--pipe-schedule", choices=("1f1b", "gpipe"), default="1f1b")
     parser.add_argument("--loss-rtol", type=float, default=1e-5, help="first-step loss agreement required")
-    parser.add_argument("--last-loss-rtol", type=float, default=1e-4,
-                        help="last-step loss agreement required (round-off of reduction orders grows with steps)")
+    parser.add_argument(
+        "--last-loss-rtol",
+        type=float,
+        default=1e-4,
+        help="last-step loss agreement required (round-off of reduction orders grows with steps)",
+    )
     parser.add_argument("--top", type=int, default=10, help="profile rows per configuration")
-    parser.add_argument("--profile", choices=("dp2", "all", "none"), default="dp2",
-                        help="print the profile of the PP=1 x DP=2 configurations, of every shape, or none")
+    parser.add_argument(
+        "--profile",
+        choices=("dp2", "all", "none"),
+        default="dp2",
+        help="print the profile of the PP=1 x DP=2 configurations, of every shape, or none",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.repeats < 1:
         parser.error("--steps and --repeats must be positive")
@@ -570,14 +667,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from executor.store_server import StoreServer  # noqa: PLC0415
 
-    mp.get_context("forkserver").set_forkserver_preload(["torch", "executor.trainer", "executor.fabric",
-                                                         "torch.distributed.pipelining"])
+    mp.get_context("forkserver").set_forkserver_preload(
+        ["torch", "executor.trainer", "executor.fabric", "torch.distributed.pipelining"]
+    )
     print(f"# ElasWave vs DDP / torch pipelining, fault-free, gloo on CPU\n\n- machine: {machine()}")
-    print(f"- model: GPT example, hidden {CFG.hidden}, {CFG.num_heads} heads, {CFG.num_layers} blocks, "
-          f"seq {CFG.seq_len}, vocab {CFG.vocab_size}; global batch {GLOBAL_BATCH} in {MICRO_BATCHES} "
-          f"micro-batches; AdamW lr {LR} wd {WEIGHT_DECAY}")
-    print(f"- {args.repeats} repeats x ({WARMUP} warm-up + {args.steps} timed steps) per configuration, "
-          "alternated; one torch thread per worker process\n")
+    print(
+        f"- model: GPT example, hidden {CFG.hidden}, {CFG.num_heads} heads, {CFG.num_layers} blocks, "
+        f"seq {CFG.seq_len}, vocab {CFG.vocab_size}; global batch {GLOBAL_BATCH} in {MICRO_BATCHES} "
+        f"micro-batches; AdamW lr {LR} wd {WEIGHT_DECAY}"
+    )
+    print(
+        f"- {args.repeats} repeats x ({WARMUP} warm-up + {args.steps} timed steps) per configuration, "
+        "alternated; one torch thread per worker process\n"
+    )
     runs: dict[str, list[RunResult | None]] = {c.name: [] for c in chosen}  # None: not run in that repeat
     failed: dict[str, str] = {}
     server = StoreServer.start()
@@ -590,9 +692,12 @@ def main(argv: list[str] | None = None) -> int:
                     t0 = time.monotonic()
                     try:
                         res = run(cfg, args.steps, args.pipe_schedule, server.port)
-                        print(f"[repeat {rep}] {cfg.name}: median step {statistics.median(res.step_times):.4f} s, "
-                              f"{statistics.median(res.cpu_times):.3f} CPU s (job {time.monotonic() - t0:.1f} s "
-                              "incl. start-up)", flush=True)
+                        print(
+                            f"[repeat {rep}] {cfg.name}: median step {statistics.median(res.step_times):.4f} s, "
+                            f"{statistics.median(res.cpu_times):.3f} CPU s (job {time.monotonic() - t0:.1f} s "
+                            "incl. start-up)",
+                            flush=True,
+                        )
                     except RuntimeError as exc:
                         failed[cfg.name] = str(exc)
                         print(f"[repeat {rep}] {cfg.name}: FAILED: {str(exc).splitlines()[0]}", flush=True)
@@ -603,8 +708,12 @@ def main(argv: list[str] | None = None) -> int:
     return report(args, chosen, runs, failed)
 
 
-def report(args: argparse.Namespace, chosen: list[Config], runs: dict[str, list[RunResult | None]],
-           failed: dict[str, str]) -> int:
+def report(
+    args: argparse.Namespace,
+    chosen: list[Config],
+    runs: dict[str, list[RunResult | None]],
+    failed: dict[str, str],
+) -> int:
     done = {n: [r for r in rs if r is not None] for n, rs in runs.items()}
     done = {n: rs for n, rs in done.items() if rs}
     medians = {n: statistics.median(t for r in rs for t in r.step_times) for n, rs in done.items()}
@@ -612,14 +721,19 @@ def report(args: argparse.Namespace, chosen: list[Config], runs: dict[str, list[
 
     def paired(name: str, base: str) -> float:
         """Median over repeats of (this repeat's median / the baseline's median in the same repeat)."""
-        ratios = [statistics.median(a.step_times) / statistics.median(b.step_times)
-                  for a, b in zip(runs[name], runs[base], strict=True) if a is not None and b is not None]
+        ratios = [
+            statistics.median(a.step_times) / statistics.median(b.step_times)
+            for a, b in zip(runs[name], runs[base], strict=True)
+            if a is not None and b is not None
+        ]
         return statistics.median(ratios) if ratios else math.nan
 
     first, last = 0, WARMUP + args.steps - 1
-    print("| configuration | shape | median step s | samples/s | step time / baseline (ratio of medians; "
-          "median of per-repeat ratios) | CPU s / step, all workers | CPU / baseline | "
-          f"loss, step {first} | loss, step {last} |")
+    print(
+        "| configuration | shape | median step s | samples/s | step time / baseline (ratio of medians; "
+        "median of per-repeat ratios) | CPU s / step, all workers | CPU / baseline | "
+        f"loss, step {first} | loss, step {last} |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for cfg in chosen:
         name = f"{cfg.name}: {label(cfg, args.pipe_schedule)}"
@@ -632,8 +746,10 @@ def report(args: argparse.Namespace, chosen: list[Config], runs: dict[str, list[
             ratio = f"{medians[cfg.name] / medians[base.name]:.2f}; {paired(cfg.name, base.name):.2f}"
             cpu_ratio = f"{cpu[cfg.name] / cpu[base.name]:.2f}"
         ls = done[cfg.name][0].losses
-        print(f"| {name} | {cfg.shape} | {medians[cfg.name]:.4f} | {GLOBAL_BATCH / medians[cfg.name]:.1f} "
-              f"| {ratio} | {cpu[cfg.name]:.3f} | {cpu_ratio} | {ls[first]:.8f} | {ls[last]:.8f} |")
+        print(
+            f"| {name} | {cfg.shape} | {medians[cfg.name]:.4f} | {GLOBAL_BATCH / medians[cfg.name]:.1f} "
+            f"| {ratio} | {cpu[cfg.name]:.3f} | {cpu_ratio} | {ls[first]:.8f} | {ls[last]:.8f} |"
+        )
 
     ok = not failed
     losses = {n: rs[0].losses for n, rs in done.items()}
@@ -646,10 +762,12 @@ def report(args: argparse.Namespace, chosen: list[Config], runs: dict[str, list[
         worst0 = max(abs(v[first] - ref[first]) / abs(ref[first]) for v in losses.values())
         worst_last = max(abs(v[last] - ref[last]) / abs(ref[last]) for v in losses.values())
         ok = ok and worst0 <= args.loss_rtol and worst_last <= args.last_loss_rtol
-        print(f"\nstep {first} loss: max relative difference to {ref_name} {worst0:.2e} "
-              f"({'OK' if worst0 <= args.loss_rtol else 'MISMATCH'}, tolerance {args.loss_rtol:g}); "
-              f"step {last} loss (after {last} updates): {worst_last:.2e} "
-              f"({'OK' if worst_last <= args.last_loss_rtol else 'MISMATCH'}, tolerance {args.last_loss_rtol:g})")
+        print(
+            f"\nstep {first} loss: max relative difference to {ref_name} {worst0:.2e} "
+            f"({'OK' if worst0 <= args.loss_rtol else 'MISMATCH'}, tolerance {args.loss_rtol:g}); "
+            f"step {last} loss (after {last} updates): {worst_last:.2e} "
+            f"({'OK' if worst_last <= args.last_loss_rtol else 'MISMATCH'}, tolerance {args.last_loss_rtol:g})"
+        )
     for name, err in failed.items():
         print(f"\n{name} failed:\n```\n{err.strip()[-3000:]}\n```")
 

@@ -45,27 +45,42 @@ DEFAULT_DRAIN_S = 60.0
 
 def _registration(msg: agent_pb2.Register, heartbeat_timeout_s: float) -> Registration:
     require(bool(msg.job), "register.job is empty")
-    require(bool(WORKER_ID_PATTERN.match(msg.worker_id)),
-            f"register.worker_id {msg.worker_id!r} must be 1-128 characters of letters, digits, '._:@-'")
+    require(
+        bool(WORKER_ID_PATTERN.match(msg.worker_id)),
+        f"register.worker_id {msg.worker_id!r} must be 1-128 characters of letters, digits, '._:@-'",
+    )
     require(bool(msg.host) and len(msg.host) <= 255, "register.host must be 1-255 characters")
     require(msg.pid >= 0, f"register.pid must be >= 0, got {msg.pid}")
-    require(msg.stage >= -1 and msg.dp_rank >= -1 and msg.rank >= -1,
-            "register.stage, dp_rank and rank must be >= -1")
+    require(
+        msg.stage >= -1 and msg.dp_rank >= -1 and msg.rank >= -1,
+        "register.stage, dp_rank and rank must be >= -1",
+    )
     require(msg.heartbeat_interval_ms <= 60_000, "register.heartbeat_interval_ms must be <= 60000")
     timeout_ms = heartbeat_timeout_s * 1000
     # 0 means the agent did not say; any declared interval must fit inside the timeout, or the
     # worker is declared lost between two heartbeats and flaps.
-    require(msg.heartbeat_interval_ms < timeout_ms,
-            f"register.heartbeat_interval_ms is {msg.heartbeat_interval_ms} ms, not below the Core's heartbeat "
-            f"timeout of {timeout_ms:.0f} ms: the worker would be declared lost between heartbeats; send "
-            "heartbeats more often (or raise the Core's heartbeat_timeout_s)")
+    require(
+        msg.heartbeat_interval_ms < timeout_ms,
+        f"register.heartbeat_interval_ms is {msg.heartbeat_interval_ms} ms, not below the Core's heartbeat "
+        f"timeout of {timeout_ms:.0f} ms: the worker would be declared lost between heartbeats; send "
+        "heartbeats more often (or raise the Core's heartbeat_timeout_s)",
+    )
     devices = []
     for d in msg.devices:
         require(d.kind in ("cuda", "npu", "cpu"), f"device kind {d.kind!r} is not cuda, npu or cpu")
         require(d.index >= 0, f"device index must be >= 0, got {d.index}")
         devices.append(DeviceInfo(d.kind, d.index, d.name, d.memory_bytes))
-    return Registration(msg.job, msg.worker_id, msg.host, msg.pid, devices, msg.stage, msg.dp_rank,
-                        msg.rank, msg.holds_own_lease)
+    return Registration(
+        msg.job,
+        msg.worker_id,
+        msg.host,
+        msg.pid,
+        devices,
+        msg.stage,
+        msg.dp_rank,
+        msg.rank,
+        msg.holds_own_lease,
+    )
 
 
 def _step_report(msg: agent_pb2.StepMetrics, now: float) -> StepReport:
@@ -76,8 +91,9 @@ def _step_report(msg: agent_pb2.StepMetrics, now: float) -> StepReport:
     loss = None if math.isnan(msg.loss) else msg.loss
     if loss is not None:
         finite(loss, "step.loss", minimum=float("-inf"))
-    return StepReport(msg.step, msg.step_time_s, msg.compute_time_s, loss, msg.samples, msg.stage,
-                      msg.dp_rank, now)
+    return StepReport(
+        msg.step, msg.step_time_s, msg.compute_time_s, loss, msg.samples, msg.stage, msg.dp_rank, now
+    )
 
 
 class AgentServicer:
@@ -152,7 +168,9 @@ class AgentServicer:
         kind = msg.WhichOneof("body")
         self.core.metrics.agent_reports.labels(kind=kind or "empty").inc()
         if kind == "leave":
-            await self.core.membership.leave(session, msg.leave.reason, time.time(), finished=msg.leave.finished)
+            await self.core.membership.leave(
+                session, msg.leave.reason, time.time(), finished=msg.leave.finished
+            )
             # The agent takes the stream's clean close as "Leave delivered" and never sends it
             # again: close it only once the departure is stored (else UNAVAILABLE, and it retries).
             await self.core.wait_durable()
@@ -173,8 +191,14 @@ class AgentServicer:
         self.core.metrics.rejected_requests.labels(api="agent", reason=f"invalid_report_{report}").inc()
         # Log the 1st, 2nd, 4th, 8th... refusal of a stream: visible, but a flood cannot flood the log.
         if session.rejected_reports & (session.rejected_reports - 1) == 0:
-            log.warning("job %s worker %s: refused %s report (%d so far on this stream): %s", session.job,
-                        session.worker_id, report, session.rejected_reports, reason)
+            log.warning(
+                "job %s worker %s: refused %s report (%d so far on this stream): %s",
+                session.job,
+                session.worker_id,
+                report,
+                session.rejected_reports,
+                reason,
+            )
         if session.outbox.qsize() < MAX_QUEUED_NOTICES:
             notice = agent_pb2.ReportRejected(report=report, reason=reason)
             session.outbox.put_nowait(agent_pb2.ConnectResponse(rejected=notice))
@@ -194,16 +218,21 @@ class AgentServicer:
             m = msg.memory
             require(0.0 <= m.cpu_percent <= 100.0 * 1024, f"memory.cpu_percent out of range: {m.cpu_percent}")
             member.memory = {
-                "host_used_bytes": m.host_used_bytes, "host_total_bytes": m.host_total_bytes,
-                "worker_rss_bytes": m.worker_rss_bytes, "device_used_bytes": list(m.device_used_bytes),
-                "device_total_bytes": list(m.device_total_bytes), "cpu_percent": m.cpu_percent,
+                "host_used_bytes": m.host_used_bytes,
+                "host_total_bytes": m.host_total_bytes,
+                "worker_rss_bytes": m.worker_rss_bytes,
+                "device_used_bytes": list(m.device_used_bytes),
+                "device_total_bytes": list(m.device_total_bytes),
+                "cpu_percent": m.cpu_percent,
             }
         elif kind == "probe":
             self._probe(session, msg.probe, now)
         elif kind == "preemption":
             p = msg.preemption
             finite(p.deadline_unix, "preemption.deadline_unix")
-            require(p.deadline_unix <= now + MAX_DEADLINE_AHEAD_S, "preemption.deadline_unix is too far ahead")
+            require(
+                p.deadline_unix <= now + MAX_DEADLINE_AHEAD_S, "preemption.deadline_unix is too far ahead"
+            )
             core.membership.preemption(job, member, p.deadline_unix, p.source or "agent", now)
         elif kind == "register":
             raise invalid("register is only valid as the first message of a stream")
@@ -228,12 +257,13 @@ class AgentServicer:
         was_healthy = member.probes.get(name, {}).get("healthy", True)
         member.probes[name] = {"healthy": probe.healthy, "detail": probe.detail, "at": now}
         if not probe.healthy and was_healthy:
-            self.core.table.record(job, "probe_unhealthy", worker_id=session.worker_id,
-                                   detail=f"{name}: {probe.detail}", now=now)
+            self.core.table.record(
+                job, "probe_unhealthy", worker_id=session.worker_id, detail=f"{name}: {probe.detail}", now=now
+            )
             if name == "device" and member.state != WorkerState.LOST:
-                self.core.membership.mark_lost(job, session.worker_id, f"device probe failed: {probe.detail}",
-                                               "device_probe", now)
-
+                self.core.membership.mark_lost(
+                    job, session.worker_id, f"device probe failed: {probe.detail}", "device_probe", now
+                )
 
 
 class WorkerCommandRequest(BaseModel):
@@ -242,12 +272,17 @@ class WorkerCommandRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     command: Literal["set_frequency", "drain", "report_now"]
     frequency_mhz: int | None = Field(
-        default=None, ge=0, le=MAX_FREQUENCY_MHZ,
-        description="MHz, set_frequency only (required there); 0 restores the device default")
+        default=None,
+        ge=0,
+        le=MAX_FREQUENCY_MHZ,
+        description="MHz, set_frequency only (required there); 0 restores the device default",
+    )
     reason: str = Field(default="", max_length=1000, description="drain only: why, for people")
     deadline_unix: float | None = Field(
-        default=None, allow_inf_nan=False,
-        description=f"drain only: seconds since the epoch, in the future (default now + {DEFAULT_DRAIN_S:.0f} s)")
+        default=None,
+        allow_inf_nan=False,
+        description=f"drain only: seconds since the epoch, in the future (default now + {DEFAULT_DRAIN_S:.0f} s)",
+    )
 
     @model_validator(mode="after")
     def _fields_fit_the_command(self) -> WorkerCommandRequest:
@@ -260,8 +295,9 @@ class WorkerCommandRequest(BaseModel):
         return self
 
 
-def worker_command(core: Core, job_name: str, worker_id: str, body: WorkerCommandRequest,
-                   now: float) -> dict[str, Any]:
+def worker_command(
+    core: Core, job_name: str, worker_id: str, body: WorkerCommandRequest, now: float
+) -> dict[str, Any]:
     """Validates and queues one command on the worker's live agent stream; records an event."""
     job = core.job_or_not_found(job_name)
     member = job.members.get(worker_id)
@@ -270,8 +306,9 @@ def worker_command(core: Core, job_name: str, worker_id: str, body: WorkerComman
     if member.state.is_gone:
         raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"worker {worker_id!r} is {member.state.value}")
     if (job_name, worker_id) not in core.membership.sessions:
-        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                       f"worker {worker_id!r} has no live agent stream on this Core")
+        raise RpcError(
+            grpc.StatusCode.FAILED_PRECONDITION, f"worker {worker_id!r} has no live agent stream on this Core"
+        )
     if body.command == "set_frequency":
         assert body.frequency_mhz is not None
         command = agent_pb2.ConnectResponse(set_frequency=agent_pb2.SetFrequency(mhz=body.frequency_mhz))
@@ -290,13 +327,18 @@ def worker_command(core: Core, job_name: str, worker_id: str, body: WorkerComman
         # The worker is leaving on the Core's word: the planner sees it go (DESIGN.md §5).
         core.table.set_state(job, member, WorkerState.DRAINING, detail, now=now, kind="worker_draining")
     core.membership.send(job_name, worker_id, command)
-    event = core.table.record(job, "worker_command", worker_id=worker_id, detail=detail, now=now,
-                              data={"command": body.command})
+    event = core.table.record(
+        job, "worker_command", worker_id=worker_id, detail=detail, now=now, data={"command": body.command}
+    )
     return {"job": job_name, "worker_id": worker_id, "command": body.command, "event_seq": event.seq}
 
 
-HTTP_STATUS = {grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.INVALID_ARGUMENT: 422,
-               grpc.StatusCode.FAILED_PRECONDITION: 409, grpc.StatusCode.UNAVAILABLE: 503}
+HTTP_STATUS = {
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.INVALID_ARGUMENT: 422,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
 
 
 def worker_command_router(core: Core, dependencies: list[Depends]) -> APIRouter:

@@ -43,20 +43,36 @@ def request_checkpoint(core: Core, job_name: str, body: CheckpointRequestBody, n
     job = core.job_or_not_found(job_name)
     live = [m for m in job.live_members() if (job_name, m.worker_id) in core.membership.sessions]
     if not live:
-        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"job {job_name!r} has no worker with a live agent stream")
+        raise RpcError(
+            grpc.StatusCode.FAILED_PRECONDITION, f"job {job_name!r} has no worker with a live agent stream"
+        )
     steps = [m.last_step.step for m in live if m.last_step is not None]
     if not steps:
-        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                       f"no worker of job {job_name!r} has committed a step yet; ask again once it trains")
+        raise RpcError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"no worker of job {job_name!r} has committed a step yet; ask again once it trains",
+        )
     after_step = max(steps) + LEAD_STEPS
-    command = agent_pb2.ConnectResponse(checkpoint=agent_pb2.Checkpoint(after_step=after_step, stop=body.stop))
+    command = agent_pb2.ConnectResponse(
+        checkpoint=agent_pb2.Checkpoint(after_step=after_step, stop=body.stop)
+    )
     for member in live:
         core.membership.send(job_name, member.worker_id, command)
     what = "checkpoint and stop" if body.stop else "checkpoint"
-    event = core.table.record(job, "checkpoint_requested", detail=f"{what} after step {after_step}", now=now,
-                              data={"after_step": after_step, "stop": body.stop, "workers": len(live)})
-    return {"job": job_name, "after_step": after_step, "stop": body.stop,
-            "workers": sorted(m.worker_id for m in live), "event_seq": event.seq}
+    event = core.table.record(
+        job,
+        "checkpoint_requested",
+        detail=f"{what} after step {after_step}",
+        now=now,
+        data={"after_step": after_step, "stop": body.stop, "workers": len(live)},
+    )
+    return {
+        "job": job_name,
+        "after_step": after_step,
+        "stop": body.stop,
+        "workers": sorted(m.worker_id for m in live),
+        "event_seq": event.seq,
+    }
 
 
 def checkpoint_router(core: Core, dependencies: list[Depends]) -> APIRouter:

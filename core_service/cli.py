@@ -35,42 +35,80 @@ Examples:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "core", help="run the ElasWave Core (control plane)",
+        "core",
+        help="run the ElasWave Core (control plane)",
         description="Run one ElasWave Core: gRPC API for agents, executors and schedulers, REST API "
         "and /metrics over HTTP, failure detection and the schedule engine. Several Cores sharing "
         "an etcd registry elect one leader; the others stand by and take over when it dies.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", type=Path, help="TOML configuration file (must exist)")
     parser.add_argument("--grpc-host", help="address for the gRPC server (default 127.0.0.1)")
     parser.add_argument("--grpc-port", type=int, help="gRPC port, 0 = any free port (default 50051)")
     parser.add_argument("--http-host", help="address for the REST API and /metrics (default 127.0.0.1)")
     parser.add_argument("--http-port", type=int, help="HTTP port, 0 = any free port (default 8080)")
-    parser.add_argument("--registry", dest="registry_url",
-                        help="membership registry: memory:// (default) or etcd://host:port[,host:port]")
+    parser.add_argument(
+        "--registry",
+        dest="registry_url",
+        help="membership registry: memory:// (default) or etcd://host:port[,host:port]",
+    )
     parser.add_argument("--core-id", help="name of this Core in elections and events (default host-random)")
-    parser.add_argument("--heartbeat-timeout", dest="heartbeat_timeout_s", type=float,
-                        help="seconds without a heartbeat before a worker is lost (default 2.0)")
-    parser.add_argument("--lease-ttl", dest="lease_ttl_s", type=float,
-                        help="seconds; liveness lease the Core holds for agents without their own (default 3)")
-    parser.add_argument("--leader-ttl", dest="leader_ttl_s", type=float,
-                        help="seconds; leadership lease, a standby takes over this long after a crash (default 2)")
-    parser.add_argument("--dev", dest="dev_mode", action="store_true", default=None,
-                        help="development mode: a random scheduler token is generated and printed")
-    parser.add_argument("--ready-file", type=Path,
-                        help="write {core_id, grpc_port, http_port} as JSON here once serving")
+    parser.add_argument(
+        "--heartbeat-timeout",
+        dest="heartbeat_timeout_s",
+        type=float,
+        help="seconds without a heartbeat before a worker is lost (default 2.0)",
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        dest="lease_ttl_s",
+        type=float,
+        help="seconds; liveness lease the Core holds for agents without their own (default 3)",
+    )
+    parser.add_argument(
+        "--leader-ttl",
+        dest="leader_ttl_s",
+        type=float,
+        help="seconds; leadership lease, a standby takes over this long after a crash (default 2)",
+    )
+    parser.add_argument(
+        "--dev",
+        dest="dev_mode",
+        action="store_true",
+        default=None,
+        help="development mode: a random scheduler token is generated and printed",
+    )
+    parser.add_argument(
+        "--ready-file", type=Path, help="write {core_id, grpc_port, http_port} as JSON here once serving"
+    )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
     if args.config:
         os.environ["ELASWAVE_CONFIG"] = str(args.config)
-    overrides = {name: getattr(args, name) for name in (
-        "grpc_host", "grpc_port", "http_host", "http_port", "registry_url", "core_id",
-        "heartbeat_timeout_s", "lease_ttl_s", "leader_ttl_s", "dev_mode")}
+    overrides = {
+        name: getattr(args, name)
+        for name in (
+            "grpc_host",
+            "grpc_port",
+            "http_host",
+            "http_port",
+            "registry_url",
+            "core_id",
+            "heartbeat_timeout_s",
+            "lease_ttl_s",
+            "leader_ttl_s",
+            "dev_mode",
+        )
+    }
     try:
         settings = load_settings(**overrides)
     except ConfigError as exc:

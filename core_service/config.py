@@ -97,7 +97,7 @@ class CoreSettings(BaseSettings):
     policy: PolicyName = Field(
         default="elaswave",
         description="schedule-engine policy: elaswave (resize + re-partition + DVFS, elaswave.txt §4) or "
-                    "elaswave-resize (micro-batch resizing only, the ablation baseline)",
+        "elaswave-resize (micro-batch resizing only, the ablation baseline)",
     )
 
     @classmethod
@@ -119,8 +119,10 @@ class CoreSettings(BaseSettings):
     @classmethod
     def _policy_known(cls, value: Any) -> Any:
         if value not in POLICIES:
-            raise ValueError(f"policy {value!r} is unknown: choose 'elaswave' (resize + layer re-partition + "
-                             "DVFS, the default) or 'elaswave-resize' (micro-batch resizing only, the baseline)")
+            raise ValueError(
+                f"policy {value!r} is unknown: choose 'elaswave' (resize + layer re-partition + "
+                "DVFS, the default) or 'elaswave-resize' (micro-batch resizing only, the baseline)"
+            )
         return value
 
     @field_validator("registry_url")
@@ -161,8 +163,10 @@ class CoreSettings(BaseSettings):
         if self.lease_ttl_s < self.heartbeat_timeout_s:
             # The Core refreshes the leases it holds for agents on their heartbeats, so a shorter
             # lease declares a worker lost before its heartbeat is even late (and before ReportNow).
-            raise ValueError(f"lease_ttl_s ({self.lease_ttl_s}) must be >= heartbeat_timeout_s "
-                             f"({self.heartbeat_timeout_s})")
+            raise ValueError(
+                f"lease_ttl_s ({self.lease_ttl_s}) must be >= heartbeat_timeout_s "
+                f"({self.heartbeat_timeout_s})"
+            )
         names = [job.name for job in self.jobs]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -174,8 +178,9 @@ def load_settings(**overrides: Any) -> CoreSettings:
     """Builds and validates the settings; raises ConfigError naming every problem."""
     config_file = os.environ.get("ELASWAVE_CONFIG")
     if config_file and not Path(config_file).is_file():
-        raise ConfigError(f"config file {config_file!r} (--config / ELASWAVE_CONFIG) does not exist "
-                          "or is not a file")
+        raise ConfigError(
+            f"config file {config_file!r} (--config / ELASWAVE_CONFIG) does not exist or is not a file"
+        )
     try:
         return CoreSettings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:

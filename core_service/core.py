@@ -101,8 +101,11 @@ STOP_FLUSH_S = 5.0
 
 class Core:
     def __init__(
-        self, settings: CoreSettings, metrics_registry: CollectorRegistry | None = None,
-        policy: Policy | None = None, registry: Registry | None = None,
+        self,
+        settings: CoreSettings,
+        metrics_registry: CollectorRegistry | None = None,
+        policy: Policy | None = None,
+        registry: Registry | None = None,
     ) -> None:
         """`registry`: an open registry to use instead of opening `settings.registry_url` (several
         Cores of one process sharing an in-memory registry); the caller keeps closing it."""
@@ -141,27 +144,41 @@ class Core:
         self.persister = Persister(self.registry, on_fenced_out=self._on_fenced_out)
         self.table = JobTable(self.settings, self.registry, self.persister)
         self.membership = Membership(self.table, self.registry, self.metrics)
-        self.engine = ScheduleEngine(self.table, self.metrics, self.policy, self._publish_plan,
-                                     self.settings.apply_timeout_s)
+        self.engine = ScheduleEngine(
+            self.table, self.metrics, self.policy, self._publish_plan, self.settings.apply_timeout_s
+        )
         await self._start_grpc()
         await self._start_http()
-        self.identity = json.dumps({
-            "core_id": self.settings.core_id,
-            "grpc": f"{self.settings.grpc_host}:{self.grpc_port}",
-            "http": f"http://{self.settings.http_host}:{self.http_port}",
-        }, sort_keys=True)
+        self.identity = json.dumps(
+            {
+                "core_id": self.settings.core_id,
+                "grpc": f"{self.settings.grpc_host}:{self.grpc_port}",
+                "http": f"http://{self.settings.http_host}:{self.http_port}",
+            },
+            sort_keys=True,
+        )
         self._election = LeaderElection(
-            self.registry, self._leader_key, self.identity,
-            self._leader_ttl(), on_lost=self._on_leadership_lost_thread,
+            self.registry,
+            self._leader_key,
+            self.identity,
+            self._leader_ttl(),
+            on_lost=self._on_leadership_lost_thread,
         )
         self._loop = asyncio.get_running_loop()
-        self._leader_watch = await registry_call(self.registry, self.registry.watch_prefix, self._leader_key,
-                                                 self._on_leader_key)
+        self._leader_watch = await registry_call(
+            self.registry, self.registry.watch_prefix, self._leader_key, self._on_leader_key
+        )
         await self._refresh_leader_holder()
         self._tasks.append(asyncio.ensure_future(self._campaign()))
         await self._set_health(False)
-        log.info("core %s serving gRPC on %s:%d and HTTP on %s:%d", self.settings.core_id,
-                 self.settings.grpc_host, self.grpc_port, self.settings.http_host, self.http_port)
+        log.info(
+            "core %s serving gRPC on %s:%d and HTTP on %s:%d",
+            self.settings.core_id,
+            self.settings.grpc_host,
+            self.grpc_port,
+            self.settings.http_host,
+            self.http_port,
+        )
 
     def _leader_ttl(self) -> float:
         # An in-memory registry lives in this process, so no standby can exist: a short lease
@@ -209,11 +226,13 @@ class Core:
     async def _start_grpc(self) -> None:
         server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
         self.scheduler = SchedulerServicer(self)
-        server.add_generic_rpc_handlers((
-            generic_handler(SERVICES[0], AgentServicer(self)),
-            generic_handler(SERVICES[1], ExecutorServicer(self)),
-            generic_handler(SERVICES[2], self.scheduler),
-        ))
+        server.add_generic_rpc_handlers(
+            (
+                generic_handler(SERVICES[0], AgentServicer(self)),
+                generic_handler(SERVICES[1], ExecutorServicer(self)),
+                generic_handler(SERVICES[2], self.scheduler),
+            )
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         names = [s.full_name for s in SERVICES] + [health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, server)
@@ -234,7 +253,8 @@ class Core:
             return None
         ca = s.tls_client_ca.read_bytes() if s.tls_client_ca else None
         return grpc.ssl_server_credentials(
-            [(s.tls_key.read_bytes(), s.tls_cert.read_bytes())], root_certificates=ca,
+            [(s.tls_key.read_bytes(), s.tls_cert.read_bytes())],
+            root_certificates=ca,
             require_client_auth=ca is not None,
         )
 
@@ -248,7 +268,9 @@ class Core:
         self._tasks.append(asyncio.ensure_future(self._http.serve(sockets=[sock])))
 
     async def _set_health(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         for service in SERVICES:
             await self._health.set(service.full_name, status)
@@ -305,7 +327,8 @@ class Core:
 
     def _on_leadership_lost_thread(self) -> None:
         self._loop.call_soon_threadsafe(
-            lambda: asyncio.ensure_future(self._step_down("the leader lease was lost", flush=False)))
+            lambda: asyncio.ensure_future(self._step_down("the leader lease was lost", flush=False))
+        )
 
     def _on_fenced_out(self, term: int, reason: str) -> None:
         """The persister of `term` had a write refused: the leader key is no longer ours."""
@@ -384,8 +407,11 @@ class Core:
             failing = failing + 1 if errors else 0
             if failing >= self.max_consecutive_failures:
                 # Run the step-down outside this task: it cancels the leader tasks.
-                asyncio.ensure_future(self._give_up_leadership(
-                    f"{failing} consecutive leader-loop ticks failed; last: {'; '.join(errors)}"))
+                asyncio.ensure_future(
+                    self._give_up_leadership(
+                        f"{failing} consecutive leader-loop ticks failed; last: {'; '.join(errors)}"
+                    )
+                )
                 return
             if errors:
                 # A full interval after a failed tick, so that MAX_CONSECUTIVE_FAILURES keeps
@@ -433,8 +459,9 @@ class Core:
     async def _publish_plan(self, job: str, body: bytes, expected_epoch: int) -> int:
         # The epoch- and leader-fenced compare-and-swap is etcd I/O: off the loop.
         try:
-            epoch = await registry_call(self.registry, self.plans.publish, job, body, expected_epoch,
-                                        self.persister.fence)
+            epoch = await registry_call(
+                self.registry, self.plans.publish, job, body, expected_epoch, self.persister.fence
+            )
         except FenceLost as exc:
             self.persister.lost_fence(exc)  # ends the term: this Core steps down
             raise
@@ -463,7 +490,9 @@ class Core:
         try:
             await self.persister.wait_durable(self.durable_wait_s)
         except NotDurable as exc:
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, f"the change is not stored in the registry: {exc}") from None
+            raise RpcError(
+                grpc.StatusCode.UNAVAILABLE, f"the change is not stored in the registry: {exc}"
+            ) from None
 
     @property
     def leads(self) -> bool:
@@ -494,12 +523,17 @@ class Core:
 
     def scheduler_token_ok(self, token: str | None) -> bool:
         expected = self.settings.scheduler_token
-        return token is not None and expected is not None and hmac.compare_digest(
-            token.encode(), expected.get_secret_value().encode())
+        return (
+            token is not None
+            and expected is not None
+            and hmac.compare_digest(token.encode(), expected.get_secret_value().encode())
+        )
 
     def check_scheduler_token(self, token: str | None) -> None:
         if token is None:
-            raise RpcError(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <scheduler token>'")
+            raise RpcError(
+                grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <scheduler token>'"
+            )
         if not self.scheduler_token_ok(token):
             raise RpcError(grpc.StatusCode.PERMISSION_DENIED, "wrong scheduler token")
 

@@ -97,8 +97,9 @@ class ElasWavePolicy:
             return Decision("refuse", resized.refusal, self.name)
         return self._plan(layout, resized, model, slow, recovered)
 
-    def _plan(self, old: Layout, resized: Resized, model: JobModel, slow: dict[int, Slowdown],
-              recovered: set[int]) -> Decision:
+    def _plan(
+        self, old: Layout, resized: Resized, model: JobModel, slow: dict[int, Slowdown], recovered: set[int]
+    ) -> Decision:
         assert resized.layout is not None
         factors = {r: s.factor for r, s in slow.items()}
         before = costing(old, factors, model.nominal_mhz, current_clocks=True)
@@ -111,13 +112,30 @@ class ElasWavePolicy:
         t_before = model.cost.step_time(before)
         t_after = model.cost.step_time(costing(new, factors, model.nominal_mhz, current_clocks=True))
         predicted = f"predicted step time {t_after:.4g} {model.unit} ({t_before:.4g} before this change)"
-        reasons = (model.reason, *resized.reasons, *(s.reason for s in slow.values()), *graph_reasons,
-                   *clock_reasons, predicted)
+        reasons = (
+            model.reason,
+            *resized.reasons,
+            *(s.reason for s in slow.values()),
+            *graph_reasons,
+            *clock_reasons,
+            predicted,
+        )
         if new == old:
-            return Decision("none", "nothing to change: " + "; ".join(reasons[1:]), self.name,
-                            predicted_step_time_s=t_after, reasons=reasons)
-        return Decision("publish", summary(resized, graph_reasons, clock_reasons, reasons[-1]), self.name,
-                        layout_json=new.to_json(), predicted_step_time_s=t_after, reasons=reasons)
+            return Decision(
+                "none",
+                "nothing to change: " + "; ".join(reasons[1:]),
+                self.name,
+                predicted_step_time_s=t_after,
+                reasons=reasons,
+            )
+        return Decision(
+            "publish",
+            summary(resized, graph_reasons, clock_reasons, reasons[-1]),
+            self.name,
+            layout_json=new.to_json(),
+            predicted_step_time_s=t_after,
+            reasons=reasons,
+        )
 
 
 def make_policy(name: PolicyName = "elaswave") -> Policy:
@@ -161,11 +179,20 @@ def registered_model(profile: JobProfile, layout: Layout) -> JobModel:
     bwd = tuple((t,) for t in profile.layer_bwd_s)
     layers = LayerProfile((1,), fwd, bwd, ref_mhz=profile.freq_nominal_mhz)
     per_param = sum(profile.layer_param_bytes) / max(1, sum(layout.layer_numel))
-    memory = MemoryProfile(tuple(profile.layer_act_bytes), per_param, per_param,
-                           per_param * profile.optimizer_bytes_per_param_byte)
+    memory = MemoryProfile(
+        tuple(profile.layer_act_bytes),
+        per_param,
+        per_param,
+        per_param * profile.optimizer_bytes_per_param_byte,
+    )
     link = LinkModel(boundary_bytes_per_sample=profile.p2p_s_per_sample, bandwidth_bytes_per_s=1.0)
-    return JobModel(CostModel(layers, memory, link), profile.freq_nominal_mhz, profile.freq_max_mhz, "s",
-                    "cost model: the job's registered profile (eq. 1)")
+    return JobModel(
+        CostModel(layers, memory, link),
+        profile.freq_nominal_mhz,
+        profile.freq_max_mhz,
+        "s",
+        "cost model: the job's registered profile (eq. 1)",
+    )
 
 
 def uniform_model(layout: Layout, snapshot: JobSnapshot, why: str) -> JobModel:
@@ -177,16 +204,26 @@ def uniform_model(layout: Layout, snapshot: JobSnapshot, why: str) -> JobModel:
     measured = [w.step_time_s for w in snapshot.live if w.step_time_s and w.state != "SLOW"]
     predicted = cost.step_time(layout)
     if not measured or predicted <= 0:
-        return JobModel(cost, DEFAULT_NOMINAL_MHZ, DEFAULT_MAX_MHZ, "model units", base + "; times in model units")
+        return JobModel(
+            cost, DEFAULT_NOMINAL_MHZ, DEFAULT_MAX_MHZ, "model units", base + "; times in model units"
+        )
     median = statistics.median(measured)
-    return JobModel(_uniform_cost(layout.num_layers, median / predicted), DEFAULT_NOMINAL_MHZ, DEFAULT_MAX_MHZ,
-                    "s", base + f"; scaled to the reported median step time {median:.4g} s")
+    return JobModel(
+        _uniform_cost(layout.num_layers, median / predicted),
+        DEFAULT_NOMINAL_MHZ,
+        DEFAULT_MAX_MHZ,
+        "s",
+        base + f"; scaled to the reported median step time {median:.4g} s",
+    )
 
 
 def _uniform_cost(num_layers: int, seconds_per_block_sample: float) -> CostModel:
     fwd, bwd = ((seconds_per_block_sample,),) * num_layers, ((2 * seconds_per_block_sample,),) * num_layers
-    return CostModel(LayerProfile((1,), fwd, bwd, ref_mhz=DEFAULT_NOMINAL_MHZ),
-                     MemoryProfile((0.0,) * num_layers), LinkModel(0.0, 1.0))
+    return CostModel(
+        LayerProfile((1,), fwd, bwd, ref_mhz=DEFAULT_NOMINAL_MHZ),
+        MemoryProfile((0.0,) * num_layers),
+        LinkModel(0.0, 1.0),
+    )
 
 
 # ------------------------------------------------------------------------------- fail-slow ranks
@@ -198,8 +235,9 @@ class Slowdown:
     reason: str
 
 
-def slowdowns(snapshot: JobSnapshot, layout: Layout, going: list[int], nominal_mhz: int,
-              default: float) -> dict[int, Slowdown]:
+def slowdowns(
+    snapshot: JobSnapshot, layout: Layout, going: list[int], nominal_mhz: int, default: float
+) -> dict[int, Slowdown]:
     """Slowdown of every SLOW rank that stays, from its step time over its stage peers' median,
     measured at its current clock and referred to the nominal one (compute ~ 1/f)."""
     if not any(w.state == "SLOW" for w in snapshot.live):
@@ -222,8 +260,11 @@ def slowdowns(snapshot: JobSnapshot, layout: Layout, going: list[int], nominal_m
         else:
             observed, how = default, f"no step times: assumed the detector's ratio {default:g}"
         factor = max(1.0, observed * clock / nominal_mhz)
-        out[w.rank] = Slowdown(factor, f"rank {w.rank} (stage {stage_of[w.rank]}) is fail-slow: "
-                                       f"{factor:.3g}x slower at {nominal_mhz} MHz ({how})")
+        out[w.rank] = Slowdown(
+            factor,
+            f"rank {w.rank} (stage {stage_of[w.rank]}) is fail-slow: "
+            f"{factor:.3g}x slower at {nominal_mhz} MHz ({how})",
+        )
     return out
 
 
@@ -232,8 +273,11 @@ def costing(layout: Layout, factors: dict[int, float], nominal_mhz: int, *, curr
     `current_clocks=False` prices the job with no up-clock at all (the base of a fresh DVFS plan)."""
     clocks = dict(layout.frequencies_mhz) if current_clocks else {}
     ranks = set(layout.ranks())  # only pinned or slow ranks are visited: 100,000 ranks stay cheap
-    effective = {r: clocks.get(r, nominal_mhz) / factors.get(r, 1.0) for r in clocks.keys() | factors.keys()
-                 if r in ranks}
+    effective = {
+        r: clocks.get(r, nominal_mhz) / factors.get(r, 1.0)
+        for r in clocks.keys() | factors.keys()
+        if r in ranks
+    }
     pins = tuple(sorted((r, max(1, round(mhz))) for r, mhz in effective.items() if round(mhz) != nominal_mhz))
     return replace(layout, frequencies_mhz=pins)
 
@@ -241,8 +285,9 @@ def costing(layout: Layout, factors: dict[int, float], nominal_mhz: int, *, curr
 # ------------------------------------------------------------------------- graph planner (§4.2)
 
 
-def repartition(resized: Layout, factors: dict[int, float], model: JobModel,
-                min_gain: float) -> tuple[Layout, list[str]]:
+def repartition(
+    resized: Layout, factors: dict[int, float], model: JobModel, min_gain: float
+) -> tuple[Layout, list[str]]:
     """Algorithm 1 on the resized layout; adopted only when it pays and the executor can apply it."""
     base = costing(resized, factors, model.nominal_mhz, current_clocks=False)
     plan = rebalance_layers(base, model.cost)
@@ -253,22 +298,28 @@ def repartition(resized: Layout, factors: dict[int, float], model: JobModel,
     bounds = adjacent_optimum(base, model.cost, plan.partition.worst_stage_time)
     if bounds is None:
         jumps = [m for m in block_moves(resized, best) if abs(m[1] - m[2]) > 1]
-        return resized, [f"re-partition not adopted: Algorithm 1's best partition (boundaries "
-                         f"{list(plan.partition.boundaries)}) moves {describe(jumps)} by more than one stage, and "
-                         "no partition as good moves every unit at most one; the executor migrates units between "
-                         f"adjacent stages only (§6.2): resize only (predicted {t0:.4g} -> {t_best:.4g} "
-                         f"{model.unit} forgone)"]
+        return resized, [
+            f"re-partition not adopted: Algorithm 1's best partition (boundaries "
+            f"{list(plan.partition.boundaries)}) moves {describe(jumps)} by more than one stage, and "
+            "no partition as good moves every unit at most one; the executor migrates units between "
+            f"adjacent stages only (§6.2): resize only (predicted {t0:.4g} -> {t_best:.4g} "
+            f"{model.unit} forgone)"
+        ]
     candidate = apply_boundaries(base, bounds)
     moves, t1 = block_moves(resized, candidate), model.cost.step_time(candidate)
     if not moves:
-        return resized, [f"no unit moves: the current boundaries {list(resized.boundaries)} are optimal "
-                         "(Algorithm 1)"]
+        return resized, [
+            f"no unit moves: the current boundaries {list(resized.boundaries)} are optimal (Algorithm 1)"
+        ]
     if t1 >= t0 * (1 - min_gain):
-        return resized, [f"re-partition not adopted: moving {describe(moves)} would change the predicted step only "
-                         f"{t0:.4g} -> {t1:.4g} {model.unit} (needs > {min_gain:.0%} gain): resize only"]
+        return resized, [
+            f"re-partition not adopted: moving {describe(moves)} would change the predicted step only "
+            f"{t0:.4g} -> {t1:.4g} {model.unit} (needs > {min_gain:.0%} gain): resize only"
+        ]
     return apply_boundaries(resized, bounds), [
         f"re-partition (Algorithm 1, §4.2): {describe(moves)}; boundaries {list(resized.boundaries)} -> "
-        f"{list(bounds)}; predicted step {t0:.4g} -> {t1:.4g} {model.unit}"]
+        f"{list(bounds)}; predicted step {t0:.4g} -> {t1:.4g} {model.unit}"
+    ]
 
 
 def block_moves(old: Layout, new: Layout) -> list[tuple[int, int, int]]:
@@ -337,8 +388,14 @@ def _sums(per_layer: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------- DVFS (§4.3)
 
 
-def plan_clocks(graph: Layout, factors: dict[int, float], model: JobModel, old: Layout, recovered: set[int],
-                hysteresis_mhz: int) -> tuple[tuple[tuple[int, int], ...], list[str]]:
+def plan_clocks(
+    graph: Layout,
+    factors: dict[int, float],
+    model: JobModel,
+    old: Layout,
+    recovered: set[int],
+    hysteresis_mhz: int,
+) -> tuple[tuple[tuple[int, int], ...], list[str]]:
     """Per-rank clocks of the new layout. The layout's clocks are kept (an operator may have pinned
     them), except: the residual straggler stage gets its up-clock (an old clock within hysteresis
     stays), and up-clocked ranks of a stage whose fail-slow worker recovered, now unneeded, go back
@@ -346,17 +403,26 @@ def plan_clocks(graph: Layout, factors: dict[int, float], model: JobModel, old: 
     wanted, reasons = straggler_clocks(graph, factors, model)
     ranks = set(graph.ranks())
     clocks = {r: mhz for r, mhz in old.frequencies_mhz if r in ranks}
-    kept = sorted(r for r, mhz in wanted.items() if abs(mhz - clocks.get(r, model.nominal_mhz)) <= hysteresis_mhz)
+    kept = sorted(
+        r for r, mhz in wanted.items() if abs(mhz - clocks.get(r, model.nominal_mhz)) <= hysteresis_mhz
+    )
     clocks.update({r: mhz for r, mhz in wanted.items() if r not in kept})
     if kept:
-        reasons.append(f"ranks {kept} keep their clock: within {hysteresis_mhz} MHz of the planned one (hysteresis)")
+        reasons.append(
+            f"ranks {kept} keep their clock: within {hysteresis_mhz} MHz of the planned one (hysteresis)"
+        )
     calm = {graph.stage_of_rank(r) for r in recovered if r in ranks}
-    restored = sorted(r for r, mhz in clocks.items() if mhz > model.nominal_mhz and r not in wanted
-                      and graph.stage_of_rank(r) in calm)
+    restored = sorted(
+        r
+        for r, mhz in clocks.items()
+        if mhz > model.nominal_mhz and r not in wanted and graph.stage_of_rank(r) in calm
+    )
     clocks.update(dict.fromkeys(restored, model.nominal_mhz))
     if restored:
-        reasons.append(f"ranks {restored} back to the nominal {model.nominal_mhz} MHz (their stage's fail-slow "
-                       "worker recovered, so the up-clock is no longer needed)")
+        reasons.append(
+            f"ranks {restored} back to the nominal {model.nominal_mhz} MHz (their stage's fail-slow "
+            "worker recovered, so the up-clock is no longer needed)"
+        )
     return tuple(sorted(clocks.items())), reasons
 
 
@@ -366,11 +432,16 @@ def recovered_ranks(snapshot: JobSnapshot, layout: Layout) -> set[int]:
     if not recovered:
         return set()
     in_layout = set(layout.ranks())
-    return {w.rank for w in snapshot.live
-            if w.worker_id in recovered and w.state != "SLOW" and w.rank in in_layout}
+    return {
+        w.rank
+        for w in snapshot.live
+        if w.worker_id in recovered and w.state != "SLOW" and w.rank in in_layout
+    }
 
 
-def straggler_clocks(graph: Layout, factors: dict[int, float], model: JobModel) -> tuple[dict[int, int], list[str]]:
+def straggler_clocks(
+    graph: Layout, factors: dict[int, float], model: JobModel
+) -> tuple[dict[int, int], list[str]]:
     """Algorithm 2's model-based answer for the slowest stage (`plan_straggler_frequency`), turned
     from effective clocks into the device clock of each of its ranks."""
     base = costing(graph, factors, model.nominal_mhz, current_clocks=False)
@@ -383,8 +454,10 @@ def straggler_clocks(graph: Layout, factors: dict[int, float], model: JobModel) 
     target = plan.mhz
     if max(need.values()) > model.max_mhz:
         if not slow:
-            return {}, [f"no up-clock: stage {plan.stage} would need {max(need.values())} MHz > the maximum "
-                        f"{model.max_mhz} MHz (unachievable, §4.3 Alg. 2)"]
+            return {}, [
+                f"no up-clock: stage {plan.stage} would need {max(need.values())} MHz > the maximum "
+                f"{model.max_mhz} MHz (unachievable, §4.3 Alg. 2)"
+            ]
         target = min(model.max_mhz / factors.get(r, 1.0) for r in stage.ranks)
         need = {r: min(model.max_mhz, math.ceil(target * factors.get(r, 1.0) - 1e-6)) for r in stage.ranks}
     up = {r: mhz for r, mhz in need.items() if mhz > model.nominal_mhz}

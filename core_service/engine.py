@@ -180,18 +180,27 @@ class ScheduleEngine:
             self._back_off(job, now, f"policy {getattr(self.policy, 'name', '?')} failed: {exc!r}")
             return
         self.metrics.plan_seconds.observe(time.perf_counter() - started)
-        data = {"policy": decision.policy, "changes": list(snapshot.changes),
-                "alternatives": list(decision.alternatives)}
+        data = {
+            "policy": decision.policy,
+            "changes": list(snapshot.changes),
+            "alternatives": list(decision.alternatives),
+        }
         if decision.action != "publish" or decision.layout_json is None:
             self._retry.pop(job.name, None)
             self.table.record(job, f"decision_{decision.action}", detail=decision.reason, now=now, data=data)
             self._enter(job, JobPhase.RUNNING, now, decision.reason)
             return
-        body = json.dumps({
-            "job": job.name, "layout_json": decision.layout_json, "reasons": list(decision.reasons),
-            "predicted_step_time_s": decision.predicted_step_time_s, "created_unix": now,
-            "policy": decision.policy,
-        }, sort_keys=True).encode()
+        body = json.dumps(
+            {
+                "job": job.name,
+                "layout_json": decision.layout_json,
+                "reasons": list(decision.reasons),
+                "predicted_step_time_s": decision.predicted_step_time_s,
+                "created_unix": now,
+                "policy": decision.policy,
+            },
+            sort_keys=True,
+        ).encode()
         try:
             epoch = await self.publish(job.name, body, job.plan_epoch)
         except BaseException:
@@ -213,26 +222,40 @@ class ScheduleEngine:
         delay = min(PLAN_RETRY_FIRST_S * 2 ** (failures - 1), PLAN_RETRY_MAX_S)
         self._retry[job.name] = _Retry(failures, now + delay)
         log.exception("job=%s planning failed (%d in a row); retrying in %.1fs", job.name, failures, delay)
-        self.table.record(job, "planner_failed", detail=f"{reason}; retrying in {delay:.1f}s", now=now,
-                          data={"failures": failures, "retry_in_s": delay})
+        self.table.record(
+            job,
+            "planner_failed",
+            detail=f"{reason}; retrying in {delay:.1f}s",
+            now=now,
+            data={"failures": failures, "retry_in_s": delay},
+        )
 
     def _watch_apply(self, job: Job, now: float) -> None:
         applying = self._applying[job.name]
         acks = job.acks.get(applying.epoch, {})
         if job.pending_changes:
-            self._enter(job, JobPhase.PLANNING, now, "new change while applying: re-planning from the cumulative state")
+            self._enter(
+                job,
+                JobPhase.PLANNING,
+                now,
+                "new change while applying: re-planning from the cumulative state",
+            )
             return
         failed = {w: p for w, p in acks.items() if p.startswith("FAILED")}
         if failed:
             self._enter(job, JobPhase.PLANNING, now, f"apply failed on {sorted(failed)}: re-planning")
             return
         # Members the plan removed (a preempted rank on its way out) never resume: not waited for.
-        live = {m.worker_id for m in job.live_members() if m.state != WorkerState.JOINING and job.in_layout(m)}
+        live = {
+            m.worker_id for m in job.live_members() if m.state != WorkerState.JOINING and job.in_layout(m)
+        }
         if live and all(acks.get(w) in RESUMED_PHASES for w in live):
             self.metrics.apply_seconds.observe(now - applying.started)
             self._enter(job, JobPhase.RUNNING, now, f"epoch {applying.epoch} applied by {len(live)} workers")
         elif now >= applying.deadline:
-            self._enter(job, JobPhase.RUNNING, now, f"epoch {applying.epoch} not confirmed by every worker in time")
+            self._enter(
+                job, JobPhase.RUNNING, now, f"epoch {applying.epoch} not confirmed by every worker in time"
+            )
 
     # ---- takeover --------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -255,13 +278,19 @@ class ScheduleEngine:
             job.layout_json = json.loads(latest_plan[1])["layout_json"]
         for member, rank in leaving_ranks(job):
             self.table.record(
-                job, "replan_after_takeover", worker_id=member.worker_id, now=now, membership_change=True,
+                job,
+                "replan_after_takeover",
+                worker_id=member.worker_id,
+                now=now,
+                membership_change=True,
                 detail=f"rank {rank} is in the layout of epoch {epoch} but its worker is {member.state.value}",
             )
         if latest_plan is not None and latest_plan[0] == epoch and _apply_unfinished(job, epoch):
             job.acks[epoch] = acks_from_events(job.events, epoch)
             self._applying[job.name] = _Applying(epoch, now, now + self.apply_timeout_s)
-            self._enter(job, JobPhase.APPLYING, now, f"watching the apply of epoch {epoch} again after a takeover")
+            self._enter(
+                job, JobPhase.APPLYING, now, f"watching the apply of epoch {epoch} again after a takeover"
+            )
 
 
 def leaving_ranks(job: Job) -> list[tuple[MemberRecord, int]]:

@@ -30,8 +30,12 @@ PHASE_NAMES = {
 def plan_from_body(job: str, epoch: int, body: bytes) -> common_pb2.Plan:
     data = json.loads(body)
     return common_pb2.Plan(
-        job=job, epoch=epoch, layout_json=data["layout_json"].encode(), reasons=data["reasons"],
-        predicted_step_time_s=data["predicted_step_time_s"], created_unix=data["created_unix"],
+        job=job,
+        epoch=epoch,
+        layout_json=data["layout_json"].encode(),
+        reasons=data["reasons"],
+        predicted_step_time_s=data["predicted_step_time_s"],
+        created_unix=data["created_unix"],
     )
 
 
@@ -95,18 +99,25 @@ class ExecutorServicer:
         if phase == "FAILED":
             require(bool(request.failure_reason), "failure_reason is required when phase is FAILED")
         if request.epoch > job.plan_epoch:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"epoch {request.epoch} was never published (newest is {job.plan_epoch})")
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"epoch {request.epoch} was never published (newest is {job.plan_epoch})",
+            )
         if request.epoch < job.plan_epoch:
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"epoch {request.epoch} is stale: the job is at epoch {job.plan_epoch}")
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"epoch {request.epoch} is stale: the job is at epoch {job.plan_epoch}",
+            )
         recorded = f"FAILED: {request.failure_reason}" if phase == "FAILED" else phase
         job.acks.setdefault(request.epoch, {})[request.worker_id] = recorded
         self.core.table.record(
-            job, f"plan_{phase.lower()}", worker_id=request.worker_id,
+            job,
+            f"plan_{phase.lower()}",
+            worker_id=request.worker_id,
             detail=f"epoch {request.epoch} in {request.phase_time_s:.3f}s"
             + (f": {request.failure_reason}" if phase == "FAILED" else ""),
-            now=time.time(), data={"epoch": request.epoch, "phase_time_s": request.phase_time_s},
+            now=time.time(),
+            data={"epoch": request.epoch, "phase_time_s": request.phase_time_s},
         )
         return executor_pb2.AckPlanPhaseResponse(current_epoch=job.plan_epoch)
 
@@ -117,16 +128,26 @@ class ExecutorServicer:
         job = self.core.job_or_not_found(request.job)
         require(request.worker_id in job.members, f"job {job.name!r} has no worker {request.worker_id!r}")
         require(request.peer_rank >= 0, f"peer_rank must be >= 0, got {request.peer_rank}")
-        peer = next((m for m in job.members.values() if m.rank == request.peer_rank and not m.state.is_gone), None)
+        peer = next(
+            (m for m in job.members.values() if m.rank == request.peer_rank and not m.state.is_gone), None
+        )
         if peer is None:
             peer = next((m for m in job.members.values() if m.rank == request.peer_rank), None)
             require(peer is not None, f"job {job.name!r} has no worker with rank {request.peer_rank}")
-            return executor_pb2.ReportPeerFailureResponse(peer_marked_lost=False, peer_worker_id=peer.worker_id)
+            return executor_pb2.ReportPeerFailureResponse(
+                peer_marked_lost=False, peer_worker_id=peer.worker_id
+            )
         if not job.in_layout(peer):
             # The plan in force already removed it (a preempted rank on its way out): its closed
             # connections are expected, not a failure.
-            return executor_pb2.ReportPeerFailureResponse(peer_marked_lost=False, peer_worker_id=peer.worker_id)
-        reason = (f"collective {request.operation or 'operation'} failed on {request.worker_id} at step "
-                  f"{request.step}: {request.error or 'peer unreachable'}")
-        marked = self.core.membership.mark_lost(job, peer.worker_id, reason, "collective_failure", time.time())
+            return executor_pb2.ReportPeerFailureResponse(
+                peer_marked_lost=False, peer_worker_id=peer.worker_id
+            )
+        reason = (
+            f"collective {request.operation or 'operation'} failed on {request.worker_id} at step "
+            f"{request.step}: {request.error or 'peer unreachable'}"
+        )
+        marked = self.core.membership.mark_lost(
+            job, peer.worker_id, reason, "collective_failure", time.time()
+        )
         return executor_pb2.ReportPeerFailureResponse(peer_marked_lost=marked, peer_worker_id=peer.worker_id)

@@ -74,8 +74,9 @@ class _Observer:
 
     def done(self, context: grpc.aio.ServicerContext, started: float, failed: bool) -> None:
         if self.metrics is not None:
-            self.metrics.grpc_seconds.labels(service=self.service, method=self.method,
-                                             code=_status_name(context, failed)).observe(time.perf_counter() - started)
+            self.metrics.grpc_seconds.labels(
+                service=self.service, method=self.method, code=_status_name(context, failed)
+            ).observe(time.perf_counter() - started)
 
 
 def _guard_unary(fn: Callable[..., Awaitable[Any]], observer: _Observer) -> Callable[..., Awaitable[Any]]:
@@ -97,7 +98,9 @@ def _guard_unary(fn: Callable[..., Awaitable[Any]], observer: _Observer) -> Call
     return wrapper
 
 
-def _guard_stream(fn: Callable[..., AsyncIterator[Any]], observer: _Observer) -> Callable[..., AsyncIterator[Any]]:
+def _guard_stream(
+    fn: Callable[..., AsyncIterator[Any]], observer: _Observer
+) -> Callable[..., AsyncIterator[Any]]:
     @functools.wraps(fn)
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         started, failed = time.perf_counter(), True
@@ -149,14 +152,21 @@ def generic_handler(
             "response_serializer": response_cls.SerializeToString,
         }
         if method.client_streaming and method.server_streaming:
-            handlers[method.name] = grpc.stream_stream_rpc_method_handler(_timed_bidi(behaviour, observer), **kwargs)
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                _timed_bidi(behaviour, observer), **kwargs
+            )
         elif method.server_streaming:
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(_guard_stream(behaviour, observer),
-                                                                         **kwargs)
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _guard_stream(behaviour, observer), **kwargs
+            )
         elif method.client_streaming:
-            handlers[method.name] = grpc.stream_unary_rpc_method_handler(_timed_bidi(behaviour, observer), **kwargs)
+            handlers[method.name] = grpc.stream_unary_rpc_method_handler(
+                _timed_bidi(behaviour, observer), **kwargs
+            )
         else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(_guard_unary(behaviour, observer), **kwargs)
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _guard_unary(behaviour, observer), **kwargs
+            )
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 

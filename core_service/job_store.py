@@ -67,18 +67,32 @@ class JobStores:
         # Forked from the event loop's thread, which lives as long as the Core: the child's
         # parent-death signal is tied to the forking thread, not the process.
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "core_service.job_store", "--host", self.core.settings.http_host,
-            "--parent", str(os.getpid()), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            start_new_session=True)
+            sys.executable,
+            "-m",
+            "core_service.job_store",
+            "--host",
+            self.core.settings.http_host,
+            "--parent",
+            str(os.getpid()),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
         assert proc.stdout is not None
         try:
-            line = (await asyncio.wait_for(proc.stdout.readline(), STORE_START_S)).decode(errors="replace").strip()
+            line = (
+                (await asyncio.wait_for(proc.stdout.readline(), STORE_START_S))
+                .decode(errors="replace")
+                .strip()
+            )
         except TimeoutError:
             line = ""
         if not line.startswith("PORT "):
             _terminate(proc)
-            raise StoreError(f"the rendezvous store for job {job!r} did not start within {STORE_START_S:g} s "
-                             f"({'said ' + repr(line) if line else 'no port announced'}); see the Core's log")
+            raise StoreError(
+                f"the rendezvous store for job {job!r} did not start within {STORE_START_S:g} s "
+                f"({'said ' + repr(line) if line else 'no port announced'}); see the Core's log"
+            )
         self.procs[job] = proc
         self._watchers[job] = asyncio.ensure_future(self._watch(job, proc))
         log.info("rendezvous store for job %s on %s:%s", job, self.core.settings.http_host, line.split()[1])

@@ -96,8 +96,9 @@ class Job:
         cached = self._parsed
         if cached is None or cached.source is not self.layout_json:
             layout = Layout.from_json(self.layout_json)
-            cached = ParsedLayout(self.layout_json, layout, frozenset(layout.ranks()),
-                                  dict(layout.frequencies_mhz))
+            cached = ParsedLayout(
+                self.layout_json, layout, frozenset(layout.ranks()), dict(layout.frequencies_mhz)
+            )
             self._parsed = cached
         return cached
 
@@ -154,7 +155,9 @@ class JobTable:
             raise ValueError(f"job name {spec.name!r} is not valid")
         if spec.name in self.jobs:
             raise JobExists(spec.name)
-        job = self._new_job(spec.name, token_digest(spec.token.get_secret_value()), spec.expected_workers, now)
+        job = self._new_job(
+            spec.name, token_digest(spec.token.get_secret_value()), spec.expected_workers, now
+        )
         job.layout_json, job.model_json = layout_json, model_json
         self.jobs[job.name] = job
         self.persister.put(self.job_key(job.name, "spec"), job.spec_json())
@@ -206,7 +209,14 @@ class JobTable:
         self.persister.put(self.job_key(job.name, "members", member.worker_id), member.to_json())
 
     def set_state(
-        self, job: Job, member: MemberRecord, state: WorkerState, reason: str, *, now: float, kind: str,
+        self,
+        job: Job,
+        member: MemberRecord,
+        state: WorkerState,
+        reason: str,
+        *,
+        now: float,
+        kind: str,
         planned: bool = False,
     ) -> Event | None:
         """Moves a member to `state`; a gone member never comes back through here (it re-registers).
@@ -241,7 +251,9 @@ class JobTable:
             parts = key[len(prefix) :].split("/")
             if len(parts) == 2 and parts[1] == "spec":
                 spec = json.loads(raw)
-                job = self._new_job(spec["name"], spec["token_sha256"], spec["expected_workers"], spec["created_unix"])
+                job = self._new_job(
+                    spec["name"], spec["token_sha256"], spec["expected_workers"], spec["created_unix"]
+                )
                 job.layout_json, job.model_json = spec.get("layout_json"), spec.get("model_json")
                 jobs[job.name] = job
         for name, job in jobs.items():

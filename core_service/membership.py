@@ -110,8 +110,12 @@ class Membership:
         self.table.save_member(job, member)
         kind = "worker_reconnected" if reconnected else ("worker_rejoined" if rejoined else "worker_joined")
         self.table.record(
-            job, kind, worker_id=reg.worker_id, detail=f"host={reg.host} pid={reg.pid}",
-            now=now, membership_change=not reconnected,
+            job,
+            kind,
+            worker_id=reg.worker_id,
+            detail=f"host={reg.host} pid={reg.pid}",
+            now=now,
+            membership_change=not reconnected,
         )
         self.metrics.agent_streams.set(len(self.sessions))
         return session
@@ -191,24 +195,41 @@ class Membership:
         member.last_step = report
         member.stage, member.dp_rank = report.stage, report.dp_rank
         if member.state == WorkerState.JOINING and first_step:
-            self.table.set_state(job, member, WorkerState.RUNNING, "first step reported",
-                                 now=report.received_unix, kind="worker_running")
+            self.table.set_state(
+                job,
+                member,
+                WorkerState.RUNNING,
+                "first step reported",
+                now=report.received_unix,
+                kind="worker_running",
+            )
         transition = job.failslow.observe(member.worker_id, report.stage, report.step_time_s)
         if transition is None or member.state.is_gone:
             return
         if transition.slow:
             self.metrics.failures_detected.labels(path="fail_slow").inc()
-            self.table.set_state(job, member, WorkerState.SLOW, transition.reason,
-                                 now=report.received_unix, kind="worker_slow")
+            self.table.set_state(
+                job, member, WorkerState.SLOW, transition.reason, now=report.received_unix, kind="worker_slow"
+            )
         elif member.state == WorkerState.SLOW:
-            self.table.set_state(job, member, WorkerState.RUNNING, transition.reason,
-                                 now=report.received_unix, kind="worker_recovered")
+            self.table.set_state(
+                job,
+                member,
+                WorkerState.RUNNING,
+                transition.reason,
+                now=report.received_unix,
+                kind="worker_recovered",
+            )
 
     def preemption(self, job: Job, member: MemberRecord, deadline: float, source: str, now: float) -> None:
         member.preemption_deadline_unix = deadline
         self.table.set_state(
-            job, member, WorkerState.PREEMPTING,
-            f"preemption signalled by {source}; gone by {deadline:.3f}", now=now, kind="worker_preempting",
+            job,
+            member,
+            WorkerState.PREEMPTING,
+            f"preemption signalled by {source}; gone by {deadline:.3f}",
+            now=now,
+            kind="worker_preempting",
         )
 
     # ---- fail-stop paths ----------------------------------------------------------------------
@@ -227,8 +248,15 @@ class Membership:
         member = job.member(session.worker_id)
         # A worker that completed its work takes nothing from the job: the others finish theirs too,
         # so re-planning for it would only reshuffle a job that is ending.
-        self.table.set_state(job, member, WorkerState.LEFT, reason or "left cleanly", now=now,
-                             kind="worker_finished" if finished else "worker_left", planned=finished)
+        self.table.set_state(
+            job,
+            member,
+            WorkerState.LEFT,
+            reason or "left cleanly",
+            now=now,
+            kind="worker_finished" if finished else "worker_left",
+            planned=finished,
+        )
         await self.close_session(session, now, clean=True)
 
     async def close_session(self, session: AgentSession, now: float, *, clean: bool) -> None:

@@ -14,33 +14,47 @@ if TYPE_CHECKING:
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # HTTP statuses that mean "request refused" and the reason label they count under.
-REST_REJECTIONS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
-                   405: "METHOD_NOT_ALLOWED", 409: "FAILED_PRECONDITION", 422: "INVALID_ARGUMENT",
-                   503: "UNAVAILABLE"}
+REST_REJECTIONS = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    405: "METHOD_NOT_ALLOWED",
+    409: "FAILED_PRECONDITION",
+    422: "INVALID_ARGUMENT",
+    503: "UNAVAILABLE",
+}
 
 
 class CoreMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.agent_reports = Counter(
-            "elaswave_agent_reports_total", "Reports received from agents, by kind.", ["kind"],
+            "elaswave_agent_reports_total",
+            "Reports received from agents, by kind.",
+            ["kind"],
             registry=registry,
         )
         self.report_seconds = Histogram(
-            "elaswave_agent_report_handling_seconds", "Time to handle one agent report, seconds.",
-            buckets=LATENCY_BUCKETS, registry=registry,
+            "elaswave_agent_report_handling_seconds",
+            "Time to handle one agent report, seconds.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.agent_streams = Gauge(
             "elaswave_agent_streams", "Agent streams connected to this Core.", registry=registry
         )
         self.failures_detected = Counter(
-            "elaswave_failures_detected_total", "Workers declared lost or slow, by detection path.",
-            ["path"], registry=registry,
+            "elaswave_failures_detected_total",
+            "Workers declared lost or slow, by detection path.",
+            ["path"],
+            registry=registry,
         )
         self.detection_gap = Histogram(
             "elaswave_detection_gap_seconds",
             "Seconds between a lost worker's last heartbeat and the moment it was declared lost.",
-            buckets=LATENCY_BUCKETS, registry=registry,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.members = Gauge(
             "elaswave_members", "Members per job and state.", ["job", "state"], registry=registry
@@ -52,29 +66,41 @@ class CoreMetrics:
             "elaswave_plans_published_total", "Plans published, by policy.", ["policy"], registry=registry
         )
         self.plan_seconds = Histogram(
-            "elaswave_plan_seconds", "Time to compute one plan, seconds.", buckets=LATENCY_BUCKETS,
+            "elaswave_plan_seconds",
+            "Time to compute one plan, seconds.",
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.apply_seconds = Histogram(
-            "elaswave_plan_apply_seconds", "Time from publishing a plan to every executor resuming, seconds.",
-            buckets=LATENCY_BUCKETS, registry=registry,
+            "elaswave_plan_apply_seconds",
+            "Time from publishing a plan to every executor resuming, seconds.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.rejected_requests = Counter(
             "elaswave_rejected_requests_total",
             "Requests (and single agent reports) refused, by API (agent, executor, scheduler, rest) and reason.",
-            ["api", "reason"], registry=registry,
+            ["api", "reason"],
+            registry=registry,
         )
         self.grpc_seconds = Histogram(
             "elaswave_grpc_server_handling_seconds",
             "Time from receiving a gRPC call to its status, seconds (a stream's whole lifetime for streams).",
-            ["service", "method", "code"], buckets=LATENCY_BUCKETS, registry=registry,
+            ["service", "method", "code"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.http_seconds = Histogram(
-            "elaswave_http_request_duration_seconds", "Time to answer one REST request, seconds.",
-            ["method", "route", "status"], buckets=LATENCY_BUCKETS, registry=registry,
+            "elaswave_http_request_duration_seconds",
+            "Time to answer one REST request, seconds.",
+            ["method", "route", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.agent_commands = Counter(
-            "elaswave_agent_commands_total", "Commands queued on agent streams, by command.", ["command"],
+            "elaswave_agent_commands_total",
+            "Commands queued on agent streams, by command.",
+            ["command"],
             registry=registry,
         )
 
@@ -89,8 +115,9 @@ def observe_http(app: FastAPI, metrics: CoreMetrics) -> None:
         response = await call_next(request)
         route = request.scope.get("route")
         template = getattr(route, "path", "unmatched")
-        metrics.http_seconds.labels(method=request.method, route=template,
-                                    status=str(response.status_code)).observe(time.perf_counter() - started)
+        metrics.http_seconds.labels(
+            method=request.method, route=template, status=str(response.status_code)
+        ).observe(time.perf_counter() - started)
         reason = REST_REJECTIONS.get(response.status_code)
         if reason is not None:
             metrics.rejected_requests.labels(api="rest", reason=reason).inc()

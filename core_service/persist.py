@@ -56,8 +56,12 @@ class Persister:
     called on the event loop when a term ends because its fence was lost.
     """
 
-    def __init__(self, registry: Registry, retry_max_s: float = 2.0,
-                 on_fenced_out: Callable[[int, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        retry_max_s: float = 2.0,
+        on_fenced_out: Callable[[int, str], None] | None = None,
+    ) -> None:
         self.registry = registry
         self.retry_max_s = retry_max_s
         self.on_fenced_out = on_fenced_out
@@ -134,7 +138,11 @@ class Persister:
         try:
             await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except TimeoutError:
-            why = f"last registry error: {self._last_error}" if self._last_error else f"{self.backlog} write(s) queued"
+            why = (
+                f"last registry error: {self._last_error}"
+                if self._last_error
+                else f"{self.backlog} write(s) queued"
+            )
             raise NotDurable(f"registry writes not stored within {timeout_s:g}s ({why})") from None
         finally:
             with contextlib.suppress(ValueError):

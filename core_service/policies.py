@@ -53,8 +53,13 @@ class LayoutPolicy:
         resized = resize_for_going(layout, going)
         if resized.layout is None:
             return Decision("refuse", resized.refusal, self.name)
-        return Decision("publish", resized.reasons[-2], self.name, layout_json=resized.layout.to_json(),
-                        reasons=resized.reasons)
+        return Decision(
+            "publish",
+            resized.reasons[-2],
+            self.name,
+            layout_json=resized.layout.to_json(),
+            reasons=resized.reasons,
+        )
 
 
 NO_LAYOUT = "job has no layout: membership change recorded, nothing to re-plan"
@@ -63,8 +68,9 @@ NO_LAYOUT = "job has no layout: membership change recorded, nothing to re-plan"
 def going_ranks(snapshot: JobSnapshot, layout: Layout) -> list[int]:
     """Ranks of `layout` whose worker is lost, left, preempted or draining."""
     in_layout = set(layout.ranks())
-    return sorted({w.rank for w in snapshot.gone + snapshot.live
-                   if w.state in GOING_STATES and w.rank in in_layout})
+    return sorted(
+        {w.rank for w in snapshot.gone + snapshot.live if w.state in GOING_STATES and w.rank in in_layout}
+    )
 
 
 def resize_for_going(layout: Layout, going: list[int]) -> Resized:
@@ -93,8 +99,10 @@ def _drop_emptied_stages(layout: Layout, going: set[int]) -> tuple[Layout | None
         if layout.num_stages == 1:
             return None, tuple(reasons)
         stage = emptied[0]
-        reasons.append(f"stage {stage.stage} lost every rank: layers {stage.layer_start}..{stage.layer_stop - 1} "
-                       "move to a neighbouring stage")
+        reasons.append(
+            f"stage {stage.stage} lost every rank: layers {stage.layer_start}..{stage.layer_stop - 1} "
+            "move to a neighbouring stage"
+        )
         layout = drop_stage(layout, stage.stage)
 
 
@@ -106,8 +114,10 @@ DEFAULT_RECLAIM_RATE_PER_S = 1.0 / (8 * 3600.0)  # FlexTrain's 8-hour window whe
 
 def _model_state(job: Job) -> tuple[ClusterState, dict[str, Any]]:
     if job.model_json is None:
-        raise ValueError(f"job {job.name!r} was registered without a model (the `elaswave plan` state.json), "
-                         "so it has no scale table")
+        raise ValueError(
+            f"job {job.name!r} was registered without a model (the `elaswave plan` state.json), "
+            "so it has no scale table"
+        )
     request = json.loads(job.model_json)
     return state_from_dict(request)[0], request
 
@@ -122,8 +132,16 @@ def scale_table(job: Job) -> list[dict[str, Any]]:
     rows = []
     for entry in table.entries:
         step = step_of[(entry.gpus, entry.dp, entry.pp)]
-        rows.append({"devices": entry.gpus, "dp": entry.dp, "pp": entry.pp, "tp": state.shape.tp,
-                     "step_time_s": step, "throughput_samples_per_s": state.shape.global_batch / step})
+        rows.append(
+            {
+                "devices": entry.gpus,
+                "dp": entry.dp,
+                "pp": entry.pp,
+                "tp": state.shape.tp,
+                "step_time_s": step,
+                "throughput_samples_per_s": state.shape.global_batch / step,
+            }
+        )
     return rows
 
 
@@ -137,8 +155,9 @@ def judge_offer(job: Job, devices: int, expected_duration_s: float) -> tuple[boo
     table = build_scale_table(predict_configs(state, max_devices // state.shape.tp))
     rate = 1.0 / expected_duration_s if expected_duration_s > 0 else DEFAULT_RECLAIM_RATE_PER_S
     # Scale-table entries count devices (TP included), like `devices` and `max_devices`.
-    target, decision = choose_scale_up(table, state.shape.num_devices, devices, max_devices,
-                                       RECONFIGURATION_OVERHEAD_S, rate)
+    target, decision = choose_scale_up(
+        table, state.shape.num_devices, devices, max_devices, RECONFIGURATION_OVERHEAD_S, rate
+    )
     if target is None:
         return False, decision.reason
     return True, f"scale to {target.gpus} devices (DP={target.dp}, PP={target.pp}): {decision.reason}"

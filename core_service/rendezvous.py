@@ -71,16 +71,21 @@ class JoinRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     node_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$", description="unique per node")
-    session: str = Field(pattern=r"^[A-Za-z0-9_-]{8,64}$",
-                         description="random, one per launcher run: tells a node's next poll from another node "
-                                     "reusing its id")
+    session: str = Field(
+        pattern=r"^[A-Za-z0-9_-]{8,64}$",
+        description="random, one per launcher run: tells a node's next poll from another node reusing its id",
+    )
     nnodes: int = Field(ge=1, le=4096)
     nproc_per_node: int = Field(ge=1, le=4096)
     pp: int = Field(ge=1, le=4096)
     description: dict[str, Any] = Field(description="the node's ModelDescription (its describe run)")
     host: str = Field(default="", max_length=255, description="where this node runs (recorded, shown)")
-    timeout_s: float = Field(default=DEFAULT_TIMEOUT_S, gt=0, le=3600,
-                             description="how long to wait for the others, from the node's first poll")
+    timeout_s: float = Field(
+        default=DEFAULT_TIMEOUT_S,
+        gt=0,
+        le=3600,
+        description="how long to wait for the others, from the node's first poll",
+    )
     poll_s: float = Field(default=DEFAULT_POLL_S, gt=0, le=60, description="how long this request may wait")
     mem_per_worker_bytes: float | None = Field(default=None, gt=0, description="--mem-per-worker, in bytes")
 
@@ -145,13 +150,18 @@ class Rendezvous:
         try:
             desc = ModelDescription.from_json(json.dumps(body.description))
         except (ValueError, TypeError, KeyError) as exc:
-            raise HTTPException(422, detail=f"description: not a model description this Core can read ({exc})") from None
+            raise HTTPException(
+                422, detail=f"description: not a model description this Core can read ({exc})"
+            ) from None
         if (formed := self.formed.get(job)) is not None:
             session, answer = formed.answers.get(body.node_id, ("", {}))
             if session != body.session:
-                raise HTTPException(409, detail=f"all {formed.nnodes} nodes of job {job!r} have joined already; "
-                                                "this node is one too many (check --nnodes), or start a new job "
-                                                "under another --job name")
+                raise HTTPException(
+                    409,
+                    detail=f"all {formed.nnodes} nodes of job {job!r} have joined already; "
+                    "this node is one too many (check --nnodes), or start a new job "
+                    "under another --job name",
+                )
             return 200, answer
         g = self.gatherings.get(job)
         if g is not None:
@@ -173,7 +183,10 @@ class Rendezvous:
         try:
             await self._wait(g, node, body.poll_s)
         finally:
-            node.polls, node.seen = node.polls - 1, time.monotonic()  # its lease runs from the end of the poll
+            node.polls, node.seen = (
+                node.polls - 1,
+                time.monotonic(),
+            )  # its lease runs from the end of the poll
         if g.ready.is_set():
             if g.error is not None:
                 raise g.error
@@ -181,46 +194,73 @@ class Rendezvous:
         joined = [n.node_id for n in g.nodes]
         if not g.closed and time.monotonic() >= node.deadline:
             self._withdraw(g, node)
-            raise HTTPException(408, detail=f"job {job!r}: only {len(joined)} of {g.nnodes} nodes joined within "
-                                            f"{body.timeout_s:g} s ({', '.join(joined)}); {g.nnodes - len(joined)} "
-                                            "never came. This node withdrew: start the missing nodes (or check "
-                                            "--nnodes), then this one again")
+            raise HTTPException(
+                408,
+                detail=f"job {job!r}: only {len(joined)} of {g.nnodes} nodes joined within "
+                f"{body.timeout_s:g} s ({', '.join(joined)}); {g.nnodes - len(joined)} "
+                "never came. This node withdrew: start the missing nodes (or check "
+                "--nnodes), then this one again",
+            )
         return 202, {"job": job, "joined": joined, "nnodes": g.nnodes, "missing": g.nnodes - len(joined)}
 
     def _open(self, job: str, body: JoinRequest, desc: ModelDescription) -> Gathering:
         """The first node of a job: check the job is new and can be laid out (nothing stored yet)."""
         if job in self.core.table.jobs:
-            raise HTTPException(409, detail=f"job {job!r} already exists on this Core; use another --job name")
+            raise HTTPException(
+                409, detail=f"job {job!r} already exists on this Core; use another --job name"
+            )
         if len(self.gatherings) >= MAX_PENDING_JOBS:
-            raise HTTPException(503, detail=f"{MAX_PENDING_JOBS} jobs are gathering their nodes already; try later")
+            raise HTTPException(
+                503, detail=f"{MAX_PENDING_JOBS} jobs are gathering their nodes already; try later"
+            )
         try:
-            placement = plan_placement(unit_costs(desc), global_batch=desc.global_batch,
-                                       micro_batches=desc.micro_batches, nnodes=body.nnodes,
-                                       nproc_per_node=body.nproc_per_node, pp=body.pp,
-                                       mem_cap_bytes=body.mem_per_worker_bytes)
+            placement = plan_placement(
+                unit_costs(desc),
+                global_batch=desc.global_batch,
+                micro_batches=desc.micro_batches,
+                nnodes=body.nnodes,
+                nproc_per_node=body.nproc_per_node,
+                pp=body.pp,
+                mem_cap_bytes=body.mem_per_worker_bytes,
+            )
         except PlacementError as exc:
             raise HTTPException(422, detail=str(exc)) from None
-        gathering = Gathering(job, body.nnodes, body.nproc_per_node, body.pp, body.mem_per_worker_bytes, placement)
+        gathering = Gathering(
+            job, body.nnodes, body.nproc_per_node, body.pp, body.mem_per_worker_bytes, placement
+        )
         self.gatherings[job] = gathering
         return gathering
 
     @staticmethod
     def _admit(g: Gathering, body: JoinRequest, desc: ModelDescription) -> None:
         if g.closed:
-            raise HTTPException(409, detail=f"all {g.nnodes} nodes of job {g.job!r} have joined already; this "
-                                            "node is one too many (check --nnodes)")
+            raise HTTPException(
+                409,
+                detail=f"all {g.nnodes} nodes of job {g.job!r} have joined already; this "
+                "node is one too many (check --nnodes)",
+            )
         first = g.nodes[0] if g.nodes else None
         if first is None:  # the node that opened the gathering: nothing to compare with
             return
         for name in ("nnodes", "nproc_per_node", "pp", "mem_per_worker_bytes"):
             if getattr(body, name) != getattr(g, name):
-                flag = "--mem-per-worker (bytes)" if name == "mem_per_worker_bytes" else "--" + name.replace("_", "-")
-                raise HTTPException(409, detail=f"{flag} {getattr(body, name)} here but "
-                                                f"{getattr(g, name)} on node {first.node_id!r}: every node of job "
-                                                f"{g.job!r} must run the same command")
+                flag = (
+                    "--mem-per-worker (bytes)"
+                    if name == "mem_per_worker_bytes"
+                    else "--" + name.replace("_", "-")
+                )
+                raise HTTPException(
+                    409,
+                    detail=f"{flag} {getattr(body, name)} here but "
+                    f"{getattr(g, name)} on node {first.node_id!r}: every node of job "
+                    f"{g.job!r} must run the same command",
+                )
         if any(n.node_id == body.node_id for n in g.nodes):
-            raise HTTPException(409, detail=f"node {body.node_id!r} has joined job {g.job!r} already; give every "
-                                            "node its own --node-id")
+            raise HTTPException(
+                409,
+                detail=f"node {body.node_id!r} has joined job {g.job!r} already; give every "
+                "node its own --node-id",
+            )
         if diff := model_difference(desc, first.description, first.node_id):
             raise HTTPException(409, detail=f"this node's model differs from the job's: {diff}")
 
@@ -241,7 +281,12 @@ class Rendezvous:
             return
         now = time.monotonic()
         for node in [n for n in g.nodes if not n.polls and now - n.seen > LEASE_S]:
-            log.info("rendezvous %s: node %s stopped asking for %.0f s; withdrawn", g.job, node.node_id, now - node.seen)
+            log.info(
+                "rendezvous %s: node %s stopped asking for %.0f s; withdrawn",
+                g.job,
+                node.node_id,
+                now - node.seen,
+            )
             self._withdraw(g, node)
 
     def _withdraw(self, g: Gathering, node: Node) -> None:
@@ -258,25 +303,61 @@ class Rendezvous:
         try:
             store_port = await self.stores.start(g.job)
             try:
-                created = await store_new_job(self.core, CreateJobRequest(
-                    name=g.job, expected_workers=len(placement.rank_node),
-                    layout=json.loads(placement.layout.to_json())))
+                created = await store_new_job(
+                    self.core,
+                    CreateJobRequest(
+                        name=g.job,
+                        expected_workers=len(placement.rank_node),
+                        layout=json.loads(placement.layout.to_json()),
+                    ),
+                )
             except BaseException:
                 self.stores.stop(g.job)
                 raise
             common = {
-                "job": g.job, "token": created.token, "nnodes": g.nnodes, "nproc_per_node": g.nproc_per_node,
-                "pp": g.pp, "layout": json.loads(placement.layout.to_json()), "rank_node": list(placement.rank_node),
-                "placement": placement_json(placement), "grpc_port": self.core.grpc_port, "store_port": store_port,
-                "nodes": [{"index": i, "node_id": n.node_id, "host": n.host,
-                           "ranks": list(placement.ranks_on_node(i))} for i, n in enumerate(g.nodes)],
+                "job": g.job,
+                "token": created.token,
+                "nnodes": g.nnodes,
+                "nproc_per_node": g.nproc_per_node,
+                "pp": g.pp,
+                "layout": json.loads(placement.layout.to_json()),
+                "rank_node": list(placement.rank_node),
+                "placement": placement_json(placement),
+                "grpc_port": self.core.grpc_port,
+                "store_port": store_port,
+                "nodes": [
+                    {
+                        "index": i,
+                        "node_id": n.node_id,
+                        "host": n.host,
+                        "ranks": list(placement.ranks_on_node(i)),
+                    }
+                    for i, n in enumerate(g.nodes)
+                ],
             }
-            self.formed[g.job] = Formed(g.nnodes, {
-                n.node_id: (n.session, {**common, "node_index": i, "node_id": n.node_id,
-                                        "ranks": list(placement.ranks_on_node(i))}) for i, n in enumerate(g.nodes)})
+            self.formed[g.job] = Formed(
+                g.nnodes,
+                {
+                    n.node_id: (
+                        n.session,
+                        {
+                            **common,
+                            "node_index": i,
+                            "node_id": n.node_id,
+                            "ranks": list(placement.ranks_on_node(i)),
+                        },
+                    )
+                    for i, n in enumerate(g.nodes)
+                },
+            )
             while len(self.formed) > REMEMBERED_JOBS:
                 self.formed.popitem(last=False)
-            log.info("rendezvous %s: all %d nodes joined; job created, store on port %d", g.job, g.nnodes, store_port)
+            log.info(
+                "rendezvous %s: all %d nodes joined; job created, store on port %d",
+                g.job,
+                g.nnodes,
+                store_port,
+            )
         except HTTPException as exc:
             g.error = exc
         except StoreError as exc:

@@ -33,7 +33,9 @@ class CreateJobRequest(BaseModel):
     token: str | None = Field(default=None, min_length=MIN_TOKEN_LENGTH, description="omit to generate")
     layout: dict[str, Any] | None = Field(default=None, description="planners.Layout as JSON")
     model: dict[str, Any] | None = Field(
-        default=None, description="model, profile and shape as the `elaswave plan` state.json; enables the scale table")
+        default=None,
+        description="model, profile and shape as the `elaswave plan` state.json; enables the scale table",
+    )
 
 
 class CreateJobResponse(BaseModel):
@@ -52,9 +54,15 @@ def job_summary(job: Job) -> dict[str, Any]:
     counts: dict[str, int] = {}
     for member in job.members.values():
         counts[member.state.value] = counts.get(member.state.value, 0) + 1
-    return {"name": job.name, "phase": job.phase.value, "plan_epoch": job.plan_epoch,
-            "expected_workers": job.expected_workers, "members_by_state": counts,
-            "has_layout": job.layout_json is not None, "last_event_seq": job.next_seq - 1}
+    return {
+        "name": job.name,
+        "phase": job.phase.value,
+        "plan_epoch": job.plan_epoch,
+        "expected_workers": job.expected_workers,
+        "members_by_state": counts,
+        "has_layout": job.layout_json is not None,
+        "last_event_seq": job.next_seq - 1,
+    }
 
 
 async def store_new_job(core: Core, body: CreateJobRequest) -> CreateJobResponse:
@@ -94,8 +102,11 @@ async def store_new_job(core: Core, body: CreateJobRequest) -> CreateJobResponse
 
 
 def build_app(core: Core) -> FastAPI:
-    app = FastAPI(title="ElasWave Core", version="v1",
-                  description="Jobs, members and events of the ElasWave control plane.")
+    app = FastAPI(
+        title="ElasWave Core",
+        version="v1",
+        description="Jobs, members and events of the ElasWave control plane.",
+    )
 
     def leader_only() -> None:
         if not core.leads:
@@ -109,8 +120,11 @@ def build_app(core: Core) -> FastAPI:
 
     def admin(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
         if credentials is None:
-            raise HTTPException(401, detail="missing 'Authorization: Bearer <scheduler token>'",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401,
+                detail="missing 'Authorization: Bearer <scheduler token>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         if not core.scheduler_token_ok(credentials.credentials):
             raise HTTPException(403, detail="wrong scheduler token")
 
@@ -128,9 +142,13 @@ def build_app(core: Core) -> FastAPI:
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
-        return {"status": "ok", "role": "leader" if core.leads else "standby",
-                "core_id": core.settings.core_id, "leader": core.not_leader_message().split("is ")[-1],
-                "uptime_s": time.time() - core.started_unix}
+        return {
+            "status": "ok",
+            "role": "leader" if core.leads else "standby",
+            "core_id": core.settings.core_id,
+            "leader": core.not_leader_message().split("is ")[-1],
+            "uptime_s": time.time() - core.started_unix,
+        }
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -148,8 +166,11 @@ def build_app(core: Core) -> FastAPI:
     def get_job(job: str) -> dict[str, Any]:
         record = job_or_404(job)
         members = [m.public() for m in sorted(record.members.values(), key=lambda m: m.worker_id)]
-        return {**job_summary(record), "members": members,
-                "layout": None if record.layout_json is None else json.loads(record.layout_json)}
+        return {
+            **job_summary(record),
+            "members": members,
+            "layout": None if record.layout_json is None else json.loads(record.layout_json),
+        }
 
     @app.get("/api/v1/jobs/{job}/events", dependencies=[Depends(leader_only)])
     def get_events(
@@ -161,13 +182,16 @@ def build_app(core: Core) -> FastAPI:
         events = [e for e in record.events if e.seq > since][:limit]
         return {"job": job, "events": [e.__dict__ for e in events]}
 
-    @app.post("/api/v1/jobs/{job}/preempt", status_code=202, dependencies=[Depends(leader_only), Depends(admin)])
+    @app.post(
+        "/api/v1/jobs/{job}/preempt", status_code=202, dependencies=[Depends(leader_only), Depends(admin)]
+    )
     async def preempt(job: str, body: PreemptRequest) -> dict[str, Any]:
         from elaswave.v1 import scheduler_pb2
 
         job_or_404(job)
         grpc_request = scheduler_pb2.SignalPreemptionRequest(
-            job=job, worker_ids=body.worker_ids, deadline_unix=body.deadline_unix, reason=body.reason)
+            job=job, worker_ids=body.worker_ids, deadline_unix=body.deadline_unix, reason=body.reason
+        )
         try:
             response = await core.scheduler.preempt(grpc_request)
         except RpcError as err:

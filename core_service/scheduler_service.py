@@ -29,21 +29,32 @@ MAX_DEADLINE_AHEAD_S = 7 * 24 * 3600.0
 def member_message(member: MemberRecord) -> common_pb2.Member:
     step = member.last_step
     return common_pb2.Member(
-        worker_id=member.worker_id, host=member.host, pid=member.pid,
-        devices=[common_pb2.Device(kind=d.kind, index=d.index, name=d.name, memory_bytes=d.memory_bytes)
-                 for d in member.devices],
+        worker_id=member.worker_id,
+        host=member.host,
+        pid=member.pid,
+        devices=[
+            common_pb2.Device(kind=d.kind, index=d.index, name=d.name, memory_bytes=d.memory_bytes)
+            for d in member.devices
+        ],
         state=common_pb2.WorkerState.Value(f"WORKER_STATE_{member.state.value}"),
-        lost_reason=member.lost_reason, last_heartbeat_unix=member.last_heartbeat_unix,
-        last_step=step.step if step else -1, last_step_time_s=step.step_time_s if step else 0.0,
-        stage=member.stage, dp_rank=member.dp_rank, rank=member.rank,
+        lost_reason=member.lost_reason,
+        last_heartbeat_unix=member.last_heartbeat_unix,
+        last_step=step.step if step else -1,
+        last_step_time_s=step.step_time_s if step else 0.0,
+        stage=member.stage,
+        dp_rank=member.dp_rank,
+        rank=member.rank,
     )
 
 
 def plan_message(job: str, epoch: int, decision: Decision, now: float) -> common_pb2.Plan:
     return common_pb2.Plan(
-        job=job, epoch=epoch, layout_json=(decision.layout_json or "").encode(),
+        job=job,
+        epoch=epoch,
+        layout_json=(decision.layout_json or "").encode(),
         reasons=list(decision.reasons) or [decision.reason],
-        predicted_step_time_s=decision.predicted_step_time_s, created_unix=now,
+        predicted_step_time_s=decision.predicted_step_time_s,
+        created_unix=now,
     )
 
 
@@ -58,7 +69,9 @@ class SchedulerServicer:
 
     def _deadline(self, deadline_unix: float, now: float) -> None:
         finite(deadline_unix, "deadline_unix")
-        require(deadline_unix > now, f"deadline_unix {deadline_unix:.3f} is not in the future (now {now:.3f})")
+        require(
+            deadline_unix > now, f"deadline_unix {deadline_unix:.3f} is not in the future (now {now:.3f})"
+        )
         require(deadline_unix <= now + MAX_DEADLINE_AHEAD_S, "deadline_unix is more than 7 days ahead")
 
     async def SignalPreemption(
@@ -67,7 +80,9 @@ class SchedulerServicer:
         self._authorise(context)
         return await self.preempt(request)
 
-    async def preempt(self, request: scheduler_pb2.SignalPreemptionRequest) -> scheduler_pb2.SignalPreemptionResponse:
+    async def preempt(
+        self, request: scheduler_pb2.SignalPreemptionRequest
+    ) -> scheduler_pb2.SignalPreemptionResponse:
         """Marks the workers PREEMPTING and tells their agents to drain (caller is authorised)."""
         now = time.time()
         job = self.core.job_or_not_found(request.job)
@@ -82,8 +97,10 @@ class SchedulerServicer:
             members.append(member)
         survivors = [m for m in job.live_members() if m.worker_id not in set(request.worker_ids)]
         if not survivors:
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"preempting {len(members)} worker(s) would leave job {job.name!r} with no worker")
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"preempting {len(members)} worker(s) would leave job {job.name!r} with no worker",
+            )
         source = f"scheduler: {request.reason}" if request.reason else "scheduler"
         for member in members:
             self.core.membership.preemption(job, member, request.deadline_unix, source, now)
@@ -102,8 +119,11 @@ class SchedulerServicer:
         finite(request.expected_duration_s, "expected_duration_s")
         accepted, reason = self.core.judge_offer(job, request.devices, request.expected_duration_s)
         event = self.core.table.record(
-            job, "resources_offered", detail=f"{request.devices} device(s) on {list(request.hosts)}: {reason}",
-            now=time.time(), data={"accepted": accepted, "devices": request.devices},
+            job,
+            "resources_offered",
+            detail=f"{request.devices} device(s) on {list(request.hosts)}: {reason}",
+            now=time.time(),
+            data={"accepted": accepted, "devices": request.devices},
         )
         await self.core.wait_durable()  # answer only once the offer's event is stored
         return scheduler_pb2.OfferResourcesResponse(accepted=accepted, reason=reason, event_seq=event.seq)
@@ -118,9 +138,11 @@ class SchedulerServicer:
         self._deadline(request.deadline_unix, now)
         live = job.live_members()
         if request.devices >= len(live):
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"reclaiming {request.devices} device(s) would leave job {job.name!r} with no worker "
-                           f"({len(live)} live)")
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"reclaiming {request.devices} device(s) would leave job {job.name!r} with no worker "
+                f"({len(live)} live)",
+            )
         # Slow workers go first (they cost the most), then the highest (stage, dp rank) to keep
         # the lower stages intact.
         order = sorted(live, key=lambda m: (m.state != WorkerState.SLOW, -m.stage, -m.dp_rank, m.worker_id))
@@ -140,9 +162,11 @@ class SchedulerServicer:
         self._authorise(context)
         job = self.core.job_or_not_found(request.job)
         return scheduler_pb2.GetJobStateResponse(
-            job=job.name, phase=common_pb2.JobPhase.Value(f"JOB_PHASE_{job.phase.value}"),
+            job=job.name,
+            phase=common_pb2.JobPhase.Value(f"JOB_PHASE_{job.phase.value}"),
             members=[member_message(m) for m in sorted(job.members.values(), key=lambda m: m.worker_id)],
-            plan_epoch=job.plan_epoch, last_event_seq=job.next_seq - 1,
+            plan_epoch=job.plan_epoch,
+            last_event_seq=job.next_seq - 1,
         )
 
     async def GetScaleTable(
@@ -159,8 +183,10 @@ class SchedulerServicer:
         self._authorise(context)
         job = self.core.job_or_not_found(request.job)
         if request.add_devices:
-            require(not request.remove_worker_ids,
-                    "add_devices and remove_worker_ids together are not modelled: ask one what-if at a time")
+            require(
+                not request.remove_worker_ids,
+                "add_devices and remove_worker_ids together are not modelled: ask one what-if at a time",
+            )
             # Seconds of planner work for a large model: off the event loop, heartbeats keep flowing.
             return await asyncio.to_thread(scale_up_what_if, job, request.add_devices, time.time())
         snapshot = snapshot_of(job)
@@ -168,11 +194,14 @@ class SchedulerServicer:
         for worker_id in request.remove_worker_ids:
             require(worker_id in live_ids, f"worker {worker_id!r} is not a live member of {job.name!r}")
         removed = set(request.remove_worker_ids)
-        gone = snapshot.gone + tuple(dataclasses.replace(w, state="LOST") for w in snapshot.live
-                                     if w.worker_id in removed)
+        gone = snapshot.gone + tuple(
+            dataclasses.replace(w, state="LOST") for w in snapshot.live if w.worker_id in removed
+        )
         # Everything else (the registered model, step times) as the real plan would see it.
         hypothetical = dataclasses.replace(
-            snapshot, live=tuple(w for w in snapshot.live if w.worker_id not in removed), gone=gone,
+            snapshot,
+            live=tuple(w for w in snapshot.live if w.worker_id not in removed),
+            gone=gone,
             changes=tuple(f"what_if_lost:{w}" for w in sorted(removed)),
         )
         if not hypothetical.live:
@@ -191,26 +220,47 @@ def scale_up_what_if(job: Job, add_devices: int, now: float) -> scheduler_pb2.Pl
     with an offer of unknown duration. Jobs without a model have no scale table, so adding devices
     is refused rather than answered with a guess."""
     if job.model_json is None:
-        raise invalid(f"adding devices is not modelled for job {job.name!r}: it was registered without a model "
-                      "(the `elaswave plan` state.json), so it has no scale table")
+        raise invalid(
+            f"adding devices is not modelled for job {job.name!r}: it was registered without a model "
+            "(the `elaswave plan` state.json), so it has no scale table"
+        )
     request = json.loads(job.model_json)
     state = state_from_dict(request)[0]
     current, shape = state.shape.num_devices, state.shape
     max_devices = int(request.get("max_devices", current + add_devices))
     predictions = predict_configs(state, max_devices // shape.tp)
     table = build_scale_table(predictions)
-    _, decision = choose_scale_up(table, current, add_devices, max_devices, RECONFIGURATION_OVERHEAD_S,
-                                  DEFAULT_RECLAIM_RATE_PER_S)
+    _, decision = choose_scale_up(
+        table, current, add_devices, max_devices, RECONFIGURATION_OVERHEAD_S, DEFAULT_RECLAIM_RATE_PER_S
+    )
     target = table.best_within(min(current + add_devices, max_devices))
     now_entry = table.best_within(current)
     if target is None or now_entry is None or target.gpus <= now_entry.gpus:
-        return scheduler_pb2.PlanWhatIfResponse(runnable=False, reason=f"adding {add_devices} device(s): {decision.reason}")
-    step_s = next(p.profiled_step_s for p in predictions if (p.gpus, p.dp, p.pp) == (target.gpus, target.dp, target.pp))
-    layout = make_uniform_layout(state.profile.num_layers, target.pp, target.dp, shape.global_batch,
-                                 shape.global_batch // (target.dp * shape.micro_batch))
-    summary = (f"with {add_devices} more device(s): {target.gpus} devices as DP={target.dp}, PP={target.pp}, "
-               f"TP={shape.tp} (from {current}), predicted step {step_s:.3f} s")
-    plan = common_pb2.Plan(job=job.name, epoch=0, layout_json=layout.to_json().encode(),
-                           reasons=[summary, decision.reason], predicted_step_time_s=step_s, created_unix=now)
-    return scheduler_pb2.PlanWhatIfResponse(plan=plan, runnable=decision.scale_up,
-                                            reason=f"{summary}; {decision.reason}")
+        return scheduler_pb2.PlanWhatIfResponse(
+            runnable=False, reason=f"adding {add_devices} device(s): {decision.reason}"
+        )
+    step_s = next(
+        p.profiled_step_s for p in predictions if (p.gpus, p.dp, p.pp) == (target.gpus, target.dp, target.pp)
+    )
+    layout = make_uniform_layout(
+        state.profile.num_layers,
+        target.pp,
+        target.dp,
+        shape.global_batch,
+        shape.global_batch // (target.dp * shape.micro_batch),
+    )
+    summary = (
+        f"with {add_devices} more device(s): {target.gpus} devices as DP={target.dp}, PP={target.pp}, "
+        f"TP={shape.tp} (from {current}), predicted step {step_s:.3f} s"
+    )
+    plan = common_pb2.Plan(
+        job=job.name,
+        epoch=0,
+        layout_json=layout.to_json().encode(),
+        reasons=[summary, decision.reason],
+        predicted_step_time_s=step_s,
+        created_unix=now,
+    )
+    return scheduler_pb2.PlanWhatIfResponse(
+        plan=plan, runnable=decision.scale_up, reason=f"{summary}; {decision.reason}"
+    )

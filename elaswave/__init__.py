@@ -59,6 +59,17 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "SGD", "Adam", "AdamW", "CheckpointError", "OptimizerConfig", "TrainResult", "Units", "dropout",
-    "load_model_state", "no_decay_norms_and_biases", "train", "unit_seed", "warmup_cosine",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "CheckpointError",
+    "OptimizerConfig",
+    "TrainResult",
+    "Units",
+    "dropout",
+    "load_model_state",
+    "no_decay_norms_and_biases",
+    "train",
+    "unit_seed",
+    "warmup_cosine",
 ]

@@ -51,7 +51,9 @@ class TrainResult:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-def as_units(model: ModelLike, init_seed: int = 0, state_dict: Mapping[str, torch.Tensor] | None = None) -> UnitModel:
+def as_units(
+    model: ModelLike, init_seed: int = 0, state_dict: Mapping[str, torch.Tensor] | None = None
+) -> UnitModel:
     """A `UnitModel` from what a script may hand over (see `elaswave.Units`)."""
     if isinstance(model, UnitModel):
         if state_dict is not None:
@@ -105,12 +107,29 @@ def train(
     after writing its results; a script error (bad model, data or settings) raises ValueError or
     TypeError saying what to fix, before any training.
     """
-    if steps < 1 or global_batch < 1 or micro_batches < 1 or micro_batches > global_batch or checkpoint_every < 0:
-        raise ValueError(f"need steps >= 1, 1 <= micro_batches <= global_batch and checkpoint_every >= 0; got "
-                         f"steps={steps}, global_batch={global_batch}, micro_batches={micro_batches}, "
-                         f"checkpoint_every={checkpoint_every}")
-    spec = TrainSpec(as_units(model, seed, state_dict), loss_fn, dataset, optimizer or OptimizerConfig(),
-                     collate_fn, data_seed, shuffle, rng_seed=seed, loader_workers=loader_workers)
+    if (
+        steps < 1
+        or global_batch < 1
+        or micro_batches < 1
+        or micro_batches > global_batch
+        or checkpoint_every < 0
+    ):
+        raise ValueError(
+            f"need steps >= 1, 1 <= micro_batches <= global_batch and checkpoint_every >= 0; got "
+            f"steps={steps}, global_batch={global_batch}, micro_batches={micro_batches}, "
+            f"checkpoint_every={checkpoint_every}"
+        )
+    spec = TrainSpec(
+        as_units(model, seed, state_dict),
+        loss_fn,
+        dataset,
+        optimizer or OptimizerConfig(),
+        collate_fn,
+        data_seed,
+        shuffle,
+        rng_seed=seed,
+        loader_workers=loader_workers,
+    )
     if loader_workers < 0:
         raise ValueError(f"loader_workers must be >= 0, got {loader_workers}")
     spec.sampler(global_batch)  # a dataset smaller than a global batch is refused here, with the sizes
@@ -124,13 +143,15 @@ def train(
         os._exit(0)  # describe mode: the launcher only wanted the description
     place = worker_env.worker_place_from_env()
     if place is None:
-        return _train_single_process(spec, global_batch, micro_batches, steps, ckpt_dir, every, resume_dir,
-                                     log_every, on_step)
+        return _train_single_process(
+            spec, global_batch, micro_batches, steps, ckpt_dir, every, resume_dir, log_every, on_step
+        )
     return _train_as_worker(spec, place, steps, ckpt_dir, every, resume_dir, log_every, on_step)
 
 
-def _checkpoint_settings(checkpoint_dir: str | Path | None, every: int,
-                         resume: str | Path | None) -> tuple[Path | None, int, Path | None]:
+def _checkpoint_settings(
+    checkpoint_dir: str | Path | None, every: int, resume: str | Path | None
+) -> tuple[Path | None, int, Path | None]:
     env_dir = os.environ.get(worker_env.CHECKPOINT_DIR_ENV)
     env_every = os.environ.get(worker_env.CHECKPOINT_EVERY_ENV)
     env_resume = os.environ.get(worker_env.RESUME_ENV)
@@ -143,9 +164,17 @@ def _checkpoint_settings(checkpoint_dir: str | Path | None, every: int,
     return directory, int(env_every) if env_every else every, resume_dir
 
 
-def _train_single_process(spec: TrainSpec, global_batch: int, micro_batches: int, steps: int,
-                          ckpt_dir: Path | None, every: int, resume: Path | None, log_every: int,
-                          on_step: Callable[[int, float | None], None] | None) -> TrainResult:
+def _train_single_process(
+    spec: TrainSpec,
+    global_batch: int,
+    micro_batches: int,
+    steps: int,
+    ckpt_dir: Path | None,
+    every: int,
+    resume: Path | None,
+    log_every: int,
+    on_step: Callable[[int, float | None], None] | None,
+) -> TrainResult:
     from executor.reference import single_rank_trainer  # noqa: PLC0415
 
     trainer = single_rank_trainer(spec, global_batch, micro_batches)
@@ -175,21 +204,42 @@ def _train_single_process(spec: TrainSpec, global_batch: int, micro_batches: int
         if writer.errors:
             raise RuntimeError(f"writing a checkpoint failed: {writer.errors[0]!r}")
         written = [str(p) for p in writer.written]
-    state = {f"{n}.{k}": v.detach().clone() for n, u in trainer.model.units.items() for k, v in u.state_dict().items()}
+    state = {
+        f"{n}.{k}": v.detach().clone()
+        for n, u in trainer.model.units.items()
+        for k, v in u.state_dict().items()
+    }
     return TrainResult(losses, steps, start, written, state)
 
 
-def _train_as_worker(spec: TrainSpec, place: worker_env.WorkerPlace, steps: int, ckpt_dir: Path | None,
-                     every: int, resume: Path | None, log_every: int,
-                     on_step: Callable[[int, float | None], None] | None) -> TrainResult:
+def _train_as_worker(
+    spec: TrainSpec,
+    place: worker_env.WorkerPlace,
+    steps: int,
+    ckpt_dir: Path | None,
+    every: int,
+    resume: Path | None,
+    log_every: int,
+    on_step: Callable[[int, float | None], None] | None,
+) -> TrainResult:
     from executor.worker import ModelMismatch, WorkerSettings, run_worker  # noqa: PLC0415
 
     stop = os.environ.get(worker_env.STOP_FILE_ENV)
     described = os.environ.get(worker_env.DESCRIPTION_ENV)
-    prints = worker_env.ModelDescription.from_json(Path(described).read_text()).fingerprints if described else None
-    settings = WorkerSettings(place, steps, checkpoint_dir=ckpt_dir, checkpoint_every=every, resume=resume,
-                              stop_file=Path(stop) if stop else None, fingerprints=prints, on_step=on_step,
-                              log_every=log_every)
+    prints = (
+        worker_env.ModelDescription.from_json(Path(described).read_text()).fingerprints if described else None
+    )
+    settings = WorkerSettings(
+        place,
+        steps,
+        checkpoint_dir=ckpt_dir,
+        checkpoint_every=every,
+        resume=resume,
+        stop_file=Path(stop) if stop else None,
+        fingerprints=prints,
+        on_step=on_step,
+        log_every=log_every,
+    )
     try:
         code, results = run_worker(spec, settings)
     except ModelMismatch as exc:
@@ -200,9 +250,16 @@ def _train_as_worker(spec: TrainSpec, place: worker_env.WorkerPlace, steps: int,
     # Skip interpreter teardown once the script is done: a gloo group with an abandoned op (a
     # dead peer's) would block its destructor until the group timeout.
     atexit.register(lambda: (sys.stdout.flush(), sys.stderr.flush(), os._exit(0)))
-    return TrainResult({int(k): v for k, v in results["losses"].items()}, results["committed_steps"],
-                       results.get("start_step", 0), results.get("checkpoints_written", []), None, place.rank, code,
-                       results)
+    return TrainResult(
+        {int(k): v for k, v in results["losses"].items()},
+        results["committed_steps"],
+        results.get("start_step", 0),
+        results.get("checkpoints_written", []),
+        None,
+        place.rank,
+        code,
+        results,
+    )
 
 
 __all__ = ["TrainResult", "as_units", "load_model_state", "train"]

@@ -35,8 +35,16 @@ def describe(spec: TrainSpec, global_batch: int, micro_batches: int, steps: int)
         timings = [_time_unit(unit, x) for _ in range(REPEATS + 1)][1:]  # the first call warms caches up
         fwd, bwd = min(t[0] for t in timings), min(t[1] for t in timings)
         out = timings[-1][2]
-        units.append(UnitDescription(name, probe.numel, probe.param_bytes, fwd / rows, bwd / rows,
-                                     ActivationSpec.of(out).bytes_per_sample()))
+        units.append(
+            UnitDescription(
+                name,
+                probe.numel,
+                probe.param_bytes,
+                fwd / rows,
+                bwd / rows,
+                ActivationSpec.of(out).bytes_per_sample(),
+            )
+        )
         x = tuple(t.detach() for t in out) if isinstance(out, tuple) else out.detach()
     return ModelDescription(tuple(units), global_batch, micro_batches, sampler.num_samples, steps, prints)
 

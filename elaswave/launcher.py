@@ -44,41 +44,81 @@ DEFAULT_WORKER_TIMEOUT_S = 20.0
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "run", help="launch a training script as an elastic PP x DP x ZeRO job (like torchrun)",
+        "run",
+        help="launch a training script as an elastic PP x DP x ZeRO job (like torchrun)",
         description="Run a script that calls elaswave.train(...) as an elastic job: describe its model once, "
         "lay it out over --nnodes x --nproc-per-node workers in --pp stages, start an embedded Core, the "
         "rendezvous store and one agent per worker, and show progress until the job ends. Ctrl-C stops "
         "the job at a step boundary (checkpointing first when --checkpoint-dir is set).",
         epilog="example: elaswave run --nproc-per-node 4 --pp 2 --checkpoint-dir ckpt train.py --lr 3e-4",
     )
-    parser.add_argument("--nnodes", type=int, default=1,
-                        help="nodes; without --core they are simulated on this machine (default 1)")
+    parser.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="nodes; without --core they are simulated on this machine (default 1)",
+    )
     parser.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
-    parser.add_argument("--core", metavar="HOST:PORT",
-                        help="join a multi-node job through the Core whose REST API is at HOST:PORT (its --http-port): "
-                        "run the same command on each of --nnodes nodes; needs $ELASWAVE_SCHEDULER_TOKEN")
-    parser.add_argument("--node-id", help="with --core: this node's name in the job, unique per node "
-                        "(default: host name and launcher pid)")
-    parser.add_argument("--rendezvous-timeout", type=float, default=300.0, metavar="S",
-                        help="with --core: seconds to wait for the other nodes to join (default 300)")
+    parser.add_argument(
+        "--core",
+        metavar="HOST:PORT",
+        help="join a multi-node job through the Core whose REST API is at HOST:PORT (its --http-port): "
+        "run the same command on each of --nnodes nodes; needs $ELASWAVE_SCHEDULER_TOKEN",
+    )
+    parser.add_argument(
+        "--node-id",
+        help="with --core: this node's name in the job, unique per node "
+        "(default: host name and launcher pid)",
+    )
+    parser.add_argument(
+        "--rendezvous-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="with --core: seconds to wait for the other nodes to join (default 300)",
+    )
     parser.add_argument("--job", help="job name (default: the script's name)")
-    parser.add_argument("--mem-per-worker", type=float, metavar="GIB",
-                        help="memory one worker may use (GiB): stage boundaries keep every worker within it, "
-                             "and a job that cannot fit is refused with what to change")
+    parser.add_argument(
+        "--mem-per-worker",
+        type=float,
+        metavar="GIB",
+        help="memory one worker may use (GiB): stage boundaries keep every worker within it, "
+        "and a job that cannot fit is refused with what to change",
+    )
     parser.add_argument("--resume", type=Path, metavar="DIR", help="resume from the latest checkpoint in DIR")
     parser.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="write checkpoints to DIR")
     parser.add_argument("--checkpoint-every", type=int, metavar="N", help="steps between checkpoints")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_WORKER_TIMEOUT_S, metavar="S",
-                        help=f"seconds any collective, vote or plan wait may take (default {DEFAULT_WORKER_TIMEOUT_S:g})")
-    parser.add_argument("--run-dir", type=Path, metavar="DIR",
-                        help="layout, logs and results of this run (default ./elaswave-run/<job>)")
-    parser.add_argument("--describe-timeout", type=float, default=300.0, metavar="S",
-                        help="seconds the script may take to describe its model (default 300)")
-    parser.add_argument("--stop-timeout", type=float, default=60.0, metavar="S",
-                        help="seconds workers get to stop after Ctrl-C/SIGTERM before they are killed (default 60)")
-    parser.add_argument("--tee", action="store_true",
-                        help="workers print to this terminal (default: to <run dir>/rank-R.log)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_WORKER_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds any collective, vote or plan wait may take (default {DEFAULT_WORKER_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        metavar="DIR",
+        help="layout, logs and results of this run (default ./elaswave-run/<job>)",
+    )
+    parser.add_argument(
+        "--describe-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds the script may take to describe its model (default 300)",
+    )
+    parser.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds workers get to stop after Ctrl-C/SIGTERM before they are killed (default 60)",
+    )
+    parser.add_argument(
+        "--tee", action="store_true", help="workers print to this terminal (default: to <run dir>/rank-R.log)"
+    )
     parser.add_argument("script", type=Path, help="the training script (calls elaswave.train)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     parser.set_defaults(func=run)
@@ -97,8 +137,10 @@ def check_args(args: argparse.Namespace) -> None:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         if not os.environ.get(SCHEDULER_TOKEN_ENV, "").strip():
-            raise UsageError(f"--core needs the Core's scheduler token in ${SCHEDULER_TOKEN_ENV} (joining a job "
-                             "creates it); export it on every node")
+            raise UsageError(
+                f"--core needs the Core's scheduler token in ${SCHEDULER_TOKEN_ENV} (joining a job "
+                "creates it); export it on every node"
+            )
     elif args.node_id is not None:
         raise UsageError("--node-id names a node of a multi-node job: it needs --core")
     if args.node_id is not None and not NODE_ID_PATTERN.fullmatch(args.node_id):
@@ -116,8 +158,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.resume is not None and not args.resume.is_dir():
         raise UsageError(f"--resume {str(args.resume)!r} is not a directory of checkpoints")
     if args.job is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", args.job):
-        raise UsageError(f"--job {args.job!r}: use 1-63 letters, digits, '.', '_' or '-', starting with a "
-                         "letter or digit")
+        raise UsageError(
+            f"--job {args.job!r}: use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
 
 
 def job_name(args: argparse.Namespace) -> str:
@@ -140,8 +183,12 @@ class StopRequest:
             self.signum = self.signum or signum
             raise KeyboardInterrupt  # out of any wait: tear down now
         self.signum = signum
-        print(f"\n[elaswave] {signal.Signals(signum).name}: stopping the job at a step boundary "
-              "(again to stop at once)", file=sys.stderr, flush=True)
+        print(
+            f"\n[elaswave] {signal.Signals(signum).name}: stopping the job at a step boundary "
+            "(again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def install(self) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -168,8 +215,10 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     from planners.placement import PlacementError, plan_placement  # noqa: PLC0415
 
     name = job_name(args)
-    print(f"[elaswave] describing the model: python {args.script} {shlex.join(args.script_args)}".rstrip(),
-          flush=True)
+    print(
+        f"[elaswave] describing the model: python {args.script} {shlex.join(args.script_args)}".rstrip(),
+        flush=True,
+    )
     try:
         desc = describe(args.script, args.script_args, args.describe_timeout)
     except DescribeError as exc:
@@ -179,27 +228,41 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     if args.core is not None:
         from elaswave.launcher_join import JoinError, join_job, placement_of  # noqa: PLC0415
 
-        print(f"[elaswave] joining job {name!r} through the Core at {args.core}: waiting up to "
-              f"{args.rendezvous_timeout:g} s for all {args.nnodes} nodes", flush=True)
+        print(
+            f"[elaswave] joining job {name!r} through the Core at {args.core}: waiting up to "
+            f"{args.rendezvous_timeout:g} s for all {args.nnodes} nodes",
+            flush=True,
+        )
         try:
             joined = join_job(args, name, desc.to_json(), os.environ["ELASWAVE_SCHEDULER_TOKEN"].strip())
         except JoinError as exc:
             print(f"elaswave run: error: {exc}", file=sys.stderr)
             return exc.exit_code
         placement = placement_of(joined)
-        print(f"[elaswave] joined as node {joined.node_index} of {args.nnodes} ({joined.node_id}): ranks "
-              f"{list(joined.ranks)}; store at {joined.store_address}", flush=True)
+        print(
+            f"[elaswave] joined as node {joined.node_index} of {args.nnodes} ({joined.node_id}): ranks "
+            f"{list(joined.ranks)}; store at {joined.store_address}",
+            flush=True,
+        )
     else:
         try:
-            placement = plan_placement(unit_costs(desc), global_batch=desc.global_batch,
-                                       micro_batches=desc.micro_batches, nnodes=args.nnodes,
-                                       nproc_per_node=args.nproc_per_node, pp=args.pp,
-                                       mem_cap_bytes=mem_cap_bytes(args))
+            placement = plan_placement(
+                unit_costs(desc),
+                global_batch=desc.global_batch,
+                micro_batches=desc.micro_batches,
+                nnodes=args.nnodes,
+                nproc_per_node=args.nproc_per_node,
+                pp=args.pp,
+                mem_cap_bytes=mem_cap_bytes(args),
+            )
         except PlacementError as exc:
             print(f"elaswave run: error: {exc}", file=sys.stderr)
             return we.EXIT_USAGE
-    print(f"[elaswave] {len(desc.units)} units, {sum(u.numel for u in desc.units):,} parameters, global batch "
-          f"{desc.global_batch} in {desc.micro_batches} micro-batches, {desc.steps} steps", flush=True)
+    print(
+        f"[elaswave] {len(desc.units)} units, {sum(u.numel for u in desc.units):,} parameters, global batch "
+        f"{desc.global_batch} in {desc.micro_batches} micro-batches, {desc.steps} steps",
+        flush=True,
+    )
     print(f"[elaswave] layout: {placement.reason}", flush=True)
     for warning in placement.warnings:
         print(f"[elaswave] WARNING: {warning}", file=sys.stderr, flush=True)
@@ -211,12 +274,17 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     (run_dir / "layout.json").write_text(placement.layout.to_json())
     (run_dir / "description.json").write_text(desc.to_json())
     nodes = {str(n): list(placement.ranks_on_node(n)) for n in range(args.nnodes)}
-    record: dict[str, object] = {"rank_node": list(placement.rank_node), "nodes": nodes,
-                                 "exposed_stages": list(placement.exposed_stages)}
+    record: dict[str, object] = {
+        "rank_node": list(placement.rank_node),
+        "nodes": nodes,
+        "exposed_stages": list(placement.exposed_stages),
+    }
     if joined is not None:
         record |= {"this_node": joined.node_index, "node_ids": joined.nodes}
     (run_dir / "nodes.json").write_text(json.dumps(record, indent=1))
-    print(f"[elaswave] run directory {run_dir} (layout.json, nodes.json, rank-R.log, rank-R.json)", flush=True)
+    print(
+        f"[elaswave] run directory {run_dir} (layout.json, nodes.json, rank-R.log, rank-R.json)", flush=True
+    )
     from elaswave.launcher_session import Session  # noqa: PLC0415 - httpx only once we launch
 
     with tempfile.TemporaryDirectory(prefix="ew-") as sockets:  # short: Unix socket paths <= 107 bytes
@@ -232,8 +300,17 @@ def prepare_run_dir(path: Path) -> Path:
     """Create the run directory; files a previous run of the launcher left there are removed."""
     path = path.resolve()
     path.mkdir(parents=True, exist_ok=True)
-    for pattern in ("rank-*.json", "rank-*.log", "stop.json", "stop.json.tmp", "layout.json", "nodes.json",
-                    "core.json", "core.log", "store.log"):
+    for pattern in (
+        "rank-*.json",
+        "rank-*.log",
+        "stop.json",
+        "stop.json.tmp",
+        "layout.json",
+        "nodes.json",
+        "core.json",
+        "core.log",
+        "store.log",
+    ):
         for stale in path.glob(pattern):
             if stale.is_file():
                 stale.unlink()
@@ -252,8 +329,18 @@ def next_job_name(name: str) -> str:
 
 def resume_command(args: argparse.Namespace, checkpoint_dir: Path) -> str:
     """The command that resumes this run from `checkpoint_dir` (same flags, same script)."""
-    cmd = ["elaswave", "run", "--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
-           "--pp", str(args.pp), "--resume", str(checkpoint_dir)]
+    cmd = [
+        "elaswave",
+        "run",
+        "--nnodes",
+        str(args.nnodes),
+        "--nproc-per-node",
+        str(args.nproc_per_node),
+        "--pp",
+        str(args.pp),
+        "--resume",
+        str(checkpoint_dir),
+    ]
     if getattr(args, "core", None):  # on every node again, as a new job: the Core keeps the old name
         cmd += ["--core", args.core, "--job", next_job_name(job_name(args))]
     elif args.job:
@@ -265,4 +352,3 @@ def resume_command(args: argparse.Namespace, checkpoint_dir: Path) -> str:
     if args.timeout != DEFAULT_WORKER_TIMEOUT_S:
         cmd += ["--timeout", f"{args.timeout:g}"]
     return shlex.join([*cmd, str(args.script), *args.script_args])
-

@@ -42,9 +42,24 @@ from planners.placement import UnitCost
 # worker (a test, a notebook) must not pass its own place on, or the child would think it is
 # that rank of that job.
 WORKER_CONTRACT_ENV: tuple[str, ...] = (
-    JOB_ENV, WORKER_ID_ENV, RANK_ENV, CORE_ENV, STORE_ENV, LAYOUT_ENV, TOKEN_ENV, TIMEOUT_ENV, RESULTS_ENV,
-    CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV, RESUME_ENV, DESCRIBE_ENV, STOP_FILE_ENV, DESCRIPTION_ENV,
-    "ELASWAVE_METRICS_SOCKET", "ELASWAVE_CONTROL_FILE", "ELASWAVE_FINISHED_FILE",
+    JOB_ENV,
+    WORKER_ID_ENV,
+    RANK_ENV,
+    CORE_ENV,
+    STORE_ENV,
+    LAYOUT_ENV,
+    TOKEN_ENV,
+    TIMEOUT_ENV,
+    RESULTS_ENV,
+    CHECKPOINT_DIR_ENV,
+    CHECKPOINT_EVERY_ENV,
+    RESUME_ENV,
+    DESCRIBE_ENV,
+    STOP_FILE_ENV,
+    DESCRIPTION_ENV,
+    "ELASWAVE_METRICS_SOCKET",
+    "ELASWAVE_CONTROL_FILE",
+    "ELASWAVE_FINISHED_FILE",
 )
 STDERR_TAIL_LINES = 30
 
@@ -61,8 +76,9 @@ def clean_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def describe(script: Path, script_args: Sequence[str], timeout_s: float,
-             extra_env: Mapping[str, str] | None = None) -> ModelDescription:
+def describe(
+    script: Path, script_args: Sequence[str], timeout_s: float, extra_env: Mapping[str, str] | None = None
+) -> ModelDescription:
     """Run the script in describe mode; blocks until it exits, at most `timeout_s` seconds.
 
     Raises DescribeError when it exits non-zero (with its stderr's tail), times out, never calls
@@ -72,42 +88,70 @@ def describe(script: Path, script_args: Sequence[str], timeout_s: float,
         env = clean_env() | dict(extra_env or {}) | {DESCRIBE_ENV: str(out), "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, str(script), *script_args]
         # Own session: a Ctrl-C at the terminal reaches the launcher, which ends this run itself.
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             _stdout, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
-            raise DescribeError(f"{script.name} did not finish describing its model within {timeout_s:g} s "
-                                "(raise --describe-timeout if building the units is that slow)") from None
+            raise DescribeError(
+                f"{script.name} did not finish describing its model within {timeout_s:g} s "
+                "(raise --describe-timeout if building the units is that slow)"
+            ) from None
         except BaseException:  # KeyboardInterrupt, the launcher's stop: take the child with us
             _kill_group(proc)
             raise
         if proc.returncode != 0:
-            raise DescribeError(f"{script.name} exited with {_status(proc.returncode)} while describing its model "
-                                f"(`python {script.name}` with {DESCRIBE_ENV} set); its stderr ends with:\n"
-                                + tail(stderr, STDERR_TAIL_LINES))
+            raise DescribeError(
+                f"{script.name} exited with {_status(proc.returncode)} while describing its model "
+                f"(`python {script.name}` with {DESCRIBE_ENV} set); its stderr ends with:\n"
+                + tail(stderr, STDERR_TAIL_LINES)
+            )
         if not out.exists():
-            raise DescribeError(f"{script.name} never called elaswave.train(): it exited 0 without describing a "
-                                "model. Call elaswave.train(units=..., loss_fn=..., dataset=..., ...) in the script")
+            raise DescribeError(
+                f"{script.name} never called elaswave.train(): it exited 0 without describing a "
+                "model. Call elaswave.train(units=..., loss_fn=..., dataset=..., ...) in the script"
+            )
         try:
             return ModelDescription.from_json(out.read_text())
         except (ValueError, TypeError, KeyError) as exc:
-            raise DescribeError(f"{script.name} wrote a model description the launcher cannot read ({exc}); "
-                                "are the launcher and the script's elaswave the same version?") from None
+            raise DescribeError(
+                f"{script.name} wrote a model description the launcher cannot read ({exc}); "
+                "are the launcher and the script's elaswave the same version?"
+            ) from None
 
 
 def unit_costs(description: ModelDescription) -> tuple[UnitCost, ...]:
-    return tuple(UnitCost(u.name, u.numel, u.param_bytes, u.forward_s_per_sample + u.backward_s_per_sample,
-                          u.activation_bytes_per_sample) for u in description.units)
+    return tuple(
+        UnitCost(
+            u.name,
+            u.numel,
+            u.param_bytes,
+            u.forward_s_per_sample + u.backward_s_per_sample,
+            u.activation_bytes_per_sample,
+        )
+        for u in description.units
+    )
 
 
 def model_identity(desc: ModelDescription) -> dict[str, Any]:
     """What must be the same on every node of a multi-node job (core_service.rendezvous): the units (not their measured times), the batch, the
     data, the steps and the initial weights' fingerprints."""
-    return {"units": [(u.name, u.numel, u.param_bytes, u.activation_bytes_per_sample) for u in desc.units],
-            "global_batch": desc.global_batch, "micro_batches": desc.micro_batches,
-            "dataset_len": desc.dataset_len, "steps": desc.steps, "fingerprints": desc.fingerprints}
+    return {
+        "units": [(u.name, u.numel, u.param_bytes, u.activation_bytes_per_sample) for u in desc.units],
+        "global_batch": desc.global_batch,
+        "micro_batches": desc.micro_batches,
+        "dataset_len": desc.dataset_len,
+        "steps": desc.steps,
+        "fingerprints": desc.fingerprints,
+    }
 
 
 def model_difference(mine: ModelDescription, first: ModelDescription, first_id: str) -> str | None:
@@ -117,16 +161,23 @@ def model_difference(mine: ModelDescription, first: ModelDescription, first_id: 
         return f"this node's model has {len(a['units'])} units, node {first_id!r}'s has {len(b['units'])}"
     for i, (u, v) in enumerate(zip(a["units"], b["units"], strict=True)):
         if u != v:
-            return (f"unit {i} is {u[0]!r} with {u[1]} parameters here but {v[0]!r} with {v[1]} parameters on node "
-                    f"{first_id!r} (name, parameters, bytes, activation bytes: {list(u)} vs {list(v)})")
+            return (
+                f"unit {i} is {u[0]!r} with {u[1]} parameters here but {v[0]!r} with {v[1]} parameters on node "
+                f"{first_id!r} (name, parameters, bytes, activation bytes: {list(u)} vs {list(v)})"
+            )
     for key in ("global_batch", "micro_batches", "dataset_len", "steps"):
         if a[key] != b[key]:
             return f"{key} is {a[key]} here but {b[key]} on node {first_id!r}"
     if a["fingerprints"] != b["fingerprints"]:
-        units = sorted(k for k in a["fingerprints"].keys() | b["fingerprints"].keys()
-                       if a["fingerprints"].get(k) != b["fingerprints"].get(k))
-        return (f"the initial weights of units {units[:5]} differ from node {first_id!r}'s: every node must build "
-                "the same model (seed it the same way)")
+        units = sorted(
+            k
+            for k in a["fingerprints"].keys() | b["fingerprints"].keys()
+            if a["fingerprints"].get(k) != b["fingerprints"].get(k)
+        )
+        return (
+            f"the initial weights of units {units[:5]} differ from node {first_id!r}'s: every node must build "
+            "the same model (seed it the same way)"
+        )
     return None
 
 

@@ -48,8 +48,10 @@ def parse_core(text: str) -> tuple[str, int]:
     """`HOST:PORT` -> (host, port); raises ValueError saying what is wrong."""
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--core {text!r}: give the Core's REST address as HOST:PORT (its --http-port, "
-                         "default 8080), e.g. --core 10.0.0.5:8080")
+        raise ValueError(
+            f"--core {text!r}: give the Core's REST address as HOST:PORT (its --http-port, "
+            "default 8080), e.g. --core 10.0.0.5:8080"
+        )
     return host, int(port)
 
 
@@ -82,38 +84,61 @@ def join_job(args: argparse.Namespace, job: str, description_json: str, schedule
 
     host, port = parse_core(args.core)
     rest_url = f"http://{host}:{port}"
-    body = {"node_id": args.node_id or default_node_id(), "session": secrets.token_urlsafe(12),
-            "nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "pp": args.pp,
-            "description": json.loads(description_json), "host": socket.gethostname(),
-            "timeout_s": args.rendezvous_timeout, "poll_s": POLL_S,
-            "mem_per_worker_bytes": None if args.mem_per_worker is None else float(args.mem_per_worker) * 2**30}
+    body = {
+        "node_id": args.node_id or default_node_id(),
+        "session": secrets.token_urlsafe(12),
+        "nnodes": args.nnodes,
+        "nproc_per_node": args.nproc_per_node,
+        "pp": args.pp,
+        "description": json.loads(description_json),
+        "host": socket.gethostname(),
+        "timeout_s": args.rendezvous_timeout,
+        "poll_s": POLL_S,
+        "mem_per_worker_bytes": None if args.mem_per_worker is None else float(args.mem_per_worker) * 2**30,
+    }
     deadline = time.monotonic() + args.rendezvous_timeout + CREATION_MARGIN_S
     shown: list[str] = []
-    with httpx.Client(base_url=rest_url, timeout=httpx.Timeout(10.0, read=POLL_S + CREATION_MARGIN_S),
-                      headers={"Authorization": f"Bearer {scheduler_token}"}) as client:
+    with httpx.Client(
+        base_url=rest_url,
+        timeout=httpx.Timeout(10.0, read=POLL_S + CREATION_MARGIN_S),
+        headers={"Authorization": f"Bearer {scheduler_token}"},
+    ) as client:
         while True:
             try:
                 response = client.post(f"/api/v1/rendezvous/{job}", json=body)
             except httpx.HTTPError as exc:
-                raise JoinError(f"cannot reach the Core's REST API at {rest_url} ({type(exc).__name__}: {exc}); is "
-                                "`elaswave core` running there, and is that its --http-port?") from None
+                raise JoinError(
+                    f"cannot reach the Core's REST API at {rest_url} ({type(exc).__name__}: {exc}); is "
+                    "`elaswave core` running there, and is that its --http-port?"
+                ) from None
             if response.status_code == 200:
                 break
             if response.status_code != 202:
-                raise JoinError(f"the Core refused this node: HTTP {response.status_code}: {_detail(response)}",
-                                64 if response.status_code in (401, 403, 409, 422) else 1)
+                raise JoinError(
+                    f"the Core refused this node: HTTP {response.status_code}: {_detail(response)}",
+                    64 if response.status_code in (401, 403, 409, 422) else 1,
+                )
             waiting = response.json()
             if waiting["joined"] != shown:
                 shown = list(waiting["joined"])
-                print(f"[elaswave] {len(shown)} of {waiting['nnodes']} nodes joined ({', '.join(shown)}); waiting "
-                      f"for {waiting['missing']} more", flush=True)
+                print(
+                    f"[elaswave] {len(shown)} of {waiting['nnodes']} nodes joined ({', '.join(shown)}); waiting "
+                    f"for {waiting['missing']} more",
+                    flush=True,
+                )
             if time.monotonic() > deadline:  # the Core forgot us (restarted?) and keeps saying wait
                 raise JoinError(f"the other nodes did not join within {args.rendezvous_timeout:g} s")
     answer = response.json()
-    return Joined(rest_url=rest_url, grpc_address=f"{host}:{answer['grpc_port']}",
-                  store_address=f"{host}:{answer['store_port']}", token=str(answer["token"]),
-                  node_index=int(answer["node_index"]), node_id=str(answer["node_id"]),
-                  ranks=tuple(answer["ranks"]), answer=answer)
+    return Joined(
+        rest_url=rest_url,
+        grpc_address=f"{host}:{answer['grpc_port']}",
+        store_address=f"{host}:{answer['store_port']}",
+        token=str(answer["token"]),
+        node_index=int(answer["node_index"]),
+        node_id=str(answer["node_id"]),
+        ranks=tuple(answer["ranks"]),
+        answer=answer,
+    )
 
 
 def placement_of(joined: Joined) -> Placement:
@@ -140,8 +165,11 @@ def stop_job(http: Any, job: str, scheduler_token: str) -> tuple[bool, str]:
     import httpx  # noqa: PLC0415
 
     try:
-        response = http.post(f"/api/v1/jobs/{job}/checkpoint", json={"stop": True},
-                             headers={"Authorization": f"Bearer {scheduler_token}"})
+        response = http.post(
+            f"/api/v1/jobs/{job}/checkpoint",
+            json={"stop": True},
+            headers={"Authorization": f"Bearer {scheduler_token}"},
+        )
     except httpx.HTTPError as exc:
         return False, f"the Core did not answer ({type(exc).__name__})"
     if response.status_code == 202:

@@ -19,9 +19,20 @@ from typing import Any, TextIO
 import httpx
 
 # Events that say something happened to the job (per-step chatter and plan acks are left out).
-NOTABLE_EVENTS = frozenset({"worker_lost", "worker_left", "worker_finished", "worker_preempting", "worker_slow",
-                            "worker_rejoined", "plan_published", "decision_refuse", "worker_draining",
-                            "checkpoint_requested"})
+NOTABLE_EVENTS = frozenset(
+    {
+        "worker_lost",
+        "worker_left",
+        "worker_finished",
+        "worker_preempting",
+        "worker_slow",
+        "worker_rejoined",
+        "plan_published",
+        "decision_refuse",
+        "worker_draining",
+        "checkpoint_requested",
+    }
+)
 RATE_WINDOW_S = 10.0
 
 
@@ -106,8 +117,11 @@ class Monitor:
             (t0, s0), (t1, s1) = self._history[0], self._history[-1]
             if s1 > s0 and t1 > t0:
                 return (s1 - s0) * self.global_batch / (t1 - t0)
-        times = [m["last_step"]["step_time_s"] for m in self.snapshot.live
-                 if m.get("last_step") and m["last_step"].get("step_time_s")]
+        times = [
+            m["last_step"]["step_time_s"]
+            for m in self.snapshot.live
+            if m.get("last_step") and m["last_step"].get("step_time_s")
+        ]
         return self.global_batch / max(times) if times else None
 
     def progress_line(self) -> str:
@@ -115,10 +129,12 @@ class Monitor:
         step = snap.step()
         loss = snap.loss()
         rate = self.samples_per_s()
-        parts = [f"step {step + 1}/{self.total_steps}" if step >= 0 else "starting",
-                 f"loss {loss:.4f}" if loss is not None else "loss -",
-                 f"{rate:.1f} samples/s" if rate is not None else "- samples/s",
-                 f"workers {len(snap.live)}/{self.world}"]
+        parts = [
+            f"step {step + 1}/{self.total_steps}" if step >= 0 else "starting",
+            f"loss {loss:.4f}" if loss is not None else "loss -",
+            f"{rate:.1f} samples/s" if rate is not None else "- samples/s",
+            f"workers {len(snap.live)}/{self.world}",
+        ]
         if snap.phase and snap.phase != "RUNNING":
             parts.append(f"phase {snap.phase}")
         last = next((e for e in reversed(self.events) if e["kind"] in NOTABLE_EVENTS), None)
@@ -158,8 +174,15 @@ class Outcome:
     failed_ranks: tuple[int, ...]
 
 
-def outcome(job: str, exit_codes: dict[int, int | None], events: list[dict[str, Any]], snapshot: Snapshot,
-            total_steps: int, stop_signal: int | None, world: int | None = None) -> Outcome:
+def outcome(
+    job: str,
+    exit_codes: dict[int, int | None],
+    events: list[dict[str, Any]],
+    snapshot: Snapshot,
+    total_steps: int,
+    stop_signal: int | None,
+    world: int | None = None,
+) -> Outcome:
     """How the job ended, from the agents' exit statuses and the Core's events.
 
     0 when the job completed: every agent exited 0, or some worker finished its work (it commits
@@ -173,13 +196,25 @@ def outcome(job: str, exit_codes: dict[int, int | None], events: list[dict[str, 
     lost_note = f"; lost on the way and planned around: {', '.join(lost)}" if lost else ""
     if stop_signal is not None:
         if failed:
-            return Outcome(1, f"job {job!r} stopped on request, but ranks {list(failed)} did not exit cleanly "
-                              f"(last committed step {step})", failed)
+            return Outcome(
+                1,
+                f"job {job!r} stopped on request, but ranks {list(failed)} did not exit cleanly "
+                f"(last committed step {step})",
+                failed,
+            )
         return Outcome(128 + stop_signal, f"job {job!r} stopped on request after step {step}{lost_note}", ())
     if not failed or finished:
-        return Outcome(0, f"job {job!r} finished: {step + 1}/{total_steps} steps, {len(finished)} of "
-                          f"{world or len(exit_codes)} workers finished{lost_note}", failed)
+        return Outcome(
+            0,
+            f"job {job!r} finished: {step + 1}/{total_steps} steps, {len(finished)} of "
+            f"{world or len(exit_codes)} workers finished{lost_note}",
+            failed,
+        )
     where = f"after step {step}" if step >= 0 else "before its first step"
     codes = ", ".join(f"rank {r}: {exit_codes[r]}" for r in failed)
-    return Outcome(1, f"job {job!r} failed {where}: no worker finished; ranks {list(failed)} exited non-zero "
-                      f"({codes}); see their logs in the run directory", failed)
+    return Outcome(
+        1,
+        f"job {job!r} failed {where}: no worker finished; ranks {list(failed)} exited non-zero "
+        f"({codes}); see their logs in the run directory",
+        failed,
+    )

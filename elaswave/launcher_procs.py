@@ -48,12 +48,21 @@ def _die_with_parent(signum: int) -> Callable[[], None] | None:
     return arm
 
 
-def spawn(cmd: list[str], env: Mapping[str, str], log: Path | None, death_signal: int) -> subprocess.Popen[bytes]:
+def spawn(
+    cmd: list[str], env: Mapping[str, str], log: Path | None, death_signal: int
+) -> subprocess.Popen[bytes]:
     """Start `cmd` in its own session; stdout and stderr to `log` (None: the launcher's terminal)."""
     out: BinaryIO | None = log.open("ab") if log is not None else None
     try:
-        return subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                start_new_session=True, preexec_fn=_die_with_parent(death_signal))
+        return subprocess.Popen(
+            cmd,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(death_signal),
+        )
     except OSError as exc:
         raise LaunchError(f"cannot start {cmd[:4]}: {exc}") from exc
     finally:
@@ -89,16 +98,35 @@ class LocalCore:
         ready = run_dir / "core.json"
         ready.unlink(missing_ok=True)
         token = secrets.token_urlsafe(24)
-        cmd = [sys.executable, "-m", "elaswave.cli", "core", "--grpc-host", LOOPBACK, "--grpc-port", "0",
-               "--http-host", LOOPBACK, "--http-port", "0", "--registry", "memory://",
-               "--ready-file", str(ready), "--log-level", "WARNING"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "elaswave.cli",
+            "core",
+            "--grpc-host",
+            LOOPBACK,
+            "--grpc-port",
+            "0",
+            "--http-host",
+            LOOPBACK,
+            "--http-port",
+            "0",
+            "--registry",
+            "memory://",
+            "--ready-file",
+            str(ready),
+            "--log-level",
+            "WARNING",
+        ]
         proc = spawn(cmd, dict(env, ELASWAVE_SCHEDULER_TOKEN=token), run_dir / "core.log", signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         try:
             while not ready.exists():
                 if proc.poll() is not None:
-                    raise LaunchError(f"the embedded Core exited with status {proc.returncode} before it was "
-                                      f"ready; see {run_dir / 'core.log'}")
+                    raise LaunchError(
+                        f"the embedded Core exited with status {proc.returncode} before it was "
+                        f"ready; see {run_dir / 'core.log'}"
+                    )
                 _check(deadline, "the embedded Core to start", timeout_s)
                 time.sleep(0.05)
             info = json.loads(ready.read_text())
@@ -114,10 +142,13 @@ class LocalCore:
     def create_job(self, name: str, expected_workers: int, layout_json: str) -> str:
         """POST /api/v1/jobs with the layout; returns the job token."""
         body = {"name": name, "expected_workers": expected_workers, "layout": json.loads(layout_json)}
-        response = self.http.post("/api/v1/jobs", json=body,
-                                  headers={"Authorization": f"Bearer {self.scheduler_token}"})
+        response = self.http.post(
+            "/api/v1/jobs", json=body, headers={"Authorization": f"Bearer {self.scheduler_token}"}
+        )
         if response.status_code != 201:
-            raise LaunchError(f"the Core refused job {name!r}: HTTP {response.status_code} {response.text[:500]}")
+            raise LaunchError(
+                f"the Core refused job {name!r}: HTTP {response.status_code} {response.text[:500]}"
+            )
         return str(response.json()["token"])
 
     def stop(self) -> None:
@@ -137,8 +168,15 @@ class LocalStore:
         """Start it and wait (at most `timeout_s`: it imports torch) for the port it bound."""
         cmd = [sys.executable, "-m", "executor.store_server", "--host", LOOPBACK, "--port", "0"]
         with log.open("ab") as err:  # the child keeps its own copy
-            proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=err, start_new_session=True, preexec_fn=_die_with_parent(signal.SIGTERM))
+            proc = subprocess.Popen(
+                cmd,
+                env=dict(env),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                start_new_session=True,
+                preexec_fn=_die_with_parent(signal.SIGTERM),
+            )
         assert proc.stdout is not None
         lines: list[bytes] = []
         reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
@@ -176,12 +214,40 @@ class Agents:
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     specs: dict[int, RankSpec] = field(default_factory=dict)
 
-    def start(self, spec: RankSpec, job: str, core: str, socket_dir: Path, worker_cmd: list[str],
-              env: Mapping[str, str], log: Path | None) -> None:
-        cmd = [sys.executable, "-m", "elaswave.cli", "agent", "--job", job, "--worker-id", f"rank-{spec.rank}",
-               "--rank", str(spec.rank), "--stage", str(spec.stage), "--dp-rank", str(spec.dp_rank),
-               "--core", core, "--metrics-socket", str(socket_dir / f"rank-{spec.rank}.sock"),
-               "--log-level", "WARNING", "--", *worker_cmd]
+    def start(
+        self,
+        spec: RankSpec,
+        job: str,
+        core: str,
+        socket_dir: Path,
+        worker_cmd: list[str],
+        env: Mapping[str, str],
+        log: Path | None,
+    ) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "elaswave.cli",
+            "agent",
+            "--job",
+            job,
+            "--worker-id",
+            f"rank-{spec.rank}",
+            "--rank",
+            str(spec.rank),
+            "--stage",
+            str(spec.stage),
+            "--dp-rank",
+            str(spec.dp_rank),
+            "--core",
+            core,
+            "--metrics-socket",
+            str(socket_dir / f"rank-{spec.rank}.sock"),
+            "--log-level",
+            "WARNING",
+            "--",
+            *worker_cmd,
+        ]
         # SIGINT on the launcher's death: the agent's clean shutdown stops its worker and leaves.
         self.procs[spec.rank] = spawn(cmd, env, log, signal.SIGINT)
         self.specs[spec.rank] = spec

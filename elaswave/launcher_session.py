@@ -39,8 +39,17 @@ STOP_RETRY_S = 1.0  # the Core refuses a stop before the first committed step: a
 
 
 class Session:
-    def __init__(self, args: argparse.Namespace, job: str, desc: we.ModelDescription, placement: Placement,
-                 run_dir: Path, socket_dir: Path, stop: StopRequest, joined: Joined | None = None) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        job: str,
+        desc: we.ModelDescription,
+        placement: Placement,
+        run_dir: Path,
+        socket_dir: Path,
+        stop: StopRequest,
+        joined: Joined | None = None,
+    ) -> None:
         self.args, self.job, self.desc, self.placement = args, job, desc, placement
         self.run_dir, self.socket_dir, self.stop, self.joined = run_dir, socket_dir, stop, joined
         self.core: LocalCore | None = None
@@ -73,8 +82,11 @@ class Session:
         self.store = LocalStore.start(env, self.run_dir / "store.log")
         self.http = self.core.http
         self.core_address, self.store_address = f"{LOOPBACK}:{self.core.grpc_port}", self.store.address
-        print(f"[elaswave] Core up (gRPC {self.core_address}, REST {self.core.http.base_url}"
-              f"/api/v1/jobs/{self.job}), store on {self.store.address}", flush=True)
+        print(
+            f"[elaswave] Core up (gRPC {self.core_address}, REST {self.core.http.base_url}"
+            f"/api/v1/jobs/{self.job}), store on {self.store.address}",
+            flush=True,
+        )
         return token
 
     def node_ranks(self) -> set[int]:
@@ -87,11 +99,17 @@ class Session:
         """The worker contract (`elaswave.worker_env`) for `rank`; the agent adds its worker id."""
         args = self.args
         env = clean_env() | {
-            we.TOKEN_ENV: token, we.JOB_ENV: self.job, we.RANK_ENV: str(rank),
-            we.CORE_ENV: self.core_address, we.STORE_ENV: self.store_address,
+            we.TOKEN_ENV: token,
+            we.JOB_ENV: self.job,
+            we.RANK_ENV: str(rank),
+            we.CORE_ENV: self.core_address,
+            we.STORE_ENV: self.store_address,
             we.LAYOUT_ENV: str(self.run_dir / "layout.json"),
-            we.DESCRIPTION_ENV: str(self.run_dir / "description.json"), we.RESULTS_ENV: str(self.run_dir / f"rank-{rank}.json"),
-            we.TIMEOUT_ENV: f"{args.timeout:g}", we.STOP_FILE_ENV: str(self.stop_file), "PYTHONUNBUFFERED": "1",
+            we.DESCRIPTION_ENV: str(self.run_dir / "description.json"),
+            we.RESULTS_ENV: str(self.run_dir / f"rank-{rank}.json"),
+            we.TIMEOUT_ENV: f"{args.timeout:g}",
+            we.STOP_FILE_ENV: str(self.stop_file),
+            "PYTHONUNBUFFERED": "1",
         }
         if args.checkpoint_dir is not None:
             env[we.CHECKPOINT_DIR_ENV] = str(args.checkpoint_dir.resolve())
@@ -110,21 +128,40 @@ class Session:
                     continue
                 spec = RankSpec(rank, stage.stage, dp_rank, self.placement.rank_node[rank])
                 log = None if self.args.tee else self.run_dir / f"rank-{rank}.log"
-                self.agents.start(spec, self.job, self.core_address, self.socket_dir, worker_cmd,
-                                  self.worker_env(token, rank), log)
+                self.agents.start(
+                    spec,
+                    self.job,
+                    self.core_address,
+                    self.socket_dir,
+                    worker_cmd,
+                    self.worker_env(token, rank),
+                    log,
+                )
         where = "this terminal" if self.args.tee else f"{self.run_dir}/rank-R.log"
-        print(f"[elaswave] {len(self.agents.procs)} workers started (one agent each); their output goes to "
-              f"{where}", flush=True)
+        print(
+            f"[elaswave] {len(self.agents.procs)} workers started (one agent each); their output goes to "
+            f"{where}",
+            flush=True,
+        )
 
     def _watch(self) -> int:
         assert self.http is not None
-        monitor = Monitor(self.http, self.job, len(self.placement.layout.ranks()), self.desc.steps,
-                          self.desc.global_batch, sys.stdout)
+        monitor = Monitor(
+            self.http,
+            self.job,
+            len(self.placement.layout.ranks()),
+            self.desc.steps,
+            self.desc.global_batch,
+            sys.stdout,
+        )
         stop_deadline: float | None = None
         while self.agents.running():
             if self.core is not None and self.core.process.poll() is not None:
-                print(f"elaswave run: error: the embedded Core exited (status {self.core.process.returncode}); "
-                      f"see {self.run_dir / 'core.log'}", file=sys.stderr)
+                print(
+                    f"elaswave run: error: the embedded Core exited (status {self.core.process.returncode}); "
+                    f"see {self.run_dir / 'core.log'}",
+                    file=sys.stderr,
+                )
                 return 1
             monitor.poll()
             if self.stop.signum is not None and stop_deadline is None:
@@ -133,8 +170,12 @@ class Session:
             elif stop_deadline is not None:
                 self._retry_core_stop()
             if stop_deadline is not None and time.monotonic() > stop_deadline:
-                print(f"[elaswave] workers {self.agents.running()} did not stop within {self.args.stop_timeout:g} s; "
-                      "stopping them now", file=sys.stderr, flush=True)
+                print(
+                    f"[elaswave] workers {self.agents.running()} did not stop within {self.args.stop_timeout:g} s; "
+                    "stopping them now",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 break
             monitor.show()
             time.sleep(POLL_S)
@@ -144,8 +185,15 @@ class Session:
         if stop_signal is None and self.joined is not None and stopped_by_the_core(monitor.events):
             # Another node's Ctrl-C or an operator stopped the job: end as if SIGTERM'd here.
             stop_signal = signal.SIGTERM
-        result = outcome(self.job, self.agents.exit_codes(), monitor.events, monitor.snapshot, self.desc.steps,
-                         stop_signal, world=monitor.world)
+        result = outcome(
+            self.job,
+            self.agents.exit_codes(),
+            monitor.events,
+            monitor.snapshot,
+            self.desc.steps,
+            stop_signal,
+            world=monitor.world,
+        )
         for rank in result.failed_ranks[:MAX_FAILED_LOGS]:
             self._show_log(rank)
         print(f"[elaswave] {result.summary}", file=sys.stderr if result.exit_code else sys.stdout, flush=True)
@@ -161,13 +209,21 @@ class Session:
             return
         stop_after = committed + 2
         write_stop_file(self.stop_file, stop_after)
-        print(f"[elaswave] asked the workers to stop after step {stop_after} ({self.stop_file}); waiting up to "
-              f"{self.args.stop_timeout:g} s", file=sys.stderr, flush=True)
+        print(
+            f"[elaswave] asked the workers to stop after step {stop_after} ({self.stop_file}); waiting up to "
+            f"{self.args.stop_timeout:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _retry_core_stop(self) -> None:
         """Ask the Core to stop the job until it accepts (at most once per STOP_RETRY_S); the
         caller's --stop-timeout bounds the whole stop."""
-        if self.joined is None or self._core_stop_accepted or time.monotonic() - self._stop_asked_at < STOP_RETRY_S:
+        if (
+            self.joined is None
+            or self._core_stop_accepted
+            or time.monotonic() - self._stop_asked_at < STOP_RETRY_S
+        ):
             return
         first = self._stop_asked_at == 0.0
         self._stop_asked_at = time.monotonic()
@@ -175,30 +231,50 @@ class Session:
         accepted, said = stop_job(self.http, self.job, os.environ.get(SCHEDULER_TOKEN_ENV, "").strip())
         self._core_stop_accepted = accepted
         if accepted:
-            print(f"[elaswave] asked the Core to stop job {self.job!r} on every node: {said}; waiting up to "
-                  f"{self.args.stop_timeout:g} s", file=sys.stderr, flush=True)
+            print(
+                f"[elaswave] asked the Core to stop job {self.job!r} on every node: {said}; waiting up to "
+                f"{self.args.stop_timeout:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
         elif first:
-            print(f"[elaswave] the Core did not take the stop yet ({said}); asking again every "
-                  f"{STOP_RETRY_S:g} s for up to {self.args.stop_timeout:g} s", file=sys.stderr, flush=True)
+            print(
+                f"[elaswave] the Core did not take the stop yet ({said}); asking again every "
+                f"{STOP_RETRY_S:g} s for up to {self.args.stop_timeout:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _show_log(self, rank: int) -> None:
         log = self.run_dir / f"rank-{rank}.log"
         if log.exists() and log.stat().st_size:
             text = log.read_text(errors="replace")
-            print(f"[elaswave] rank {rank} exited with status {self.agents.procs[rank].poll()}; {log} ends with:\n"
-                  + tail(text, LOG_TAIL_LINES), file=sys.stderr, flush=True)
+            print(
+                f"[elaswave] rank {rank} exited with status {self.agents.procs[rank].poll()}; {log} ends with:\n"
+                + tail(text, LOG_TAIL_LINES),
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _print_resume(self) -> None:
         from elaswave.launcher import resume_command  # noqa: PLC0415 - no import cycle at module load
 
         if self.args.checkpoint_dir is not None:
-            print(f"[elaswave] resume with: {resume_command(self.args, self.args.checkpoint_dir)}", flush=True)
+            print(
+                f"[elaswave] resume with: {resume_command(self.args, self.args.checkpoint_dir)}", flush=True
+            )
         elif self.args.resume is not None:
-            print(f"[elaswave] no --checkpoint-dir was given; if the script checkpoints to {self.args.resume}, "
-                  f"resume with: {resume_command(self.args, self.args.resume)}", flush=True)
+            print(
+                f"[elaswave] no --checkpoint-dir was given; if the script checkpoints to {self.args.resume}, "
+                f"resume with: {resume_command(self.args, self.args.resume)}",
+                flush=True,
+            )
         else:
-            print("[elaswave] no --checkpoint-dir was given, so the launcher knows of no checkpoint to resume "
-                  "from; pass --checkpoint-dir DIR next time", flush=True)
+            print(
+                "[elaswave] no --checkpoint-dir was given, so the launcher knows of no checkpoint to resume "
+                "from; pass --checkpoint-dir DIR next time",
+                flush=True,
+            )
 
     def teardown(self) -> None:
         """Agents first (they still need the Core to say Leave), then the store, the Core last."""

@@ -90,6 +90,8 @@ def mark_finished() -> bool:
         return False
     Path(path).write_text(f"{time.time():.6f}\n")
     return True
+
+
 VERSION = 1
 
 
@@ -149,10 +151,15 @@ class ControlFile:
 
     def publish(self) -> None:
         self.seq += 1
-        body = {"version": VERSION, "seq": self.seq, "agent_pid": os.getpid(), "updated_unix": time.time(),
-                "frequency": None if self.frequency is None else self.frequency.to_dict(),
-                "drain": None if self.drain is None else asdict(self.drain),
-                "checkpoint": None if self.checkpoint is None else asdict(self.checkpoint)}
+        body = {
+            "version": VERSION,
+            "seq": self.seq,
+            "agent_pid": os.getpid(),
+            "updated_unix": time.time(),
+            "frequency": None if self.frequency is None else self.frequency.to_dict(),
+            "drain": None if self.drain is None else asdict(self.drain),
+            "checkpoint": None if self.checkpoint is None else asdict(self.checkpoint),
+        }
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
         try:
@@ -192,13 +199,27 @@ def parse_control(raw: str) -> ControlState:
         raise BadControlFile(f"expected a JSON object with version {VERSION}")
     freq, drain, ckpt = body.get("frequency"), body.get("drain"), body.get("checkpoint")
     try:
-        frequency = None if freq is None else FrequencyState(
-            str(freq["controller"]), int(freq["mhz"]), int(freq["nominal_mhz"]), int(freq["min_mhz"]),
-            int(freq["max_mhz"]))
-        notice = None if drain is None else DrainNotice(
-            str(drain["reason"]), float(drain["deadline_unix"]), float(drain["since_unix"]))
-        checkpoint = None if ckpt is None else CheckpointRequest(
-            int(ckpt["after_step"]), bool(ckpt["stop"]), float(ckpt["since_unix"]))
+        frequency = (
+            None
+            if freq is None
+            else FrequencyState(
+                str(freq["controller"]),
+                int(freq["mhz"]),
+                int(freq["nominal_mhz"]),
+                int(freq["min_mhz"]),
+                int(freq["max_mhz"]),
+            )
+        )
+        notice = (
+            None
+            if drain is None
+            else DrainNotice(str(drain["reason"]), float(drain["deadline_unix"]), float(drain["since_unix"]))
+        )
+        checkpoint = (
+            None
+            if ckpt is None
+            else CheckpointRequest(int(ckpt["after_step"]), bool(ckpt["stop"]), float(ckpt["since_unix"]))
+        )
         seq = int(body["seq"])
     except (KeyError, TypeError, ValueError) as exc:
         raise BadControlFile(f"missing or malformed field: {exc!r}") from exc
@@ -288,7 +309,12 @@ def validate_step_metrics(record: object) -> dict[str, float | int]:
         values[name] = value
     for name in _SECONDS_FIELDS:
         value = record[name]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value < 0
+        ):
             raise BadMetrics(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         values[name] = float(value)
     loss = record.get("loss")

@@ -86,7 +86,9 @@ class ModelDescription:
     def from_json(text: str) -> ModelDescription:
         raw: dict[str, Any] = json.loads(text)
         if raw.get("version") != DESCRIPTION_VERSION:
-            raise ValueError(f"model description version {raw.get('version')!r}, expected {DESCRIPTION_VERSION}")
+            raise ValueError(
+                f"model description version {raw.get('version')!r}, expected {DESCRIPTION_VERSION}"
+            )
         units = tuple(UnitDescription(**u) for u in raw.pop("units"))
         raw.pop("version")
         return ModelDescription(units=units, **raw)
@@ -125,7 +127,14 @@ def worker_place_from_env() -> WorkerPlace | None:
     if rank < 0 or timeout <= 0:
         raise ValueError(f"${RANK_ENV} must be >= 0 and ${TIMEOUT_ENV} positive, got {rank}, {timeout}")
     results = os.environ.get(RESULTS_ENV)
-    return WorkerPlace(job=_required(JOB_ENV), worker_id=_required(WORKER_ID_ENV), rank=rank,
-                       core=tuple(_required(CORE_ENV).split(",")), store=_required(STORE_ENV),
-                       layout_file=Path(_required(LAYOUT_ENV)), token=os.environ.get(TOKEN_ENV, ""),
-                       timeout_s=timeout, results_file=Path(results) if results else None)
+    return WorkerPlace(
+        job=_required(JOB_ENV),
+        worker_id=_required(WORKER_ID_ENV),
+        rank=rank,
+        core=tuple(_required(CORE_ENV).split(",")),
+        store=_required(STORE_ENV),
+        layout_file=Path(_required(LAYOUT_ENV)),
+        token=os.environ.get(TOKEN_ENV, ""),
+        timeout_s=timeout,
+        results_file=Path(results) if results else None,
+    )

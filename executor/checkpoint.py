@@ -70,11 +70,15 @@ class CheckpointMeta:
         try:
             raw = json.loads(text)
             if raw.get("version") != FORMAT_VERSION:
-                raise CheckpointError(f"{where}: checkpoint format {raw.get('version')!r}, expected {FORMAT_VERSION}")
+                raise CheckpointError(
+                    f"{where}: checkpoint format {raw.get('version')!r}, expected {FORMAT_VERSION}"
+                )
             raw["units"], raw["unit_numel"] = tuple(raw["units"]), tuple(raw["unit_numel"])
             return CheckpointMeta(**raw)
         except (json.JSONDecodeError, TypeError, KeyError) as exc:
-            raise CheckpointError(f"{where}: meta.json is not an ElasWave checkpoint description ({exc})") from exc
+            raise CheckpointError(
+                f"{where}: meta.json is not an ElasWave checkpoint description ({exc})"
+            ) from exc
 
 
 def step_dir_name(next_step: int) -> str:
@@ -92,8 +96,10 @@ def latest_checkpoint(root: str | Path) -> Path:
         raise CheckpointError(f"{root} does not exist or is not a directory")
     pointer = root / LATEST
     if not pointer.is_file():
-        raise CheckpointError(f"{root} is not a checkpoint directory: it has neither meta.json nor a '{LATEST}' "
-                              "file (pass the directory given as checkpoint_dir, or one step-NNNNNNNN inside it)")
+        raise CheckpointError(
+            f"{root} is not a checkpoint directory: it has neither meta.json nor a '{LATEST}' "
+            "file (pass the directory given as checkpoint_dir, or one step-NNNNNNNN inside it)"
+        )
     target = root / pointer.read_text().strip()
     if not (target / "meta.json").is_file():
         raise CheckpointError(f"{root}/{LATEST} names {target.name}, which has no meta.json")
@@ -126,15 +132,20 @@ def load_unit_state(ckpt: Path, unit: str) -> tuple[dict[str, torch.Tensor], tor
     return params, optim["exp_avg"], optim["exp_avg_sq"]
 
 
-def check_fits(meta: CheckpointMeta, units: Sequence[str], numel: Sequence[int], global_batch: int,
-               where: Path) -> None:
+def check_fits(
+    meta: CheckpointMeta, units: Sequence[str], numel: Sequence[int], global_batch: int, where: Path
+) -> None:
     """Refuse (CheckpointError) a checkpoint of another model or batch."""
     if tuple(units) != meta.units or tuple(numel) != meta.unit_numel:
-        raise CheckpointError(f"{where} holds units {list(zip(meta.units, meta.unit_numel, strict=True))}, this "
-                              f"model has {list(zip(units, numel, strict=True))}")
+        raise CheckpointError(
+            f"{where} holds units {list(zip(meta.units, meta.unit_numel, strict=True))}, this "
+            f"model has {list(zip(units, numel, strict=True))}"
+        )
     if global_batch != meta.global_batch:
-        raise CheckpointError(f"{where} was trained with global batch {meta.global_batch}, this job uses "
-                              f"{global_batch}: resuming would change the sample order")
+        raise CheckpointError(
+            f"{where} was trained with global batch {meta.global_batch}, this job uses "
+            f"{global_batch}: resuming would change the sample order"
+        )
 
 
 @dataclass
@@ -164,8 +175,9 @@ class CheckpointWriter:
 
     def submit(self, payload: StagePayload) -> None:
         """Write `payload` (this rank is its stage's writer; stage 0's writer also commits)."""
-        t = threading.Thread(target=self._write, args=(payload,), daemon=True,
-                             name=f"elaswave-ckpt-{payload.next_step}")
+        t = threading.Thread(
+            target=self._write, args=(payload,), daemon=True, name=f"elaswave-ckpt-{payload.next_step}"
+        )
         t.start()
         self._threads.append(t)
 
@@ -196,10 +208,17 @@ class CheckpointWriter:
         deadline = time.monotonic() + self.commit_timeout_s
         while not all((tmp / STAGE_DONE.format(stage=s)).exists() for s in range(payload.num_stages)):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"checkpoint {tmp}: not every stage wrote its units within {self.commit_timeout_s:g} s")
+                raise TimeoutError(
+                    f"checkpoint {tmp}: not every stage wrote its units within {self.commit_timeout_s:g} s"
+                )
             time.sleep(0.02)
-        meta = CheckpointMeta(next_step=payload.next_step, step_count=payload.step_count, num_stages=payload.num_stages,
-                              written_unix=time.time(), **self.meta)
+        meta = CheckpointMeta(
+            next_step=payload.next_step,
+            step_count=payload.step_count,
+            num_stages=payload.num_stages,
+            written_unix=time.time(),
+            **self.meta,
+        )
         (tmp / "meta.json").write_text(meta.to_json())
         final = self.root / step_dir_name(payload.next_step)
         if final.exists():
@@ -213,5 +232,7 @@ class CheckpointWriter:
 
 def _save(obj: Mapping[str, Any], path: Path) -> None:
     part = path.with_suffix(".part")
-    torch.save({k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in obj.items()}, part)
+    torch.save(
+        {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in obj.items()}, part
+    )
     os.replace(part, path)

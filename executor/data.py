@@ -55,32 +55,45 @@ class SampleBatch:
 def split_inputs_targets(batch: Any) -> tuple[Activation, Any]:
     """A collated batch must be `(inputs, targets)`; inputs a tensor or a tuple of tensors."""
     if not isinstance(batch, list | tuple) or len(batch) != 2:
-        raise TypeError("a collated batch must be a pair (inputs, targets): make the dataset return "
-                        f"(input, target) items or pass a collate_fn that does; got {type(batch).__name__}")
+        raise TypeError(
+            "a collated batch must be a pair (inputs, targets): make the dataset return "
+            f"(input, target) items or pass a collate_fn that does; got {type(batch).__name__}"
+        )
     inputs, targets = batch
     if isinstance(inputs, list):
         inputs = tuple(inputs)
     items = inputs if isinstance(inputs, tuple) else (inputs,)
     if not items or not all(isinstance(t, torch.Tensor) for t in items):
-        raise TypeError("the inputs of a batch must be a tensor or a tuple of tensors, got "
-                        f"{type(inputs).__name__}")
+        raise TypeError(
+            f"the inputs of a batch must be a tensor or a tuple of tensors, got {type(inputs).__name__}"
+        )
     return inputs, targets
 
 
 class GlobalBatchSampler:
     """Global batch of step `s` = samples `s*B .. s*B+B-1`; see the module docstring."""
 
-    def __init__(self, dataset: Dataset[Any], global_batch: int, seed: int = 0, shuffle: bool = True,
-                 collate_fn: Collate | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        global_batch: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        collate_fn: Collate | None = None,
+    ) -> None:
         try:
             n = len(dataset)  # type: ignore[arg-type]
         except TypeError as exc:
-            raise TypeError(f"the dataset must be a map-style torch Dataset with __len__, got {type(dataset).__name__}") from exc
+            raise TypeError(
+                f"the dataset must be a map-style torch Dataset with __len__, got {type(dataset).__name__}"
+            ) from exc
         if global_batch < 1:
             raise ValueError(f"global_batch must be positive, got {global_batch}")
         if n < global_batch:
-            raise ValueError(f"the dataset has {n} samples, fewer than one global batch of {global_batch}: use a "
-                             "smaller global_batch or more data")
+            raise ValueError(
+                f"the dataset has {n} samples, fewer than one global batch of {global_batch}: use a "
+                "smaller global_batch or more data"
+            )
         self.dataset, self.global_batch, self.seed, self.shuffle = dataset, global_batch, seed, shuffle
         self.collate = collate_fn or default_collate
         self.num_samples = n
@@ -145,8 +158,12 @@ class Prefetcher:
         self._pool: Executor
         if workers:
             # spawn, not fork: the training process already runs gloo and OpenMP threads.
-            self._pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _init_loader,
-                                             (sampler.dataset, sampler.collate))
+            self._pool = ProcessPoolExecutor(
+                workers,
+                multiprocessing.get_context("spawn"),
+                _init_loader,
+                (sampler.dataset, sampler.collate),
+            )
         else:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elaswave-data")
         self._pending: dict[tuple[int, int, int], Future[SampleBatch]] = {}

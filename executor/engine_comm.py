@@ -30,7 +30,9 @@ def pp_group_name(stage: int) -> str:
     return f"pp/{stage}-{stage + 1}"
 
 
-def groups_for_stage_ranks(stage_ranks: Sequence[Sequence[int]], world: bool = False) -> dict[str, tuple[int, ...]]:
+def groups_for_stage_ranks(
+    stage_ranks: Sequence[Sequence[int]], world: bool = False
+) -> dict[str, tuple[int, ...]]:
     """Every logical group of a job whose stage p is served by `stage_ranks[p]` (DP order), and
     with `world` the group of every rank ("world", for the global gradient norm)."""
     groups: dict[str, tuple[int, ...]] = {}
@@ -62,8 +64,11 @@ class EngineComm(Protocol):
 
     def wait(self, name: str, work: object, has_future: bool = True) -> None: ...
 
-    def post_exchange(self, sends: Sequence[tuple[str, torch.Tensor, int, int]],
-                      recvs: Sequence[tuple[str, torch.Tensor, int, int]]) -> Any:
+    def post_exchange(
+        self,
+        sends: Sequence[tuple[str, torch.Tensor, int, int]],
+        recvs: Sequence[tuple[str, torch.Tensor, int, int]],
+    ) -> Any:
         """Issue (group, tensor, peer worker, tag) sends and receives without waiting; returns a
         handle for `complete`."""
         ...
@@ -115,8 +120,15 @@ def make_group(backend: str, store: Store, rank: int, size: int, timeout: timede
 class StaticComm:
     """Fixed logical groups built once over `store`; see the module docstring."""
 
-    def __init__(self, store: Store, worker: int, membership: dict[str, tuple[int, ...]],
-                 timeout_s: float = 30.0, namespace: str = "static", backend: str = "gloo") -> None:
+    def __init__(
+        self,
+        store: Store,
+        worker: int,
+        membership: dict[str, tuple[int, ...]],
+        timeout_s: float = 30.0,
+        namespace: str = "static",
+        backend: str = "gloo",
+    ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if timeout_s <= 0:
@@ -130,8 +142,9 @@ class StaticComm:
         self._groups: dict[str, ProcessGroup] = {}
         for name in sorted(self._members):
             ws = self._members[name]
-            self._groups[name] = make_group(backend, PrefixStore(f"{namespace}/{name}", store),
-                                            ws.index(worker), len(ws), self.timeout)
+            self._groups[name] = make_group(
+                backend, PrefixStore(f"{namespace}/{name}", store), ws.index(worker), len(ws), self.timeout
+            )
 
     def group(self, name: str) -> ProcessGroup:
         if name not in self._groups:
@@ -161,9 +174,14 @@ class StaticComm:
     def wait(self, name: str, work: object, has_future: bool = True) -> None:
         work.wait(self.timeout)  # type: ignore[attr-defined]
 
-    def post_exchange(self, sends: Sequence[tuple[str, torch.Tensor, int, int]],
-                      recvs: Sequence[tuple[str, torch.Tensor, int, int]]) -> list[object]:
-        works: list[object] = [self.group(n).send([t], self.group_rank(n, peer), tag) for n, t, peer, tag in sends]
+    def post_exchange(
+        self,
+        sends: Sequence[tuple[str, torch.Tensor, int, int]],
+        recvs: Sequence[tuple[str, torch.Tensor, int, int]],
+    ) -> list[object]:
+        works: list[object] = [
+            self.group(n).send([t], self.group_rank(n, peer), tag) for n, t, peer, tag in sends
+        ]
         return works + [self.group(n).recv([t], self.group_rank(n, peer), tag) for n, t, peer, tag in recvs]
 
     def complete(self, ops: list[object]) -> None:
@@ -171,8 +189,9 @@ class StaticComm:
             work.wait(self.timeout)  # type: ignore[attr-defined]
 
 
-def all_to_all_v(comm: EngineComm, name: str, inputs: Sequence[torch.Tensor],
-                 output_sizes: Sequence[int]) -> list[torch.Tensor]:
+def all_to_all_v(
+    comm: EngineComm, name: str, inputs: Sequence[torch.Tensor], output_sizes: Sequence[int]
+) -> list[torch.Tensor]:
     """Personalised exchange in group `name`: `inputs[k]` goes to group rank k; returns the piece
     received from each group rank (sizes `output_sizes`). 1-D float tensors, uneven sizes allowed."""
     send = torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0)
@@ -180,7 +199,8 @@ def all_to_all_v(comm: EngineComm, name: str, inputs: Sequence[torch.Tensor],
     if len(inputs) == 1:  # a group of one: nothing to exchange
         recv.copy_(send)
     else:
-        work = comm.group(name).alltoall_base(recv, send, list(output_sizes),
-                                              [t.numel() for t in inputs], AllToAllOptions())
+        work = comm.group(name).alltoall_base(
+            recv, send, list(output_sizes), [t.numel() for t in inputs], AllToAllOptions()
+        )
         comm.wait(name, work)
     return list(recv.split(list(output_sizes)))

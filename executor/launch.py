@@ -110,8 +110,16 @@ def _run_rank(spec: JobSpec, rank: int, trainer: Trainer) -> RankResult:
         if writer.errors:
             raise RuntimeError(f"rank {rank}: checkpoint write failed: {writer.errors[0]!r}")
     state = trainer.gather_full_state()
-    return RankResult(rank, trainer.stage, trainer.dp_index, losses, processed,
-                      state if trainer.dp_index == 0 else None, reports, replayed)
+    return RankResult(
+        rank,
+        trainer.stage,
+        trainer.dp_index,
+        losses,
+        processed,
+        state if trainer.dp_index == 0 else None,
+        reports,
+        replayed,
+    )
 
 
 def _make_comm(spec: JobSpec, store: TCPStore, rank: int) -> EngineComm:
@@ -157,8 +165,9 @@ def run_job(spec: JobSpec) -> dict[int, RankResult]:
     ranks = spec.layout.ranks()
     if sorted(ranks) != list(range(len(ranks))):
         raise ValueError(f"launch needs ranks 0..N-1, layout has {sorted(ranks)}")
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=spec.timeout_s))
+    store = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=spec.timeout_s)
+    )
     ctx = mp.get_context("forkserver")
     # The fork server imports torch and the engine once; each rank is then a cheap fork of it.
     ctx.set_forkserver_preload(["torch", "executor.launch"])
@@ -173,7 +182,9 @@ def run_job(spec: JobSpec) -> dict[int, RankResult]:
             try:
                 rank, status, payload = results.get(timeout=spec.timeout_s)
             except queue.Empty:
-                errors.append(f"no result within {spec.timeout_s}s from ranks {sorted(set(ranks) - set(out))}")
+                errors.append(
+                    f"no result within {spec.timeout_s}s from ranks {sorted(set(ranks) - set(out))}"
+                )
                 break
             if status == "ok":
                 out[rank] = torch.load(io.BytesIO(payload), weights_only=False)

@@ -52,12 +52,16 @@ def moved_layers(old: Layout, new: Layout) -> tuple[tuple[int, int, int], ...]:
     same = ("num_layers", "global_batch", "num_micro_batches", "layer_numel", "zero_layout", "rng_mode")
     diff = [f for f in same if getattr(old, f) != getattr(new, f)]
     if diff or [s.sample_weights for s in old.stages] != [s.sample_weights for s in new.stages]:
-        raise ValueError(f"a pipeline-only change may only move stage boundaries; it also changes {diff or 'samples'}")
+        raise ValueError(
+            f"a pipeline-only change may only move stage boundaries; it also changes {diff or 'samples'}"
+        )
     moves = []
     for layer in range(old.num_layers):
         src, dst = old.stage_of_layer(layer), new.stage_of_layer(layer)
         if abs(src - dst) > 1:
-            raise ValueError(f"layer {layer} would jump from stage {src} to stage {dst}; move it one stage at a time")
+            raise ValueError(
+                f"layer {layer} would jump from stage {src} to stage {dst}; move it one stage at a time"
+            )
         if src != dst:
             moves.append((layer, src, dst))
     return tuple(moves)
@@ -91,7 +95,7 @@ def migrate(trainer: Trainer, new: Layout, mode: str = "blocking") -> MigrationR
             lo, hi = t.start - sh.lo, t.stop - sh.lo
             parts = [sh.exp_avg[lo:hi], sh.exp_avg_sq[lo:hi]]
             if width == 3:
-                parts.append(old_params[name][t.start:t.stop])
+                parts.append(old_params[name][t.start : t.stop])
             trainer.comm.send(_link(old, t), torch.cat(parts), t.dst_rank)
             sent += width * n
         else:
@@ -106,9 +110,12 @@ def migrate(trainer: Trainer, new: Layout, mode: str = "blocking") -> MigrationR
     shards, params = {}, {}
     for name, iv in ownership.items():
         lo, hi = iv[j]
-        shards[name] = ShardState(lo, hi, torch.zeros(hi - lo, device=trainer.device),
-                                  torch.zeros(hi - lo, device=trainer.device))
-        params[name] = old_params[name] if name in old_params else torch.zeros(numel[name], device=trainer.device)
+        shards[name] = ShardState(
+            lo, hi, torch.zeros(hi - lo, device=trainer.device), torch.zeros(hi - lo, device=trainer.device)
+        )
+        params[name] = (
+            old_params[name] if name in old_params else torch.zeros(numel[name], device=trainer.device)
+        )
     _fill_from_local(shards, old_shards)
     _fill_from_incoming(shards, params, incoming, moving, trainer.unit_names)
     arrived = sorted(layer for layer, _, dst in moves if dst == stage.stage)
@@ -125,35 +132,44 @@ def _fill_from_local(shards: dict[str, ShardState], old: dict[str, ShardState]) 
         o = old[name]
         lo, hi = max(sh.lo, o.lo), min(sh.hi, o.hi)
         if lo < hi:
-            sh.exp_avg[lo - sh.lo: hi - sh.lo] = o.exp_avg[lo - o.lo: hi - o.lo]
-            sh.exp_avg_sq[lo - sh.lo: hi - sh.lo] = o.exp_avg_sq[lo - o.lo: hi - o.lo]
+            sh.exp_avg[lo - sh.lo : hi - sh.lo] = o.exp_avg[lo - o.lo : hi - o.lo]
+            sh.exp_avg_sq[lo - sh.lo : hi - sh.lo] = o.exp_avg_sq[lo - o.lo : hi - o.lo]
 
 
-def _fill_from_incoming(shards: dict[str, ShardState], params: dict[str, torch.Tensor],
-                        incoming: dict[tuple[int, int, int], torch.Tensor], moving: set[int],
-                        names: Sequence[str]) -> None:
+def _fill_from_incoming(
+    shards: dict[str, ShardState],
+    params: dict[str, torch.Tensor],
+    incoming: dict[tuple[int, int, int], torch.Tensor],
+    moving: set[int],
+    names: Sequence[str],
+) -> None:
     for (layer, lo, hi), buf in incoming.items():
         sh, n = shards[names[layer]], hi - lo
-        sh.exp_avg[lo - sh.lo: hi - sh.lo] = buf[:n]
-        sh.exp_avg_sq[lo - sh.lo: hi - sh.lo] = buf[n: 2 * n]
+        sh.exp_avg[lo - sh.lo : hi - sh.lo] = buf[:n]
+        sh.exp_avg_sq[lo - sh.lo : hi - sh.lo] = buf[n : 2 * n]
         if layer in moving:
-            params[names[layer]][lo:hi] = buf[2 * n:]
+            params[names[layer]][lo:hi] = buf[2 * n :]
 
 
-def _gather_arrived_params(trainer: Trainer, stage: int, ownership: dict[str, list[tuple[int, int]]],
-                           params: dict[str, torch.Tensor], arrived: list[int], j: int) -> None:
+def _gather_arrived_params(
+    trainer: Trainer,
+    stage: int,
+    ownership: dict[str, list[tuple[int, int]]],
+    params: dict[str, torch.Tensor],
+    arrived: list[int],
+    j: int,
+) -> None:
     """Every rank of the destination stage holds one slice of each arrived block: all-gather them."""
     if not arrived:
         return
     names = [trainer.unit_names[layer] for layer in arrived]
     d = len(ownership[names[0]])
-    mine = torch.cat([params[n][ownership[n][j][0]: ownership[n][j][1]] for n in names])
+    mine = torch.cat([params[n][ownership[n][j][0] : ownership[n][j][1]] for n in names])
     sizes = [sum(ownership[n][k][1] - ownership[n][k][0] for n in names) for k in range(d)]
     pieces = all_to_all_v(trainer.comm, dp_group_name(stage), [mine] * d, sizes)
     for k, piece in enumerate(pieces):
         pos = 0
         for n in names:
             lo, hi = ownership[n][k]
-            params[n][lo:hi] = piece[pos: pos + hi - lo]
+            params[n][lo:hi] = piece[pos : pos + hi - lo]
             pos += hi - lo
-

@@ -70,12 +70,16 @@ def check_nonblocking(old: Layout, moves: tuple[tuple[int, int, int], ...], k: i
     if not 1 <= k <= old.num_micro_batches:
         raise ValueError(f"shadow_slots must be in [1, {old.num_micro_batches}], got {k}")
     if old.zero_layout != "interleaved":
-        raise ValueError("non-blocking migration needs the interleaved ZeRO layout (no intra-stage reshuffle)")
+        raise ValueError(
+            "non-blocking migration needs the interleaved ZeRO layout (no intra-stage reshuffle)"
+        )
     for layer, src, dst in moves:
         a, b = old.stages[src], old.stages[dst]
         if a.dp_size != b.dp_size or a.sample_weights != b.sample_weights:
-            raise ValueError(f"layer {layer}: stages {src} and {dst} split samples differently, so a "
-                             "shadow's gradient cannot be paid back rank to rank; use blocking migration")
+            raise ValueError(
+                f"layer {layer}: stages {src} and {dst} split samples differently, so a "
+                "shadow's gradient cannot be paid back rank to rank; use blocking migration"
+            )
 
 
 def _require_tagged_p2p(comm: EngineComm, group: str, peer: int) -> None:
@@ -83,8 +87,10 @@ def _require_tagged_p2p(comm: EngineComm, group: str, peer: int) -> None:
     # pair of ranks, kept apart by tags: gloo matches by tag, NCCL/HCCL only by order.
     _, pg, _ = p2p_channel(comm, group, peer)
     if not isinstance(pg, ProcessGroupGloo):
-        raise ValueError(f"non-blocking migration needs tagged point-to-point (gloo), got {type(pg).__name__}; "
-                         "use blocking migration on this backend")
+        raise ValueError(
+            f"non-blocking migration needs tagged point-to-point (gloo), got {type(pg).__name__}; "
+            "use blocking migration on this backend"
+        )
 
 
 class NonBlockingMigration:
@@ -127,20 +133,36 @@ class NonBlockingMigration:
                 payload = torch.empty(numel[name] + 2 * (hi - lo), device=trainer.device)
                 payback = torch.empty(numel[name], device=trainer.device)
                 _require_tagged_p2p(comm, group, peer)
-                self.incoming.append(_Incoming(
-                    layer, peer, lo, hi,
-                    payload, comm.post_exchange([], [(group, payload, peer, MIGRATE_TAG + layer)]),
-                    payback, comm.post_exchange([], [(group, payback, peer, PAYBACK_TAG + layer)])))
+                self.incoming.append(
+                    _Incoming(
+                        layer,
+                        peer,
+                        lo,
+                        hi,
+                        payload,
+                        comm.post_exchange([], [(group, payload, peer, MIGRATE_TAG + layer)]),
+                        payback,
+                        comm.post_exchange([], [(group, payback, peer, PAYBACK_TAG + layer)]),
+                    )
+                )
         dev = trainer.device
         params = {n: old_params.get(n, torch.zeros(numel[n], device=dev)) for n in ownership}
-        shards = {n: old_shards[n] if n in old_shards else
-                  ShardState(iv[j][0], iv[j][1], torch.zeros(iv[j][1] - iv[j][0], device=dev),
-                             torch.zeros(iv[j][1] - iv[j][0], device=dev))
-                  for n, iv in ownership.items()}
+        shards = {
+            n: old_shards[n]
+            if n in old_shards
+            else ShardState(
+                iv[j][0],
+                iv[j][1],
+                torch.zeros(iv[j][1] - iv[j][0], device=dev),
+                torch.zeros(iv[j][1] - iv[j][0], device=dev),
+            )
+            for n, iv in ownership.items()
+        }
         trainer.reset_layout(new, comm, params, shards, trainer.optimizer.step_count, trainer.next_step)
         self.boundary_seconds = time.perf_counter() - start
-        self._last_shadow_slot = max((m for m in range(shadow_slots)
-                                      if len(new.samples_of(me, m))), default=None)
+        self._last_shadow_slot = max(
+            (m for m in range(shadow_slots) if len(new.samples_of(me, m))), default=None
+        )
 
     # -------------------------------------------------------------------- StepOverlay hooks
     def units_for_slot(self, slot: int, units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -149,8 +171,16 @@ class NonBlockingMigration:
         self.shadow_slots_run += 1 if self.outgoing else 0
         skipped = {self.trainer.unit_names[inc.layer] for inc in self.incoming}
         units = [(n, u) for n, u in units if n not in skipped]
-        front = [(self.trainer.unit_names[o.layer], o.shadow) for o in sorted(self.outgoing, key=lambda o: o.layer) if o.in_front]
-        back = [(self.trainer.unit_names[o.layer], o.shadow) for o in sorted(self.outgoing, key=lambda o: o.layer) if not o.in_front]
+        front = [
+            (self.trainer.unit_names[o.layer], o.shadow)
+            for o in sorted(self.outgoing, key=lambda o: o.layer)
+            if o.in_front
+        ]
+        back = [
+            (self.trainer.unit_names[o.layer], o.shadow)
+            for o in sorted(self.outgoing, key=lambda o: o.layer)
+            if not o.in_front
+        ]
         return front + units + back
 
     def before_forward(self, slot: int) -> None:
@@ -178,7 +208,7 @@ class NonBlockingMigration:
                 total += g
             offset = 0
             for p in self.trainer.model.units[self.trainer.unit_names[inc.layer]].parameters():
-                p.grad = total[offset: offset + p.numel()].view_as(p).clone()
+                p.grad = total[offset : offset + p.numel()].view_as(p).clone()
                 offset += p.numel()
 
     def finish(self) -> None:
@@ -203,8 +233,8 @@ class NonBlockingMigration:
             numel = inc.payload.numel() - 2 * n
             assign_flat(self.trainer.model.units[name], inc.payload[:numel])
             shard = self.trainer.optimizer.shards[name]
-            shard.exp_avg.copy_(inc.payload[numel: numel + n])
-            shard.exp_avg_sq.copy_(inc.payload[numel + n:])
+            shard.exp_avg.copy_(inc.payload[numel : numel + n])
+            shard.exp_avg_sq.copy_(inc.payload[numel + n :])
             self.received += inc.payload.numel()
             inc.loaded = True
 
@@ -214,12 +244,22 @@ class NonBlockingMigration:
             if out.payback_sent:
                 continue
             payback = flat_grads(out.shadow)
-            out.works.append(comm.post_exchange([(out.group, payback, out.peer, PAYBACK_TAG + out.layer)], []))
+            out.works.append(
+                comm.post_exchange([(out.group, payback, out.peer, PAYBACK_TAG + out.layer)], [])
+            )
             self.sent += payback.numel()
             out.payback_sent = True
 
     def report(self) -> MigrationReport:
         transfers = len(self.outgoing) + len(self.incoming)
-        return MigrationReport("nonblocking", self.moves, transfers, self.sent, self.received,
-                               self.boundary_seconds, self.shadow_slots_run,
-                               max((len(inc.stash) for inc in self.incoming), default=0), self.wait_seconds)
+        return MigrationReport(
+            "nonblocking",
+            self.moves,
+            transfers,
+            self.sent,
+            self.received,
+            self.boundary_seconds,
+            self.shadow_slots_run,
+            max((len(inc.stash) for inc in self.incoming), default=0),
+            self.wait_seconds,
+        )

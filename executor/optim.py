@@ -45,8 +45,10 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_factor: float = 0.0) 
     """Linear warm-up from 1/warmup to 1 over `warmup_steps`, then cosine decay to `min_factor`
     at `total_steps` (held there after). Returns the factor of update `t` (0-based)."""
     if warmup_steps < 0 or total_steps < 1 or warmup_steps > total_steps or not 0.0 <= min_factor <= 1.0:
-        raise ValueError(f"warmup_cosine needs 0 <= warmup <= total, total >= 1 and 0 <= min_factor <= 1; got "
-                         f"warmup={warmup_steps}, total={total_steps}, min_factor={min_factor}")
+        raise ValueError(
+            f"warmup_cosine needs 0 <= warmup <= total, total >= 1 and 0 <= min_factor <= 1; got "
+            f"warmup={warmup_steps}, total={total_steps}, min_factor={min_factor}"
+        )
 
     def factor(t: int) -> float:
         if t < warmup_steps:
@@ -87,7 +89,9 @@ class OptimizerConfig:
         if not 0.0 <= self.weight_decay < 1.0 / self.lr:
             problems.append(f"weight_decay must be in [0, 1/lr), got {self.weight_decay}")
         if not 0.0 <= self.momentum < 1.0 or not 0.0 <= self.dampening <= 1.0:
-            problems.append(f"momentum must be in [0, 1) and dampening in [0, 1], got {self.momentum}, {self.dampening}")
+            problems.append(
+                f"momentum must be in [0, 1) and dampening in [0, 1], got {self.momentum}, {self.dampening}"
+            )
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             problems.append("nesterov needs momentum > 0 and dampening 0")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -118,8 +122,16 @@ class OptimizerConfig:
             pos += p.numel()
         return tuple(runs)
 
-    def update_slice(self, param: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
-                     step: int, segments: Segments, lo: int) -> None:
+    def update_slice(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        state1: torch.Tensor,
+        state2: torch.Tensor,
+        step: int,
+        segments: Segments,
+        lo: int,
+    ) -> None:
         """Apply update `step` (1-based) in place to elements `[lo, lo + len(param))` of a unit
         whose flat vector has `segments`; `param`, `grad` and the states are 1-D slices."""
         hi = lo + param.numel()
@@ -130,8 +142,16 @@ class OptimizerConfig:
                 s = slice(a - lo, b - lo)
                 self._update(param[s], grad[s], state1[s], state2[s], step, lr, wd)
 
-    def _update(self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
-                lr: float, wd: float) -> None:
+    def _update(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        step: int,
+        lr: float,
+        wd: float,
+    ) -> None:
         # The arithmetic of torch.optim's single-tensor implementations, in the same order.
         if self.kind == "sgd":
             if wd:

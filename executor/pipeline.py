@@ -101,8 +101,11 @@ def routes(layout: Layout, rank: int, slot: int, toward: Literal["next", "prev"]
 
 
 def _empty(spec: ActivationSpec, rows: int, device: torch.device, grads_only: bool) -> list[torch.Tensor]:
-    return [torch.empty(rows, *t.shape, dtype=t.dtype, device=device)
-            for t in spec.tensors if t.carries_grad or not grads_only]
+    return [
+        torch.empty(rows, *t.shape, dtype=t.dtype, device=device)
+        for t in spec.tensors
+        if t.carries_grad or not grads_only
+    ]
 
 
 class PipelineRunner:
@@ -117,34 +120,48 @@ class PipelineRunner:
     A slot in which this rank has no samples is skipped without any message.
     """
 
-    def __init__(self, comm: EngineComm, layout: Layout, rank: int, in_spec: ActivationSpec | None,
-                 out_spec: ActivationSpec | None, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        comm: EngineComm,
+        layout: Layout,
+        rank: int,
+        in_spec: ActivationSpec | None,
+        out_spec: ActivationSpec | None,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.comm, self.layout, self.rank = comm, layout, rank
         self.device = torch.device(device)
         self.stage = layout.stage_of_rank(rank)
-        if (in_spec is None) != (self.stage == 0) or (out_spec is None) != (self.stage == layout.num_stages - 1):
-            raise ValueError(f"stage {self.stage} of {layout.num_stages}: activation specs must be given exactly "
-                             "at the stage boundaries that exist")
+        if (in_spec is None) != (self.stage == 0) or (out_spec is None) != (
+            self.stage == layout.num_stages - 1
+        ):
+            raise ValueError(
+                f"stage {self.stage} of {layout.num_stages}: activation specs must be given exactly "
+                "at the stage boundaries that exist"
+            )
         self.in_spec, self.out_spec = in_spec, out_spec
         self.program = stage_program(layout.num_stages, self.stage, layout.num_micro_batches)
 
     def _group(self, toward: Literal["next", "prev"]) -> str:
         return pp_group_name(self.stage if toward == "next" else self.stage - 1)
 
-    def _recv(self, slot: int, toward: Literal["next", "prev"], spec: ActivationSpec,
-              grads_only: bool) -> list[torch.Tensor]:
+    def _recv(
+        self, slot: int, toward: Literal["next", "prev"], spec: ActivationSpec, grads_only: bool
+    ) -> list[torch.Tensor]:
         bufs = _empty(spec, len(self.layout.samples_of(self.rank, slot)), self.device, grads_only)
         for r in routes(self.layout, self.rank, slot, toward):
             for buf in bufs:
                 piece = torch.empty(len(r.samples), *buf.shape[1:], dtype=buf.dtype, device=self.device)
                 self.comm.recv(self._group(toward), piece, r.peer)
-                buf[r.offset: r.offset + len(r.samples)] = piece
+                buf[r.offset : r.offset + len(r.samples)] = piece
         return bufs
 
     def _send(self, slot: int, toward: Literal["next", "prev"], tensors: list[torch.Tensor]) -> None:
         for r in routes(self.layout, self.rank, slot, toward):
             for t in tensors:
-                self.comm.send(self._group(toward), t[r.offset: r.offset + len(r.samples)].contiguous(), r.peer)
+                self.comm.send(
+                    self._group(toward), t[r.offset : r.offset + len(r.samples)].contiguous(), r.peer
+                )
 
     def _received(self, slot: int) -> Activation:
         assert self.in_spec is not None
@@ -157,10 +174,16 @@ class PipelineRunner:
     def _outgoing(self, out: Activation) -> list[torch.Tensor]:
         assert self.out_spec is not None
         items = as_tuple(out)
-        if ActivationSpec(tuple(TensorSpec(tuple(t.shape[1:]), t.dtype) for t in items),
-                          isinstance(out, tuple)) != self.out_spec:
-            raise ValueError(f"stage {self.stage} produced {ActivationSpec.of(out)}, the dry run found "
-                             f"{self.out_spec}: activations must keep their per-sample shape and dtype")
+        if (
+            ActivationSpec(
+                tuple(TensorSpec(tuple(t.shape[1:]), t.dtype) for t in items), isinstance(out, tuple)
+            )
+            != self.out_spec
+        ):
+            raise ValueError(
+                f"stage {self.stage} produced {ActivationSpec.of(out)}, the dry run found "
+                f"{self.out_spec}: activations must keep their per-sample shape and dtype"
+            )
         return [t.detach() for t in items]
 
     def _backward(self, out: Activation, grads: list[torch.Tensor] | None) -> None:
@@ -169,18 +192,26 @@ class PipelineRunner:
             out.backward()
             return
         assert self.out_spec is not None
-        floats = [t for t, spec in zip(as_tuple(out), self.out_spec.tensors, strict=True) if spec.carries_grad]
+        floats = [
+            t for t, spec in zip(as_tuple(out), self.out_spec.tensors, strict=True) if spec.carries_grad
+        ]
         pairs = [(t, g) for t, g in zip(floats, grads, strict=True) if t.requires_grad]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
     def _input_grads(self, received: Activation) -> list[torch.Tensor]:
         assert self.in_spec is not None
-        return [t.grad if t.grad is not None else torch.zeros_like(t)
-                for t, spec in zip(as_tuple(received), self.in_spec.tensors, strict=True) if spec.carries_grad]
+        return [
+            t.grad if t.grad is not None else torch.zeros_like(t)
+            for t, spec in zip(as_tuple(received), self.in_spec.tensors, strict=True)
+            if spec.carries_grad
+        ]
 
-    def run(self, forward: Callable[[int, Activation | None], Activation],
-            after_backward: Callable[[int], None] | None = None) -> None:
+    def run(
+        self,
+        forward: Callable[[int, Activation | None], Activation],
+        after_backward: Callable[[int], None] | None = None,
+    ) -> None:
         inputs: dict[int, Activation] = {}
         outputs: dict[int, Activation] = {}
         grads_from_next: dict[int, list[torch.Tensor]] = {}

@@ -53,8 +53,15 @@ class PublishedPlan:
 class PlanClient:
     """One worker's subscription to its job's plans, and its acks."""
 
-    def __init__(self, addresses: Sequence[str], job: str, worker_id: str, token: str,
-                 rpc_timeout_s: float = 2.0, on_plan: Callable[[PublishedPlan], None] | None = None) -> None:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        job: str,
+        worker_id: str,
+        token: str,
+        rpc_timeout_s: float = 2.0,
+        on_plan: Callable[[PublishedPlan], None] | None = None,
+    ) -> None:
         if not addresses:
             raise ValueError("at least one Core address (host:port) is needed")
         if rpc_timeout_s <= 0:
@@ -94,7 +101,9 @@ class PlanClient:
             while self._newest is None or self._newest.epoch <= after_epoch:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise PlanTimeout(f"no plan newer than epoch {after_epoch} from the Core within {timeout_s}s")
+                    raise PlanTimeout(
+                        f"no plan newer than epoch {after_epoch} from the Core within {timeout_s}s"
+                    )
                 self._cond.wait(left)
             return self._newest
 
@@ -109,11 +118,17 @@ class PlanClient:
                 if self._stop.is_set():
                     return
                 code = exc.code() if isinstance(exc, grpc.Call) else None
-                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-                            grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                if code in (
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    grpc.StatusCode.NOT_FOUND,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                ):
                     log.error("plan subscription refused by %s: %s", address, exc.details())
                     return  # retrying cannot help; the training loop times out waiting for a plan
-                log.warning("plan subscription to %s ended (%s); next address in %.2fs", address, code, backoff)
+                log.warning(
+                    "plan subscription to %s ended (%s); next address in %.2fs", address, code, backoff
+                )
                 self._address_index += 1
             self._stop.wait(backoff)
             backoff = min(BACKOFF_MAX_S, backoff * 2)
@@ -122,8 +137,9 @@ class PlanClient:
         self._channel = grpc.insecure_channel(address)
         try:
             stub = executor_pb2_grpc.ExecutorServiceStub(self._channel)
-            request = executor_pb2.SubscribePlansRequest(job=self.job, worker_id=self.worker_id,
-                                                         after_epoch=self.newest_epoch())
+            request = executor_pb2.SubscribePlansRequest(
+                job=self.job, worker_id=self.worker_id, after_epoch=self.newest_epoch()
+            )
             self._call = stub.SubscribePlans(request, metadata=self._metadata)
             for response in self._call:
                 self._publish(response.plan)
@@ -131,9 +147,12 @@ class PlanClient:
             self._channel.close()
 
     def _publish(self, proto: object) -> None:
-        plan = PublishedPlan(epoch=int(proto.epoch), layout_json=proto.layout_json.decode(),  # type: ignore[attr-defined]
-                             reasons=tuple(proto.reasons),  # type: ignore[attr-defined]
-                             predicted_step_time_s=float(proto.predicted_step_time_s))  # type: ignore[attr-defined]
+        plan = PublishedPlan(
+            epoch=int(proto.epoch),  # type: ignore[attr-defined]
+            layout_json=proto.layout_json.decode(),  # type: ignore[attr-defined]
+            reasons=tuple(proto.reasons),  # type: ignore[attr-defined]
+            predicted_step_time_s=float(proto.predicted_step_time_s),  # type: ignore[attr-defined]
+        )
         with self._cond:
             if plan.epoch <= self._floor or (self._newest is not None and plan.epoch <= self._newest.epoch):
                 return  # fenced: never go back to an older epoch
@@ -146,16 +165,26 @@ class PlanClient:
     # ----- acks ----------------------------------------------------------------------------
     def ack(self, epoch: int, phase: str, seconds: float, reason: str = "") -> bool:
         """Acknowledge `phase` of plan `epoch`; True when the Core took it (bounded, never raises)."""
-        request = executor_pb2.AckPlanPhaseRequest(job=self.job, worker_id=self.worker_id, epoch=epoch,
-                                                   phase=PHASES[phase], phase_time_s=max(0.0, seconds),
-                                                   failure_reason=reason)
+        request = executor_pb2.AckPlanPhaseRequest(
+            job=self.job,
+            worker_id=self.worker_id,
+            epoch=epoch,
+            phase=PHASES[phase],
+            phase_time_s=max(0.0, seconds),
+            failure_reason=reason,
+        )
         return self._unary("AckPlanPhase", request)
 
     def report_peer_failure(self, peer_rank: int, step: int, operation: str, error: str) -> bool:
         """Tell the Core a collective failed because of `peer_rank` (bounded, never raises)."""
-        request = executor_pb2.ReportPeerFailureRequest(job=self.job, worker_id=self.worker_id,
-                                                        peer_rank=peer_rank, step=step,
-                                                        operation=operation, error=error[:500])
+        request = executor_pb2.ReportPeerFailureRequest(
+            job=self.job,
+            worker_id=self.worker_id,
+            peer_rank=peer_rank,
+            step=step,
+            operation=operation,
+            error=error[:500],
+        )
         return self._unary("ReportPeerFailure", request)
 
     def _unary(self, method: str, request: object) -> bool:
@@ -172,8 +201,13 @@ class PlanClient:
                     return True
                 except grpc.RpcError as exc:
                     code = exc.code() if isinstance(exc, grpc.Call) else None
-                    log.warning("%s to %s failed: %s %s", method, address, code,
-                                exc.details() if isinstance(exc, grpc.Call) else exc)
+                    log.warning(
+                        "%s to %s failed: %s %s",
+                        method,
+                        address,
+                        code,
+                        exc.details() if isinstance(exc, grpc.Call) else exc,
+                    )
                     if code != grpc.StatusCode.UNAVAILABLE:
                         return False
         return False

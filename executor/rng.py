@@ -72,8 +72,9 @@ class DropoutRng:
         self.step = step
         self._per_rank.manual_seed(mix64(self.seed, self.rank, step, 0x5EED))
 
-    def keep_mask(self, p: float, layer: int, site: int, samples: Sequence[int],
-                  shape: Sequence[int]) -> torch.Tensor:
+    def keep_mask(
+        self, p: float, layer: int, site: int, samples: Sequence[int], shape: Sequence[int]
+    ) -> torch.Tensor:
         """Scaled keep-mask of shape `(len(samples), *shape)`: 0 where dropped, 1/(1-p) elsewhere."""
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
@@ -88,8 +89,9 @@ class DropoutRng:
         return (uniform >= p).to(torch.float32) / (1.0 - p)
 
 
-def apply_dropout(x: torch.Tensor, p: float, rng: DropoutRng | None, layer: int, site: int,
-                  samples: Sequence[int]) -> torch.Tensor:
+def apply_dropout(
+    x: torch.Tensor, p: float, rng: DropoutRng | None, layer: int, site: int, samples: Sequence[int]
+) -> torch.Tensor:
     """Dropout on `x` (batch-first, one row per sample in `samples`); identity when off."""
     if rng is None or p == 0.0:
         return x
@@ -139,7 +141,9 @@ def unit_call(call: UnitCall, torch_seed: int | None) -> Iterator[None]:
         _current.call = previous
 
 
-def placement_invariant_dropout(x: torch.Tensor, p: float, site: int = 0, training: bool = True) -> torch.Tensor:
+def placement_invariant_dropout(
+    x: torch.Tensor, p: float, site: int = 0, training: bool = True
+) -> torch.Tensor:
     """Dropout whose mask for a sample depends only on (seed, step, unit, site, global sample):
     the same on any layout, after any migration or micro-batch resize (ElasWave §4.4). Outside an
     engine forward (or with `training=False`) it is the identity."""

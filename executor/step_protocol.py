@@ -73,8 +73,14 @@ def plan_key(namespace: str, epoch: int) -> str:
 class StepProtocol:
     """One worker's side of the protocol. Every method states how long it may block."""
 
-    def __init__(self, comm: Communicator, participant: StepParticipant, plan_epoch: int = 0,
-                 timeout_s: float = 30.0, committed_step: int = -1) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        participant: StepParticipant,
+        plan_epoch: int = 0,
+        timeout_s: float = 30.0,
+        committed_step: int = -1,
+    ) -> None:
         """`committed_step`: the last step already committed (-1: none; a resumed job starts at
         its checkpoint's last step)."""
         if timeout_s <= 0:
@@ -95,7 +101,9 @@ class StepProtocol:
         """Start step `step` (must be the one after the last committed step). Never blocks;
         `timeout_s` is accepted for symmetry with the other calls and bounds nothing here."""
         if step != self.committed_step + 1:
-            raise StepProtocolError(f"begin_step({step}) but the last committed step is {self.committed_step}")
+            raise StepProtocolError(
+                f"begin_step({step}) but the last committed step is {self.committed_step}"
+            )
         self.step, self.failure = step, None
 
     def report_failure(self, exc: BaseException) -> None:
@@ -173,15 +181,20 @@ class StepProtocol:
         if self.step is not None:
             raise StepProtocolError(f"apply_plan inside step {self.step}: commit or roll back first")
         if plan.epoch <= self.plan_epoch:
-            raise StepProtocolError(f"plan epoch {plan.epoch} is not newer than the applied epoch {self.plan_epoch}")
+            raise StepProtocolError(
+                f"plan epoch {plan.epoch} is not newer than the applied epoch {self.plan_epoch}"
+            )
         if plan.old is None:
             raise StepProtocolError("a plan applied to a running job must name its old layout")
         if self.comm.worker not in plan.new.ranks():
-            raise StepProtocolError(f"worker {self.comm.worker} is not in the new layout of plan {plan.epoch}")
+            raise StepProtocolError(
+                f"worker {self.comm.worker} is not in the new layout of plan {plan.epoch}"
+            )
         lost = frozenset(plan.old.ranks()) - frozenset(plan.new.ranks())
         self.participant.check_plan(plan, lost)
-        report = self.comm.apply_edit(groups_for_stages([s.ranks for s in plan.new.stages],
-                                                       world=WORLD_GROUP in self.comm.names()))
+        report = self.comm.apply_edit(
+            groups_for_stages([s.ranks for s in plan.new.stages], world=WORLD_GROUP in self.comm.names())
+        )
         self.participant.on_plan(plan, lost, self.committed_step)
         self.plan_epoch = plan.epoch
         return report

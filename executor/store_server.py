@@ -90,7 +90,9 @@ def _read_port(proc: subprocess.Popen[str], timeout_s: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Standalone TCPStore rendezvous server for ElasWave executors")
+    parser = argparse.ArgumentParser(
+        description="Standalone TCPStore rendezvous server for ElasWave executors"
+    )
     parser.add_argument("--host", default=DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed as 'PORT <n>')")
     args = parser.parse_args(argv)

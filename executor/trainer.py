@@ -84,6 +84,7 @@ class TrainSpec:
     def unit_numels(self) -> tuple[int, ...]:
         return tuple(p.numel for p in self.unit_probes())
 
+
 @dataclass(frozen=True)
 class StepResult:
     step: int
@@ -98,7 +99,9 @@ class StepResult:
 class StepOverlay(Protocol):
     """Hooks through which one step's work is altered (non-blocking layer migration)."""
 
-    def units_for_slot(self, slot: int, units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]: ...
+    def units_for_slot(
+        self, slot: int, units: list[tuple[str, nn.Module]]
+    ) -> list[tuple[str, nn.Module]]: ...
 
     def before_forward(self, slot: int) -> None: ...
 
@@ -113,8 +116,10 @@ def check_layout(spec: TrainSpec, layout: Layout) -> None:
     """Raise ValueError if `layout` does not describe this model (the planners need true sizes)."""
     numel = spec.unit_numels()
     if layout.num_layers != len(numel):
-        raise ValueError(f"layout has {layout.num_layers} layers, the model has {len(numel)} units "
-                         f"{list(spec.model.names)}")
+        raise ValueError(
+            f"layout has {layout.num_layers} layers, the model has {len(numel)} units "
+            f"{list(spec.model.names)}"
+        )
     if tuple(layout.layer_numel) != numel:
         raise ValueError(f"layout.layer_numel {layout.layer_numel} != the model's unit sizes {numel}")
     covered = [layer for s in layout.stages for layer in s.layers]
@@ -125,8 +130,14 @@ def check_layout(spec: TrainSpec, layout: Layout) -> None:
 class StageModel(nn.Module):
     """The units `[layer_start, layer_stop)` of one pipeline stage, by name, in forward order."""
 
-    def __init__(self, model: UnitModel, layer_start: int, layer_stop: int,
-                 reuse: Mapping[str, nn.Module] | None = None, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        model: UnitModel,
+        layer_start: int,
+        layer_stop: int,
+        reuse: Mapping[str, nn.Module] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
         """Units named in `reuse` are taken as they are (a layout change keeps the modules it has)."""
         super().__init__()
         if not 0 <= layer_start < layer_stop <= len(model):
@@ -146,8 +157,9 @@ class StageModel(nn.Module):
 class Trainer:
     """One rank of the hybrid-parallel job; every rank of the layout builds one."""
 
-    def __init__(self, spec: TrainSpec, layout: Layout, rank: int, comm: EngineComm,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, spec: TrainSpec, layout: Layout, rank: int, comm: EngineComm, device: torch.device | str = "cpu"
+    ) -> None:
         check_layout(spec, layout)
         stage = layout.stage_layout_of_rank(rank)  # raises if the rank is not in the layout
         self.spec, self.rank, self.comm, self.device = spec, rank, comm, torch.device(device)
@@ -155,8 +167,10 @@ class Trainer:
         self.data = Prefetcher(self.sampler, spec.loader_workers)
         # Weight-decay runs of every unit, from the dry run: the snapshot of a neighbour's shard
         # replays the update of units this rank may not even hold.
-        self.segments = {name: spec.optimizer.decay_segments(probe.meta_parameters())
-                         for name, probe in zip(spec.model.names, spec.unit_probes(), strict=True)}
+        self.segments = {
+            name: spec.optimizer.decay_segments(probe.meta_parameters())
+            for name, probe in zip(spec.model.names, spec.unit_probes(), strict=True)
+        }
         self.model = StageModel(spec.model, stage.layer_start, stage.layer_stop, device=self.device)
         self.next_step = 0
         self.grad_hook: GradHook | None = None  # kept across layout changes; see executor.zero
@@ -183,17 +197,39 @@ class Trainer:
         self.stage = self.stage_layout.stage
         self.dp_index = self.stage_layout.dp_index(self.rank)
         self.rng = DropoutRng(self.spec.rng_seed, layout.rng_mode, self.rank)
-        self.runner = PipelineRunner(self.comm, layout, self.rank, self._boundary(self.stage_layout.layer_start),
-                                     self._boundary(self.stage_layout.layer_stop), self.device)
+        self.runner = PipelineRunner(
+            self.comm,
+            layout,
+            self.rank,
+            self._boundary(self.stage_layout.layer_start),
+            self._boundary(self.stage_layout.layer_stop),
+            self.device,
+        )
         units = dict(self.model.units.items())
-        self.optimizer = ShardedOptimizer(self.comm, dp_group_name(self.stage), units,
-                                          unit_ownership(layout, self.stage_layout, self.unit_names), self.dp_index,
-                                          self.spec.optimizer, step_count, self.grad_hook, self.device,
-                                          self.segments)
+        self.optimizer = ShardedOptimizer(
+            self.comm,
+            dp_group_name(self.stage),
+            units,
+            unit_ownership(layout, self.stage_layout, self.unit_names),
+            self.dp_index,
+            self.spec.optimizer,
+            step_count,
+            self.grad_hook,
+            self.device,
+            self.segments,
+        )
         self.model.train()
 
-    def update_slice(self, unit: str, lo: int, param: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor,
-                     state2: torch.Tensor, step: int) -> None:
+    def update_slice(
+        self,
+        unit: str,
+        lo: int,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        state1: torch.Tensor,
+        state2: torch.Tensor,
+        step: int,
+    ) -> None:
         """The optimizer's update of elements `[lo, ...)` of `unit` (what a ring snapshot replays)."""
         self.spec.optimizer.update_slice(param, grad, state1, state2, step, self.segments[unit], lo)
 
@@ -258,14 +294,24 @@ class Trainer:
             overlay.finish()
         self.next_step = step + 1
         if loads_data:
-            self.data.prefetch(step + 1, [(r.start, r.stop) for r in
-                                          (self.layout.samples_of(self.rank, m) for m in range(self.layout.num_micro_batches))])
-        processed = sum(len(self.layout.samples_of(self.rank, m)) for m in range(self.layout.num_micro_batches))
+            self.data.prefetch(
+                step + 1,
+                [
+                    (r.start, r.stop)
+                    for r in (
+                        self.layout.samples_of(self.rank, m) for m in range(self.layout.num_micro_batches)
+                    )
+                ],
+            )
+        processed = sum(
+            len(self.layout.samples_of(self.rank, m)) for m in range(self.layout.num_micro_batches)
+        )
         loss = self._global_loss(sample_losses) if self.is_last else None
         return StepResult(step, loss, processed, B, tuple(fed))
 
-    def forward_units(self, units: list[tuple[str, nn.Module]], x: Activation, step: int,
-                      samples: tuple[int, ...]) -> Activation:
+    def forward_units(
+        self, units: list[tuple[str, nn.Module]], x: Activation, step: int, samples: tuple[int, ...]
+    ) -> Activation:
         """Run `units` in order on rows `samples` (a stage's own units, or that list with a
         migrating unit's shadow), each under its unit-call context (executor.rng)."""
         for name, unit in units:
@@ -279,10 +325,20 @@ class Trainer:
 
     def _per_sample_loss(self, output: Activation, targets: Any, rows: int) -> torch.Tensor:
         loss = self.spec.loss_fn(output, targets)
-        if not isinstance(loss, torch.Tensor) or tuple(loss.shape) != (rows,) or not loss.dtype.is_floating_point:
-            got = f"{type(loss).__name__} {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"loss_fn must return one floating-point loss per sample, shape ({rows},); got {got} "
-                             "(use reduction='none' and average over the other dimensions yourself)")
+        if (
+            not isinstance(loss, torch.Tensor)
+            or tuple(loss.shape) != (rows,)
+            or not loss.dtype.is_floating_point
+        ):
+            got = (
+                f"{type(loss).__name__} {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else type(loss).__name__
+            )
+            raise ValueError(
+                f"loss_fn must return one floating-point loss per sample, shape ({rows},); got {got} "
+                "(use reduction='none' and average over the other dimensions yourself)"
+            )
         return loss
 
     def _global_loss(self, mine: Mapping[int, torch.Tensor]) -> float:
@@ -317,8 +373,12 @@ class Trainer:
 
     def state_dict_for_rollback(self) -> dict[str, Any]:
         """Everything a rollback needs on this rank: parameters, optimizer shards, step counters."""
-        return {"layout": self.layout, "next_step": self.next_step, "params": self.unit_params(),
-                "optimizer": self.optimizer.state()}
+        return {
+            "layout": self.layout,
+            "next_step": self.next_step,
+            "params": self.unit_params(),
+            "optimizer": self.optimizer.state(),
+        }
 
     def load_rollback_state(self, state: Mapping[str, Any]) -> None:
         """Restore a `state_dict_for_rollback()` taken under the current layout (local, no comms)."""
@@ -326,7 +386,9 @@ class Trainer:
             raise ValueError("rollback state was taken under another layout; remap it first (reset_layout)")
         params = state["params"]
         if set(params) != set(self.model.units.keys()):
-            raise ValueError(f"rollback state has units {sorted(params)}, stage has {self.model.unit_names()}")
+            raise ValueError(
+                f"rollback state has units {sorted(params)}, stage has {self.model.unit_names()}"
+            )
         self.optimizer.load_state(state["optimizer"])
         for name, flat in params.items():
             assign_flat(self.model.units[name], flat)
@@ -335,29 +397,49 @@ class Trainer:
     get_state = state_dict_for_rollback
     set_state = load_rollback_state
 
-    def reset_layout(self, layout: Layout, comm: EngineComm, params: Mapping[str, torch.Tensor],
-                     shards: Mapping[str, ShardState], step_count: int, next_step: int) -> None:
+    def reset_layout(
+        self,
+        layout: Layout,
+        comm: EngineComm,
+        params: Mapping[str, torch.Tensor],
+        shards: Mapping[str, ShardState],
+        step_count: int,
+        next_step: int,
+    ) -> None:
         """Adopt `layout` with state already remapped for it: full parameters of the new stage's
         units and this rank's new optimizer slices (what a migration, a live remap or a rollback
         across layouts ends in). Checks everything first; on ValueError nothing has changed."""
         check_layout(self.spec, layout)
         if layout.global_batch != self.sampler.global_batch:
-            raise ValueError(f"the global batch is fixed for a job ({self.sampler.global_batch}), "
-                             f"new layout says {layout.global_batch}")
+            raise ValueError(
+                f"the global batch is fixed for a job ({self.sampler.global_batch}), "
+                f"new layout says {layout.global_batch}"
+            )
         stage = layout.stage_layout_of_rank(self.rank)
-        model = StageModel(self.spec.model, stage.layer_start, stage.layer_stop,
-                           reuse=self._spare_units(stage.layer_start, stage.layer_stop), device=self.device)
+        model = StageModel(
+            self.spec.model,
+            stage.layer_start,
+            stage.layer_stop,
+            reuse=self._spare_units(stage.layer_start, stage.layer_stop),
+            device=self.device,
+        )
         if set(params) != set(model.unit_names()) or set(shards) != set(model.unit_names()):
-            raise ValueError(f"state for units {sorted(params)} / {sorted(shards)}, new stage holds {model.unit_names()}")
+            raise ValueError(
+                f"state for units {sorted(params)} / {sorted(shards)}, new stage holds {model.unit_names()}"
+            )
         numel = {n: sum(p.numel() for p in u.parameters()) for n, u in model.units.items()}
         owned = unit_ownership(layout, stage, self.unit_names)
         j = stage.dp_index(self.rank)
         for name, sh in shards.items():
             if (sh.lo, sh.hi) != owned[name][j] or sh.exp_avg.numel() != sh.hi - sh.lo:
-                raise ValueError(f"shard [{sh.lo}, {sh.hi}) of {name} given, rank {self.rank} owns "
-                                 f"{list(owned[name][j])} under the new layout")
+                raise ValueError(
+                    f"shard [{sh.lo}, {sh.hi}) of {name} given, rank {self.rank} owns "
+                    f"{list(owned[name][j])} under the new layout"
+                )
         if any(flat.numel() != numel[n] for n, flat in params.items()):
-            raise ValueError(f"parameter sizes { {n: f.numel() for n, f in params.items()} } != units {numel}")
+            raise ValueError(
+                f"parameter sizes { {n: f.numel() for n, f in params.items()} } != units {numel}"
+            )
         for name, flat in params.items():
             assign_flat(model.units[name], flat)
         self.model, self.comm = model, comm
@@ -377,9 +459,13 @@ class Trainer:
         """Full parameters and Adam moments of this stage's units (collective over the stage's DP
         group: every rank of the stage must call it)."""
         moments = self.optimizer.gather_moments()
-        return {"step_count": self.optimizer.step_count,
-                "units": {n: {"param": flat_params(u).clone(), "exp_avg": moments[n][0],
-                              "exp_avg_sq": moments[n][1]} for n, u in self.model.units.items()}}
+        return {
+            "step_count": self.optimizer.step_count,
+            "units": {
+                n: {"param": flat_params(u).clone(), "exp_avg": moments[n][0], "exp_avg_sq": moments[n][1]}
+                for n, u in self.model.units.items()
+            },
+        }
 
 
 def _to_device(x: Any, device: torch.device) -> Any:
@@ -399,9 +485,18 @@ def _unit_host_copy(unit: nn.Module) -> nn.Module:
 
 def checkpoint_writer(spec: TrainSpec, root: Path, global_batch: int) -> CheckpointWriter:
     """A writer of this job's checkpoints under `root` (the model, batch and seeds go in meta.json)."""
-    return CheckpointWriter(root, {"units": spec.model.names, "unit_numel": spec.unit_numels(),
-                                   "global_batch": global_batch, "data_seed": spec.data_seed, "rng_seed": spec.rng_seed,
-                                   "init_seed": spec.model.init_seed, "optimizer": spec.optimizer.kind})
+    return CheckpointWriter(
+        root,
+        {
+            "units": spec.model.names,
+            "unit_numel": spec.unit_numels(),
+            "global_batch": global_batch,
+            "data_seed": spec.data_seed,
+            "rng_seed": spec.rng_seed,
+            "init_seed": spec.model.init_seed,
+            "optimizer": spec.optimizer.kind,
+        },
+    )
 
 
 def checkpoint_payload(trainer: Trainer) -> StagePayload | None:
@@ -410,9 +505,14 @@ def checkpoint_payload(trainer: Trainer) -> StagePayload | None:
     moments = trainer.optimizer.gather_moments()
     if trainer.dp_index != 0:
         return None
-    return StagePayload(trainer.next_step, trainer.optimizer.step_count, trainer.stage, trainer.layout.num_stages,
-                        {n: _unit_host_copy(u) for n, u in trainer.model.units.items()},
-                        {n: (m.cpu(), v.cpu()) for n, (m, v) in moments.items()})
+    return StagePayload(
+        trainer.next_step,
+        trainer.optimizer.step_count,
+        trainer.stage,
+        trainer.layout.num_stages,
+        {n: _unit_host_copy(u) for n, u in trainer.model.units.items()},
+        {n: (m.cpu(), v.cpu()) for n, (m, v) in moments.items()},
+    )
 
 
 def load_checkpoint(trainer: Trainer, path: str | Path) -> CheckpointMeta:
@@ -429,8 +529,8 @@ def load_checkpoint(trainer: Trainer, path: str | Path) -> CheckpointMeta:
             raise CheckpointError(f"{ckpt}: unit {name!r} does not fit: {exc}") from exc
     for name, sh in trainer.optimizer.shards.items():
         _state, m, v = loaded[name]
-        sh.exp_avg.copy_(m[sh.lo: sh.hi])
-        sh.exp_avg_sq.copy_(v[sh.lo: sh.hi])
+        sh.exp_avg.copy_(m[sh.lo : sh.hi])
+        sh.exp_avg_sq.copy_(v[sh.lo : sh.hi])
     trainer.optimizer.step_count = meta.step_count
     trainer.next_step = meta.next_step
     return meta

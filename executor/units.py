@@ -58,9 +58,13 @@ class ActivationSpec:
     def of(x: Activation) -> ActivationSpec:
         items = x if isinstance(x, tuple) else (x,)
         if not items or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in items):
-            raise TypeError("an activation must be a tensor, or a tuple of tensors, whose first dimension is the "
-                            f"sample; got {_describe(x)}")
-        return ActivationSpec(tuple(TensorSpec(tuple(t.shape[1:]), t.dtype) for t in items), isinstance(x, tuple))
+            raise TypeError(
+                "an activation must be a tensor, or a tuple of tensors, whose first dimension is the "
+                f"sample; got {_describe(x)}"
+            )
+        return ActivationSpec(
+            tuple(TensorSpec(tuple(t.shape[1:]), t.dtype) for t in items), isinstance(x, tuple)
+        )
 
     def bytes_per_sample(self) -> int:
         return sum(t.bytes_per_sample() for t in self.tensors)
@@ -109,8 +113,13 @@ class UnitModel:
     caller's RNG state is restored afterwards); `state_dict`, when given, holds each unit's
     weights under `"<unit name>.<parameter>"` and overrides what the constructor drew."""
 
-    def __init__(self, names: Sequence[str], build_unit: Callable[[str], nn.Module], init_seed: int = 0,
-                 state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        names: Sequence[str],
+        build_unit: Callable[[str], nn.Module],
+        init_seed: int = 0,
+        state_dict: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
         names = tuple(names)
         if not names:
             raise UnitBuildError("the model has no units")
@@ -168,7 +177,7 @@ class UnitModel:
         if self._state is None:
             return
         prefix = f"{name}."
-        mine = {k[len(prefix):]: v for k, v in self._state.items() if k.startswith(prefix)}
+        mine = {k[len(prefix) :]: v for k, v in self._state.items() if k.startswith(prefix)}
         try:
             unit.load_state_dict(mine, strict=True)
         except RuntimeError as exc:
@@ -183,8 +192,10 @@ class UnitModel:
             for p in unit.parameters():
                 other = owner.setdefault(id(p), name)
                 if other != name:
-                    raise UnitBuildError(f"units {other!r} and {name!r} share a parameter: tied weights across units "
-                                         "are not supported; give each unit its own copy (untie them)")
+                    raise UnitBuildError(
+                        f"units {other!r} and {name!r} share a parameter: tied weights across units "
+                        "are not supported; give each unit its own copy (untie them)"
+                    )
 
 
 @dataclass(frozen=True)
@@ -208,19 +219,28 @@ def discover_boundaries(model: UnitModel, sample_input: Activation) -> tuple[Uni
     different stages (a tied weight would be updated once per stage holding it)."""
     probes: list[UnitProbe] = []
     ActivationSpec.of(sample_input)  # a clear TypeError before slicing what is not a batch
-    x: Activation = tuple(t[:1] for t in sample_input) if isinstance(sample_input, tuple) else sample_input[:1]
+    x: Activation = (
+        tuple(t[:1] for t in sample_input) if isinstance(sample_input, tuple) else sample_input[:1]
+    )
     owners: dict[int, tuple[str, nn.Parameter]] = {}
     for i, name in enumerate(model.names):
         unit = model.build(i)
         for p in unit.parameters():
             other = owners.setdefault(id(p), (name, p))[0]
             if other != name:
-                raise UnitBuildError(f"units {other!r} and {name!r} share a parameter: tied weights across units "
-                                     "are not supported; give each unit its own copy (untie them)")
+                raise UnitBuildError(
+                    f"units {other!r} and {name!r} share a parameter: tied weights across units "
+                    "are not supported; give each unit its own copy (untie them)"
+                )
         x = _real_forward(unit, name, x)
-        probes.append(UnitProbe(sum(p.numel() for p in unit.parameters()),
-                                sum(p.numel() * p.element_size() for p in unit.parameters()), ActivationSpec.of(x),
-                                tuple((n, tuple(p.shape)) for n, p in unit.named_parameters())))
+        probes.append(
+            UnitProbe(
+                sum(p.numel() for p in unit.parameters()),
+                sum(p.numel() * p.element_size() for p in unit.parameters()),
+                ActivationSpec.of(x),
+                tuple((n, tuple(p.shape)) for n, p in unit.named_parameters()),
+            )
+        )
         del unit
     return tuple(probes)
 
@@ -230,8 +250,9 @@ def _real_forward(unit: nn.Module, name: str, x: Activation) -> Activation:
         with torch.no_grad():
             out = call_unit(unit, x)
     except Exception as exc:
-        raise UnitBuildError(f"unit {name!r} failed on one sample of input {_describe(x)}: "
-                             f"{type(exc).__name__}: {exc}") from exc
+        raise UnitBuildError(
+            f"unit {name!r} failed on one sample of input {_describe(x)}: {type(exc).__name__}: {exc}"
+        ) from exc
     if isinstance(out, list):
         out = tuple(out)
     try:

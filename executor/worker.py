@@ -77,10 +77,12 @@ def check_fingerprints(units: dict[str, Any], expected: dict[str, str] | None) -
         return
     differ = [n for n, u in units.items() if n in expected and fingerprint(u) != expected[n]]
     if differ:
-        raise ModelMismatch(f"units {differ} were built with other initial weights in this process than in the "
-                            "launcher's describe run: build the model the same way in every process (seed it with "
-                            "torch.manual_seed before building it, or hand elaswave.Units a build_unit function, "
-                            "which the engine seeds by unit name)")
+        raise ModelMismatch(
+            f"units {differ} were built with other initial weights in this process than in the "
+            "launcher's describe run: build the model the same way in every process (seed it with "
+            "torch.manual_seed before building it, or hand elaswave.Units a build_unit function, "
+            "which the engine seeds by unit name)"
+        )
 
 
 def link_peer(group: str, rank: int) -> int | None:
@@ -128,8 +130,12 @@ class CoreDrivenWorker:
         host, port = place.store.rsplit(":", 1)
         store = connect_store(host, int(port), timeout_s=place.timeout_s)
         world = spec.optimizer.max_grad_norm is not None
-        self.comm = Communicator(store, place.rank, groups_for_stages([s.ranks for s in layout.stages], world=world),
-                                 timeout_s=place.timeout_s)
+        self.comm = Communicator(
+            store,
+            place.rank,
+            groups_for_stages([s.ranks for s in layout.stages], world=world),
+            timeout_s=place.timeout_s,
+        )
         self.trainer = Trainer(spec, layout, place.rank, self.comm)
         check_fingerprints(dict(self.trainer.model.units.items()), settings.fingerprints)
         self.start_step = 0
@@ -137,17 +143,27 @@ class CoreDrivenWorker:
             meta = load_checkpoint(self.trainer, settings.resume)
             self.start_step = meta.next_step
         self.participant = FabricParticipant(self.trainer, self.comm, verify_every=settings.verify_every)
-        self.proto = StepProtocol(self.comm, self.participant, timeout_s=place.timeout_s,
-                                  committed_step=self.start_step - 1)
+        self.proto = StepProtocol(
+            self.comm, self.participant, timeout_s=place.timeout_s, committed_step=self.start_step - 1
+        )
         self.metrics = StepMetricsClient.from_env()
         self.control = ControlReader.from_env()
-        self.plans = PlanClient(list(place.core), place.job, place.worker_id, place.token, on_plan=self._plan_arrived)
+        self.plans = PlanClient(
+            list(place.core), place.job, place.worker_id, place.token, on_plan=self._plan_arrived
+        )
         self.writer = None
         if settings.checkpoint_dir is not None:
             self.writer = checkpoint_writer(spec, settings.checkpoint_dir, layout.global_batch)
-        self.results: dict[str, Any] = {"rank": place.rank, "worker_id": place.worker_id, "losses": {},
-                                        "samples": {}, "recoveries": [], "failures": [], "checkpoints": [],
-                                        "start_step": self.start_step}
+        self.results: dict[str, Any] = {
+            "rank": place.rank,
+            "worker_id": place.worker_id,
+            "losses": {},
+            "samples": {},
+            "recoveries": [],
+            "failures": [],
+            "checkpoints": [],
+            "start_step": self.start_step,
+        }
         self.exit_code = 0
         self._sigterm_at: float | None = None  # monotonic time of the first SIGTERM
         self._payload: Any = None  # this step's checkpoint share, written once the step commits
@@ -158,8 +174,11 @@ class CoreDrivenWorker:
         if self._sigterm_at is None:
             self._sigterm_at = time.monotonic()
             # os.write, not print: a handler that prints while the main thread prints raises there.
-            os.write(2, f"worker {self.args.worker_id}: SIGTERM; leaving at a step boundary (with the Core's plan "
-                        f"if the agent reported a preemption, at most {self.args.timeout_s:g} s)\n".encode())
+            os.write(
+                2,
+                f"worker {self.args.worker_id}: SIGTERM; leaving at a step boundary (with the Core's plan "
+                f"if the agent reported a preemption, at most {self.args.timeout_s:g} s)\n".encode(),
+            )
 
     def _leave_without_plan(self) -> bool:
         """After SIGTERM, whether to stop at this boundary with no plan: at once unless the agent
@@ -217,7 +236,9 @@ class CoreDrivenWorker:
                         self._gather_checkpoint(step, stop_after, save_at)
                 except PeerFailure as exc:
                     self.proto.report_failure(exc)
-                    self.results["failures"].append({"step": step, "group": exc.group, "error": str(exc)[:300]})
+                    self.results["failures"].append(
+                        {"step": step, "group": exc.group, "error": str(exc)[:300]}
+                    )
                     self._report_peer(exc, step)
                 if self.proto.should_commit():
                     self.proto.commit()
@@ -243,9 +264,12 @@ class CoreDrivenWorker:
             self.plans.close()
             self.trainer.data.close()
         self._finish_checkpoints()
-        self.results.update(committed_steps=step, plan_epoch=self.proto.plan_epoch,
-                            checksum_mismatches=self.participant.checksum_mismatches,
-                            verified_steps=list(self.participant.verified_steps))
+        self.results.update(
+            committed_steps=step,
+            plan_epoch=self.proto.plan_epoch,
+            checksum_mismatches=self.participant.checksum_mismatches,
+            verified_steps=list(self.participant.verified_steps),
+        )
         return self.results
 
     def _poll_requests(self, stop_after: int | None, save_at: set[int]) -> int | None:
@@ -260,8 +284,10 @@ class CoreDrivenWorker:
         if request is not None and request.after_step not in save_at:
             save_at.add(request.after_step)
             if self.writer is None:
-                self.results["checkpoint_error"] = (f"a checkpoint after step {request.after_step} was requested, "
-                                                    "but this worker has no checkpoint directory")
+                self.results["checkpoint_error"] = (
+                    f"a checkpoint after step {request.after_step} was requested, "
+                    "but this worker has no checkpoint directory"
+                )
             if request.stop:
                 stop_after = request.after_step if stop_after is None else min(stop_after, request.after_step)
         return stop_after
@@ -272,8 +298,12 @@ class CoreDrivenWorker:
         if self.writer is None:
             return False
         every = self.settings.checkpoint_every
-        return ((every > 0 and (step + 1) % every == 0) or step + 1 == self.settings.steps or step == stop_after
-                or step in save_at)
+        return (
+            (every > 0 and (step + 1) % every == 0)
+            or step + 1 == self.settings.steps
+            or step == stop_after
+            or step in save_at
+        )
 
     def _gather_checkpoint(self, step: int, stop_after: int | None, save_at: set[int]) -> None:
         from executor.trainer import checkpoint_payload  # noqa: PLC0415
@@ -296,7 +326,9 @@ class CoreDrivenWorker:
         except TimeoutError as exc:
             self.results["checkpoint_error"] = str(exc)
         if self.writer.errors:
-            self.results["checkpoint_error"] = "; ".join(f"{type(e).__name__}: {e}" for e in self.writer.errors)
+            self.results["checkpoint_error"] = "; ".join(
+                f"{type(e).__name__}: {e}" for e in self.writer.errors
+            )
         self.results["checkpoints_written"] = [str(p) for p in self.writer.written]
 
     def _committed(self, step: int, result: Any, seconds: float) -> None:
@@ -306,10 +338,15 @@ class CoreDrivenWorker:
         if result is not None and result.loss is not None:
             self.results["losses"][step] = result.loss
         if self.metrics is not None:
-            self.metrics.send(step=step, step_time_s=seconds, compute_time_s=seconds,
-                              loss=None if result is None else result.loss,
-                              samples=0 if result is None else result.samples_processed,
-                              stage=self.trainer.stage, dp_rank=self.trainer.dp_index)
+            self.metrics.send(
+                step=step,
+                step_time_s=seconds,
+                compute_time_s=seconds,
+                loss=None if result is None else result.loss,
+                samples=0 if result is None else result.samples_processed,
+                stage=self.trainer.stage,
+                dp_rank=self.trainer.dp_index,
+            )
         if self.settings.on_step is not None:
             self.settings.on_step(step, result.loss)
         every = self.settings.log_every
@@ -330,22 +367,38 @@ class CoreDrivenWorker:
             # A planned departure, not a failed apply: a FAILED ack would make the Core re-plan.
             self.plans.ack(published.epoch, "PAUSED", 0.0)
             self.results["left_at_step"] = step
-            print(f"worker {self.args.worker_id}: plan {published.epoch} has no rank {self.args.rank}; leaving at "
-                  f"the boundary of step {step} ({'; '.join(published.reasons)})", flush=True)
+            print(
+                f"worker {self.args.worker_id}: plan {published.epoch} has no rank {self.args.rank}; leaving at "
+                f"the boundary of step {step} ({'; '.join(published.reasons)})",
+                flush=True,
+            )
             return False
         self.plans.ack(published.epoch, "PAUSED", 0.0)
-        plan = Plan(published.epoch, self.trainer.layout, new, published.reasons, published.predicted_step_time_s)
+        plan = Plan(
+            published.epoch, self.trainer.layout, new, published.reasons, published.predicted_step_time_s
+        )
         t1 = time.perf_counter()
         report = self.proto.apply_plan(plan)
         applied = time.perf_counter() - t1
         self.plans.ack(published.epoch, "APPLIED", applied)
-        self.results["recoveries"].append({
-            "step": step, "epoch": published.epoch, "plan_wait_s": waited, "apply_s": applied,
-            "communicator_s": report.seconds, "rebuilt": list(report.rebuilt), "reused": list(report.reused),
-            "reasons": list(published.reasons)})
-        print(f"worker {self.args.worker_id}: plan {published.epoch} applied before replaying step {step} "
-              f"(waited {waited * 1e3:.0f} ms, applied in {applied * 1e3:.0f} ms; rebuilt {list(report.rebuilt)}, "
-              f"reused {len(report.reused)} groups)", flush=True)
+        self.results["recoveries"].append(
+            {
+                "step": step,
+                "epoch": published.epoch,
+                "plan_wait_s": waited,
+                "apply_s": applied,
+                "communicator_s": report.seconds,
+                "rebuilt": list(report.rebuilt),
+                "reused": list(report.reused),
+                "reasons": list(published.reasons),
+            }
+        )
+        print(
+            f"worker {self.args.worker_id}: plan {published.epoch} applied before replaying step {step} "
+            f"(waited {waited * 1e3:.0f} ms, applied in {applied * 1e3:.0f} ms; rebuilt {list(report.rebuilt)}, "
+            f"reused {len(report.reused)} groups)",
+            flush=True,
+        )
         return True
 
 
@@ -359,7 +412,9 @@ def run_worker(spec: Any, settings: WorkerSettings) -> tuple[int, dict[str, Any]
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(results, sort_keys=True))
         tmp.replace(out)
-    if worker.exit_code == 0 and (results["committed_steps"] == settings.steps or "stopped_after_step" in results):
+    if worker.exit_code == 0 and (
+        results["committed_steps"] == settings.steps or "stopped_after_step" in results
+    ):
         from elaswave.local_protocol import mark_finished  # noqa: PLC0415
 
         # The whole job is trained, or stopped where the launcher or an operator asked: the agent

@@ -59,7 +59,7 @@ def flat_slice(unit: nn.Module, lo: int, hi: int) -> torch.Tensor:
         n = p.numel()
         a, b = max(lo, pos), min(hi, pos + n)
         if a < b:
-            pieces.append(p.detach().reshape(-1)[a - pos: b - pos])
+            pieces.append(p.detach().reshape(-1)[a - pos : b - pos])
         pos += n
     return torch.cat(pieces) if pieces else torch.empty(0)
 
@@ -77,7 +77,7 @@ def assign_flat(unit: nn.Module, flat: torch.Tensor) -> None:
     offset = 0
     with torch.no_grad():
         for p in unit.parameters():
-            p.copy_(flat[offset: offset + p.numel()].view_as(p))
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
 
@@ -92,8 +92,6 @@ def unit_ownership(layout: Layout, stage: StageLayout, names: Sequence[str]) -> 
     for iv in stage_ownership(layout, stage):
         owned[names[iv.layer]][stage.dp_index(iv.rank)] = (iv.start, iv.stop)
     return owned
-
-
 
 
 def global_grad_norm(comm: EngineComm, sum_sq: float) -> float:
@@ -122,16 +120,27 @@ class ShardState:
 class ShardedOptimizer:
     """ZeRO-1 optimizer for the units of one stage; see the module docstring."""
 
-    def __init__(self, comm: EngineComm, group: str, units: Mapping[str, nn.Module],
-                 ownership: Mapping[str, list[Interval]], dp_index: int, cfg: OptimizerConfig,
-                 step_count: int = 0, grad_hook: GradHook | None = None,
-                 device: torch.device | str = "cpu", segments: Mapping[str, Segments] | None = None) -> None:
+    def __init__(
+        self,
+        comm: EngineComm,
+        group: str,
+        units: Mapping[str, nn.Module],
+        ownership: Mapping[str, list[Interval]],
+        dp_index: int,
+        cfg: OptimizerConfig,
+        step_count: int = 0,
+        grad_hook: GradHook | None = None,
+        device: torch.device | str = "cpu",
+        segments: Mapping[str, Segments] | None = None,
+    ) -> None:
         self.comm, self.group, self.cfg, self.grad_hook = comm, group, cfg, grad_hook
         self.device = torch.device(device)
         self.units = dict(units)
         segments = segments or {}
-        self.segments = {n: segments[n] if n in segments else cfg.decay_segments(u.named_parameters())
-                         for n, u in self.units.items()}
+        self.segments = {
+            n: segments[n] if n in segments else cfg.decay_segments(u.named_parameters())
+            for n, u in self.units.items()
+        }
         self._numel = {n: sum(p.numel() for p in u.parameters()) for n, u in self.units.items()}
         self.last_grad_norm: float | None = None
         self.ownership = {n: list(ownership[n]) for n in self.units}
@@ -140,8 +149,9 @@ class ShardedOptimizer:
         self.shards: dict[str, ShardState] = {}
         for name in self.units:
             lo, hi = self.ownership[name][dp_index]
-            self.shards[name] = ShardState(lo, hi, torch.zeros(hi - lo, device=self.device),
-                                           torch.zeros(hi - lo, device=self.device))
+            self.shards[name] = ShardState(
+                lo, hi, torch.zeros(hi - lo, device=self.device), torch.zeros(hi - lo, device=self.device)
+            )
 
     def _size_owned_by(self, k: int) -> int:
         return sum(iv[k][1] - iv[k][0] for iv in self.ownership.values())
@@ -149,8 +159,10 @@ class ShardedOptimizer:
     def reduce_scatter_grads(self) -> dict[str, torch.Tensor]:
         """Sum of every DP rank's gradient over my owned slices, added in DP-rank order."""
         grads = {n: flat_grads(u) for n, u in self.units.items()}
-        to_rank = [torch.cat([grads[n][iv[k][0]: iv[k][1]] for n, iv in self.ownership.items()])
-                   for k in range(self.dp_size)]
+        to_rank = [
+            torch.cat([grads[n][iv[k][0] : iv[k][1]] for n, iv in self.ownership.items()])
+            for k in range(self.dp_size)
+        ]
         mine = self._size_owned_by(self.dp_index)
         pieces = all_to_all_v(self.comm, self.group, to_rank, [mine] * self.dp_size)
         total = pieces[0].clone()
@@ -158,7 +170,7 @@ class ShardedOptimizer:
             total += piece
         out, pos = {}, 0
         for name, sh in self.shards.items():
-            out[name] = total[pos: pos + sh.hi - sh.lo]
+            out[name] = total[pos : pos + sh.hi - sh.lo]
             pos += sh.hi - sh.lo
         return out
 
@@ -173,8 +185,9 @@ class ShardedOptimizer:
         updated = []
         for name, sh in self.shards.items():
             param = flat_slice(self.units[name], sh.lo, sh.hi)
-            self.cfg.update_slice(param, grads[name], sh.exp_avg, sh.exp_avg_sq, self.step_count,
-                                  self.segments[name], sh.lo)
+            self.cfg.update_slice(
+                param, grads[name], sh.exp_avg, sh.exp_avg_sq, self.step_count, self.segments[name], sh.lo
+            )
             updated.append(param)
         self._all_gather_params(torch.cat(updated) if updated else torch.empty(0, device=self.device))
 
@@ -197,43 +210,55 @@ class ShardedOptimizer:
             pos = 0
             for name, iv in self.ownership.items():
                 lo, hi = iv[k]
-                flats[name][lo:hi] = piece[pos: pos + hi - lo]
+                flats[name][lo:hi] = piece[pos : pos + hi - lo]
                 pos += hi - lo
         for name, unit in self.units.items():
             assign_flat(unit, flats[name])
 
     def gather_moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Full (exp_avg, exp_avg_sq) of every unit, assembled on every rank of the stage."""
-        mine = torch.cat([torch.cat([sh.exp_avg, sh.exp_avg_sq]) for sh in self.shards.values()]
-                         or [torch.empty(0, device=self.device)])
+        mine = torch.cat(
+            [torch.cat([sh.exp_avg, sh.exp_avg_sq]) for sh in self.shards.values()]
+            or [torch.empty(0, device=self.device)]
+        )
         sizes = [2 * self._size_owned_by(k) for k in range(self.dp_size)]
         pieces = all_to_all_v(self.comm, self.group, [mine] * self.dp_size, sizes)
         numel = {n: sum(p.numel() for p in u.parameters()) for n, u in self.units.items()}
-        full = {n: (torch.zeros(k, device=self.device), torch.zeros(k, device=self.device)) for n, k in numel.items()}
+        full = {
+            n: (torch.zeros(k, device=self.device), torch.zeros(k, device=self.device))
+            for n, k in numel.items()
+        }
         for k, piece in enumerate(pieces):
             pos = 0
             for name, iv in self.ownership.items():
                 lo, hi = iv[k]
-                full[name][0][lo:hi] = piece[pos: pos + hi - lo]
-                full[name][1][lo:hi] = piece[pos + hi - lo: pos + 2 * (hi - lo)]
+                full[name][0][lo:hi] = piece[pos : pos + hi - lo]
+                full[name][1][lo:hi] = piece[pos + hi - lo : pos + 2 * (hi - lo)]
                 pos += 2 * (hi - lo)
         return full
 
     def state(self) -> dict[str, Any]:
         """Copy of my shards and the step count (for rollback)."""
-        return {"step_count": self.step_count,
-                "shards": {n: (sh.lo, sh.hi, sh.exp_avg.clone(), sh.exp_avg_sq.clone())
-                           for n, sh in self.shards.items()}}
+        return {
+            "step_count": self.step_count,
+            "shards": {
+                n: (sh.lo, sh.hi, sh.exp_avg.clone(), sh.exp_avg_sq.clone()) for n, sh in self.shards.items()
+            },
+        }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore `state()`; raises ValueError (changing nothing) if it describes other slices."""
         shards = state["shards"]
         if set(shards) != set(self.shards):
-            raise ValueError(f"rollback state has units {sorted(shards)}, optimizer has {sorted(self.shards)}")
+            raise ValueError(
+                f"rollback state has units {sorted(shards)}, optimizer has {sorted(self.shards)}"
+            )
         for name, (lo, hi, _m, _v) in shards.items():
             sh = self.shards[name]
             if (lo, hi) != (sh.lo, sh.hi):
-                raise ValueError(f"rollback state owns [{lo}, {hi}) of {name}, this rank owns [{sh.lo}, {sh.hi})")
+                raise ValueError(
+                    f"rollback state owns [{lo}, {hi}) of {name}, this rank owns [{sh.lo}, {sh.hi})"
+                )
         for name, (_lo, _hi, m, v) in shards.items():
             self.shards[name].exp_avg.copy_(m)
             self.shards[name].exp_avg_sq.copy_(v)

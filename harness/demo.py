@@ -30,22 +30,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     d = TrainDemoConfig()
     parser = subparsers.add_parser(
-        "demo", help="run the end-to-end demo on this machine",
+        "demo",
+        help="run the end-to-end demo on this machine",
         description="Start a Core (in-memory membership), the executors' rendezvous store and one agent per "
         "worker of a PP x DP x ZeRO-1 training job; kill one worker with SIGKILL mid-training and watch the "
         "job recover in place under the Core's plan, checked against a fault-free run (about a minute on "
         "2 cores). With --control-plane: dummy workers, the Core's detection only (~10 s).",
     )
-    parser.add_argument("--control-plane", action="store_true",
-                        help="run the control-plane demo with dummy workers instead of training")
-    parser.add_argument("--workers", type=int, default=3, help="control-plane demo: agents/workers (default 3)")
+    parser.add_argument(
+        "--control-plane",
+        action="store_true",
+        help="run the control-plane demo with dummy workers instead of training",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=3, help="control-plane demo: agents/workers (default 3)"
+    )
     parser.add_argument("--pp", type=int, default=d.pp, help=f"pipeline stages (default {d.pp})")
-    parser.add_argument("--dp", type=int, default=d.dp, help=f"data-parallel ranks per stage (default {d.dp})")
+    parser.add_argument(
+        "--dp", type=int, default=d.dp, help=f"data-parallel ranks per stage (default {d.dp})"
+    )
     parser.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
-    parser.add_argument("--kill-after", type=int, default=d.kill_after_step, metavar="STEP",
-                        help=f"kill a worker once every worker committed this step (default {d.kill_after_step})")
-    parser.add_argument("--victim", type=int, default=d.victim_rank, metavar="RANK",
-                        help=f"global rank of the worker to kill (default {d.victim_rank})")
+    parser.add_argument(
+        "--kill-after",
+        type=int,
+        default=d.kill_after_step,
+        metavar="STEP",
+        help=f"kill a worker once every worker committed this step (default {d.kill_after_step})",
+    )
+    parser.add_argument(
+        "--victim",
+        type=int,
+        default=d.victim_rank,
+        metavar="RANK",
+        help=f"global rank of the worker to kill (default {d.victim_rank})",
+    )
     parser.add_argument("--timeout", type=float, default=240.0, help="give up after this many seconds")
     parser.set_defaults(func=run)
 
@@ -63,8 +81,20 @@ class Demo:
     def start_core(self) -> dict[str, Any]:
         ready = self.workdir / "core.json"
         env = dict(os.environ, ELASWAVE_SCHEDULER_TOKEN=self.scheduler_token)
-        cmd = [sys.executable, "-m", "elaswave.cli", "core", "--grpc-port", "0", "--http-port", "0",
-               "--ready-file", str(ready), "--log-level", "WARNING"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "elaswave.cli",
+            "core",
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--ready-file",
+            str(ready),
+            "--log-level",
+            "WARNING",
+        ]
         core = subprocess.Popen(cmd, env=env)
         self.procs.append(core)
         while not ready.exists():
@@ -81,18 +111,45 @@ class Demo:
 
     def create_job(self) -> str:
         assert self.http is not None
-        response = self.http.post("/api/v1/jobs", json={"name": "demo", "expected_workers": self.workers},
-                                  headers={"Authorization": f"Bearer {self.scheduler_token}"})
+        response = self.http.post(
+            "/api/v1/jobs",
+            json={"name": "demo", "expected_workers": self.workers},
+            headers={"Authorization": f"Bearer {self.scheduler_token}"},
+        )
         response.raise_for_status()
         return response.json()["token"]
 
     def start_agents(self, grpc_port: int, job_token: str) -> None:
         env = dict(os.environ, ELASWAVE_JOB_TOKEN=job_token)
         for i in range(self.workers):
-            cmd = [sys.executable, "-m", "elaswave.cli", "agent", "--job", "demo", "--worker-id", f"worker-{i}",
-                   "--stage", "0", "--dp-rank", str(i), "--core", f"127.0.0.1:{grpc_port}",
-                   "--metrics-socket", str(self.workdir / f"worker-{i}.sock"), "--log-level", "WARNING",
-                   "--", sys.executable, "-m", "harness.dummy_worker", "--stage", "0", "--dp-rank", str(i)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "elaswave.cli",
+                "agent",
+                "--job",
+                "demo",
+                "--worker-id",
+                f"worker-{i}",
+                "--stage",
+                "0",
+                "--dp-rank",
+                str(i),
+                "--core",
+                f"127.0.0.1:{grpc_port}",
+                "--metrics-socket",
+                str(self.workdir / f"worker-{i}.sock"),
+                "--log-level",
+                "WARNING",
+                "--",
+                sys.executable,
+                "-m",
+                "harness.dummy_worker",
+                "--stage",
+                "0",
+                "--dp-rank",
+                str(i),
+            ]
             self.procs.append(subprocess.Popen(cmd, env=env))
 
     def job(self) -> dict[str, Any]:
@@ -139,8 +196,13 @@ def run(args: argparse.Namespace) -> int:
             runner = _run
         else:
             try:
-                cfg = TrainDemoConfig(pp=args.pp, dp=args.dp, steps=args.steps, kill_after_step=args.kill_after,
-                                      victim_rank=args.victim)
+                cfg = TrainDemoConfig(
+                    pp=args.pp,
+                    dp=args.dp,
+                    steps=args.steps,
+                    kill_after_step=args.kill_after,
+                    victim_rank=args.victim,
+                )
                 demo = TrainDemo(Path(tmp), cfg, args.timeout)
             except ValueError as exc:
                 print(f"elaswave demo: {exc}", file=sys.stderr)
@@ -154,12 +216,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(demo: Demo) -> int:
     info = demo.start_core()
-    print(f"[demo] Core up: gRPC 127.0.0.1:{info['grpc_port']}, REST http://127.0.0.1:{info['http_port']}/api/v1/jobs")
+    print(
+        f"[demo] Core up: gRPC 127.0.0.1:{info['grpc_port']}, REST http://127.0.0.1:{info['http_port']}/api/v1/jobs"
+    )
     token = demo.create_job()
     print("[demo] job 'demo' created through POST /api/v1/jobs")
     demo.start_agents(info["grpc_port"], token)
-    job = demo.wait_for("every worker to run", lambda j: len(j["members"]) == demo.workers
-                        and all(s == "RUNNING" for s in states(j).values()))
+    job = demo.wait_for(
+        "every worker to run",
+        lambda j: len(j["members"]) == demo.workers and all(s == "RUNNING" for s in states(j).values()),
+    )
     print(f"[demo] {demo.workers} agents registered, workers stepping: {states(job)}")
     victim = job["members"][-1]
     print(f"[demo] kill -9 worker pid {victim['pid']} ({victim['worker_id']})")
@@ -168,7 +234,9 @@ def _run(demo: Demo) -> int:
     job = demo.wait_for("the Core to see the kill", lambda j: states(j)[victim["worker_id"]] == "LOST")
     seen_after = time.monotonic() - killed_at
     lost = next(m for m in job["members"] if m["worker_id"] == victim["worker_id"])
-    print(f"[demo] Core marked {victim['worker_id']} LOST after {seen_after * 1000:.0f} ms: {lost['lost_reason']}")
+    print(
+        f"[demo] Core marked {victim['worker_id']} LOST after {seen_after * 1000:.0f} ms: {lost['lost_reason']}"
+    )
     print(f"[demo] members now: {states(job)}")
     assert demo.http is not None
     events = demo.http.get("/api/v1/jobs/demo/events").json()["events"]

@@ -51,8 +51,15 @@ def main() -> int:
         elapsed = time.perf_counter() - started
         loss = 4.0 * math.exp(-step / 200.0) + 0.5
         if client is not None:
-            client.send(step=step, step_time_s=elapsed, compute_time_s=elapsed, loss=loss, samples=8,
-                        stage=args.stage, dp_rank=args.dp_rank)
+            client.send(
+                step=step,
+                step_time_s=elapsed,
+                compute_time_s=elapsed,
+                loss=loss,
+                samples=8,
+                stage=args.stage,
+                dp_rank=args.dp_rank,
+            )
         step += 1
     why = f", stopped by {stop.reason}" if stop.reason else ""
     print(f"dummy worker {os.getpid()} finished {step} steps{why}", flush=True)

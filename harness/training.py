@@ -84,8 +84,18 @@ class TrainDemo(Demo):
 
     def script_args(self) -> list[str]:
         c = self.cfg
-        return ["--steps", str(c.steps), "--layers", str(c.layers), "--dropout", str(c.dropout),
-                "--global-batch", str(c.global_batch), "--micro-batches", str(c.micro_batches)]
+        return [
+            "--steps",
+            str(c.steps),
+            "--layers",
+            str(c.layers),
+            "--dropout",
+            str(c.dropout),
+            "--global-batch",
+            str(c.global_batch),
+            "--micro-batches",
+            str(c.micro_batches),
+        ]
 
     def layout(self) -> Any:
         """The script's units as its describe run reports them, split evenly over the stages
@@ -94,11 +104,14 @@ class TrainDemo(Demo):
         from planners.layout import make_uniform_layout  # noqa: PLC0415
 
         if not GPT_SCRIPT.is_file():
-            raise FileNotFoundError(f"the GPT example is not at {GPT_SCRIPT}: run the demo from a source checkout")
+            raise FileNotFoundError(
+                f"the GPT example is not at {GPT_SCRIPT}: run the demo from a source checkout"
+            )
         desc = describe(GPT_SCRIPT, self.script_args(), timeout_s=self.timeout_s)
         numel = tuple(u.numel for u in desc.units)
-        return make_uniform_layout(len(numel), self.cfg.pp, self.cfg.dp, self.cfg.global_batch,
-                                   self.cfg.micro_batches, numel)
+        return make_uniform_layout(
+            len(numel), self.cfg.pp, self.cfg.dp, self.cfg.global_batch, self.cfg.micro_batches, numel
+        )
 
     def start_store(self) -> int:
         from executor.store_server import StoreServer  # noqa: PLC0415
@@ -111,17 +124,47 @@ class TrainDemo(Demo):
         layout_file.write_text(layout.to_json())
         for stage in layout.stages:
             for dp_rank, rank in enumerate(stage.ranks):
-                env = dict(os.environ, PYTHONUNBUFFERED="1", **{
-                    TOKEN_ENV: job_token, JOB_ENV: "demo", RANK_ENV: str(rank), CORE_ENV: f"127.0.0.1:{grpc_port}",
-                    STORE_ENV: f"127.0.0.1:{store_port}", LAYOUT_ENV: str(layout_file), TIMEOUT_ENV: "20",
-                    RESULTS_ENV: str(self.result_file(rank))})
+                env = dict(
+                    os.environ,
+                    PYTHONUNBUFFERED="1",
+                    **{
+                        TOKEN_ENV: job_token,
+                        JOB_ENV: "demo",
+                        RANK_ENV: str(rank),
+                        CORE_ENV: f"127.0.0.1:{grpc_port}",
+                        STORE_ENV: f"127.0.0.1:{store_port}",
+                        LAYOUT_ENV: str(layout_file),
+                        TIMEOUT_ENV: "20",
+                        RESULTS_ENV: str(self.result_file(rank)),
+                    },
+                )
                 if self.cfg.checkpoint_dir is not None:
                     env[CHECKPOINT_DIR_ENV] = self.cfg.checkpoint_dir
                 worker = [sys.executable, str(GPT_SCRIPT), *self.script_args()]
-                agent = [sys.executable, "-m", "elaswave.cli", "agent", "--job", "demo", "--worker-id",
-                         f"rank-{rank}", "--rank", str(rank), "--stage", str(stage.stage), "--dp-rank",
-                         str(dp_rank), "--core", f"127.0.0.1:{grpc_port}", "--metrics-socket",
-                         str(self.workdir / f"rank-{rank}.sock"), "--log-level", "WARNING", "--", *worker]
+                agent = [
+                    sys.executable,
+                    "-m",
+                    "elaswave.cli",
+                    "agent",
+                    "--job",
+                    "demo",
+                    "--worker-id",
+                    f"rank-{rank}",
+                    "--rank",
+                    str(rank),
+                    "--stage",
+                    str(stage.stage),
+                    "--dp-rank",
+                    str(dp_rank),
+                    "--core",
+                    f"127.0.0.1:{grpc_port}",
+                    "--metrics-socket",
+                    str(self.workdir / f"rank-{rank}.sock"),
+                    "--log-level",
+                    "WARNING",
+                    "--",
+                    *worker,
+                ]
                 self.agents[rank] = subprocess.Popen(agent, env=env)
                 self.procs.append(self.agents[rank])
 
@@ -148,7 +191,9 @@ def last_step(member: dict[str, Any]) -> int:
 def create_job_with_layout(demo: TrainDemo, layout: Any) -> str:
     assert demo.http is not None
     body = {"name": "demo", "expected_workers": demo.workers, "layout": json.loads(layout.to_json())}
-    response = demo.http.post("/api/v1/jobs", json=body, headers={"Authorization": f"Bearer {demo.scheduler_token}"})
+    response = demo.http.post(
+        "/api/v1/jobs", json=body, headers={"Authorization": f"Bearer {demo.scheduler_token}"}
+    )
     response.raise_for_status()
     return response.json()["token"]
 
@@ -157,21 +202,26 @@ def launch_job(demo: TrainDemo) -> dict[str, Any]:
     """Core, job with its layout, store, and one agent + worker per rank; the Core's ports."""
     cfg = demo.cfg
     info = demo.start_core()
-    print(f"[demo] Core up: gRPC 127.0.0.1:{info['grpc_port']}, REST http://127.0.0.1:{info['http_port']}/api/v1/jobs")
+    print(
+        f"[demo] Core up: gRPC 127.0.0.1:{info['grpc_port']}, REST http://127.0.0.1:{info['http_port']}/api/v1/jobs"
+    )
     layout = demo.layout()
     token = create_job_with_layout(demo, layout)
     store_port = demo.start_store()
-    print(f"[demo] job 'demo': PP={cfg.pp} x DP={cfg.dp} x ZeRO-1 (interleaved), {cfg.layers} blocks, global batch "
-          f"{cfg.global_batch} in {cfg.micro_batches} micro-batches, {cfg.steps} steps; store on port {store_port}")
+    print(
+        f"[demo] job 'demo': PP={cfg.pp} x DP={cfg.dp} x ZeRO-1 (interleaved), {cfg.layers} blocks, global batch "
+        f"{cfg.global_batch} in {cfg.micro_batches} micro-batches, {cfg.steps} steps; store on port {store_port}"
+    )
     demo.start_training(info["grpc_port"], store_port, token, layout)
     return info
 
 
 def wait_committed(demo: TrainDemo, step: int) -> dict[str, Any]:
     """The job as the Core shows it once every worker has committed `step`."""
-    return demo.wait_for(f"every worker to commit step {step}",
-                         lambda j: len(j["members"]) == demo.workers
-                         and all(last_step(m) >= step for m in j["members"]))
+    return demo.wait_for(
+        f"every worker to commit step {step}",
+        lambda j: len(j["members"]) == demo.workers and all(last_step(m) >= step for m in j["members"]),
+    )
 
 
 def run_train_demo(demo: TrainDemo) -> int:
@@ -180,12 +230,16 @@ def run_train_demo(demo: TrainDemo) -> int:
     victim = f"rank-{cfg.victim_rank}"
     job = wait_committed(demo, cfg.kill_after_step)
     member = next(m for m in job["members"] if m["worker_id"] == victim)
-    print(f"[demo] {demo.workers} workers training; kill -9 {victim} (pid {member['pid']}, stage "
-          f"{member['stage']}) during step {last_step(member) + 1}")
+    print(
+        f"[demo] {demo.workers} workers training; kill -9 {victim} (pid {member['pid']}, stage "
+        f"{member['stage']}) during step {last_step(member) + 1}"
+    )
     killed_unix = time.time()
     os.kill(member["pid"], signal.SIGKILL)
-    job = demo.wait_for("the Core to re-plan and the survivors to resume",
-                        lambda j: j["plan_epoch"] >= 1 and j["phase"] == "RUNNING")
+    job = demo.wait_for(
+        "the Core to re-plan and the survivors to resume",
+        lambda j: j["plan_epoch"] >= 1 and j["phase"] == "RUNNING",
+    )
     survivors = [r for r in range(demo.workers) if r != cfg.victim_rank]
     results = demo.wait_results(survivors)
     wait_departures(demo, [f"rank-{r}" for r in survivors])
@@ -215,7 +269,9 @@ def report(demo: TrainDemo, killed_unix: float, results: dict[int, dict[str, Any
     print(f"[demo] {'step':>4}  {'elastic job':>14}  {'fault-free':>14}  {'|diff|':>9}")
     for step in range(cfg.steps):
         note = "  <- replayed on the new layout" if step == fail_step else ""
-        print(f"[demo] {step:>4}  {losses[step]:>14.9f}  {ref[step]:>14.9f}  {abs(losses[step] - ref[step]):>9.2e}{note}")
+        print(
+            f"[demo] {step:>4}  {losses[step]:>14.9f}  {ref[step]:>14.9f}  {abs(losses[step] - ref[step]):>9.2e}{note}"
+        )
     problems = check(cfg, results, losses, ref, fail_step) + check_membership(cfg, events, states(demo.job()))
     for problem in problems:
         print(f"[demo] CHECK FAILED: {problem}")
@@ -223,10 +279,12 @@ def report(demo: TrainDemo, killed_unix: float, results: dict[int, dict[str, Any
         after = range(fail_step, cfg.steps)
         dev = sum(abs(losses[s] - ref[s]) / abs(ref[s]) for s in after) / len(after)
         before = max((abs(losses[s] - ref[s]) / abs(ref[s]) for s in range(fail_step)), default=0.0)
-        print(f"[demo] checks passed: losses before the failure within {before:.1e} relative of the fault-free "
-              f"run (fp32 round-off); mean relative deviation after it {dev:.1e} (<= {MAX_MEAN_REL_DEV:g}); every "
-              "sample of every step from the failure on processed exactly once per stage; no snapshot checksum "
-              "mismatch; no process restarted")
+        print(
+            f"[demo] checks passed: losses before the failure within {before:.1e} relative of the fault-free "
+            f"run (fp32 round-off); mean relative deviation after it {dev:.1e} (<= {MAX_MEAN_REL_DEV:g}); every "
+            "sample of every step from the failure on processed exactly once per stage; no snapshot checksum "
+            "mismatch; no process restarted"
+        )
     return 1 if problems else 0
 
 
@@ -235,8 +293,13 @@ def fault_free_losses(demo: TrainDemo) -> list[float]:
     from elaswave.launcher_describe import clean_env  # noqa: PLC0415
 
     out = demo.workdir / "fault_free_losses.json"
-    subprocess.run([sys.executable, str(GPT_SCRIPT), *demo.script_args(), "--losses-out", str(out)],
-                   env=clean_env(), check=True, stdout=subprocess.DEVNULL, timeout=demo.timeout_s)
+    subprocess.run(
+        [sys.executable, str(GPT_SCRIPT), *demo.script_args(), "--losses-out", str(out)],
+        env=clean_env(),
+        check=True,
+        stdout=subprocess.DEVNULL,
+        timeout=demo.timeout_s,
+    )
     losses = json.loads(out.read_text())
     return [float(losses[str(s)]) for s in range(demo.cfg.steps)]
 
@@ -249,8 +312,13 @@ def job_losses(results: dict[int, dict[str, Any]]) -> dict[int, float]:
     return losses
 
 
-def check(cfg: TrainDemoConfig, results: dict[int, dict[str, Any]], losses: dict[int, float],
-          ref: list[float], fail_step: int) -> list[str]:
+def check(
+    cfg: TrainDemoConfig,
+    results: dict[int, dict[str, Any]],
+    losses: dict[int, float],
+    ref: list[float],
+    fail_step: int,
+) -> list[str]:
     problems: list[str] = []
     if sorted(losses) != list(range(cfg.steps)):
         problems.append(f"committed steps {sorted(losses)} are not 0..{cfg.steps - 1}")
@@ -258,8 +326,10 @@ def check(cfg: TrainDemoConfig, results: dict[int, dict[str, Any]], losses: dict
     for step in range(fail_step):
         rel = abs(losses[step] - ref[step]) / abs(ref[step])
         if not rel <= MAX_REL_DEV_BEFORE:
-            problems.append(f"step {step} (before the failure) differs from the fault-free run by {rel:.1e} "
-                            f"relative (> {MAX_REL_DEV_BEFORE:g}, more than fp32 round-off)")
+            problems.append(
+                f"step {step} (before the failure) differs from the fault-free run by {rel:.1e} "
+                f"relative (> {MAX_REL_DEV_BEFORE:g}, more than fp32 round-off)"
+            )
     after = range(fail_step, cfg.steps)
     dev = sum(abs(losses[s] - ref[s]) / abs(ref[s]) for s in after) / len(after)
     if not math.isfinite(dev) or dev > MAX_MEAN_REL_DEV:
@@ -311,34 +381,51 @@ def print_layout(layout: dict[str, Any] | None) -> None:
     policy resizes micro-batches and may also migrate blocks between adjacent stages, §4.1-4.2)."""
     if layout is None:
         return
-    stages = "; ".join(f"stage {s['stage']} units {s['layer_start']}..{s['layer_stop'] - 1} on ranks {s['ranks']}"
-                       for s in layout["stages"])
-    clocks = f"; clocks {dict(map(tuple, layout['frequencies_mhz']))} MHz" if layout["frequencies_mhz"] else ""
+    stages = "; ".join(
+        f"stage {s['stage']} units {s['layer_start']}..{s['layer_stop'] - 1} on ranks {s['ranks']}"
+        for s in layout["stages"]
+    )
+    clocks = (
+        f"; clocks {dict(map(tuple, layout['frequencies_mhz']))} MHz" if layout["frequencies_mhz"] else ""
+    )
     print(f"[demo] layout now: {stages}{clocks}")
 
 
-def print_timeline(events: list[dict[str, Any]], killed_unix: float, results: dict[int, dict[str, Any]]) -> None:
+def print_timeline(
+    events: list[dict[str, Any]], killed_unix: float, results: dict[int, dict[str, Any]]
+) -> None:
     """Where the recovery time went (DESIGN §1, promise 2: itemised per component)."""
     lost = next((e for e in events if e["kind"] == "worker_lost"), None)
-    published = next((e for e in events if e["kind"].startswith("plan_published")
-                      or e["kind"] == "decision_publish"), None)
+    published = next(
+        (e for e in events if e["kind"].startswith("plan_published") or e["kind"] == "decision_publish"), None
+    )
     recs = [r for res in results.values() for r in res["recoveries"]]
     print("[demo] recovery, itemised:")
     if lost is not None:
-        print(f"[demo]   detect   {1e3 * (lost['time_unix'] - killed_unix):8.0f} ms  kill -9 -> Core marks "
-              f"{lost['worker_id']} LOST ({lost['detail']})")
+        print(
+            f"[demo]   detect   {1e3 * (lost['time_unix'] - killed_unix):8.0f} ms  kill -9 -> Core marks "
+            f"{lost['worker_id']} LOST ({lost['detail']})"
+        )
     if lost is not None and published is not None:
-        print(f"[demo]   plan     {1e3 * (published['time_unix'] - lost['time_unix']):8.0f} ms  LOST -> plan "
-              f"published ({published['detail']})")
+        print(
+            f"[demo]   plan     {1e3 * (published['time_unix'] - lost['time_unix']):8.0f} ms  LOST -> plan "
+            f"published ({published['detail']})"
+        )
     if recs:
-        print(f"[demo]   edit     {1e3 * max(r['communicator_s'] for r in recs):8.0f} ms  communicator edit "
-              f"(slowest survivor; rebuilt {sorted({g for r in recs for g in r['rebuilt']})})")
-        print(f"[demo]   apply    {1e3 * max(r['apply_s'] for r in recs):8.0f} ms  edit + shard remap from the "
-              "ring snapshot + new layout (slowest survivor)")
+        print(
+            f"[demo]   edit     {1e3 * max(r['communicator_s'] for r in recs):8.0f} ms  communicator edit "
+            f"(slowest survivor; rebuilt {sorted({g for r in recs for g in r['rebuilt']})})"
+        )
+        print(
+            f"[demo]   apply    {1e3 * max(r['apply_s'] for r in recs):8.0f} ms  edit + shard remap from the "
+            "ring snapshot + new layout (slowest survivor)"
+        )
     resumed = [e for e in events if e["kind"] == "phase_running" and e["time_unix"] > killed_unix]
     if resumed:
-        print(f"[demo]   total    {1e3 * (resumed[0]['time_unix'] - killed_unix):8.0f} ms  kill -9 -> every "
-              "survivor committed a step on the new layout")
+        print(
+            f"[demo]   total    {1e3 * (resumed[0]['time_unix'] - killed_unix):8.0f} ms  kill -9 -> every "
+            "survivor committed a step on the new layout"
+        )
     print("[demo] events:")
     for event in events:
         if event["kind"] in ("worker_running",) or event["kind"].startswith("plan_"):

@@ -25,10 +25,18 @@ from planners.partition import solve_partition_request
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("plan", help="choose a recovery plan for a job state (no side effects)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", nargs="?", choices=("partition", "scale-table"),
-                   help="'partition': Algorithm 1 alone; 'scale-table': FlexTrain scale table")
+    p = subparsers.add_parser(
+        "plan",
+        help="choose a recovery plan for a job state (no side effects)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "mode",
+        nargs="?",
+        choices=("partition", "scale-table"),
+        help="'partition': Algorithm 1 alone; 'scale-table': FlexTrain scale table",
+    )
     p.add_argument("--input", required=True, help="JSON file ('-' for stdin)")
     p.set_defaults(func=main)
 
@@ -62,13 +70,27 @@ def scale_table(request: Any) -> dict[str, Any]:
     """state.json (+ "max_devices") -> FlexTrain scale table JSON."""
     state, _ = state_from_dict(request)
     max_devices = request.get("max_devices", state.shape.num_devices)
-    if isinstance(max_devices, bool) or not isinstance(max_devices, int) or max_devices < state.shape.num_devices:
-        raise ValueError(f"max_devices must be an integer >= the job's {state.shape.num_devices} devices, "
-                         f"got {max_devices!r}")
+    if (
+        isinstance(max_devices, bool)
+        or not isinstance(max_devices, int)
+        or max_devices < state.shape.num_devices
+    ):
+        raise ValueError(
+            f"max_devices must be an integer >= the job's {state.shape.num_devices} devices, "
+            f"got {max_devices!r}"
+        )
     table = build_scale_table(predict_configs(state, max_devices // state.shape.tp))
     return {
-        "entries": [{"devices": e.gpus, "dp": e.dp, "pp": e.pp, "speedup": e.speedup,
-                     "modeled_speedup": e.modeled_speedup} for e in table.entries],
+        "entries": [
+            {
+                "devices": e.gpus,
+                "dp": e.dp,
+                "pp": e.pp,
+                "speedup": e.speedup,
+                "modeled_speedup": e.modeled_speedup,
+            }
+            for e in table.entries
+        ],
         "excluded": [{"devices": g, "why": why} for g, why in table.excluded],
         "reason": table.reason,
     }

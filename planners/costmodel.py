@@ -108,8 +108,14 @@ class LinkModel:
         return self.latency_s + samples * self.boundary_bytes_per_sample / self.bandwidth_bytes_per_s
 
 
-def ministep_time(tf: np.ndarray | float, tb: np.ndarray | float, p2p_f: np.ndarray | float,
-                  p2p_b: np.ndarray | float, sigma_f: float, sigma_b: float) -> np.ndarray | float:
+def ministep_time(
+    tf: np.ndarray | float,
+    tb: np.ndarray | float,
+    p2p_f: np.ndarray | float,
+    p2p_b: np.ndarray | float,
+    sigma_f: float,
+    sigma_b: float,
+) -> np.ndarray | float:
     """Eq. (1); works elementwise (with broadcasting) on arrays of segment compute times."""
     return tf + tb + np.maximum(0.0, p2p_f - sigma_f * tf) + np.maximum(0.0, p2p_b - sigma_b * tb)
 
@@ -170,8 +176,10 @@ class CostModel:
         return float(ministep_time(tf, tb, cond.p2p_f_s, cond.p2p_b_s, self.link.sigma_f, self.link.sigma_b))
 
     def stage_times(self, layout: Layout) -> tuple[float, ...]:
-        return tuple(self.stage_time(c, s.layer_start, s.layer_stop)
-                     for c, s in zip(self.conditions(layout), layout.stages, strict=True))
+        return tuple(
+            self.stage_time(c, s.layer_start, s.layer_stop)
+            for c, s in zip(self.conditions(layout), layout.stages, strict=True)
+        )
 
     def step_time(self, layout: Layout) -> float:
         """1F1B step estimate: warm-up and cool-down pass through every stage once, the steady
@@ -182,13 +190,18 @@ class CostModel:
     def layer_mem_bytes(self, layout: Layout, stage: int, micro_batch: int | None = None) -> np.ndarray:
         """Per-layer bytes if `stage` held that layer (params, grads, optimizer share, activations)."""
         s, mem = layout.stages[stage], self.memory
-        per_param = mem.weight_bytes_per_param + mem.grad_bytes_per_param + mem.optim_bytes_per_param / s.dp_size
+        per_param = (
+            mem.weight_bytes_per_param + mem.grad_bytes_per_param + mem.optim_bytes_per_param / s.dp_size
+        )
         in_flight = min(layout.num_stages - stage, layout.num_micro_batches)
         micro = stage_micro_batch_size(layout, stage) if micro_batch is None else micro_batch
-        return (np.asarray(layout.layer_numel, dtype=float) * per_param
-                + in_flight * micro * np.asarray(mem.act_bytes_per_sample, dtype=float))
+        return np.asarray(layout.layer_numel, dtype=float) * per_param + in_flight * micro * np.asarray(
+            mem.act_bytes_per_sample, dtype=float
+        )
 
     def stage_memory_bytes(self, layout: Layout, stage: int) -> float:
         """MemoryModel protocol (planners.validation)."""
         s = layout.stages[stage]
-        return self.memory.stage_base_bytes + float(self.layer_mem_bytes(layout, stage)[s.layer_start:s.layer_stop].sum())
+        return self.memory.stage_base_bytes + float(
+            self.layer_mem_bytes(layout, stage)[s.layer_start : s.layer_stop].sum()
+        )

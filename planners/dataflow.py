@@ -38,8 +38,10 @@ class StageEmptied(ValueError):
 
     def __init__(self, stages: Sequence[int]) -> None:
         self.stages = tuple(stages)
-        super().__init__(f"stage(s) {list(stages)} lost every rank; micro-batch resizing cannot serve "
-                         "their layers (use drop_stage and re-partition)")
+        super().__init__(
+            f"stage(s) {list(stages)} lost every rank; micro-batch resizing cannot serve "
+            "their layers (use drop_stage and re-partition)"
+        )
 
 
 def stage_micro_batch_size(layout: Layout, stage: int) -> int:
@@ -75,8 +77,9 @@ def resize_after_loss(layout: Layout, lost_ranks: Iterable[int]) -> DataflowResu
     emptied = [s.stage for s in layout.stages if lost and len(lost_by_stage[s.stage]) == s.dp_size]
     if emptied:
         raise StageEmptied(emptied)
-    stages = tuple(_without(s, lost_by_stage[s.stage]) if lost_by_stage[s.stage] else s
-                   for s in layout.stages)
+    stages = tuple(
+        _without(s, lost_by_stage[s.stage]) if lost_by_stage[s.stage] else s for s in layout.stages
+    )
     freqs = tuple((r, f) for r, f in layout.frequencies_mhz if r not in lost)
     new = replace(layout, stages=stages, frequencies_mhz=freqs)
     return _result(layout, new, f"lost ranks {sorted(lost)}")
@@ -92,8 +95,10 @@ def resize_after_join(layout: Layout, joins: Mapping[int, Sequence[int]]) -> Dat
             raise ValueError(f"cannot join stage {stage}: layout has stages 0..{layout.num_stages - 1}")
         clash = present.intersection(ranks)
         if clash or len(set(ranks)) != len(ranks):
-            raise ValueError(f"joining ranks {sorted(ranks)} to stage {stage}: ranks "
-                             f"{sorted(clash) or 'listed twice'} already present")
+            raise ValueError(
+                f"joining ranks {sorted(ranks)} to stage {stage}: ranks "
+                f"{sorted(clash) or 'listed twice'} already present"
+            )
         present.update(ranks)
     stages = tuple(_with(s, tuple(joins.get(s.stage, ()))) for s in layout.stages)
     new = replace(layout, stages=stages)
@@ -150,9 +155,13 @@ def _with(stage: StageLayout, joined: tuple[int, ...]) -> StageLayout:
 
 def _result(old: Layout, new: Layout, what: str) -> DataflowResult:
     before, after = micro_batch_sizes(old), micro_batch_sizes(new)
-    changed = [f"stage {p}: DP {old.stages[p].dp_size}->{new.stages[p].dp_size}, "
-               f"micro-batch {before[p]}->{after[p]}"
-               for p in range(new.num_stages) if old.stages[p].ranks != new.stages[p].ranks]
-    reason = (f"{what}: resized micro-batches ({'; '.join(changed) or 'no stage changed'}); "
-              f"global batch {new.global_batch} and {new.num_micro_batches} slots unchanged")
+    changed = [
+        f"stage {p}: DP {old.stages[p].dp_size}->{new.stages[p].dp_size}, micro-batch {before[p]}->{after[p]}"
+        for p in range(new.num_stages)
+        if old.stages[p].ranks != new.stages[p].ranks
+    ]
+    reason = (
+        f"{what}: resized micro-batches ({'; '.join(changed) or 'no stage changed'}); "
+        f"global batch {new.global_batch} and {new.num_micro_batches} slots unchanged"
+    )
     return DataflowResult(new, after, reason)

@@ -34,8 +34,15 @@ class LayoutDiff:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.ranks_added or self.ranks_removed or self.stages_changed or self.layer_moves
-                    or self.zero_transfers or self.frequency_changes or self.samples_changed)
+        return not (
+            self.ranks_added
+            or self.ranks_removed
+            or self.stages_changed
+            or self.layer_moves
+            or self.zero_transfers
+            or self.frequency_changes
+            or self.samples_changed
+        )
 
     @property
     def moved_elements(self) -> int:
@@ -54,19 +61,31 @@ def diff_layouts(old: Layout, new: Layout, *, include_zero: bool = True) -> Layo
     old_ranks, new_ranks = set(old.ranks()), set(new.ranks())
     added, removed = tuple(sorted(new_ranks - old_ranks)), tuple(sorted(old_ranks - new_ranks))
     stages_changed = tuple(
-        s.stage for s in new.stages
-        if s.stage >= old.num_stages or old.stages[s.stage].ranks != s.ranks)
-    moves = tuple(LayerMove(layer, old.stage_of_layer(layer), new.stage_of_layer(layer))
-                  for layer in range(new.num_layers)
-                  if old.stage_of_layer(layer) != new.stage_of_layer(layer))
+        s.stage for s in new.stages if s.stage >= old.num_stages or old.stages[s.stage].ranks != s.ranks
+    )
+    moves = tuple(
+        LayerMove(layer, old.stage_of_layer(layer), new.stage_of_layer(layer))
+        for layer in range(new.num_layers)
+        if old.stage_of_layer(layer) != new.stage_of_layer(layer)
+    )
     transfers = shard_transfers(old, new) if include_zero else ()
     old_f, new_f = dict(old.frequencies_mhz), dict(new.frequencies_mhz)
-    freq = tuple((r, old_f.get(r), new_f.get(r)) for r in sorted(old_f.keys() | new_f.keys())
-                 if old_f.get(r) != new_f.get(r) and r in new_ranks)
-    samples_changed = (old.global_batch, old.num_micro_batches) != (new.global_batch, new.num_micro_batches) \
-        or any(o.ranks != n.ranks or o.sample_weights != n.sample_weights
-               for o, n in zip(old.stages, new.stages, strict=False)) or old.num_stages != new.num_stages
-    reason = (f"+{len(added)}/-{len(removed)} ranks, {len(stages_changed)} stages changed, "
-              f"{len(moves)} layers move, {len(transfers)} ZeRO intervals "
-              f"({sum(t.size for t in transfers)} elements) move, {len(freq)} frequency changes")
+    freq = tuple(
+        (r, old_f.get(r), new_f.get(r))
+        for r in sorted(old_f.keys() | new_f.keys())
+        if old_f.get(r) != new_f.get(r) and r in new_ranks
+    )
+    samples_changed = (
+        (old.global_batch, old.num_micro_batches) != (new.global_batch, new.num_micro_batches)
+        or any(
+            o.ranks != n.ranks or o.sample_weights != n.sample_weights
+            for o, n in zip(old.stages, new.stages, strict=False)
+        )
+        or old.num_stages != new.num_stages
+    )
+    reason = (
+        f"+{len(added)}/-{len(removed)} ranks, {len(stages_changed)} stages changed, "
+        f"{len(moves)} layers move, {len(transfers)} ZeRO intervals "
+        f"({sum(t.size for t in transfers)} elements) move, {len(freq)} frequency changes"
+    )
     return LayoutDiff(added, removed, stages_changed, moves, transfers, freq, samples_changed, reason)

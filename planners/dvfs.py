@@ -37,8 +37,9 @@ class DvfsResult:
     reason: str
 
 
-def bisection_search(f_cur: int, f_max: int, target_s: float, eps_s: float, df_min: int,
-                     guess: int | None = None) -> Generator[int, float, DvfsResult]:
+def bisection_search(
+    f_cur: int, f_max: int, target_s: float, eps_s: float, df_min: int, guess: int | None = None
+) -> Generator[int, float, DvfsResult]:
     """Algorithm 2. Yields a frequency to apply (the first yield is `f_cur`, just observed) and
     expects the observed stage time back via `send`; returns the DvfsResult.
 
@@ -48,8 +49,10 @@ def bisection_search(f_cur: int, f_max: int, target_s: float, eps_s: float, df_m
     lowest feasible frequency on the `df_min` grid above `f_cur`.
     """
     if not (0 < f_cur <= f_max) or df_min < 1 or eps_s < 0 or target_s <= 0:
-        raise ValueError(f"need 0 < f_cur <= f_max, df_min >= 1, eps >= 0, target > 0; got f_cur={f_cur}, "
-                         f"f_max={f_max}, df_min={df_min}, eps={eps_s}, target={target_s}")
+        raise ValueError(
+            f"need 0 < f_cur <= f_max, df_min >= 1, eps >= 0, target > 0; got f_cur={f_cur}, "
+            f"f_max={f_max}, df_min={df_min}, eps={eps_s}, target={target_s}"
+        )
     probes: list[tuple[int, float]] = []
 
     def probe(mhz: int) -> Generator[int, float, float]:
@@ -59,13 +62,21 @@ def bisection_search(f_cur: int, f_max: int, target_s: float, eps_s: float, df_m
 
     t_cur = yield from probe(f_cur)
     if t_cur <= target_s + eps_s:  # line 2, extended: already at or below target
-        return DvfsResult(f_cur, "ACHIEVABLE", tuple(probes),
-                          f"stage at {f_cur} MHz takes {t_cur:.6g} s, within {eps_s:g} s of target {target_s:.6g} s")
+        return DvfsResult(
+            f_cur,
+            "ACHIEVABLE",
+            tuple(probes),
+            f"stage at {f_cur} MHz takes {t_cur:.6g} s, within {eps_s:g} s of target {target_s:.6g} s",
+        )
     t_max = yield from probe(f_max)
     if t_max > target_s + eps_s:  # line 5: not compute-bound
-        return DvfsResult(f_max, "UNACHIEVABLE", tuple(probes),
-                          f"even at f_max={f_max} MHz the stage takes {t_max:.6g} s > target {target_s:.6g} s "
-                          f"+ {eps_s:g} s: the gap is not compute-bound")
+        return DvfsResult(
+            f_max,
+            "UNACHIEVABLE",
+            tuple(probes),
+            f"even at f_max={f_max} MHz the stage takes {t_max:.6g} s > target {target_s:.6g} s "
+            f"+ {eps_s:g} s: the gap is not compute-bound",
+        )
     lo, hi = f_cur, f_max  # invariant: lo infeasible, hi feasible
     if guess is not None and lo + df_min < guess < hi:
         ok = (yield from probe(guess)) <= target_s + eps_s
@@ -81,14 +92,27 @@ def bisection_search(f_cur: int, f_max: int, target_s: float, eps_s: float, df_m
             hi = mid
         else:
             lo = mid
-    return DvfsResult(hi, "ACHIEVABLE", tuple(probes),
-                      f"lowest frequency meeting {target_s:.6g} s (+{eps_s:g}) is {hi} MHz "
-                      f"(up from {f_cur} MHz, {len(probes)} observations)")
+    return DvfsResult(
+        hi,
+        "ACHIEVABLE",
+        tuple(probes),
+        f"lowest frequency meeting {target_s:.6g} s (+{eps_s:g}) is {hi} MHz "
+        f"(up from {f_cur} MHz, {len(probes)} observations)",
+    )
 
 
-def run_bisection(controller: FrequencyController, ranks: Sequence[int], stage: int, window: int,
-                  f_cur: int, f_max: int, target_s: float, eps_s: float, df_min: int,
-                  guess: int | None = None) -> DvfsResult:
+def run_bisection(
+    controller: FrequencyController,
+    ranks: Sequence[int],
+    stage: int,
+    window: int,
+    f_cur: int,
+    f_max: int,
+    target_s: float,
+    eps_s: float,
+    df_min: int,
+    guess: int | None = None,
+) -> DvfsResult:
     """Drive `bisection_search` on a real or simulated controller; leaves the stage's ranks at the
     chosen frequency."""
     search = bisection_search(f_cur, f_max, target_s, eps_s, df_min, guess)
@@ -121,7 +145,7 @@ def stage_time_split(cost: CostModel, layout: Layout, stage: int) -> tuple[float
     cond = cost.conditions(layout)[stage]
     s = layout.stages[stage]
     fwd, bwd = cost.stage_compute(cond)
-    tf, tb = float(fwd[s.layer_start:s.layer_stop].sum()), float(bwd[s.layer_start:s.layer_stop].sum())
+    tf, tb = float(fwd[s.layer_start : s.layer_stop].sum()), float(bwd[s.layer_start : s.layer_stop].sum())
     total = float(ministep_time(tf, tb, cond.p2p_f_s, cond.p2p_b_s, cost.link.sigma_f, cost.link.sigma_b))
     return tf + tb, total - tf - tb
 
@@ -151,15 +175,24 @@ def plan_straggler_frequency(layout: Layout, cost: CostModel, f_max: int) -> Fre
     f_cur = slowest_clock(freqs, ranks, cost.profile.ref_mhz)
     guess = model_frequency_guess(compute, other, f_cur, target)
     if guess is None or guess > f_max:
-        return FrequencyPlan(layout, slow, None,
-                             f"stage {slow} ({times[slow]:.6g} s) cannot reach {target:.6g} s by f_max={f_max} MHz")
+        return FrequencyPlan(
+            layout,
+            slow,
+            None,
+            f"stage {slow} ({times[slow]:.6g} s) cannot reach {target:.6g} s by f_max={f_max} MHz",
+        )
     if guess <= f_cur:
         return FrequencyPlan(layout, slow, f_cur, f"stage {slow} already balanced at {f_cur} MHz")
     freqs.update(dict.fromkeys(ranks, guess))  # built in C: a stage may have 25,000 ranks
     ordered = sorted(freqs)  # sorting ints, not (rank, MHz) tuples: ~10x cheaper at 25,000 ranks
     new = replace(layout, frequencies_mhz=tuple(zip(ordered, map(freqs.__getitem__, ordered), strict=True)))
-    return FrequencyPlan(new, slow, guess, f"up-clock stage {slow} {f_cur}->{guess} MHz: "
-                                           f"{times[slow]:.6g} s -> {target:.6g} s (model, compute ~ 1/f)")
+    return FrequencyPlan(
+        new,
+        slow,
+        guess,
+        f"up-clock stage {slow} {f_cur}->{guess} MHz: "
+        f"{times[slow]:.6g} s -> {target:.6g} s (model, compute ~ 1/f)",
+    )
 
 
 def slowest_clock(freqs: Mapping[int, int], ranks: Sequence[int], default: int) -> int:

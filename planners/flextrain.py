@@ -54,7 +54,9 @@ class ScaleTable:
         return max(fitting, key=lambda e: e.speedup, default=None)
 
 
-def vpp_iteration_time(m: int, p: int, num_layers: int, t_layer_s: float, virtual: int | None = None) -> float:
+def vpp_iteration_time(
+    m: int, p: int, num_layers: int, t_layer_s: float, virtual: int | None = None
+) -> float:
     """Eq. (5): (m v + p - 1) or (p v + m - 1) chunk-times, a chunk being L / (p v) layers.
 
     FlexTrain sets v = ceil(L / p) (one layer per chunk); `virtual=1` is plain 1F1B, where eq. (5)
@@ -68,8 +70,9 @@ def vpp_iteration_time(m: int, p: int, num_layers: int, t_layer_s: float, virtua
     return slots * t_layer_s * num_layers / (p * v)
 
 
-def build_scale_table(predictions: Sequence[ConfigPrediction], max_discrepancy: float = 0.25,
-                      min_gain: float = 0.02) -> ScaleTable:
+def build_scale_table(
+    predictions: Sequence[ConfigPrediction], max_discrepancy: float = 0.25, min_gain: float = 0.02
+) -> ScaleTable:
     """Best configuration per GPU count, filtered as §4.4.4."""
     best: dict[int, ConfigPrediction] = {}
     for c in predictions:
@@ -90,21 +93,39 @@ def build_scale_table(predictions: Sequence[ConfigPrediction], max_discrepancy: 
         prof = base.profiled_step_s / c.profiled_step_s
         model = base.modeled_step_s / c.modeled_step_s
         if (prof > prev_prof) != (model > prev_model):
-            excluded.append((g, f"trends disagree: profiled {prev_prof:.3f}->{prof:.3f}, modelled "
-                                f"{prev_model:.3f}->{model:.3f}"))
+            excluded.append(
+                (
+                    g,
+                    f"trends disagree: profiled {prev_prof:.3f}->{prof:.3f}, modelled "
+                    f"{prev_model:.3f}->{model:.3f}",
+                )
+            )
         elif abs(prof - model) / model > max_discrepancy:
-            excluded.append((g, f"profiled speedup {prof:.3f} and modelled {model:.3f} differ by more than "
-                                f"{max_discrepancy:.0%}"))
+            excluded.append(
+                (
+                    g,
+                    f"profiled speedup {prof:.3f} and modelled {model:.3f} differ by more than "
+                    f"{max_discrepancy:.0%}",
+                )
+            )
         elif prof < entries[-1].speedup * (1 + min_gain):
-            excluded.append((g, f"speedup {prof:.3f} is not {min_gain:.0%} above {entries[-1].speedup:.3f} "
-                                f"at {entries[-1].gpus} GPUs"))
+            excluded.append(
+                (
+                    g,
+                    f"speedup {prof:.3f} is not {min_gain:.0%} above {entries[-1].speedup:.3f} "
+                    f"at {entries[-1].gpus} GPUs",
+                )
+            )
         else:
             entries.append(ScaleEntry(g, c.dp, c.pp, prof, model))
             prev_prof, prev_model = prof, model
             continue
         prev_prof, prev_model = prof, model
-    return ScaleTable(tuple(entries), tuple(sorted(excluded)),
-                      f"kept {len(entries)} of {len(counts)} GPU counts; excluded {len(excluded)}")
+    return ScaleTable(
+        tuple(entries),
+        tuple(sorted(excluded)),
+        f"kept {len(entries)} of {len(counts)} GPU counts; excluded {len(excluded)}",
+    )
 
 
 @dataclass(frozen=True)
@@ -114,8 +135,9 @@ class BenefitDecision:
     reason: str
 
 
-def poisson_benefit(speedup: float, overhead_s: float, arrival_rate_per_s: float,
-                    p_threshold: float = 0.6) -> BenefitDecision:
+def poisson_benefit(
+    speedup: float, overhead_s: float, arrival_rate_per_s: float, p_threshold: float = 0.6
+) -> BenefitDecision:
     """Eq. (15)-(16): scale up when idle GPUs likely stay idle long enough to pay off."""
     if overhead_s < 0 or arrival_rate_per_s < 0 or not 0 < p_threshold < 1:
         raise ValueError("need overhead_s >= 0, arrival_rate_per_s >= 0 and 0 < p_threshold < 1")
@@ -125,9 +147,12 @@ def poisson_benefit(speedup: float, overhead_s: float, arrival_rate_per_s: float
     exponent = arrival_rate_per_s * needed
     probability = math.exp(-exponent)
     ok = exponent < math.log(1 / p_threshold)
-    return BenefitDecision(ok, probability,
-                           f"eq. 16: lambda*S/(S-1)*T_o = {exponent:.4g} {'<' if ok else '>='} ln(1/P_th) = "
-                           f"{math.log(1 / p_threshold):.4g} (needs {needed:.0f} s idle, P = {probability:.3f})")
+    return BenefitDecision(
+        ok,
+        probability,
+        f"eq. 16: lambda*S/(S-1)*T_o = {exponent:.4g} {'<' if ok else '>='} ln(1/P_th) = "
+        f"{math.log(1 / p_threshold):.4g} (needs {needed:.0f} s idle, P = {probability:.3f})",
+    )
 
 
 def arrival_rate(submit_times_s: Sequence[float], now_s: float, window_s: float) -> float:
@@ -137,8 +162,15 @@ def arrival_rate(submit_times_s: Sequence[float], now_s: float, window_s: float)
     return sum(1 for t in submit_times_s if now_s - window_s < t <= now_s) / window_s
 
 
-def choose_scale_up(table: ScaleTable, current_gpus: int, idle_gpus: int, max_gpus: int, overhead_s: float,
-                    arrival_rate_per_s: float, p_threshold: float = 0.6) -> tuple[ScaleEntry | None, BenefitDecision]:
+def choose_scale_up(
+    table: ScaleTable,
+    current_gpus: int,
+    idle_gpus: int,
+    max_gpus: int,
+    overhead_s: float,
+    arrival_rate_per_s: float,
+    p_threshold: float = 0.6,
+) -> tuple[ScaleEntry | None, BenefitDecision]:
     """Largest-throughput table entry within current + idle (and the admin cap), if it pays off."""
     current = table.best_within(current_gpus)
     target = table.best_within(min(current_gpus + idle_gpus, max_gpus))

@@ -68,8 +68,9 @@ def slot_range(global_batch: int, num_micro_batches: int, slot: int) -> SampleRa
     """Global samples of micro-batch slot `slot`: `[m*B//M, (m+1)*B//M)` (same for every stage)."""
     if not 0 <= slot < num_micro_batches:
         raise ValueError(f"slot {slot} out of range [0, {num_micro_batches})")
-    return SampleRange(slot * global_batch // num_micro_batches,
-                       (slot + 1) * global_batch // num_micro_batches)
+    return SampleRange(
+        slot * global_batch // num_micro_batches, (slot + 1) * global_batch // num_micro_batches
+    )
 
 
 def split_evenly(samples: SampleRange, parts: int) -> tuple[SampleRange, ...]:
@@ -252,14 +253,18 @@ class Plan:
     predicted_stage_mem_bytes: tuple[float, ...] = field(default=())
 
     def to_json(self) -> str:
-        return json.dumps({
-            "epoch": self.epoch,
-            "old": None if self.old is None else layout_to_dict(self.old),
-            "new": layout_to_dict(self.new),
-            "reasons": list(self.reasons),
-            "predicted_step_time_s": self.predicted_step_time_s,
-            "predicted_stage_mem_bytes": list(self.predicted_stage_mem_bytes),
-        }, sort_keys=True, separators=(",", ":"))
+        return json.dumps(
+            {
+                "epoch": self.epoch,
+                "old": None if self.old is None else layout_to_dict(self.old),
+                "new": layout_to_dict(self.new),
+                "reasons": list(self.reasons),
+                "predicted_step_time_s": self.predicted_step_time_s,
+                "predicted_stage_mem_bytes": list(self.predicted_stage_mem_bytes),
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
 
     @staticmethod
     def from_json(data: str | bytes) -> Plan:
@@ -270,32 +275,53 @@ class Plan:
             old=None if old is None else layout_from_dict(old),
             new=layout_from_dict(field_value(d, "new", "plan")),
             reasons=tuple(str(r) for r in list_field(d, "reasons", "plan")),
-            predicted_step_time_s=as_float(field_value(d, "predicted_step_time_s", "plan"),
-                                            "plan.predicted_step_time_s"),
-            predicted_stage_mem_bytes=tuple(as_float(x, "plan.predicted_stage_mem_bytes")
-                                            for x in list_field(d, "predicted_stage_mem_bytes", "plan")),
+            predicted_step_time_s=as_float(
+                field_value(d, "predicted_step_time_s", "plan"), "plan.predicted_step_time_s"
+            ),
+            predicted_stage_mem_bytes=tuple(
+                as_float(x, "plan.predicted_stage_mem_bytes")
+                for x in list_field(d, "predicted_stage_mem_bytes", "plan")
+            ),
         )
 
 
-def make_uniform_layout(num_layers: int, num_stages: int, dp: int, global_batch: int,
-                        num_micro_batches: int, layer_numel: tuple[int, ...] | None = None,
-                        zero_layout: ZeroLayoutKind = "interleaved",
-                        rng_mode: RngMode = "placement_invariant",
-                        stage_mem_cap_bytes: tuple[float, ...] | None = None) -> Layout:
+def make_uniform_layout(
+    num_layers: int,
+    num_stages: int,
+    dp: int,
+    global_batch: int,
+    num_micro_batches: int,
+    layer_numel: tuple[int, ...] | None = None,
+    zero_layout: ZeroLayoutKind = "interleaved",
+    rng_mode: RngMode = "placement_invariant",
+    stage_mem_cap_bytes: tuple[float, ...] | None = None,
+) -> Layout:
     """The usual starting layout: layers split as evenly as possible (earlier stages get the extra
     layer), ranks numbered stage-major (stage p holds ranks p*dp .. p*dp+dp-1), samples split evenly."""
     if num_stages < 1 or dp < 1 or num_layers < num_stages:
-        raise ValueError(f"need 1 <= num_stages <= num_layers and dp >= 1, got L={num_layers}, "
-                         f"P={num_stages}, dp={dp}")
+        raise ValueError(
+            f"need 1 <= num_stages <= num_layers and dp >= 1, got L={num_layers}, P={num_stages}, dp={dp}"
+        )
     if not 1 <= num_micro_batches <= global_batch:
-        raise ValueError(f"need 1 <= num_micro_batches <= global_batch, got M={num_micro_batches}, "
-                         f"B={global_batch}")
+        raise ValueError(
+            f"need 1 <= num_micro_batches <= global_batch, got M={num_micro_batches}, B={global_batch}"
+        )
     blocks = split_evenly(SampleRange(0, num_layers), num_stages)
-    stages = tuple(StageLayout(p, b.start, b.stop, tuple(range(p * dp, (p + 1) * dp)))
-                   for p, b in enumerate(blocks))
+    stages = tuple(
+        StageLayout(p, b.start, b.stop, tuple(range(p * dp, (p + 1) * dp))) for p, b in enumerate(blocks)
+    )
     numel = layer_numel if layer_numel is not None else (1,) * num_layers
-    return Layout(num_layers, global_batch, num_micro_batches, stages, tuple(numel), zero_layout,
-                  (), rng_mode, stage_mem_cap_bytes)
+    return Layout(
+        num_layers,
+        global_batch,
+        num_micro_batches,
+        stages,
+        tuple(numel),
+        zero_layout,
+        (),
+        rng_mode,
+        stage_mem_cap_bytes,
+    )
 
 
 # ---------------------------------------------------------------------------------------- JSON
@@ -307,15 +333,22 @@ def layout_to_dict(layout: Layout) -> dict[str, Any]:
         "num_layers": layout.num_layers,
         "global_batch": layout.global_batch,
         "num_micro_batches": layout.num_micro_batches,
-        "stages": [{
-            "stage": s.stage, "layer_start": s.layer_start, "layer_stop": s.layer_stop,
-            "ranks": list(s.ranks), "sample_weights": list(s.sample_weights),
-        } for s in layout.stages],
+        "stages": [
+            {
+                "stage": s.stage,
+                "layer_start": s.layer_start,
+                "layer_stop": s.layer_stop,
+                "ranks": list(s.ranks),
+                "sample_weights": list(s.sample_weights),
+            }
+            for s in layout.stages
+        ],
         "layer_numel": list(layout.layer_numel),
         "zero_layout": layout.zero_layout,
         "frequencies_mhz": list(map(list, layout.frequencies_mhz)),  # C-level: 25,000 pairs in ~1 ms
         "rng_mode": layout.rng_mode,
-        "stage_mem_cap_bytes": None if layout.stage_mem_cap_bytes is None
+        "stage_mem_cap_bytes": None
+        if layout.stage_mem_cap_bytes is None
         else list(layout.stage_mem_cap_bytes),
     }
 
@@ -352,8 +385,11 @@ def layout_from_dict(d: Any) -> Layout:
         zero_layout=zero_layout,  # type: ignore[arg-type]
         frequencies_mhz=tuple(int_pair(x, "frequencies_mhz") for x in list_field(d, "frequencies_mhz")),
         rng_mode=rng_mode,  # type: ignore[arg-type]
-        stage_mem_cap_bytes=None if caps is None else tuple(
-            as_float(c, "layout.stage_mem_cap_bytes") for c in as_list(caps, "layout.stage_mem_cap_bytes")),
+        stage_mem_cap_bytes=None
+        if caps is None
+        else tuple(
+            as_float(c, "layout.stage_mem_cap_bytes") for c in as_list(caps, "layout.stage_mem_cap_bytes")
+        ),
     )
 
 
@@ -366,6 +402,8 @@ def _stage_from_dict(d: Any, index: int) -> StageLayout:
         layer_start=int_field(d, "layer_start", where),
         layer_stop=int_field(d, "layer_stop", where),
         ranks=tuple(as_int(r, f"{where}.ranks") for r in list_field(d, "ranks", where)),
-        sample_weights=tuple(as_int(w, f"{where}.sample_weights")
-                             for w in as_list(d.get("sample_weights", []), f"{where}.sample_weights")),
+        sample_weights=tuple(
+            as_int(w, f"{where}.sample_weights")
+            for w in as_list(d.get("sample_weights", []), f"{where}.sample_weights")
+        ),
     )

@@ -37,8 +37,13 @@ class PartitionResult:
     reason: str
 
 
-def minimax_partition(num_layers: int, num_stages: int, seg_time: SegmentMatrix,
-                      seg_mem: SegmentMatrix, mem_cap: Sequence[float]) -> PartitionResult:
+def minimax_partition(
+    num_layers: int,
+    num_stages: int,
+    seg_time: SegmentMatrix,
+    seg_mem: SegmentMatrix,
+    mem_cap: Sequence[float],
+) -> PartitionResult:
     """Algorithm 1: optimal worst-stage time over all feasible P-way contiguous partitions."""
     L, P = num_layers, num_stages
     if P < 1 or L < 1:
@@ -64,9 +69,15 @@ def minimax_partition(num_layers: int, num_stages: int, seg_time: SegmentMatrix,
     times = tuple(float(times_of[p][edges[p], edges[p + 1]]) for p in range(P))
     mems = tuple(float(mems_of[p][edges[p], edges[p + 1]]) for p in range(P))
     worst = int(np.argmax(times))
-    return PartitionResult(True, tuple(edges[1:-1]), float(f[L]), times, mems,
-                           f"minimax partition of {L} layers over {P} stages: worst mini-step "
-                           f"{f[L]:.6g} s on stage {worst} (layers {edges[worst] + 1}..{edges[worst + 1]})")
+    return PartitionResult(
+        True,
+        tuple(edges[1:-1]),
+        float(f[L]),
+        times,
+        mems,
+        f"minimax partition of {L} layers over {P} stages: worst mini-step "
+        f"{f[L]:.6g} s on stage {worst} (layers {edges[worst] + 1}..{edges[worst + 1]})",
+    )
 
 
 def _infeasible(reason: str) -> PartitionResult:
@@ -74,12 +85,12 @@ def _infeasible(reason: str) -> PartitionResult:
 
 
 def _why_infeasible(L: int, P: int, mems_of: list[np.ndarray], cap: Sequence[float]) -> str:
-    no_layer_fits = [p for p in range(P)
-                     if not np.any(np.diagonal(mems_of[p], offset=1) <= cap[p])]
+    no_layer_fits = [p for p in range(P) if not np.any(np.diagonal(mems_of[p], offset=1) <= cap[p])]
     if no_layer_fits:
         return f"stage(s) {no_layer_fits} cannot hold even one layer within their memory caps"
-    return (f"no split of {L} layers into {P} contiguous non-empty blocks keeps every stage within "
-            "its memory cap")
+    return (
+        f"no split of {L} layers into {P} contiguous non-empty blocks keeps every stage within its memory cap"
+    )
 
 
 def _segment_sums(per_layer: np.ndarray) -> np.ndarray:
@@ -136,10 +147,17 @@ def parse_partition_request(req: Any) -> AdditiveCosts:
     P, L = layer_cost.shape
     layer_mem = _matrix(req, "layer_mem")
     if layer_mem.shape != (P, L):
-        raise ValueError(f"layer_mem must be {P} lists of {L} numbers like layer_cost, got shape "
-                         f"{layer_mem.shape[0]} x {layer_mem.shape[1]}")
-    return AdditiveCosts(layer_cost, _vector(req, "stage_overhead", P), layer_mem,
-                         _vector(req, "stage_mem_base", P), _vector(req, "mem_cap", P))
+        raise ValueError(
+            f"layer_mem must be {P} lists of {L} numbers like layer_cost, got shape "
+            f"{layer_mem.shape[0]} x {layer_mem.shape[1]}"
+        )
+    return AdditiveCosts(
+        layer_cost,
+        _vector(req, "stage_overhead", P),
+        layer_mem,
+        _vector(req, "stage_mem_base", P),
+        _vector(req, "mem_cap", P),
+    )
 
 
 def _numbers(values: Any, field: str) -> np.ndarray:
@@ -161,7 +179,9 @@ def _matrix(req: dict[str, Any], field: str) -> np.ndarray:
         raise ValueError(f"{field} must be a non-empty list (one list of per-layer numbers per stage)")
     arrs = [_numbers(r, f"{field}[{p}]") for p, r in enumerate(rows)]
     if len({len(a) for a in arrs}) != 1:
-        raise ValueError(f"{field} rows must all have the same number of layers, got {[len(a) for a in arrs]}")
+        raise ValueError(
+            f"{field} rows must all have the same number of layers, got {[len(a) for a in arrs]}"
+        )
     return np.stack(arrs)
 
 
@@ -187,13 +207,17 @@ class GraphPlan:
 def apply_boundaries(layout: Layout, boundaries: Sequence[int]) -> Layout:
     """Same ranks and splits, new layer blocks from Algorithm 1's 1-based right boundaries."""
     if len(boundaries) != layout.num_stages - 1:
-        raise ValueError(f"{layout.num_stages} stages need {layout.num_stages - 1} boundaries, "
-                         f"got {len(boundaries)}")
+        raise ValueError(
+            f"{layout.num_stages} stages need {layout.num_stages - 1} boundaries, got {len(boundaries)}"
+        )
     edges = [0, *boundaries, layout.num_layers]
     if any(a >= b for a, b in zip(edges, edges[1:], strict=False)):
-        raise ValueError(f"boundaries {list(boundaries)} must increase strictly within (0, {layout.num_layers})")
-    stages = tuple(replace(s, layer_start=edges[p], layer_stop=edges[p + 1])
-                   for p, s in enumerate(layout.stages))
+        raise ValueError(
+            f"boundaries {list(boundaries)} must increase strictly within (0, {layout.num_layers})"
+        )
+    stages = tuple(
+        replace(s, layer_start=edges[p], layer_stop=edges[p + 1]) for p, s in enumerate(layout.stages)
+    )
     return replace(layout, stages=stages)
 
 
@@ -207,8 +231,11 @@ def rebalance_layers(layout: Layout, cost: CostModel) -> GraphPlan:
     fwd, bwd = np.stack([f for f, _ in compute]), np.stack([b for _, b in compute])
     p2p_f = np.array([c.p2p_f_s for c in conds])[:, None, None]
     p2p_b = np.array([c.p2p_b_s for c in conds])[:, None, None]
-    times = np.asarray(ministep_time(_segment_sums(fwd), _segment_sums(bwd), p2p_f, p2p_b, cost.link.sigma_f,
-                                     cost.link.sigma_b))
+    times = np.asarray(
+        ministep_time(
+            _segment_sums(fwd), _segment_sums(bwd), p2p_f, p2p_b, cost.link.sigma_f, cost.link.sigma_b
+        )
+    )
     layer_mem = np.stack([cost.layer_mem_bytes(layout, p, c.micro_batch) for p, c in enumerate(conds)])
     mems = np.asarray(cost.memory.stage_base_bytes + _segment_sums(layer_mem))
 
@@ -222,7 +249,14 @@ def rebalance_layers(layout: Layout, cost: CostModel) -> GraphPlan:
     if not result.feasible:
         return GraphPlan(layout, result, f"layers not moved: {result.reason}")
     new = apply_boundaries(layout, result.boundaries)
-    moved = sum(1 for a, b in zip(layout.stages, new.stages, strict=True)
-                if (a.layer_start, a.layer_stop) != (b.layer_start, b.layer_stop))
-    return GraphPlan(new, result, f"{result.reason}; boundaries {list(layout.boundaries)} -> "
-                                  f"{list(result.boundaries)} ({moved} stages change layers)")
+    moved = sum(
+        1
+        for a, b in zip(layout.stages, new.stages, strict=True)
+        if (a.layer_start, a.layer_stop) != (b.layer_start, b.layer_stop)
+    )
+    return GraphPlan(
+        new,
+        result,
+        f"{result.reason}; boundaries {list(layout.boundaries)} -> "
+        f"{list(result.boundaries)} ({moved} stages change layers)",
+    )

@@ -75,39 +75,70 @@ class Placement:
         return tuple(sorted({self.rank_node[r] for r in self.layout.stages[stage].ranks}))
 
 
-def plan_placement(units: Sequence[UnitCost], *, global_batch: int, micro_batches: int, nnodes: int,
-                   nproc_per_node: int, pp: int = 1, time_tolerance: float = 0.01,
-                   mem_cap_bytes: float | None = None) -> Placement:
+def plan_placement(
+    units: Sequence[UnitCost],
+    *,
+    global_batch: int,
+    micro_batches: int,
+    nnodes: int,
+    nproc_per_node: int,
+    pp: int = 1,
+    time_tolerance: float = 0.01,
+    mem_cap_bytes: float | None = None,
+) -> Placement:
     """Lay `units` out over `nnodes` x `nproc_per_node` workers in `pp` stages (see module doc);
     with `mem_cap_bytes`, every worker's estimated memory must fit it."""
     _check_input(units, global_batch, micro_batches, nnodes, nproc_per_node, pp, time_tolerance)
     if mem_cap_bytes is not None and not (math.isfinite(mem_cap_bytes) and mem_cap_bytes > 0):
-        raise PlacementError(f"the memory cap per worker must be a positive number of bytes, got {mem_cap_bytes}")
+        raise PlacementError(
+            f"the memory cap per worker must be a positive number of bytes, got {mem_cap_bytes}"
+        )
     world = nnodes * nproc_per_node
     dp_sizes = tuple(world // pp + (1 if p < world % pp else 0) for p in range(pp))
     cost = np.array([u.seconds_per_sample for u in units], dtype=float)
     size = np.array([u.param_bytes for u in units], dtype=float)
-    memory = StageMemory(size, np.array([u.activation_bytes_per_sample for u in units], dtype=float),
-                         dp_sizes, global_batch, micro_batches)
-    result = balanced_partition(cost, size, tuple(global_batch / d for d in dp_sizes), time_tolerance,
-                                memory, mem_cap_bytes)
+    memory = StageMemory(
+        size,
+        np.array([u.activation_bytes_per_sample for u in units], dtype=float),
+        dp_sizes,
+        global_batch,
+        micro_batches,
+    )
+    result = balanced_partition(
+        cost, size, tuple(global_batch / d for d in dp_sizes), time_tolerance, memory, mem_cap_bytes
+    )
     edges = (0, *result.boundaries, len(units))
     stage_ranks = _spread_ranks(dp_sizes, nnodes, nproc_per_node)
     stages = tuple(StageLayout(p, edges[p], edges[p + 1], stage_ranks[p]) for p in range(pp))
-    layout = Layout(num_layers=len(units), global_batch=global_batch, num_micro_batches=micro_batches,
-                    stages=stages, layer_numel=tuple(u.numel for u in units), zero_layout="interleaved",
-                    frequencies_mhz=(), rng_mode="placement_invariant")
+    layout = Layout(
+        num_layers=len(units),
+        global_batch=global_batch,
+        num_micro_batches=micro_batches,
+        stages=stages,
+        layer_numel=tuple(u.numel for u in units),
+        zero_layout="interleaved",
+        frequencies_mhz=(),
+        rng_mode="placement_invariant",
+    )
     report = validate(layout)
     if not report.ok:  # a bug here, never the user's input: say so plainly
         raise PlacementError(f"internal error: the planned layout does not validate: {report.reason}")
     rank_node = tuple(r // nproc_per_node for r in range(world))
-    step_s = tuple(float(cost[edges[p]:edges[p + 1]].sum()) * global_batch / dp_sizes[p] for p in range(pp))
-    stage_bytes = tuple(int(size[edges[p]:edges[p + 1]].sum()) for p in range(pp))
+    step_s = tuple(float(cost[edges[p] : edges[p + 1]].sum()) * global_batch / dp_sizes[p] for p in range(pp))
+    stage_bytes = tuple(int(size[edges[p] : edges[p + 1]].sum()) for p in range(pp))
     stage_mem = tuple(float(memory.matrix(p)[edges[p], edges[p + 1]]) for p in range(pp))
     exposed = tuple(p for p, s in enumerate(stages) if len({rank_node[r] for r in s.ranks}) < 2)
     warnings = _warnings(layout, rank_node, exposed, nnodes)
-    return Placement(layout, rank_node, step_s, stage_bytes, stage_mem, exposed, warnings,
-                     _reason(layout, units, rank_node, step_s, dp_sizes, nnodes, nproc_per_node))
+    return Placement(
+        layout,
+        rank_node,
+        step_s,
+        stage_bytes,
+        stage_mem,
+        exposed,
+        warnings,
+        _reason(layout, units, rank_node, step_s, dp_sizes, nnodes, nproc_per_node),
+    )
 
 
 @dataclass(frozen=True)
@@ -125,14 +156,20 @@ class StageMemory:
         d = self.dp_sizes[stage]
         in_flight = min(len(self.dp_sizes) - stage, self.micro_batches)
         samples = self.global_batch / (self.micro_batches * d)
-        per_unit = (3.0 * self.param_bytes + 7.0 * self.param_bytes / d
-                    + self.activation_bytes * samples * in_flight)
+        per_unit = (
+            3.0 * self.param_bytes + 7.0 * self.param_bytes / d + self.activation_bytes * samples * in_flight
+        )
         return _segment_sums(per_unit)
 
 
-def balanced_partition(cost: np.ndarray, size: np.ndarray, samples_per_rank: Sequence[float],
-                       time_tolerance: float = 0.01, memory: StageMemory | None = None,
-                       mem_cap_bytes: float | None = None) -> PartitionResult:
+def balanced_partition(
+    cost: np.ndarray,
+    size: np.ndarray,
+    samples_per_rank: Sequence[float],
+    time_tolerance: float = 0.01,
+    memory: StageMemory | None = None,
+    mem_cap_bytes: float | None = None,
+) -> PartitionResult:
     """Contiguous partition of units into len(samples_per_rank) stages: minimax stage time
     (sum of per-sample cost x samples per rank) among the partitions whose every worker fits
     `mem_cap_bytes` (by `memory`), then, within `time_tolerance` of that optimum, minimax stage
@@ -169,10 +206,12 @@ def _over_cap(mems: Sequence[np.ndarray], cap: float, L: int, P: int) -> str:
     """What to change when no partition fits: the least memory any split needs per worker."""
     best = minimax_partition(L, P, mems.__getitem__, mems.__getitem__, [math.inf] * P)
     need = best.worst_stage_time  # the minimax objective here is memory itself
-    return (f"no split of the {L} units over {P} stage(s) fits {cap / 2**30:.3g} GiB per worker: the best split "
-            f"needs {need / 2**30:.3g} GiB on its largest stage (weights, gradients and rollback copy; ZeRO-1 "
-            "optimizer share, its copy and the neighbour's snapshot; activations in flight). Use more stages "
-            "(--pp), more workers per stage, a smaller global batch or more micro-batches, or a larger cap")
+    return (
+        f"no split of the {L} units over {P} stage(s) fits {cap / 2**30:.3g} GiB per worker: the best split "
+        f"needs {need / 2**30:.3g} GiB on its largest stage (weights, gradients and rollback copy; ZeRO-1 "
+        "optimizer share, its copy and the neighbour's snapshot; activations in flight). Use more stages "
+        "(--pp), more workers per stage, a smaller global batch or more micro-batches, or a larger cap"
+    )
 
 
 def _segment_sums(per_unit: np.ndarray) -> np.ndarray:
@@ -186,13 +225,20 @@ def _spread_ranks(dp_sizes: Sequence[int], nnodes: int, nproc: int) -> tuple[tup
     order = [node * nproc + local for local in range(nproc) for node in range(nnodes)]
     out, pos = [], 0
     for d in dp_sizes:
-        out.append(tuple(sorted(order[pos:pos + d])))
+        out.append(tuple(sorted(order[pos : pos + d])))
         pos += d
     return tuple(out)
 
 
-def _check_input(units: Sequence[UnitCost], global_batch: int, micro_batches: int, nnodes: int,
-                 nproc_per_node: int, pp: int, time_tolerance: float) -> None:
+def _check_input(
+    units: Sequence[UnitCost],
+    global_batch: int,
+    micro_batches: int,
+    nnodes: int,
+    nproc_per_node: int,
+    pp: int,
+    time_tolerance: float,
+) -> None:
     if nnodes < 1 or nproc_per_node < 1:
         raise PlacementError(f"--nnodes and --nproc-per-node must be >= 1, got {nnodes} and {nproc_per_node}")
     if pp < 1:
@@ -201,55 +247,88 @@ def _check_input(units: Sequence[UnitCost], global_batch: int, micro_batches: in
         raise PlacementError("the model has no units: pass at least one unit to elaswave.train(units=...)")
     world = nnodes * nproc_per_node
     if pp > len(units):
-        raise PlacementError(f"--pp {pp} needs at least {pp} units (one per stage), but the model has "
-                             f"{len(units)}: lower --pp or split the model into more units")
+        raise PlacementError(
+            f"--pp {pp} needs at least {pp} units (one per stage), but the model has "
+            f"{len(units)}: lower --pp or split the model into more units"
+        )
     if pp > world:
-        raise PlacementError(f"--pp {pp} needs at least {pp} workers (one per stage), but {nnodes} node(s) x "
-                             f"{nproc_per_node} = {world}: lower --pp or raise --nproc-per-node/--nnodes")
+        raise PlacementError(
+            f"--pp {pp} needs at least {pp} workers (one per stage), but {nnodes} node(s) x "
+            f"{nproc_per_node} = {world}: lower --pp or raise --nproc-per-node/--nnodes"
+        )
     if global_batch < 1 or not 1 <= micro_batches <= global_batch:
-        raise PlacementError(f"need global_batch >= 1 and 1 <= micro_batches <= global_batch, got "
-                             f"global_batch={global_batch}, micro_batches={micro_batches}")
+        raise PlacementError(
+            f"need global_batch >= 1 and 1 <= micro_batches <= global_batch, got "
+            f"global_batch={global_batch}, micro_batches={micro_batches}"
+        )
     if not (time_tolerance >= 0 and math.isfinite(time_tolerance)):
         raise PlacementError(f"time_tolerance must be a finite number >= 0, got {time_tolerance}")
     for i, u in enumerate(units):
         if u.numel < 0 or u.param_bytes < 0:
-            raise PlacementError(f"unit {i} ({u.name!r}) has a negative size: numel={u.numel}, "
-                                 f"param_bytes={u.param_bytes}")
+            raise PlacementError(
+                f"unit {i} ({u.name!r}) has a negative size: numel={u.numel}, param_bytes={u.param_bytes}"
+            )
         if not (math.isfinite(u.seconds_per_sample) and u.seconds_per_sample >= 0):
-            raise PlacementError(f"unit {i} ({u.name!r}) has a bad measured time {u.seconds_per_sample!r} "
-                                 "(need a finite number of seconds >= 0)")
+            raise PlacementError(
+                f"unit {i} ({u.name!r}) has a bad measured time {u.seconds_per_sample!r} "
+                "(need a finite number of seconds >= 0)"
+            )
 
 
-def _warnings(layout: Layout, rank_node: tuple[int, ...], exposed: tuple[int, ...], nnodes: int) -> tuple[str, ...]:
+def _warnings(
+    layout: Layout, rank_node: tuple[int, ...], exposed: tuple[int, ...], nnodes: int
+) -> tuple[str, ...]:
     out: list[str] = []
     if exposed and nnodes == 1:
-        out.append(f"all {len(rank_node)} workers run on one node: losing it empties every stage "
-                   f"({', '.join(map(str, exposed))}) and ends the job")
+        out.append(
+            f"all {len(rank_node)} workers run on one node: losing it empties every stage "
+            f"({', '.join(map(str, exposed))}) and ends the job"
+        )
     elif exposed:
-        where = "; ".join(f"stage {p} (ranks {list(layout.stages[p].ranks)}, all on node "
-                          f"{rank_node[layout.stages[p].ranks[0]]})" for p in exposed)
-        out.append(f"losing one node would empty {where}; the Core then hands the emptied stage's units to a "
-                   "neighbour, but to avoid it give every stage >= 2 ranks (a smaller --pp or more workers)")
+        where = "; ".join(
+            f"stage {p} (ranks {list(layout.stages[p].ranks)}, all on node "
+            f"{rank_node[layout.stages[p].ranks[0]]})"
+            for p in exposed
+        )
+        out.append(
+            f"losing one node would empty {where}; the Core then hands the emptied stage's units to a "
+            "neighbour, but to avoid it give every stage >= 2 ranks (a smaller --pp or more workers)"
+        )
     per_slot = layout.global_batch // layout.num_micro_batches
     starved = [s.stage for s in layout.stages if s.dp_size > per_slot]
     if starved:
-        out.append(f"stage(s) {starved} have more ranks than the {per_slot} samples of a micro-batch, so some "
-                   "ranks get no samples in a slot: raise global_batch or lower micro_batches")
+        out.append(
+            f"stage(s) {starved} have more ranks than the {per_slot} samples of a micro-batch, so some "
+            "ranks get no samples in a slot: raise global_batch or lower micro_batches"
+        )
     return tuple(out)
 
 
-def _reason(layout: Layout, units: Sequence[UnitCost], rank_node: tuple[int, ...], step_s: tuple[float, ...],
-            dp_sizes: tuple[int, ...], nnodes: int, nproc: int) -> str:
+def _reason(
+    layout: Layout,
+    units: Sequence[UnitCost],
+    rank_node: tuple[int, ...],
+    step_s: tuple[float, ...],
+    dp_sizes: tuple[int, ...],
+    nnodes: int,
+    nproc: int,
+) -> str:
     world = nnodes * nproc
-    dp = (f"DP {dp_sizes[0]} per stage" if len(set(dp_sizes)) == 1
-          else f"DP {list(dp_sizes)} ({world} workers do not split evenly over {len(dp_sizes)} stages: the "
-               "first stages take one more rank)")
+    dp = (
+        f"DP {dp_sizes[0]} per stage"
+        if len(set(dp_sizes)) == 1
+        else f"DP {list(dp_sizes)} ({world} workers do not split evenly over {len(dp_sizes)} stages: the "
+        "first stages take one more rank)"
+    )
     stages = "; ".join(
         f"stage {s.stage}: units {s.layer_start}..{s.layer_stop - 1} ({units[s.layer_start].name}.."
         f"{units[s.layer_stop - 1].name}) on ranks {list(s.ranks)} (nodes "
         f"{sorted({rank_node[r] for r in s.ranks})}), {step_s[s.stage] * 1e3:.3g} ms/step"
-        for s in layout.stages)
+        for s in layout.stages
+    )
     worst = max(range(len(step_s)), key=step_s.__getitem__)
-    return (f"PP={layout.num_stages} x {dp} over {nnodes} node(s) x {nproc}; boundaries minimise the slowest "
-            f"stage's measured fwd+bwd time (stage {worst}, {step_s[worst] * 1e3:.3g} ms/step), ties toward "
-            f"balanced parameter bytes; {stages}")
+    return (
+        f"PP={layout.num_stages} x {dp} over {nnodes} node(s) x {nproc}; boundaries minimise the slowest "
+        f"stage's measured fwd+bwd time (stage {worst}, {step_s[worst] * 1e3:.3g} ms/step), ties toward "
+        f"balanced parameter bytes; {stages}"
+    )

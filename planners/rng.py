@@ -104,7 +104,9 @@ class RngPlan:
     reason: str
 
 
-def _overlaps(a: tuple[SampleRange, ...], b: tuple[SampleRange, ...]) -> Iterator[tuple[int, int, SampleRange]]:
+def _overlaps(
+    a: tuple[SampleRange, ...], b: tuple[SampleRange, ...]
+) -> Iterator[tuple[int, int, SampleRange]]:
     """(i, j, a[i] & b[j]) for every non-empty overlap of two sorted exact splits of one range."""
     i = j = 0
     while i < len(a) and j < len(b):
@@ -130,8 +132,9 @@ def stream_uses(reference: Layout, layout: Layout) -> tuple[StreamUse, ...]:
     return tuple(sorted(uses))
 
 
-def _uses_in(reference: Layout, layout: Layout, ref: StageLayout, new: StageLayout,
-             lo: int, hi: int) -> Iterator[StreamUse]:
+def _uses_in(
+    reference: Layout, layout: Layout, ref: StageLayout, new: StageLayout, lo: int, hi: int
+) -> Iterator[StreamUse]:
     for m in range(layout.num_micro_batches):
         slot = layout.slot_range(m)
         ref_split, new_split = ref.split_slot(slot), new.split_slot(slot)
@@ -147,10 +150,13 @@ def _handoffs(uses: tuple[StreamUse, ...]) -> tuple[StateHandoff, ...]:
     out: list[StateHandoff] = []
     for stream, by_pos in segments.items():
         order = sorted(by_pos)
-        for (prev_pos, (slot, layer)) in zip(order, order[1:], strict=False):
+        for prev_pos, (slot, layer) in zip(order, order[1:], strict=False):
             src = by_pos[prev_pos][0]  # every rank of a segment holds the same state
-            out.extend(StateHandoff(slot, stream, layer, slot != prev_pos[0], src, dst)
-                       for dst in by_pos[(slot, layer)] if dst != src)
+            out.extend(
+                StateHandoff(slot, stream, layer, slot != prev_pos[0], src, dst)
+                for dst in by_pos[(slot, layer)]
+                if dst != src
+            )
     return tuple(sorted(out))
 
 
@@ -178,16 +184,26 @@ def per_rank_rng_plan(reference: Layout, old: Layout, new: Layout) -> RngPlan:
         sources = sorted(had & alive)
         copies.extend((stream, sources[0] if sources else None, dst) for dst in sorted(holders - had))
     handoffs = _handoffs(new_uses)
-    return RngPlan("per_rank", new_uses, handoffs, tuple(copies),
-                   f"{len(new_uses)} stream uses, {len(handoffs)} in-step state handoffs, "
-                   f"{len(copies)} state copies at apply time")
+    return RngPlan(
+        "per_rank",
+        new_uses,
+        handoffs,
+        tuple(copies),
+        f"{len(new_uses)} stream uses, {len(handoffs)} in-step state handoffs, "
+        f"{len(copies)} state copies at apply time",
+    )
 
 
 def rng_plan(reference: Layout, old: Layout, new: Layout) -> RngPlan:
     """The RNG part of a plan for `new.rng_mode`."""
     if new.rng_mode == "placement_invariant":
-        return RngPlan("placement_invariant", (), (), (),
-                       "counter-based keys (seed, step, layer, sample): no RNG state moves")
+        return RngPlan(
+            "placement_invariant",
+            (),
+            (),
+            (),
+            "counter-based keys (seed, step, layer, sample): no RNG state moves",
+        )
     return per_rank_rng_plan(reference, old, new)
 
 
@@ -195,5 +211,7 @@ def _check_compatible(reference: Layout, layout: Layout) -> None:
     ref_shape = (reference.num_layers, reference.global_batch, reference.num_micro_batches)
     shape = (layout.num_layers, layout.global_batch, layout.num_micro_batches)
     if ref_shape != shape:
-        raise ValueError(f"reference layout (L, B, M)={ref_shape} differs from layout {shape}; "
-                         "RNG streams can only be remapped between layouts of the same job")
+        raise ValueError(
+            f"reference layout (L, B, M)={ref_shape} differs from layout {shape}; "
+            "RNG streams can only be remapped between layouts of the same job"
+        )

@@ -45,8 +45,9 @@ class InvalidLayout(ValueError):
         super().__init__("invalid layout: " + "; ".join(problems))
 
 
-def validate(layout: Layout, memory_model: MemoryModel | None = None, *,
-             exhaustive: bool = False) -> ValidationReport:
+def validate(
+    layout: Layout, memory_model: MemoryModel | None = None, *, exhaustive: bool = False
+) -> ValidationReport:
     problems = [*_global_problems(layout), *_layer_problems(layout), *_rank_problems(layout)]
     problems += _split_problems(layout)
     problems += _frequency_problems(layout)
@@ -59,8 +60,9 @@ def validate(layout: Layout, memory_model: MemoryModel | None = None, *,
     return ValidationReport(not problems, tuple(problems))
 
 
-def ensure_valid(layout: Layout, memory_model: MemoryModel | None = None, *,
-                 exhaustive: bool = False) -> Layout:
+def ensure_valid(
+    layout: Layout, memory_model: MemoryModel | None = None, *, exhaustive: bool = False
+) -> Layout:
     """Return `layout` unchanged if valid, else raise InvalidLayout listing every problem."""
     report = validate(layout, memory_model, exhaustive=exhaustive)
     if not report.ok:
@@ -75,8 +77,10 @@ def _global_problems(layout: Layout) -> list[str]:
     if layout.global_batch < 1:
         out.append(f"global_batch must be >= 1, got {layout.global_batch}")
     if not 1 <= layout.num_micro_batches <= max(layout.global_batch, 1):
-        out.append(f"num_micro_batches must be in [1, global_batch={layout.global_batch}], "
-                   f"got {layout.num_micro_batches}")
+        out.append(
+            f"num_micro_batches must be in [1, global_batch={layout.global_batch}], "
+            f"got {layout.num_micro_batches}"
+        )
     if len(layout.layer_numel) != layout.num_layers:
         out.append(f"layer_numel has {len(layout.layer_numel)} entries for {layout.num_layers} layers")
     bad = [i for i, n in enumerate(layout.layer_numel) if n < 0]
@@ -100,22 +104,28 @@ def _layer_problems(layout: Layout) -> list[str]:
         if s.layer_start != expected_start:
             kind = "gap: layers" if s.layer_start > expected_start else "overlap: layers"
             lo, hi = sorted((expected_start, s.layer_start))
-            out.append(f"stage {p} starts at layer {s.layer_start}, expected {expected_start} "
-                       f"({kind} [{lo}, {hi}) {'held by no stage' if 'gap' in kind else 'held twice'})")
+            out.append(
+                f"stage {p} starts at layer {s.layer_start}, expected {expected_start} "
+                f"({kind} [{lo}, {hi}) {'held by no stage' if 'gap' in kind else 'held twice'})"
+            )
         if s.layer_stop <= s.layer_start:
             out.append(f"stage {p} holds no layers ([{s.layer_start}, {s.layer_stop}))")
         expected_start = max(expected_start, s.layer_stop)
     if layout.stages[-1].layer_stop != layout.num_layers:
-        out.append(f"last stage ends at layer {layout.stages[-1].layer_stop}, "
-                   f"expected num_layers={layout.num_layers}")
+        out.append(
+            f"last stage ends at layer {layout.stages[-1].layer_stop}, "
+            f"expected num_layers={layout.num_layers}"
+        )
     return out
 
 
 def _rank_problems(layout: Layout) -> list[str]:
     # Fast path in C (set union, min) for the usual valid case; the loop below names the culprits.
     total = sum(len(s.ranks) for s in layout.stages)
-    if all(s.ranks and min(s.ranks) >= 0 for s in layout.stages) and \
-            len(set().union(*(s.ranks for s in layout.stages))) == total:
+    if (
+        all(s.ranks and min(s.ranks) >= 0 for s in layout.stages)
+        and len(set().union(*(s.ranks for s in layout.stages))) == total
+    ):
         return []
     out: list[str] = []
     seen: dict[int, int] = {}
@@ -173,15 +183,18 @@ def _coverage_problems(layout: Layout) -> list[str]:
     return out
 
 
-def _slot_cover_problems(stage: StageLayout, m: int, slot: SampleRange,
-                         ranges: tuple[SampleRange, ...]) -> list[str]:
+def _slot_cover_problems(
+    stage: StageLayout, m: int, slot: SampleRange, ranges: tuple[SampleRange, ...]
+) -> list[str]:
     if len(ranges) != len(stage.ranks):
         return [f"stage {stage.stage} slot {m}: {len(ranges)} ranges for {len(stage.ranks)} ranks"]
     pos = slot.start
     for r, rng in zip(stage.ranks, ranges, strict=True):
         if rng.start != pos or rng.stop < rng.start:
-            return [f"stage {stage.stage} slot {m}: rank {r} gets [{rng.start}, {rng.stop}), expected to "
-                    f"start at {pos}; samples would be skipped or processed twice"]
+            return [
+                f"stage {stage.stage} slot {m}: rank {r} gets [{rng.start}, {rng.stop}), expected to "
+                f"start at {pos}; samples would be skipped or processed twice"
+            ]
         pos = rng.stop
     if pos != slot.stop:
         return [f"stage {stage.stage} slot {m}: ranges end at {pos}, slot ends at {slot.stop}"]

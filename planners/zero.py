@@ -60,19 +60,24 @@ class ShardTransfer:
         return self.stop - self.start
 
 
-def interleaved_ownership(layers: Sequence[int], layer_numel: Sequence[int],
-                          ranks: Sequence[int]) -> tuple[OwnedInterval, ...]:
+def interleaved_ownership(
+    layers: Sequence[int], layer_numel: Sequence[int], ranks: Sequence[int]
+) -> tuple[OwnedInterval, ...]:
     """DP rank j owns shard j of every layer (shards differ in size by at most one element)."""
     out: list[OwnedInterval] = []
     for layer in layers:
         shards = split_evenly(SampleRange(0, layer_numel[layer]), len(ranks))
-        out.extend(OwnedInterval(layer, s.start, s.stop, r) for s, r in zip(shards, ranks, strict=True)
-                   if s.stop > s.start)
+        out.extend(
+            OwnedInterval(layer, s.start, s.stop, r)
+            for s, r in zip(shards, ranks, strict=True)
+            if s.stop > s.start
+        )
     return tuple(out)
 
 
-def contiguous_ownership(layers: Sequence[int], layer_numel: Sequence[int],
-                         ranks: Sequence[int]) -> tuple[OwnedInterval, ...]:
+def contiguous_ownership(
+    layers: Sequence[int], layer_numel: Sequence[int], ranks: Sequence[int]
+) -> tuple[OwnedInterval, ...]:
     """The stage's flat buffer (its layers in order) is cut into D near-equal chunks; rank j owns
     chunk j. Returned in layer-local element coordinates."""
     offsets = [0]
@@ -113,15 +118,18 @@ def ownership_problems(layout: Layout) -> tuple[str, ...]:
         pos = 0
         for iv in owned.get(layer, ()):
             if iv.start != pos:
-                problems.append(f"ZeRO: layer {layer} elements [{pos}, {iv.start}) have no owner"
-                                if iv.start > pos else
-                                f"ZeRO: layer {layer} elements [{iv.start}, {pos}) have two owners")
+                problems.append(
+                    f"ZeRO: layer {layer} elements [{pos}, {iv.start}) have no owner"
+                    if iv.start > pos
+                    else f"ZeRO: layer {layer} elements [{iv.start}, {pos}) have two owners"
+                )
             if iv.rank not in stage_ranks:
                 problems.append(f"ZeRO: layer {layer} shard owned by rank {iv.rank} outside its stage")
             pos = max(pos, iv.stop)
         if pos != layout.layer_numel[layer]:
-            problems.append(f"ZeRO: layer {layer} ownership ends at {pos}, layer has "
-                            f"{layout.layer_numel[layer]} elements")
+            problems.append(
+                f"ZeRO: layer {layer} ownership ends at {pos}, layer has {layout.layer_numel[layer]} elements"
+            )
     return tuple(problems)
 
 
@@ -150,25 +158,37 @@ def shard_transfers(old: Layout, new: Layout) -> tuple[ShardTransfer, ...]:
     for layer in range(new.num_layers):
         a, b = old.stages[old_of[layer]], new.stages[new_of[layer]]
         same_cuts = old.zero_layout == new.zero_layout and (
-            old.zero_layout == "interleaved" or (a.layer_start, a.layer_stop) == (b.layer_start, b.layer_stop))
+            old.zero_layout == "interleaved" or (a.layer_start, a.layer_stop) == (b.layer_start, b.layer_stop)
+        )
         total = int(prefix[layer + 1] - prefix[layer])
         if total == 0 or (same_cuts and a.ranks == b.ranks):
             continue
-        lengths, i, j = _merge(_owner_cuts(old, a, layer, layer + 1, prefix),
-                               _owner_cuts(new, b, layer, layer + 1, prefix), total)
+        lengths, i, j = _merge(
+            _owner_cuts(old, a, layer, layer + 1, prefix),
+            _owner_cuts(new, b, layer, layer + 1, prefix),
+            total,
+        )
         src, dst = ranks_of(0, a)[i], ranks_of(1, b)[j]
         moved = src != dst
         stops = np.cumsum(lengths)
         starts = stops - lengths
-        out.extend(ShardTransfer(layer, lo, hi, s, d) for lo, hi, s, d in zip(
-            starts[moved].tolist(), stops[moved].tolist(), src[moved].tolist(), dst[moved].tolist(), strict=True))
+        out.extend(
+            ShardTransfer(layer, lo, hi, s, d)
+            for lo, hi, s, d in zip(
+                starts[moved].tolist(),
+                stops[moved].tolist(),
+                src[moved].tolist(),
+                dst[moved].tolist(),
+                strict=True,
+            )
+        )
     return tuple(out)
 
 
 def _stage_of_layers(layout: Layout) -> list[int]:
     out = [0] * layout.num_layers
     for s in layout.stages:
-        out[s.layer_start:s.layer_stop] = [s.stage] * (s.layer_stop - s.layer_start)
+        out[s.layer_start : s.layer_stop] = [s.stage] * (s.layer_stop - s.layer_start)
     return out
 
 
@@ -184,8 +204,7 @@ def shard_transfers_by_intervals(old: Layout, new: Layout) -> tuple[ShardTransfe
     return tuple(out)
 
 
-def _overlap(layer: int, src: Sequence[OwnedInterval],
-             dst: Sequence[OwnedInterval]) -> list[ShardTransfer]:
+def _overlap(layer: int, src: Sequence[OwnedInterval], dst: Sequence[OwnedInterval]) -> list[ShardTransfer]:
     """Two-pointer merge of two sorted, disjoint interval lists."""
     out, i, j = [], 0, 0
     while i < len(src) and j < len(dst):
@@ -236,9 +255,14 @@ def migration_cost_from_transfers(old: Layout, new: Layout) -> MigrationCost:
         else:
             cross += t.size
             per_stage[src] += t.size
-    return MigrationCost(cross + intra, cross, intra, tuple(per_stage),
-                         f"{len(transfers)} interval transfers: {cross} elements across stages, "
-                         f"{intra} inside stages ({old.zero_layout} -> {new.zero_layout})")
+    return MigrationCost(
+        cross + intra,
+        cross,
+        intra,
+        tuple(per_stage),
+        f"{len(transfers)} interval transfers: {cross} elements across stages, "
+        f"{intra} inside stages ({old.zero_layout} -> {new.zero_layout})",
+    )
 
 
 def migration_cost(old: Layout, new: Layout) -> MigrationCost:
@@ -268,9 +292,14 @@ def migration_cost(old: Layout, new: Layout) -> MigrationCost:
             else:
                 cross += amount
                 per_stage[g] += amount
-    return MigrationCost(cross + intra, cross, intra, tuple(per_stage),
-                         f"closed form over {pairs} (old, new) stage pairs: {cross} elements across stages, "
-                         f"{intra} inside stages ({old.zero_layout} -> {new.zero_layout})")
+    return MigrationCost(
+        cross + intra,
+        cross,
+        intra,
+        tuple(per_stage),
+        f"closed form over {pairs} (old, new) stage pairs: {cross} elements across stages, "
+        f"{intra} inside stages ({old.zero_layout} -> {new.zero_layout})",
+    )
 
 
 @dataclass(frozen=True)
@@ -320,8 +349,9 @@ def _shared_blocks(old: Layout, new: Layout) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _moved_by_source(old: Layout, new: Layout, p: int, q: int, s: int, t: int, src: _Sources,
-                     prefix: np.ndarray) -> dict[int, int]:
+def _moved_by_source(
+    old: Layout, new: Layout, p: int, q: int, s: int, t: int, src: _Sources, prefix: np.ndarray
+) -> dict[int, int]:
     """Elements of layers [s, t) whose owner changes from old stage p to new stage q, by the
     stage the source rank counts toward."""
     a, b = old.stages[p], new.stages[q]
@@ -332,7 +362,8 @@ def _moved_by_source(old: Layout, new: Layout, p: int, q: int, s: int, t: int, s
         starts, pos = _owner_cuts(old, a, s, t, prefix)
         return _by_source(np.diff(np.append(starts, total)), pos, src)
     same_cuts = old.zero_layout == new.zero_layout and (
-        old.zero_layout == "interleaved" or (a.layer_start, a.layer_stop) == (b.layer_start, b.layer_stop))
+        old.zero_layout == "interleaved" or (a.layer_start, a.layer_stop) == (b.layer_start, b.layer_stop)
+    )
     if a.ranks == b.ranks and same_cuts:
         return {}
     if a.ranks == b.ranks:  # same DP order: an element stays put iff its DP position does
@@ -366,8 +397,9 @@ def _owner_cuts(layout: Layout, stage: StageLayout, s: int, t: int, prefix: np.n
     """Owners of layers [s, t) of `stage`, in coordinates where layer s starts at 0."""
     if layout.zero_layout == "interleaved":
         parts = [_even_starts(int(prefix[i + 1] - prefix[i]), stage.dp_size) for i in range(s, t)]
-        starts = np.concatenate([st + int(prefix[i] - prefix[s]) for i, (st, _) in zip(range(s, t), parts,
-                                                                                      strict=True)])
+        starts = np.concatenate(
+            [st + int(prefix[i] - prefix[s]) for i, (st, _) in zip(range(s, t), parts, strict=True)]
+        )
         return starts, np.concatenate([pos for _, pos in parts])
     offset = int(prefix[s] - prefix[stage.layer_start])  # block start inside the stage's flat buffer
     starts, pos = _even_starts(int(prefix[stage.layer_stop] - prefix[stage.layer_start]), stage.dp_size)
@@ -388,8 +420,12 @@ def _merge(old: Cuts, new: Cuts, total: int) -> tuple[np.ndarray, np.ndarray, np
     return lengths, old[1][i], new[1][j]
 
 
-def _moved_segments(merged: tuple[np.ndarray, np.ndarray, np.ndarray], old_ranks: np.ndarray,
-                    new_ranks: np.ndarray, src: _Sources) -> dict[int, int]:
+def _moved_segments(
+    merged: tuple[np.ndarray, np.ndarray, np.ndarray],
+    old_ranks: np.ndarray,
+    new_ranks: np.ndarray,
+    src: _Sources,
+) -> dict[int, int]:
     lengths, i, j = merged
     moved = old_ranks[i] != new_ranks[j]
     return _by_source(lengths[moved], i[moved], src)
@@ -404,18 +440,25 @@ def _by_source(lengths: np.ndarray, pos: np.ndarray, src: _Sources) -> dict[int,
     return {g: int(round(x)) for g, x in enumerate(sums) if x}
 
 
-def layer_move_cost(zero_layout: str, layers_per_stage: int, dp: int,
-                    layer_numel: int) -> MigrationCost:
+def layer_move_cost(zero_layout: str, layers_per_stage: int, dp: int, layer_numel: int) -> MigrationCost:
     """Cost of moving the last layer of stage 0 to stage 1 of a 2-stage job with equal layers.
 
     Builds the two layouts and measures the intervals (Fig. 10's setting); the formula
     |O_i| (interleaved) vs (D+1)/2 |O_i| per stage (contiguous) is what tests compare this with.
     """
     num_layers = 2 * layers_per_stage
-    old = make_uniform_layout(num_layers, 2, dp, global_batch=dp, num_micro_batches=1,
-                              layer_numel=(layer_numel,) * num_layers,
-                              zero_layout=zero_layout)  # type: ignore[arg-type]
+    old = make_uniform_layout(
+        num_layers,
+        2,
+        dp,
+        global_batch=dp,
+        num_micro_batches=1,
+        layer_numel=(layer_numel,) * num_layers,
+        zero_layout=zero_layout,  # type: ignore[arg-type]
+    )
     s0, s1 = old.stages
-    moved = (StageLayout(0, 0, s0.layer_stop - 1, s0.ranks), StageLayout(1, s1.layer_start - 1,
-                                                                         s1.layer_stop, s1.ranks))
+    moved = (
+        StageLayout(0, 0, s0.layer_stop - 1, s0.ranks),
+        StageLayout(1, s1.layer_start - 1, s1.layer_stop, s1.ranks),
+    )
     return migration_cost(old, old.replace(stages=moved))

@@ -1,7 +1,7 @@
 """`elaswave simulate`: replay a Bamboo trace or Poisson failures for every policy.
 
-    elaswave simulate --trace simulator/traces/spot_a.txt --job llama2-34b --out out/sim
-    elaswave simulate --poisson 0.1 --hours 9 --job chameleon-7b --policies chameleon,recycle,oobleck --out out/c
+elaswave simulate --trace simulator/traces/spot_a.txt --job llama2-34b --out out/sim
+elaswave simulate --poisson 0.1 --hours 9 --job chameleon-7b --policies chameleon,recycle,oobleck --out out/c
 """
 
 from __future__ import annotations
@@ -21,18 +21,34 @@ from simulator.traces import load_bamboo, poisson_device_failures
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("simulate", help="trace-driven simulation of recovery policies at paper scale",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "simulate",
+        help="trace-driven simulation of recovery policies at paper scale",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", type=Path, help="Bamboo trace: one 'milliseconds,add|remove,nodeName' per line")
+    src.add_argument(
+        "--trace", type=Path, help="Bamboo trace: one 'milliseconds,add|remove,nodeName' per line"
+    )
     src.add_argument("--poisson", type=float, metavar="RATE", help="failures per device-hour (seeded)")
-    p.add_argument("--hours", type=float, default=None,
-                   help="simulated hours (default: the trace's last event rounded up to an hour, or 9)")
+    p.add_argument(
+        "--hours",
+        type=float,
+        default=None,
+        help="simulated hours (default: the trace's last event rounded up to an hour, or 9)",
+    )
     p.add_argument("--job", default="llama2-34b", choices=sorted(JOBS))
-    p.add_argument("--policies", default=",".join(SIM_POLICIES), help=f"comma list of {', '.join(SIM_POLICIES)}")
+    p.add_argument(
+        "--policies", default=",".join(SIM_POLICIES), help=f"comma list of {', '.join(SIM_POLICIES)}"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repair-hours", type=float, default=1.0, help="Poisson mode: mean repair time (0: never)")
-    p.add_argument("--out", type=Path, required=True, help="directory for summary.csv, timeline.csv, throughput.png")
+    p.add_argument(
+        "--repair-hours", type=float, default=1.0, help="Poisson mode: mean repair time (0: never)"
+    )
+    p.add_argument(
+        "--out", type=Path, required=True, help="directory for summary.csv, timeline.csv, throughput.png"
+    )
     p.set_defaults(func=main)
 
 
@@ -40,7 +56,10 @@ def main(args: argparse.Namespace) -> int:
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     bad = [x for x in policies if x not in SIM_POLICIES]
     if bad or not policies:
-        print(f"elaswave simulate: --policies: unknown {bad}; choose from {', '.join(SIM_POLICIES)}", file=sys.stderr)
+        print(
+            f"elaswave simulate: --policies: unknown {bad}; choose from {', '.join(SIM_POLICIES)}",
+            file=sys.stderr,
+        )
         return 2
     spec = job(args.job)
     try:
@@ -62,7 +81,11 @@ def main(args: argparse.Namespace) -> int:
     horizon = hours * 3600
     timeline = dead_device_timeline(events, spec)
     changes = max(len(timeline) - 1, 1)
-    gap = horizon / changes if args.trace is not None else 3600 / max(args.poisson * spec.shape.num_devices, 1e-9)
+    gap = (
+        horizon / changes
+        if args.trace is not None
+        else 3600 / max(args.poisson * spec.shape.num_devices, 1e-9)
+    )
     mttr = MttrModel()
     runs = []
     with tqdm(total=len(policies) * len(timeline), desc="simulate", unit="event", disable=None) as bar:

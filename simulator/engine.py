@@ -19,8 +19,15 @@ from planners.chameleon.state import Candidate, ClusterState, MttrModel
 from simulator.jobs import JobSpec, ranks_of_devices
 from simulator.traces import TraceEvent
 
-SIM_POLICIES: tuple[str, ...] = ("elaswave", "elaswave-migrate", "elaswave-resize", "recycle", "torchft",
-                                 "oobleck", "chameleon")
+SIM_POLICIES: tuple[str, ...] = (
+    "elaswave",
+    "elaswave-migrate",
+    "elaswave-resize",
+    "recycle",
+    "torchft",
+    "oobleck",
+    "chameleon",
+)
 
 
 @dataclass(frozen=True)
@@ -109,13 +116,23 @@ def _device_index(target: str) -> int | None:
 
 def base_mttr(policy: str, mttr: MttrModel) -> float:
     """Minimum downtime of any plan change, per policy (see MttrModel)."""
-    return {"torchft": mttr.torchft_restart_s, "recycle": mttr.recycle_s, "oobleck": mttr.oobleck_restart_s,
-            "reparallelise": mttr.reparallel_restart_s}.get(policy, mttr.elaswave_base_s)
+    return {
+        "torchft": mttr.torchft_restart_s,
+        "recycle": mttr.recycle_s,
+        "oobleck": mttr.oobleck_restart_s,
+        "reparallelise": mttr.reparallel_restart_s,
+    }.get(policy, mttr.elaswave_base_s)
 
 
-def run_policy(policy: str, spec: JobSpec, timeline: Sequence[tuple[float, frozenset[int]]], horizon_s: float,
-               expected_gap_s: float, mttr: MttrModel | None = None,
-               on_event: Callable[[], None] | None = None) -> PolicyRun:
+def run_policy(
+    policy: str,
+    spec: JobSpec,
+    timeline: Sequence[tuple[float, frozenset[int]]],
+    horizon_s: float,
+    expected_gap_s: float,
+    mttr: MttrModel | None = None,
+    on_event: Callable[[], None] | None = None,
+) -> PolicyRun:
     """Replay `timeline` (time, dead devices) under one policy."""
     mttr = mttr or MttrModel()
     rerouting_allowed = True  # Chameleon: rerouting only from the configured layout
@@ -130,7 +147,9 @@ def run_policy(policy: str, spec: JobSpec, timeline: Sequence[tuple[float, froze
     for i, (t, dead) in enumerate(points):
         end = points[i + 1][0] if i + 1 < len(points) else horizon_s
         ranks = ranks_of_devices(spec, set(dead))
-        state = ClusterState(shape, prof, failed=ranks, expected_time_to_next_event_s=expected_gap_s, mttr=mttr)
+        state = ClusterState(
+            shape, prof, failed=ranks, expected_time_to_next_event_s=expected_gap_s, mttr=mttr
+        )
         if policy == "chameleon":
             cand, rerouting_allowed = chameleon_step(state, rerouting_allowed)
         else:
@@ -169,13 +188,18 @@ def simulated_candidate(policy: str, state: ClusterState) -> Candidate:
     if policy == "recycle" and not cand.feasible:
         fallback = POLICIES["torchft"](state)
         if fallback.feasible:
-            return replace(fallback, policy="recycle", reason=f"{cand.reason}; restarted without damaged "
-                           f"replicas: {fallback.reason}")
+            return replace(
+                fallback,
+                policy="recycle",
+                reason=f"{cand.reason}; restarted without damaged replicas: {fallback.reason}",
+            )
     return cand
 
 
 def _signature(cand: Candidate) -> tuple:
     if not cand.feasible:
         return ("infeasible",)
-    return tuple((p.num_slots, tuple((s.layer_start, s.layer_stop, s.ranks, s.freq_mhz) for s in p.stages))
-                 for p in cand.pipelines)
+    return tuple(
+        (p.num_slots, tuple((s.layer_start, s.layer_stop, s.ranks, s.freq_mhz) for s in p.stages))
+        for p in cand.pipelines
+    )

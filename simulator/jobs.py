@@ -73,19 +73,32 @@ class JobSpec:
         p2p = 2 * m.seq_len * m.hidden / tp / LINK_BYTES_PER_S
         n = m.layers
         return JobProfile(
-            layer_fwd_s=(fwd_s,) * n, layer_bwd_s=(2 * fwd_s,) * n,
-            layer_param_bytes=(param_bytes,) * n, layer_act_bytes=(act_bytes,) * n,
-            mem_cap_bytes=self.mem_cap_gib * 2**30, p2p_s_per_sample=p2p,
-            allreduce_bytes_per_s=LINK_BYTES_PER_S, migrate_bytes_per_s=LINK_BYTES_PER_S)
+            layer_fwd_s=(fwd_s,) * n,
+            layer_bwd_s=(2 * fwd_s,) * n,
+            layer_param_bytes=(param_bytes,) * n,
+            layer_act_bytes=(act_bytes,) * n,
+            mem_cap_bytes=self.mem_cap_gib * 2**30,
+            p2p_s_per_sample=p2p,
+            allreduce_bytes_per_s=LINK_BYTES_PER_S,
+            migrate_bytes_per_s=LINK_BYTES_PER_S,
+        )
 
 
 JOBS: dict[str, JobSpec] = {
     # ElasWave Table 2: (TP, PP, DP), micro-batch, global batch; 910B with 32 GB (§7.1).
-    "llama2-7b": JobSpec("llama2-7b", LLAMA2["7b"], JobShape(pp=3, dp=8, micro_batch=4, global_batch=8192, tp=4), 8, 32),
-    "llama2-13b": JobSpec("llama2-13b", LLAMA2["13b"], JobShape(pp=6, dp=4, micro_batch=2, global_batch=2048, tp=4), 8, 32),
-    "llama2-34b": JobSpec("llama2-34b", LLAMA2["34b"], JobShape(pp=8, dp=3, micro_batch=1, global_batch=768, tp=4), 8, 32),
+    "llama2-7b": JobSpec(
+        "llama2-7b", LLAMA2["7b"], JobShape(pp=3, dp=8, micro_batch=4, global_batch=8192, tp=4), 8, 32
+    ),
+    "llama2-13b": JobSpec(
+        "llama2-13b", LLAMA2["13b"], JobShape(pp=6, dp=4, micro_batch=2, global_batch=2048, tp=4), 8, 32
+    ),
+    "llama2-34b": JobSpec(
+        "llama2-34b", LLAMA2["34b"], JobShape(pp=8, dp=3, micro_batch=1, global_batch=768, tp=4), 8, 32
+    ),
     # Chameleon §V: Llama2-7B on 32 NPUs (64 GB), micro-batch 1, batch 16-64; PP=4, DP=8, TP=1.
-    "chameleon-7b": JobSpec("chameleon-7b", LLAMA2["7b"], JobShape(pp=4, dp=8, micro_batch=1, global_batch=64, tp=1), 8, 64),
+    "chameleon-7b": JobSpec(
+        "chameleon-7b", LLAMA2["7b"], JobShape(pp=4, dp=8, micro_batch=1, global_batch=64, tp=1), 8, 64
+    ),
 }
 
 

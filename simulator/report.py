@@ -9,25 +9,38 @@ from pathlib import Path
 from planners.chameleon.state import MttrModel
 from simulator.engine import PolicyRun, base_mttr
 
-SUMMARY_FIELDS = ("policy", "time_avg_samples_per_s", "vs_fault_free", "mean_lse", "min_lse",
-                  "recovery_s", "stalled_s", "changes", "mttr_assumption_s")
+SUMMARY_FIELDS = (
+    "policy",
+    "time_avg_samples_per_s",
+    "vs_fault_free",
+    "mean_lse",
+    "min_lse",
+    "recovery_s",
+    "stalled_s",
+    "changes",
+    "mttr_assumption_s",
+)
 
 
 def summary_rows(runs: Sequence[PolicyRun], mttr: MttrModel) -> list[dict[str, object]]:
     rows = []
     for run in runs:
         lses = run.lse_after_changes
-        rows.append({
-            "policy": run.policy,
-            "time_avg_samples_per_s": round(run.time_averaged_throughput, 4),
-            "vs_fault_free": round(run.time_averaged_throughput / run.fault_free_throughput, 4),
-            "mean_lse": round(sum(lses) / len(lses), 4) if lses else "",
-            "min_lse": round(min(lses), 4) if lses else "",
-            "recovery_s": round(run.recovery_s, 1),
-            "stalled_s": round(run.downtime_s - run.recovery_s, 1),
-            "changes": run.plan_changes,
-            "mttr_assumption_s": base_mttr("reparallelise" if run.policy == "chameleon" else run.policy, mttr),
-        })
+        rows.append(
+            {
+                "policy": run.policy,
+                "time_avg_samples_per_s": round(run.time_averaged_throughput, 4),
+                "vs_fault_free": round(run.time_averaged_throughput / run.fault_free_throughput, 4),
+                "mean_lse": round(sum(lses) / len(lses), 4) if lses else "",
+                "min_lse": round(min(lses), 4) if lses else "",
+                "recovery_s": round(run.recovery_s, 1),
+                "stalled_s": round(run.downtime_s - run.recovery_s, 1),
+                "changes": run.plan_changes,
+                "mttr_assumption_s": base_mttr(
+                    "reparallelise" if run.policy == "chameleon" else run.policy, mttr
+                ),
+            }
+        )
     return sorted(rows, key=lambda r: -float(r["time_avg_samples_per_s"]))
 
 
@@ -52,8 +65,17 @@ def write_outputs(runs: Sequence[PolicyRun], mttr: MttrModel, out_dir: Path, tit
         w.writerow(["policy", "start_s", "end_s", "samples_per_s", "alive_devices", "lse", "reason"])
         for run in runs:
             for s in run.segments:
-                w.writerow([run.policy, round(s.start_s, 3), round(s.end_s, 3), round(s.throughput, 5),
-                            s.alive_devices, "" if s.lse is None else round(s.lse, 4), s.reason])
+                w.writerow(
+                    [
+                        run.policy,
+                        round(s.start_s, 3),
+                        round(s.end_s, 3),
+                        round(s.throughput, 5),
+                        s.alive_devices,
+                        "" if s.lse is None else round(s.lse, 4),
+                        s.reason,
+                    ]
+                )
     return [summary, timeline, plot(runs, out_dir / "throughput.png", title)]
 
 

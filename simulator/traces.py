@@ -38,7 +38,9 @@ def parse_bamboo(lines: Iterable[str], source: str = "trace") -> list[TraceEvent
         except ValueError:
             raise ValueError(f"{source}:{number}: milliseconds {ms!r} is not a number") from None
         if t < 0 or kind not in ("add", "remove") or not node:
-            raise ValueError(f"{source}:{number}: need ms >= 0, kind add|remove and a node name, got {line!r}")
+            raise ValueError(
+                f"{source}:{number}: need ms >= 0, kind add|remove and a node name, got {line!r}"
+            )
         events.append(TraceEvent(t, kind, node))
     return sorted(events, key=lambda e: e.time_s)
 
@@ -54,8 +56,9 @@ def write_bamboo(events: Sequence[TraceEvent], path: str | Path) -> None:
     Path(path).write_text("\n".join(lines) + "\n")
 
 
-def poisson_device_failures(num_devices: int, rate_per_device_hour: float, hours: float, seed: int,
-                            repair_hours: float | None = 1.0) -> list[TraceEvent]:
+def poisson_device_failures(
+    num_devices: int, rate_per_device_hour: float, hours: float, seed: int, repair_hours: float | None = 1.0
+) -> list[TraceEvent]:
     """Each device fails after Exp(rate) hours; with `repair_hours`, returns after Exp(1/repair)."""
     if num_devices < 1 or rate_per_device_hour < 0 or hours <= 0:
         raise ValueError("need num_devices >= 1, rate_per_device_hour >= 0 and hours > 0")
@@ -78,8 +81,14 @@ def poisson_device_failures(num_devices: int, rate_per_device_hour: float, hours
     return sorted(events)
 
 
-def spot_trace(num_nodes: int, hours: float, seed: int, preempt_per_node_hour: float = 0.15,
-               mean_outage_hours: float = 0.75, prefix: str = "node") -> list[TraceEvent]:
+def spot_trace(
+    num_nodes: int,
+    hours: float,
+    seed: int,
+    preempt_per_node_hour: float = 0.15,
+    mean_outage_hours: float = 0.75,
+    prefix: str = "node",
+) -> list[TraceEvent]:
     """A synthetic Bamboo-format spot trace: all nodes at t=0, preemptions at a per-node hourly
     rate, each node replaced after an exponential outage (new name, as spot replacements are)."""
     rng = np.random.default_rng(seed)

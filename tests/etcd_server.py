@@ -167,7 +167,9 @@ class EtcdServer:
             if self._healthy():
                 return
             time.sleep(0.05)
-        raise EtcdServerError(f"etcd not healthy within {HEALTH_TIMEOUT_S:.0f} s; log tail:\n{self._log_tail()}")
+        raise EtcdServerError(
+            f"etcd not healthy within {HEALTH_TIMEOUT_S:.0f} s; log tail:\n{self._log_tail()}"
+        )
 
     def _all_threads_stopped(self) -> bool:
         assert self._proc is not None

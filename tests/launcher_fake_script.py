@@ -24,10 +24,19 @@ GLOBAL_BATCH = 8
 
 
 def describe(path: Path, steps: int) -> None:
-    units = tuple(we.UnitDescription(name, numel, 4 * numel, cost, 2 * cost, 64)
-                  for name, numel, cost in [("embed", 4096, 1e-5), ("block0", 1024, 1e-4), ("block1", 1024, 1e-4),
-                                            ("block2", 1024, 1e-4), ("head", 4096, 2e-5)])
-    desc = we.ModelDescription(units=units, global_batch=GLOBAL_BATCH, micro_batches=2, dataset_len=64, steps=steps)
+    units = tuple(
+        we.UnitDescription(name, numel, 4 * numel, cost, 2 * cost, 64)
+        for name, numel, cost in [
+            ("embed", 4096, 1e-5),
+            ("block0", 1024, 1e-4),
+            ("block1", 1024, 1e-4),
+            ("block2", 1024, 1e-4),
+            ("head", 4096, 2e-5),
+        ]
+    )
+    desc = we.ModelDescription(
+        units=units, global_batch=GLOBAL_BATCH, micro_batches=2, dataset_len=64, steps=steps
+    )
     path.write_text(desc.to_json())
 
 
@@ -53,7 +62,9 @@ def main() -> int:
     layout = json.loads(place.layout_file.read_text())
     stage = next(s for s in layout["stages"] if place.rank in s["ranks"])
     client = StepMetricsClient.from_env()
-    env = {name: os.environ.get(name) for name in (we.CHECKPOINT_DIR_ENV, we.CHECKPOINT_EVERY_ENV, we.RESUME_ENV)}
+    env = {
+        name: os.environ.get(name) for name in (we.CHECKPOINT_DIR_ENV, we.CHECKPOINT_EVERY_ENV, we.RESUME_ENV)
+    }
     step = 0
     while step < args.steps:
         limit = stop_after()
@@ -61,18 +72,35 @@ def main() -> int:
             break
         time.sleep(args.step_time)
         if client is not None:
-            client.send(step=step, step_time_s=args.step_time, compute_time_s=args.step_time,
-                        loss=5.0 / (step + 1) if stage["stage"] == len(layout["stages"]) - 1 else None,
-                        samples=GLOBAL_BATCH // len(stage["ranks"]), stage=stage["stage"],
-                        dp_rank=stage["ranks"].index(place.rank))
+            client.send(
+                step=step,
+                step_time_s=args.step_time,
+                compute_time_s=args.step_time,
+                loss=5.0 / (step + 1) if stage["stage"] == len(layout["stages"]) - 1 else None,
+                samples=GLOBAL_BATCH // len(stage["ranks"]),
+                stage=stage["stage"],
+                dp_rank=stage["ranks"].index(place.rank),
+            )
         step += 1
     if step == args.steps:
         mark_finished()
     assert place.results_file is not None
-    place.results_file.write_text(json.dumps({
-        "rank": place.rank, "worker_id": place.worker_id, "job": place.job, "committed_steps": step,
-        "store": place.store, "core": list(place.core), "timeout_s": place.timeout_s, "token_set": bool(place.token),
-        "stage": stage["stage"], "env": env}))
+    place.results_file.write_text(
+        json.dumps(
+            {
+                "rank": place.rank,
+                "worker_id": place.worker_id,
+                "job": place.job,
+                "committed_steps": step,
+                "store": place.store,
+                "core": list(place.core),
+                "timeout_s": place.timeout_s,
+                "token_set": bool(place.token),
+                "stage": stage["stage"],
+                "env": env,
+            }
+        )
+    )
     return 0
 
 

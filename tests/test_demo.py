@@ -16,8 +16,13 @@ pytestmark = pytest.mark.multiproc
 
 
 def _demo(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "elaswave.cli", "demo", *args], capture_output=True, text=True,
-                          timeout=timeout_s, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "elaswave.cli", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @pytest.mark.timeout(200)
@@ -31,14 +36,21 @@ def test_training_demo_recovers_in_place_and_matches_the_fault_free_run() -> Non
     # survivor's link op to it failed), and nobody else was.
     lost = re.findall(r"worker_lost\s+(rank-\d+)\s+(.*)", out)
     assert [w for w, _ in lost] == ["rank-4"], lost
-    assert lost[0][1] == "worker process killed by signal 9" or lost[0][1].startswith("collective link/"), lost
+    assert lost[0][1] == "worker process killed by signal 9" or lost[0][1].startswith("collective link/"), (
+        lost
+    )
     assert "worker_rejoined" not in out
     assert re.search(r"epoch 1 applied by 5 workers", out)
     # The ElasWave policy resized stage 1 (DP 3 -> 2) and, with the uniform block cost model,
     # moved unit 3 (block_2) off it to the adjacent stage 0 in the same plan (elaswave.txt §4.1-4.2).
-    assert re.search(r"plan published \(lost ranks \[4\]; re-partition \(Algorithm 1, §4\.2\): unit 3 stage 1->0; "
-                     r"predicted step time \d", out), out[-4000:]
-    assert "[demo] layout now: stage 0 units 0..3 on ranks [0, 1, 2]; stage 1 units 4..5 on ranks [3, 5]" in out
+    assert re.search(
+        r"plan published \(lost ranks \[4\]; re-partition \(Algorithm 1, §4\.2\): unit 3 stage 1->0; "
+        r"predicted step time \d",
+        out,
+    ), out[-4000:]
+    assert (
+        "[demo] layout now: stage 0 units 0..3 on ranks [0, 1, 2]; stage 1 units 4..5 on ranks [3, 5]" in out
+    )
     members = re.search(r"members now: (\{.*\})", out)
     assert members is not None and "'rank-4': 'LOST'" in members.group(1)
     assert members.group(1).count("'LEFT'") == 5

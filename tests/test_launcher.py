@@ -35,22 +35,37 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def elaswave_run(*args: str | Path, cwd: Path, timeout_s: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "elaswave.cli", "run", *map(str, args)], cwd=cwd, text=True,
-                          capture_output=True, timeout=timeout_s, stdin=subprocess.DEVNULL, env=_env())
+    return subprocess.run(
+        [sys.executable, "-m", "elaswave.cli", "run", *map(str, args)],
+        cwd=cwd,
+        text=True,
+        capture_output=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+        env=_env(),
+    )
 
 
 def _env() -> dict[str, str]:
     # The launcher and the scripts it runs import elaswave from this checkout, wherever cwd is.
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
 
 
 class Launcher:
     """`elaswave run` in the background, its output collected line by line."""
 
     def __init__(self, *args: str | Path, cwd: Path) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "elaswave.cli", "run", *map(str, args)], cwd=cwd,
-                                     text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=_env())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "elaswave.cli", "run", *map(str, args)],
+            cwd=cwd,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=_env(),
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -102,7 +117,9 @@ def _member_steps(run_dir: Path, job: str) -> dict[str, int]:
         job_view = core_job(run_dir, job)
     except (OSError, httpx.HTTPError, ValueError):
         return {}
-    return {m["worker_id"]: int((m.get("last_step") or {}).get("step", -1)) for m in job_view.get("members", [])}
+    return {
+        m["worker_id"]: int((m.get("last_step") or {}).get("step", -1)) for m in job_view.get("members", [])
+    }
 
 
 # ---------------------------------------------------------------------------------------- describe
@@ -121,7 +138,9 @@ def test_a_script_that_never_calls_the_api_fails_clearly(tmp_path: Path) -> None
 @pytest.mark.timeout(60)
 def test_a_script_that_fails_while_describing_shows_its_stderr(tmp_path: Path) -> None:
     script = tmp_path / "broken.py"
-    script.write_text("import sys\nprint('loading data', file=sys.stderr)\nraise SystemExit('no such dataset: foo')\n")
+    script.write_text(
+        "import sys\nprint('loading data', file=sys.stderr)\nraise SystemExit('no such dataset: foo')\n"
+    )
     run = elaswave_run(script, cwd=tmp_path)
     assert run.returncode != 0
     assert "broken.py exited with status 1 while describing its model" in run.stderr
@@ -129,13 +148,16 @@ def test_a_script_that_fails_while_describing_shows_its_stderr(tmp_path: Path) -
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--pp", "3", "--nproc-per-node", "2"], "--pp 3 needs at least 3 workers"),
-    (["--pp", "6", "--nproc-per-node", "6"], "--pp 6 needs at least 6 units"),
-    (["--core", "10.0.0.1"], "--core '10.0.0.1': give the Core's REST address as HOST:PORT"),
-    (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1"),
-    (["--job", "bad name!"], "--job 'bad name!'"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--pp", "3", "--nproc-per-node", "2"], "--pp 3 needs at least 3 workers"),
+        (["--pp", "6", "--nproc-per-node", "6"], "--pp 6 needs at least 6 units"),
+        (["--core", "10.0.0.1"], "--core '10.0.0.1': give the Core's REST address as HOST:PORT"),
+        (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1"),
+        (["--job", "bad name!"], "--job 'bad name!'"),
+    ],
+)
 def test_bad_flags_are_refused_with_what_to_fix(tmp_path: Path, flags: list[str], message: str) -> None:
     run = elaswave_run(*flags, FAKE, cwd=tmp_path)
     assert run.returncode == 64, run.stderr
@@ -157,7 +179,9 @@ def test_ctrl_c_while_describing_ends_the_launcher_and_the_script(tmp_path: Path
     script = tmp_path / "slow.py"
     script.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(120)\n")
     launcher = Launcher(script, cwd=tmp_path)
-    launcher.wait_for("the describe run", lambda: any("describing the model" in line for line in launcher.lines))
+    launcher.wait_for(
+        "the describe run", lambda: any("describing the model" in line for line in launcher.lines)
+    )
     time.sleep(1.0)
     children = psutil.Process(launcher.proc.pid).children(recursive=True)
     launcher.proc.send_signal(signal.SIGINT)
@@ -177,9 +201,26 @@ def test_a_missing_script_is_refused(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_a_job_on_two_simulated_nodes_runs_to_completion(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    run = elaswave_run("--nnodes", "2", "--nproc-per-node", "2", "--pp", "2", "--job", "fake",
-                       "--checkpoint-dir", ckpt, "--checkpoint-every", "3", "--timeout", "7", FAKE,
-                       "--step-time", "0.1", cwd=tmp_path)
+    run = elaswave_run(
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--pp",
+        "2",
+        "--job",
+        "fake",
+        "--checkpoint-dir",
+        ckpt,
+        "--checkpoint-every",
+        "3",
+        "--timeout",
+        "7",
+        FAKE,
+        "--step-time",
+        "0.1",
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     run_dir = tmp_path / "elaswave-run" / "fake"
     assert "job 'fake' finished: 6/6 steps, 4 of 4 workers finished" in run.stdout
@@ -193,19 +234,38 @@ def test_a_job_on_two_simulated_nodes_runs_to_completion(tmp_path: Path) -> None
         result = json.loads((run_dir / f"rank-{rank}.json").read_text())
         assert result["rank"] == rank and result["worker_id"] == f"rank-{rank}" and result["job"] == "fake"
         assert result["committed_steps"] == 6 and result["token_set"] and result["timeout_s"] == 7
-        assert result["env"] == {"ELASWAVE_CHECKPOINT_DIR": str(ckpt), "ELASWAVE_CHECKPOINT_EVERY": "3",
-                                 "ELASWAVE_RESUME_DIR": None}
+        assert result["env"] == {
+            "ELASWAVE_CHECKPOINT_DIR": str(ckpt),
+            "ELASWAVE_CHECKPOINT_EVERY": "3",
+            "ELASWAVE_RESUME_DIR": None,
+        }
     assert re.search(r"loss (0\.8333|1\.0000|1\.2500)", run.stdout)  # the last stage's loss (5 / (step + 1))
     assert re.search(r"step \d/6 .* workers \d/4", run.stdout)
 
 
 @pytest.mark.timeout(120)
 def test_a_killed_worker_is_lost_and_the_launcher_waits_for_the_others(tmp_path: Path) -> None:
-    launcher = Launcher("--nnodes", "2", "--nproc-per-node", "2", "--pp", "2", "--job", "kill", FAKE,
-                        "--step-time", "0.2", "--steps", "40", cwd=tmp_path)
+    launcher = Launcher(
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--pp",
+        "2",
+        "--job",
+        "kill",
+        FAKE,
+        "--step-time",
+        "0.2",
+        "--steps",
+        "40",
+        cwd=tmp_path,
+    )
     run_dir = tmp_path / "elaswave-run" / "kill"
-    launcher.wait_for("every worker to commit step 2",
-                      lambda: len(s := _member_steps(run_dir, "kill")) == 4 and min(s.values()) >= 2)
+    launcher.wait_for(
+        "every worker to commit step 2",
+        lambda: len(s := _member_steps(run_dir, "kill")) == 4 and min(s.values()) >= 2,
+    )
     node0 = json.loads((run_dir / "nodes.json").read_text())["nodes"]["0"]
     victim = next(m for m in core_job(run_dir, "kill")["members"] if m["rank"] == node0[1])
     os.kill(victim["pid"], signal.SIGKILL)
@@ -213,15 +273,29 @@ def test_a_killed_worker_is_lost_and_the_launcher_waits_for_the_others(tmp_path:
     out = launcher.output
     assert code == 0, out[-4000:]
     assert f"event: worker_lost rank-{node0[1]}" in out
-    assert f"job 'kill' finished: 40/40 steps, 3 of 4 workers finished; lost on the way and planned around: " \
-           f"rank-{node0[1]}" in out
+    assert (
+        f"job 'kill' finished: 40/40 steps, 3 of 4 workers finished; lost on the way and planned around: "
+        f"rank-{node0[1]}" in out
+    )
 
 
 @pytest.mark.timeout(120)
 def test_ctrl_c_stops_the_job_at_a_step_boundary_and_prints_the_resume_command(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    launcher = Launcher("--nproc-per-node", "2", "--job", "stopme", "--checkpoint-dir", ckpt, FAKE,
-                        "--step-time", "0.2", "--steps", "500", cwd=tmp_path)
+    launcher = Launcher(
+        "--nproc-per-node",
+        "2",
+        "--job",
+        "stopme",
+        "--checkpoint-dir",
+        ckpt,
+        FAKE,
+        "--step-time",
+        "0.2",
+        "--steps",
+        "500",
+        cwd=tmp_path,
+    )
     run_dir = tmp_path / "elaswave-run" / "stopme"
     launcher.wait_for("step 3", lambda: min(_member_steps(run_dir, "stopme").values() or [-1]) >= 3)
     pids = [m["pid"] for m in core_job(run_dir, "stopme")["members"]]
@@ -235,8 +309,10 @@ def test_ctrl_c_stops_the_job_at_a_step_boundary_and_prints_the_resume_command(t
         # The fake worker stops before step stop_after + 1, as the contract asks.
         assert json.loads((run_dir / f"rank-{rank}.json").read_text())["committed_steps"] == stop_after + 1
     assert f"job 'stopme' stopped on request after step {stop_after}" in out
-    assert f"resume with: elaswave run --nnodes 1 --nproc-per-node 2 --pp 1 --resume {ckpt} --job stopme " \
-           f"--checkpoint-dir {ckpt} {FAKE} --step-time 0.2 --steps 500" in out
+    assert (
+        f"resume with: elaswave run --nnodes 1 --nproc-per-node 2 --pp 1 --resume {ckpt} --job stopme "
+        f"--checkpoint-dir {ckpt} {FAKE} --step-time 0.2 --steps 500" in out
+    )
     for pid in pids:  # every worker is gone (the Core and store with the launcher's teardown)
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
@@ -244,9 +320,13 @@ def test_ctrl_c_stops_the_job_at_a_step_boundary_and_prints_the_resume_command(t
 @pytest.mark.timeout(90)
 def test_workers_that_all_fail_make_the_launcher_fail_with_their_logs(tmp_path: Path) -> None:
     script = tmp_path / "fails.py"
-    script.write_text(FAKE.read_text().replace("    layout = json.loads(",
-                                               "    raise SystemExit('CUDA out of memory (pretend)')\n"
-                                               "    layout = json.loads(", 1))
+    script.write_text(
+        FAKE.read_text().replace(
+            "    layout = json.loads(",
+            "    raise SystemExit('CUDA out of memory (pretend)')\n    layout = json.loads(",
+            1,
+        )
+    )
     run = elaswave_run("--nproc-per-node", "2", "--timeout", "5", script, cwd=tmp_path)
     assert run.returncode == 1, run.stdout[-3000:]
     assert "job 'fails' failed" in run.stderr and "no worker finished" in run.stderr
@@ -263,10 +343,21 @@ def test_job_name_comes_from_the_script() -> None:
 
 
 def test_resume_command_repeats_the_run() -> None:
-    ns = argparse.Namespace(nnodes=2, nproc_per_node=4, pp=2, job=None, checkpoint_dir=Path("ck"),
-                            checkpoint_every=10, timeout=20.0, script=Path("train.py"), script_args=["--lr", "3e-4"])
-    assert resume_command(ns, Path("ck")) == ("elaswave run --nnodes 2 --nproc-per-node 4 --pp 2 --resume ck "
-                                              "--checkpoint-dir ck --checkpoint-every 10 train.py --lr 3e-4")
+    ns = argparse.Namespace(
+        nnodes=2,
+        nproc_per_node=4,
+        pp=2,
+        job=None,
+        checkpoint_dir=Path("ck"),
+        checkpoint_every=10,
+        timeout=20.0,
+        script=Path("train.py"),
+        script_args=["--lr", "3e-4"],
+    )
+    assert resume_command(ns, Path("ck")) == (
+        "elaswave run --nnodes 2 --nproc-per-node 4 --pp 2 --resume ck "
+        "--checkpoint-dir ck --checkpoint-every 10 train.py --lr 3e-4"
+    )
 
 
 def test_outcome_rules() -> None:
@@ -331,8 +422,14 @@ def _reference_losses(script: Path, steps: int, state_out: Path | None = None) -
     """The same script as one plain process (no launcher): the fault-free reference."""
     out = script.with_name("reference.json")
     extra = ["--state-out", str(state_out)] if state_out is not None else []
-    subprocess.run([sys.executable, str(script), "--steps", str(steps), "--losses-out", str(out), *extra], check=True,
-                   timeout=120, env=_env(), cwd=script.parent, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(script), "--steps", str(steps), "--losses-out", str(out), *extra],
+        check=True,
+        timeout=120,
+        env=_env(),
+        cwd=script.parent,
+        capture_output=True,
+    )
     return {int(k): v for k, v in json.loads(out.read_text()).items()}
 
 
@@ -347,7 +444,9 @@ def _job_losses(run_dir: Path, ranks: list[int]) -> dict[int, float]:
 @pytest.mark.timeout(180)
 def test_end_to_end_pp2_dp2_trains_like_the_single_process_run(tmp_path: Path) -> None:
     script = _tiny(tmp_path)
-    run = elaswave_run("--nproc-per-node", "4", "--pp", "2", script, "--steps", "8", cwd=tmp_path, timeout_s=150)
+    run = elaswave_run(
+        "--nproc-per-node", "4", "--pp", "2", script, "--steps", "8", cwd=tmp_path, timeout_s=150
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "job 'tiny' finished: 8/8 steps, 4 of 4 workers finished" in run.stdout
     assert "losing it empties every stage" in run.stderr  # one machine: the warning says so
@@ -365,11 +464,26 @@ def test_end_to_end_pp2_dp2_trains_like_the_single_process_run(tmp_path: Path) -
 def test_end_to_end_a_worker_killed_on_a_simulated_node_and_the_job_finishes(tmp_path: Path) -> None:
     script = _tiny(tmp_path)
     ckpt = tmp_path / "ckpt"
-    launcher = Launcher("--nnodes", "2", "--nproc-per-node", "2", "--pp", "2", "--checkpoint-dir", str(ckpt), script,
-                        "--steps", "60", cwd=tmp_path)
+    launcher = Launcher(
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--pp",
+        "2",
+        "--checkpoint-dir",
+        str(ckpt),
+        script,
+        "--steps",
+        "60",
+        cwd=tmp_path,
+    )
     run_dir = tmp_path / "elaswave-run" / "tiny"
-    launcher.wait_for("every worker to commit step 3",
-                      lambda: len(s := _member_steps(run_dir, "tiny")) == 4 and min(s.values()) >= 3, timeout_s=120)
+    launcher.wait_for(
+        "every worker to commit step 3",
+        lambda: len(s := _member_steps(run_dir, "tiny")) == 4 and min(s.values()) >= 3,
+        timeout_s=120,
+    )
     nodes = json.loads((run_dir / "nodes.json").read_text())
     victim_rank = nodes["nodes"]["0"][1]  # node 0's second rank: stage 1 keeps its rank on node 1
     victim = next(m for m in core_job(run_dir, "tiny")["members"] if m["rank"] == victim_rank)
@@ -380,7 +494,9 @@ def test_end_to_end_a_worker_killed_on_a_simulated_node_and_the_job_finishes(tmp
     assert f"event: worker_lost rank-{victim_rank}" in out
     assert "job 'tiny' finished: 60/60 steps, 3 of 4 workers finished" in out
     survivors = [r for r in range(4) if r != victim_rank]
-    assert all(json.loads((run_dir / f"rank-{r}.json").read_text())["committed_steps"] == 60 for r in survivors)
+    assert all(
+        json.loads((run_dir / f"rank-{r}.json").read_text())["committed_steps"] == 60 for r in survivors
+    )
     losses = _job_losses(run_dir, survivors)
     assert sorted(losses) == list(range(60))
     # Recovered in place, the job is the fault-free run: the same losses and, at the end, the same

@@ -45,21 +45,41 @@ def core(tmp_path: Path) -> Iterator[tuple[CoreProcess, str]]:
 
 def description(units: list[tuple[str, int, float]] = UNITS, **overrides: Any) -> dict[str, Any]:
     desc = we.ModelDescription(
-        units=tuple(we.UnitDescription(name, numel, 4 * numel, cost, 2 * cost, 64) for name, numel, cost in units),
-        global_batch=8, micro_batches=2, dataset_len=64, steps=6, fingerprints={"embed": "abc"})
+        units=tuple(
+            we.UnitDescription(name, numel, 4 * numel, cost, 2 * cost, 64) for name, numel, cost in units
+        ),
+        global_batch=8,
+        micro_batches=2,
+        dataset_len=64,
+        steps=6,
+        fingerprints={"embed": "abc"},
+    )
     return json.loads(desc.to_json()) | overrides
 
 
 def join_body(node_id: str, **overrides: Any) -> dict[str, Any]:
-    return {"node_id": node_id, "session": f"session-{node_id}", "nnodes": 2, "nproc_per_node": 2, "pp": 2,
-            "description": description(), "timeout_s": 30.0, "poll_s": 30.0} | overrides
+    return {
+        "node_id": node_id,
+        "session": f"session-{node_id}",
+        "nnodes": 2,
+        "nproc_per_node": 2,
+        "pp": 2,
+        "description": description(),
+        "timeout_s": 30.0,
+        "poll_s": 30.0,
+    } | overrides
 
 
-def post_join(core: CoreProcess, token: str | None, job: str, body: dict[str, Any],
-              client_timeout_s: float = 60.0) -> httpx.Response:
+def post_join(
+    core: CoreProcess, token: str | None, job: str, body: dict[str, Any], client_timeout_s: float = 60.0
+) -> httpx.Response:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.post(f"http://127.0.0.1:{core.http_port}/api/v1/rendezvous/{job}", json=body, headers=headers,
-                      timeout=client_timeout_s)
+    return httpx.post(
+        f"http://127.0.0.1:{core.http_port}/api/v1/rendezvous/{job}",
+        json=body,
+        headers=headers,
+        timeout=client_timeout_s,
+    )
 
 
 class Waiting:
@@ -91,7 +111,9 @@ def wait_until_waiting(core: CoreProcess, job: str, node: str, timeout_s: float 
 
 
 @pytest.mark.timeout(60)
-def test_the_rendezvous_needs_the_scheduler_token_and_a_readable_request(core: tuple[CoreProcess, str]) -> None:
+def test_the_rendezvous_needs_the_scheduler_token_and_a_readable_request(
+    core: tuple[CoreProcess, str],
+) -> None:
     proc, token = core
     assert post_join(proc, None, "j", join_body("a")).status_code == 401
     assert post_join(proc, "x" * 32, "j", join_body("a")).status_code == 403
@@ -127,6 +149,7 @@ def test_a_node_that_stops_asking_is_withdrawn(core: tuple[CoreProcess, str]) ->
     b = post_join(proc, token, "j", join_body("b", poll_s=0.2))
     assert b.status_code == 202 and b.json()["joined"] == ["b"], b.text
 
+
 @pytest.mark.timeout(90)
 def test_nodes_that_differ_are_refused_and_the_others_form_the_job(core: tuple[CoreProcess, str]) -> None:
     proc, token = core
@@ -135,9 +158,12 @@ def test_nodes_that_differ_are_refused_and_the_others_form_the_job(core: tuple[C
     other_units = [*UNITS[:1], ("block0", 2048, 1e-4), *UNITS[2:]]
     refusals = {
         "unit 1 is 'block0' with 2048 parameters here but 'block0' with 1024": join_body(
-            "b", description=description(other_units)),
+            "b", description=description(other_units)
+        ),
         "global_batch is 16 here but 8": join_body("b", description=description(global_batch=16)),
-        "the initial weights of units ['embed'] differ": join_body("b", description=description(fingerprints={})),
+        "the initial weights of units ['embed'] differ": join_body(
+            "b", description=description(fingerprints={})
+        ),
         "--pp 1 here but 2 on node 'a'": join_body("b", pp=1),
         "--nnodes 3 here but 2": join_body("b", nnodes=3),
         "node 'a' has joined job 'j' already": join_body("a", session="another-session"),
@@ -146,8 +172,9 @@ def test_nodes_that_differ_are_refused_and_the_others_form_the_job(core: tuple[C
         response = post_join(proc, token, "j", body)
         assert response.status_code == 409 and message in response.json()["detail"], (message, response.text)
     # The same command on the second node forms the job; both get the same layout.
-    second = post_join(proc, token, "j", join_body("b", description=description(
-        [(n, s, 3 * c) for n, s, c in UNITS])))  # other measured times: the first node's are used
+    second = post_join(
+        proc, token, "j", join_body("b", description=description([(n, s, 3 * c) for n, s, c in UNITS]))
+    )  # other measured times: the first node's are used
     a, b = first.result().json(), second.json()
     assert second.status_code == 200, second.text
     assert (a["node_index"], a["ranks"], b["node_index"], b["ranks"]) == (0, [0, 1], 1, [2, 3])
@@ -168,8 +195,15 @@ def test_nodes_that_differ_are_refused_and_the_others_form_the_job(core: tuple[C
 
 
 def _run(*args: str | Path, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "elaswave.cli", "run", *map(str, args)], cwd=cwd, text=True,
-                          capture_output=True, timeout=60, stdin=subprocess.DEVNULL, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "elaswave.cli", "run", *map(str, args)],
+        cwd=cwd,
+        text=True,
+        capture_output=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
 
 
 @pytest.mark.timeout(90)
@@ -182,9 +216,14 @@ def test_the_launcher_refuses_core_without_a_token_or_an_address(tmp_path: Path)
     bad = _run("--core", "somewhere", FAKE, cwd=tmp_path, env=env)
     assert bad.returncode == 64 and "give the Core's REST address as HOST:PORT" in bad.stderr
     lonely = _run("--node-id", "n1", FAKE, cwd=tmp_path, env=env)
-    assert lonely.returncode == 64 and "--node-id names a node of a multi-node job: it needs --core" in lonely.stderr
+    assert (
+        lonely.returncode == 64
+        and "--node-id names a node of a multi-node job: it needs --core" in lonely.stderr
+    )
     nobody = _run("--core", "127.0.0.1:1", "--nnodes", "2", FAKE, cwd=tmp_path, env=env)
-    assert nobody.returncode == 1 and "cannot reach the Core's REST API at http://127.0.0.1:1" in nobody.stderr
+    assert (
+        nobody.returncode == 1 and "cannot reach the Core's REST API at http://127.0.0.1:1" in nobody.stderr
+    )
 
 
 def _two_nodes(proc: CoreProcess, tmp_path: Path, *script_args: str) -> tuple[Launcher, Launcher]:
@@ -197,8 +236,9 @@ def _two_nodes(proc: CoreProcess, tmp_path: Path, *script_args: str) -> tuple[La
 
 
 @pytest.mark.timeout(240)
-def test_two_nodes_train_one_job_like_the_single_process_run(core: tuple[CoreProcess, str], tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_nodes_train_one_job_like_the_single_process_run(
+    core: tuple[CoreProcess, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     proc, token = core
     monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
     nodes = _two_nodes(proc, tmp_path, "--steps", "8")
@@ -225,19 +265,26 @@ def test_two_nodes_train_one_job_like_the_single_process_run(core: tuple[CorePro
 
 
 @pytest.mark.timeout(240)
-def test_ctrl_c_on_one_node_stops_the_job_on_every_node(core: tuple[CoreProcess, str], tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ctrl_c_on_one_node_stops_the_job_on_every_node(
+    core: tuple[CoreProcess, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     proc, token = core
     monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
     first, second = _two_nodes(proc, tmp_path, "--steps", "100000")
-    first.wait_for("every worker to commit step 3", lambda: len(s := _member_steps_remote(proc)) == 4
-                   and min(s.values()) >= 3, timeout_s=150)
+    first.wait_for(
+        "every worker to commit step 3",
+        lambda: len(s := _member_steps_remote(proc)) == 4 and min(s.values()) >= 3,
+        timeout_s=150,
+    )
     os.kill(first.proc.pid, signal.SIGINT)
     codes = first.wait(timeout_s=90), second.wait(timeout_s=90)
     assert codes == (128 + signal.SIGINT, 128 + signal.SIGTERM), first.output[-3000:] + second.output[-3000:]
     assert "asked the Core to stop job 'tiny' on every node" in first.output
     assert "event: checkpoint_requested" in second.output and "stopped on request" in second.output
-    steps = {json.loads(p.read_text())["committed_steps"] for p in tmp_path.glob("elaswave-run/tiny/node-*/rank-*.json")}
+    steps = {
+        json.loads(p.read_text())["committed_steps"]
+        for p in tmp_path.glob("elaswave-run/tiny/node-*/rank-*.json")
+    }
     assert len(steps) == 1 and 3 <= steps.pop() < 100000  # every rank left at the same boundary
 
 
@@ -249,10 +296,21 @@ def _member_steps_remote(proc: CoreProcess) -> dict[str, int]:
     return {m["worker_id"]: int((m.get("last_step") or {}).get("step", -1)) for m in members}
 
 
-
 def test_the_resume_command_of_a_joined_node_names_a_new_job() -> None:
-    ns = argparse.Namespace(nnodes=2, nproc_per_node=2, pp=2, job=None, core="10.0.0.5:8080", checkpoint_dir=None,
-                            checkpoint_every=None, timeout=20.0, script=Path("train.py"), script_args=[])
-    assert resume_command(ns, Path("ck")) == ("elaswave run --nnodes 2 --nproc-per-node 2 --pp 2 --resume ck --core "
-                                              "10.0.0.5:8080 --job train-2 train.py")
+    ns = argparse.Namespace(
+        nnodes=2,
+        nproc_per_node=2,
+        pp=2,
+        job=None,
+        core="10.0.0.5:8080",
+        checkpoint_dir=None,
+        checkpoint_every=None,
+        timeout=20.0,
+        script=Path("train.py"),
+        script_args=[],
+    )
+    assert resume_command(ns, Path("ck")) == (
+        "elaswave run --nnodes 2 --nproc-per-node 2 --pp 2 --resume ck --core "
+        "10.0.0.5:8080 --job train-2 train.py"
+    )
     assert next_job_name("train-2") == "train-3" and next_job_name("x" * 63) == "x" * 61 + "-2"

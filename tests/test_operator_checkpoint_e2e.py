@@ -25,10 +25,28 @@ CFG = TrainDemoConfig(pp=2, dp=2, steps=40, kill_after_step=2, victim_rank=3, dr
 
 
 def _script(*args: str, out: Path) -> dict[int, float]:
-    subprocess.run([sys.executable, str(GPT_SCRIPT), "--steps", str(CFG.steps), "--layers", str(CFG.layers),
-                    "--dropout", str(CFG.dropout), "--global-batch", str(CFG.global_batch),
-                    "--micro-batches", str(CFG.micro_batches), "--losses-out", str(out), *args],
-                   check=True, stdout=subprocess.DEVNULL, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            str(GPT_SCRIPT),
+            "--steps",
+            str(CFG.steps),
+            "--layers",
+            str(CFG.layers),
+            "--dropout",
+            str(CFG.dropout),
+            "--global-batch",
+            str(CFG.global_batch),
+            "--micro-batches",
+            str(CFG.micro_batches),
+            "--losses-out",
+            str(out),
+            *args,
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        timeout=120,
+    )
     return {int(k): v for k, v in json.loads(out.read_text()).items()}
 
 
@@ -42,8 +60,11 @@ def test_operator_checkpoint_and_stop_then_resume_elsewhere(tmp_path: Path) -> N
         launch_job(demo)
         wait_committed(demo, 2)
         assert demo.http is not None
-        response = demo.http.post("/api/v1/jobs/demo/checkpoint", json={"stop": True},
-                                  headers={"Authorization": f"Bearer {demo.scheduler_token}"})
+        response = demo.http.post(
+            "/api/v1/jobs/demo/checkpoint",
+            json={"stop": True},
+            headers={"Authorization": f"Bearer {demo.scheduler_token}"},
+        )
         assert response.status_code == 202, response.text
         after = response.json()["after_step"]
         results = demo.wait_results(list(range(cfg.pp * cfg.dp)))
@@ -72,7 +93,9 @@ def test_checkpoint_request_is_refused_clearly_without_training_workers(tmp_path
         token = {"Authorization": f"Bearer {demo.scheduler_token}"}
         missing = demo.http.post("/api/v1/jobs/nope/checkpoint", json={}, headers=token)
         assert missing.status_code == 404, missing.text
-        demo.http.post("/api/v1/jobs", json={"name": "idle", "expected_workers": 1}, headers=token).raise_for_status()
+        demo.http.post(
+            "/api/v1/jobs", json={"name": "idle", "expected_workers": 1}, headers=token
+        ).raise_for_status()
         idle = demo.http.post("/api/v1/jobs/idle/checkpoint", json={}, headers=token)
         assert idle.status_code == 409 and "no worker" in idle.json()["detail"], idle.text
         unauth = demo.http.post("/api/v1/jobs/idle/checkpoint", json={})

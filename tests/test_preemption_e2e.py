@@ -60,8 +60,9 @@ class Outcome:
 def _preempt_through_core(demo: TrainDemo) -> None:
     assert demo.http is not None
     body = {"worker_ids": [VICTIM], "deadline_unix": time.time() + 30, "reason": "spot reclaim (test)"}
-    response = demo.http.post("/api/v1/jobs/demo/preempt", json=body,
-                              headers={"Authorization": f"Bearer {demo.scheduler_token}"})
+    response = demo.http.post(
+        "/api/v1/jobs/demo/preempt", json=body, headers={"Authorization": f"Bearer {demo.scheduler_token}"}
+    )
     assert response.status_code == 202, response.text
 
 
@@ -87,8 +88,16 @@ def _run(tmp_path: Path, preempt: Callable[[TrainDemo], None]) -> Outcome:
             status: int | None = victim_agent.wait(timeout=10)
         except subprocess.TimeoutExpired:  # reported by the assertion on the status
             status = None
-        return Outcome(preempted_unix, events, results, states(job), pids_before,
-                       {m["worker_id"]: m["pid"] for m in job["members"]}, status, fault_free_losses(demo))
+        return Outcome(
+            preempted_unix,
+            events,
+            results,
+            states(job),
+            pids_before,
+            {m["worker_id"]: m["pid"] for m in job["members"]},
+            status,
+            fault_free_losses(demo),
+        )
     finally:
         demo.stop()
 
@@ -108,10 +117,14 @@ def _check_core_view(out: Outcome) -> tuple[dict[str, Any], dict[str, Any], dict
     assert not [e for e in out.events if e["kind"] == "plan_published" and e["data"]["epoch"] > 1]
     survivors = {f"rank-{r}" for r in RANKS if r != CFG.victim_rank}
     for phase in ("applied", "resumed"):
-        acked = {e["worker_id"] for e in out.events if e["kind"] == f"plan_{phase}" and e["data"]["epoch"] == 1}
+        acked = {
+            e["worker_id"] for e in out.events if e["kind"] == f"plan_{phase}" and e["data"]["epoch"] == 1
+        }
         assert acked == survivors, (phase, acked)
     # The leaving worker took the plan at the same boundary (received, paused) and did not fail it.
-    victim_acks = [e["kind"] for e in out.events if e["kind"].startswith("plan_") and e["worker_id"] == VICTIM]
+    victim_acks = [
+        e["kind"] for e in out.events if e["kind"].startswith("plan_") and e["worker_id"] == VICTIM
+    ]
     assert victim_acks == ["plan_received", "plan_paused"], victim_acks
     left = _first(out.events, "worker_left", VICTIM)
     assert left["seq"] > published["seq"] and "exited with code 0" in left["detail"], left
@@ -122,7 +135,9 @@ def _check_core_view(out: Outcome) -> tuple[dict[str, Any], dict[str, Any], dict
     after = [e for e in out.events if e["seq"] > published["seq"]]
     running = next(e for e in after if e["kind"] == "phase_running")
     assert running["detail"] == "epoch 1 applied by 5 workers", after
-    assert not [e for e in after if e["seq"] < running["seq"] and e["kind"] in ("phase_planning", "decision_none")]
+    assert not [
+        e for e in after if e["seq"] < running["seq"] and e["kind"] in ("phase_planning", "decision_none")
+    ]
     assert not [e for e in out.events if e["kind"] in ("worker_lost", "worker_rejoined", "plan_failed")]
     assert out.final == {f"rank-{r}": "LEFT" for r in RANKS}, out.final
     assert out.victim_agent_status == 0  # the agent ended with a Leave after a clean worker exit
@@ -143,9 +158,13 @@ def _check_training(out: Outcome) -> tuple[int, float]:
         # a closed connection in a group that holds the victim. Either way the same rollback.
         for failure in res["failures"]:
             assert failure["step"] == left, (rank, failure)
-            aborted = failure["error"].startswith(f"peer failure in group '{failure['group']}': epoch 0 aborted: ")
-            victim_closed = str(CFG.victim_rank) in failure["group"].split("/")[-1].split("-") and \
-                "Connection closed" in failure["error"]
+            aborted = failure["error"].startswith(
+                f"peer failure in group '{failure['group']}': epoch 0 aborted: "
+            )
+            victim_closed = (
+                str(CFG.victim_rank) in failure["group"].split("/")[-1].split("-")
+                and "Connection closed" in failure["error"]
+            )
             assert aborted or victim_closed, (rank, failure)
         if rank != CFG.victim_rank:
             assert res["committed_steps"] == CFG.steps
@@ -172,14 +191,22 @@ def _check_samples(results: dict[int, dict[str, Any]]) -> None:
             assert samples == expected, (step, stage, samples)
 
 
-def _report_timings(out: Outcome, marked: dict[str, Any], published: dict[str, Any],
-                    resumed: dict[str, Any], left: int, dev: float) -> None:
+def _report_timings(
+    out: Outcome,
+    marked: dict[str, Any],
+    published: dict[str, Any],
+    resumed: dict[str, Any],
+    left: int,
+    dev: float,
+) -> None:
     recs = [r for res in out.results.values() for r in res["recoveries"]]
-    print(f"\n[preempt] signal -> PREEMPTING {1e3 * (marked['time_unix'] - out.preempted_unix):.0f} ms; "
-          f"-> plan published {1e3 * (published['time_unix'] - out.preempted_unix):.0f} ms; "
-          f"-> every survivor resumed {1e3 * (resumed['time_unix'] - out.preempted_unix):.0f} ms; "
-          f"slowest apply {1e3 * max(r['apply_s'] for r in recs):.0f} ms; victim left before step {left}; "
-          f"mean relative loss deviation after it {dev:.1e}")
+    print(
+        f"\n[preempt] signal -> PREEMPTING {1e3 * (marked['time_unix'] - out.preempted_unix):.0f} ms; "
+        f"-> plan published {1e3 * (published['time_unix'] - out.preempted_unix):.0f} ms; "
+        f"-> every survivor resumed {1e3 * (resumed['time_unix'] - out.preempted_unix):.0f} ms; "
+        f"slowest apply {1e3 * max(r['apply_s'] for r in recs):.0f} ms; victim left before step {left}; "
+        f"mean relative loss deviation after it {dev:.1e}"
+    )
 
 
 @pytest.mark.timeout(60)

@@ -25,9 +25,12 @@ def _env() -> dict[str, str]:
 
 
 def _run(cmd: list[str], cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout_s,
-                          stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
+    )
+    assert proc.returncode == 0, (
+        f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
@@ -45,12 +48,18 @@ def readme_script(steps: int) -> str:
     match = re.search(r"```python\n(# train\.py\n.*?)```", text, re.S)
     assert match, "README.md has no '# train.py' quick-start block"
     script = match.group(1)
-    for old, new in (("steps=500", f"steps={steps}"), ("warmup_cosine(50, 500)", f"warmup_cosine(2, {steps})"),
-                     ("checkpoint_every=100", "checkpoint_every=4"), ("log_every=100", "log_every=4")):
+    for old, new in (
+        ("steps=500", f"steps={steps}"),
+        ("warmup_cosine(50, 500)", f"warmup_cosine(2, {steps})"),
+        ("checkpoint_every=100", "checkpoint_every=4"),
+        ("log_every=100", "log_every=4"),
+    ):
         assert old in script, f"the README's script no longer has {old!r}: update this test with it"
         script = script.replace(old, new)
-    return script + ("\nimport json, sys\nif result.losses:\n"
-                     "    json.dump({str(k): v for k, v in result.losses.items()}, open('losses.json', 'w'))\n")
+    return script + (
+        "\nimport json, sys\nif result.losses:\n"
+        "    json.dump({str(k): v for k, v in result.losses.items()}, open('losses.json', 'w'))\n"
+    )
 
 
 @pytest.mark.multiproc
@@ -60,28 +69,50 @@ def test_readme_quick_start(tmp_path: Path) -> None:
     _run([sys.executable, "train.py"], tmp_path)
     single = {int(k): v for k, v in json.loads((tmp_path / "losses.json").read_text()).items()}
     assert sorted(single) == list(range(8)) and elaswave.load_model_state(tmp_path / "ckpt")
-    out = _run([*ELASWAVE, "run", "--nproc-per-node", "4", "--pp", "2", "--checkpoint-dir", "ck",
-                "--checkpoint-every", "4", "train.py"], tmp_path)
+    out = _run(
+        [
+            *ELASWAVE,
+            "run",
+            "--nproc-per-node",
+            "4",
+            "--pp",
+            "2",
+            "--checkpoint-dir",
+            "ck",
+            "--checkpoint-every",
+            "4",
+            "train.py",
+        ],
+        tmp_path,
+    )
     assert "job 'train' finished: 8/8 steps, 4 of 4 workers finished" in out.stdout, out.stdout[-2000:]
     launched = _launched_losses(tmp_path / "elaswave-run" / "train")
     assert sorted(launched) == list(range(8))
     for step in range(8):
         assert launched[step] == pytest.approx(single[step], rel=1e-5), step
-    assert elaswave.load_model_state(tmp_path / "ck").keys() == elaswave.load_model_state(tmp_path / "ckpt").keys()
+    assert (
+        elaswave.load_model_state(tmp_path / "ck").keys()
+        == elaswave.load_model_state(tmp_path / "ckpt").keys()
+    )
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("example, args, out_flag", [
-    ("gpt", ["--steps", "6"], "--losses-out"),
-    ("digits", ["--steps", "12", "--global-batch", "32"], "--accuracy-out"),
-])
+@pytest.mark.parametrize(
+    "example, args, out_flag",
+    [
+        ("gpt", ["--steps", "6"], "--losses-out"),
+        ("digits", ["--steps", "12", "--global-batch", "32"], "--accuracy-out"),
+    ],
+)
 def test_example_runs_as_documented(tmp_path: Path, example: str, args: list[str], out_flag: str) -> None:
     script = str(ROOT / "examples" / example / "train.py")
     _run([sys.executable, script, *args, out_flag, str(tmp_path / "single.json")], tmp_path)
     single = json.loads((tmp_path / "single.json").read_text())
-    out = _run([*ELASWAVE, "run", "--nproc-per-node", "4", "--pp", "2", "--checkpoint-dir", "ck", script, *args],
-               tmp_path)
+    out = _run(
+        [*ELASWAVE, "run", "--nproc-per-node", "4", "--pp", "2", "--checkpoint-dir", "ck", script, *args],
+        tmp_path,
+    )
     steps = int(args[1])
     assert f"{steps}/{steps} steps, 4 of 4 workers finished" in out.stdout, out.stdout[-2000:]
     launched = _launched_losses(tmp_path / "elaswave-run" / "train")

@@ -73,7 +73,9 @@ class FenceLost(RegistryError):
         self.fence = fence
         self.holder = holder
         now = "is absent" if holder is None else f"holds {holder!r}"
-        super().__init__(f"{what} refused: fence {fence.key!r} {now}, not {fence.value!r}; nothing was written")
+        super().__init__(
+            f"{what} refused: fence {fence.key!r} {now}, not {fence.value!r}; nothing was written"
+        )
 
 
 @dataclass(frozen=True)
@@ -173,8 +175,13 @@ class Registry(ABC):
         unknown lease raises ``LeaseNotFound`` (only once the comparisons held) and writes nothing."""
 
     def compare_and_swap(
-        self, key: str, expected: bytes | None, value: bytes, lease: int | None = None,
-        also: Sequence[tuple[str, bytes]] = (), fence: Fence | None = None,
+        self,
+        key: str,
+        expected: bytes | None,
+        value: bytes,
+        lease: int | None = None,
+        also: Sequence[tuple[str, bytes]] = (),
+        fence: Fence | None = None,
     ) -> bool:
         """Atomically write ``key`` if its value equals ``expected`` (None: must be absent), and
         in the same transaction every ``(key, value)`` of ``also`` (no lease): all or nothing.
@@ -283,7 +290,9 @@ def check_transaction(
     """A transaction's comparisons and writes, checked: at least one write, distinct write keys
     (etcd refuses a key written twice in one transaction)."""
     if isinstance(compares, str | bytes) or not isinstance(compares, Sequence):
-        raise TypeError(f"compares must be a sequence of (key, expected) pairs, got {type(compares).__name__}")
+        raise TypeError(
+            f"compares must be a sequence of (key, expected) pairs, got {type(compares).__name__}"
+        )
     if isinstance(writes, str | bytes) or not isinstance(writes, Sequence):
         raise TypeError(f"writes must be a sequence of TxnWrite, got {type(writes).__name__}")
     checked_compares = [_check_compare(item) for item in compares]

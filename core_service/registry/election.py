@@ -153,8 +153,10 @@ class LeaderElection:
             self._valid_until = sent_at + self._ttl_s
             self._stop_keepalive = threading.Event()
             self._keepalive = threading.Thread(
-                target=self._keep_alive, args=(lease, self._stop_keepalive),
-                name=f"election-keepalive:{self._candidate}", daemon=True,
+                target=self._keep_alive,
+                args=(lease, self._stop_keepalive),
+                name=f"election-keepalive:{self._candidate}",
+                daemon=True,
             )
             self._keepalive.start()
         log.info("%s leads %s (lease %d)", self._candidate, self._key, lease)

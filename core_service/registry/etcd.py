@@ -138,14 +138,19 @@ class EtcdRegistry(Registry):
 
         def commit(client: etcd3.MultiEndpointEtcd3Client) -> TxnResult:
             txn = client.transactions
-            guards = [txn.create(key) == 0 if expected is None else txn.value(key) == expected
-                      for key, expected in checked_compares]
-            ops = [txn.delete(w.key) if w.value is None else txn.put(w.key, w.value, lease=w.lease)
-                   for w in checked_writes]
+            guards = [
+                txn.create(key) == 0 if expected is None else txn.value(key) == expected
+                for key, expected in checked_compares
+            ]
+            ops = [
+                txn.delete(w.key) if w.value is None else txn.put(w.key, w.value, lease=w.lease)
+                for w in checked_writes
+            ]
             # On failure the compared keys are read in the same revision: the caller learns what
             # held them (e.g. who leads now) without a second, racy read.
             succeeded, responses = client.transaction(
-                compare=guards, success=ops, failure=[txn.get(key) for key, _ in checked_compares])
+                compare=guards, success=ops, failure=[txn.get(key) for key, _ in checked_compares]
+            )
             if succeeded:
                 return TxnResult(True)
             return TxnResult(False, tuple(bytes(kvs[0][0]) if kvs else None for kvs in responses))
@@ -195,8 +200,11 @@ class EtcdRegistry(Registry):
         failures = []
         for endpoint in self._endpoints:
             client = etcd3.MultiEndpointEtcd3Client(
-                endpoints=[etcd3.Endpoint(endpoint.host, endpoint.port, secure=False, time_retry=0,
-                                          opts=GRPC_OPTIONS)],
+                endpoints=[
+                    etcd3.Endpoint(
+                        endpoint.host, endpoint.port, secure=False, time_retry=0, opts=GRPC_OPTIONS
+                    )
+                ],
                 timeout=self._connect_timeout_s,
             )
             try:

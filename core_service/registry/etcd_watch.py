@@ -100,8 +100,13 @@ class EtcdPrefixWatch(WatchHandle):
                     return
                 reason = exc.code() if isinstance(exc, grpc.RpcError) else exc
                 self._on_broken()
-                log.warning("etcd watch on %r at %s broke (%s); resuming from revision %d",
-                            self._key, self._endpoint(), reason, self._next_revision)
+                log.warning(
+                    "etcd watch on %r at %s broke (%s); resuming from revision %d",
+                    self._key,
+                    self._endpoint(),
+                    reason,
+                    self._next_revision,
+                )
             finally:
                 stream_over.set()
             if self._cancelled.wait(backoff_s):
@@ -123,8 +128,11 @@ class EtcdPrefixWatch(WatchHandle):
         if response.canceled:
             if response.compact_revision:
                 # The history we need is gone: say so loudly and continue from what is left.
-                log.error("etcd watch on %r lost events: revisions before %d were compacted",
-                          self._key, response.compact_revision)
+                log.error(
+                    "etcd watch on %r lost events: revisions before %d were compacted",
+                    self._key,
+                    response.compact_revision,
+                )
                 self._next_revision = response.compact_revision
             call.cancel()  # the loop reconnects from self._next_revision
             return

@@ -34,7 +34,9 @@ class StaleEpoch(RegistryError):
     """The caller expected an epoch that is no longer the job's current one."""
 
     def __init__(self, job: str, expected: int, current: int) -> None:
-        super().__init__(f"plan for job {job!r} is fenced: expected epoch {expected}, current epoch is {current}")
+        super().__init__(
+            f"plan for job {job!r} is fenced: expected epoch {expected}, current epoch is {current}"
+        )
         self.job = job
         self.expected = expected
         self.current = current
@@ -60,8 +62,9 @@ class PlanStore:
         """The last epoch allocated for ``job``; 0 before its first plan."""
         return _decode_epoch(self._registry.get(self.epoch_key(job)))
 
-    def publish(self, job: str, plan_json: bytes, expected_epoch: int | None = None,
-                fence: Fence | None = None) -> int:
+    def publish(
+        self, job: str, plan_json: bytes, expected_epoch: int | None = None, fence: Fence | None = None
+    ) -> int:
         """Store ``plan_json`` as the job's next plan; returns its epoch. With ``fence``, only
         while the fence holds (else ``FenceLost``, nothing stored)."""
         counter = self.epoch_key(job)
@@ -74,8 +77,9 @@ class PlanStore:
             if expected_epoch is not None and current != expected_epoch:
                 raise StaleEpoch(job, expected_epoch, current)
             epoch = current + 1
-            if self._registry.compare_and_swap(counter, raw, str(epoch).encode(),
-                                               also=[(self.plan_key(job, epoch), plan_json)], fence=fence):
+            if self._registry.compare_and_swap(
+                counter, raw, str(epoch).encode(), also=[(self.plan_key(job, epoch), plan_json)], fence=fence
+            ):
                 return epoch
         raise RegistryError(f"could not allocate an epoch for job {job!r} in {MAX_PUBLISH_ATTEMPTS} attempts")
 

@@ -101,7 +101,7 @@ def accuracy(state_dict: Mapping[str, torch.Tensor], data: Digits) -> float:
     for name in UNITS:
         unit = build_unit(name)
         prefix = f"{name}."
-        unit.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
+        unit.load_state_dict({k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)})
         x = unit.eval()(x)
     return float((x.argmax(1) == data.labels).float().mean())
 
@@ -128,7 +128,10 @@ def main() -> None:
         micro_batches=args.micro_batches,
         steps=args.steps,
         optimizer=elaswave.AdamW(
-            lr=args.lr, weight_decay=0.05, no_decay=elaswave.no_decay_norms_and_biases, max_grad_norm=1.0,
+            lr=args.lr,
+            weight_decay=0.05,
+            no_decay=elaswave.no_decay_norms_and_biases,
+            max_grad_norm=1.0,
             schedule=elaswave.warmup_cosine(warmup_steps=min(10, args.steps), total_steps=args.steps),
         ),
         checkpoint_dir=args.checkpoint_dir,
@@ -148,8 +151,11 @@ def main() -> None:
     acc = accuracy(state, Digits(train=False))
     final_loss = result.losses[max(result.losses)] if result.losses else None
     loss_text = f"final loss {final_loss:.4f}, " if final_loss is not None else ""
-    print(f"trained steps {result.start_step}..{result.committed_steps - 1} in {seconds:.1f} s; {loss_text}"
-          f"held-out accuracy {acc:.4f} ({HELD_OUT} images)", flush=True)
+    print(
+        f"trained steps {result.start_step}..{result.committed_steps - 1} in {seconds:.1f} s; {loss_text}"
+        f"held-out accuracy {acc:.4f} ({HELD_OUT} images)",
+        flush=True,
+    )
     if args.accuracy_out:
         tmp = f"{args.accuracy_out}.tmp"
         with open(tmp, "w") as f:

@@ -12,8 +12,9 @@ import torch
 from torch.utils.data import Dataset
 
 
-def generate_corpus(vocab_size: int = 64, num_tokens: int = 1 << 15, seed: int = 0,
-                    successors: int = 4) -> torch.Tensor:
+def generate_corpus(
+    vocab_size: int = 64, num_tokens: int = 1 << 15, seed: int = 0, successors: int = 4
+) -> torch.Tensor:
     """Token stream (int64) of a seeded sparse Markov chain; deterministic across platforms."""
     if vocab_size < 2 or num_tokens < 2 or not 1 <= successors <= vocab_size:
         raise ValueError(f"bad corpus spec: vocab={vocab_size}, tokens={num_tokens}, successors={successors}")
@@ -32,7 +33,9 @@ def generate_corpus(vocab_size: int = 64, num_tokens: int = 1 << 15, seed: int =
 class MarkovWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Item i: window i of the corpus, as (tokens[0:seq_len], tokens[1:seq_len+1])."""
 
-    def __init__(self, vocab_size: int = 64, seq_len: int = 16, num_tokens: int = 1 << 14, seed: int = 0) -> None:
+    def __init__(
+        self, vocab_size: int = 64, seq_len: int = 16, num_tokens: int = 1 << 14, seed: int = 0
+    ) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         self.corpus, self.seq_len = generate_corpus(vocab_size, num_tokens, seed), seq_len
@@ -46,5 +49,5 @@ class MarkovWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < self.num_windows:
             raise IndexError(index)
-        w = self.corpus[index * self.seq_len: index * self.seq_len + self.seq_len + 1]
+        w = self.corpus[index * self.seq_len : index * self.seq_len + self.seq_len + 1]
         return w[:-1], w[1:]

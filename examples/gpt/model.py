@@ -83,7 +83,9 @@ class Block(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.ln1 = nn.LayerNorm(cfg.hidden)
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)  # a key bias has an exactly-zero gradient (softmax shift), which Adam would turn into round-off-driven updates
+        self.qkv = nn.Linear(
+            cfg.hidden, 3 * cfg.hidden, bias=False
+        )  # a key bias has an exactly-zero gradient (softmax shift), which Adam would turn into round-off-driven updates
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.ln2 = nn.LayerNorm(cfg.hidden)
         self.fc = nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden)
@@ -119,7 +121,9 @@ class Head(nn.Module):
 def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy of each sample: shape (batch,)."""
     b, t, v = logits.shape
-    return F.cross_entropy(logits.reshape(b * t, v), targets.reshape(b * t), reduction="none").view(b, t).mean(1)
+    return (
+        F.cross_entropy(logits.reshape(b * t, v), targets.reshape(b * t), reduction="none").view(b, t).mean(1)
+    )
 
 
 def build_unit(cfg: ModelConfig, name: str) -> nn.Module:

@@ -24,7 +24,9 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip by the global gradient norm (0: off)")
+    p.add_argument(
+        "--max-grad-norm", type=float, default=1.0, help="clip by the global gradient norm (0: off)"
+    )
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", default=None)
@@ -39,8 +41,12 @@ def main() -> None:
         global_batch=args.global_batch,
         micro_batches=args.micro_batches,
         steps=args.steps,
-        optimizer=elaswave.AdamW(lr=args.lr, weight_decay=0.01, no_decay=elaswave.no_decay_norms_and_biases,
-                                 max_grad_norm=args.max_grad_norm or None),
+        optimizer=elaswave.AdamW(
+            lr=args.lr,
+            weight_decay=0.01,
+            no_decay=elaswave.no_decay_norms_and_biases,
+            max_grad_norm=args.max_grad_norm or None,
+        ),
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
@@ -53,8 +59,10 @@ def main() -> None:
         os.replace(tmp, args.losses_out)
     if result.losses and result.state_dict is not None:
         last = max(result.losses)
-        print(f"trained {result.committed_steps} steps; loss {result.losses[min(result.losses)]:.4f} -> "
-              f"{result.losses[last]:.4f}")
+        print(
+            f"trained {result.committed_steps} steps; loss {result.losses[min(result.losses)]:.4f} -> "
+            f"{result.losses[last]:.4f}"
+        )
 
 
 if __name__ == "__main__":

@@ -164,8 +164,10 @@ class Communicator:
 
     def group(self, name: str) -> ProcessGroup:
         if name in self.membership and name not in self.physical:
-            raise MembershipError(f"{name!r} is served by point-to-point links here: use send/recv/exchange, "
-                                  "or p2p_group for a peer's link")
+            raise MembershipError(
+                f"{name!r} is served by point-to-point links here: use send/recv/exchange, "
+                "or p2p_group for a peer's link"
+            )
         return self._handle(name).pg
 
     def p2p_group(self, name: str, peer: int) -> tuple[str, ProcessGroup, int]:
@@ -182,7 +184,9 @@ class Communicator:
         """Members of a logical group (or of a physical one such as a link), in rank order."""
         ws = self.membership.get(name) or self.physical.get(name)
         if ws is None or self.worker not in ws:
-            raise MembershipError(f"worker {self.worker} has no group {name!r} (has {sorted(self.membership)})")
+            raise MembershipError(
+                f"worker {self.worker} has no group {name!r} (has {sorted(self.membership)})"
+            )
         return ws
 
     def group_rank(self, name: str, worker: int | None = None) -> int:
@@ -346,7 +350,10 @@ class Communicator:
         can_shrink = self._can_shrink()
         key = f"{self.namespace}/e{self.epoch}/ledger/"
         # c10d stores take bytes as well as str (torch's stubs say str only)
-        self.store.set(key + str(self.worker), ledger_mod.encode({n: g.ledger for n, g in self._groups.items()}))  # type: ignore[arg-type]
+        self.store.set(
+            key + str(self.worker),
+            ledger_mod.encode({n: g.ledger for n, g in self._groups.items()}),  # type: ignore[arg-type]
+        )
         needed: set[int] = set()
         for name, g in self._groups.items():  # members whose ledgers decide reuse or shrink
             target = new.get(name)
@@ -358,8 +365,9 @@ class Communicator:
         if keys:
             self.store.wait(keys, timedelta(seconds=self.timeout_s))
         ledgers = {w: ledger_mod.decode(self.store.get(key + str(w))) for w in sorted(needed)}
-        return decide_edit(self.physical, new, self.worker, ledgers, full=full, backend=self.backend,
-                           can_shrink=can_shrink)
+        return decide_edit(
+            self.physical, new, self.worker, ledgers, full=full, backend=self.backend, can_shrink=can_shrink
+        )
 
     def _can_shrink(self) -> bool:
         """Whether this worker's groups can shrink in place: a shrinking backend whose installed
@@ -381,8 +389,13 @@ class Communicator:
                 pg = self._shrink(shrink[name], workers)
             else:
                 prefix = f"{self.namespace}/e{self.epoch}/{name}"
-                pg = make_group(self.backend, PrefixStore(prefix, self.store), workers.index(self.worker),
-                                len(workers), timedelta(seconds=self.timeout_s))
+                pg = make_group(
+                    self.backend,
+                    PrefixStore(prefix, self.store),
+                    workers.index(self.worker),
+                    len(workers),
+                    timedelta(seconds=self.timeout_s),
+                )
             self._groups[name] = _Group(name=name, workers=workers, pg=pg, ledger=GroupLedger())
 
     def _shrink(self, old: _Group, workers: tuple[int, ...]) -> ProcessGroup:
@@ -394,8 +407,10 @@ class Communicator:
             raise MembershipError(f"group {old.name!r}: {workers} is not {old.workers} minus lost workers")
         pg = old.pg.shrink(list(excluded), SHRINK_DEFAULT, None)  # type: ignore[attr-defined]
         if pg.size() != len(workers) or pg.rank() != workers.index(self.worker):
-            raise RuntimeError(f"shrinking {old.name!r} gave rank {pg.rank()} of {pg.size()}, "
-                               f"expected {workers.index(self.worker)} of {len(workers)}")
+            raise RuntimeError(
+                f"shrinking {old.name!r} gave rank {pg.rank()} of {pg.size()}, "
+                f"expected {workers.index(self.worker)} of {len(workers)}"
+            )
         return pg
 
     # ----- internals -----------------------------------------------------------------------
@@ -411,7 +426,9 @@ class Communicator:
         try:
             return self._groups[name]
         except KeyError:
-            raise MembershipError(f"worker {self.worker} has no group {name!r} (has {self.names()})") from None
+            raise MembershipError(
+                f"worker {self.worker} has no group {name!r} (has {self.names()})"
+            ) from None
 
     def _collective(self, g: _Group, issue: Callable[[], object]) -> None:
         g.ledger.collectives += 1
@@ -435,7 +452,9 @@ class Communicator:
         while not done.wait(ABORT_POLL_S):
             if self.aborted():
                 g.ledger.failed = True
-                raise PeerFailure(g.name, f"epoch {self.epoch} aborted: {self.store.get(self.abort_key()).decode()}")
+                raise PeerFailure(
+                    g.name, f"epoch {self.epoch} aborted: {self.store.get(self.abort_key()).decode()}"
+                )
             if time.monotonic() > deadline:
                 self._fail(g, f"no completion within {self.timeout_s}s")
         if has_future:

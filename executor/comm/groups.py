@@ -28,7 +28,9 @@ def pp_group_name(stage: int) -> str:
 WORLD_GROUP = "world"
 
 
-def groups_for_stages(stage_workers: Sequence[Sequence[int]], world: bool = False) -> dict[str, tuple[int, ...]]:
+def groups_for_stages(
+    stage_workers: Sequence[Sequence[int]], world: bool = False
+) -> dict[str, tuple[int, ...]]:
     """One DP group per stage (in DP-rank order) and one group per pair of adjacent stages; with
     `world`, one group of every worker (stage-major order) for job-wide reductions (the global
     gradient norm of clipping)."""
@@ -161,14 +163,24 @@ def decide_edit(
             dirty.append(name)
         if same and clean and not full:
             reuse.append(name)
-        elif (may_shrink and name in mine_old and shrink_exclusions(old[name], new[name]) is not None
-              and survivors_are_quiet(name, new[name], ledgers)):
+        elif (
+            may_shrink
+            and name in mine_old
+            and shrink_exclusions(old[name], new[name]) is not None
+            and survivors_are_quiet(name, new[name], ledgers)
+        ):
             shrink.append(name)
         else:
             rebuild.append(name)
     drop = tuple(sorted(mine_old - set(reuse) - set(shrink)))
-    reason = "full rebuild baseline" if full else (
-        f"rebuild groups whose members changed or whose ops were left unmatched ({', '.join(dirty) or 'none'})"
-        + (f"; shrink in place {', '.join(shrink)}" if shrink else "")
+    reason = (
+        "full rebuild baseline"
+        if full
+        else (
+            f"rebuild groups whose members changed or whose ops were left unmatched ({', '.join(dirty) or 'none'})"
+            + (f"; shrink in place {', '.join(shrink)}" if shrink else "")
+        )
     )
-    return EditDecision(rebuild=tuple(rebuild), reuse=tuple(reuse), drop=drop, reason=reason, shrink=tuple(shrink))
+    return EditDecision(
+        rebuild=tuple(rebuild), reuse=tuple(reuse), drop=drop, reason=reason, shrink=tuple(shrink)
+    )

@@ -67,7 +67,9 @@ def survivors_are_quiet(name: str, survivors: Sequence[int], ledgers: Mapping[in
     return len(counts) == 1 and counts != {0} and _p2p_balanced(name, survivors, entries, ledgers)
 
 
-def _entries(name: str, workers: Sequence[int], ledgers: Mapping[int, LedgerRecord]) -> list[Mapping[str, object]] | None:
+def _entries(
+    name: str, workers: Sequence[int], ledgers: Mapping[int, LedgerRecord]
+) -> list[Mapping[str, object]] | None:
     entries = []
     for w in workers:
         rec = ledgers.get(w, {}).get(name)
@@ -77,8 +79,12 @@ def _entries(name: str, workers: Sequence[int], ledgers: Mapping[int, LedgerReco
     return entries
 
 
-def _p2p_balanced(name: str, workers: Sequence[int], entries: Sequence[Mapping[str, object]],
-                  ledgers: Mapping[int, LedgerRecord]) -> bool:
+def _p2p_balanced(
+    name: str,
+    workers: Sequence[int],
+    entries: Sequence[Mapping[str, object]],
+    ledgers: Mapping[int, LedgerRecord],
+) -> bool:
     """Every send from one of `workers` to another has its receive, and vice versa."""
     among = set(workers)
     for me, e in zip(workers, entries, strict=True):

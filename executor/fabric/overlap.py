@@ -43,11 +43,15 @@ class RemapTransfer:
         return self.hi - self.lo
 
 
-def block_ownership(layout: Layout, unit_of_layer: Mapping[int, str] | None = None) -> dict[str, list[tuple[int, int, int]]]:
+def block_ownership(
+    layout: Layout, unit_of_layer: Mapping[int, str] | None = None
+) -> dict[str, list[tuple[int, int, int]]]:
     """The planners' ZeRO ownership of every block, keyed by unit name (default `block_<layer>`)."""
     name = (lambda k: unit_of_layer[k]) if unit_of_layer else (lambda k: f"block_{k}")
-    return {name(layer): [(iv.rank, iv.start, iv.stop) for iv in ivs]
-            for layer, ivs in layout_ownership(layout).items()}
+    return {
+        name(layer): [(iv.rank, iv.start, iv.stop) for iv in ivs]
+        for layer, ivs in layout_ownership(layout).items()
+    }
 
 
 def snapshot_holders(old: Layout, lost: Collection[int]) -> dict[int, int]:
@@ -56,7 +60,9 @@ def snapshot_holders(old: Layout, lost: Collection[int]) -> dict[int, int]:
     for w in sorted(lost):
         stage = old.stage_layout_of_rank(w)
         if stage.dp_size < 2:
-            raise UnrecoverableLoss(f"worker {w} was the only rank of stage {stage.stage}: no snapshot of it exists")
+            raise UnrecoverableLoss(
+                f"worker {w} was the only rank of stage {stage.stage}: no snapshot of it exists"
+            )
         holder = ring_holder(stage.ranks, w)
         if holder in lost:
             raise UnrecoverableLoss(f"worker {w} and its snapshot holder {holder} were both lost")
@@ -83,8 +89,13 @@ def overlap_transfers(old_own: Ownership, new_own: Ownership) -> list[tuple[str,
     return out
 
 
-def remap_plan(old: Layout, new: Layout, lost: Collection[int],
-               old_own: Ownership | None = None, new_own: Ownership | None = None) -> tuple[RemapTransfer, ...]:
+def remap_plan(
+    old: Layout,
+    new: Layout,
+    lost: Collection[int],
+    old_own: Ownership | None = None,
+    new_own: Ownership | None = None,
+) -> tuple[RemapTransfer, ...]:
     """Every owner-changing interval, lost owners replaced by their snapshot holders.
 
     Ownership defaults to the planners' block ownership of the two layouts."""
@@ -97,10 +108,14 @@ def remap_plan(old: Layout, new: Layout, lost: Collection[int],
     holders = snapshot_holders(old, lost)
     old_own = block_ownership(old) if old_own is None else old_own
     new_own = block_ownership(new) if new_own is None else new_own
-    out = [RemapTransfer(unit, lo, hi, owner, holders.get(owner, owner), dst, owner in holders)
-           for unit, lo, hi, owner, dst in overlap_transfers(old_own, new_own)]
+    out = [
+        RemapTransfer(unit, lo, hi, owner, holders.get(owner, owner), dst, owner in holders)
+        for unit, lo, hi, owner, dst in overlap_transfers(old_own, new_own)
+    ]
     return tuple(sorted(out))
 
 
 def owned_by(own: Ownership, worker: int) -> list[tuple[str, int, int]]:
-    return [(unit, lo, hi) for unit, ivs in sorted(own.items()) for w, lo, hi in ivs if w == worker and hi > lo]
+    return [
+        (unit, lo, hi) for unit, ivs in sorted(own.items()) for w, lo, hi in ivs if w == worker and hi > lo
+    ]

@@ -34,6 +34,7 @@ class RelayoutError(ValueError):
 
 UNSUPPORTED = "unsupported by the engine's in-place re-layout"
 
+
 @dataclass(frozen=True)
 class Relayout:
     lost: frozenset[int]
@@ -47,8 +48,10 @@ class Relayout:
 
 def with_boundaries(layout: Layout, bounds_from: Layout) -> Layout:
     """`layout` with the stage boundaries (layer ranges) of `bounds_from`, everything else kept."""
-    stages = tuple(replace(s, layer_start=b.layer_start, layer_stop=b.layer_stop)
-                   for s, b in zip(layout.stages, bounds_from.stages, strict=True))
+    stages = tuple(
+        replace(s, layer_start=b.layer_start, layer_stop=b.layer_stop)
+        for s, b in zip(layout.stages, bounds_from.stages, strict=True)
+    )
     return replace(layout, stages=stages)
 
 
@@ -69,21 +72,32 @@ def check_supported(old: Layout, new: Layout) -> None:
     """Raise RelayoutError naming the first change of `old -> new` the engine cannot make in place."""
     joined = set(new.ranks()) - set(old.ranks())
     if joined:
-        raise RelayoutError(f"{UNSUPPORTED}: adding ranks (ranks {sorted(joined)} join in this plan). Only "
-                            "ranks already in the job have a process and state here, so a plan may remove "
-                            "ranks and move layers but not add ranks")
+        raise RelayoutError(
+            f"{UNSUPPORTED}: adding ranks (ranks {sorted(joined)} join in this plan). Only "
+            "ranks already in the job have a process and state here, so a plan may remove "
+            "ranks and move layers but not add ranks"
+        )
     if old.num_stages != new.num_stages:
-        raise RelayoutError(f"{UNSUPPORTED}: changing the number of stages ({old.num_stages} -> "
-                            f"{new.num_stages}). Stages are re-laid out one by one; none can be added or dropped")
+        raise RelayoutError(
+            f"{UNSUPPORTED}: changing the number of stages ({old.num_stages} -> "
+            f"{new.num_stages}). Stages are re-laid out one by one; none can be added or dropped"
+        )
     if old.num_layers != new.num_layers or old.layer_numel != new.layer_numel:
         raise RelayoutError(f"{UNSUPPORTED}: a different model (layer count or sizes differ)")
     if old.global_batch != new.global_batch:
-        raise RelayoutError(f"{UNSUPPORTED}: changing the global batch ({old.global_batch} -> "
-                            f"{new.global_batch}); it is fixed for a job")
-    jumps = [(layer, old.stage_of_layer(layer), new.stage_of_layer(layer)) for layer in range(old.num_layers)
-             if abs(old.stage_of_layer(layer) - new.stage_of_layer(layer)) > 1]
+        raise RelayoutError(
+            f"{UNSUPPORTED}: changing the global batch ({old.global_batch} -> "
+            f"{new.global_batch}); it is fixed for a job"
+        )
+    jumps = [
+        (layer, old.stage_of_layer(layer), new.stage_of_layer(layer))
+        for layer in range(old.num_layers)
+        if abs(old.stage_of_layer(layer) - new.stage_of_layer(layer)) > 1
+    ]
     if jumps:
         desc = ", ".join(f"block {lay}: stage {a} -> {b}" for lay, a, b in jumps)
-        raise RelayoutError(f"{UNSUPPORTED}: moving a block by more than one stage in one plan ({desc}). "
-                            "Migration moves blocks between adjacent stages only (§6.2); send plans that "
-                            "move each block one stage at a time")
+        raise RelayoutError(
+            f"{UNSUPPORTED}: moving a block by more than one stage in one plan ({desc}). "
+            "Migration moves blocks between adjacent stages only (§6.2); send plans that "
+            "move each block one stage at a time"
+        )

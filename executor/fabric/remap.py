@@ -77,7 +77,7 @@ def live_remap(
                 pieces.append((t.unit, t.lo, data))
                 continue
             group = comm.group_with(t.src, t.dst)
-            sends.append((group, data[3 - rows:].reshape(-1).contiguous(), t.dst, tag))
+            sends.append((group, data[3 - rows :].reshape(-1).contiguous(), t.dst, tag))
             if params is not None:
                 sends.append((group, _digest(data[0]), t.dst, tag + 1))
         elif t.dst == comm.worker:
@@ -93,7 +93,7 @@ def live_remap(
             pieces.append((t.unit, t.lo, buf.view(3, t.size)))
             continue
         _check_param_digest(params, t, digest, comm.worker)
-        param = params[t.unit][t.lo: t.hi].detach().to(buf.device, torch.float32).reshape(1, -1)
+        param = params[t.unit][t.lo : t.hi].detach().to(buf.device, torch.float32).reshape(1, -1)
         pieces.append((t.unit, t.lo, torch.cat([param, buf.view(2, t.size)])))
     if mine is not None:
         for unit, lo, hi in owned_by(new_own, comm.worker):
@@ -110,34 +110,47 @@ def _digest(values: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(hashlib.sha256(raw).digest()), dtype=torch.uint8)
 
 
-def _check_param_digest(params: Mapping[str, torch.Tensor], t: RemapTransfer, digest: torch.Tensor,
-                        worker: int) -> None:
+def _check_param_digest(
+    params: Mapping[str, torch.Tensor], t: RemapTransfer, digest: torch.Tensor, worker: int
+) -> None:
     """Integrity: the sender's parameter slice (live or snapshot) equals my replicated copy."""
     if t.unit not in params:
         raise RemapError(f"worker {worker} receives {t.unit} [{t.lo}, {t.hi}) but holds no parameters of it")
-    if not torch.equal(_digest(params[t.unit][t.lo: t.hi]), digest):
+    if not torch.equal(_digest(params[t.unit][t.lo : t.hi]), digest):
         where = f"snapshot of worker {t.owner} on worker {t.src}" if t.from_snapshot else f"worker {t.src}"
-        raise RemapError(f"worker {worker}: parameters of {t.unit} [{t.lo}, {t.hi}) in the {where} differ "
-                         "from the replicated copy (not at the same committed step?)")
+        raise RemapError(
+            f"worker {worker}: parameters of {t.unit} [{t.lo}, {t.hi}) in the {where} differ "
+            "from the replicated copy (not at the same committed step?)"
+        )
 
 
 def _read(state: ShardState | None, t: RemapTransfer) -> torch.Tensor:
     if state is None or t.unit not in state.units:
         what = f"snapshot of worker {t.owner}" if t.from_snapshot else "live state"
-        raise RemapError(f"worker {t.src} must send {t.unit} [{t.lo}, {t.hi}) from its {what}, "
-                         "which it does not hold")
+        raise RemapError(
+            f"worker {t.src} must send {t.unit} [{t.lo}, {t.hi}) from its {what}, which it does not hold"
+        )
     return state.units[t.unit].slice(t.lo, t.hi)
 
 
-def _check_integrity(comm: Communicator, new: Layout, plan: tuple[RemapTransfer, ...],
-                     mine: ShardState | None, snapshot: ShardState | None, step: int, timeout_s: float,
-                     replicated: bool) -> None:
+def _check_integrity(
+    comm: Communicator,
+    new: Layout,
+    plan: tuple[RemapTransfer, ...],
+    mine: ShardState | None,
+    snapshot: ShardState | None,
+    step: int,
+    timeout_s: float,
+    replicated: bool,
+) -> None:
     if mine is not None and mine.step != step:
         raise RemapError(f"worker {comm.worker}: live state is at step {mine.step}, remap expects {step}")
     owners = {t.owner for t in plan if t.from_snapshot and t.src == comm.worker}
     if owners and (snapshot is None or snapshot.step != step):
-        raise RemapError(f"worker {comm.worker} must serve the snapshot of {sorted(owners)} at step {step}, "
-                         f"but its snapshot is at step {None if snapshot is None else snapshot.step}")
+        raise RemapError(
+            f"worker {comm.worker} must serve the snapshot of {sorted(owners)} at step {step}, "
+            f"but its snapshot is at step {None if snapshot is None else snapshot.step}"
+        )
     # Every worker of the new layout announces the step it remaps to and whether parameters
     # travel; all must agree (a mixed mode would mismatch message sizes).
     key = f"{comm.namespace}/e{comm.epoch}/remap-step/"
@@ -154,17 +167,20 @@ def _check_integrity(comm: Communicator, new: Layout, plan: tuple[RemapTransfer,
         raise RemapError(f"workers disagree on what travels (replicated parameters or not): {modes}")
 
 
-def _assemble(new_own: Ownership, worker: int, step: int,
-              pieces: list[tuple[str, int, torch.Tensor]]) -> ShardState:
+def _assemble(
+    new_own: Ownership, worker: int, step: int, pieces: list[tuple[str, int, torch.Tensor]]
+) -> ShardState:
     state = ShardState(step=step)
     for unit, lo, hi in owned_by(new_own, worker):
         rows = torch.empty(3, hi - lo)
         covered = 0
         for name, start, data in pieces:
             if name == unit and lo <= start and start + data.shape[1] <= hi:
-                rows[:, start - lo: start - lo + data.shape[1]] = data
+                rows[:, start - lo : start - lo + data.shape[1]] = data
                 covered += data.shape[1]
         if covered != hi - lo:
-            raise RemapError(f"worker {worker}: {unit} [{lo}, {hi}) assembled {covered} of {hi - lo} elements")
+            raise RemapError(
+                f"worker {worker}: {unit} [{lo}, {hi}) assembled {covered} of {hi - lo} elements"
+            )
         state.units[unit] = UnitShard(lo, hi, rows[0].clone(), rows[1].clone(), rows[2].clone())
     return state

@@ -98,14 +98,21 @@ class RingSnapshot:
         and after every remap, when the ring and the shard intervals change)."""
         self.flush()
         sizes_out, sizes_in = torch.tensor([mine.header().numel()]), torch.zeros(1, dtype=torch.int64)
-        self.comm.exchange(self.group, [(sizes_out, self.holder, SNAPSHOT_TAG)],
-                           [(sizes_in, self.protected, SNAPSHOT_TAG)])
+        self.comm.exchange(
+            self.group, [(sizes_out, self.holder, SNAPSHOT_TAG)], [(sizes_in, self.protected, SNAPSHOT_TAG)]
+        )
         header_in = torch.zeros(int(sizes_in.item()), dtype=torch.uint8)
-        self.comm.exchange(self.group, [(mine.header(), self.holder, SNAPSHOT_TAG + 1)],
-                           [(header_in, self.protected, SNAPSHOT_TAG + 1)])
+        self.comm.exchange(
+            self.group,
+            [(mine.header(), self.holder, SNAPSHOT_TAG + 1)],
+            [(header_in, self.protected, SNAPSHOT_TAG + 1)],
+        )
         payload_in = torch.zeros(ShardState.payload_numel(header_in))
-        self.comm.exchange(self.group, [(mine.payload(), self.holder, SNAPSHOT_TAG + 2)],
-                           [(payload_in, self.protected, SNAPSHOT_TAG + 2)])
+        self.comm.exchange(
+            self.group,
+            [(mine.payload(), self.holder, SNAPSHOT_TAG + 2)],
+            [(payload_in, self.protected, SNAPSHOT_TAG + 2)],
+        )
         with self._lock:
             self._state = ShardState.from_wire(header_in, payload_in)
             self._pending = None
@@ -117,12 +124,16 @@ class RingSnapshot:
         `mine` must not change until `finish_exchange`."""
         state = self._require_state()
         if step != self._committed + 1 or self._inflight is not None:
-            raise SnapshotError(f"snapshot is at step {self._committed}; gradients of step {step} are out of order")
+            raise SnapshotError(
+                f"snapshot is at step {self._committed}; gradients of step {step} are out of order"
+            )
         t0 = time.perf_counter()
         out = torch.cat([mine[k].reshape(-1) for k in sorted(mine)]) if mine else torch.empty(0)
         incoming = torch.empty(sum(s.stop - s.start for s in state.units.values()))
-        ops = self.comm.post_exchange([(self.group, out, self.holder, SNAPSHOT_TAG + 3)],
-                                      [(self.group, incoming, self.protected, SNAPSHOT_TAG + 3)])
+        ops = self.comm.post_exchange(
+            [(self.group, out, self.holder, SNAPSHOT_TAG + 3)],
+            [(self.group, incoming, self.protected, SNAPSHOT_TAG + 3)],
+        )
         self._inflight = (step, ops, incoming, out)
         self.stats.steps += 1
         self.stats.post_s += time.perf_counter() - t0
@@ -139,7 +150,7 @@ class RingSnapshot:
         units, grads, pos = self._require_state().units, {}, 0
         for k in sorted(units):
             n = units[k].stop - units[k].start
-            grads[k] = incoming[pos: pos + n]
+            grads[k] = incoming[pos : pos + n]
             pos += n
         self._pending = (step, grads)
         self.stats.finish_wait_s += time.perf_counter() - t0
@@ -197,8 +208,11 @@ class RingSnapshot:
         self.flush()
         digest_out = torch.frombuffer(bytearray(bytes.fromhex(mine.checksum())), dtype=torch.uint8)
         digest_in = torch.zeros(32, dtype=torch.uint8)
-        self.comm.exchange(self.group, [(digest_out, self.holder, SNAPSHOT_TAG + 4)],
-                           [(digest_in, self.protected, SNAPSHOT_TAG + 4)])
+        self.comm.exchange(
+            self.group,
+            [(digest_out, self.holder, SNAPSHOT_TAG + 4)],
+            [(digest_in, self.protected, SNAPSHOT_TAG + 4)],
+        )
         with self._lock:
             ok = bytes(digest_in.tolist()).hex() == self._require_state().checksum()
         mismatches = torch.tensor([0.0 if ok else 1.0])
@@ -227,7 +241,9 @@ class RingSnapshot:
                 with self._lock:
                     state = self._require_state()
                     for k, shard in state.units.items():
-                        self.update_fn(k, shard.start, shard.param, grads[k], shard.exp_avg, shard.exp_avg_sq, step)
+                        self.update_fn(
+                            k, shard.start, shard.param, grads[k], shard.exp_avg, shard.exp_avg_sq, step
+                        )
                     state.step = step
             except BaseException as exc:  # noqa: BLE001 - surfaced by flush()
                 self._errors.append(exc)

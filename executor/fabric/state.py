@@ -33,8 +33,10 @@ class UnitShard:
         for name in FIELDS:
             t = getattr(self, name)
             if t.dim() != 1 or t.numel() != n or t.dtype != torch.float32:
-                raise ValueError(f"{name} must be a 1-D float32 tensor of {n} elements, got "
-                                 f"{t.dtype} {tuple(t.shape)} for interval [{self.start}, {self.stop})")
+                raise ValueError(
+                    f"{name} must be a 1-D float32 tensor of {n} elements, got "
+                    f"{t.dtype} {tuple(t.shape)} for interval [{self.start}, {self.stop})"
+                )
 
     def clone(self) -> UnitShard:
         return UnitShard(self.start, self.stop, *(getattr(self, f).clone() for f in FIELDS))
@@ -102,7 +104,7 @@ class ShardState:
         state, pos = ShardState(step=int(h["step"])), 0
         for name, start, stop in h["units"]:
             n = stop - start
-            rows = [payload[pos + j * n: pos + (j + 1) * n].clone() for j in range(3)]
+            rows = [payload[pos + j * n : pos + (j + 1) * n].clone() for j in range(3)]
             state.units[name] = UnitShard(start, stop, *rows)
             pos += 3 * n
         return state

@@ -60,7 +60,7 @@ def shard_state_of(trainer: Trainer) -> ShardState:
     opt = trainer.optimizer
     state = ShardState(step=opt.step_count)
     for name, sh in opt.shards.items():
-        param = flat_params(trainer.model.units[name])[sh.lo: sh.hi].clone()
+        param = flat_params(trainer.model.units[name])[sh.lo : sh.hi].clone()
         state.units[name] = UnitShard(sh.lo, sh.hi, param, sh.exp_avg.clone(), sh.exp_avg_sq.clone())
     return state
 
@@ -77,8 +77,15 @@ class FabricParticipant:
 
     Constructing it is collective over the worker's DP group (the ring is seeded)."""
 
-    def __init__(self, trainer: Trainer, comm: Communicator, snapshots: bool = True, verify_every: int = 50,
-                 migration: str = "blocking", shadow_slots: int = 1) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        comm: Communicator,
+        snapshots: bool = True,
+        verify_every: int = 50,
+        migration: str = "blocking",
+        shadow_slots: int = 1,
+    ) -> None:
         if verify_every < 1:
             raise ValueError(f"verify_every must be >= 1, got {verify_every}")
         if migration not in MIGRATION_MODES:
@@ -108,7 +115,9 @@ class FabricParticipant:
         if self._inflight is not None:  # the step that carried a non-blocking migration committed
             self.migrations.append(self._inflight.report())
             self._inflight, self._seed_pending = None, True
-        elif self._seed_pending:  # the step that re-seeded the ring committed; a rolled-back one re-seeds again
+        elif (
+            self._seed_pending
+        ):  # the step that re-seeded the ring committed; a rolled-back one re-seeds again
             self._seed_pending = False
         if self.snapshot is not None:
             self.snapshot.commit(self.trainer.optimizer.step_count)
@@ -117,9 +126,11 @@ class FabricParticipant:
         if self._inflight is not None:
             # The blocks that moved were committed on their old stage and are now in flight (or
             # half-received): no rank holds a committed copy in the new layout to roll back to.
-            raise MigrationInFlight(f"worker {self.comm.worker}: the step carrying the non-blocking migration "
-                                    f"of {self._inflight.moves} failed; it cannot be rolled back in place "
-                                    "(use migration='blocking' where a failure must be survivable here)")
+            raise MigrationInFlight(
+                f"worker {self.comm.worker}: the step carrying the non-blocking migration "
+                f"of {self._inflight.moves} failed; it cannot be rolled back in place "
+                "(use migration='blocking' where a failure must be survivable here)"
+            )
         self.trainer.set_state(self._committed)
         if self.snapshot is not None:
             self.snapshot.discard()
@@ -128,12 +139,15 @@ class FabricParticipant:
         """Raise RelayoutError (before any group is edited) unless `plan` applies to this worker's
         layout and the engine can apply it in place; returns the diff."""
         if plan.old is None or plan.old != self.trainer.layout:
-            raise RelayoutError(f"plan {plan.epoch} was made for another layout than worker "
-                                f"{self.comm.worker}'s current one")
+            raise RelayoutError(
+                f"plan {plan.epoch} was made for another layout than worker {self.comm.worker}'s current one"
+            )
         steps = plan_relayout(plan.old, plan.new)
         if steps.lost != lost:
-            raise RelayoutError(f"plan {plan.epoch} drops ranks {sorted(steps.lost)}, the protocol says "
-                                f"{sorted(lost)} were lost")
+            raise RelayoutError(
+                f"plan {plan.epoch} drops ranks {sorted(steps.lost)}, the protocol says "
+                f"{sorted(lost)} were lost"
+            )
         return steps
 
     def on_plan(self, plan: Plan, lost: frozenset[int], committed_step: int) -> None:
@@ -181,14 +195,24 @@ class FabricParticipant:
         mine = shard_state_of(self.trainer)
         snap = self.snapshot.state() if self.snapshot is not None else None
         params = self.trainer.unit_params()
-        remapped = live_remap(self.comm, plan.old, target, lost, mine, snap, step=mine.step,
-                              old_own=engine_ownership(plan.old, names), new_own=engine_ownership(target, names),
-                              params=params)
+        remapped = live_remap(
+            self.comm,
+            plan.old,
+            target,
+            lost,
+            mine,
+            snap,
+            step=mine.step,
+            old_own=engine_ownership(plan.old, names),
+            new_own=engine_ownership(target, names),
+            params=params,
+        )
         shards = {name: ZeroShard(0, 0, torch.zeros(0), torch.zeros(0)) for name in params}
         for name, sh in remapped.units.items():
             shards[name] = ZeroShard(sh.start, sh.stop, sh.exp_avg.clone(), sh.exp_avg_sq.clone())
-        self.trainer.reset_layout(target, self.comm, params, shards, step_count=mine.step,
-                                  next_step=self.trainer.next_step)
+        self.trainer.reset_layout(
+            target, self.comm, params, shards, step_count=mine.step, next_step=self.trainer.next_step
+        )
 
     # ----- snapshot ring -------------------------------------------------------------------
     def _install_snapshot(self) -> None:
@@ -211,15 +235,19 @@ class FabricParticipant:
         """Gradient hook (right after the reduce-scatter of step `step`): verify periodically,
         then post the snapshot exchange. Runs inside the step, so a peer failure here rolls the
         step back like any other."""
-        if self._seed_pending:  # first step after a non-blocking migration; the shards are still the committed ones
+        if (
+            self._seed_pending
+        ):  # first step after a non-blocking migration; the shards are still the committed ones
             self._install_snapshot()
         snap = self.snapshot
         if snap is None:
             return
         layout = self.trainer.layout
         if layout is not self._seeded_layout and layout != self._seeded_layout:
-            raise SnapshotError("the trainer's layout changed outside FabricParticipant.on_plan: the ring "
-                                "snapshot still holds the old shard intervals; apply layout changes as plans")
+            raise SnapshotError(
+                "the trainer's layout changed outside FabricParticipant.on_plan: the ring "
+                "snapshot still holds the old shard intervals; apply layout changes as plans"
+            )
         committed = step - 1
         if committed > 0 and committed % self.verify_every == 0 and committed not in self.verified_steps:
             # the live shard is still the committed one here: compare it with the snapshot

@@ -49,8 +49,9 @@ def _balanced_boundaries(prof: JobProfile, p: int, micro_batch: int) -> tuple[in
     """Algorithm 1 on the fault-free job, computed once per (profile, depth, micro-batch)."""
     costs = np.asarray(prof.layer_fwd_s) + np.asarray(prof.layer_bwd_s)
     layer_cost = np.tile(costs * micro_batch, (p, 1))
-    result = AdditiveCosts(layer_cost, np.zeros(p), np.zeros((p, prof.num_layers)), np.zeros(p),
-                           np.full(p, np.inf)).solve()
+    result = AdditiveCosts(
+        layer_cost, np.zeros(p), np.zeros((p, prof.num_layers)), np.zeros(p), np.full(p, np.inf)
+    ).solve()
     return result.boundaries if result.feasible else even_boundaries(prof.num_layers, p)
 
 
@@ -59,8 +60,13 @@ def stage_edges(boundaries: tuple[int, ...], num_layers: int) -> list[tuple[int,
     return [(edges[i], edges[i + 1]) for i in range(len(edges) - 1)]
 
 
-def _fixed_layout_pipe(state: ClusterState, replicas: list[int], samples: int, num_slots: int,
-                       activation_scale: list[float] | None = None) -> PipelinePlan:
+def _fixed_layout_pipe(
+    state: ClusterState,
+    replicas: list[int],
+    samples: int,
+    num_slots: int,
+    activation_scale: list[float] | None = None,
+) -> PipelinePlan:
     """The current stage boundaries served by `replicas`, each rank taking `samples` per slot."""
     shape = state.shape
     spans = stage_edges(current_boundaries(state), state.profile.num_layers)
@@ -108,10 +114,17 @@ def torchft(state: ClusterState) -> Candidate:
     if cap:  # fewer replicas shard the ZeRO-1 optimizer state over fewer ranks (eq. 14)
         return infeasible("torchft", f"{len(whole)} whole replicas do not fit memory: {cap}")
     dropped = shape.dp - len(whole)
-    return Candidate("torchft", True, f"dropped {dropped} of {shape.dp} replicas; {len(whole)} replicas run "
-                     f"{slots} micro-batches each", (pipe,), step_time((pipe,), state.profile),
-                     shape.global_batch, state.mttr.torchft_restart_s if dropped else 0.0, 0.0,
-                     len(whole) * shape.pp * shape.tp)
+    return Candidate(
+        "torchft",
+        True,
+        f"dropped {dropped} of {shape.dp} replicas; {len(whole)} replicas run {slots} micro-batches each",
+        (pipe,),
+        step_time((pipe,), state.profile),
+        shape.global_batch,
+        state.mttr.torchft_restart_s if dropped else 0.0,
+        0.0,
+        len(whole) * shape.pp * shape.tp,
+    )
 
 
 def _rerouting_shape(state: ClusterState) -> tuple[list[int], list[int]]:
@@ -135,8 +148,9 @@ def rerouting_estimate(state: ClusterState) -> StepEstimate:
     pipe = _fixed_layout_pipe(state, replicas, shape.micro_batch, 1)
     worst = max(pipe.stages, key=lambda st: st.ministep_s)
     slots = math.ceil(shape.global_batch / (len(replicas) * shape.micro_batch))
-    return rerouting_step_time(shape.pp, slots, len(replicas), failed, worst.fwd_s + worst.p2p_s,
-                               worst.bwd_s + worst.p2p_s)
+    return rerouting_step_time(
+        shape.pp, slots, len(replicas), failed, worst.fwd_s + worst.p2p_s, worst.bwd_s + worst.p2p_s
+    )
 
 
 def recycle(state: ClusterState) -> Candidate:
@@ -148,7 +162,9 @@ def recycle(state: ClusterState) -> Candidate:
     d_live = len(replicas)
     if max(failed) >= d_live:
         s = failed.index(max(failed))
-        return infeasible("recycle", f"eq. 13: stage {s} lost all {d_live} live DP ranks; rerouting cannot recover")
+        return infeasible(
+            "recycle", f"eq. 13: stage {s} lost all {d_live} live DP ranks; rerouting cannot recover"
+        )
     slots = math.ceil(shape.global_batch / (d_live * shape.micro_batch))
     scale = [d_live / (d_live - f) for f in failed]  # peers hold the rerouted micro-batches' activations
     pipe = _fixed_layout_pipe(state, replicas, shape.micro_batch, slots, scale)
@@ -162,7 +178,15 @@ def recycle(state: ClusterState) -> Candidate:
     cap = over_cap((pipe,), prof)
     if cap:
         return infeasible("recycle", f"rerouted activations exceed memory: {cap}")
-    return Candidate("recycle", True, f"rerouted {sum(failed)} failed ranks' micro-batches to their stage peers "
-                     f"(+{extra:.3g} mini-steps, {hidden:.3g} hidden in bubbles); dropped {dead} whole replicas",
-                     (pipe,), t, shape.global_batch, state.mttr.recycle_s if state.failed else 0.0, 0.0,
-                     (d_live * shape.pp - sum(failed)) * shape.tp)
+    return Candidate(
+        "recycle",
+        True,
+        f"rerouted {sum(failed)} failed ranks' micro-batches to their stage peers "
+        f"(+{extra:.3g} mini-steps, {hidden:.3g} hidden in bubbles); dropped {dead} whole replicas",
+        (pipe,),
+        t,
+        shape.global_batch,
+        state.mttr.recycle_s if state.failed else 0.0,
+        0.0,
+        (d_live * shape.pp - sum(failed)) * shape.tp,
+    )

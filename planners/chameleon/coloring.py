@@ -43,9 +43,12 @@ def colour_all_reduce_rounds(layers_of_device: Sequence[frozenset[int]]) -> AllR
     n_colours = max(colour.values(), default=-1) + 1
     rounds = tuple(tuple(sorted(v for v in colour if colour[v] == c)) for c in range(n_colours))
     max_degree = max((len(n) for n in graph.values()), default=0)
-    return AllReduceRounds(rounds, colour,
-                           f"greedy colouring of {len(graph)} layers: {n_colours} rounds "
-                           f"(max degree {max_degree}, so at most {max_degree + 1})")
+    return AllReduceRounds(
+        rounds,
+        colour,
+        f"greedy colouring of {len(graph)} layers: {n_colours} rounds "
+        f"(max degree {max_degree}, so at most {max_degree + 1})",
+    )
 
 
 def is_proper(rounds: AllReduceRounds, layers_of_device: Sequence[frozenset[int]]) -> bool:

@@ -41,8 +41,11 @@ def elaswave(state: ClusterState, migrate: bool = True, dvfs: bool = True) -> Ca
     if not kept:
         return infeasible(name, "no rank left")
     if not migrate and len(kept) < shape.pp:
-        return infeasible(name, f"stage(s) {[s for s in range(shape.pp) if not groups[s]]} lost every rank; "
-                                "resizing alone cannot serve them")
+        return infeasible(
+            name,
+            f"stage(s) {[s for s in range(shape.pp) if not groups[s]]} lost every rank; "
+            "resizing alone cannot serve them",
+        )
     ranks = [groups[s] for s in kept]
     floor = _linear_per_sample(state) * shape.num_ranks / state.num_alive if dvfs else 0.0
     best: Candidate | None = None
@@ -71,8 +74,16 @@ def _slot_sizes(state: ClusterState, live: list[int], migrate: bool) -> list[int
     return sorted(sizes)
 
 
-def _plan_for_slot_size(state: ClusterState, name: str, kept: list[int], ranks: list[list[int]],
-                        slot_size: int, migrate: bool, dvfs: bool, floor_per_sample: float = 0.0) -> Candidate:
+def _plan_for_slot_size(
+    state: ClusterState,
+    name: str,
+    kept: list[int],
+    ranks: list[list[int]],
+    slot_size: int,
+    migrate: bool,
+    dvfs: bool,
+    floor_per_sample: float = 0.0,
+) -> Candidate:
     shape, prof = state.shape, state.profile
     slots = math.ceil(shape.global_batch / slot_size)
     largest_slot = math.ceil(shape.global_batch / slots)
@@ -80,12 +91,16 @@ def _plan_for_slot_size(state: ClusterState, name: str, kept: list[int], ranks: 
     if migrate:
         bounds = _partition(state, ranks, samples, slots)
         if bounds is None:
-            return infeasible(name, f"Algorithm 1 found no memory-feasible partition for slots of {slot_size}")
+            return infeasible(
+                name, f"Algorithm 1 found no memory-feasible partition for slots of {slot_size}"
+            )
     else:
         bounds = current_boundaries(state)
     spans = stage_edges(bounds, prof.num_layers)
-    stages = [make_stage(state, a, b, g, n, i, len(spans), len(g))
-              for i, ((a, b), g, n) in enumerate(zip(spans, ranks, samples, strict=True))]
+    stages = [
+        make_stage(state, a, b, g, n, i, len(spans), len(g))
+        for i, ((a, b), g, n) in enumerate(zip(spans, ranks, samples, strict=True))
+    ]
     if dvfs and (state.failed or state.slowdown):
         stages = _upclock_stragglers(state, stages, floor_per_sample * largest_slot)
     pipe = PipelinePlan(tuple(stages), slots)
@@ -95,18 +110,27 @@ def _plan_for_slot_size(state: ClusterState, name: str, kept: list[int], ranks: 
     moved, per_rank = _migration_bytes(state, kept, pipe)
     transition = (state.mttr.elaswave_base_s + per_rank / prof.migrate_bytes_per_s) if state.failed else 0.0
     freqs = sorted({s.freq_mhz for s in stages} - {prof.freq_nominal_mhz})
-    return Candidate(name, True, f"{len(kept)} stages, slots of {slot_size} samples x {slots}; boundaries "
-                     f"{list(bounds)}" + (f"; up-clocked to {freqs} MHz" if freqs else ""),
-                     (pipe,), step_time((pipe,), prof), shape.global_batch, transition, moved,
-                     sum(len(g) for g in ranks) * shape.tp)
+    return Candidate(
+        name,
+        True,
+        f"{len(kept)} stages, slots of {slot_size} samples x {slots}; boundaries "
+        f"{list(bounds)}" + (f"; up-clocked to {freqs} MHz" if freqs else ""),
+        (pipe,),
+        step_time((pipe,), prof),
+        shape.global_batch,
+        transition,
+        moved,
+        sum(len(g) for g in ranks) * shape.tp,
+    )
 
 
 def _stage_weight(state: ClusterState, ranks: list[int], samples: list[int]) -> float:
     return state.worst_share(ranks, samples)
 
 
-def _partition(state: ClusterState, ranks: list[list[int]], samples: list[list[int]],
-               slots: int) -> tuple[int, ...] | None:
+def _partition(
+    state: ClusterState, ranks: list[list[int]], samples: list[list[int]], slots: int
+) -> tuple[int, ...] | None:
     """Algorithm 1 (planners.partition) over the stages' per-layer mini-step costs and eq. (14)."""
     prof = state.profile
     p = len(ranks)
@@ -119,7 +143,9 @@ def _partition(state: ClusterState, ranks: list[list[int]], samples: list[list[i
     in_flight = np.array([min(p - i, slots) for i in range(p)], dtype=float)
     opt_share = np.array([prof.optimizer_bytes_per_param_byte / len(g) for g in ranks])
     layer_mem = (2 + opt_share)[:, None] * params[None, :] + (in_flight * peak)[:, None] * acts[None, :]
-    result = AdditiveCosts(layer_cost, overhead, layer_mem, np.zeros(p), np.full(p, prof.mem_cap_bytes)).solve()
+    result = AdditiveCosts(
+        layer_cost, overhead, layer_mem, np.zeros(p), np.full(p, prof.mem_cap_bytes)
+    ).solve()
     return result.boundaries if result.feasible else None
 
 
@@ -153,8 +179,11 @@ def _upclock_stragglers(state: ClusterState, stages: list[StagePlan], floor_s: f
     prof = state.profile
     compute = [s.fwd_s + s.bwd_s for s in stages]
     overhead = [2 * s.p2p_s for s in stages]
-    work = [sum(prof.layer_fwd_s[s.layer_start:s.layer_stop]) + sum(prof.layer_bwd_s[s.layer_start:s.layer_stop])
-            for s in stages]
+    work = [
+        sum(prof.layer_fwd_s[s.layer_start : s.layer_stop])
+        + sum(prof.layer_bwd_s[s.layer_start : s.layer_stop])
+        for s in stages
+    ]
     weight = [c / w if w > 0 else 0.0 for c, w in zip(compute, work, strict=True)]
     inv = sum(1 / w for w in weight if w > 0)
     if inv == 0:
@@ -168,8 +197,19 @@ def _upclock_stragglers(state: ClusterState, stages: list[StagePlan], floor_s: f
             continue
         freq = _lowest_frequency(prof, c, o, target)
         scale = prof.freq_nominal_mhz / freq
-        out.append(StagePlan(s.layer_start, s.layer_stop, s.ranks, s.samples_per_slot, freq,
-                             s.fwd_s * scale, s.bwd_s * scale, s.p2p_s, s.mem_bytes))
+        out.append(
+            StagePlan(
+                s.layer_start,
+                s.layer_stop,
+                s.ranks,
+                s.samples_per_slot,
+                freq,
+                s.fwd_s * scale,
+                s.bwd_s * scale,
+                s.p2p_s,
+                s.mem_bytes,
+            )
+        )
     return out
 
 
@@ -177,8 +217,14 @@ def _lowest_frequency(prof: JobProfile, compute_s: float, other_s: float, target
     """`planners.dvfs.bisection_search` (Alg. 2) observing the analytic stage time
     `compute * f_nominal / f + other` instead of a device."""
     f_nom = prof.freq_nominal_mhz
-    search = bisection_search(f_nom, prof.freq_max_mhz, target_s, target_s * 1e-9, prof.freq_step_mhz,
-                              model_frequency_guess(compute_s, other_s, f_nom, target_s))
+    search = bisection_search(
+        f_nom,
+        prof.freq_max_mhz,
+        target_s,
+        target_s * 1e-9,
+        prof.freq_step_mhz,
+        model_frequency_guess(compute_s, other_s, f_nom, target_s),
+    )
     mhz = next(search)
     while True:
         try:

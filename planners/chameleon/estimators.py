@@ -40,8 +40,16 @@ def rerouting_step_time_single(n_pp: int, n_m: int, n_dp: int, t_f: float, t_b: 
     return StepEstimate(t, True, f"eq. 12: one failure rerouted to {n_dp - 1} peers")
 
 
-def rerouting_step_time(n_pp: int, n_m: int, n_dp: int, failed_per_stage: Sequence[int],
-                        t_f: float, t_b: float, *, bottleneck: bool = False) -> StepEstimate:
+def rerouting_step_time(
+    n_pp: int,
+    n_m: int,
+    n_dp: int,
+    failed_per_stage: Sequence[int],
+    t_f: float,
+    t_b: float,
+    *,
+    bottleneck: bool = False,
+) -> StepEstimate:
     """Eq. (13): `N_f` failures spread as `F_i` per stage, rerouted to the stage's live DP peers.
 
     The paper sums the extra work of every affected stage. With `bottleneck=True` only the most
@@ -56,14 +64,19 @@ def rerouting_step_time(n_pp: int, n_m: int, n_dp: int, failed_per_stage: Sequen
     worst = max(failed_per_stage, default=0)
     if worst >= n_dp:
         stage = list(failed_per_stage).index(worst)
-        return StepEstimate(float("inf"), False,
-                            f"eq. 13: stage {stage} lost {worst} of {n_dp} DP ranks; rerouting cannot "
-                            "recover, dynamic parallelism is required")
+        return StepEstimate(
+            float("inf"),
+            False,
+            f"eq. 13: stage {stage} lost {worst} of {n_dp} DP ranks; rerouting cannot "
+            "recover, dynamic parallelism is required",
+        )
     extras = [n_m * f / (n_dp - f) for f in failed_per_stage if f > 0]
     extra = (max(extras) if bottleneck else sum(extras)) if extras else 0.0
     t = (n_pp + n_m - 1 + extra) * (t_f + t_b)
     form = "bottleneck stage" if bottleneck else "sum over stages"
-    return StepEstimate(t, True, f"eq. 13 ({form}): {sum(failed_per_stage)} failures add {extra:.4g} mini-steps")
+    return StepEstimate(
+        t, True, f"eq. 13 ({form}): {sum(failed_per_stage)} failures add {extra:.4g} mini-steps"
+    )
 
 
 def one_f_one_b_order(stage: int, n_pp: int, n_m: int) -> list[tuple[str, int]]:
@@ -80,8 +93,9 @@ def one_f_one_b_order(stage: int, n_pp: int, n_m: int) -> list[tuple[str, int]]:
     return order
 
 
-def asymmetric_pipeline_time(fwd_s: Sequence[float], bwd_s: Sequence[float], n_m: int,
-                             p2p_s: float = 0.0) -> float:
+def asymmetric_pipeline_time(
+    fwd_s: Sequence[float], bwd_s: Sequence[float], n_m: int, p2p_s: float = 0.0
+) -> float:
     """Eq. (11): makespan of one 1F1B pipeline whose stages have their own F/B times.
 
     `t_start(i, j) = max(t_end(i, j-1), t_end(f1(i), f2(j)) + p2p)`: the dependency of a forward is
@@ -118,8 +132,9 @@ def asymmetric_pipeline_time(fwd_s: Sequence[float], bwd_s: Sequence[float], n_m
     return max(stage_clock)
 
 
-def _dependency_end(kind: str, i: int, j: int, n_pp: int, f_end: list[list[float]],
-                    b_end: list[list[float]], p2p_s: float) -> float | None:
+def _dependency_end(
+    kind: str, i: int, j: int, n_pp: int, f_end: list[list[float]], b_end: list[list[float]], p2p_s: float
+) -> float | None:
     """End time (plus transfer) of the operation `(kind, i, j)` waits for; None if not done yet."""
     if kind == "F":
         if i == 0:
@@ -133,15 +148,15 @@ def _dependency_end(kind: str, i: int, j: int, n_pp: int, f_end: list[list[float
     return None if end < 0 else end + p2p_s
 
 
-def multi_pipeline_step_time(pipelines: Sequence[tuple[Sequence[float], Sequence[float], int]],
-                             p2p_s: float = 0.0) -> StepEstimate:
+def multi_pipeline_step_time(
+    pipelines: Sequence[tuple[Sequence[float], Sequence[float], int]], p2p_s: float = 0.0
+) -> StepEstimate:
     """Eq. (10): synchronous update, so the step takes as long as the slowest pipeline."""
     if not pipelines:
         return StepEstimate(float("inf"), False, "eq. 10: no pipeline left")
     times = [asymmetric_pipeline_time(f, b, m, p2p_s) for f, b, m in pipelines]
     slowest = max(range(len(times)), key=times.__getitem__)
-    return StepEstimate(times[slowest], True,
-                        f"eq. 10/11: slowest of {len(times)} pipelines is #{slowest}")
+    return StepEstimate(times[slowest], True, f"eq. 10/11: slowest of {len(times)} pipelines is #{slowest}")
 
 
 def _check_shape(n_pp: int, n_m: int) -> None:

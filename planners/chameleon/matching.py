@@ -47,8 +47,9 @@ def _classes(sets: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]], np.n
     return list(index), ids
 
 
-def _class_cost(old: list[frozenset[int]], new: list[frozenset[int]],
-                layer_bytes: Sequence[float] | None) -> np.ndarray:
+def _class_cost(
+    old: list[frozenset[int]], new: list[frozenset[int]], layer_bytes: Sequence[float] | None
+) -> np.ndarray:
     """Cost between distinct sets: `sum_l w_l [l in new_j] [l not in old_i]`, one matrix product."""
     layers = sorted(set().union(*old, *new))
     if layer_bytes is not None:
@@ -68,17 +69,22 @@ def _class_cost(old: list[frozenset[int]], new: list[frozenset[int]],
     return missing @ (incidence(new) * w).T  # non-negative terms only: no cancellation
 
 
-def transfer_cost_matrix(old: Sequence[frozenset[int]], new: Sequence[frozenset[int]],
-                         layer_bytes: Sequence[float] | None = None) -> np.ndarray:
+def transfer_cost_matrix(
+    old: Sequence[frozenset[int]], new: Sequence[frozenset[int]], layer_bytes: Sequence[float] | None = None
+) -> np.ndarray:
     """`Cost[i][j]` = bytes node i must receive to hold exactly the layers of new slot j."""
     old_u, old_ids = _classes(old)
     new_u, new_ids = _classes(new)
     return _class_cost(old_u, new_u, layer_bytes)[np.ix_(old_ids, new_ids)]
 
 
-def match_weight_transfer(old: Sequence[frozenset[int]], new: Sequence[frozenset[int]],
-                          layer_bytes: Sequence[float] | None = None, *,
-                          dense_limit: int = DENSE_LIMIT) -> Matching:
+def match_weight_transfer(
+    old: Sequence[frozenset[int]],
+    new: Sequence[frozenset[int]],
+    layer_bytes: Sequence[float] | None = None,
+    *,
+    dense_limit: int = DENSE_LIMIT,
+) -> Matching:
     """Minimum-cost assignment of surviving nodes to the slots of the new plan.
 
     Needs at least as many surviving nodes as new slots. `identity_cost` is the cost of the naive
@@ -92,18 +98,21 @@ def match_weight_transfer(old: Sequence[frozenset[int]], new: Sequence[frozenset
         return Matching(tuple(-1 for _ in old), 0.0, 0.0, "empty plan: nothing to transfer")
     old_u, old_ids = _classes(old)
     new_u, new_ids = _classes(new)
-    return match_classes(class_cost_matrix(old_u, new_u, layer_bytes), old_ids, new_ids,
-                         dense_limit=dense_limit)
+    return match_classes(
+        class_cost_matrix(old_u, new_u, layer_bytes), old_ids, new_ids, dense_limit=dense_limit
+    )
 
 
-def class_cost_matrix(old: Sequence[frozenset[int]], new: Sequence[frozenset[int]],
-                      layer_bytes: Sequence[float] | None = None) -> np.ndarray:
+def class_cost_matrix(
+    old: Sequence[frozenset[int]], new: Sequence[frozenset[int]], layer_bytes: Sequence[float] | None = None
+) -> np.ndarray:
     """`transfer_cost_matrix` between distinct layer sets (classes), for `match_classes`."""
     return _class_cost(list(old), list(new), layer_bytes)
 
 
-def match_classes(cost: np.ndarray, old_ids: np.ndarray, new_ids: np.ndarray, *,
-                  dense_limit: int = DENSE_LIMIT) -> Matching:
+def match_classes(
+    cost: np.ndarray, old_ids: np.ndarray, new_ids: np.ndarray, *, dense_limit: int = DENSE_LIMIT
+) -> Matching:
     """`match_weight_transfer` for callers that already know the classes: node i holds the layers
     of class `old_ids[i]`, slot j needs those of class `new_ids[j]`, and `cost` is the
     `class_cost_matrix` between classes (rows old, columns new). O(nodes) numpy work."""
@@ -122,10 +131,16 @@ def match_classes(cost: np.ndarray, old_ids: np.ndarray, new_ids: np.ndarray, *,
         how = f"Kuhn-Munkres over a {n}x{m} cost matrix"
     else:
         slot_of_node, total = _transportation(cost, old_ids, new_ids)
-        how = (f"transportation over {cost.shape[0]}x{cost.shape[1]} classes of interchangeable nodes "
-               f"and slots (the {n}x{m} assignment problem, solved exactly)")
-    return Matching(tuple(slot_of_node.tolist()), total, identity,
-                    f"{how}: {total:.6g} vs {identity:.6g} for the identity assignment")
+        how = (
+            f"transportation over {cost.shape[0]}x{cost.shape[1]} classes of interchangeable nodes "
+            f"and slots (the {n}x{m} assignment problem, solved exactly)"
+        )
+    return Matching(
+        tuple(slot_of_node.tolist()),
+        total,
+        identity,
+        f"{how}: {total:.6g} vs {identity:.6g} for the identity assignment",
+    )
 
 
 def _transportation(cost: np.ndarray, old_ids: np.ndarray, new_ids: np.ndarray) -> tuple[np.ndarray, float]:
@@ -138,13 +153,17 @@ def _transportation(cost: np.ndarray, old_ids: np.ndarray, new_ids: np.ndarray) 
     cols = sparse.kron(np.ones((1, n_old)), sparse.eye(n_new)).tocsr()
     # Dual simplex returns a vertex, integral because the constraint matrix is totally unimodular;
     # the integer program is the fallback should a solver ever return a fractional point.
-    res = linprog(cost.ravel(), A_ub=rows, b_ub=supply, A_eq=cols, b_eq=demand, bounds=(0, None),
-                  method="highs-ds")
+    res = linprog(
+        cost.ravel(), A_ub=rows, b_ub=supply, A_eq=cols, b_eq=demand, bounds=(0, None), method="highs-ds"
+    )
     x = res.x if res.status == 0 else None
     if x is None or np.abs(x - np.rint(x)).max(initial=0.0) > 1e-6:
-        res = milp(cost.ravel(), integrality=np.ones(cost.size),
-                   constraints=[LinearConstraint(rows, 0, supply), LinearConstraint(cols, demand, demand)],
-                   bounds=Bounds(0, np.inf))
+        res = milp(
+            cost.ravel(),
+            integrality=np.ones(cost.size),
+            constraints=[LinearConstraint(rows, 0, supply), LinearConstraint(cols, demand, demand)],
+            bounds=Bounds(0, np.inf),
+        )
         x = res.x
     if x is None:  # cannot happen when there are at least as many nodes as slots
         raise RuntimeError(f"transportation problem failed: {res.message}")
@@ -158,6 +177,6 @@ def _transportation(cost: np.ndarray, old_ids: np.ndarray, new_ids: np.ndarray) 
     for u, v in zip(*np.nonzero(flow), strict=True):
         f = flow[u, v]
         a, b = used_nodes[u], used_slots[v]
-        slot_of_node[nodes_of[u][a:a + f]] = slots_of[v][b:b + f]
+        slot_of_node[nodes_of[u][a : a + f]] = slots_of[v][b : b + f]
         used_nodes[u], used_slots[v] = a + f, b + f
     return slot_of_node, float((flow * cost).sum())

@@ -36,8 +36,9 @@ class MemoryEstimate:
     reason: str
 
 
-def stage_peak_memory(n_layers: int, stage: int, n_pp: int, mem: LayerMemory,
-                      activation_scale: float = 1.0) -> float:
+def stage_peak_memory(
+    n_layers: int, stage: int, n_pp: int, mem: LayerMemory, activation_scale: float = 1.0
+) -> float:
     """Eq. (14) for one stage; `activation_scale` multiplies m_a (e.g. a larger micro-batch)."""
     if not 0 <= stage < n_pp:
         raise ValueError(f"stage {stage} out of range [0, {n_pp})")
@@ -48,8 +49,12 @@ def stage_peak_memory(n_layers: int, stage: int, n_pp: int, mem: LayerMemory,
     return static + dynamic
 
 
-def pipeline_peak_memory(layers_per_stage: Sequence[int], mem: LayerMemory, cap_bytes: float,
-                         activation_scale: Sequence[float] | None = None) -> MemoryEstimate:
+def pipeline_peak_memory(
+    layers_per_stage: Sequence[int],
+    mem: LayerMemory,
+    cap_bytes: float,
+    activation_scale: Sequence[float] | None = None,
+) -> MemoryEstimate:
     """Eq. (14) for every stage of a pipeline, checked against a per-device cap."""
     n_pp = len(layers_per_stage)
     scale = list(activation_scale) if activation_scale is not None else [1.0] * n_pp
@@ -59,7 +64,14 @@ def pipeline_peak_memory(layers_per_stage: Sequence[int], mem: LayerMemory, cap_
     over = [i for i, p in enumerate(peaks) if p > cap_bytes]
     if over:
         worst = max(over, key=lambda i: peaks[i])
-        return MemoryEstimate(peaks, False, f"eq. 14: stage {worst} needs {peaks[worst] / 2**30:.2f} GiB "
-                                            f"> cap {cap_bytes / 2**30:.2f} GiB (stages over cap: {over})")
-    return MemoryEstimate(peaks, True, f"eq. 14: peak {max(peaks, default=0.0) / 2**30:.2f} GiB "
-                                       f"<= cap {cap_bytes / 2**30:.2f} GiB")
+        return MemoryEstimate(
+            peaks,
+            False,
+            f"eq. 14: stage {worst} needs {peaks[worst] / 2**30:.2f} GiB "
+            f"> cap {cap_bytes / 2**30:.2f} GiB (stages over cap: {over})",
+        )
+    return MemoryEstimate(
+        peaks,
+        True,
+        f"eq. 14: peak {max(peaks, default=0.0) / 2**30:.2f} GiB <= cap {cap_bytes / 2**30:.2f} GiB",
+    )

@@ -68,11 +68,14 @@ class PlanCache:
         return self.decisions.get(failure_key(self.base.shape, failed))
 
 
-def precompute(base: ClusterState, max_failures: int,
-               policies: Sequence[str] = DEFAULT_CHOICES) -> PlanCache:
+def precompute(base: ClusterState, max_failures: int, policies: Sequence[str] = DEFAULT_CHOICES) -> PlanCache:
     """Decide every loss pattern of 1..max_failures ranks ahead of time."""
     if base.failed:
         raise ValueError("precompute from a fault-free base state (its failed set must be empty)")
-    decisions = {key: choose_policy(replace(base, failed=representative(base.shape, key)), policies)
-                 for key in failure_keys(base.shape, max_failures)}
-    return PlanCache(base, decisions, f"precomputed {len(decisions)} loss patterns of 1..{max_failures} ranks")
+    decisions = {
+        key: choose_policy(replace(base, failed=representative(base.shape, key)), policies)
+        for key in failure_keys(base.shape, max_failures)
+    }
+    return PlanCache(
+        base, decisions, f"precomputed {len(decisions)} loss patterns of 1..{max_failures} ranks"
+    )

@@ -74,12 +74,18 @@ def decide(candidates: Sequence[Candidate], horizon_s: float) -> PolicyDecision:
         reasons = "; ".join(f"{s.candidate.policy}: {s.candidate.reason}" for s in scored)
         return PolicyDecision(best.candidate, tuple(scored), f"no policy can run the job: {reasons}")
     runner_up = next((s for s in scored[1:] if s.candidate.feasible), None)
-    margin = (f", {best.score / runner_up.score:.3f}x {runner_up.candidate.policy}"
-              if runner_up and runner_up.score > 0 else "")
-    return PolicyDecision(best.candidate, tuple(scored),
-                          f"eq. 8: {best.candidate.policy} scores {best.score:.4g} samples/s "
-                          f"(throughput {best.candidate.throughput:.4g} x effective ratio "
-                          f"{best.effective_ratio:.4f} over {horizon_s:.0f} s){margin}")
+    margin = (
+        f", {best.score / runner_up.score:.3f}x {runner_up.candidate.policy}"
+        if runner_up and runner_up.score > 0
+        else ""
+    )
+    return PolicyDecision(
+        best.candidate,
+        tuple(scored),
+        f"eq. 8: {best.candidate.policy} scores {best.score:.4g} samples/s "
+        f"(throughput {best.candidate.throughput:.4g} x effective ratio "
+        f"{best.effective_ratio:.4f} over {horizon_s:.0f} s){margin}",
+    )
 
 
 def chameleon_step(state: ClusterState, rerouting_allowed: bool) -> tuple[Candidate, bool]:

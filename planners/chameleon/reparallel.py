@@ -33,8 +33,9 @@ def reparallelise(state: ClusterState, dp_range: int = 2) -> Candidate:
         return _configured(state, "reparallelise")
     d = state.shape.dp
     options = [k for k in range(max(1, d - dp_range), d + dp_range + 1)]
-    return _best_plan(state, "reparallelise", options, None, matched=True,
-                      restart_s=state.mttr.reparallel_restart_s)
+    return _best_plan(
+        state, "reparallelise", options, None, matched=True, restart_s=state.mttr.reparallel_restart_s
+    )
 
 
 def oobleck(state: ClusterState) -> Candidate:
@@ -47,8 +48,9 @@ def oobleck(state: ClusterState) -> Candidate:
     templates = range(max(p_min, -(-depth // 2)), max(p_min, depth) + 1)
     n = len(state.alive)
     options = list(range(max(1, math.ceil(n / templates[-1])), n // p_min + 1))
-    return _best_plan(state, "oobleck", options, templates, matched=False,
-                      restart_s=state.mttr.oobleck_restart_s)
+    return _best_plan(
+        state, "oobleck", options, templates, matched=False, restart_s=state.mttr.oobleck_restart_s
+    )
 
 
 def _configured(state: ClusterState, name: str) -> Candidate:
@@ -61,8 +63,10 @@ def _fewest_stages_that_fit(state: ClusterState) -> int | None:
     prof, b = state.profile, state.shape.micro_batch
     for p in range(1, prof.num_layers + 1):
         spans = _layer_spans(prof.num_layers, p)
-        if all(stage_memory(prof, a, z, i, p, b, state.shape.dp) <= prof.mem_cap_bytes
-               for i, (a, z) in enumerate(spans)):
+        if all(
+            stage_memory(prof, a, z, i, p, b, state.shape.dp) <= prof.mem_cap_bytes
+            for i, (a, z) in enumerate(spans)
+        ):
             return p
     return None
 
@@ -75,8 +79,14 @@ def _layer_spans(num_layers: int, stages: int) -> list[tuple[int, int]]:
     return [(edges[i], edges[i + 1]) for i in range(stages)]
 
 
-def _best_plan(state: ClusterState, name: str, dp_options: list[int], templates: range | None,
-               matched: bool, restart_s: float) -> Candidate:
+def _best_plan(
+    state: ClusterState,
+    name: str,
+    dp_options: list[int],
+    templates: range | None,
+    matched: bool,
+    restart_s: float,
+) -> Candidate:
     """The fastest feasible DP degree. Without slowed ranks every pipeline of one (length,
     micro-batch count) times the same whichever ranks serve it, so each degree is scored on its
     distinct pipeline shapes (`_shape_step_time`, exact) and only the winner is built rank by
@@ -89,7 +99,9 @@ def _best_plan(state: ClusterState, name: str, dp_options: list[int], templates:
         if dp > len(alive):
             continue
         lengths = sorted(even_counts(len(alive), dp), reverse=True)
-        if lengths[0] > state.profile.num_layers or (templates is not None and any(n not in templates for n in lengths)):
+        if lengths[0] > state.profile.num_layers or (
+            templates is not None and any(n not in templates for n in lengths)
+        ):
             continue
         t = None if state.slowdown else _shape_step_time(state, lengths)
         if t is not None:
@@ -106,8 +118,9 @@ def _best_plan(state: ClusterState, name: str, dp_options: list[int], templates:
     return best if best is not None else infeasible(name, reason)
 
 
-def _shapes(state: ClusterState, lengths: list[int]) -> tuple[list[int], dict[int, list[tuple[int, int]]],
-                                                                list[int], dict[tuple[int, int], StagePlan]]:
+def _shapes(
+    state: ClusterState, lengths: list[int]
+) -> tuple[list[int], dict[int, list[tuple[int, int]]], list[int], dict[tuple[int, int], StagePlan]]:
     """Micro-batches per pipeline, the layer spans of each pipeline length, how many ranks hold each
     layer, and one stage plan per (length, stage index) for an unslowed rank (eq. 14 memory with
     the optimizer sharded over every holder)."""
@@ -119,8 +132,11 @@ def _shapes(state: ClusterState, lengths: list[int]) -> tuple[list[int], dict[in
         for a, z in spans_of_length[n]:
             for x in range(a, z):
                 holders[x] += count
-    templates = {(n, i): make_stage(state, a, z, [-1], [shape.micro_batch], i, n, holders[a])
-                 for n in spans_of_length for i, (a, z) in enumerate(spans_of_length[n])}
+    templates = {
+        (n, i): make_stage(state, a, z, [-1], [shape.micro_batch], i, n, holders[a])
+        for n in spans_of_length
+        for i, (a, z) in enumerate(spans_of_length[n])
+    }
     return micro, spans_of_length, holders, templates
 
 
@@ -130,8 +146,10 @@ def _shape_step_time(state: ClusterState, lengths: list[int]) -> float | None:
     (what the all-reduce model reads); None when a stage is over memory."""
     micro, spans_of_length, _, templates = _shapes(state, lengths)
     groups = Counter(zip(lengths, micro, strict=True))
-    pipes = [PipelinePlan(tuple(_with_ranks(templates[n, i], (-1,) * count) for i in range(n)), m)
-             for (n, m), count in groups.items()]
+    pipes = [
+        PipelinePlan(tuple(_with_ranks(templates[n, i], (-1,) * count) for i in range(n)), m)
+        for (n, m), count in groups.items()
+    ]
     if over_cap(pipes, state.profile):
         return None
     return step_time(pipes, state.profile)
@@ -146,22 +164,26 @@ def _with_ranks(t: StagePlan, ranks: tuple[int, ...]) -> StagePlan:
     return out
 
 
-def _plan(state: ClusterState, name: str, lengths: list[int], alive: list[int], matched: bool,
-          restart_s: float) -> Candidate:
+def _plan(
+    state: ClusterState, name: str, lengths: list[int], alive: list[int], matched: bool, restart_s: float
+) -> Candidate:
     shape, prof = state.shape, state.profile
     micro, spans_of_length, holders, templates = _shapes(state, lengths)
     # Classes instead of per-rank sets: a node holds its old stage's layers (class = old stage),
     # a slot needs the layers of its (length, stage) span (class = distinct span). O(ranks) numpy.
     spans = list(dict.fromkeys(span for n in lengths for span in spans_of_length[n]))
     span_id = {span: k for k, span in enumerate(spans)}
-    ids_of_length = {n: np.array([span_id[span] for span in spans_of_length[n]], dtype=np.int64)
-                     for n in spans_of_length}
+    ids_of_length = {
+        n: np.array([span_id[span] for span in spans_of_length[n]], dtype=np.int64) for n in spans_of_length
+    }
     new_ids = np.concatenate([ids_of_length[n] for n in lengths])
     old_ids = np.asarray(alive, dtype=np.int64) % shape.pp
     layer_bytes = [p * (1 + prof.optimizer_bytes_per_param_byte) for p in prof.layer_param_bytes]
-    cost = class_cost_matrix([frozenset(range(a, z)) for a, z in stage_edges(current_boundaries(state),
-                                                                              prof.num_layers)],
-                             [frozenset(range(a, z)) for a, z in spans], layer_bytes)
+    cost = class_cost_matrix(
+        [frozenset(range(a, z)) for a, z in stage_edges(current_boundaries(state), prof.num_layers)],
+        [frozenset(range(a, z)) for a, z in spans],
+        layer_bytes,
+    )
     node_of_slot = np.arange(len(new_ids))
     if matched:
         m = match_classes(cost, old_ids, new_ids)
@@ -193,11 +215,18 @@ def _plan(state: ClusterState, name: str, lengths: list[int], alive: list[int], 
     if cap:
         return infeasible(name, f"DP={len(lengths)} pipelines {lengths}: {cap}")
     changed = set(state.failed) or len(lengths) != shape.dp
-    return Candidate(name, True, f"DP={len(lengths)} pipelines of {lengths} stages, micro-batches {micro}; "
-                     f"{'Kuhn-Munkres' if matched else 'in-order'} rank assignment moves {moved / 2**30:.1f} GiB",
-                     tuple(pipes), step_time(pipes, prof), shape.global_batch,
-                     restart_s + busiest / prof.migrate_bytes_per_s if changed else 0.0, moved,
-                     len(alive) * shape.tp)
+    return Candidate(
+        name,
+        True,
+        f"DP={len(lengths)} pipelines of {lengths} stages, micro-batches {micro}; "
+        f"{'Kuhn-Munkres' if matched else 'in-order'} rank assignment moves {moved / 2**30:.1f} GiB",
+        tuple(pipes),
+        step_time(pipes, prof),
+        shape.global_batch,
+        restart_s + busiest / prof.migrate_bytes_per_s if changed else 0.0,
+        moved,
+        len(alive) * shape.tp,
+    )
 
 
 def _distribute_batch(micro_batches: int, lengths: list[int]) -> list[int]:

@@ -39,25 +39,43 @@ from planners.chameleon.policy import DEFAULT_CHOICES, POLICIES, PolicyDecision
 from planners.chameleon.state import Candidate, ClusterState, JobProfile, JobShape, MttrModel
 
 PER_LAYER = ("layer_fwd_s", "layer_bwd_s", "layer_param_bytes", "layer_act_bytes")
-PROFILE_SCALARS = ("mem_cap_bytes", "p2p_s_per_sample", "allreduce_bytes_per_s", "migrate_bytes_per_s",
-                   "optimizer_bytes_per_param_byte")
+PROFILE_SCALARS = (
+    "mem_cap_bytes",
+    "p2p_s_per_sample",
+    "allreduce_bytes_per_s",
+    "migrate_bytes_per_s",
+    "optimizer_bytes_per_param_byte",
+)
 PROFILE_INTS = ("freq_nominal_mhz", "freq_max_mhz", "freq_step_mhz")
 
 
 def state_from_dict(d: Any) -> tuple[ClusterState, tuple[str, ...]]:
     """Parse state.json; every error is a ValueError that names the field."""
     _obj(d, "state")
-    known = {"job", "profile", "boundaries", "failed_ranks", "slow_ranks", "expected_time_to_next_event_s",
-             "policies", "mttr", "max_devices"}
+    known = {
+        "job",
+        "profile",
+        "boundaries",
+        "failed_ranks",
+        "slow_ranks",
+        "expected_time_to_next_event_s",
+        "policies",
+        "mttr",
+        "max_devices",
+    }
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"state: unknown field(s) {unknown}")
     job = _obj(_need(d, "job", "state"), "job")
     if set(job) - {"pp", "dp", "micro_batch", "global_batch", "tp"}:
-        raise ValueError(f"job: unknown field(s) {sorted(set(job) - {'pp', 'dp', 'micro_batch', 'global_batch', 'tp'})}")
+        raise ValueError(
+            f"job: unknown field(s) {sorted(set(job) - {'pp', 'dp', 'micro_batch', 'global_batch', 'tp'})}"
+        )
     try:
-        shape = JobShape(**{k: _int(job, k, "job") for k in ("pp", "dp", "micro_batch", "global_batch")},
-                         tp=_int(job, "tp", "job") if "tp" in job else 1)
+        shape = JobShape(
+            **{k: _int(job, k, "job") for k in ("pp", "dp", "micro_batch", "global_batch")},
+            tp=_int(job, "tp", "job") if "tp" in job else 1,
+        )
     except ValueError as e:
         raise ValueError(f"job: {e}") from None
     profile = _profile(_obj(_need(d, "profile", "state"), "profile"))
@@ -73,13 +91,18 @@ def state_from_dict(d: Any) -> tuple[ClusterState, tuple[str, ...]]:
     slow = tuple(_slow_entry(e) for e in _list(d.get("slow_ranks", []), "slow_ranks"))
     try:
         state = ClusterState(
-            shape, profile,
-            failed=frozenset(_as_int(r, "failed_ranks") for r in _list(d.get("failed_ranks", []), "failed_ranks")),
+            shape,
+            profile,
+            failed=frozenset(
+                _as_int(r, "failed_ranks") for r in _list(d.get("failed_ranks", []), "failed_ranks")
+            ),
             slowdown=slow,
             boundaries=tuple(_as_int(b, "boundaries") for b in _list(d.get("boundaries", []), "boundaries")),
             expected_time_to_next_event_s=_num(d, "expected_time_to_next_event_s", "state")
-            if "expected_time_to_next_event_s" in d else 3600.0,
-            mttr=mttr)
+            if "expected_time_to_next_event_s" in d
+            else 3600.0,
+            mttr=mttr,
+        )
     except ValueError as e:
         raise ValueError(f"state: {e}") from None
     return state, policies
@@ -121,12 +144,20 @@ def decision_to_dict(decision: PolicyDecision, state: ClusterState, fault_free: 
         "plan": candidate_to_dict(chosen, state, fault_free) if chosen.feasible else None,
         "alive_devices": alive_devices,
         "fault_free_samples_per_s": _finite(fault_free.throughput),
-        "alternatives": [{
-            "policy": s.candidate.policy, "feasible": s.candidate.feasible, "score": _finite(s.score),
-            "effective_ratio": s.effective_ratio, "samples_per_s": _finite(s.candidate.throughput),
-            "step_time_s": _finite(s.candidate.step_time_s), "transition_s": s.candidate.transition_s,
-            "bytes_moved": s.candidate.bytes_moved, "reason": s.candidate.reason,
-        } for s in decision.scored],
+        "alternatives": [
+            {
+                "policy": s.candidate.policy,
+                "feasible": s.candidate.feasible,
+                "score": _finite(s.score),
+                "effective_ratio": s.effective_ratio,
+                "samples_per_s": _finite(s.candidate.throughput),
+                "step_time_s": _finite(s.candidate.step_time_s),
+                "transition_s": s.candidate.transition_s,
+                "bytes_moved": s.candidate.bytes_moved,
+                "reason": s.candidate.reason,
+            }
+            for s in decision.scored
+        ],
     }
 
 
@@ -134,15 +165,24 @@ def candidate_to_dict(c: Candidate, state: ClusterState, fault_free: Candidate) 
     alive = len(state.alive) / state.shape.num_ranks
     lse = c.throughput / (fault_free.throughput * alive) if fault_free.throughput and alive else None
     return {
-        "pipelines": [{
-            "num_micro_batches": p.num_slots,
-            "boundaries": list(p.boundaries),
-            "stages": [{
-                "layers": [s.layer_start, s.layer_stop], "ranks": list(s.ranks),
-                "micro_batch_sizes": list(s.samples_per_slot), "freq_mhz": s.freq_mhz,
-                "ministep_s": s.ministep_s, "mem_bytes": s.mem_bytes,
-            } for s in p.stages],
-        } for p in c.pipelines],
+        "pipelines": [
+            {
+                "num_micro_batches": p.num_slots,
+                "boundaries": list(p.boundaries),
+                "stages": [
+                    {
+                        "layers": [s.layer_start, s.layer_stop],
+                        "ranks": list(s.ranks),
+                        "micro_batch_sizes": list(s.samples_per_slot),
+                        "freq_mhz": s.freq_mhz,
+                        "ministep_s": s.ministep_s,
+                        "mem_bytes": s.mem_bytes,
+                    }
+                    for s in p.stages
+                ],
+            }
+            for p in c.pipelines
+        ],
         "predicted_step_time_s": c.step_time_s,
         "samples_per_s": c.throughput,
         "lse": lse,

@@ -31,8 +31,10 @@ class JobShape:
             if getattr(self, name) < 1:
                 raise ValueError(f"JobShape.{name} must be >= 1, got {getattr(self, name)}")
         if self.global_batch % (self.dp * self.micro_batch):
-            raise ValueError(f"JobShape.global_batch {self.global_batch} is not a multiple of "
-                             f"dp x micro_batch = {self.dp * self.micro_batch}")
+            raise ValueError(
+                f"JobShape.global_batch {self.global_batch} is not a multiple of "
+                f"dp x micro_batch = {self.dp * self.micro_batch}"
+            )
 
     @property
     def num_micro_batches(self) -> int:
@@ -86,8 +88,10 @@ class JobProfile:
         if self.mem_cap_bytes <= 0:
             raise ValueError(f"JobProfile.mem_cap_bytes must be > 0, got {self.mem_cap_bytes}")
         if not 0 < self.freq_nominal_mhz <= self.freq_max_mhz:
-            raise ValueError(f"JobProfile needs 0 < freq_nominal_mhz <= freq_max_mhz, got "
-                             f"{self.freq_nominal_mhz}, {self.freq_max_mhz}")
+            raise ValueError(
+                f"JobProfile needs 0 < freq_nominal_mhz <= freq_max_mhz, got "
+                f"{self.freq_nominal_mhz}, {self.freq_max_mhz}"
+            )
         if self.allreduce_bytes_per_s <= 0 or self.migrate_bytes_per_s <= 0:
             raise ValueError("JobProfile bandwidths must be > 0")
 
@@ -137,10 +141,16 @@ class ClusterState:
             if not 0 <= rank < self.shape.num_ranks or factor <= 0:
                 raise ValueError(f"slowdown entry ({rank}, {factor}) needs a valid rank and factor > 0")
         b = self.boundaries
-        if b and (len(b) != self.shape.pp - 1 or list(b) != sorted(set(b)) or b[0] < 1
-                  or b[-1] >= self.profile.num_layers):
-            raise ValueError(f"boundaries {self.boundaries} must be {self.shape.pp - 1} increasing values in "
-                             f"[1, {self.profile.num_layers - 1}]")
+        if b and (
+            len(b) != self.shape.pp - 1
+            or list(b) != sorted(set(b))
+            or b[0] < 1
+            or b[-1] >= self.profile.num_layers
+        ):
+            raise ValueError(
+                f"boundaries {self.boundaries} must be {self.shape.pp - 1} increasing values in "
+                f"[1, {self.profile.num_layers - 1}]"
+            )
         if self.expected_time_to_next_event_s <= 0:
             raise ValueError("expected_time_to_next_event_s must be > 0")
 

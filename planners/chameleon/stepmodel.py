@@ -19,9 +19,17 @@ from planners.chameleon.memory import LayerMemory, stage_peak_memory
 from planners.chameleon.state import ClusterState, JobProfile, PipelinePlan, StagePlan
 
 
-def make_stage(state: ClusterState, layer_start: int, layer_stop: int, ranks: Sequence[int],
-               samples_per_slot: Sequence[int], stage_index: int, num_stages: int,
-               zero_shards: int, freq_mhz: int | None = None) -> StagePlan:
+def make_stage(
+    state: ClusterState,
+    layer_start: int,
+    layer_stop: int,
+    ranks: Sequence[int],
+    samples_per_slot: Sequence[int],
+    stage_index: int,
+    num_stages: int,
+    zero_shards: int,
+    freq_mhz: int | None = None,
+) -> StagePlan:
     """Build one stage's plan: compute times of its slowest rank and its eq. (14) memory."""
     prof = state.profile
     freq = freq_mhz if freq_mhz is not None else prof.freq_nominal_mhz
@@ -33,28 +41,49 @@ def make_stage(state: ClusterState, layer_start: int, layer_stop: int, ranks: Se
     worst = state.worst_share(ranks, samples_per_slot)
     max_samples = max(samples_per_slot, default=0)
     mem = stage_memory(prof, layer_start, layer_stop, stage_index, num_stages, max_samples, zero_shards)
-    return StagePlan(layer_start, layer_stop, tuple(ranks), tuple(samples_per_slot), freq,
-                     worst * fwd / speed, worst * bwd / speed, max_samples * prof.p2p_s_per_sample, mem)
+    return StagePlan(
+        layer_start,
+        layer_stop,
+        tuple(ranks),
+        tuple(samples_per_slot),
+        freq,
+        worst * fwd / speed,
+        worst * bwd / speed,
+        max_samples * prof.p2p_s_per_sample,
+        mem,
+    )
 
 
-def stage_memory(prof: JobProfile, layer_start: int, layer_stop: int, stage_index: int, num_stages: int,
-                 samples: float, zero_shards: int) -> float:
+def stage_memory(
+    prof: JobProfile,
+    layer_start: int,
+    layer_stop: int,
+    stage_index: int,
+    num_stages: int,
+    samples: float,
+    zero_shards: int,
+) -> float:
     """Eq. (14): static (weights, grads, 1/zero_shards of optimizer) + in-flight activations."""
     n = layer_stop - layer_start
     if n <= 0:
         return 0.0
     param = sum(prof.layer_param_bytes[layer_start:layer_stop]) / n
     act = sum(prof.layer_act_bytes[layer_start:layer_stop]) / n
-    mem = LayerMemory(param=param, optimizer=param * prof.optimizer_bytes_per_param_byte / max(zero_shards, 1),
-                      grad=param, activation_per_micro_batch=act)
+    mem = LayerMemory(
+        param=param,
+        optimizer=param * prof.optimizer_bytes_per_param_byte / max(zero_shards, 1),
+        grad=param,
+        activation_per_micro_batch=act,
+    )
     return stage_peak_memory(n, stage_index, num_stages, mem, activation_scale=samples)
 
 
 def pipeline_time(pipe: PipelinePlan) -> float:
     """Eq. (11) makespan of one pipeline (memoised: the pipelines of a plan mostly share shapes)."""
     p2p = max((s.p2p_s for s in pipe.stages), default=0.0)
-    return _pipeline_time(tuple(s.fwd_s for s in pipe.stages), tuple(s.bwd_s for s in pipe.stages),
-                          pipe.num_slots, p2p)
+    return _pipeline_time(
+        tuple(s.fwd_s for s in pipe.stages), tuple(s.bwd_s for s in pipe.stages), pipe.num_slots, p2p
+    )
 
 
 @lru_cache(maxsize=4096)
@@ -75,8 +104,10 @@ def sync_time(pipes: Sequence[PipelinePlan], prof: JobProfile) -> float:
             holders[layer] = holders.get(layer, 0) + n
     # Devices holding the same layers add no edge the first of them does not: colour distinct sets.
     rounds = colour_all_reduce_rounds([frozenset(range(a, z)) for a, z in ranks_of_span])
-    per_layer = {layer: 2 * (n - 1) / n * prof.layer_param_bytes[layer] / prof.allreduce_bytes_per_s
-                 for layer, n in holders.items()}
+    per_layer = {
+        layer: 2 * (n - 1) / n * prof.layer_param_bytes[layer] / prof.allreduce_bytes_per_s
+        for layer, n in holders.items()
+    }
     return rounds_time(rounds, per_layer)
 
 
@@ -92,6 +123,8 @@ def over_cap(pipes: Sequence[PipelinePlan], prof: JobProfile) -> str:
     for j, pipe in enumerate(pipes):
         for i, stage in enumerate(pipe.stages):
             if stage.mem_bytes > prof.mem_cap_bytes:
-                return (f"pipeline {j} stage {i} needs {stage.mem_bytes / 2**30:.1f} GiB > cap "
-                        f"{prof.mem_cap_bytes / 2**30:.1f} GiB")
+                return (
+                    f"pipeline {j} stage {i} needs {stage.mem_bytes / 2**30:.1f} GiB > cap "
+                    f"{prof.mem_cap_bytes / 2**30:.1f} GiB"
+                )
     return ""

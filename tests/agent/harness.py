@@ -48,8 +48,12 @@ class RecordingCore(agent_pb2_grpc.AgentServiceServicer):
     serves TLS only.
     """
 
-    def __init__(self, refuse_code: grpc.StatusCode | None = None, refuse_message: str = "",
-                 tls: grpc.ServerCredentials | None = None) -> None:
+    def __init__(
+        self,
+        refuse_code: grpc.StatusCode | None = None,
+        refuse_message: str = "",
+        tls: grpc.ServerCredentials | None = None,
+    ) -> None:
         self.refuse_code = refuse_code
         self.tls = tls
         self.refuse_message = refuse_message
@@ -74,8 +78,11 @@ class RecordingCore(agent_pb2_grpc.AgentServiceServicer):
             self._server = grpc.aio.server()
             agent_pb2_grpc.add_AgentServiceServicer_to_server(self, self._server)
             address = f"127.0.0.1:{self.port}"
-            port = (self._server.add_secure_port(address, self.tls) if self.tls
-                    else self._server.add_insecure_port(address))
+            port = (
+                self._server.add_secure_port(address, self.tls)
+                if self.tls
+                else self._server.add_insecure_port(address)
+            )
             await self._server.start()
             return port
 
@@ -101,8 +108,13 @@ class RecordingCore(agent_pb2_grpc.AgentServiceServicer):
         self._record(stream_index, first)
         if self.refuse_code is not None:
             await context.abort(self.refuse_code, self.refuse_message)
-        await context.write(agent_pb2.ConnectResponse(
-            ack=agent_pb2.RegisterAck(session=stream_index, heartbeat_timeout_ms=3000, core_id=f"test-{self.port}")))
+        await context.write(
+            agent_pb2.ConnectResponse(
+                ack=agent_pb2.RegisterAck(
+                    session=stream_index, heartbeat_timeout_ms=3000, core_id=f"test-{self.port}"
+                )
+            )
+        )
         reader = asyncio.ensure_future(self._read_all(context, stream_index))
         command = None
         try:
@@ -163,8 +175,13 @@ class AgentProcess:
         full_env.pop("ELASWAVE_JOB_TOKEN", None)  # only what the test passes
         full_env.update(PYTHONPATH=str(REPO_ROOT), **(env or {}))
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen([sys.executable, "-m", "agent", *args], cwd=REPO_ROOT,
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agent", *args],
+            cwd=REPO_ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+        )
 
     @property
     def log(self) -> str:
@@ -193,10 +210,25 @@ class AgentProcess:
 
 def base_args(tmp_path: Path, cores: str, worker_id: str = "w0", *extra: str) -> list[str]:
     """Flags every test agent uses: fast heartbeats and backoff-friendly timeouts."""
-    return ["--job", "testjob", "--worker-id", worker_id, "--core", cores,
-            "--metrics-socket", str(tmp_path / f"{worker_id}.sock"),
-            "--heartbeat-interval", "0.1", "--register-timeout", "2", "--leave-timeout", "2",
-            "--probe-interval", "60", *extra]
+    return [
+        "--job",
+        "testjob",
+        "--worker-id",
+        worker_id,
+        "--core",
+        cores,
+        "--metrics-socket",
+        str(tmp_path / f"{worker_id}.sock"),
+        "--heartbeat-interval",
+        "0.1",
+        "--register-timeout",
+        "2",
+        "--leave-timeout",
+        "2",
+        "--probe-interval",
+        "60",
+        *extra,
+    ]
 
 
 def sleeper_command(tmp_path: Path, ignore_sigterm: bool = False) -> list[str]:

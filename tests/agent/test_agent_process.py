@@ -34,8 +34,22 @@ def _kinds(core: RecordingCore) -> list[str]:
 def test_register_carries_identity_token_and_heartbeats_then_sigint_leaves(core, run_agent, tmp_path: Path):
     token_file = tmp_path / "token"
     token_file.write_text("tok-123\n")
-    agent = run_agent(base_args(tmp_path, core.address, "w0", "--stage", "1", "--dp-rank", "2", "--rank", "5",
-                                "--job-token-file", str(token_file)) + sleeper_command(tmp_path))
+    agent = run_agent(
+        base_args(
+            tmp_path,
+            core.address,
+            "w0",
+            "--stage",
+            "1",
+            "--dp-rank",
+            "2",
+            "--rank",
+            "5",
+            "--job-token-file",
+            str(token_file),
+        )
+        + sleeper_command(tmp_path)
+    )
     register = core.wait_kind("register")[0].request.register
     worker = psutil.Process(register.pid)
     assert worker.ppid() == agent.proc.pid and worker.cmdline()[-1].endswith("worker.py")
@@ -56,12 +70,16 @@ def test_register_carries_identity_token_and_heartbeats_then_sigint_leaves(core,
     assert "worker_exit" not in _kinds(core)
     assert _kinds(core)[-1] == "leave"
     assert core.of_kind("leave")[0].request.leave.reason == "SIGINT"
-    assert not psutil.pid_exists(register.pid) or psutil.Process(register.pid).status() == psutil.STATUS_ZOMBIE
+    assert (
+        not psutil.pid_exists(register.pid) or psutil.Process(register.pid).status() == psutil.STATUS_ZOMBIE
+    )
 
 
 @pytest.mark.timeout(30)
 def test_token_from_environment(core, run_agent, tmp_path: Path):
-    run_agent(base_args(tmp_path, core.address) + sleeper_command(tmp_path), env={"ELASWAVE_JOB_TOKEN": "envtok"})
+    run_agent(
+        base_args(tmp_path, core.address) + sleeper_command(tmp_path), env={"ELASWAVE_JOB_TOKEN": "envtok"}
+    )
     core.wait_kind("register")
     assert core.streams[0].metadata["authorization"] == "Bearer envtok"
 
@@ -84,14 +102,22 @@ def test_worker_kill9_is_reported_as_signal_exit(core, run_agent, tmp_path: Path
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("how", ["finished", "left", "failed"])
 def test_worker_that_finishes_or_leaves_departs_and_one_that_fails_reports_its_exit(
-        core, run_agent, tmp_path: Path, how: str):
+    core, run_agent, tmp_path: Path, how: str
+):
     ready = tmp_path / "go"
     # "finished": the worker says its work is complete (elaswave.local_protocol.mark_finished), then exits 0.
-    say_done = "from elaswave.local_protocol import mark_finished; assert mark_finished()\n" if how == "finished" else ""
+    say_done = (
+        "from elaswave.local_protocol import mark_finished; assert mark_finished()\n"
+        if how == "finished"
+        else ""
+    )
     code = 3 if how == "failed" else 0
-    worker = [sys.executable, "-c",
-              f"import pathlib, sys, time\nwhile not pathlib.Path({str(ready)!r}).exists(): time.sleep(0.02)\n"
-              f"{say_done}sys.exit({code})"]
+    worker = [
+        sys.executable,
+        "-c",
+        f"import pathlib, sys, time\nwhile not pathlib.Path({str(ready)!r}).exists(): time.sleep(0.02)\n"
+        f"{say_done}sys.exit({code})",
+    ]
     agent = run_agent(base_args(tmp_path, core.address, "w0") + ["--", *worker])
     pid = core.wait_kind("register")[0].request.register.pid
     core.wait_kind("heartbeat")
@@ -107,7 +133,10 @@ def test_worker_that_finishes_or_leaves_departs_and_one_that_fails_reports_its_e
     # said so finished its work (nothing for the Core to re-plan).
     assert not core.of_kind("worker_exit")
     if how == "finished":
-        assert (leave.reason, leave.finished) == (f"worker {pid} finished its work (exited with code 0)", True)
+        assert (leave.reason, leave.finished) == (
+            f"worker {pid} finished its work (exited with code 0)",
+            True,
+        )
     else:
         assert (leave.reason, leave.finished) == (f"worker {pid} left (exited with code 0)", False)
 
@@ -145,19 +174,40 @@ def test_step_metrics_forwarded_and_malformed_lines_rejected(core, run_agent, tm
     core.wait_kind("register")
     sock_path = tmp_path / "w0.sock"
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    bad = [b"not json\n", b'{"step": 1}\n', b'[1, 2]\n', b'{"step": -1, "step_time_s": 1, "compute_time_s": 1, '
-           b'"loss": 1, "samples": 1, "stage": 0, "dp_rank": 0}\n', b'\xff\xfe\n']
-    sent = [dict(step=s, step_time_s=0.5 + s, compute_time_s=0.25, loss=2.0 / (s + 1), samples=8, stage=0, dp_rank=1)
-            for s in range(3)]
+    bad = [
+        b"not json\n",
+        b'{"step": 1}\n',
+        b"[1, 2]\n",
+        b'{"step": -1, "step_time_s": 1, "compute_time_s": 1, '
+        b'"loss": 1, "samples": 1, "stage": 0, "dp_rank": 0}\n',
+        b"\xff\xfe\n",
+    ]
+    sent = [
+        dict(
+            step=s,
+            step_time_s=0.5 + s,
+            compute_time_s=0.25,
+            loss=2.0 / (s + 1),
+            samples=8,
+            stage=0,
+            dp_rank=1,
+        )
+        for s in range(3)
+    ]
     with StepMetricsClient(sock_path) as client:
         assert client.send(**sent[0])
         for line in bad:
             raw.sendto(line, str(sock_path))
         # Two records in one datagram, one of them with an unknown loss.
-        raw.sendto((json.dumps(sent[1]) + "\n" + json.dumps({**sent[2], "loss": None}) + "\n").encode(), str(sock_path))
+        raw.sendto(
+            (json.dumps(sent[1]) + "\n" + json.dumps({**sent[2], "loss": None}) + "\n").encode(),
+            str(sock_path),
+        )
     steps = [r.request.step for r in core.wait_kind("step", count=3)]
     assert [(m.step, m.step_time_s, m.compute_time_s, m.samples, m.stage, m.dp_rank) for m in steps] == [
-        (d["step"], d["step_time_s"], d["compute_time_s"], d["samples"], d["stage"], d["dp_rank"]) for d in sent]
+        (d["step"], d["step_time_s"], d["compute_time_s"], d["samples"], d["stage"], d["dp_rank"])
+        for d in sent
+    ]
     assert [m.loss for m in steps[:2]] == [sent[0]["loss"], sent[1]["loss"]] and math.isnan(steps[2].loss)
     assert agent.proc.poll() is None
     log = agent.log
@@ -182,7 +232,10 @@ def test_sigterm_reports_preemption_forwards_sigterm_and_leaves(core, run_agent,
     preemption = critical[0].request.preemption
     assert preemption.source == "sigterm"
     assert sent_at + 5 - 1 <= preemption.deadline_unix <= time.time() + 5
-    assert "preempted" in critical[1].request.leave.reason and "exited with code 0" in critical[1].request.leave.reason
+    assert (
+        "preempted" in critical[1].request.leave.reason
+        and "exited with code 0" in critical[1].request.leave.reason
+    )
     # The worker saw the reported preemption in its control file when SIGTERM reached it.
     drain = json.loads((tmp_path / "control_at_term.json").read_text())["drain"]
     assert (drain["reason"], drain["deadline_unix"]) == ("preempted (SIGTERM)", preemption.deadline_unix)
@@ -190,8 +243,10 @@ def test_sigterm_reports_preemption_forwards_sigterm_and_leaves(core, run_agent,
 
 @pytest.mark.timeout(30)
 def test_sigterm_kills_worker_that_ignores_it_after_grace(core, run_agent, tmp_path: Path):
-    agent = run_agent(base_args(tmp_path, core.address, "w0", "--grace", "1")
-                      + sleeper_command(tmp_path, ignore_sigterm=True))
+    agent = run_agent(
+        base_args(tmp_path, core.address, "w0", "--grace", "1")
+        + sleeper_command(tmp_path, ignore_sigterm=True)
+    )
     core.wait_kind("heartbeat")
     wait_worker_ready(tmp_path)
     agent.signal(signal.SIGTERM)
@@ -203,8 +258,9 @@ def test_sigterm_kills_worker_that_ignores_it_after_grace(core, run_agent, tmp_p
 @pytest.mark.timeout(30)
 def test_notice_file_reports_deadline_from_file(core, run_agent, tmp_path: Path):
     notice = tmp_path / "notice"
-    agent = run_agent(base_args(tmp_path, core.address, "w0", "--notice-file", str(notice))
-                      + sleeper_command(tmp_path))
+    agent = run_agent(
+        base_args(tmp_path, core.address, "w0", "--notice-file", str(notice)) + sleeper_command(tmp_path)
+    )
     core.wait_kind("heartbeat")
     assert not core.of_kind("preemption")
     notice.write_text("1900000000.5\n")
@@ -235,9 +291,14 @@ def test_report_now_sends_memory_and_probes_at_once(core, run_agent, tmp_path: P
     assert list(memory.device_total_bytes) == [d.memory_bytes for d in register.devices]
     assert len(memory.device_used_bytes) == len(register.devices)
     probes = {p.kind: p for p in (r.request.probe for r in after if r.kind == "probe")}
-    assert probes[agent_pb2.PROBE_KIND_PROCESS].healthy and f"pid {register.pid} alive" in probes[
-        agent_pb2.PROBE_KIND_PROCESS].detail
-    assert probes[agent_pb2.PROBE_KIND_INTERCONNECT].healthy and peer in probes[agent_pb2.PROBE_KIND_INTERCONNECT].detail
+    assert (
+        probes[agent_pb2.PROBE_KIND_PROCESS].healthy
+        and f"pid {register.pid} alive" in probes[agent_pb2.PROBE_KIND_PROCESS].detail
+    )
+    assert (
+        probes[agent_pb2.PROBE_KIND_INTERCONNECT].healthy
+        and peer in probes[agent_pb2.PROBE_KIND_INTERCONNECT].detail
+    )
     assert agent_pb2.PROBE_KIND_HOST in probes and agent_pb2.PROBE_KIND_DEVICE in probes
 
 
@@ -247,26 +308,33 @@ def _probe_details(core: RecordingCore, since: int = 0) -> list[str]:
 
 @pytest.mark.timeout(30)
 def test_set_frequency_without_controller_is_reported_not_applied(core, run_agent, tmp_path: Path):
-    agent = run_agent(base_args(tmp_path, core.address, "w0", "--frequency-controller", "none")
-                      + sleeper_command(tmp_path))
+    agent = run_agent(
+        base_args(tmp_path, core.address, "w0", "--frequency-controller", "none") + sleeper_command(tmp_path)
+    )
     core.wait_kind("heartbeat")
     log = agent.wait_log("frequency_controller")
     assert "controller=none" in log and "disabled by --frequency-controller none" in log
     before = len(core.received)
     core.send_command(agent_pb2.ConnectResponse(set_frequency=agent_pb2.SetFrequency(mhz=1200)))
     core.wait_for(lambda rs: any("SetFrequency" in d for d in _probe_details(core, before)), timeout=5)
-    assert ("SetFrequency 1200 MHz not applied: no clock controller (disabled by --frequency-controller none)"
-            in " ".join(_probe_details(core, before)))
+    assert (
+        "SetFrequency 1200 MHz not applied: no clock controller (disabled by --frequency-controller none)"
+        in " ".join(_probe_details(core, before))
+    )
     control = json.loads((tmp_path / "w0.control.json").read_text())
     assert (control["frequency"], control["drain"]) == (None, None)
     assert agent.proc.poll() is None
 
 
 @pytest.mark.timeout(30)
-def test_drain_sigterms_a_worker_that_ignores_the_notice_once_and_leaves_cleanly(core, run_agent, tmp_path: Path):
+def test_drain_sigterms_a_worker_that_ignores_the_notice_once_and_leaves_cleanly(
+    core, run_agent, tmp_path: Path
+):
     # The sleeper does not read the control file: after --drain-grace it gets SIGTERM and exits 0.
-    agent = run_agent(base_args(tmp_path, core.address, "w0", "--drain-grace", "1", "--grace", "5")
-                      + sleeper_command(tmp_path))
+    agent = run_agent(
+        base_args(tmp_path, core.address, "w0", "--drain-grace", "1", "--grace", "5")
+        + sleeper_command(tmp_path)
+    )
     core.wait_kind("heartbeat")
     wait_worker_ready(tmp_path)
     pid = core.of_kind("register")[0].request.register.pid
@@ -289,8 +357,10 @@ def test_drain_sigterms_a_worker_that_ignores_the_notice_once_and_leaves_cleanly
 
 @pytest.mark.timeout(30)
 def test_drain_kills_a_worker_that_ignores_sigterm_after_grace(core, run_agent, tmp_path: Path):
-    agent = run_agent(base_args(tmp_path, core.address, "w0", "--drain-grace", "0.2", "--grace", "1")
-                      + sleeper_command(tmp_path, ignore_sigterm=True))
+    agent = run_agent(
+        base_args(tmp_path, core.address, "w0", "--drain-grace", "0.2", "--grace", "1")
+        + sleeper_command(tmp_path, ignore_sigterm=True)
+    )
     core.wait_kind("heartbeat")
     wait_worker_ready(tmp_path)
     core.send_command(agent_pb2.ConnectResponse(drain=agent_pb2.Drain(reason="reclaim", deadline_unix=0)))
@@ -302,11 +372,15 @@ def test_drain_kills_a_worker_that_ignores_sigterm_after_grace(core, run_agent, 
 
 @pytest.mark.timeout(30)
 def test_report_now_sends_a_heartbeat_at_once_and_the_last_step_again(core, run_agent, tmp_path: Path):
-    run_agent(base_args(tmp_path, core.address, "w0") + ["--heartbeat-interval", "30"] + sleeper_command(tmp_path))
+    run_agent(
+        base_args(tmp_path, core.address, "w0") + ["--heartbeat-interval", "30"] + sleeper_command(tmp_path)
+    )
     core.wait_kind("heartbeat")
     core.wait_kind("memory")
     with StepMetricsClient(tmp_path / "w0.sock") as client:
-        assert client.send(step=7, step_time_s=0.5, compute_time_s=0.25, loss=1.0, samples=8, stage=0, dp_rank=0)
+        assert client.send(
+            step=7, step_time_s=0.5, compute_time_s=0.25, loss=1.0, samples=8, stage=0, dp_rank=0
+        )
     core.wait_kind("step")
     before = len(core.received)
     core.send_command(agent_pb2.ConnectResponse(report_now=agent_pb2.ReportNow()))
@@ -323,13 +397,17 @@ def test_explicit_frequency_controller_that_cannot_run_is_a_start_error(run_agen
     if importlib.util.find_spec("pynvml") is not None and shutil.which("npu-smi") is not None:
         pytest.skip("both NVML and npu-smi are usable on this host")
     if importlib.util.find_spec("pynvml") is None:
-        agent = run_agent(base_args(tmp_path, "127.0.0.1:1", "w0", "--frequency-controller", "nvml")
-                          + sleeper_command(tmp_path))
+        agent = run_agent(
+            base_args(tmp_path, "127.0.0.1:1", "w0", "--frequency-controller", "nvml")
+            + sleeper_command(tmp_path)
+        )
         assert agent.wait() == 2
         assert "--frequency-controller nvml: pynvml is not installed" in agent.log
     if shutil.which("npu-smi") is None:
-        agent = run_agent(base_args(tmp_path, "127.0.0.1:1", "w1", "--frequency-controller", "npu-smi")
-                          + sleeper_command(tmp_path))
+        agent = run_agent(
+            base_args(tmp_path, "127.0.0.1:1", "w1", "--frequency-controller", "npu-smi")
+            + sleeper_command(tmp_path)
+        )
         assert agent.wait() == 2
         assert "--frequency-controller npu-smi: npu-smi is not on PATH" in agent.log
     assert not (tmp_path / "ready.txt").exists()  # no worker was launched

@@ -28,8 +28,13 @@ def real_core(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CorePr
     """One Core for the module. Heartbeat timeout and lease TTL are long so that the report_now
     test can run an agent with a 10 s heartbeat interval; the other agents beat every 0.25 s."""
     token = new_token()
-    core = CoreProcess(tmp_path_factory.mktemp("core"), "cmd", "memory://", token,
-                       extra_args=["--heartbeat-timeout", "30", "--lease-ttl", "30"])
+    core = CoreProcess(
+        tmp_path_factory.mktemp("core"),
+        "cmd",
+        "memory://",
+        token,
+        extra_args=["--heartbeat-timeout", "30", "--lease-ttl", "30"],
+    )
     try:
         core.wait_leader()
         yield core, token
@@ -45,12 +50,39 @@ def agents(tmp_path: Path) -> Iterator[list[AgentProcess]]:
         agent.stop()
 
 
-def _start_agent(agents: list[AgentProcess], tmp_path: Path, core: CoreProcess, job: str, job_token: str,
-                 *extra: str, step_time_s: float = 0.05, heartbeat_s: float = 0.25) -> AgentProcess:
-    args = ["--job", job, "--worker-id", "w0", "--core", core.grpc_address,
-            "--metrics-socket", str(tmp_path / "w0.sock"), "--control-file", str(tmp_path / "w0.control.json"),
-            "--heartbeat-interval", str(heartbeat_s), "--probe-interval", "60", *extra,
-            "--", sys.executable, "-m", "harness.dummy_worker", "--step-time", str(step_time_s)]
+def _start_agent(
+    agents: list[AgentProcess],
+    tmp_path: Path,
+    core: CoreProcess,
+    job: str,
+    job_token: str,
+    *extra: str,
+    step_time_s: float = 0.05,
+    heartbeat_s: float = 0.25,
+) -> AgentProcess:
+    args = [
+        "--job",
+        job,
+        "--worker-id",
+        "w0",
+        "--core",
+        core.grpc_address,
+        "--metrics-socket",
+        str(tmp_path / "w0.sock"),
+        "--control-file",
+        str(tmp_path / "w0.control.json"),
+        "--heartbeat-interval",
+        str(heartbeat_s),
+        "--probe-interval",
+        "60",
+        *extra,
+        "--",
+        sys.executable,
+        "-m",
+        "harness.dummy_worker",
+        "--step-time",
+        str(step_time_s),
+    ]
     agent = AgentProcess(args, tmp_path / "agent.log", {"ELASWAVE_JOB_TOKEN": job_token})
     agents.append(agent)
     return agent
@@ -62,8 +94,9 @@ def _member(core: CoreProcess, job: str) -> dict[str, Any]:
 
 
 def _command(core: CoreProcess, token: str, job: str, body: dict[str, Any]) -> httpx.Response:
-    response = core.http.post(f"/api/v1/jobs/{job}/workers/w0/commands", json=body,
-                              headers={"Authorization": f"Bearer {token}"})
+    response = core.http.post(
+        f"/api/v1/jobs/{job}/workers/w0/commands", json=body, headers={"Authorization": f"Bearer {token}"}
+    )
     assert response.status_code == 202, response.text
     return response
 
@@ -76,13 +109,17 @@ def _events(core: CoreProcess, job: str) -> list[dict[str, Any]]:
 def test_drain_stops_worker_at_a_step_boundary_and_leaves_cleanly(real_core, agents, tmp_path: Path):
     core, token = real_core
     job_token = create_job(core, token, "drainjob")
-    agent = _start_agent(agents, tmp_path, core, "drainjob", job_token, "--drain-grace", "20", step_time_s=0.3)
+    agent = _start_agent(
+        agents, tmp_path, core, "drainjob", job_token, "--drain-grace", "20", step_time_s=0.3
+    )
     wait_until(lambda: _member(core, "drainjob").get("state") == "RUNNING", 20, "w0 running")
     worker = psutil.Process(_member(core, "drainjob")["pid"])
     assert worker.ppid() == agent.proc.pid
 
     deadline = time.time() + 30
-    _command(core, token, "drainjob", {"command": "drain", "reason": "maintenance", "deadline_unix": deadline})
+    _command(
+        core, token, "drainjob", {"command": "drain", "reason": "maintenance", "deadline_unix": deadline}
+    )
     _command(core, token, "drainjob", {"command": "drain", "reason": "again", "deadline_unix": deadline})
 
     wait_until(lambda: _member(core, "drainjob")["state"] == "LEFT", 20, "w0 LEFT after drain")
@@ -101,8 +138,11 @@ def test_drain_stops_worker_at_a_step_boundary_and_leaves_cleanly(real_core, age
     # Whatever the Core planned, no plan or decision counted the worker as a failure.
     for event in events:
         assert not any(str(c).startswith("worker_lost") for c in event["data"].get("changes", [])), event
-    failures = [line for line in core.http.get("/metrics").text.splitlines()
-                if line.startswith("elaswave_failures_detected_total{")]
+    failures = [
+        line
+        for line in core.http.get("/metrics").text.splitlines()
+        if line.startswith("elaswave_failures_detected_total{")
+    ]
     assert all(line.endswith(" 0.0") for line in failures), failures
 
 
@@ -124,8 +164,18 @@ def _step_times_after(core: CoreProcess, job: str, first_step: int, count: int) 
 def test_set_frequency_with_simulated_controller_reaches_worker_and_core(real_core, agents, tmp_path: Path):
     core, token = real_core
     job_token = create_job(core, token, "freqjob")
-    agent = _start_agent(agents, tmp_path, core, "freqjob", job_token, "--frequency-controller", "simulated",
-                         "--clock-range", f"800:{NOMINAL_MHZ}:1650", step_time_s=0.1)
+    agent = _start_agent(
+        agents,
+        tmp_path,
+        core,
+        "freqjob",
+        job_token,
+        "--frequency-controller",
+        "simulated",
+        "--clock-range",
+        f"800:{NOMINAL_MHZ}:1650",
+        step_time_s=0.1,
+    )
     wait_until(lambda: _member(core, "freqjob").get("state") == "RUNNING", 20, "w0 running")
     assert "frequency_controller controller=simulated" in agent.log
     device = lambda: _member(core, "freqjob")["probes"].get("device", {}).get("detail", "")  # noqa: E731
@@ -134,8 +184,11 @@ def test_set_frequency_with_simulated_controller_reaches_worker_and_core(real_co
     assert reader.factor == 1.0
 
     _command(core, token, "freqjob", {"command": "set_frequency", "frequency_mhz": 800})
-    wait_until(lambda: "SetFrequency 800 MHz applied: simulated 800 MHz (factor 0.5714 of nominal 1400)"
-               in device(), 10, "applied frequency in the Core's view")
+    wait_until(
+        lambda: "SetFrequency 800 MHz applied: simulated 800 MHz (factor 0.5714 of nominal 1400)" in device(),
+        10,
+        "applied frequency in the Core's view",
+    )
     assert "clock controller simulated at 800 MHz" in device()
     assert reader.factor == pytest.approx(800 / NOMINAL_MHZ)
     # The worker read the factor: every step now sleeps 0.1 / (800/1400) = 0.175 s at least.
@@ -145,8 +198,10 @@ def test_set_frequency_with_simulated_controller_reaches_worker_and_core(real_co
     seq = reader.poll().seq
     _command(core, token, "freqjob", {"command": "set_frequency", "frequency_mhz": 2000})
     wait_until(lambda: "SetFrequency 2000 MHz refused" in device(), 10, "refusal in the Core's view")
-    assert ("SetFrequency 2000 MHz refused: 2000 MHz is outside the simulated range 800..1650 MHz; "
-            "clock unchanged") in device()
+    assert (
+        "SetFrequency 2000 MHz refused: 2000 MHz is outside the simulated range 800..1650 MHz; "
+        "clock unchanged"
+    ) in device()
     assert "clock controller simulated at 800 MHz" in device()
     assert (reader.poll().seq, reader.factor) == (seq, pytest.approx(800 / NOMINAL_MHZ))  # nothing changed
 
@@ -174,6 +229,11 @@ def test_report_now_advances_last_report_well_before_the_next_heartbeat(real_cor
 
     after = wait_until(reported, 5, "heartbeat and every probe after report_now")
     # Not the periodic heartbeat, which is due 10 s after the one before.
-    assert before["last_heartbeat_unix"] < asked <= after["last_heartbeat_unix"] < before["last_heartbeat_unix"] + 9.0
+    assert (
+        before["last_heartbeat_unix"]
+        < asked
+        <= after["last_heartbeat_unix"]
+        < before["last_heartbeat_unix"] + 9.0
+    )
     assert after["memory"]["host_total_bytes"] == psutil.virtual_memory().total
     assert after["state"] in ("JOINING", "RUNNING")

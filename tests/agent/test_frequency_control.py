@@ -40,16 +40,22 @@ def test_simulated_controller_applies_in_range_restores_nominal_and_refuses_outs
             controller.apply(mhz)
         assert controller.current_mhz() == 1050  # nothing changed
     assert controller.apply(0).mhz == 1400 and controller.current_mhz() == 1400
-    assert (controller.apply(800).factor, controller.apply(1650).mhz) == (800 / 1400, 1650)  # bounds inclusive
+    assert (controller.apply(800).factor, controller.apply(1650).mhz) == (
+        800 / 1400,
+        1650,
+    )  # bounds inclusive
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("800:1400", "expected MIN:NOMINAL:MAX"),
-    ("a:b:c", "expected MIN:NOMINAL:MAX"),
-    ("800:1400:-1", "expected MIN:NOMINAL:MAX"),
-    ("1500:1400:1650", "0 < min <= nominal <= max"),
-    ("0:1400:1650", "0 < min <= nominal <= max"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("800:1400", "expected MIN:NOMINAL:MAX"),
+        ("a:b:c", "expected MIN:NOMINAL:MAX"),
+        ("800:1400:-1", "expected MIN:NOMINAL:MAX"),
+        ("1500:1400:1650", "0 < min <= nominal <= max"),
+        ("0:1400:1650", "0 < min <= nominal <= max"),
+    ],
+)
 def test_bad_clock_ranges_are_refused_with_the_flag_named(text: str, message: str):
     with pytest.raises(ValueError, match=message) as err:
         parse_clock_range(text)
@@ -81,24 +87,32 @@ def test_control_file_round_trip_and_reader_sees_every_write(tmp_path: Path):
     assert not path.exists()
 
 
-@pytest.mark.parametrize(("raw", "message"), [
-    ("{", "not JSON"),
-    ('{"version": 2}', "version 1"),
-    ('{"version": 1, "seq": 1, "frequency": {"mhz": 1}}', "missing or malformed field"),
-    ('{"version": 1, "seq": 1, "frequency": {"controller": "s", "mhz": 1, "nominal_mhz": 0, "min_mhz": 1, '
-     '"max_mhz": 1}}', "nominal_mhz must be > 0"),
-])
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("{", "not JSON"),
+        ('{"version": 2}', "version 1"),
+        ('{"version": 1, "seq": 1, "frequency": {"mhz": 1}}', "missing or malformed field"),
+        (
+            '{"version": 1, "seq": 1, "frequency": {"controller": "s", "mhz": 1, "nominal_mhz": 0, "min_mhz": 1, '
+            '"max_mhz": 1}}',
+            "nominal_mhz must be > 0",
+        ),
+    ],
+)
 def test_bad_control_files_are_refused_with_the_reason(raw: str, message: str):
     with pytest.raises(BadControlFile, match=message):
         parse_control(raw)
 
 
 def test_npu_smi_common_output_parsing():
-    sample = ("        NPU ID                         : 0\n"
-              "        Aicore Usage Rate(%)           : 0\n"
-              "        Aicore Freq(MHZ)               : 1800\n"
-              "        Aicore curFreq(MHZ)            : 1400\n"
-              "        Temperature(C)                 : 37\n")
+    sample = (
+        "        NPU ID                         : 0\n"
+        "        Aicore Usage Rate(%)           : 0\n"
+        "        Aicore Freq(MHZ)               : 1800\n"
+        "        Aicore curFreq(MHZ)            : 1400\n"
+        "        Temperature(C)                 : 37\n"
+    )
     assert parse_npu_smi_common(sample) == (1800, 1400)
     with pytest.raises(ValueError, match="no 'Aicore Freq"):
         parse_npu_smi_common("Temperature(C) : 37\n")
@@ -116,7 +130,10 @@ def test_npu_smi_without_a_set_command_refuses_before_running_anything():
 def test_auto_selection_and_explicit_choices_on_a_cpu_host(monkeypatch: pytest.MonkeyPatch):
     controller, why = select_controller("auto", "cpu", CLOCK, [], None)
     assert isinstance(controller, SimulatedController) and "CPU run" in why
-    assert select_controller("none", "cpu", CLOCK, [], None) == (None, "disabled by --frequency-controller none")
+    assert select_controller("none", "cpu", CLOCK, [], None) == (
+        None,
+        "disabled by --frequency-controller none",
+    )
     monkeypatch.setenv("PATH", "/nonexistent")  # npu-smi cannot be found
     controller, why = select_controller("auto", "npu", CLOCK, [0], None)
     assert controller is None and why == "npu host but npu-smi is unavailable: npu-smi is not on PATH"
@@ -131,11 +148,14 @@ def _config(**changes: object) -> AgentConfig:
     return AgentConfig(**{**base, **changes})  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    ({"drain_grace_s": -1.0}, "--drain-grace: must be >= 0"),
-    ({"frequency_controller": "turbo"}, "--frequency-controller: expected one of"),
-    ({"npu_smi_set": "npu-smi set -i {id}"}, "--npu-smi-set: the command must contain {mhz}"),
-])
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"drain_grace_s": -1.0}, "--drain-grace: must be >= 0"),
+        ({"frequency_controller": "turbo"}, "--frequency-controller: expected one of"),
+        ({"npu_smi_set": "npu-smi set -i {id}"}, "--npu-smi-set: the command must contain {mhz}"),
+    ],
+)
 def test_bad_clock_and_drain_settings_are_refused(changes: dict[str, object], message: str):
     with pytest.raises(ValueError, match=message):
         _config(**changes)

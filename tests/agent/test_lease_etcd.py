@@ -51,7 +51,11 @@ def test_alive_key_lives_with_the_agent_is_recreated_after_a_stall_and_expires_a
     _wait_key(etcd_client, key, present=True, timeout=10)
     value, meta = etcd_client.get(key)
     record = json.loads(value)
-    assert (record["host"], record["pid"], record["agent_pid"]) == (register.host, register.pid, agent.proc.pid)
+    assert (record["host"], record["pid"], record["agent_pid"]) == (
+        register.host,
+        register.pid,
+        agent.proc.pid,
+    )
     assert record["agent_start_unix"] <= time.time()
     first_lease = meta.lease_id
 

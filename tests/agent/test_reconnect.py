@@ -38,8 +38,11 @@ def test_reconnects_and_reregisters_after_core_restart_on_same_port(core, run_ag
     assert sum("core_registered" in line for line in lines) == 3
     second_session = next(i for i, line in enumerate(lines) if "sessions=2" in line)
     delays = [float(line.split("delay_ms=")[1].split()[0]) for line in lines if "core_reconnect_wait" in line]
-    after_reset = [float(line.split("delay_ms=")[1].split()[0]) for line in lines[second_session:]
-                   if "core_reconnect_wait" in line]
+    after_reset = [
+        float(line.split("delay_ms=")[1].split()[0])
+        for line in lines[second_session:]
+        if "core_reconnect_wait" in line
+    ]
     print(f"\nreconnect delays (ms): {delays}")
     first_outage = delays[: len(delays) - len(after_reset)]
     assert len(first_outage) >= 3 and len(after_reset) >= 1
@@ -56,8 +59,10 @@ def test_critical_reports_replayed_to_the_next_core(run_agent, tmp_path: Path):
     new = RecordingCore().start()
     try:
         notice = tmp_path / "notice"
-        agent = run_agent(base_args(tmp_path, f"{old.address},{new.address}", "w0", "--notice-file", str(notice))
-                          + sleeper_command(tmp_path))
+        agent = run_agent(
+            base_args(tmp_path, f"{old.address},{new.address}", "w0", "--notice-file", str(notice))
+            + sleeper_command(tmp_path)
+        )
         old.wait_kind("heartbeat")
         notice.write_text("")
         old.wait_kind("preemption")
@@ -88,8 +93,10 @@ def test_standby_refusal_moves_to_next_address(run_agent, tmp_path: Path, code):
 @pytest.mark.timeout(40)
 def test_standby_leader_hint_is_followed_even_outside_the_list(run_agent, tmp_path: Path):
     leader = RecordingCore().start()
-    standby = RecordingCore(refuse_code=grpc.StatusCode.FAILED_PRECONDITION,
-                            refuse_message=f"not leader; leader is {leader.address}").start()
+    standby = RecordingCore(
+        refuse_code=grpc.StatusCode.FAILED_PRECONDITION,
+        refuse_message=f"not leader; leader is {leader.address}",
+    ).start()
     try:
         agent = run_agent(base_args(tmp_path, standby.address) + sleeper_command(tmp_path))
         leader.wait_kind("heartbeat", timeout=10)

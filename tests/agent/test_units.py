@@ -19,7 +19,15 @@ from agent.preemption import parse_notice_deadline
 from agent.worker import ExitStatus, describe_exit
 from elaswave.local_protocol import EXIT_CODE_UNKNOWN, BadMetrics, StepMetricsClient
 
-GOOD = {"step": 3, "step_time_s": 1.5, "compute_time_s": 1.0, "loss": 2.25, "samples": 16, "stage": 1, "dp_rank": 0}
+GOOD = {
+    "step": 3,
+    "step_time_s": 1.5,
+    "compute_time_s": 1.0,
+    "loss": 2.25,
+    "samples": 16,
+    "stage": 1,
+    "dp_rank": 0,
+}
 
 
 _DROP = object()  # a field value meaning "leave the field out"
@@ -32,8 +40,15 @@ def _line(**changes: object) -> bytes:
 
 def test_valid_record_becomes_proto_field_for_field():
     metrics = parse_line(_line())
-    assert (metrics.step, metrics.step_time_s, metrics.compute_time_s, metrics.loss, metrics.samples,
-            metrics.stage, metrics.dp_rank) == tuple(GOOD.values())
+    assert (
+        metrics.step,
+        metrics.step_time_s,
+        metrics.compute_time_s,
+        metrics.loss,
+        metrics.samples,
+        metrics.stage,
+        metrics.dp_rank,
+    ) == tuple(GOOD.values())
     assert math.isnan(parse_line(_line(loss=None)).loss)
     assert math.isnan(parse_line(_line(loss=_DROP)).loss)
     assert parse_line(_line(step_time_s=2)).step_time_s == 2.0  # JSON integers are fine for seconds
@@ -52,8 +67,10 @@ def test_valid_record_becomes_proto_field_for_field():
         (_line(samples=-1), "samples must be >= 0"),
         (_line(stage=-2), "stage must be >= -1"),
         (_line(step_time_s=-0.1), "step_time_s must be a finite number of seconds >= 0"),
-        (b'{"step": 1, "step_time_s": NaN, "compute_time_s": 0, "samples": 1, "stage": 0, "dp_rank": 0}',
-         "step_time_s must be a finite"),
+        (
+            b'{"step": 1, "step_time_s": NaN, "compute_time_s": 0, "samples": 1, "stage": 0, "dp_rank": 0}',
+            "step_time_s must be a finite",
+        ),
         (_line(compute_time_s="1"), "compute_time_s must be a finite"),
         (_line(loss="low"), "loss must be a number or null"),
     ],
@@ -154,7 +171,10 @@ def _config(**changes: object) -> AgentConfig:
     ("changes", "message"),
     [
         ({"job": ""}, "--job: must be 1-128 letters, digits or '._:@-'"),
-        ({"worker_id": "a/b"}, "--worker-id: must be 1-128 letters, digits or '._:@-', starting with a letter or digit, got 'a/b'"),
+        (
+            {"worker_id": "a/b"},
+            "--worker-id: must be 1-128 letters, digits or '._:@-', starting with a letter or digit, got 'a/b'",
+        ),
         ({"worker_id": "-w"}, "--worker-id: must be 1-128"),
         ({"cores": ()}, "--core: at least one"),
         ({"worker_command": ("python",)}, "exactly one of --pid PID or a worker command"),
@@ -193,8 +213,16 @@ def test_exit_codes_and_descriptions():
     assert describe_exit(-9) == "killed by signal 9 (SIGKILL)"
     assert describe_exit(3) == "exited with code 3"
     assert "unknown" in describe_exit(EXIT_CODE_UNKNOWN)
-    assert [agent_exit_code(s) for s in (None, ExitStatus(0, ""), ExitStatus(3, ""), ExitStatus(-15, ""),
-                                         ExitStatus(EXIT_CODE_UNKNOWN, ""))] == [0, 0, 3, 143, 1]
+    assert [
+        agent_exit_code(s)
+        for s in (
+            None,
+            ExitStatus(0, ""),
+            ExitStatus(3, ""),
+            ExitStatus(-15, ""),
+            ExitStatus(EXIT_CODE_UNKNOWN, ""),
+        )
+    ] == [0, 0, 3, 143, 1]
 
 
 def test_log_lines_are_single_line_key_values():
@@ -240,6 +268,8 @@ def test_discovery_on_this_host_cpu_means_one_device_backed_by_host_memory():
     if found.has_accelerator:  # a GPU/NPU host: every device is named and sized by the driver
         assert found.devices and all(d.kind in ("cuda", "npu") and d.memory_bytes > 0 for d in found.devices)
         return
-    assert [(d.kind, d.index, d.memory_bytes) for d in found.devices] == [("cpu", 0, psutil.virtual_memory().total)]
+    assert [(d.kind, d.index, d.memory_bytes) for d in found.devices] == [
+        ("cpu", 0, psutil.virtual_memory().total)
+    ]
     reading = found.read(worker_rss_bytes=4096)
     assert reading.used_bytes == [4096] and reading.probe.healthy

@@ -51,7 +51,9 @@ def test_a_dataset_smaller_than_a_global_batch() -> None:
 
 
 def test_a_loss_that_is_not_per_sample() -> None:
-    with pytest.raises(ValueError, match=r"loss_fn must return one floating-point loss per sample, shape \(4,\)"):
+    with pytest.raises(
+        ValueError, match=r"loss_fn must return one floating-point loss per sample, shape \(4,\)"
+    ):
         elaswave.train(small_units(), lambda out, y: ((out - y) ** 2).mean(), DATA, global_batch=4, steps=1)
 
 
@@ -70,8 +72,12 @@ def test_tied_weights_across_units_are_refused() -> None:
     # from_modules deep-copies each unit, which unties them; a build function that hands out the
     # same module object twice is what ties units, and that is refused.
     units = elaswave.Units(["x", "y"], lambda n: shared)
-    with pytest.raises(UnitBuildError, match="share a parameter: tied weights across units are not supported"):
-        elaswave.train(units, mse, TensorDataset(torch.randn(8, 4), torch.randn(8, 4)), global_batch=4, steps=1)
+    with pytest.raises(
+        UnitBuildError, match="share a parameter: tied weights across units are not supported"
+    ):
+        elaswave.train(
+            units, mse, TensorDataset(torch.randn(8, 4), torch.randn(8, 4)), global_batch=4, steps=1
+        )
     assert len(model) == 4
 
 
@@ -80,10 +86,13 @@ def test_resume_from_something_that_is_not_a_checkpoint(tmp_path: Path) -> None:
         elaswave.train(small_units(), mse, DATA, global_batch=4, steps=1, resume=tmp_path)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"steps": 0}, "need steps >= 1"),
-    ({"micro_batches": 5}, "micro_batches <= global_batch"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"steps": 0}, "need steps >= 1"),
+        ({"micro_batches": 5}, "micro_batches <= global_batch"),
+    ],
+)
 def test_out_of_range_settings(kwargs: dict, match: str) -> None:
     args = {"global_batch": 4, "steps": 1} | kwargs
     with pytest.raises(ValueError, match=match):
@@ -100,8 +109,15 @@ def test_bad_optimizer_settings() -> None:
 def test_sequential_trains_and_returns_a_plain_state_dict() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    result = elaswave.train(model, mse, DATA, global_batch=8, micro_batches=2, steps=3,
-                            optimizer=elaswave.SGD(lr=0.05, momentum=0.9))
+    result = elaswave.train(
+        model,
+        mse,
+        DATA,
+        global_batch=8,
+        micro_batches=2,
+        steps=3,
+        optimizer=elaswave.SGD(lr=0.05, momentum=0.9),
+    )
     assert sorted(result.losses) == [0, 1, 2]
     assert result.state_dict is not None
     fresh = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -122,8 +138,16 @@ def test_loader_processes_feed_the_same_batches_as_the_prefetch_thread() -> None
         from tests.api.toy_model import build_unit
 
         units = elaswave.Units(["embed", "conv", "split", "mlp", "merge", "head"], build_unit)
-        return elaswave.train(units, huber_per_sample, Regression(), global_batch=8, micro_batches=2, steps=4,
-                              optimizer=toy_optimizer(4), loader_workers=workers)
+        return elaswave.train(
+            units,
+            huber_per_sample,
+            Regression(),
+            global_batch=8,
+            micro_batches=2,
+            steps=4,
+            optimizer=toy_optimizer(4),
+            loader_workers=workers,
+        )
 
     threaded, processes = run(0), run(2)
     assert processes.losses == threaded.losses

@@ -32,8 +32,16 @@ STEPS, AT = 7, 2  # checkpoint after step 2: resume trains steps 3..6
 def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float], dict]:
     """A PP=2 x DP=2 run of all steps that checkpoints after step AT (the uninterrupted run)."""
     root = tmp_path_factory.mktemp("ckpt")
-    results = run_job(JobSpec(toy_spec(STEPS), toy_layout([(0, 3), (3, 6)], [(0, 1), (2, 3)]), STEPS,
-                              checkpoint_dir=str(root), checkpoint_steps=(AT,), timeout_s=60.0))
+    results = run_job(
+        JobSpec(
+            toy_spec(STEPS),
+            toy_layout([(0, 3), (3, 6)], [(0, 1), (2, 3)]),
+            STEPS,
+            checkpoint_dir=str(root),
+            checkpoint_steps=(AT,),
+            timeout_s=60.0,
+        )
+    )
     return root, job_losses(results), merged_state(results)
 
 
@@ -56,15 +64,22 @@ def test_checkpoint_is_plain_torch_and_complete(written: tuple[Path, list[float]
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("bounds, ranks", [
-    ([(0, 6)], [(0, 1, 2)]),  # PP=1 x DP=3
-    ([(0, 3), (3, 4), (4, 6)], [(0,), (1,), (2,)]),  # PP=3 x DP=1
-], ids=["pp1xdp3", "pp3xdp1"])
-def test_resume_on_another_layout(written: tuple[Path, list[float], dict], bounds: list[tuple[int, int]],
-                                  ranks: list[tuple[int, ...]]) -> None:
+@pytest.mark.parametrize(
+    "bounds, ranks",
+    [
+        ([(0, 6)], [(0, 1, 2)]),  # PP=1 x DP=3
+        ([(0, 3), (3, 4), (4, 6)], [(0,), (1,), (2,)]),  # PP=3 x DP=1
+    ],
+    ids=["pp1xdp3", "pp3xdp1"],
+)
+def test_resume_on_another_layout(
+    written: tuple[Path, list[float], dict], bounds: list[tuple[int, int]], ranks: list[tuple[int, ...]]
+) -> None:
     root, losses, final = written
-    results = run_job(JobSpec(toy_spec(STEPS), toy_layout(bounds, ranks), STEPS, resume_dir=str(root), timeout_s=60.0))
-    assert job_losses(results) == pytest.approx(losses[AT + 1:], rel=REL)
+    results = run_job(
+        JobSpec(toy_spec(STEPS), toy_layout(bounds, ranks), STEPS, resume_dir=str(root), timeout_s=60.0)
+    )
+    assert job_losses(results) == pytest.approx(losses[AT + 1 :], rel=REL)
     assert_close_states(merged_state(results), final)
 
 
@@ -72,9 +87,16 @@ def test_resume_on_another_layout(written: tuple[Path, list[float], dict], bound
 @pytest.mark.timeout(240)
 def test_resume_on_the_same_layout_is_bitwise(written: tuple[Path, list[float], dict]) -> None:
     root, losses, final = written
-    results = run_job(JobSpec(toy_spec(STEPS), toy_layout([(0, 3), (3, 6)], [(0, 1), (2, 3)]), STEPS,
-                              resume_dir=str(root), timeout_s=60.0))
-    assert job_losses(results) == losses[AT + 1:]
+    results = run_job(
+        JobSpec(
+            toy_spec(STEPS),
+            toy_layout([(0, 3), (3, 6)], [(0, 1), (2, 3)]),
+            STEPS,
+            resume_dir=str(root),
+            timeout_s=60.0,
+        )
+    )
+    assert job_losses(results) == losses[AT + 1 :]
     state = merged_state(results)
     for name in UNITS:
         for key in ("param", "exp_avg", "exp_avg_sq"):
@@ -94,7 +116,7 @@ def test_single_process_resume_is_bitwise(tmp_path: Path) -> None:
     writer.wait(60.0)
     resumed = single_rank_trainer(toy_spec(STEPS), BATCH, SLOTS)
     assert load_checkpoint(resumed, tmp_path).next_step == AT + 1
-    assert [resumed.train_step(s).loss for s in range(AT + 1, STEPS)] == full.losses[AT + 1:]
+    assert [resumed.train_step(s).loss for s in range(AT + 1, STEPS)] == full.losses[AT + 1 :]
 
 
 def _write_slowly(root: str, started: object) -> None:

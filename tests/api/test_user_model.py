@@ -25,7 +25,9 @@ REL = 2e-6
 
 def toy_layout(bounds: list[tuple[int, int]], ranks: list[tuple[int, ...]]) -> Layout:
     numel = toy_spec().unit_numels()
-    stages = tuple(StageLayout(p, lo, hi, r) for p, ((lo, hi), r) in enumerate(zip(bounds, ranks, strict=True)))
+    stages = tuple(
+        StageLayout(p, lo, hi, r) for p, ((lo, hi), r) in enumerate(zip(bounds, ranks, strict=True))
+    )
     return Layout(len(UNITS), BATCH, SLOTS, stages, numel)
 
 
@@ -44,8 +46,12 @@ def test_single_process_matches_torch_optim() -> None:
     model = nn.Sequential(*[spec.model.build(i) for i in range(len(UNITS))])
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.SGD([{"params": decay, "weight_decay": 1e-3}, {"params": no_decay, "weight_decay": 0.0}],
-                          lr=0.2, momentum=0.9, nesterov=True)
+    opt = torch.optim.SGD(
+        [{"params": decay, "weight_decay": 1e-3}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=0.2,
+        momentum=0.9,
+        nesterov=True,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, spec.optimizer.schedule)
     sampler = GlobalBatchSampler(spec.dataset, BATCH)
     losses = []
@@ -72,11 +78,15 @@ def test_single_process_matches_torch_optim() -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("bounds, ranks", [
-    ([(0, 3), (3, 6)], [(0, 1), (2, 3)]),  # PP=2 x DP=2; the boundary carries a tuple with an int member
-    ([(0, 3), (3, 4), (4, 6)], [(0,), (1,), (2,)]),  # PP=3 x DP=1: tuples on both boundaries
-    ([(0, 2), (2, 6)], [(0, 1), (2,)]),  # stages of different DP sizes
-], ids=["pp2xdp2", "pp3xdp1", "dp2-dp1"])
+@pytest.mark.parametrize(
+    "bounds, ranks",
+    [
+        ([(0, 3), (3, 6)], [(0, 1), (2, 3)]),  # PP=2 x DP=2; the boundary carries a tuple with an int member
+        ([(0, 3), (3, 4), (4, 6)], [(0,), (1,), (2,)]),  # PP=3 x DP=1: tuples on both boundaries
+        ([(0, 2), (2, 6)], [(0, 1), (2,)]),  # stages of different DP sizes
+    ],
+    ids=["pp2xdp2", "pp3xdp1", "dp2-dp1"],
+)
 def test_layouts_match_single_process(bounds: list[tuple[int, int]], ranks: list[tuple[int, ...]]) -> None:
     spec = toy_spec(STEPS)
     ref = run_reference(spec, BATCH, SLOTS, STEPS)

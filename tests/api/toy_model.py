@@ -55,7 +55,9 @@ class Mlp(nn.Module):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(16, 48), nn.Linear(48, 16)
 
-    def forward(self, pooled: torch.Tensor, seq: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, pooled: torch.Tensor, seq: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         return pooled + self.fc2(torch.tanh(self.fc1(pooled))), seq, mask
 
 
@@ -105,9 +107,16 @@ class Regression(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 def toy_optimizer(total_steps: int = 8) -> OptimizerConfig:
-    return OptimizerConfig("sgd", lr=0.2, momentum=0.9, nesterov=True, weight_decay=1e-3,
-                           schedule=functools.partial(_schedule, total_steps), no_decay=no_decay_norms_and_biases,
-                           max_grad_norm=0.5)
+    return OptimizerConfig(
+        "sgd",
+        lr=0.2,
+        momentum=0.9,
+        nesterov=True,
+        weight_decay=1e-3,
+        schedule=functools.partial(_schedule, total_steps),
+        no_decay=no_decay_norms_and_biases,
+        max_grad_norm=0.5,
+    )
 
 
 def _schedule(total: int, t: int) -> float:
@@ -115,5 +124,9 @@ def _schedule(total: int, t: int) -> float:
 
 
 def toy_spec(total_steps: int = 8, seed: int = 0) -> TrainSpec:
-    return TrainSpec(UnitModel(UNITS, build_unit, init_seed=seed), huber_per_sample, Regression(),
-                     toy_optimizer(total_steps))
+    return TrainSpec(
+        UnitModel(UNITS, build_unit, init_seed=seed),
+        huber_per_sample,
+        Regression(),
+        toy_optimizer(total_steps),
+    )

@@ -32,16 +32,45 @@ def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interv
 class CoreProcess:
     """`elaswave core` in its own process, on free loopback ports."""
 
-    def __init__(self, tmp: Path, name: str, registry_url: str, scheduler_token: str,
-                 extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None, *,
-                 heartbeat_timeout_s: float = 2.0, lease_ttl_s: float = 2.0, leader_ttl_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        registry_url: str,
+        scheduler_token: str,
+        extra_env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
+        *,
+        heartbeat_timeout_s: float = 2.0,
+        lease_ttl_s: float = 2.0,
+        leader_ttl_s: float = 2.0,
+    ) -> None:
         self.ready_file = tmp / f"{name}.ready.json"
         self.log_path = tmp / f"{name}.log"
         env = dict(os.environ, ELASWAVE_SCHEDULER_TOKEN=scheduler_token, **(extra_env or {}))
-        cmd = [sys.executable, "-m", "elaswave.cli", "core", "--grpc-port", "0", "--http-port", "0",
-               "--registry", registry_url, "--core-id", name, "--ready-file", str(self.ready_file),
-               "--heartbeat-timeout", str(heartbeat_timeout_s), "--lease-ttl", str(lease_ttl_s),
-               "--leader-ttl", str(leader_ttl_s), *(extra_args or [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "elaswave.cli",
+            "core",
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--registry",
+            registry_url,
+            "--core-id",
+            name,
+            "--ready-file",
+            str(self.ready_file),
+            "--heartbeat-timeout",
+            str(heartbeat_timeout_s),
+            "--lease-ttl",
+            str(lease_ttl_s),
+            "--leader-ttl",
+            str(leader_ttl_s),
+            *(extra_args or []),
+        ]
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         info = wait_until(self._ready, DEFAULT_WAIT_S, f"core {name} to bind its ports")
@@ -111,22 +140,61 @@ class CoreProcess:
 class AgentProcess:
     """`elaswave agent` launching a dummy worker."""
 
-    def __init__(self, tmp: Path, job: str, worker_id: str, core_addresses: str, job_token: str, *,
-                 rank: int = -1, stage: int = 0, dp_rank: int = 0, etcd: str | None = None,
-                 step_time_s: float = 0.1, heartbeat_interval_s: float = 0.25, lease_ttl_s: int = 2) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        job: str,
+        worker_id: str,
+        core_addresses: str,
+        job_token: str,
+        *,
+        rank: int = -1,
+        stage: int = 0,
+        dp_rank: int = 0,
+        etcd: str | None = None,
+        step_time_s: float = 0.1,
+        heartbeat_interval_s: float = 0.25,
+        lease_ttl_s: int = 2,
+    ) -> None:
         self.worker_id = worker_id
         self.log_path = tmp / f"agent-{worker_id}.log"
         env = dict(os.environ, ELASWAVE_JOB_TOKEN=job_token)
-        cmd = [sys.executable, "-m", "elaswave.cli", "agent", "--job", job, "--worker-id", worker_id,
-               "--stage", str(stage), "--dp-rank", str(dp_rank), "--core", core_addresses,
-               "--metrics-socket", str(tmp / f"{worker_id}.sock"),
-               "--heartbeat-interval", str(heartbeat_interval_s)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "elaswave.cli",
+            "agent",
+            "--job",
+            job,
+            "--worker-id",
+            worker_id,
+            "--stage",
+            str(stage),
+            "--dp-rank",
+            str(dp_rank),
+            "--core",
+            core_addresses,
+            "--metrics-socket",
+            str(tmp / f"{worker_id}.sock"),
+            "--heartbeat-interval",
+            str(heartbeat_interval_s),
+        ]
         if rank >= 0:
             cmd += ["--rank", str(rank)]
         if etcd:
             cmd += ["--etcd", etcd, "--lease-ttl", str(lease_ttl_s)]
-        cmd += ["--", sys.executable, "-m", "harness.dummy_worker", "--step-time", str(step_time_s),
-                "--stage", str(stage), "--dp-rank", str(dp_rank)]
+        cmd += [
+            "--",
+            sys.executable,
+            "-m",
+            "harness.dummy_worker",
+            "--step-time",
+            str(step_time_s),
+            "--stage",
+            str(stage),
+            "--dp-rank",
+            str(dp_rank),
+        ]
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
@@ -153,7 +221,8 @@ def new_token() -> str:
 
 
 def create_job(core: CoreProcess, scheduler_token: str, name: str, **body: Any) -> str:
-    response = core.http.post("/api/v1/jobs", json={"name": name, **body},
-                              headers={"Authorization": f"Bearer {scheduler_token}"})
+    response = core.http.post(
+        "/api/v1/jobs", json={"name": name, **body}, headers={"Authorization": f"Bearer {scheduler_token}"}
+    )
     assert response.status_code == 201, response.text
     return response.json()["token"]

@@ -28,16 +28,35 @@ HEARTBEAT_TIMEOUT_S = 4.0
 class RawStream:
     """One agent stream over real gRPC: messages go out when sent, every Core message is kept."""
 
-    def __init__(self, address: str, token: str, job: str, worker_id: str, *, rank: int = -1,
-                 heartbeat_interval_ms: int = 200, beat: bool = True) -> None:
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        job: str,
+        worker_id: str,
+        *,
+        rank: int = -1,
+        heartbeat_interval_ms: int = 200,
+        beat: bool = True,
+    ) -> None:
         self.channel = grpc.insecure_channel(address)
         self.outgoing: queue.Queue = queue.Queue()
         self.incoming: queue.Queue = queue.Queue()
-        register = agent_pb2.Register(job=job, worker_id=worker_id, host="testhost", pid=4242, stage=0,
-                                      dp_rank=max(rank, 0), rank=rank, heartbeat_interval_ms=heartbeat_interval_ms)
+        register = agent_pb2.Register(
+            job=job,
+            worker_id=worker_id,
+            host="testhost",
+            pid=4242,
+            stage=0,
+            dp_rank=max(rank, 0),
+            rank=rank,
+            heartbeat_interval_ms=heartbeat_interval_ms,
+        )
         self.outgoing.put(agent_pb2.ConnectRequest(register=register))
         stub = agent_pb2_grpc.AgentServiceStub(self.channel)
-        self.call = stub.Connect(iter(self.outgoing.get, None), metadata=[("authorization", f"Bearer {token}")])
+        self.call = stub.Connect(
+            iter(self.outgoing.get, None), metadata=[("authorization", f"Bearer {token}")]
+        )
         self.error: grpc.RpcError | None = None
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -82,8 +101,11 @@ class RawStream:
         self.send(heartbeat=agent_pb2.Heartbeat(seq=self._seq, sent_unix=time.time()))
 
     def step(self, step: int) -> None:
-        self.send(step=agent_pb2.StepMetrics(step=step, step_time_s=0.1, compute_time_s=0.09, loss=2.0,
-                                             samples=2, stage=0, dp_rank=0))
+        self.send(
+            step=agent_pb2.StepMetrics(
+                step=step, step_time_s=0.1, compute_time_s=0.09, loss=2.0, samples=2, stage=0, dp_rank=0
+            )
+        )
 
     def leave(self, reason: str = "test done", finished: bool = False) -> None:
         self._stop.set()
@@ -103,8 +125,14 @@ def core(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CoreProcess
     tmp = tmp_path_factory.mktemp("a2core")
     token = new_token()
     # The Core-held liveness lease outlives the heartbeat timeout, so heartbeats decide here.
-    proc = CoreProcess(tmp, "a2", "memory://", token, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
-                       lease_ttl_s=2 * HEARTBEAT_TIMEOUT_S)
+    proc = CoreProcess(
+        tmp,
+        "a2",
+        "memory://",
+        token,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+        lease_ttl_s=2 * HEARTBEAT_TIMEOUT_S,
+    )
     proc.wait_leader()
     yield proc, token
     proc.stop()
@@ -116,6 +144,7 @@ def member(core: CoreProcess, job: str, worker_id: str) -> dict:
 
 def settled(core: CoreProcess, job: str) -> None:
     """Waits until the engine has handled the join (its last event returns the job to RUNNING)."""
+
     def last_kind() -> str:
         return core.http.get(f"/api/v1/jobs/{job}/events").json()["events"][-1]["kind"]
 
@@ -141,8 +170,10 @@ def test_bad_reports_are_refused_alone_and_the_worker_stays_alive(core: tuple[Co
         "empty": agent_pb2.ConnectRequest(),
         "step": agent_pb2.ConnectRequest(step=agent_pb2.StepMetrics(step=2, step_time_s=float("nan"))),
     }
-    counted = {kind: proc.metric("elaswave_rejected_requests_total", api="agent", reason=f"invalid_report_{kind}")
-               for kind in bad}
+    counted = {
+        kind: proc.metric("elaswave_rejected_requests_total", api="agent", reason=f"invalid_report_{kind}")
+        for kind in bad
+    }
     for request in bad.values():
         stream.outgoing.put(request)
     notices = [stream.next(5.0) for _ in bad]
@@ -155,19 +186,27 @@ def test_bad_reports_are_refused_alone_and_the_worker_stays_alive(core: tuple[Co
     # The stream is still served: a heartbeat after the bad reports is taken.
     sent_after = time.time()
     stream.heartbeat()
-    wait_until(lambda: member(proc, "reports", "w0")["last_heartbeat_unix"] >= sent_after - 0.5, 5,
-               "the heartbeat after the bad reports to land")
+    wait_until(
+        lambda: member(proc, "reports", "w0")["last_heartbeat_unix"] >= sent_after - 0.5,
+        5,
+        "the heartbeat after the bad reports to land",
+    )
     after = proc.job("reports")
     after_member = member(proc, "reports", "w0")
     assert after_member["state"] == "RUNNING" and after_member["lost_reason"] == ""
     # Nothing was recorded or re-planned; the bad values were not stored.
     assert (after["last_event_seq"], after["plan_epoch"], after["phase"]) == (
-        before["last_event_seq"], before["plan_epoch"], "RUNNING")
+        before["last_event_seq"],
+        before["plan_epoch"],
+        "RUNNING",
+    )
     assert after_member["memory"] == before_member["memory"] == {}
     assert after_member["last_step"]["step"] == 1
     for kind in bad:
-        assert proc.metric("elaswave_rejected_requests_total", api="agent",
-                      reason=f"invalid_report_{kind}") == counted[kind] + 1, kind
+        assert (
+            proc.metric("elaswave_rejected_requests_total", api="agent", reason=f"invalid_report_{kind}")
+            == counted[kind] + 1
+        ), kind
     # And it still ends cleanly.
     stream.leave()
     wait_until(lambda: proc.states("reports") == {"w0": "LEFT"}, 5, "w0 LEFT after its Leave")
@@ -188,7 +227,9 @@ def test_heartbeat_interval_the_timeout_cannot_cover_is_refused(core: tuple[Core
         assert f"heartbeat timeout of {timeout_ms} ms" in str(err.value)
         assert "StatusCode.INVALID_ARGUMENT" in str(err.value)
     assert proc.states("intervals") == {}
-    assert proc.metric("elaswave_rejected_requests_total", api="agent", reason="INVALID_ARGUMENT") == refused + 2
+    assert (
+        proc.metric("elaswave_rejected_requests_total", api="agent", reason="INVALID_ARGUMENT") == refused + 2
+    )
     # Just below the timeout is accepted.
     stream = RawStream(proc.grpc_address, job_token, "intervals", "w0", heartbeat_interval_ms=timeout_ms - 1)
     assert proc.states("intervals") == {"w0": "JOINING"}
@@ -196,7 +237,9 @@ def test_heartbeat_interval_the_timeout_cannot_cover_is_refused(core: tuple[Core
 
 
 @pytest.mark.timeout(60)
-def test_rest_commands_reach_the_agent_stream_and_bad_ones_change_nothing(core: tuple[CoreProcess, str]) -> None:
+def test_rest_commands_reach_the_agent_stream_and_bad_ones_change_nothing(
+    core: tuple[CoreProcess, str],
+) -> None:
     proc, token = core
     job_token = create_job(proc, token, "cmds")
     stream = RawStream(proc.grpc_address, job_token, "cmds", "w0")
@@ -206,12 +249,24 @@ def test_rest_commands_reach_the_agent_stream_and_bad_ones_change_nothing(core: 
     refused = [
         (url, {"command": "set_frequency"}, None, 422, "set_frequency needs frequency_mhz"),
         (url, {"command": "set_frequency", "frequency_mhz": -5}, None, 422, "greater than or equal to 0"),
-        (url, {"command": "set_frequency", "frequency_mhz": 20_000}, None, 422, "less than or equal to 10000"),
+        (
+            url,
+            {"command": "set_frequency", "frequency_mhz": 20_000},
+            None,
+            422,
+            "less than or equal to 10000",
+        ),
         (url, {"command": "report_now", "frequency_mhz": 900}, None, 422, "only for set_frequency"),
         (url, {"command": "reboot"}, None, 422, "set_frequency"),
         (url, {"command": "drain", "deadline_unix": time.time() - 5}, None, 422, "not in the future"),
         ("/api/v1/jobs/nope/workers/w0/commands", {"command": "report_now"}, None, 404, "unknown job 'nope'"),
-        ("/api/v1/jobs/cmds/workers/ghost/commands", {"command": "report_now"}, None, 404, "no worker 'ghost'"),
+        (
+            "/api/v1/jobs/cmds/workers/ghost/commands",
+            {"command": "report_now"},
+            None,
+            404,
+            "no worker 'ghost'",
+        ),
         (url, {"command": "report_now"}, {}, 401, "missing"),
         (url, {"command": "report_now"}, auth("wrong-token-0123456789"), 403, "wrong scheduler token"),
     ]
@@ -223,19 +278,31 @@ def test_rest_commands_reach_the_agent_stream_and_bad_ones_change_nothing(core: 
     assert stream.nothing_within(0.3), "a refused command reached the stream"
 
     sent = []
-    for body in ({"command": "set_frequency", "frequency_mhz": 1410}, {"command": "report_now"},
-                 {"command": "set_frequency", "frequency_mhz": 0},
-                 {"command": "drain", "reason": "node maintenance", "deadline_unix": time.time() + 30}):
+    for body in (
+        {"command": "set_frequency", "frequency_mhz": 1410},
+        {"command": "report_now"},
+        {"command": "set_frequency", "frequency_mhz": 0},
+        {"command": "drain", "reason": "node maintenance", "deadline_unix": time.time() + 30},
+    ):
         response = proc.http.post(url, json=body, headers=auth(token))
         assert response.status_code == 202, response.text
         sent.append(response.json()["event_seq"])
     received = [stream.next(5.0) for _ in sent]
-    assert [r.WhichOneof("body") for r in received] == ["set_frequency", "report_now", "set_frequency", "drain"]
+    assert [r.WhichOneof("body") for r in received] == [
+        "set_frequency",
+        "report_now",
+        "set_frequency",
+        "drain",
+    ]
     assert (received[0].set_frequency.mhz, received[2].set_frequency.mhz) == (1410, 0)
     assert received[3].drain.reason == "node maintenance"
     assert proc.states("cmds") == {"w0": "DRAINING"}
     events = {e["seq"]: e for e in proc.http.get("/api/v1/jobs/cmds/events").json()["events"]}
-    assert [events[seq]["detail"] for seq in sent[:3]] == ["set_frequency 1410 MHz", "report_now", "set_frequency 0 MHz"]
+    assert [events[seq]["detail"] for seq in sent[:3]] == [
+        "set_frequency 1410 MHz",
+        "report_now",
+        "set_frequency 0 MHz",
+    ]
     stream.leave()
     gone = proc.http.post(url, json={"command": "report_now"}, headers=auth(token))
     assert gone.status_code == 409 and "is LEFT" in gone.json()["detail"]
@@ -280,8 +347,11 @@ def test_failed_device_probe_marks_the_worker_lost(core: tuple[CoreProcess, str]
     # A healthy device probe and a failed host probe are recorded; neither is a fail-stop.
     probe(sick, agent_pb2.PROBE_KIND_DEVICE, True, "cuda:0 answers")
     probe(other, agent_pb2.PROBE_KIND_HOST, False, "disk 99% full")
-    wait_until(lambda: member(proc, "probes", "w1")["probes"].get("host", {}).get("healthy") is False, 5,
-               "w1's failed host probe recorded")
+    wait_until(
+        lambda: member(proc, "probes", "w1")["probes"].get("host", {}).get("healthy") is False,
+        5,
+        "w1's failed host probe recorded",
+    )
     assert member(proc, "probes", "w0")["probes"]["device"]["healthy"] is True
     assert proc.states("probes") == {"w0": "RUNNING", "w1": "RUNNING"}
 
@@ -294,7 +364,8 @@ def test_failed_device_probe_marks_the_worker_lost(core: tuple[CoreProcess, str]
     assert proc.states("probes")["w1"] == "RUNNING"
     events = proc.http.get("/api/v1/jobs/probes/events").json()["events"]
     assert [(e["kind"], e["worker_id"], e["detail"]) for e in events if e["kind"] == "worker_lost"] == [
-        ("worker_lost", "w0", "device probe failed: cuda:0 ECC error")]
+        ("worker_lost", "w0", "device probe failed: cuda:0 ECC error")
+    ]
     assert proc.metric("elaswave_failures_detected_total", path="device_probe") == lost_before + 1
     sick.close()
     other.leave()
@@ -307,7 +378,9 @@ def _dvfs_layout() -> dict:
 
 
 @pytest.mark.timeout(60)
-def test_layout_frequencies_are_sent_at_registration_and_with_each_plan(core: tuple[CoreProcess, str]) -> None:
+def test_layout_frequencies_are_sent_at_registration_and_with_each_plan(
+    core: tuple[CoreProcess, str],
+) -> None:
     proc, token = core
     job_token = create_job(proc, token, "dvfs", layout=_dvfs_layout())
     plain = RawStream(proc.grpc_address, job_token, "dvfs", "w0", rank=0)
@@ -329,7 +402,8 @@ def test_layout_frequencies_are_sent_at_registration_and_with_each_plan(core: tu
 
 @pytest.mark.timeout(60)
 def test_a_finished_worker_is_no_change_to_plan_for_and_an_early_departure_is(
-        core: tuple[CoreProcess, str]) -> None:
+    core: tuple[CoreProcess, str],
+) -> None:
     proc, token = core
     layout = make_uniform_layout(num_layers=4, num_stages=1, dp=3, global_batch=6, num_micro_batches=1)
     job_token = create_job(proc, token, "ending", layout=json.loads(layout.to_json()))

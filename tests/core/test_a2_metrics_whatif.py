@@ -60,8 +60,10 @@ def test_latency_histograms_and_refusals_move_with_real_calls(core: tuple[CorePr
         "rej_rest_404": (REJECTED, {"api": "rest", "reason": "NOT_FOUND"}),
         "get_job": (HTTP, {"method": "GET", "route": "/api/v1/jobs/{job}", "status": "200"}),
         "post_401": (HTTP, {"method": "POST", "route": "/api/v1/jobs", "status": "401"}),
-        "command_404": (HTTP, {"method": "POST", "route": "/api/v1/jobs/{job}/workers/{worker}/commands",
-                               "status": "404"}),
+        "command_404": (
+            HTTP,
+            {"method": "POST", "route": "/api/v1/jobs/{job}/workers/{worker}/commands", "status": "404"},
+        ),
     }
     before = counts(proc, wanted)
     good, bad = [("authorization", f"Bearer {token}")], [("authorization", "Bearer wrong-token-0123456789")]
@@ -72,34 +74,82 @@ def test_latency_histograms_and_refusals_move_with_real_calls(core: tuple[CorePr
         with pytest.raises(grpc.RpcError):
             scheduler.GetJobState(scheduler_pb2.GetJobStateRequest(job="plain"), metadata=bad, timeout=5)
         with pytest.raises(grpc.RpcError):
-            executor_pb2_grpc.ExecutorServiceStub(channel).AckPlanPhase(executor_pb2.AckPlanPhaseRequest(
-                job="plain", worker_id="w0", epoch=0, phase=executor_pb2.PLAN_PHASE_RECEIVED), metadata=bad, timeout=5)
+            executor_pb2_grpc.ExecutorServiceStub(channel).AckPlanPhase(
+                executor_pb2.AckPlanPhaseRequest(
+                    job="plain", worker_id="w0", epoch=0, phase=executor_pb2.PLAN_PHASE_RECEIVED
+                ),
+                metadata=bad,
+                timeout=5,
+            )
         # One agent stream, registered and left cleanly: one Connect with status OK.
         register = agent_pb2.Register(job="plain", worker_id="w0", host="h", heartbeat_interval_ms=200)
         stream = agent_pb2_grpc.AgentServiceStub(channel).Connect(
-            iter([agent_pb2.ConnectRequest(register=register), agent_pb2.ConnectRequest(leave=agent_pb2.Leave())]),
-            metadata=[("authorization", f"Bearer {job_token}")], timeout=10)
+            iter(
+                [
+                    agent_pb2.ConnectRequest(register=register),
+                    agent_pb2.ConnectRequest(leave=agent_pb2.Leave()),
+                ]
+            ),
+            metadata=[("authorization", f"Bearer {job_token}")],
+            timeout=10,
+        )
         assert [r.WhichOneof("body") for r in stream] == ["ack"]
     for _ in range(2):
         assert proc.http.get("/api/v1/jobs/plain").status_code == 200
     assert proc.http.post("/api/v1/jobs", json={"name": "x"}).status_code == 401
-    assert proc.http.post("/api/v1/jobs", json={"name": "x"}, headers={"Authorization": "Bearer nope"}).status_code == 403
-    assert proc.http.post("/api/v1/jobs/plain/workers/ghost/commands", json={"command": "report_now"},
-                          headers={"Authorization": f"Bearer {token}"}).status_code == 404
+    assert (
+        proc.http.post(
+            "/api/v1/jobs", json={"name": "x"}, headers={"Authorization": "Bearer nope"}
+        ).status_code
+        == 403
+    )
+    assert (
+        proc.http.post(
+            "/api/v1/jobs/plain/workers/ghost/commands",
+            json={"command": "report_now"},
+            headers={"Authorization": f"Bearer {token}"},
+        ).status_code
+        == 404
+    )
     after = counts(proc, wanted)
     moved = {key: after[key] - before[key] for key in wanted}
-    assert moved == {"state_ok": 3, "state_denied": 1, "ack_denied": 1, "connect_ok": 1, "rej_scheduler": 1,
-                     "rej_executor": 1, "rej_rest_401": 1, "rej_rest_403": 1, "rej_rest_404": 1, "get_job": 2,
-                     "post_401": 1, "command_404": 1}
+    assert moved == {
+        "state_ok": 3,
+        "state_denied": 1,
+        "ack_denied": 1,
+        "connect_ok": 1,
+        "rej_scheduler": 1,
+        "rej_executor": 1,
+        "rej_rest_401": 1,
+        "rej_rest_403": 1,
+        "rej_rest_404": 1,
+        "get_job": 2,
+        "post_401": 1,
+        "command_404": 1,
+    }
     # The histograms measured something (seconds, not zero) and sort it into buckets.
-    assert proc.metric("elaswave_grpc_server_handling_seconds_sum", service=sched, method="GetJobState",
-                       code="OK") > 0
-    assert proc.metric("elaswave_http_request_duration_seconds_bucket", method="GET", route="/api/v1/jobs/{job}",
-                       status="200", le="+Inf") == after["get_job"]
+    assert (
+        proc.metric(
+            "elaswave_grpc_server_handling_seconds_sum", service=sched, method="GetJobState", code="OK"
+        )
+        > 0
+    )
+    assert (
+        proc.metric(
+            "elaswave_http_request_duration_seconds_bucket",
+            method="GET",
+            route="/api/v1/jobs/{job}",
+            status="200",
+            le="+Inf",
+        )
+        == after["get_job"]
+    )
 
 
 def _model() -> dict:
-    model = json.loads((Path(__file__).parents[2] / "planners/examples/llama2-34b-one-node-lost.json").read_text())
+    model = json.loads(
+        (Path(__file__).parents[2] / "planners/examples/llama2-34b-one-node-lost.json").read_text()
+    )
     model["failed_ranks"] = []
     model["max_devices"] = 128
     return model
@@ -113,14 +163,18 @@ def test_plan_what_if_adds_devices_through_the_scale_table(core: tuple[CoreProce
     with grpc.insecure_channel(proc.grpc_address) as channel:
         scheduler = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         # References: the scale table and the offer decision for the same 32 devices.
-        rows = scheduler.GetScaleTable(scheduler_pb2.GetScaleTableRequest(job="big"), metadata=auth, timeout=30).rows
-        offer = scheduler.OfferResources(scheduler_pb2.OfferResourcesRequest(job="big", devices=32), metadata=auth,
-                                         timeout=30)
+        rows = scheduler.GetScaleTable(
+            scheduler_pb2.GetScaleTableRequest(job="big"), metadata=auth, timeout=30
+        ).rows
+        offer = scheduler.OfferResources(
+            scheduler_pb2.OfferResourcesRequest(job="big", devices=32), metadata=auth, timeout=30
+        )
         assert offer.accepted and "scale to 128 devices (DP=16, PP=2)" in offer.reason
         before = (proc.job("big")["last_event_seq"], proc.job("big")["plan_epoch"])
 
-        what_if = scheduler.PlanWhatIf(scheduler_pb2.PlanWhatIfRequest(job="big", add_devices=32), metadata=auth,
-                                       timeout=30)
+        what_if = scheduler.PlanWhatIf(
+            scheduler_pb2.PlanWhatIfRequest(job="big", add_devices=32), metadata=auth, timeout=30
+        )
         row = next(r for r in rows if r.devices == 128)
         assert what_if.runnable and what_if.plan.epoch == 0
         assert "128 devices as DP=16, PP=2, TP=4 (from 96)" in what_if.reason
@@ -129,13 +183,19 @@ def test_plan_what_if_adds_devices_through_the_scale_table(core: tuple[CoreProce
         assert (layout.num_stages, len(layout.stages[0].ranks), layout.num_layers) == (2, 16, 48)
         assert layout.global_batch == _model()["job"]["global_batch"]
 
-        small = scheduler.PlanWhatIf(scheduler_pb2.PlanWhatIfRequest(job="big", add_devices=1), metadata=auth,
-                                     timeout=30)
+        small = scheduler.PlanWhatIf(
+            scheduler_pb2.PlanWhatIfRequest(job="big", add_devices=1), metadata=auth, timeout=30
+        )
         assert not small.runnable and "no scale-table entry above the current allocation" in small.reason
         refusals = [
-            (scheduler_pb2.PlanWhatIfRequest(job="plain", add_devices=4), "adding devices is not modelled for job 'plain'"),
-            (scheduler_pb2.PlanWhatIfRequest(job="big", add_devices=4, remove_worker_ids=["w0"]),
-             "add_devices and remove_worker_ids together are not modelled"),
+            (
+                scheduler_pb2.PlanWhatIfRequest(job="plain", add_devices=4),
+                "adding devices is not modelled for job 'plain'",
+            ),
+            (
+                scheduler_pb2.PlanWhatIfRequest(job="big", add_devices=4, remove_worker_ids=["w0"]),
+                "add_devices and remove_worker_ids together are not modelled",
+            ),
         ]
         for request, text in refusals:
             with pytest.raises(grpc.RpcError) as err:

@@ -23,8 +23,14 @@ def running_cluster(tmp_path: Path, etcd_url: str, **core_settings: float) -> It
     the test adds to the dict is stopped afterwards."""
     token = new_token()
     core = CoreProcess(tmp_path, "core-a", etcd_url, token, **core_settings)
-    started: dict = {"core": core, "token": token, "tmp": tmp_path, "etcd": etcd_url,
-                     "agents": [], "cores": [core]}
+    started: dict = {
+        "core": core,
+        "token": token,
+        "tmp": tmp_path,
+        "etcd": etcd_url,
+        "agents": [],
+        "cores": [core],
+    }
     try:
         core.wait_leader()
         yield started
@@ -41,13 +47,25 @@ def cluster(tmp_path: Path, etcd_registry_url: str) -> Iterator[dict]:
         yield started
 
 
-def start_agents(cluster: dict, n: int, cores: str, job_token: str, *, own_lease: bool = True,
-                 lease_ttl_s: int = 2) -> list[AgentProcess]:
+def start_agents(
+    cluster: dict, n: int, cores: str, job_token: str, *, own_lease: bool = True, lease_ttl_s: int = 2
+) -> list[AgentProcess]:
     """`own_lease`: the agent holds its liveness lease in etcd itself; otherwise the Core does."""
     etcd = cluster["etcd"].removeprefix("etcd://") if own_lease else None
-    agents = [AgentProcess(cluster["tmp"], "train", f"w{i}", cores, job_token, rank=i, dp_rank=i, etcd=etcd,
-                           lease_ttl_s=lease_ttl_s)
-              for i in range(n)]
+    agents = [
+        AgentProcess(
+            cluster["tmp"],
+            "train",
+            f"w{i}",
+            cores,
+            job_token,
+            rank=i,
+            dp_rank=i,
+            etcd=etcd,
+            lease_ttl_s=lease_ttl_s,
+        )
+        for i in range(n)
+    ]
     cluster["agents"].extend(agents)
     return agents
 
@@ -84,7 +102,9 @@ def test_agent_sigkill_and_hung_agent_detected_within_lease_ttl(cluster: dict) -
     host, port = cluster["etcd"].removeprefix("etcd://").rsplit(":", 1)
     etcd = etcd3.client(host=host, port=int(port), timeout=5)
     alive = "/elaswave/jobs/train/alive/"
-    assert sorted(m.key.decode() for _, m in etcd.get_prefix(alive)) == [alive + w for w in ("w0", "w1", "w2")]
+    assert sorted(m.key.decode() for _, m in etcd.get_prefix(alive)) == [
+        alive + w for w in ("w0", "w1", "w2")
+    ]
     ttl = 2.0
 
     # SIGKILL: no Leave, no clean close. The kernel closes the socket (fast path); the lease expires too.
@@ -109,8 +129,9 @@ def test_agent_sigkill_and_hung_agent_detected_within_lease_ttl(cluster: dict) -
 def test_hung_agent_is_detected_by_its_own_lease_expiring(tmp_path: Path, etcd_registry_url: str) -> None:
     # Heartbeats would take 10 s to notice; the agents' own 2 s leases must be what detects the hang.
     heartbeat_timeout_s, agent_ttl_s = 10.0, 2
-    with running_cluster(tmp_path, etcd_registry_url, heartbeat_timeout_s=heartbeat_timeout_s,
-                         lease_ttl_s=heartbeat_timeout_s) as cluster:
+    with running_cluster(
+        tmp_path, etcd_registry_url, heartbeat_timeout_s=heartbeat_timeout_s, lease_ttl_s=heartbeat_timeout_s
+    ) as cluster:
         core: CoreProcess = cluster["core"]
         job_token = create_job(core, cluster["token"], "train")
         agents = start_agents(cluster, 2, core.grpc_address, job_token, lease_ttl_s=agent_ttl_s)
@@ -120,7 +141,9 @@ def test_hung_agent_is_detected_by_its_own_lease_expiring(tmp_path: Path, etcd_r
         # SIGSTOP: the stream stays open and silent; the agent stops refreshing its lease.
         stopped = time.monotonic()
         agents[0].signal(signal.SIGSTOP)
-        wait_until(lambda: core.states("train")["w0"] == "LOST", agent_ttl_s + 1, "hung w0 LOST within TTL + 1 s")
+        wait_until(
+            lambda: core.states("train")["w0"] == "LOST", agent_ttl_s + 1, "hung w0 LOST within TTL + 1 s"
+        )
         detected_s = time.monotonic() - stopped
         print(f"hung agent detected by lease expiry after {detected_s * 1000:.0f} ms")
         member = next(m for m in core.job("train")["members"] if m["worker_id"] == "w0")
@@ -148,15 +171,31 @@ def test_leader_core_killed_standby_takes_over_with_membership_intact(cluster: d
     leader.kill()
     standby.wait_leader(timeout_s=10)
     # Every agent reconnects to the new leader; nobody was declared lost on the way.
-    wait_until(lambda: len([e for e in standby.http.get("/api/v1/jobs/train/events").json()["events"]
-                            if e["kind"] == "worker_reconnected"]) >= 3, 20, "three agents to reconnect")
+    wait_until(
+        lambda: (
+            len(
+                [
+                    e
+                    for e in standby.http.get("/api/v1/jobs/train/events").json()["events"]
+                    if e["kind"] == "worker_reconnected"
+                ]
+            )
+            >= 3
+        ),
+        20,
+        "three agents to reconnect",
+    )
     after = standby.job("train")
-    assert {m["worker_id"]: m["state"] for m in after["members"]} == {"w0": "RUNNING", "w1": "RUNNING",
-                                                                       "w2": "RUNNING"}
+    assert {m["worker_id"]: m["state"] for m in after["members"]} == {
+        "w0": "RUNNING",
+        "w1": "RUNNING",
+        "w2": "RUNNING",
+    }
     assert {m["worker_id"]: m["pid"] for m in after["members"]} == pids
     # The event history written by the dead leader is still there, in order.
-    old_events = [(e["seq"], e["kind"]) for e in
-                  standby.http.get("/api/v1/jobs/train/events").json()["events"]][: before["last_event_seq"]]
+    old_events = [
+        (e["seq"], e["kind"]) for e in standby.http.get("/api/v1/jobs/train/events").json()["events"]
+    ][: before["last_event_seq"]]
     assert [seq for seq, _ in old_events] == list(range(1, before["last_event_seq"] + 1))
     # And the new leader still detects failures.
     os.kill(pids["w2"], signal.SIGKILL)
@@ -191,11 +230,17 @@ def test_failover_keeps_workers_whose_lease_the_dead_leader_held(cluster: dict) 
 
     # Reconnected (still a member) or rejoined (declared lost meanwhile: the bug), both count here.
     back = {"worker_reconnected", "worker_rejoined"}
-    wait_until(lambda: len({e["worker_id"] for e in events() if e["kind"] in back}) == 3, 20,
-               "three agents to reconnect")
+    wait_until(
+        lambda: len({e["worker_id"] for e in events() if e["kind"] in back}) == 3,
+        20,
+        "three agents to reconnect",
+    )
     # Every lease the dead leader held has run out by now (TTL 2 s, etcd checks every 0.5 s).
-    wait_until(lambda: all(etcd.get_lease_info(lease).TTL <= 0 for lease in old_leases.values()), 10,
-               "the dead leader's leases to expire")
+    wait_until(
+        lambda: all(etcd.get_lease_info(lease).TTL <= 0 for lease in old_leases.values()),
+        10,
+        "the dead leader's leases to expire",
+    )
     time.sleep(0.5)  # a deletion the watch delivered is handled within this
     assert [(e["worker_id"], e["detail"]) for e in events() if e["kind"] == "worker_lost"] == []
     assert {e["kind"] for e in events() if e["kind"] in back} == {"worker_reconnected"}

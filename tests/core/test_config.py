@@ -30,14 +30,25 @@ def test_environment_and_toml_file_with_precedence(tmp_path: Path, monkeypatch: 
     [
         ({}, "scheduler_token is required"),
         ({"scheduler_token": "short"}, "scheduler_token is shorter than 16"),
-        ({"scheduler_token": "x" * 20, "grpc_port": 70000}, "grpc_port: Input should be less than or equal to 65535"),
+        (
+            {"scheduler_token": "x" * 20, "grpc_port": 70000},
+            "grpc_port: Input should be less than or equal to 65535",
+        ),
         ({"scheduler_token": "x" * 20, "registry_url": "redis://x"}, "neither 'memory://' nor 'etcd://"),
         ({"scheduler_token": "x" * 20, "heartbeat_timeout_s": 0}, "heartbeat_timeout_s"),
-        ({"scheduler_token": "x" * 20, "tls_cert": "/nonexistent.pem"}, "tls_cert and tls_key must be given together"),
-        ({"scheduler_token": "x" * 20, "jobs": [{"name": "bad name", "token": "y" * 20}]}, "job name 'bad name'"),
+        (
+            {"scheduler_token": "x" * 20, "tls_cert": "/nonexistent.pem"},
+            "tls_cert and tls_key must be given together",
+        ),
+        (
+            {"scheduler_token": "x" * 20, "jobs": [{"name": "bad name", "token": "y" * 20}]},
+            "job name 'bad name'",
+        ),
     ],
 )
-def test_invalid_settings_name_the_field(overrides: dict, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_invalid_settings_name_the_field(
+    overrides: dict, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("ELASWAVE_SCHEDULER_TOKEN", raising=False)
     monkeypatch.delenv("ELASWAVE_CONFIG", raising=False)
     with pytest.raises(ConfigError) as err:
@@ -71,21 +82,29 @@ def _config_error(monkeypatch: pytest.MonkeyPatch, **env: str) -> str:
     return message
 
 
-def test_unparseable_sources_name_the_file_or_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unparseable_sources_name_the_file_or_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     broken = tmp_path / "core.toml"
     broken.write_text('scheduler_token = "file-token-0123456789"\nheartbeat_timeout_s = \n')
     assert _config_error(monkeypatch, ELASWAVE_CONFIG=str(broken)) == (
-        f"config file {str(broken)!r} is not valid TOML: Invalid value (at line 2, column 23)")
+        f"config file {str(broken)!r} is not valid TOML: Invalid value (at line 2, column 23)"
+    )
     missing = tmp_path / "nope.toml"
     assert _config_error(monkeypatch, ELASWAVE_CONFIG=str(missing)) == (
-        f"config file {str(missing)!r} (--config / ELASWAVE_CONFIG) does not exist or is not a file")
-    assert _config_error(monkeypatch, ELASWAVE_CONFIG=str(tmp_path)).endswith("does not exist or is not a file")
+        f"config file {str(missing)!r} (--config / ELASWAVE_CONFIG) does not exist or is not a file"
+    )
+    assert _config_error(monkeypatch, ELASWAVE_CONFIG=str(tmp_path)).endswith(
+        "does not exist or is not a file"
+    )
     monkeypatch.delenv("ELASWAVE_CONFIG")
     assert _config_error(monkeypatch, ELASWAVE_JOBS="notjson") == (
-        "environment variable ELASWAVE_JOBS (setting jobs) is not JSON: Expecting value: line 1 column 1 (char 0)")
+        "environment variable ELASWAVE_JOBS (setting jobs) is not JSON: Expecting value: line 1 column 1 (char 0)"
+    )
     monkeypatch.delenv("ELASWAVE_JOBS")
     assert _config_error(monkeypatch, ELASWAVE_FAILSLOW='{"ratio": ').startswith(
-        "environment variable ELASWAVE_FAILSLOW (setting failslow) is not JSON: Expecting value")
+        "environment variable ELASWAVE_FAILSLOW (setting failslow) is not JSON: Expecting value"
+    )
 
 
 @pytest.mark.timeout(60)
@@ -104,9 +123,13 @@ def test_cli_exits_2_with_one_line_for_every_config_mistake(tmp_path: Path) -> N
         ([], {"ELASWAVE_JOBS": "notjson"}, "environment variable ELASWAVE_JOBS (setting jobs) is not JSON"),
     ]
     for args, env, text in cases:
-        result = subprocess.run([sys.executable, "-m", "elaswave.cli", "core", "--grpc-port", "0",
-                                 "--http-port", "0", *args], env={**base, **env}, capture_output=True,
-                                text=True, timeout=30)
+        result = subprocess.run(
+            [sys.executable, "-m", "elaswave.cli", "core", "--grpc-port", "0", "--http-port", "0", *args],
+            env={**base, **env},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert result.returncode == 2, (args, env, result.stderr)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("elaswave core: ") and text in lines[0], result.stderr

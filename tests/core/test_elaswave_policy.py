@@ -39,8 +39,11 @@ async def apply_all(h: Harness, epoch: int, now: float) -> None:
 
 
 def moves(old: Layout, new: Layout) -> list[tuple[int, int, int]]:
-    return [(b, old.stage_of_layer(b), new.stage_of_layer(b)) for b in range(old.num_layers)
-            if old.stage_of_layer(b) != new.stage_of_layer(b)]
+    return [
+        (b, old.stage_of_layer(b), new.stage_of_layer(b))
+        for b in range(old.num_layers)
+        if old.stage_of_layer(b) != new.stage_of_layer(b)
+    ]
 
 
 @pytest.mark.timeout(60)
@@ -75,7 +78,11 @@ def test_loss_in_one_stage_moves_a_block_to_the_adjacent_stage() -> None:
 def _three_stages() -> Layout:
     # Stages 0 and 1 run one rank each after the loss (6 samples per slot), stage 2 six ranks (1
     # each): Algorithm 1 wants stage 2 to take block 2 from stage 0, two stages away.
-    stages = (StageLayout(0, 0, 3, (0, 1)), StageLayout(1, 3, 6, (2,)), StageLayout(2, 6, 9, tuple(range(3, 9))))
+    stages = (
+        StageLayout(0, 0, 3, (0, 1)),
+        StageLayout(1, 3, 6, (2,)),
+        StageLayout(2, 6, 9, tuple(range(3, 9))),
+    )
     return Layout(num_layers=9, global_batch=12, num_micro_batches=2, stages=stages, layer_numel=(1,) * 9)
 
 
@@ -95,7 +102,9 @@ def test_best_partition_needing_a_two_stage_hop_falls_back_to_resize_only() -> N
         assert validate(new, exhaustive=True).ok
         assert new.boundaries == layout.boundaries and new.stages[0].ranks == (0,)
         why = [r for r in plan["reasons"] if r.startswith("re-partition not adopted")]
-        assert len(why) == 1 and "unit 2 stage 0->2" in why[0] and "more than one stage" in why[0], plan["reasons"]
+        assert len(why) == 1 and "unit 2 stage 0->2" in why[0] and "more than one stage" in why[0], plan[
+            "reasons"
+        ]
         assert "resize only" in why[0]
 
     run(scenario())
@@ -104,7 +113,9 @@ def test_best_partition_needing_a_two_stage_hop_falls_back_to_resize_only() -> N
 def _report(h: Harness, worker: str, step: int, seconds: float) -> None:
     member = h.job.members[worker]
     session = h.membership.sessions[("j", worker)]
-    h.membership.step(session, StepReport(step, seconds, seconds, None, 2, member.stage, member.dp_rank, float(step)))
+    h.membership.step(
+        session, StepReport(step, seconds, seconds, None, 2, member.stage, member.dp_rank, float(step))
+    )
 
 
 @pytest.mark.timeout(60)
@@ -150,19 +161,37 @@ def test_slow_worker_is_up_clocked_and_given_its_clock_back_when_it_recovers() -
 
 
 def _snapshot(layout: Layout, lost: int, model: dict[str, Any] | None) -> JobSnapshot:
-    live = tuple(WorkerView(f"w{r}", "h", layout.stage_of_rank(r), 0, r, "RUNNING") for r in layout.ranks() if r != lost)
+    live = tuple(
+        WorkerView(f"w{r}", "h", layout.stage_of_rank(r), 0, r, "RUNNING")
+        for r in layout.ranks()
+        if r != lost
+    )
     gone = (WorkerView(f"w{lost}", "h", layout.stage_of_rank(lost), 0, lost, "LOST"),)
-    return JobSnapshot("j", 0, layout.to_json(), live, gone, (f"worker_lost:w{lost}",),
-                       None if model is None else json.dumps(model))
+    return JobSnapshot(
+        "j",
+        0,
+        layout.to_json(),
+        live,
+        gone,
+        (f"worker_lost:w{lost}",),
+        None if model is None else json.dumps(model),
+    )
 
 
 def test_registered_model_is_the_cost_model_when_the_job_has_one() -> None:
     layout = make_uniform_layout(num_layers=4, num_stages=2, dp=3, global_batch=12, num_micro_batches=2)
     # Block 2 is cheap: after rank 4 goes, stage 1 (blocks 2-3 at micro-batch 3) is still faster
     # than stage 0, so nothing should move; the uniform model would move block 2.
-    model = {"job": {"pp": 2, "dp": 3, "micro_batch": 2, "global_batch": 12},
-             "profile": {"layer_fwd_s": [1.0, 1.0, 0.1, 1.0], "layer_bwd_s": [2.0, 2.0, 0.2, 2.0],
-                         "layer_param_bytes": [1.0] * 4, "layer_act_bytes": [0.0] * 4, "mem_cap_bytes": 1e12}}
+    model = {
+        "job": {"pp": 2, "dp": 3, "micro_batch": 2, "global_batch": 12},
+        "profile": {
+            "layer_fwd_s": [1.0, 1.0, 0.1, 1.0],
+            "layer_bwd_s": [2.0, 2.0, 0.2, 2.0],
+            "layer_param_bytes": [1.0] * 4,
+            "layer_act_bytes": [0.0] * 4,
+            "mem_cap_bytes": 1e12,
+        },
+    }
     with_model = ElasWavePolicy().decide(_snapshot(layout, 4, model))
     assert with_model.action == "publish" and "registered profile" in with_model.reasons[0]
     assert Layout.from_json(with_model.layout_json or "").boundaries == (2,)
@@ -184,8 +213,14 @@ def test_policy_is_selected_by_configuration() -> None:
 def test_memory_caps_keep_a_block_where_it_is() -> None:
     # Uniform model memory per block on a DP=3 stage: 1 element x (2 + 2 + 12/3) bytes = 8 bytes;
     # stage 0 may hold two blocks (16 <= 20) but not the third the re-partition would give it.
-    capped = make_uniform_layout(num_layers=4, num_stages=2, dp=3, global_batch=12, num_micro_batches=2,
-                                 stage_mem_cap_bytes=(20.0, 1e9))
+    capped = make_uniform_layout(
+        num_layers=4,
+        num_stages=2,
+        dp=3,
+        global_batch=12,
+        num_micro_batches=2,
+        stage_mem_cap_bytes=(20.0, 1e9),
+    )
     decision = ElasWavePolicy().decide(_snapshot(capped, 4, None))
     assert decision.action == "publish"
     new = Layout.from_json(decision.layout_json or "")

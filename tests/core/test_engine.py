@@ -22,8 +22,13 @@ from planners.layout import Layout, make_uniform_layout
 
 
 class Harness:
-    def __init__(self, layout: Layout | None, policy: Policy | None = None,
-                 registry: MemoryRegistry | None = None, default_job: bool = True) -> None:
+    def __init__(
+        self,
+        layout: Layout | None,
+        policy: Policy | None = None,
+        registry: MemoryRegistry | None = None,
+        default_job: bool = True,
+    ) -> None:
         self.registry = registry or MemoryRegistry()
         self.settings = load_settings(dev_mode=True)
         self.metrics = CoreMetrics(CollectorRegistry())
@@ -31,8 +36,9 @@ class Harness:
         self.table = JobTable(self.settings, self.registry, self.persister)
         self.membership = Membership(self.table, self.registry, self.metrics)
         self.plans = PlanStore(self.registry, self.settings.key_prefix)
-        self.engine = ScheduleEngine(self.table, self.metrics, policy or LayoutPolicy(), self.publish,
-                                     apply_timeout_s=5.0)
+        self.engine = ScheduleEngine(
+            self.table, self.metrics, policy or LayoutPolicy(), self.publish, apply_timeout_s=5.0
+        )
         if default_job:
             self.job = self.add_job("j", layout)
 
@@ -47,8 +53,9 @@ class Harness:
         reg = Registration(job, worker, "host", 100 + rank, [], stage, dp_rank, rank, holds_own_lease=False)
         await self.membership.register(reg, now=0.0)
         record = self.table.get(job)
-        self.table.set_state(record, record.members[worker], WorkerState.RUNNING, "stepping",
-                             now=0.0, kind="worker_running")
+        self.table.set_state(
+            record, record.members[worker], WorkerState.RUNNING, "stepping", now=0.0, kind="worker_running"
+        )
 
     async def join_layout(self, job: str, layout: Layout) -> None:
         for rank in layout.ranks():
@@ -78,7 +85,9 @@ def test_loss_is_planned_published_applied_and_resumed_tick_by_tick() -> None:
         assert h.job.plan_epoch == 0 and "decision_none" in h.kinds()
 
         lost_rank = layout.stages[1].ranks[0]
-        h.membership.mark_lost(h.job, f"w{lost_rank}", "worker process killed by signal 9", "process_exit", 2.0)
+        h.membership.mark_lost(
+            h.job, f"w{lost_rank}", "worker process killed by signal 9", "process_exit", 2.0
+        )
         assert await h.engine.tick(h.job, 2.0) == JobPhase.PLANNING
         assert await h.engine.tick(h.job, 2.1) == JobPhase.APPLYING
         assert h.job.plan_epoch == 1
@@ -283,7 +292,8 @@ def test_restore_takes_the_newest_plan_replans_unplanned_losses_and_resumes_the_
         assert restored.plan_epoch == 1
         assert Layout.from_json(restored.layout_json) == layout_of_epoch(old, "j", 1)
         assert [(e.kind, e.worker_id) for e in restored.pending_changes] == [
-            ("replan_after_takeover", f"j-w{second}")]
+            ("replan_after_takeover", f"j-w{second}")
+        ]
         assert restored.phase == JobPhase.APPLYING and restored.acks == {1: {"j-w1": "RESUMED"}}
         assert await new.engine.tick(restored, 3.1) == JobPhase.PLANNING  # a change while applying
         assert await new.engine.tick(restored, 3.2) == JobPhase.APPLYING

@@ -49,14 +49,22 @@ LAYOUT = make_uniform_layout(num_layers=4, num_stages=2, dp=2, global_batch=8, n
 # ---- in-process Cores ----------------------------------------------------------------------------
 def settings(core_id: str) -> CoreSettings:
     # No heartbeat loss during these tests: members registered in-process send no heartbeats.
-    return load_settings(dev_mode=True, core_id=core_id, grpc_port=0, http_port=0, registry_url="memory://",
-                         scheduler_token=SCHEDULER_TOKEN, heartbeat_timeout_s=600.0,
-                         lease_ttl_s=600.0)
+    return load_settings(
+        dev_mode=True,
+        core_id=core_id,
+        grpc_port=0,
+        http_port=0,
+        registry_url="memory://",
+        scheduler_token=SCHEDULER_TOKEN,
+        heartbeat_timeout_s=600.0,
+        lease_ttl_s=600.0,
+    )
 
 
 @asynccontextmanager
-async def running(core_id: str, registry: Registry | None = None, policy: Policy | None = None,
-                  **knobs: float) -> AsyncIterator[Core]:
+async def running(
+    core_id: str, registry: Registry | None = None, policy: Policy | None = None, **knobs: float
+) -> AsyncIterator[Core]:
     core = Core(settings(core_id), policy=policy, registry=registry)
     for name, value in knobs.items():
         setattr(core, name, value)
@@ -87,8 +95,17 @@ async def create_job_rest(core: Core, name: str, layout: Layout | None = None) -
 async def join_all(core: Core, job: str, layout: Layout) -> None:
     for rank in layout.ranks():
         stage = layout.stage_of_rank(rank)
-        reg = Registration(job=job, worker_id=f"w{rank}", host="h", pid=100 + rank, devices=[], stage=stage,
-                           dp_rank=layout.stages[stage].dp_index(rank), rank=rank, holds_own_lease=False)
+        reg = Registration(
+            job=job,
+            worker_id=f"w{rank}",
+            host="h",
+            pid=100 + rank,
+            devices=[],
+            stage=stage,
+            dp_rank=layout.stages[stage].dp_index(rank),
+            rank=rank,
+            holds_own_lease=False,
+        )
         await core.membership.register(reg, time.time())
 
 
@@ -111,8 +128,11 @@ def test_leader_loop_keeps_ticking_other_jobs_while_one_jobs_planner_raises() ->
                 assert (await create_job_rest(core, name, LAYOUT)).status_code == 201
                 await join_all(core, name, LAYOUT)
             bad, good = core.table.get("bad"), core.table.get("good")
-            await eventually(lambda: good.phase == JobPhase.RUNNING and "decision_none" in kinds(good), 10,
-                             "good to plan its joins")
+            await eventually(
+                lambda: good.phase == JobPhase.RUNNING and "decision_none" in kinds(good),
+                10,
+                "good to plan its joins",
+            )
             for rank in (3, 1):  # two losses, planned one after the other while "bad" keeps failing
                 for job in (bad, good):
                     core.membership.mark_lost(job, f"w{rank}", "killed", "process_exit", time.time())
@@ -132,8 +152,10 @@ def test_plans_that_cannot_be_stored_make_the_leader_step_down_and_the_standby_r
     registry = MemoryRegistry()
 
     async def scenario() -> None:
-        async with running("a", registry, max_consecutive_failures=5, step_down_hold_off_s=60.0) as a, \
-                running("b", registry) as b:
+        async with (
+            running("a", registry, max_consecutive_failures=5, step_down_hold_off_s=60.0) as a,
+            running("b", registry) as b,
+        ):
             assert await a.wait_leader(10) and not b.is_leader
             assert (await create_job_rest(a, "train", LAYOUT)).status_code == 201
             await join_all(a, "train", LAYOUT)
@@ -141,9 +163,17 @@ def test_plans_that_cannot_be_stored_make_the_leader_step_down_and_the_standby_r
             await eventually(lambda: "decision_none" in kinds(job), 10, "the joins to be planned")
             # Another publisher (a Core that still believes it leads) stores epoch 1: every plan of
             # "a" is now fenced off (StaleEpoch), tick after tick.
-            split_brain = {"job": "train", "layout_json": LAYOUT.to_json(), "reasons": ["split brain"],
-                           "predicted_step_time_s": 0.0, "created_unix": time.time(), "policy": "other"}
-            PlanStore(registry, "/elaswave").publish("train", json.dumps(split_brain).encode(), expected_epoch=0)
+            split_brain = {
+                "job": "train",
+                "layout_json": LAYOUT.to_json(),
+                "reasons": ["split brain"],
+                "predicted_step_time_s": 0.0,
+                "created_unix": time.time(),
+                "policy": "other",
+            }
+            PlanStore(registry, "/elaswave").publish(
+                "train", json.dumps(split_brain).encode(), expected_epoch=0
+            )
             a.membership.mark_lost(job, "w3", "killed", "process_exit", time.time())
 
             await eventually(lambda: b.is_leader, 15, "the standby to take over")
@@ -182,16 +212,22 @@ def test_mutating_calls_answer_unavailable_when_their_writes_cannot_be_stored() 
             assert "not stored" in late.json()["detail"] and "closed" in late.json()["detail"]
             assert time.monotonic() - started < 5.0  # bounded by durable_wait_s, not hung
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{core.http_port}", timeout=10) as client:
-                preempt = await client.post("/api/v1/jobs/train/preempt", headers=ADMIN,
-                                            json={"worker_ids": ["w1"], "deadline_unix": time.time() + 60})
+                preempt = await client.post(
+                    "/api/v1/jobs/train/preempt",
+                    headers=ADMIN,
+                    json={"worker_ids": ["w1"], "deadline_unix": time.time() + 60},
+                )
             assert preempt.status_code == 503 and "not stored" in preempt.json()["detail"]
             async with grpc.aio.insecure_channel(f"127.0.0.1:{core.grpc_port}") as channel:
                 stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await stub.SignalPreemption(
-                        scheduler_pb2.SignalPreemptionRequest(job="train", worker_ids=["w2"],
-                                                              deadline_unix=time.time() + 60),
-                        metadata=[("authorization", f"Bearer {SCHEDULER_TOKEN}")], timeout=10)
+                        scheduler_pb2.SignalPreemptionRequest(
+                            job="train", worker_ids=["w2"], deadline_unix=time.time() + 60
+                        ),
+                        metadata=[("authorization", f"Bearer {SCHEDULER_TOKEN}")],
+                        timeout=10,
+                    )
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "not stored" in err.value.details()
 
     asyncio.run(scenario())
@@ -204,8 +240,13 @@ def pair(tmp_path: Path, etcd_registry_url: str) -> Iterator[dict[str, Any]]:
     leader = CoreProcess(tmp_path, "core-a", etcd_registry_url, token)
     leader.wait_leader()
     standby = CoreProcess(tmp_path, "core-b", etcd_registry_url, token)
-    state: dict[str, Any] = {"token": token, "tmp": tmp_path, "etcd": etcd_registry_url,
-                             "cores": [leader, standby], "agents": []}
+    state: dict[str, Any] = {
+        "token": token,
+        "tmp": tmp_path,
+        "etcd": etcd_registry_url,
+        "cores": [leader, standby],
+        "agents": [],
+    }
     yield state
     for agent in state["agents"]:
         agent.close()
@@ -247,16 +288,25 @@ def test_standby_serves_the_published_layout_and_epoch_after_the_leader_is_kille
     with grpc.insecure_channel(standby.grpc_address) as channel:
         auth = [("authorization", f"Bearer {job_token}")]
         executor = executor_pb2_grpc.ExecutorServiceStub(channel)
-        plans = executor.SubscribePlans(executor_pb2.SubscribePlansRequest(job="train", worker_id="w0"),
-                                        metadata=auth, timeout=10)
+        plans = executor.SubscribePlans(
+            executor_pb2.SubscribePlansRequest(job="train", worker_id="w0"), metadata=auth, timeout=10
+        )
         plan = next(plans).plan
         plans.cancel()
         assert plan.epoch == 1 and json.loads(plan.layout_json) == published
         # The survivors resume epoch 1 through the new leader, which completes the apply.
         for rank in (0, 1, 2):
-            executor.AckPlanPhase(executor_pb2.AckPlanPhaseRequest(
-                job="train", worker_id=f"w{rank}", epoch=1, phase=executor_pb2.PLAN_PHASE_RESUMED,
-                phase_time_s=0.01), metadata=auth, timeout=5)
+            executor.AckPlanPhase(
+                executor_pb2.AckPlanPhaseRequest(
+                    job="train",
+                    worker_id=f"w{rank}",
+                    epoch=1,
+                    phase=executor_pb2.PLAN_PHASE_RESUMED,
+                    phase_time_s=0.01,
+                ),
+                metadata=auth,
+                timeout=5,
+            )
     wait_until(lambda: standby.job("train")["phase"] == "RUNNING", 10, "the apply to complete")
     assert standby.job("train")["plan_epoch"] == 1
 
@@ -265,14 +315,18 @@ def test_standby_serves_the_published_layout_and_epoch_after_the_leader_is_kille
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_acknowledged_changes_survive_a_leader_killed_right_after_answering(
-        pair: dict, etcd_server: EtcdServer) -> None:
+    pair: dict, etcd_server: EtcdServer
+) -> None:
     core_a, core_b = pair["cores"]
     job_token = create_job(core_a, pair["token"], "train")
     for rank in (0, 1):
         pair["agents"].append(RawAgent(core_a.grpc_address, job_token, f"w{rank}", rank, 0, rank))
     wait_until(lambda: len(core_a.job("train")["members"]) == 2, 10, "two registered workers")
-    answer = core_a.http.post("/api/v1/jobs/train/preempt", headers={"Authorization": f"Bearer {pair['token']}"},
-                              json={"worker_ids": ["w1"], "deadline_unix": time.time() + 600, "reason": "spot"})
+    answer = core_a.http.post(
+        "/api/v1/jobs/train/preempt",
+        headers={"Authorization": f"Bearer {pair['token']}"},
+        json={"worker_ids": ["w1"], "deadline_unix": time.time() + 600, "reason": "spot"},
+    )
     assert answer.status_code == 202, answer.text
     core_a.kill()  # at once: whatever was acknowledged must already be in etcd
     core_b.wait_leader(timeout_s=15)
@@ -315,8 +369,9 @@ def test_acknowledged_changes_survive_a_leader_killed_right_after_answering(
 
 
 def create_job_status(core: CoreProcess, token: str, name: str) -> int:
-    response = core.http.post("/api/v1/jobs", json={"name": name}, headers={"Authorization": f"Bearer {token}"},
-                              timeout=30)
+    response = core.http.post(
+        "/api/v1/jobs", json={"name": name}, headers={"Authorization": f"Bearer {token}"}, timeout=30
+    )
     return response.status_code
 
 
@@ -329,9 +384,16 @@ def test_a_core_that_stops_does_not_record_the_streams_it_closes_as_losses() -> 
         release = asyncio.Event()
 
         async def reports(worker: int) -> AsyncIterator[agent_pb2.ConnectRequest]:
-            yield agent_pb2.ConnectRequest(register=agent_pb2.Register(
-                job="train", worker_id=f"w{worker}", host="h", pid=100 + worker, rank=worker,
-                heartbeat_interval_ms=200))
+            yield agent_pb2.ConnectRequest(
+                register=agent_pb2.Register(
+                    job="train",
+                    worker_id=f"w{worker}",
+                    host="h",
+                    pid=100 + worker,
+                    rank=worker,
+                    heartbeat_interval_ms=200,
+                )
+            )
             await release.wait()
 
         async with running("a", registry=registry) as core:
@@ -341,16 +403,22 @@ def test_a_core_that_stops_does_not_record_the_streams_it_closes_as_losses() -> 
             token = created.json()["token"]
             channel = grpc.aio.insecure_channel(f"127.0.0.1:{core.grpc_port}")
             stub = agent_pb2_grpc.AgentServiceStub(channel)
-            calls = [stub.Connect(reports(w), metadata=[("authorization", f"Bearer {token}")]) for w in (0, 1)]
+            calls = [
+                stub.Connect(reports(w), metadata=[("authorization", f"Bearer {token}")]) for w in (0, 1)
+            ]
             for call in calls:
                 assert (await call.read()).WhichOneof("body") == "ack"
             await eventually(lambda: len(core.table.get("train").members) == 2, 5, "two members")
             await core.persister.wait_durable(5.0)
         release.set()
         await channel.close()
-        stored_events = [json.loads(v)["kind"] for _k, v in registry.get_prefix("/elaswave/jobs/train/events/")]
-        stored_states = {json.loads(v)["worker_id"]: json.loads(v)["state"]
-                         for _k, v in registry.get_prefix("/elaswave/jobs/train/members/")}
+        stored_events = [
+            json.loads(v)["kind"] for _k, v in registry.get_prefix("/elaswave/jobs/train/events/")
+        ]
+        stored_states = {
+            json.loads(v)["worker_id"]: json.loads(v)["state"]
+            for _k, v in registry.get_prefix("/elaswave/jobs/train/members/")
+        }
         assert "worker_lost" not in stored_events, stored_events
         assert stored_states == {"w0": "JOINING", "w1": "JOINING"}, stored_states
         registry.close()

@@ -45,8 +45,9 @@ SCHEDULER_TOKEN = "scheduler-token-0123456789"
 ADMIN = {"Authorization": f"Bearer {SCHEDULER_TOKEN}"}
 LEADER_TTL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 0.5
-SILENT_WORKER = Registration(job="train", worker_id="w0", host="h", pid=1, devices=[], stage=0, dp_rank=0, rank=0,
-                             holds_own_lease=True)
+SILENT_WORKER = Registration(
+    job="train", worker_id="w0", host="h", pid=1, devices=[], stage=0, dp_rank=0, rank=0, holds_own_lease=True
+)
 
 
 class StallingRegistry(Registry):
@@ -96,8 +97,15 @@ class StallingRegistry(Registry):
     def create(self, key: str, value: bytes, lease: int | None = None) -> bool:
         return self.inner.create(key, value, lease)
 
-    def compare_and_swap(self, key: str, expected: bytes | None, value: bytes, lease: int | None = None,
-                         also: Sequence[tuple[str, bytes]] = (), fence: Fence | None = None) -> bool:
+    def compare_and_swap(
+        self,
+        key: str,
+        expected: bytes | None,
+        value: bytes,
+        lease: int | None = None,
+        also: Sequence[tuple[str, bytes]] = (),
+        fence: Fence | None = None,
+    ) -> bool:
         return self.inner.compare_and_swap(key, expected, value, lease, also, fence)
 
     def transact(self, compares: Sequence[tuple[str, bytes | None]], writes: Sequence[TxnWrite]) -> TxnResult:
@@ -128,8 +136,11 @@ async def scheduler_call(core: Core) -> grpc.StatusCode:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{core.grpc_port}") as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         try:
-            await stub.GetJobState(scheduler_pb2.GetJobStateRequest(job="train"),
-                                   metadata=[("authorization", f"Bearer {SCHEDULER_TOKEN}")], timeout=5)
+            await stub.GetJobState(
+                scheduler_pb2.GetJobStateRequest(job="train"),
+                metadata=[("authorization", f"Bearer {SCHEDULER_TOKEN}")],
+                timeout=5,
+            )
         except grpc.aio.AioRpcError as err:
             return err.code()
         return grpc.StatusCode.OK
@@ -138,9 +149,16 @@ async def scheduler_call(core: Core) -> grpc.StatusCode:
 @pytest.mark.timeout(60)
 def test_leader_with_a_lapsed_lease_refuses_requests_before_its_keepalive_reports_back() -> None:
     registry = StallingRegistry()
-    settings = load_settings(dev_mode=True, core_id="a", grpc_port=0, http_port=0, registry_url="memory://",
-                             scheduler_token=SCHEDULER_TOKEN, leader_ttl_s=LEADER_TTL_S,
-                             heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    settings = load_settings(
+        dev_mode=True,
+        core_id="a",
+        grpc_port=0,
+        http_port=0,
+        registry_url="memory://",
+        scheduler_token=SCHEDULER_TOKEN,
+        leader_ttl_s=LEADER_TTL_S,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+    )
 
     async def scenario() -> None:
         core = Core(settings, registry=registry)
@@ -185,8 +203,16 @@ def test_leader_with_a_lapsed_lease_refuses_requests_before_its_keepalive_report
 
 def quiet_settings(core_id: str) -> CoreSettings:
     # Heartbeats and Core-held leases outlast the test: only the deletions it makes count.
-    return load_settings(dev_mode=True, core_id=core_id, grpc_port=0, http_port=0, registry_url="memory://",
-                         scheduler_token=SCHEDULER_TOKEN, heartbeat_timeout_s=600.0, lease_ttl_s=600.0)
+    return load_settings(
+        dev_mode=True,
+        core_id=core_id,
+        grpc_port=0,
+        http_port=0,
+        registry_url="memory://",
+        scheduler_token=SCHEDULER_TOKEN,
+        heartbeat_timeout_s=600.0,
+        lease_ttl_s=600.0,
+    )
 
 
 @pytest.mark.timeout(60)
@@ -233,9 +259,17 @@ LEADER_KEY = "/elaswave/core/leader"
 
 def fenced_settings(core_id: str) -> CoreSettings:
     # A short leader lease; heartbeats and Core-held leases outlast the test.
-    return load_settings(dev_mode=True, core_id=core_id, grpc_port=0, http_port=0, registry_url="memory://",
-                         scheduler_token=SCHEDULER_TOKEN, leader_ttl_s=LEADER_TTL_S,
-                         heartbeat_timeout_s=600.0, lease_ttl_s=600.0)
+    return load_settings(
+        dev_mode=True,
+        core_id=core_id,
+        grpc_port=0,
+        http_port=0,
+        registry_url="memory://",
+        scheduler_token=SCHEDULER_TOKEN,
+        leader_ttl_s=LEADER_TTL_S,
+        heartbeat_timeout_s=600.0,
+        lease_ttl_s=600.0,
+    )
 
 
 def stored_event_kinds(registry: Registry, job: str) -> list[str]:
@@ -254,7 +288,9 @@ def test_writes_a_deposed_leader_had_in_flight_never_land_and_it_steps_down() ->
         try:
             assert await a.wait_leader(10)
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{a.http_port}", timeout=5) as http:
-                assert (await http.post("/api/v1/jobs", json={"name": "train"}, headers=ADMIN)).status_code == 201
+                assert (
+                    await http.post("/api/v1/jobs", json={"name": "train"}, headers=ADMIN)
+                ).status_code == 201
             await a.membership.register(SILENT_WORKER, time.time())
             await a.persister.flush()
             job = a.table.get("train")
@@ -263,7 +299,9 @@ def test_writes_a_deposed_leader_had_in_flight_never_land_and_it_steps_down() ->
             registry.stalled.set()
             registry.writes_held.set()
             await eventually(lambda: registry.stalled_calls > 0, 5, "the keepalive to stall")
-            a.table.record(job, "split_brain_probe", detail="queued by a leader about to be deposed", now=time.time())
+            a.table.record(
+                job, "split_brain_probe", detail="queued by a leader about to be deposed", now=time.time()
+            )
             a.membership.mark_lost(job, "w0", "killed", "process_exit", time.time())
             await eventually(lambda: registry.held_writes > 0, 5, "a's first write to be in flight")
             acknowledged = asyncio.ensure_future(a.persister.wait_durable(30))
@@ -310,15 +348,20 @@ def test_a_leader_whose_key_was_deleted_stores_nothing_more_and_starts_a_new_ter
         try:
             assert await core.wait_leader(10)
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{core.http_port}", timeout=5) as http:
-                assert (await http.post("/api/v1/jobs", json={"name": "train"}, headers=ADMIN)).status_code == 201
+                assert (
+                    await http.post("/api/v1/jobs", json={"name": "train"}, headers=ADMIN)
+                ).status_code == 201
             assert core.persister.terms_started == 1
 
             registry.delete(LEADER_KEY)  # the leader key is gone while this Core goes on writing
             core.table.record(core.table.get("train"), "written_without_the_key", now=time.time())
             # The write is refused, the term ends; nobody leads, so this Core wins a fresh term.
             await eventually(lambda: core.persister.terms_started == 2 and core.is_leader, 10, "a new term")
-            await eventually(lambda: "core_leader" in stored_event_kinds(registry, "train"), 5,
-                             "the new term to record its start")
+            await eventually(
+                lambda: "core_leader" in stored_event_kinds(registry, "train"),
+                5,
+                "the new term to record its start",
+            )
             assert stored_event_kinds(registry, "train") == ["job_created", "core_leader"]
             assert "written_without_the_key" not in [e.kind for e in core.table.get("train").events]
             assert holder_of(registry.get(LEADER_KEY) or b"") == core.identity  # same Core, a new term
@@ -340,12 +383,16 @@ def test_plans_and_liveness_keys_are_fenced_too_and_a_refusal_ends_the_term() ->
         try:
             assert await core.wait_leader(10)
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{core.http_port}", timeout=5) as http:
-                assert (await http.post("/api/v1/jobs", json={"name": "train"}, headers=ADMIN)).status_code == 201
+                assert (
+                    await http.post("/api/v1/jobs", json={"name": "train"}, headers=ADMIN)
+                ).status_code == 201
 
             registry.delete(LEADER_KEY)
             with pytest.raises(FenceLost):
                 await core._publish_plan("train", b'{"plan": "from a deposed leader"}', 0)
-            await eventually(lambda: core.persister.terms_started == 2 and core.is_leader, 10, "a second term")
+            await eventually(
+                lambda: core.persister.terms_started == 2 and core.is_leader, 10, "a second term"
+            )
             assert PlanStore(registry, "/elaswave").current_epoch("train") == 0
 
             registry.delete(LEADER_KEY)

@@ -21,7 +21,9 @@ pytestmark = pytest.mark.multiproc
 
 
 async def _requests(worker_id: str, stop: asyncio.Event) -> AsyncIterator[agent_pb2.ConnectRequest]:
-    yield agent_pb2.ConnectRequest(register=agent_pb2.Register(job="fan", worker_id=worker_id, host="gw", pid=1))
+    yield agent_pb2.ConnectRequest(
+        register=agent_pb2.Register(job="fan", worker_id=worker_id, host="gw", pid=1)
+    )
     await stop.wait()
 
 
@@ -31,10 +33,16 @@ async def _burst(address: str, job_token: str, streams: int, connections: int, c
     channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(connections)]
     stop = asyncio.Event()
     stubs = [agent_pb2_grpc.AgentServiceStub(ch) for ch in channels]
-    calls = [stubs[i % connections].Connect(_requests(f"s{i}", stop), metadata=[("authorization", f"Bearer {job_token}")])
-             for i in range(streams)]
+    calls = [
+        stubs[i % connections].Connect(
+            _requests(f"s{i}", stop), metadata=[("authorization", f"Bearer {job_token}")]
+        )
+        for i in range(streams)
+    ]
     try:
-        firsts = await asyncio.wait_for(asyncio.gather(*(c.read() for c in calls), return_exceptions=True), 60)
+        firsts = await asyncio.wait_for(
+            asyncio.gather(*(c.read() for c in calls), return_exceptions=True), 60
+        )
         members = await asyncio.to_thread(core.states, "fan")
         assert len(members) == streams and "LOST" not in members.values()
         return sum(1 for f in firsts if isinstance(f, agent_pb2.ConnectResponse) and f.HasField("ack"))
@@ -47,12 +55,15 @@ async def _burst(address: str, job_token: str, streams: int, connections: int, c
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("streams, connections", [(400, 1), (3500, 35)], ids=["400-on-one-connection", "3500-burst"])
+@pytest.mark.parametrize(
+    "streams, connections", [(400, 1), (3500, 35)], ids=["400-on-one-connection", "3500-burst"]
+)
 def test_stream_bursts_register_and_are_declared_lost(tmp_path: Path, streams: int, connections: int) -> None:
     token = new_token()
     # Streams send no heartbeats here: long timeouts, so only a vanished stream makes a member LOST.
-    core = CoreProcess(tmp_path, "fan", "memory://", token,
-                       extra_args=["--heartbeat-timeout", "120", "--lease-ttl", "120"])
+    core = CoreProcess(
+        tmp_path, "fan", "memory://", token, extra_args=["--heartbeat-timeout", "120", "--lease-ttl", "120"]
+    )
     try:
         core.wait_leader()
         job_token = create_job(core, token, "fan")

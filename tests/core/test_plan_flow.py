@@ -33,11 +33,21 @@ class RawAgent:
     def __init__(self, address: str, token: str, worker_id: str, rank: int, stage: int, dp_rank: int) -> None:
         self.channel = grpc.insecure_channel(address)
         self.outgoing: queue.Queue = queue.Queue()
-        register = agent_pb2.Register(job="train", worker_id=worker_id, host="testhost", pid=1000 + rank,
-                                      stage=stage, dp_rank=dp_rank, rank=rank, heartbeat_interval_ms=200)
+        register = agent_pb2.Register(
+            job="train",
+            worker_id=worker_id,
+            host="testhost",
+            pid=1000 + rank,
+            stage=stage,
+            dp_rank=dp_rank,
+            rank=rank,
+            heartbeat_interval_ms=200,
+        )
         self.outgoing.put(agent_pb2.ConnectRequest(register=register))
         stub = agent_pb2_grpc.AgentServiceStub(self.channel)
-        self.call = stub.Connect(iter(self.outgoing.get, None), metadata=[("authorization", f"Bearer {token}")])
+        self.call = stub.Connect(
+            iter(self.outgoing.get, None), metadata=[("authorization", f"Bearer {token}")]
+        )
         self.ack = next(self.call).ack
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._beat, daemon=True)
@@ -47,11 +57,24 @@ class RawAgent:
         seq = 0
         while not self._stop.wait(0.2):
             seq += 1
-            self.outgoing.put(agent_pb2.ConnectRequest(heartbeat=agent_pb2.Heartbeat(seq=seq, sent_unix=time.time())))
+            self.outgoing.put(
+                agent_pb2.ConnectRequest(heartbeat=agent_pb2.Heartbeat(seq=seq, sent_unix=time.time()))
+            )
 
     def step(self, step: int, stage: int, dp_rank: int) -> None:
-        self.outgoing.put(agent_pb2.ConnectRequest(step=agent_pb2.StepMetrics(
-            step=step, step_time_s=0.1, compute_time_s=0.09, loss=2.0, samples=2, stage=stage, dp_rank=dp_rank)))
+        self.outgoing.put(
+            agent_pb2.ConnectRequest(
+                step=agent_pb2.StepMetrics(
+                    step=step,
+                    step_time_s=0.1,
+                    compute_time_s=0.09,
+                    loss=2.0,
+                    samples=2,
+                    stage=stage,
+                    dp_rank=dp_rank,
+                )
+            )
+        )
 
     def vanish(self) -> None:
         """Drop the stream without a Leave, like a crashed agent."""
@@ -85,20 +108,27 @@ def test_lost_worker_yields_a_plan_that_executors_apply(core: tuple[CoreProcess,
         dp = layout.stages[stage].dp_index(rank)
         agents[rank] = RawAgent(proc.grpc_address, job_token, f"w{rank}", rank, stage, dp)
         agents[rank].step(0, stage, dp)
-    wait_until(lambda: set(proc.states("train").values()) == {"RUNNING"} and len(proc.states("train")) == 4,
-               10, "four running workers")
+    wait_until(
+        lambda: set(proc.states("train").values()) == {"RUNNING"} and len(proc.states("train")) == 4,
+        10,
+        "four running workers",
+    )
     wait_until(lambda: proc.job("train")["phase"] == "RUNNING", 10, "the engine to settle")
 
     channel = grpc.insecure_channel(proc.grpc_address)
     auth = [("authorization", f"Bearer {job_token}")]
     executor = executor_pb2_grpc.ExecutorServiceStub(channel)
-    plans = executor.SubscribePlans(executor_pb2.SubscribePlansRequest(job="train", worker_id="w0"),
-                                    metadata=auth, timeout=30)
+    plans = executor.SubscribePlans(
+        executor_pb2.SubscribePlansRequest(job="train", worker_id="w0"), metadata=auth, timeout=30
+    )
 
     # What-if first: the scheduler sees the plan for losing w3 without anything being applied.
     scheduler = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-    what_if = scheduler.PlanWhatIf(scheduler_pb2.PlanWhatIfRequest(job="train", remove_worker_ids=["w3"]),
-                                   metadata=[("authorization", f"Bearer {token}")], timeout=5)
+    what_if = scheduler.PlanWhatIf(
+        scheduler_pb2.PlanWhatIfRequest(job="train", remove_worker_ids=["w3"]),
+        metadata=[("authorization", f"Bearer {token}")],
+        timeout=5,
+    )
     assert what_if.runnable and what_if.plan.epoch == 0
     assert 3 not in Layout.from_json(what_if.plan.layout_json).ranks()
     assert proc.job("train")["plan_epoch"] == 0
@@ -113,11 +143,19 @@ def test_lost_worker_yields_a_plan_that_executors_apply(core: tuple[CoreProcess,
     assert proc.job("train")["phase"] == "APPLYING"
 
     for rank in (0, 1, 2):
-        for phase in (executor_pb2.PLAN_PHASE_RECEIVED, executor_pb2.PLAN_PHASE_PAUSED,
-                      executor_pb2.PLAN_PHASE_APPLIED, executor_pb2.PLAN_PHASE_RESUMED):
-            reply = executor.AckPlanPhase(executor_pb2.AckPlanPhaseRequest(
-                job="train", worker_id=f"w{rank}", epoch=1, phase=phase, phase_time_s=0.01),
-                metadata=auth, timeout=5)
+        for phase in (
+            executor_pb2.PLAN_PHASE_RECEIVED,
+            executor_pb2.PLAN_PHASE_PAUSED,
+            executor_pb2.PLAN_PHASE_APPLIED,
+            executor_pb2.PLAN_PHASE_RESUMED,
+        ):
+            reply = executor.AckPlanPhase(
+                executor_pb2.AckPlanPhaseRequest(
+                    job="train", worker_id=f"w{rank}", epoch=1, phase=phase, phase_time_s=0.01
+                ),
+                metadata=auth,
+                timeout=5,
+            )
             assert reply.current_epoch == 1
     wait_until(lambda: proc.job("train")["phase"] == "RUNNING", 5, "the job to resume")
     kinds = [e["kind"] for e in proc.http.get("/api/v1/jobs/train/events").json()["events"]]
@@ -128,14 +166,28 @@ def test_lost_worker_yields_a_plan_that_executors_apply(core: tuple[CoreProcess,
     agents[1].vanish()
     assert next(plans).plan.epoch == 2
     with pytest.raises(grpc.RpcError) as err:
-        executor.AckPlanPhase(executor_pb2.AckPlanPhaseRequest(
-            job="train", worker_id="w0", epoch=1, phase=executor_pb2.PLAN_PHASE_RESUMED), metadata=auth, timeout=5)
+        executor.AckPlanPhase(
+            executor_pb2.AckPlanPhaseRequest(
+                job="train", worker_id="w0", epoch=1, phase=executor_pb2.PLAN_PHASE_RESUMED
+            ),
+            metadata=auth,
+            timeout=5,
+        )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "stale" in err.value.details()
 
     # Detection path "collective failure": a survivor reports rank 2 in a failed all-reduce.
-    report = executor.ReportPeerFailure(executor_pb2.ReportPeerFailureRequest(
-        job="train", worker_id="w0", peer_rank=2, step=7, operation="send(stage 1)", error="Connection reset"),
-        metadata=auth, timeout=5)
+    report = executor.ReportPeerFailure(
+        executor_pb2.ReportPeerFailureRequest(
+            job="train",
+            worker_id="w0",
+            peer_rank=2,
+            step=7,
+            operation="send(stage 1)",
+            error="Connection reset",
+        ),
+        metadata=auth,
+        timeout=5,
+    )
     assert report.peer_marked_lost and report.peer_worker_id == "w2"
     lost = next(m for m in proc.job("train")["members"] if m["worker_id"] == "w2")
     assert lost["state"] == "LOST" and "Connection reset" in lost["lost_reason"]
@@ -151,7 +203,9 @@ def test_scale_table_and_offers_follow_flextrain(core: tuple[CoreProcess, str]) 
     from planners.cli import scale_table as reference_scale_table
 
     proc, token = core
-    model = json.loads((Path(__file__).parents[2] / "planners/examples/llama2-34b-one-node-lost.json").read_text())
+    model = json.loads(
+        (Path(__file__).parents[2] / "planners/examples/llama2-34b-one-node-lost.json").read_text()
+    )
     model["failed_ranks"] = []
     model["max_devices"] = 128
     create_job(proc, token, "big", model=model)
@@ -159,22 +213,41 @@ def test_scale_table_and_offers_follow_flextrain(core: tuple[CoreProcess, str]) 
     auth = [("authorization", f"Bearer {token}")]
     with grpc.insecure_channel(proc.grpc_address) as channel:
         scheduler = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-        rows = scheduler.GetScaleTable(scheduler_pb2.GetScaleTableRequest(job="big"), metadata=auth, timeout=10).rows
+        rows = scheduler.GetScaleTable(
+            scheduler_pb2.GetScaleTableRequest(job="big"), metadata=auth, timeout=10
+        ).rows
         reference = reference_scale_table(model)["entries"]
-        assert [(r.devices, r.dp, r.pp) for r in rows] == [(e["devices"], e["dp"], e["pp"]) for e in reference]
+        assert [(r.devices, r.dp, r.pp) for r in rows] == [
+            (e["devices"], e["dp"], e["pp"]) for e in reference
+        ]
         assert all(r.tp == 4 and r.step_time_s > 0 and r.throughput_samples_per_s > 0 for r in rows)
         with pytest.raises(grpc.RpcError) as err:
             scheduler.GetScaleTable(scheduler_pb2.GetScaleTableRequest(job="plain"), metadata=auth, timeout=5)
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "without a model" in err.value.details()
+        assert (
+            err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            and "without a model" in err.value.details()
+        )
 
         # An offer that is reclaimed within seconds cannot pay for a reconfiguration; a long one can.
-        short = scheduler.OfferResources(scheduler_pb2.OfferResourcesRequest(
-            job="big", devices=32, hosts=["n13", "n14", "n15", "n16"], expected_duration_s=5), metadata=auth, timeout=10)
-        long = scheduler.OfferResources(scheduler_pb2.OfferResourcesRequest(
-            job="big", devices=32, hosts=["n13", "n14", "n15", "n16"], expected_duration_s=24 * 3600),
-            metadata=auth, timeout=10)
+        short = scheduler.OfferResources(
+            scheduler_pb2.OfferResourcesRequest(
+                job="big", devices=32, hosts=["n13", "n14", "n15", "n16"], expected_duration_s=5
+            ),
+            metadata=auth,
+            timeout=10,
+        )
+        long = scheduler.OfferResources(
+            scheduler_pb2.OfferResourcesRequest(
+                job="big", devices=32, hosts=["n13", "n14", "n15", "n16"], expected_duration_s=24 * 3600
+            ),
+            metadata=auth,
+            timeout=10,
+        )
         assert not short.accepted and "eq. 16" in short.reason
         assert long.accepted and "scale to" in long.reason
-    bad = proc.http.post("/api/v1/jobs", json={"name": "broken", "model": {"job": {"pp": 0}}},
-                         headers={"Authorization": f"Bearer {token}"})
+    bad = proc.http.post(
+        "/api/v1/jobs",
+        json={"name": "broken", "model": {"job": {"pp": 0}}},
+        headers={"Authorization": f"Bearer {token}"},
+    )
     assert bad.status_code == 422 and bad.json()["detail"].startswith("model:")

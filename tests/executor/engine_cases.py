@@ -45,12 +45,16 @@ def gpt_spec(dropout: float = 0.0, optimizer: OptimizerConfig | None = None, **m
     cfg = model_config(dropout, **model_kw)
     opt = optimizer if optimizer is not None else OptimizerConfig("adamw", lr=3e-3, weight_decay=0.01)
     spec = TrainSpec(gpt_units(cfg), per_sample_loss, markov_dataset(cfg.vocab_size, cfg.seq_len), opt)
-    spec.probes = _probes(cfg.vocab_size, cfg.seq_len, cfg.hidden, cfg.num_heads, cfg.num_layers, cfg.mlp_ratio)
+    spec.probes = _probes(
+        cfg.vocab_size, cfg.seq_len, cfg.hidden, cfg.num_heads, cfg.num_layers, cfg.mlp_ratio
+    )
     return spec
 
 
 @lru_cache(maxsize=8)
-def _probes(vocab_size: int, seq_len: int, hidden: int, num_heads: int, num_layers: int, mlp_ratio: int) -> Any:
+def _probes(
+    vocab_size: int, seq_len: int, hidden: int, num_heads: int, num_layers: int, mlp_ratio: int
+) -> Any:
     # The dry run's findings do not depend on dropout or the init seed: run it once per shape.
     cfg = ModelConfig(vocab_size, seq_len, hidden, num_heads, num_layers, mlp_ratio)
     return TrainSpec(gpt_units(cfg), per_sample_loss, markov_dataset(vocab_size, seq_len)).unit_probes()
@@ -60,15 +64,24 @@ def unit_numels() -> tuple[int, ...]:
     return gpt_spec().unit_numels()
 
 
-def layout(bounds: list[tuple[int, int]], ranks: list[tuple[int, ...]], global_batch: int = 8,
-           num_micro_batches: int = 4, zero_layout: str = "interleaved", rng_mode: str = "placement_invariant",
-           weights: list[tuple[int, ...]] | None = None) -> Layout:
+def layout(
+    bounds: list[tuple[int, int]],
+    ranks: list[tuple[int, ...]],
+    global_batch: int = 8,
+    num_micro_batches: int = 4,
+    zero_layout: str = "interleaved",
+    rng_mode: str = "placement_invariant",
+    weights: list[tuple[int, ...]] | None = None,
+) -> Layout:
     """A layout over the test model: stage p holds units bounds[p] (0 = embed, 1..4 = blocks,
     5 = head) and ranks ranks[p]."""
-    stages = tuple(StageLayout(p, lo, hi, tuple(r), tuple(weights[p]) if weights else ())
-                   for p, ((lo, hi), r) in enumerate(zip(bounds, ranks, strict=True)))
-    return Layout(NUM_UNITS, global_batch, num_micro_batches, stages, unit_numels(),
-                  zero_layout, (), rng_mode)  # type: ignore[arg-type]
+    stages = tuple(
+        StageLayout(p, lo, hi, tuple(r), tuple(weights[p]) if weights else ())
+        for p, ((lo, hi), r) in enumerate(zip(bounds, ranks, strict=True))
+    )
+    return Layout(
+        NUM_UNITS, global_batch, num_micro_batches, stages, unit_numels(), zero_layout, (), rng_mode
+    )
 
 
 def gpt_block_numel() -> int:
@@ -79,10 +92,20 @@ def gpt_block_numel() -> int:
 def max_state_diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
     """Largest absolute difference per (unit, tensor) between two full states."""
     assert set(a["units"]) == set(b["units"]), (sorted(a["units"]), sorted(b["units"]))
-    return {f"{n}.{k}": float((a["units"][n][k] - b["units"][n][k]).abs().max())
-            for n in a["units"] for k in ("param", "exp_avg", "exp_avg_sq")}
+    return {
+        f"{n}.{k}": float((a["units"][n][k] - b["units"][n][k]).abs().max())
+        for n in a["units"]
+        for k in ("param", "exp_avg", "exp_avg_sq")
+    }
 
 
 def states_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a["step_count"] == b["step_count"] and set(a["units"]) == set(b["units"]) and all(
-        torch.equal(a["units"][n][k], b["units"][n][k]) for n in a["units"] for k in ("param", "exp_avg", "exp_avg_sq"))
+    return (
+        a["step_count"] == b["step_count"]
+        and set(a["units"]) == set(b["units"])
+        and all(
+            torch.equal(a["units"][n][k], b["units"][n][k])
+            for n in a["units"]
+            for k in ("param", "exp_avg", "exp_avg_sq")
+        )
+    )

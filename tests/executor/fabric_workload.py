@@ -16,21 +16,38 @@ LAYER_NUMEL = (37, 50, 23)
 HYPER = OptimizerConfig("adamw", lr=1e-2, weight_decay=0.1)
 # Per layer: decay on the first part, none on the rest (a "weight" then a "bias", say).
 SEGMENTS: dict[str, Segments] = {
-    f"block_{k}": ((0, n - n // 3, HYPER.weight_decay), (n - n // 3, n, 0.0)) for k, n in enumerate(LAYER_NUMEL)}
+    f"block_{k}": ((0, n - n // 3, HYPER.weight_decay), (n - n // 3, n, 0.0))
+    for k, n in enumerate(LAYER_NUMEL)
+}
 
 
-def update_fn(unit: str, lo: int, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-              exp_avg_sq: torch.Tensor, step: int) -> None:
+def update_fn(
+    unit: str,
+    lo: int,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+) -> None:
     """The live optimizer's update of elements [lo, ...) of `unit` (what a snapshot replays)."""
     HYPER.update_slice(param, grad, exp_avg, exp_avg_sq, step, SEGMENTS[unit], lo)
 
 
 def layout_for(dp_workers: tuple[int, ...]) -> Layout:
-    base = make_uniform_layout(len(LAYER_NUMEL), 1, len(dp_workers), global_batch=6, num_micro_batches=1,
-                               layer_numel=LAYER_NUMEL, zero_layout="interleaved")
+    base = make_uniform_layout(
+        len(LAYER_NUMEL),
+        1,
+        len(dp_workers),
+        global_batch=6,
+        num_micro_batches=1,
+        layer_numel=LAYER_NUMEL,
+        zero_layout="interleaved",
+    )
     stage = base.stages[0]
-    return base.replace(stages=(stage.__class__(stage.stage, stage.layer_start, stage.layer_stop,
-                                                tuple(dp_workers)),))
+    return base.replace(
+        stages=(stage.__class__(stage.stage, stage.layer_start, stage.layer_stop, tuple(dp_workers)),)
+    )
 
 
 def full_vector(layer: int, seed: int) -> torch.Tensor:
@@ -44,7 +61,12 @@ def initial_state(layout: Layout, worker: int) -> ShardState:
         if iv.rank == worker:
             n = iv.stop - iv.start
             state.units[unit_name(iv.layer)] = UnitShard(
-                iv.start, iv.stop, full_vector(iv.layer, 0)[iv.start: iv.stop].clone(), torch.zeros(n), torch.zeros(n))
+                iv.start,
+                iv.stop,
+                full_vector(iv.layer, 0)[iv.start : iv.stop].clone(),
+                torch.zeros(n),
+                torch.zeros(n),
+            )
     return state
 
 
@@ -57,7 +79,7 @@ def layer_of(unit: str) -> int:
 
 
 def grads_for(state: ShardState, step: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
-    return {k: full_vector(layer_of(k), step)[s.start: s.stop] * scale for k, s in state.units.items()}
+    return {k: full_vector(layer_of(k), step)[s.start : s.stop] * scale for k, s in state.units.items()}
 
 
 def live_update(state: ShardState, step: int, grads: dict[str, torch.Tensor]) -> None:

@@ -127,14 +127,22 @@ def test_groups_for_stages_and_bad_input() -> None:
     g = groups_for_stages([[0, 1], [2, 3]])
     assert g == {"dp/0": (0, 1), "dp/1": (2, 3), "pp/0-1": (0, 1, 2, 3)}
     assert physical_groups(g, pp_links=True) == {
-        "dp/0": (0, 1), "dp/1": (2, 3), "link/0-2": (0, 2), "link/0-3": (0, 3), "link/1-2": (1, 2),
-        "link/1-3": (1, 3)}
+        "dp/0": (0, 1),
+        "dp/1": (2, 3),
+        "link/0-2": (0, 2),
+        "link/0-3": (0, 3),
+        "link/1-2": (1, 2),
+        "link/1-3": (1, 3),
+    }
     assert physical_groups(g, pp_links=False) == g
     # With `world` (gradient clipping's global norm): one more group of every worker, stage-major,
     # served by one physical group of its own; the stage groups and links are unchanged.
     w = groups_for_stages([[0, 1], [2, 3]], world=True)
     assert w == {**g, WORLD_GROUP: (0, 1, 2, 3)}
-    assert physical_groups(w, pp_links=True) == {**physical_groups(g, pp_links=True), WORLD_GROUP: (0, 1, 2, 3)}
+    assert physical_groups(w, pp_links=True) == {
+        **physical_groups(g, pp_links=True),
+        WORLD_GROUP: (0, 1, 2, 3),
+    }
     assert groups_for_stage_ranks([[0, 1], [2, 3]], world=True) == w  # the static comm's groups agree
     with pytest.raises(MembershipError, match="two stages"):
         groups_for_stages([[0, 1], [1, 2]])
@@ -172,13 +180,16 @@ def test_shrink_exclusions() -> None:
     assert shrink_exclusions((2, 3), (2, 6)) is None  # a newcomer needs a new communicator
 
 
-@pytest.mark.parametrize("backend, can_shrink, full, shrunk", [
-    ("nccl", True, False, ("dp/2",)),  # the only group that just lost a member
-    ("nccl", False, False, ()),  # torch/NCCL too old (no ncclCommShrink): rebuild
-    ("nccl", True, True, ()),  # the full-rebuild baseline never shrinks
-    ("gloo", True, False, ()),  # gloo cannot shrink whatever the flag says
-    ("hccl", True, False, ()),  # not a backend whose shrink we use
-])
+@pytest.mark.parametrize(
+    "backend, can_shrink, full, shrunk",
+    [
+        ("nccl", True, False, ("dp/2",)),  # the only group that just lost a member
+        ("nccl", False, False, ()),  # torch/NCCL too old (no ncclCommShrink): rebuild
+        ("nccl", True, True, ()),  # the full-rebuild baseline never shrinks
+        ("gloo", True, False, ()),  # gloo cannot shrink whatever the flag says
+        ("hccl", True, False, ()),  # not a backend whose shrink we use
+    ],
+)
 def test_which_groups_shrink(backend: str, can_shrink: bool, full: bool, shrunk: tuple[str, ...]) -> None:
     d = decide_edit(OLD_6, NEW_5, 4, QUIET_LEDGERS, full=full, backend=backend, can_shrink=can_shrink)
     mine = sorted(n for n, ws in NEW_5.items() if 4 in ws)  # dp/2 and the links to stage 1
@@ -188,16 +199,20 @@ def test_which_groups_shrink(backend: str, can_shrink: bool, full: bool, shrunk:
     assert d.drop == tuple(sorted(set(mine) - set(d.reuse) - set(shrunk)))  # a shrunk group is carried over
     # worker 2 (stage 1) only loses its link to 5; its DP group and other link are untouched
     d2 = decide_edit(OLD_6, NEW_5, 2, QUIET_LEDGERS, full=full, backend=backend, can_shrink=can_shrink)
-    assert d2.shrink == () and d2.drop == (("dp/1", "link/0-2", "link/1-2", "link/2-4", "link/2-5") if full
-                                           else ("link/2-5",))
+    assert d2.shrink == () and d2.drop == (
+        ("dp/1", "link/0-2", "link/1-2", "link/2-4", "link/2-5") if full else ("link/2-5",)
+    )
 
 
-@pytest.mark.parametrize("ledger, why", [
-    (_quiet(pending=1), "a survivor is still blocked in an op on it"),
-    (_quiet(failed=True), "an op on it failed"),
-    (_quiet(collectives=0), "never used: its NCCL communicator does not exist yet"),
-    (_quiet(collectives=2), "survivors disagree on the collectives issued"),
-])
+@pytest.mark.parametrize(
+    "ledger, why",
+    [
+        (_quiet(pending=1), "a survivor is still blocked in an op on it"),
+        (_quiet(failed=True), "an op on it failed"),
+        (_quiet(collectives=0), "never used: its NCCL communicator does not exist yet"),
+        (_quiet(collectives=2), "survivors disagree on the collectives issued"),
+    ],
+)
 def test_a_group_that_is_not_quiet_is_rebuilt_not_shrunk(ledger: dict[str, object], why: str) -> None:
     old = groups_for_stages([[0, 1, 2, 3]])
     new = groups_for_stages([[0, 1, 3]])  # worker 2 left dp/0
@@ -285,8 +300,13 @@ def test_an_op_that_fails_when_issued_is_a_peer_failure_and_aborts_the_epoch(op:
         comms: dict[int, Communicator] = {}
 
         def build(worker: int) -> None:
-            comms[worker] = Communicator(server.connect(), worker, groups_for_stages([[0, 1]]),
-                                         timeout_s=GROUP_TIMEOUT_S, pp_links=False)
+            comms[worker] = Communicator(
+                server.connect(),
+                worker,
+                groups_for_stages([[0, 1]]),
+                timeout_s=GROUP_TIMEOUT_S,
+                pp_links=False,
+            )
 
         builders = [threading.Thread(target=build, args=(w,)) for w in (0, 1)]
         for t in builders:

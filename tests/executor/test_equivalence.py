@@ -40,7 +40,9 @@ def test_pp2_dp2_matches_reference_and_zero_layouts_agree_bit_for_bit() -> None:
     cfg = gpt_spec()
     runs = {}
     for zero in ("interleaved", "contiguous"):
-        lay = layout([(0, 3), (3, 6)], [(0, 1), (2, 3)], global_batch=8, num_micro_batches=4, zero_layout=zero)
+        lay = layout(
+            [(0, 3), (3, 6)], [(0, 1), (2, 3)], global_batch=8, num_micro_batches=4, zero_layout=zero
+        )
         runs[zero] = run_job(JobSpec(cfg, lay, STEPS))
         _assert_matches_reference(runs[zero], cfg, 8, 4, STEPS)
     # Both layouts reduce every element in DP-rank order and apply the same AdamW: same bits.
@@ -52,10 +54,13 @@ def test_pp2_dp2_matches_reference_and_zero_layouts_agree_bit_for_bit() -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("ranks, weights", [
-    ([(0, 1), (2,)], [(2, 1), (1,)]),  # fan-in: two senders per receiver, uneven 2:1 split
-    ([(0,), (1, 2)], [(1,), (1, 3)]),  # fan-out
-])
+@pytest.mark.parametrize(
+    "ranks, weights",
+    [
+        ([(0, 1), (2,)], [(2, 1), (1,)]),  # fan-in: two senders per receiver, uneven 2:1 split
+        ([(0,), (1, 2)], [(1,), (1, 3)]),  # fan-out
+    ],
+)
 def test_uneven_stages_match_reference(ranks: list[tuple[int, ...]], weights: list[tuple[int, ...]]) -> None:
     cfg = gpt_spec()
     lay = layout([(0, 2), (2, 6)], ranks, global_batch=7, num_micro_batches=3, weights=weights)

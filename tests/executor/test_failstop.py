@@ -42,14 +42,23 @@ BATCH = 12
 CFG = gpt_spec(dropout=0.1)  # 4 blocks: units embed, block_0..block_3, head
 # The same job with gradient clipping by the global norm (clips most steps of this run): every
 # step adds one all-gather over the job-wide "world" group, which a loss must rebuild too.
-CLIP_CFG = gpt_spec(dropout=0.1, optimizer=OptimizerConfig("adamw", lr=3e-3, weight_decay=0.01, max_grad_norm=1.0))
+CLIP_CFG = gpt_spec(
+    dropout=0.1, optimizer=OptimizerConfig("adamw", lr=3e-3, weight_decay=0.01, max_grad_norm=1.0)
+)
 TIMEOUT_S = 20.0
 
 
 def base_layout(rng_mode: str) -> Layout:
     """Stage 0: embed, block_0, block_1 on workers 0-2; stage 1: block_2, block_3, head on 3-5."""
-    return make_uniform_layout(NUM_UNITS, 2, 3, global_batch=BATCH, num_micro_batches=2,
-                               layer_numel=CFG.unit_numels(), rng_mode=rng_mode)  # type: ignore[arg-type]
+    return make_uniform_layout(
+        NUM_UNITS,
+        2,
+        3,
+        global_batch=BATCH,
+        num_micro_batches=2,
+        layer_numel=CFG.unit_numels(),
+        rng_mode=rng_mode,
+    )
 
 
 @dataclass(frozen=True)
@@ -90,7 +99,10 @@ class KillingCommunicator(Communicator):
     def _tick(self, what: str) -> None:
         self.ops_in_step += 1
         if self.current_step == FAIL_STEP and self.ops_in_step == self.kill_at_op:
-            print(f"victim {self.worker}: SIGKILL at op {self.ops_in_step} ({what}) of step {FAIL_STEP}", flush=True)
+            print(
+                f"victim {self.worker}: SIGKILL at op {self.ops_in_step} ({what}) of step {FAIL_STEP}",
+                flush=True,
+            )
             os.kill(os.getpid(), signal.SIGKILL)
 
     def post_exchange(self, sends: Any, recvs: Any) -> Any:
@@ -107,8 +119,10 @@ class KillingCommunicator(Communicator):
 
 
 def _state_numpy(state: dict[str, Any]) -> dict[str, Any]:
-    return {"step_count": state["step_count"],
-            "units": {u: {f: t.numpy().copy() for f, t in d.items()} for u, d in state["units"].items()}}
+    return {
+        "step_count": state["step_count"],
+        "units": {u: {f: t.numpy().copy() for f, t in d.items()} for u, d in state["units"].items()},
+    }
 
 
 def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
@@ -117,8 +131,9 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
     layout = base_layout(sc.rng_mode)
     store = connect_store("127.0.0.1", port)
     cls = KillingCommunicator if inject and worker == sc.victim else Communicator
-    comm = cls(store, worker, groups_for_stages([s.ranks for s in layout.stages], world=sc.clip),
-               timeout_s=TIMEOUT_S)
+    comm = cls(
+        store, worker, groups_for_stages([s.ranks for s in layout.stages], world=sc.clip), timeout_s=TIMEOUT_S
+    )
     if isinstance(comm, KillingCommunicator):
         comm.kill_at_op = sc.kill_at_op
     trainer = Trainer(CLIP_CFG if sc.clip else CFG, layout, worker, comm)
@@ -126,13 +141,20 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
     proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
     losses: dict[int, float | None] = {}
     samples: dict[int, list[int]] = {}
-    out: dict[str, Any] = {"worker": worker, "stage": trainer.stage, "dp_index": trainer.dp_index,
-                           "failures": [], "edits": []}
+    out: dict[str, Any] = {
+        "worker": worker,
+        "stage": trainer.stage,
+        "dp_index": trainer.dp_index,
+        "failures": [],
+        "edits": [],
+    }
 
     def adopt(plan: Plan, step: int) -> None:
         report = proto.apply_plan(plan)
         out["edits"].append({"rebuilt": report.rebuilt, "reused": report.reused, "at_step": step})
-        print(f"worker {worker}: plan {plan.epoch} at step {step}: rebuilt {report.rebuilt}, reused {report.reused}")
+        print(
+            f"worker {worker}: plan {plan.epoch} at step {step}: rebuilt {report.rebuilt}, reused {report.reused}"
+        )
         out["recovered_state"] = _state_numpy(trainer.gather_full_state())
 
     step = 0
@@ -161,12 +183,18 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
             proto.rollback()
             adopt(proto.await_plan(), step)
     snap = participant.snapshot
-    out.update(losses=losses, samples=samples, stage_after=trainer.stage, dp_index_after=trainer.dp_index,
-               checksum_mismatches=participant.checksum_mismatches, verified=list(participant.verified_steps),
-               migrations=[m.as_dict() for m in participant.migrations],
-               final_state=_state_numpy(trainer.gather_full_state()),
-               live_shard=shard_state_of(trainer).to_numpy(),
-               snapshot=None if snap is None else (snap.protected, snap.state().to_numpy()))
+    out.update(
+        losses=losses,
+        samples=samples,
+        stage_after=trainer.stage,
+        dp_index_after=trainer.dp_index,
+        checksum_mismatches=participant.checksum_mismatches,
+        verified=list(participant.verified_steps),
+        migrations=[m.as_dict() for m in participant.migrations],
+        final_state=_state_numpy(trainer.gather_full_state()),
+        live_shard=shard_state_of(trainer).to_numpy(),
+        snapshot=None if snap is None else (snap.protected, snap.state().to_numpy()),
+    )
     return out
 
 
@@ -262,7 +290,9 @@ def assert_recovered_bitwise(clean: dict[int, dict[str, Any]], faulty: dict[int,
     assert_states_bitwise(ref_state, rec_state)
 
 
-def assert_same_samples(clean: dict[int, dict[str, Any]], faulty: dict[int, dict[str, Any]], changed_at: int) -> None:
+def assert_same_samples(
+    clean: dict[int, dict[str, Any]], faulty: dict[int, dict[str, Any]], changed_at: int
+) -> None:
     """Before `changed_at` every worker fed exactly what it fed fault-free; from then on, each
     stage's workers fed the whole global batch of the step once, as fault-free."""
     for w in faulty:
@@ -277,13 +307,22 @@ def _balanced(name: str, members: tuple[int, ...], ledgers: dict[int, Any]) -> b
     """A group is reusable iff, by every member's published ledger, nothing is pending or failed,
     all issued the same number of collectives and every send met its receive."""
     recs = {w: ledgers[w][name] for w in members}
-    if any(r["pending"] or r["failed"] for r in recs.values()) or len({r["collectives"] for r in recs.values()}) != 1:
+    if (
+        any(r["pending"] or r["failed"] for r in recs.values())
+        or len({r["collectives"] for r in recs.values()}) != 1
+    ):
         return False
-    return all(int(recs[a]["sent"].get(str(b), 0)) == int(recs[b]["received"].get(str(a), 0))
-               for a in members for b in members if a != b)
+    return all(
+        int(recs[a]["sent"].get(str(b), 0)) == int(recs[b]["received"].get(str(a), 0))
+        for a in members
+        for b in members
+        if a != b
+    )
 
 
-def assert_exact_edit(results: dict[int, dict[str, Any]], plan: Plan, world: bool = False) -> dict[int, set[str]]:
+def assert_exact_edit(
+    results: dict[int, dict[str, Any]], plan: Plan, world: bool = False
+) -> dict[int, set[str]]:
     """Every worker rebuilt exactly the groups that lost a member or whose ops were left
     half-matched (by the ledgers every member published for the edit) and reused every other
     group; returns each worker's half-matched groups. `world`: the job has the world group."""
@@ -326,9 +365,18 @@ def assert_snapshots_equal_live(results: dict[int, dict[str, Any]]) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("victim, kill_at_op", [(4, 2), (4, 5), (4, 7), (4, 8), (4, 9), (1, 6)],
-                         ids=["pipeline", "grad-reduce-scatter", "snapshot-exchange", "param-all-gather", "loss",
-                              "stage0-checksum-exchange"])
+@pytest.mark.parametrize(
+    "victim, kill_at_op",
+    [(4, 2), (4, 5), (4, 7), (4, 8), (4, 9), (1, 6)],
+    ids=[
+        "pipeline",
+        "grad-reduce-scatter",
+        "snapshot-exchange",
+        "param-all-gather",
+        "loss",
+        "stage0-checksum-exchange",
+    ],
+)
 def test_kill9_mid_step_recovers_in_place(victim: int, kill_at_op: int) -> None:
     _check_kill_recovery(Scenario(kill_at_op=kill_at_op, victim=victim))
 
@@ -340,8 +388,10 @@ def _check_kill_recovery(sc: Scenario) -> dict[int, dict[str, Any]]:
     for s in range(FAIL_STEP):  # same layout before the failure: identical bits
         assert got_losses[s] == ref_losses[s]
     deviation = _mean_rel_dev(got_losses, ref_losses, range(FAIL_STEP, STEPS))
-    print(f"\nvictim {sc.victim}, kill at op {sc.kill_at_op}{' (clipping)' if sc.clip else ''}: mean relative loss "
-          f"deviation vs fault-free over steps {FAIL_STEP}..{STEPS - 1}: {deviation:.3e} (placement-invariant RNG)")
+    print(
+        f"\nvictim {sc.victim}, kill at op {sc.kill_at_op}{' (clipping)' if sc.clip else ''}: mean relative loss "
+        f"deviation vs fault-free over steps {FAIL_STEP}..{STEPS - 1}: {deviation:.3e} (placement-invariant RNG)"
+    )
     assert deviation <= 1e-4
     assert_recovered_bitwise(clean, faulty)
     assert_same_samples(clean, faulty, FAIL_STEP)
@@ -350,8 +400,10 @@ def _check_kill_recovery(sc: Scenario) -> dict[int, dict[str, Any]]:
     plan = sc.plan()
     assert plan is not None
     dirty = assert_exact_edit(faulty, plan, world=sc.clip)
-    print(f"half-matched groups rebuilt besides dp/{plan.old.stage_of_rank(sc.victim) if plan.old else '?'}: "
-          f"{ {w: sorted(d) for w, d in dirty.items() if d} }")
+    print(
+        f"half-matched groups rebuilt besides dp/{plan.old.stage_of_rank(sc.victim) if plan.old else '?'}: "
+        f"{ {w: sorted(d) for w, d in dirty.items() if d} }"
+    )
     assert_snapshots_equal_live(faulty)
     return faulty
 
@@ -375,11 +427,14 @@ def test_loss_deviation_with_rng_switch_off() -> None:
     deviations = {}
     for mode in ("placement_invariant", "per_rank"):
         faulty = _run(Scenario(mode, kill_at_op=2))
-        deviations[mode] = _mean_rel_dev(_last_stage_losses(faulty), _last_stage_losses(_clean(mode)),
-                                         range(FAIL_STEP, STEPS))
-    print(f"\nmean relative loss deviation vs fault-free over steps {FAIL_STEP}..{STEPS - 1}: "
-          f"placement-invariant RNG {deviations['placement_invariant']:.3e}, "
-          f"per-rank RNG (switch off) {deviations['per_rank']:.3e}")
+        deviations[mode] = _mean_rel_dev(
+            _last_stage_losses(faulty), _last_stage_losses(_clean(mode)), range(FAIL_STEP, STEPS)
+        )
+    print(
+        f"\nmean relative loss deviation vs fault-free over steps {FAIL_STEP}..{STEPS - 1}: "
+        f"placement-invariant RNG {deviations['placement_invariant']:.3e}, "
+        f"per-rank RNG (switch off) {deviations['per_rank']:.3e}"
+    )
     assert deviations["placement_invariant"] <= 1e-4
     assert deviations["per_rank"] > 10 * deviations["placement_invariant"]
 
@@ -412,7 +467,9 @@ def _protocols(port: int, n: int, timeout_s: float = 5.0) -> list[StepProtocol]:
     comms: list[Communicator | None] = [None] * n
 
     def build(w: int) -> None:
-        comms[w] = Communicator(connect_store("127.0.0.1", port), w, {"dp/0": tuple(range(n))}, timeout_s=timeout_s)
+        comms[w] = Communicator(
+            connect_store("127.0.0.1", port), w, {"dp/0": tuple(range(n))}, timeout_s=timeout_s
+        )
 
     threads = [threading.Thread(target=build, args=(w,)) for w in range(n)]
     for t in threads:
@@ -466,7 +523,12 @@ def test_commit_decision_is_one_value_for_all() -> None:
         calls = protos[0].participant.calls  # type: ignore[attr-defined]
         # before each of its 4 votes the participant finishes its in-flight work
         assert [c for c in calls if c[0] != "before_vote"] == [
-            ("commit", 0), ("rollback", -1), ("rollback", -1), ("check", 1), ("plan", 1)]
+            ("commit", 0),
+            ("rollback", -1),
+            ("rollback", -1),
+            ("check", 1),
+            ("plan", 1),
+        ]
         assert calls.count(("before_vote", -1)) == 4
     finally:
         server.stop()

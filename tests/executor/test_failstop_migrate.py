@@ -48,8 +48,13 @@ RELAYOUT_AT = 3
 
 
 def with_bounds(layout: Layout, bounds: list[tuple[int, int]]) -> Layout:
-    return replace(layout, stages=tuple(replace(s, layer_start=lo, layer_stop=hi)
-                                        for s, (lo, hi) in zip(layout.stages, bounds, strict=True)))
+    return replace(
+        layout,
+        stages=tuple(
+            replace(s, layer_start=lo, layer_stop=hi)
+            for s, (lo, hi) in zip(layout.stages, bounds, strict=True)
+        ),
+    )
 
 
 def loss_and_rebalance(victim: int) -> Layout:
@@ -108,7 +113,11 @@ def test_kill9_with_layer_rebalance_recovers_bitwise() -> None:
         assert r["stage_after"] == r["stage"]  # ranks keep their stage, the block changed stage
     # stage 0 now holds embed and blocks 0-2 (DP 3), stage 1 holds block 3 and the head (DP 2)
     assert {u for r in faulty.values() if r["stage"] == 0 for u in r["recovered_state"]["units"]} == {
-        "embed", "block_0", "block_1", "block_2"}
+        "embed",
+        "block_0",
+        "block_1",
+        "block_2",
+    }
     assert_snapshots_equal_live(faulty)
 
 
@@ -121,7 +130,9 @@ def test_pipeline_only_plan_through_protocol_is_bit_identical(migration: str) ->
     the ring is re-seeded inside the step after it. Either way the losses and the final state are
     bit-identical to the run without the move, and the snapshots end equal to the live shards."""
     old = base_layout(RNG)
-    sc = Scenario(RNG, relayout_at=RELAYOUT_AT, new_layout=with_bounds(old, [(0, 2), (2, 6)]), migration=migration)
+    sc = Scenario(
+        RNG, relayout_at=RELAYOUT_AT, new_layout=with_bounds(old, [(0, 2), (2, 6)]), migration=migration
+    )
     clean, moved = _clean(RNG), _run(sc)
     assert _last_stage_losses(moved) == _last_stage_losses(clean)
     assert_states_bitwise(_merged(clean, "final_state"), _merged(moved, "final_state"))
@@ -133,7 +144,9 @@ def test_pipeline_only_plan_through_protocol_is_bit_identical(migration: str) ->
         (report,) = r["migrations"]
         assert report["moved_layers"] == ((2, 0, 1),) and report["mode"] == migration, (w, report)
         if migration == "nonblocking":  # stage 0 ran block 1 as a shadow, stage 1 folded its payback
-            assert (report["shadow_slots_run"], report["payback_slots"]) == ((1, 0) if r["stage"] == 0 else (0, 1)), w
+            assert (report["shadow_slots_run"], report["payback_slots"]) == (
+                (1, 0) if r["stage"] == 0 else (0, 1)
+            ), w
         assert r["samples"] == clean[w]["samples"]
     assert_snapshots_equal_live(moved)
 

@@ -31,8 +31,10 @@ BLOCKS12_TO_STAGE0 = [(0, 4), (4, 6)]
 
 def _relayouts(zero: str) -> tuple:
     # Step 3: block 1 moves to stage 1; step 6: blocks 1 and 2 move to stage 0.
-    return ((3, layout(BLOCK1_TO_STAGE1, RANKS, zero_layout=zero)),
-            (6, layout(BLOCKS12_TO_STAGE0, RANKS, zero_layout=zero)))
+    return (
+        (3, layout(BLOCK1_TO_STAGE1, RANKS, zero_layout=zero)),
+        (6, layout(BLOCKS12_TO_STAGE0, RANKS, zero_layout=zero)),
+    )
 
 
 @pytest.mark.multiproc
@@ -42,8 +44,9 @@ def test_moving_layers_between_stages_is_bit_identical() -> None:
     base = run_job(JobSpec(cfg, layout(START, RANKS), STEPS))
     base_losses, base_state = job_losses(base), merged_state(base)
     for zero in ("interleaved", "contiguous"):
-        moved = run_job(JobSpec(cfg, layout(START, RANKS, zero_layout=zero), STEPS,
-                                relayouts=_relayouts(zero)))
+        moved = run_job(
+            JobSpec(cfg, layout(START, RANKS, zero_layout=zero), STEPS, relayouts=_relayouts(zero))
+        )
         assert job_losses(moved) == base_losses, zero
         state = merged_state(moved)
         assert states_equal(state, base_state), max_state_diff(state, base_state)
@@ -65,7 +68,9 @@ def test_migration_moves_exactly_the_planned_shards() -> None:
         # Moments of every re-owned interval (the planner's overlap matrix) + the moved block's parameters.
         numel, planned = start.layer_numel[block_unit(1)], migration_cost(start, target)
         assert sum(rep["elements_sent"] for rep in reports) == 2 * planned.total_elements + numel
-        assert sum(rep["elements_sent"] for rep in reports) == sum(rep["elements_received"] for rep in reports)
+        assert sum(rep["elements_sent"] for rep in reports) == sum(
+            rep["elements_received"] for rep in reports
+        )
         if zero == "interleaved":
             # D disjoint rank-to-rank sends: rank j of stage 0 -> rank j of stage 1, nothing else.
             assert [rep["transfers"] for rep in reports] == [1, 1, 1, 1]
@@ -83,6 +88,7 @@ def test_only_pipeline_only_changes_are_accepted() -> None:
         moved_layers(start, layout(START, [(0,), (1, 2, 3)]))
     with pytest.raises(ValueError, match="also changes"):
         moved_layers(start, layout(BLOCK1_TO_STAGE1, RANKS, global_batch=16))
+
     def five_layers(bounds: list[tuple[int, int]]) -> Layout:
         stages = tuple(StageLayout(p, lo, hi, (p,)) for p, (lo, hi) in enumerate(bounds))
         return Layout(5, 4, 2, stages, (10,) * 5)
@@ -98,12 +104,15 @@ def test_nonblocking_migration_with_shadow_and_payback_is_bit_identical(batch: i
     cfg = gpt_spec(dropout=0.1)
     start = layout(START, RANKS, global_batch=batch)
     base = run_job(JobSpec(cfg, start, 8))
-    relayouts = ((3, layout(BLOCK1_TO_STAGE1, RANKS, global_batch=batch)),
-                 (6, layout(BLOCKS12_TO_STAGE0, RANKS, global_batch=batch)))
+    relayouts = (
+        (3, layout(BLOCK1_TO_STAGE1, RANKS, global_batch=batch)),
+        (6, layout(BLOCKS12_TO_STAGE0, RANKS, global_batch=batch)),
+    )
     moved = run_job(JobSpec(cfg, start, 8, relayouts=relayouts, migration="nonblocking", shadow_slots=k))
     assert job_losses(moved) == job_losses(base)
-    assert states_equal(merged_state(moved), merged_state(base)), max_state_diff(merged_state(moved),
-                                                                                 merged_state(base))
+    assert states_equal(merged_state(moved), merged_state(base)), max_state_diff(
+        merged_state(moved), merged_state(base)
+    )
     for rank, res in moved.items():
         first, second = res.migrations
         assert first["mode"] == second["mode"] == "nonblocking"

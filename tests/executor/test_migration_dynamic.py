@@ -34,11 +34,22 @@ def test_nonblocking_migration_on_dynamic_communicator_is_bit_identical() -> Non
     start = layout([(0, 3), (3, 6)], RANKS)
     relayouts = ((2, layout([(0, 2), (2, 6)], RANKS)), (5, layout([(0, 4), (4, 6)], RANKS)))
     base = run_job(JobSpec(cfg, start, STEPS, comm_kind="dynamic", timeout_s=30.0))
-    moved = run_job(JobSpec(cfg, start, STEPS, relayouts=relayouts, migration="nonblocking", shadow_slots=2,
-                            comm_kind="dynamic", timeout_s=30.0))
+    moved = run_job(
+        JobSpec(
+            cfg,
+            start,
+            STEPS,
+            relayouts=relayouts,
+            migration="nonblocking",
+            shadow_slots=2,
+            comm_kind="dynamic",
+            timeout_s=30.0,
+        )
+    )
     assert job_losses(moved) == job_losses(base)
-    assert states_equal(merged_state(moved), merged_state(base)), max_state_diff(merged_state(moved),
-                                                                                 merged_state(base))
+    assert states_equal(merged_state(moved), merged_state(base)), max_state_diff(
+        merged_state(moved), merged_state(base)
+    )
     numel = gpt_block_numel()
     for rank, res in moved.items():
         assert [m["mode"] for m in res.migrations] == ["nonblocking", "nonblocking"]
@@ -61,7 +72,7 @@ def _posted_link_worker(worker: int, port: int) -> dict[str, object]:
     store = connect_store("127.0.0.1", port)
     comm = Communicator(store, worker, groups_for_stages([[0], [1, 2]]), timeout_s=HUNG_TIMEOUT_S)
     channels = {}
-    for peer in ([1, 2] if worker == 0 else [0]):  # the other stage's workers
+    for peer in [1, 2] if worker == 0 else [0]:  # the other stage's workers
         name, pg, peer_rank = comm.p2p_group("pp/0-1", peer)
         channels[peer] = (name, pg.size(), peer_rank)
     out: dict[str, object] = {"channels": channels}

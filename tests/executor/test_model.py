@@ -41,7 +41,9 @@ CFG = ModelConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=4, num_layers=
 UNITS = gpt_units(CFG)
 
 
-def _run(stage: StageModel, x: torch.Tensor, samples: list[int], step: int = 0, seed: int = 11) -> torch.Tensor:
+def _run(
+    stage: StageModel, x: torch.Tensor, samples: list[int], step: int = 0, seed: int = 11
+) -> torch.Tensor:
     """Run a stage's units in order the way the engine does: each under its unit-call context."""
     rng = DropoutRng(seed)
     rng.begin_step(step)
@@ -85,7 +87,9 @@ def test_units_are_initialised_identically_wherever_they_are_built() -> None:
     # Another model object over the same config (another rank) builds the same bits; another
     # init seed does not.
     assert fingerprint(gpt_units(CFG).build(2)) == fingerprint(UNITS.build(2))
-    other = gpt_units(ModelConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=4, num_layers=4, init_seed=7))
+    other = gpt_units(
+        ModelConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=4, num_layers=4, init_seed=7)
+    )
     assert fingerprint(other.build(2)) != fingerprint(UNITS.build(2))
 
 
@@ -100,7 +104,9 @@ def test_a_unit_built_in_another_process_is_bitwise_identical() -> None:
         units = gpt_units(ModelConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=4, num_layers=4, dropout=0.2))
         print(" ".join(fingerprint(units.build(i)) for i in reversed(range(len(units)))))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
     theirs = out.stdout.split()[::-1]
     assert theirs == [fingerprint(UNITS.build(i)) for i in range(len(UNITS))]
 
@@ -108,8 +114,12 @@ def test_a_unit_built_in_another_process_is_bitwise_identical() -> None:
 def test_dry_run_finds_every_boundary() -> None:
     probes = discover_boundaries(UNITS, _tokens(2))
     hidden = ActivationSpec((TensorSpec((16, 32), torch.float32),), False)
-    assert [p.output for p in probes] == [hidden] * 5 + [ActivationSpec((TensorSpec((16, 64), torch.float32),), False)]
-    assert [p.numel for p in probes] == [sum(q.numel() for q in UNITS.build(i).parameters()) for i in range(6)]
+    assert [p.output for p in probes] == [hidden] * 5 + [
+        ActivationSpec((TensorSpec((16, 64), torch.float32),), False)
+    ]
+    assert [p.numel for p in probes] == [
+        sum(q.numel() for q in UNITS.build(i).parameters()) for i in range(6)
+    ]
     assert probes[1].numel == block_numel(CFG)
     assert [n for n, _ in probes[0].params] == ["tok.weight", "pos.weight"]
     assert hidden.bytes_per_sample() == 16 * 32 * 4
@@ -137,7 +147,9 @@ def test_dropout_follows_the_sample_not_the_batch() -> None:
     model.eval()
     assert torch.equal(_run(model, tokens, [100, 101, 102, 103]), _run(model, tokens, [0, 1, 2, 3]))
     model.train()
-    nodrop = StageModel(gpt_units(ModelConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=4, num_layers=4)), 0, 2)
+    nodrop = StageModel(
+        gpt_units(ModelConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=4, num_layers=4)), 0, 2
+    )
     assert torch.equal(outside, nodrop.units["block_0"](nodrop.units[EMBED](tokens)))
 
 
@@ -157,20 +169,27 @@ def test_a_stage_can_reuse_modules_it_already_has() -> None:
 
 
 def test_user_state_dict_overrides_the_constructor() -> None:
-    whole = {f"{name}.{k}": v for i, name in enumerate(UNITS.names) for k, v in UNITS.build(i).state_dict().items()}
+    whole = {
+        f"{name}.{k}": v for i, name in enumerate(UNITS.names) for k, v in UNITS.build(i).state_dict().items()
+    }
     state = {k: torch.full_like(v, 0.5) if k.startswith(f"{HEAD}.") else v for k, v in whole.items()}
     loaded = UnitModel(UNITS.names, functools.partial(build_unit, CFG), CFG.init_seed, state)
     head_numel = sum(v.numel() for k, v in whole.items() if k.startswith(f"{HEAD}."))
     assert torch.equal(flat_params(loaded.build(5)), torch.full((head_numel,), 0.5))
     assert torch.equal(flat_params(loaded.build(1)), flat_params(UNITS.build(1)))
     # Loading is strict: a unit whose weights are missing is refused, not silently left as drawn.
-    partial = UnitModel(UNITS.names, functools.partial(build_unit, CFG), state_dict={
-        k: v for k, v in state.items() if not k.startswith("block_0.")})
+    partial = UnitModel(
+        UNITS.names,
+        functools.partial(build_unit, CFG),
+        state_dict={k: v for k, v in state.items() if not k.startswith("block_0.")},
+    )
     with pytest.raises(UnitBuildError, match=r"(?s)state_dict does not fit unit 'block_0'.*Missing key"):
         partial.build(1)
     with pytest.raises(UnitBuildError, match="units \\['decoder'\\] that the model does not have"):
         UnitModel(UNITS.names, functools.partial(build_unit, CFG), state_dict={"decoder.w": torch.zeros(1)})
-    bad = UnitModel(UNITS.names, functools.partial(build_unit, CFG), state_dict={f"{HEAD}.lm.weight": torch.zeros(3)})
+    bad = UnitModel(
+        UNITS.names, functools.partial(build_unit, CFG), state_dict={f"{HEAD}.lm.weight": torch.zeros(3)}
+    )
     with pytest.raises(UnitBuildError, match="state_dict does not fit unit 'head'"):
         bad.build(5)
 
@@ -188,11 +207,14 @@ def test_units_from_modules() -> None:
         UnitModel.from_modules({"x": 3})  # type: ignore[dict-item]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"hidden": 30, "num_heads": 4}, "divisible"),
-    ({"dropout": 1.0}, "dropout"),
-    ({"num_layers": 0}, "positive"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"hidden": 30, "num_heads": 4}, "divisible"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"num_layers": 0}, "positive"),
+    ],
+)
 def test_bad_model_config(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig(**kwargs)  # type: ignore[arg-type]
@@ -236,12 +258,16 @@ def test_tied_weights_across_units_are_refused() -> None:
 
 
 def test_dry_run_errors_name_the_unit() -> None:
-    units = UnitModel(["lin", "pair", "bad"], lambda name: {
-        "lin": nn.Linear(4, 4), "pair": _Pair(), "bad": nn.Linear(5, 2)}[name])
+    units = UnitModel(
+        ["lin", "pair", "bad"],
+        lambda name: {"lin": nn.Linear(4, 4), "pair": _Pair(), "bad": nn.Linear(5, 2)}[name],
+    )
     with pytest.raises(UnitBuildError, match=r"unit 'bad' failed on one sample of input tuple of"):
         discover_boundaries(units, torch.zeros(3, 4))
     dict_out = UnitModel(["d"], lambda name: _Dict())
-    with pytest.raises(UnitBuildError, match="unit 'd': an activation must be a tensor, or a tuple of tensors"):
+    with pytest.raises(
+        UnitBuildError, match="unit 'd': an activation must be a tensor, or a tuple of tensors"
+    ):
         discover_boundaries(dict_out, torch.zeros(3, 4))
     with pytest.raises(TypeError, match="first dimension is the sample"):
         discover_boundaries(dict_out, torch.tensor(1.0))

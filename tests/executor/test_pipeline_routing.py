@@ -23,8 +23,12 @@ def _rank_ops(lay: Layout, rank: int, program: list[Op]) -> list[tuple[str, Mess
         direction = "f" if op.kind in ("send_f", "recv_f") else "b"
         for r in routes(lay, rank, op.slot, toward):
             sender, receiver = (rank, r.peer) if op.kind.startswith("send") else (r.peer, rank)
-            ops.append(("send" if op.kind.startswith("send") else "recv",
-                        (direction, op.slot, sender, receiver, r.samples.start)))
+            ops.append(
+                (
+                    "send" if op.kind.startswith("send") else "recv",
+                    (direction, op.slot, sender, receiver, r.samples.start),
+                )
+            )
     return ops
 
 
@@ -68,13 +72,27 @@ def _uniform(p: int, dp: list[int], batch: int, slots: int) -> Layout:
 
 
 def _all_ops(lay: Layout, program=stage_program) -> dict[int, list[tuple[str, Message]]]:
-    return {r: _rank_ops(lay, r, program(lay.num_stages, lay.stage_of_rank(r), lay.num_micro_batches))
-            for r in lay.ranks()}
+    return {
+        r: _rank_ops(lay, r, program(lay.num_stages, lay.stage_of_rank(r), lay.num_micro_batches))
+        for r in lay.ranks()
+    }
 
 
 def test_compute_order_is_1f1b() -> None:
-    assert compute_order(4, 0, 6) == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1),
-                                      ("F", 5), ("B", 2), ("B", 3), ("B", 4), ("B", 5)]
+    assert compute_order(4, 0, 6) == [
+        ("F", 0),
+        ("F", 1),
+        ("F", 2),
+        ("F", 3),
+        ("B", 0),
+        ("F", 4),
+        ("B", 1),
+        ("F", 5),
+        ("B", 2),
+        ("B", 3),
+        ("B", 4),
+        ("B", 5),
+    ]
     assert compute_order(4, 3, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
     for p, s, m in itertools.product(range(1, 5), range(4), range(1, 7)):
         if s < p:
@@ -106,8 +124,13 @@ def test_the_simulator_catches_the_naive_order() -> None:
 
 
 def test_routes_cover_each_slice_exactly_and_agree_between_ends() -> None:
-    lay = layout([(0, 3), (3, 6)], [(0, 1, 2), (3, 4)], global_batch=11, num_micro_batches=2,
-                 weights=[(3, 1, 2), (1, 1)])
+    lay = layout(
+        [(0, 3), (3, 6)],
+        [(0, 1, 2), (3, 4)],
+        global_batch=11,
+        num_micro_batches=2,
+        weights=[(3, 1, 2), (1, 1)],
+    )
     for slot in range(2):
         for rank in lay.ranks():
             mine = lay.samples_of(rank, slot)
@@ -119,15 +142,19 @@ def test_routes_cover_each_slice_exactly_and_agree_between_ends() -> None:
                 assert covered == list(range(mine.start, mine.stop))
                 assert all(r.offset == r.samples.start - mine.start for r in rs)
                 for r in rs:  # the peer sees the same slice coming back
-                    back = {x.peer: x.samples for x in routes(lay, r.peer, slot,
-                                                             "prev" if toward == "next" else "next")}
+                    back = {
+                        x.peer: x.samples
+                        for x in routes(lay, r.peer, slot, "prev" if toward == "next" else "next")
+                    }
                     assert back[rank] == r.samples
 
 
 def test_routing_fan_out_and_fan_in() -> None:
     lay = layout([(0, 3), (3, 6)], [(0,), (1, 2)], global_batch=8, num_micro_batches=2)
     assert [(r.peer, r.samples, r.offset) for r in routes(lay, 0, 1, "next")] == [
-        (1, SampleRange(4, 6), 0), (2, SampleRange(6, 8), 2)]
+        (1, SampleRange(4, 6), 0),
+        (2, SampleRange(6, 8), 2),
+    ]
     assert [(r.peer, r.samples, r.offset) for r in routes(lay, 2, 1, "prev")] == [(0, SampleRange(6, 8), 0)]
 
 

@@ -80,7 +80,11 @@ def test_lost_worker_rebuilt_from_snapshot_bitwise() -> None:
     new_owned = layout_ownership(layout_for(NEW))
     for w in NEW:
         assert {(k, s, e) for k, (s, e, _) in got[w]["post"].items()} == {
-            (unit_name(iv.layer), iv.start, iv.stop) for ivs in new_owned.values() for iv in ivs if iv.rank == w}
+            (unit_name(iv.layer), iv.start, iv.stop)
+            for ivs in new_owned.values()
+            for iv in ivs
+            if iv.rank == w
+        }
         assert got[w]["rebuilt"] == ("dp/0",)
         assert got[w]["verified_after"] is True
 
@@ -88,10 +92,18 @@ def test_lost_worker_rebuilt_from_snapshot_bitwise() -> None:
 def test_plan_moves_only_changed_owners_and_reads_lost_from_snapshot() -> None:
     old, new = layout_for(OLD), layout_for(NEW)
     plan = remap_plan(old, new, {LOST})
-    old_owner = {(iv.layer, e): iv.rank for ivs in layout_ownership(old).values() for iv in ivs
-                 for e in range(iv.start, iv.stop)}
-    new_owner = {(iv.layer, e): iv.rank for ivs in layout_ownership(new).values() for iv in ivs
-                 for e in range(iv.start, iv.stop)}
+    old_owner = {
+        (iv.layer, e): iv.rank
+        for ivs in layout_ownership(old).values()
+        for iv in ivs
+        for e in range(iv.start, iv.stop)
+    }
+    new_owner = {
+        (iv.layer, e): iv.rank
+        for ivs in layout_ownership(new).values()
+        for iv in ivs
+        for e in range(iv.start, iv.stop)
+    }
     moved = {(int(t.unit.split("_")[1]), e) for t in plan for e in range(t.lo, t.hi)}
     assert moved == {k for k in new_owner if old_owner[k] != new_owner[k]}
     for t in plan:
@@ -99,7 +111,8 @@ def test_plan_moves_only_changed_owners_and_reads_lost_from_snapshot() -> None:
         assert t.src == (0 if t.owner == LOST else t.owner)  # worker 0 holds worker 1's snapshot
     # the generic overlap over blocks is exactly the planners' overlap matrix
     assert [(int(t.unit.split("_")[1]), t.lo, t.hi, t.owner, t.dst) for t in plan] == [
-        (t.layer, t.start, t.stop, t.src_rank, t.dst_rank) for t in shard_transfers(old, new)]
+        (t.layer, t.start, t.stop, t.src_rank, t.dst_rank) for t in shard_transfers(old, new)
+    ]
 
 
 def test_integrity_check_refuses_unrecoverable_loss() -> None:

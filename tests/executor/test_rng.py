@@ -16,8 +16,13 @@ from executor.rng import (
 
 def test_mix64_is_deterministic_and_separates_tuples() -> None:
     assert mix64(1, 2, 3) == mix64(1, 2, 3)
-    seeds = {mix64(0, step, layer, site, sample) for step in range(3) for layer in range(-1, 3)
-             for site in range(3) for sample in range(8)}
+    seeds = {
+        mix64(0, step, layer, site, sample)
+        for step in range(3)
+        for layer in range(-1, 3)
+        for site in range(3)
+        for sample in range(8)
+    }
     assert len(seeds) == 3 * 4 * 3 * 8
     assert all(0 <= s < 1 << 63 for s in seeds)
 

@@ -46,8 +46,14 @@ def _snapshot_worker(worker: int, port: int) -> dict[str, object]:
     if worker == 0:
         tampered.units["block_1"].exp_avg_sq.view(torch.int32)[0] ^= 1  # flip the lowest mantissa bit
     verified_tampered = snap.verify(tampered)
-    return {"live": live.to_numpy(), "snapshot": snap.state().to_numpy(), "step": snap.state().step,
-            "protected": snap.protected, "verified": verified, "verified_tampered": verified_tampered}
+    return {
+        "live": live.to_numpy(),
+        "snapshot": snap.state().to_numpy(),
+        "step": snap.state().step,
+        "protected": snap.protected,
+        "verified": verified,
+        "verified_tampered": verified_tampered,
+    }
 
 
 @pytest.mark.multiproc
@@ -119,9 +125,16 @@ def _engine_snapshot_worker(worker: int, port: int) -> dict[str, object]:
             rollbacks += 1
     snap = participant.snapshot
     assert snap is not None
-    return {"live": shard_state_of(trainer).to_numpy(), "initial": initial, "snapshot": snap.state().to_numpy(),
-            "protected": snap.protected, "snapshot_step": snap.state().step, "rollbacks": rollbacks,
-            "mismatches": participant.checksum_mismatches, "verified": list(participant.verified_steps)}
+    return {
+        "live": shard_state_of(trainer).to_numpy(),
+        "initial": initial,
+        "snapshot": snap.state().to_numpy(),
+        "protected": snap.protected,
+        "snapshot_step": snap.state().step,
+        "rollbacks": rollbacks,
+        "mismatches": participant.checksum_mismatches,
+        "verified": list(participant.verified_steps),
+    }
 
 
 @pytest.mark.multiproc

@@ -27,8 +27,11 @@ def test_single_rank_trainer_equals_the_reference_bit_for_bit() -> None:
     ref = run_reference(gpt_spec(0.1), 8, 4, 4)
     assert losses == ref.losses
     state = trainer.gather_full_state()
-    assert all(torch.equal(state["units"][n][k], ref.state["units"][n][k])
-               for n in ref.state["units"] for k in ("param", "exp_avg", "exp_avg_sq"))
+    assert all(
+        torch.equal(state["units"][n][k], ref.state["units"][n][k])
+        for n in ref.state["units"]
+        for k in ("param", "exp_avg", "exp_avg_sq")
+    )
 
 
 def test_rollback_restores_parameters_moments_and_step() -> None:

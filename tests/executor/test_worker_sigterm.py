@@ -19,7 +19,9 @@ from executor.worker import CoreDrivenWorker, link_peer
 def _worker(control: Path | None, timeout_s: float = 20.0) -> CoreDrivenWorker:
     # The decision reads only these fields: skip building the engine.
     worker = object.__new__(CoreDrivenWorker)
-    worker.args = WorkerPlace("job", "rank-4", 4, ("127.0.0.1:1",), "127.0.0.1:2", Path("layout.json"), "", timeout_s)
+    worker.args = WorkerPlace(
+        "job", "rank-4", 4, ("127.0.0.1:1",), "127.0.0.1:2", Path("layout.json"), "", timeout_s
+    )
     worker.control = None if control is None else ControlReader(control)
     worker._sigterm_at = None
     return worker

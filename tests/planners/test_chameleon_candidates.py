@@ -15,8 +15,14 @@ from planners.chameleon.to_layout import candidate_layout
 from planners.validation import validate
 
 SHAPE = JobShape(pp=4, dp=3, micro_batch=2, global_batch=48)
-PROFILE = JobProfile(layer_fwd_s=(0.01,) * 12, layer_bwd_s=(0.02,) * 12, layer_param_bytes=(1e8,) * 12,
-                     layer_act_bytes=(5e7,) * 12, mem_cap_bytes=16e9, p2p_s_per_sample=1e-4)
+PROFILE = JobProfile(
+    layer_fwd_s=(0.01,) * 12,
+    layer_bwd_s=(0.02,) * 12,
+    layer_param_bytes=(1e8,) * 12,
+    layer_act_bytes=(5e7,) * 12,
+    mem_cap_bytes=16e9,
+    p2p_s_per_sample=1e-4,
+)
 BASE = ClusterState(SHAPE, PROFILE)
 
 

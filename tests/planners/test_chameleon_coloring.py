@@ -37,7 +37,8 @@ def test_paper_example_asymmetric_split() -> None:
     assert is_proper(rounds, devs)
     assert len(rounds.rounds) == 2
     assert rounds_time(rounds, {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}) == pytest.approx(
-        sum(max({1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}[x] for x in r) for r in rounds.rounds))
+        sum(max({1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}[x] for x in r) for r in rounds.rounds)
+    )
 
 
 def test_improper_colourings_are_detected() -> None:

@@ -69,8 +69,11 @@ def test_eq9_equals_event_simulation_for_balanced_stages(p: int, m: int) -> None
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.floats(0.01, 2.0), st.floats(0.01, 2.0)), min_size=1, max_size=6),
-       st.integers(1, 12), st.floats(0.0, 0.5))
+@given(
+    st.lists(st.tuples(st.floats(0.01, 2.0), st.floats(0.01, 2.0)), min_size=1, max_size=6),
+    st.integers(1, 12),
+    st.floats(0.0, 0.5),
+)
 def test_eq11_matches_direct_event_simulation(stages: list[tuple[float, float]], m: int, p2p: float) -> None:
     fwd, bwd = [f for f, _ in stages], [b for _, b in stages]
     assert asymmetric_pipeline_time(fwd, bwd, m, p2p) == pytest.approx(simulate_1f1b(fwd, bwd, m, p2p))
@@ -87,16 +90,21 @@ def test_one_f_one_b_order_runs_every_micro_batch_once() -> None:
 def test_eq12_is_eq13_with_a_single_failure_and_eq9_without() -> None:
     single = rerouting_step_time_single(4, 8, 4, 0.2, 0.4)
     assert single.step_time_s == pytest.approx((4 + 8 - 1 + 8 / 3) * 0.6)
-    assert rerouting_step_time(4, 8, 4, [0, 1, 0, 0], 0.2, 0.4).step_time_s == pytest.approx(single.step_time_s)
+    assert rerouting_step_time(4, 8, 4, [0, 1, 0, 0], 0.2, 0.4).step_time_s == pytest.approx(
+        single.step_time_s
+    )
     assert rerouting_step_time(4, 8, 4, [0, 0, 0, 0], 0.2, 0.4).step_time_s == pytest.approx(
-        symmetric_step_time(4, 8, 0.2, 0.4).step_time_s)
+        symmetric_step_time(4, 8, 0.2, 0.4).step_time_s
+    )
 
 
 def test_eq12_equals_simulating_the_peer_pipeline_with_the_extra_micro_batches() -> None:
     # The rerouted micro-batches travel a peer's whole pipeline: N_m + N_m/(N_dp-1) micro-batches.
     n_pp, n_m, n_dp = 4, 6, 4
     est = rerouting_step_time_single(n_pp, n_m, n_dp, 0.25, 0.5)
-    assert est.step_time_s == pytest.approx(simulate_1f1b([0.25] * n_pp, [0.5] * n_pp, n_m + n_m // (n_dp - 1)))
+    assert est.step_time_s == pytest.approx(
+        simulate_1f1b([0.25] * n_pp, [0.5] * n_pp, n_m + n_m // (n_dp - 1))
+    )
 
 
 def test_eq13_sums_affected_stages_and_bottleneck_form_takes_the_worst() -> None:

@@ -15,12 +15,16 @@ layer_sets = st.lists(st.frozensets(st.integers(0, 9), max_size=5), min_size=1, 
 
 def brute_force(old: list[frozenset[int]], new: list[frozenset[int]], weights: list[float]) -> float:
     cost = transfer_cost_matrix(old, new, weights)
-    return min(sum(cost[perm[j], j] for j in range(len(new))) for perm in permutations(range(len(old)), len(new)))
+    return min(
+        sum(cost[perm[j], j] for j in range(len(new))) for perm in permutations(range(len(old)), len(new))
+    )
 
 
 @settings(max_examples=80, deadline=None)
 @given(layer_sets, st.data())
-def test_matching_is_optimal_and_never_worse_than_identity(old: list[frozenset[int]], data: st.DataObject) -> None:
+def test_matching_is_optimal_and_never_worse_than_identity(
+    old: list[frozenset[int]], data: st.DataObject
+) -> None:
     new = data.draw(st.lists(st.frozensets(st.integers(0, 9), max_size=5), min_size=1, max_size=len(old)))
     weights = data.draw(st.lists(st.floats(0.0, 100.0), min_size=10, max_size=10))
     m = match_weight_transfer(old, new, weights)
@@ -62,7 +66,9 @@ def test_class_level_transportation_equals_kuhn_munkres(data: st.DataObject) -> 
     slots = [s for s in classes.slot_of_node if s >= 0]
     assert sorted(slots) == list(range(len(new)))
     cost = transfer_cost_matrix(old, new, weights)
-    assert sum(cost[i, j] for i, j in enumerate(classes.slot_of_node) if j >= 0) == pytest.approx(classes.total_cost)
+    assert sum(cost[i, j] for i, j in enumerate(classes.slot_of_node) if j >= 0) == pytest.approx(
+        classes.total_cost
+    )
     assert "transportation" in classes.reason
 
 

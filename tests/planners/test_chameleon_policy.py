@@ -14,8 +14,13 @@ from planners.chameleon.reparallel import reparallelise
 from planners.chameleon.state import Candidate, ClusterState, JobProfile, JobShape
 
 SHAPE = JobShape(pp=3, dp=3, micro_batch=1, global_batch=24)
-PROFILE = JobProfile(layer_fwd_s=(0.01,) * 9, layer_bwd_s=(0.02,) * 9, layer_param_bytes=(2e9,) * 9,
-                     layer_act_bytes=(1e7,) * 9, mem_cap_bytes=64e9)
+PROFILE = JobProfile(
+    layer_fwd_s=(0.01,) * 9,
+    layer_bwd_s=(0.02,) * 9,
+    layer_param_bytes=(2e9,) * 9,
+    layer_act_bytes=(1e7,) * 9,
+    mem_cap_bytes=64e9,
+)
 BASE = ClusterState(SHAPE, PROFILE)
 
 
@@ -62,7 +67,9 @@ def test_failure_keys_are_invariant_under_replica_permutation() -> None:
 
 
 def test_failure_keys_enumerate_every_pattern_once() -> None:
-    expected = {failure_key(SHAPE, frozenset(c)) for k in (1, 2) for c in combinations(range(SHAPE.num_ranks), k)}
+    expected = {
+        failure_key(SHAPE, frozenset(c)) for k in (1, 2) for c in combinations(range(SHAPE.num_ranks), k)
+    }
     keys = list(failure_keys(SHAPE, 2))
     assert len(keys) == len(set(keys)) and set(keys) == expected
 

@@ -18,8 +18,15 @@ STATE = json.loads((EXAMPLES / "llama2-34b-one-node-lost.json").read_text())
 def small_state(**changes: object) -> dict:
     state = {
         "job": {"pp": 4, "dp": 3, "micro_batch": 1, "global_batch": 24, "tp": 1},
-        "profile": {"num_layers": 12, "layer_fwd_s": 0.01, "layer_bwd_s": 0.02, "layer_param_bytes": 1e8,
-                    "layer_act_bytes": 5e7, "mem_cap_bytes": 16e9, "p2p_s_per_sample": 1e-4},
+        "profile": {
+            "num_layers": 12,
+            "layer_fwd_s": 0.01,
+            "layer_bwd_s": 0.02,
+            "layer_param_bytes": 1e8,
+            "layer_act_bytes": 5e7,
+            "mem_cap_bytes": 16e9,
+            "p2p_s_per_sample": 1e-4,
+        },
         "failed_ranks": [1],
         "expected_time_to_next_event_s": 3600,
     }
@@ -27,7 +34,9 @@ def small_state(**changes: object) -> dict:
     return state
 
 
-def run(capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], payload: object) -> tuple[int, str, str]:
+def run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], payload: object
+) -> tuple[int, str, str]:
     path = tmp_path / "in.json"
     path.write_text(payload if isinstance(payload, str) else json.dumps(payload))
     code = main([*args, "--input", str(path)])
@@ -36,10 +45,25 @@ def run(capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], pay
 
 
 def check_schema(result: dict, num_layers: int) -> None:
-    assert set(result) == {"policy", "reason", "plan", "alive_devices", "fault_free_samples_per_s", "alternatives"}
+    assert set(result) == {
+        "policy",
+        "reason",
+        "plan",
+        "alive_devices",
+        "fault_free_samples_per_s",
+        "alternatives",
+    }
     p = result["plan"]
-    for key in ("pipelines", "predicted_step_time_s", "samples_per_s", "lse", "memory_per_stage_bytes",
-                "bytes_moved", "transition_s", "devices_used"):
+    for key in (
+        "pipelines",
+        "predicted_step_time_s",
+        "samples_per_s",
+        "lse",
+        "memory_per_stage_bytes",
+        "bytes_moved",
+        "transition_s",
+        "devices_used",
+    ):
         assert key in p
     for pipe in p["pipelines"]:
         layers = [s["layers"] for s in pipe["stages"]]
@@ -58,14 +82,21 @@ def test_plan_prints_the_library_decision(capsys: pytest.CaptureFixture[str], tm
     result = json.loads(out)
     check_schema(result, STATE["profile"]["num_layers"])
     assert result == json.loads(json.dumps(plan(STATE)))
-    assert {a["policy"] for a in result["alternatives"]} == {"elaswave", "reparallelise", "recycle", "torchft"}
+    assert {a["policy"] for a in result["alternatives"]} == {
+        "elaswave",
+        "reparallelise",
+        "recycle",
+        "torchft",
+    }
     assert result["alive_devices"] == 96 - 8
     failed = set(STATE["failed_ranks"])
     used = {r for pipe in result["plan"]["pipelines"] for s in pipe["stages"] for r in s["ranks"]}
     assert not used & failed
 
 
-def test_plan_restricted_to_elaswave_reports_its_layout(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_plan_restricted_to_elaswave_reports_its_layout(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     code, out, _ = run(capsys, tmp_path, ["plan"], small_state(policies=["elaswave"]))
     assert code == 0
     result = json.loads(out)
@@ -76,34 +107,44 @@ def test_plan_restricted_to_elaswave_reports_its_layout(capsys: pytest.CaptureFi
 
 def test_slow_ranks_shift_layers_off_their_stage(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     slow = [[4 * d + 2, 1.6] for d in range(3)]  # stage 2 of every replica is 1.6x slower
-    code, out, _ = run(capsys, tmp_path, ["plan"], small_state(failed_ranks=[], slow_ranks=slow,
-                                                                policies=["elaswave"]))
+    code, out, _ = run(
+        capsys, tmp_path, ["plan"], small_state(failed_ranks=[], slow_ranks=slow, policies=["elaswave"])
+    )
     assert code == 0
     stages = json.loads(out)["plan"]["pipelines"][0]["stages"]
     sizes = [stop - start for start, stop in (s["layers"] for s in stages)]
     assert sizes[2] == min(sizes) < 3
 
 
-@pytest.mark.parametrize("change,field", [
-    ({"job": {"dp": 3, "micro_batch": 1, "global_batch": 24}}, "job.pp"),
-    ({"job": {"pp": 4, "dp": 5, "micro_batch": 1, "global_batch": 24}}, "global_batch"),
-    ({"failed_ranks": [99]}, "failed ranks [99]"),
-    ({"failed_ranks": ["a"]}, "failed_ranks"),
-    ({"policies": ["magic"]}, "policies"),
-    ({"expected_time_to_next_event_s": -1}, "expected_time_to_next_event_s"),
-    ({"slow_ranks": [[1]]}, "slow_ranks"),
-    ({"boundaries": [3, 2, 9]}, "boundaries"),
-    ({"colour": 1}, "colour"),
-    ({"job": {"pp": 4, "dp": 3, "micro_batch": 1, "global_batch": 24, "ranks": 3}}, "job: unknown field(s) ['ranks']"),
-])
-def test_bad_state_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                            change: dict, field: str) -> None:
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"job": {"dp": 3, "micro_batch": 1, "global_batch": 24}}, "job.pp"),
+        ({"job": {"pp": 4, "dp": 5, "micro_batch": 1, "global_batch": 24}}, "global_batch"),
+        ({"failed_ranks": [99]}, "failed ranks [99]"),
+        ({"failed_ranks": ["a"]}, "failed_ranks"),
+        ({"policies": ["magic"]}, "policies"),
+        ({"expected_time_to_next_event_s": -1}, "expected_time_to_next_event_s"),
+        ({"slow_ranks": [[1]]}, "slow_ranks"),
+        ({"boundaries": [3, 2, 9]}, "boundaries"),
+        ({"colour": 1}, "colour"),
+        (
+            {"job": {"pp": 4, "dp": 3, "micro_batch": 1, "global_batch": 24, "ranks": 3}},
+            "job: unknown field(s) ['ranks']",
+        ),
+    ],
+)
+def test_bad_state_exits_2_naming_the_field(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, change: dict, field: str
+) -> None:
     code, out, err = run(capsys, tmp_path, ["plan"], small_state(**change))
     assert code == 2 and out == ""
     assert field in err
 
 
-def test_unrunnable_state_exits_1_with_every_reason(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_unrunnable_state_exits_1_with_every_reason(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     code, out, _ = run(capsys, tmp_path, ["plan"], small_state(failed_ranks=list(range(12))))
     assert code == 1
     result = json.loads(out)
@@ -136,7 +177,9 @@ def test_partition_mode_is_algorithm_1(capsys: pytest.CaptureFixture[str], tmp_p
 
 
 def test_scale_table_mode(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, out, _ = run(capsys, tmp_path, ["plan", "scale-table"], small_state(failed_ranks=[], max_devices=24))
+    code, out, _ = run(
+        capsys, tmp_path, ["plan", "scale-table"], small_state(failed_ranks=[], max_devices=24)
+    )
     assert code == 0
     table = json.loads(out)
     assert table["entries"][0]["devices"] == 12 and table["entries"][0]["speedup"] == 1.0

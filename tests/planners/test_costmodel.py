@@ -15,8 +15,12 @@ from planners.dataflow import resize_after_loss
 
 def _profile() -> LayerProfile:
     # Two layers profiled at micro-batch 1, 2 and 4: forward 1, 3, 7 ms; backward twice that.
-    return LayerProfile((1, 2, 4), ((1e-3, 3e-3, 7e-3), (2e-3, 6e-3, 14e-3)),
-                        ((2e-3, 6e-3, 14e-3), (4e-3, 12e-3, 28e-3)), ref_mhz=1000)
+    return LayerProfile(
+        (1, 2, 4),
+        ((1e-3, 3e-3, 7e-3), (2e-3, 6e-3, 14e-3)),
+        ((2e-3, 6e-3, 14e-3), (4e-3, 12e-3, 28e-3)),
+        ref_mhz=1000,
+    )
 
 
 def test_interpolation_and_extrapolation() -> None:
@@ -59,8 +63,13 @@ def test_stage_times_follow_micro_batch_resizing_and_links() -> None:
 
 
 def test_memory_model_zero1_and_in_flight_activations() -> None:
-    mem = MemoryProfile(act_bytes_per_sample=(10.0, 10.0), weight_bytes_per_param=2, grad_bytes_per_param=2,
-                        optim_bytes_per_param=12, stage_base_bytes=5.0)
+    mem = MemoryProfile(
+        act_bytes_per_sample=(10.0, 10.0),
+        weight_bytes_per_param=2,
+        grad_bytes_per_param=2,
+        optim_bytes_per_param=12,
+        stage_base_bytes=5.0,
+    )
     cost = CostModel(_profile(), mem, LinkModel(1.0, 1.0))
     lay = make_uniform_layout(2, 2, 2, global_batch=16, num_micro_batches=4, layer_numel=(100, 100))
     # stage 0: 100 params * (2 + 2 + 12/2) + 2 in flight (P - 0) * micro 2 * 10 bytes + base

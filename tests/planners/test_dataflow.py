@@ -61,8 +61,11 @@ def test_resize_keeps_batch_and_covers_every_sample_once(case: tuple[Layout, lis
     layout, lost = case
     out = resize_after_loss(layout, lost).layout
     assert validate(out, exhaustive=True).ok
-    assert (out.global_batch, out.num_micro_batches, out.boundaries) == \
-        (layout.global_batch, layout.num_micro_batches, layout.boundaries)
+    assert (out.global_batch, out.num_micro_batches, out.boundaries) == (
+        layout.global_batch,
+        layout.num_micro_batches,
+        layout.boundaries,
+    )
     assert set(out.ranks()) == set(layout.ranks()) - set(lost)
     for p in range(out.num_stages):
         per_rank = _samples_per_rank(out, p)
@@ -79,8 +82,9 @@ def test_gradient_scale_is_unchanged(case: tuple[Layout, list[int]], seed: int) 
     reference = grads.mean(axis=0)
     out = resize_after_loss(layout, lost).layout
     for p in range(out.num_stages):
-        reduced = sum(grads[samples].sum(axis=0) / out.global_batch
-                      for samples in _samples_per_rank(out, p).values())
+        reduced = sum(
+            grads[samples].sum(axis=0) / out.global_batch for samples in _samples_per_rank(out, p).values()
+        )
         np.testing.assert_allclose(reduced, reference, rtol=1e-12, atol=1e-12)
 
 
@@ -91,7 +95,10 @@ def test_losing_a_whole_stage_is_refused_and_drop_stage_recovers() -> None:
     assert err.value.stages == (1,)
     dropped = drop_stage(lay, 1)
     assert validate(dropped).ok
-    assert [(s.layer_start, s.layer_stop, s.ranks) for s in dropped.stages] == [(0, 4, (0, 1)), (4, 6, (4, 5))]
+    assert [(s.layer_start, s.layer_stop, s.ranks) for s in dropped.stages] == [
+        (0, 4, (0, 1)),
+        (4, 6, (4, 5)),
+    ]
     assert dropped.stage_mem_cap_bytes == (1.0, 3.0)
     first = drop_stage(lay, 0)
     assert [(s.layer_start, s.layer_stop) for s in first.stages] == [(0, 4), (4, 6)] and validate(first).ok

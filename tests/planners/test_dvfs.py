@@ -24,8 +24,13 @@ F_REF = 1000
 class AnalyticController:
     """Stage time = compute * F_REF / f + fixed, with f the slowest rank's clock of the stage."""
 
-    def __init__(self, stage_ranks: dict[int, tuple[int, ...]], compute: dict[int, float],
-                 fixed: dict[int, float], f_cur: int) -> None:
+    def __init__(
+        self,
+        stage_ranks: dict[int, tuple[int, ...]],
+        compute: dict[int, float],
+        fixed: dict[int, float],
+        f_cur: int,
+    ) -> None:
         self.stage_ranks, self.compute, self.fixed = stage_ranks, compute, fixed
         self.freq = {r: f_cur for rs in stage_ranks.values() for r in rs}
         self.observations = 0
@@ -46,10 +51,16 @@ def _controller(compute: float, fixed: float, f_cur: int = F_REF) -> AnalyticCon
 
 
 @settings(max_examples=150)
-@given(compute=st.floats(0.5, 2.0), fixed=st.floats(0.0, 0.4), target=st.floats(0.6, 1.5),
-       df=st.sampled_from([1, 5, 25]), use_guess=st.booleans())
-def test_bisection_finds_lowest_feasible_frequency(compute: float, fixed: float, target: float, df: int,
-                                                   use_guess: bool) -> None:
+@given(
+    compute=st.floats(0.5, 2.0),
+    fixed=st.floats(0.0, 0.4),
+    target=st.floats(0.6, 1.5),
+    df=st.sampled_from([1, 5, 25]),
+    use_guess=st.booleans(),
+)
+def test_bisection_finds_lowest_feasible_frequency(
+    compute: float, fixed: float, target: float, df: int, use_guess: bool
+) -> None:
     f_cur, f_max, eps = 1000, 1800, 1e-3
     ctl = _controller(compute, fixed, f_cur)
     guess = model_frequency_guess(compute, fixed, f_cur, target) if use_guess else None
@@ -93,8 +104,9 @@ def test_generator_protocol_and_bad_arguments() -> None:
 
 def test_model_plan_upclocks_only_the_straggler_to_match_peers() -> None:
     L = 4
-    profile = LayerProfile((1, 2), tuple((1e-3, 2e-3) for _ in range(L)), tuple((2e-3, 4e-3) for _ in range(L)),
-                           ref_mhz=F_REF)
+    profile = LayerProfile(
+        (1, 2), tuple((1e-3, 2e-3) for _ in range(L)), tuple((2e-3, 4e-3) for _ in range(L)), ref_mhz=F_REF
+    )
     cost = CostModel(profile, MemoryProfile((0.0,) * L), LinkModel(1.0, 1e12))
     lay = make_uniform_layout(L, 2, 3, global_batch=6, num_micro_batches=3)  # micro-batch 1 everywhere
     lay = resize_after_loss(lay, [0, 1]).layout  # stage 0: one rank, micro-batch 2 -> 2x slower

@@ -30,8 +30,13 @@ def test_eq5_both_regimes_and_plain_1f1b() -> None:
 
 def test_scale_table_of_a_job_grows_with_devices() -> None:
     shape = JobShape(pp=2, dp=2, micro_batch=1, global_batch=32)
-    profile = JobProfile(layer_fwd_s=(0.01,) * 8, layer_bwd_s=(0.02,) * 8, layer_param_bytes=(1e6,) * 8,
-                         layer_act_bytes=(1e6,) * 8, mem_cap_bytes=1e12)
+    profile = JobProfile(
+        layer_fwd_s=(0.01,) * 8,
+        layer_bwd_s=(0.02,) * 8,
+        layer_param_bytes=(1e6,) * 8,
+        layer_act_bytes=(1e6,) * 8,
+        mem_cap_bytes=1e12,
+    )
     preds = predict_configs(ClusterState(shape, profile), max_ranks=8)
     assert {(p.dp, p.pp) for p in preds if p.gpus == 8} == {(8, 1), (4, 2), (2, 4), (1, 8)}
     for p in preds:  # balanced layers and no transfer cost: eq. 11 is eq. 5 with v=1 plus the all-reduce
@@ -46,15 +51,20 @@ def cp(gpus: int, prof: float, model: float, fits: bool = True, pp: int = 1) -> 
 
 
 def test_table_keeps_best_config_per_gpu_count_and_filters_as_444() -> None:
-    table = build_scale_table([
-        cp(8, 100.0, 100.0),
-        cp(16, 60.0, 55.0), cp(16, 52.0, 52.0, pp=2),  # best of two for 16 GPUs
-        cp(24, 40.0, 40.0, fits=False),                # OOM
-        cp(32, 45.0, 30.0),                            # profiled 2.22 vs modelled 3.33: too far apart
-        cp(40, 51.0, 50.0),                            # no gain over 16 GPUs (1.96 vs 1.92)
-        cp(48, 36.0, 36.0),                            # kept
-        cp(56, 37.0, 35.0),                            # profiled down, modelled up: trends disagree
-    ], max_discrepancy=0.25, min_gain=0.05)
+    table = build_scale_table(
+        [
+            cp(8, 100.0, 100.0),
+            cp(16, 60.0, 55.0),
+            cp(16, 52.0, 52.0, pp=2),  # best of two for 16 GPUs
+            cp(24, 40.0, 40.0, fits=False),  # OOM
+            cp(32, 45.0, 30.0),  # profiled 2.22 vs modelled 3.33: too far apart
+            cp(40, 51.0, 50.0),  # no gain over 16 GPUs (1.96 vs 1.92)
+            cp(48, 36.0, 36.0),  # kept
+            cp(56, 37.0, 35.0),  # profiled down, modelled up: trends disagree
+        ],
+        max_discrepancy=0.25,
+        min_gain=0.05,
+    )
     assert [(e.gpus, e.pp) for e in table.entries] == [(8, 1), (16, 2), (48, 1)]
     why = dict(table.excluded)
     assert "out of memory" in why[24]
@@ -84,8 +94,9 @@ def test_poisson_benefit_threshold_is_eq16() -> None:
 def test_arrival_rate_and_scale_up_choice() -> None:
     assert arrival_rate([10, 20, 30, 5000], now_s=60, window_s=50) == pytest.approx(2 / 50)
     table = build_scale_table([cp(8, 100.0, 100.0), cp(16, 55.0, 55.0), cp(32, 30.0, 30.0)])
-    entry, decision = choose_scale_up(table, current_gpus=8, idle_gpus=30, max_gpus=32, overhead_s=60.0,
-                                      arrival_rate_per_s=1 / 7200)
+    entry, decision = choose_scale_up(
+        table, current_gpus=8, idle_gpus=30, max_gpus=32, overhead_s=60.0, arrival_rate_per_s=1 / 7200
+    )
     assert entry is not None and entry.gpus == 32 and decision.scale_up
     entry, decision = choose_scale_up(table, 8, 30, 32, overhead_s=60.0, arrival_rate_per_s=1 / 10)
     assert entry is None and not decision.scale_up

@@ -102,12 +102,15 @@ def test_plan_json_roundtrip() -> None:
     assert Plan.from_json(replace(plan, old=None).to_json()).old is None
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("[1]", "must be a JSON object"),
-    ("{not json", "not valid JSON"),
-    ('{"zero_layout": "interleaved", "rng_mode": "per_rank"}', "layout.num_layers is missing"),
-    ('{"zero_layout": "striped", "rng_mode": "per_rank"}', "zero_layout must be one of"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[1]", "must be a JSON object"),
+        ("{not json", "not valid JSON"),
+        ('{"zero_layout": "interleaved", "rng_mode": "per_rank"}', "layout.num_layers is missing"),
+        ('{"zero_layout": "striped", "rng_mode": "per_rank"}', "zero_layout must be one of"),
+    ],
+)
 def test_from_json_rejects_malformed(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Layout.from_json(text)
@@ -146,24 +149,33 @@ def _with_stage(layout: Layout, p: int, **changes: object) -> Layout:
     return replace(layout, stages=tuple(stages))
 
 
-@pytest.mark.parametrize(("broken", "message"), [
-    (_with_stage(_base(), 1, layer_start=3), r"stage 1 starts at layer 3, expected 2 \(gap: layers \[2, 3\)"),
-    (_with_stage(_base(), 1, layer_start=1), r"overlap: layers \[1, 2\) held twice"),
-    (_with_stage(_base(), 2, layer_stop=5), "last stage ends at layer 5"),
-    (_with_stage(_base(), 1, layer_stop=2, layer_start=2), r"stage 1 holds no layers"),
-    (_with_stage(_base(), 1, ranks=(2, 0)), "rank 0 is in stages 0 and 1"),
-    (_with_stage(_base(), 1, ranks=(2, 2)), "rank 2 is twice in stage 1"),
-    (_with_stage(_base(), 1, ranks=()), "stage 1 has no ranks"),
-    (_with_stage(_base(), 0, sample_weights=(1,)), "stage 0 has 1 sample_weights for 2 ranks"),
-    (_with_stage(_base(), 0, sample_weights=(0, 0)), "stage 0 sample_weights must be >= 0 with a positive sum"),
-    (_with_stage(_base(), 2, stage=5), "stage at position 2 is numbered 5"),
-    (replace(_base(), num_micro_batches=13), r"num_micro_batches must be in \[1, global_batch=12\]"),
-    (replace(_base(), layer_numel=(1,) * 5), "layer_numel has 5 entries for 6 layers"),
-    (replace(_base(), layer_numel=(1, 1, -1, 1, 1, 1)), r"layer_numel is negative for layers \[2\]"),
-    (replace(_base(), frequencies_mhz=((42, 1000),)), "frequency set for rank 42, which is in no stage"),
-    (replace(_base(), frequencies_mhz=((1, 0),)), "frequency of rank 1 must be positive"),
-    (replace(_base(), stage_mem_cap_bytes=(1.0,)), "stage_mem_cap_bytes has 1 entries for 3 stages"),
-])
+@pytest.mark.parametrize(
+    ("broken", "message"),
+    [
+        (
+            _with_stage(_base(), 1, layer_start=3),
+            r"stage 1 starts at layer 3, expected 2 \(gap: layers \[2, 3\)",
+        ),
+        (_with_stage(_base(), 1, layer_start=1), r"overlap: layers \[1, 2\) held twice"),
+        (_with_stage(_base(), 2, layer_stop=5), "last stage ends at layer 5"),
+        (_with_stage(_base(), 1, layer_stop=2, layer_start=2), r"stage 1 holds no layers"),
+        (_with_stage(_base(), 1, ranks=(2, 0)), "rank 0 is in stages 0 and 1"),
+        (_with_stage(_base(), 1, ranks=(2, 2)), "rank 2 is twice in stage 1"),
+        (_with_stage(_base(), 1, ranks=()), "stage 1 has no ranks"),
+        (_with_stage(_base(), 0, sample_weights=(1,)), "stage 0 has 1 sample_weights for 2 ranks"),
+        (
+            _with_stage(_base(), 0, sample_weights=(0, 0)),
+            "stage 0 sample_weights must be >= 0 with a positive sum",
+        ),
+        (_with_stage(_base(), 2, stage=5), "stage at position 2 is numbered 5"),
+        (replace(_base(), num_micro_batches=13), r"num_micro_batches must be in \[1, global_batch=12\]"),
+        (replace(_base(), layer_numel=(1,) * 5), "layer_numel has 5 entries for 6 layers"),
+        (replace(_base(), layer_numel=(1, 1, -1, 1, 1, 1)), r"layer_numel is negative for layers \[2\]"),
+        (replace(_base(), frequencies_mhz=((42, 1000),)), "frequency set for rank 42, which is in no stage"),
+        (replace(_base(), frequencies_mhz=((1, 0),)), "frequency of rank 1 must be positive"),
+        (replace(_base(), stage_mem_cap_bytes=(1.0,)), "stage_mem_cap_bytes has 1 entries for 3 stages"),
+    ],
+)
 def test_validation_reports_each_problem(broken: Layout, message: str) -> None:
     report = validate(broken)
     assert not report.ok
@@ -199,19 +211,31 @@ def test_diff_with_itself_is_empty(layout: Layout) -> None:
 def test_zero_transfers_turn_old_ownership_into_new(data: st.DataObject) -> None:
     old = data.draw(layouts(max_layers=6))
     new = data.draw(layouts(max_layers=6))
-    new = replace(new, num_layers=old.num_layers, layer_numel=old.layer_numel,
-                  stages=_reshape_stages(new, old.num_layers))
+    new = replace(
+        new,
+        num_layers=old.num_layers,
+        layer_numel=old.layer_numel,
+        stages=_reshape_stages(new, old.num_layers),
+    )
     if not validate(new).ok:
         return
-    owner = {(layer, e): iv.rank for layer, ivs in layout_ownership(old).items()
-             for iv in ivs for e in range(iv.start, iv.stop)}
+    owner = {
+        (layer, e): iv.rank
+        for layer, ivs in layout_ownership(old).items()
+        for iv in ivs
+        for e in range(iv.start, iv.stop)
+    }
     d = diff_layouts(old, new)
     for t in d.zero_transfers:
         for e in range(t.start, t.stop):
             assert owner[(t.layer, e)] == t.src_rank
             owner[(t.layer, e)] = t.dst_rank
-    target = {(layer, e): iv.rank for layer, ivs in layout_ownership(new).items()
-              for iv in ivs for e in range(iv.start, iv.stop)}
+    target = {
+        (layer, e): iv.rank
+        for layer, ivs in layout_ownership(new).items()
+        for iv in ivs
+        for e in range(iv.start, iv.stop)
+    }
     assert owner == target
     assert all(t.src_rank != t.dst_rank for t in d.zero_transfers)
 

@@ -19,10 +19,14 @@ def units(costs: list[float], sizes: list[int] | None = None) -> list[UnitCost]:
 
 def test_partition_minimises_the_slowest_stage() -> None:
     # A heavy block in the middle: the best 2-way split isolates the cheap tail, not the midpoint.
-    p = plan_placement(units([1, 1, 6, 1, 1]), global_batch=8, micro_batches=2, nnodes=1, nproc_per_node=2, pp=2)
+    p = plan_placement(
+        units([1, 1, 6, 1, 1]), global_batch=8, micro_batches=2, nnodes=1, nproc_per_node=2, pp=2
+    )
     blocks = [(s.layer_start, s.layer_stop) for s in p.layout.stages]
     worst = max(p.stage_step_s)
-    best = min(max(sum([1, 1, 6, 1, 1][:k]), sum([1, 1, 6, 1, 1][k:])) for k in range(1, 5)) * 8  # DP 1: 8 samples
+    best = (
+        min(max(sum([1, 1, 6, 1, 1][:k]), sum([1, 1, 6, 1, 1][k:])) for k in range(1, 5)) * 8
+    )  # DP 1: 8 samples
     assert worst == pytest.approx(best)
     assert blocks in ([(0, 3), (3, 5)], [(0, 2), (2, 5)])
     assert validate(p.layout).ok
@@ -45,21 +49,43 @@ def test_ties_in_time_go_to_balanced_parameter_bytes() -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.integers(0, 9), min_size=1, max_size=7), st.integers(1, 4), st.integers(1, 3),
-       st.integers(1, 3))
+@given(
+    st.lists(st.integers(0, 9), min_size=1, max_size=7),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(1, 3),
+)
 def test_partition_is_optimal_against_brute_force(costs: list[int], pp: int, nnodes: int, nproc: int) -> None:
     world = nnodes * nproc
     if pp > len(costs) or pp > world:
         with pytest.raises(PlacementError):
-            plan_placement(units([float(c) for c in costs]), global_batch=12, micro_batches=2, nnodes=nnodes,
-                           nproc_per_node=nproc, pp=pp)
+            plan_placement(
+                units([float(c) for c in costs]),
+                global_batch=12,
+                micro_batches=2,
+                nnodes=nnodes,
+                nproc_per_node=nproc,
+                pp=pp,
+            )
         return
-    p = plan_placement(units([float(c) for c in costs]), global_batch=12, micro_batches=2, nnodes=nnodes,
-                       nproc_per_node=nproc, pp=pp, time_tolerance=0.0)
+    p = plan_placement(
+        units([float(c) for c in costs]),
+        global_batch=12,
+        micro_batches=2,
+        nnodes=nnodes,
+        nproc_per_node=nproc,
+        pp=pp,
+        time_tolerance=0.0,
+    )
     dp = [s.dp_size for s in p.layout.stages]
     assert sum(dp) == world and max(dp) - min(dp) <= 1
-    best = min(max(sum(costs[a:b]) * 12 / dp[i] for i, (a, b) in enumerate(zip((0, *cuts), (*cuts, len(costs)), strict=True)))
-               for cuts in itertools.combinations(range(1, len(costs)), pp - 1))
+    best = min(
+        max(
+            sum(costs[a:b]) * 12 / dp[i]
+            for i, (a, b) in enumerate(zip((0, *cuts), (*cuts, len(costs)), strict=True))
+        )
+        for cuts in itertools.combinations(range(1, len(costs)), pp - 1)
+    )
     assert max(p.stage_step_s) == pytest.approx(best)
     assert validate(p.layout, exhaustive=True).ok
     assert sorted(p.layout.ranks()) == list(range(world))
@@ -100,14 +126,17 @@ def test_warnings_name_the_stages_a_node_loss_would_empty() -> None:
     assert any("no samples" in w for w in p.warnings)  # 4 ranks, 1 sample per micro-batch
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"pp": 5}, "--pp 5 needs at least 5 units"),
-    ({"pp": 3, "nproc_per_node": 2}, "--pp 3 needs at least 3 workers"),
-    ({"pp": 0}, "--pp must be >= 1"),
-    ({"nnodes": 0}, "--nnodes and --nproc-per-node must be >= 1"),
-    ({"micro_batches": 9}, "micro_batches <= global_batch"),
-    ({"time_tolerance": -1.0}, "time_tolerance"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"pp": 5}, "--pp 5 needs at least 5 units"),
+        ({"pp": 3, "nproc_per_node": 2}, "--pp 3 needs at least 3 workers"),
+        ({"pp": 0}, "--pp must be >= 1"),
+        ({"nnodes": 0}, "--nnodes and --nproc-per-node must be >= 1"),
+        ({"micro_batches": 9}, "micro_batches <= global_batch"),
+        ({"time_tolerance": -1.0}, "time_tolerance"),
+    ],
+)
 def test_bad_input_is_refused_with_what_to_change(kwargs: dict, message: str) -> None:
     args = {"global_batch": 8, "micro_batches": 2, "nnodes": 1, "nproc_per_node": 4, "pp": 2} | kwargs
     with pytest.raises(PlacementError, match=message.replace("(", r"\(").replace("+", r"\+")):
@@ -118,14 +147,21 @@ def test_bad_units_are_refused() -> None:
     with pytest.raises(PlacementError, match="no units"):
         plan_placement([], global_batch=8, micro_batches=2, nnodes=1, nproc_per_node=1)
     with pytest.raises(PlacementError, match="bad measured time"):
-        plan_placement([UnitCost("x", 1, 4, float("nan"))], global_batch=8, micro_batches=2, nnodes=1,
-                       nproc_per_node=1)
+        plan_placement(
+            [UnitCost("x", 1, 4, float("nan"))], global_batch=8, micro_batches=2, nnodes=1, nproc_per_node=1
+        )
     with pytest.raises(PlacementError, match="negative size"):
-        plan_placement([UnitCost("x", -1, 4, 1.0)], global_batch=8, micro_batches=2, nnodes=1, nproc_per_node=1)
+        plan_placement(
+            [UnitCost("x", -1, 4, 1.0)], global_batch=8, micro_batches=2, nnodes=1, nproc_per_node=1
+        )
 
 
 def test_layout_uses_every_unit_as_a_layer() -> None:
-    u = [UnitCost("embed", 1000, 4000, 0.1), UnitCost("block", 50, 200, 1.0), UnitCost("head", 1000, 4000, 0.2)]
+    u = [
+        UnitCost("embed", 1000, 4000, 0.1),
+        UnitCost("block", 50, 200, 1.0),
+        UnitCost("head", 1000, 4000, 0.2),
+    ]
     p = plan_placement(u, global_batch=6, micro_batches=3, nnodes=1, nproc_per_node=2, pp=1)
     layout = p.layout
     assert layout.num_layers == 3 and layout.layer_numel == (1000, 50, 1000)
@@ -148,17 +184,29 @@ def test_memory_cap_shapes_the_split_and_is_reported() -> None:
     # Stage 0 keeps 2 micro-batches in flight (1F1B), stage 1 one: capping at what 3 units need on
     # stage 1 but not on stage 0 forces the boundary toward stage 0.
     cap = max(free.stage_mem_bytes) - 1
-    capped = plan_placement(_mem_units(), global_batch=32, micro_batches=2, nnodes=1, nproc_per_node=2, pp=2,
-                            mem_cap_bytes=cap)
+    capped = plan_placement(
+        _mem_units(), global_batch=32, micro_batches=2, nnodes=1, nproc_per_node=2, pp=2, mem_cap_bytes=cap
+    )
     assert all(m <= cap for m in capped.stage_mem_bytes)
     assert [s.num_layers for s in capped.layout.stages] != [3, 3]
 
 
 def test_a_job_that_cannot_fit_the_memory_cap_is_refused_with_what_to_change() -> None:
-    with pytest.raises(PlacementError, match=r"no split of the 6 units over 2 stage\(s\) fits .* GiB per worker: "
-                                             r"the best split needs .* Use more stages"):
-        plan_placement(_mem_units(), global_batch=32, micro_batches=2, nnodes=1, nproc_per_node=2, pp=2,
-                       mem_cap_bytes=1 << 20)
+    with pytest.raises(
+        PlacementError,
+        match=r"no split of the 6 units over 2 stage\(s\) fits .* GiB per worker: "
+        r"the best split needs .* Use more stages",
+    ):
+        plan_placement(
+            _mem_units(),
+            global_batch=32,
+            micro_batches=2,
+            nnodes=1,
+            nproc_per_node=2,
+            pp=2,
+            mem_cap_bytes=1 << 20,
+        )
     with pytest.raises(PlacementError, match="positive number of bytes"):
-        plan_placement(_mem_units(), global_batch=32, micro_batches=2, nnodes=1, nproc_per_node=2, pp=2,
-                       mem_cap_bytes=0)
+        plan_placement(
+            _mem_units(), global_batch=32, micro_batches=2, nnodes=1, nproc_per_node=2, pp=2, mem_cap_bytes=0
+        )

@@ -59,9 +59,13 @@ def cost_models(draw: st.DrawFn, num_layers: int) -> CostModel:
     fwd = tuple(tuple(t * m for m in sizes) for t in per_sample)
     bwd = tuple(tuple(bwd_ratio * t * m for m in sizes) for t in per_sample)
     acts = tuple(draw(st.lists(st.floats(0.0, 50.0), min_size=num_layers, max_size=num_layers)))
-    link = LinkModel(boundary_bytes_per_sample=draw(st.floats(0.0, 1e6)), bandwidth_bytes_per_s=1e8,
-                     latency_s=draw(st.floats(0.0, 1e-3)), sigma_f=draw(st.floats(0.0, 1.0)),
-                     sigma_b=draw(st.floats(0.0, 1.0)))
+    link = LinkModel(
+        boundary_bytes_per_sample=draw(st.floats(0.0, 1e6)),
+        bandwidth_bytes_per_s=1e8,
+        latency_s=draw(st.floats(0.0, 1e-3)),
+        sigma_f=draw(st.floats(0.0, 1.0)),
+        sigma_b=draw(st.floats(0.0, 1.0)),
+    )
     memory = MemoryProfile(act_bytes_per_sample=acts, stage_base_bytes=draw(st.floats(0.0, 100.0)))
     return CostModel(LayerProfile(sizes, fwd, bwd, ref_mhz=F_REF), memory, link)
 
@@ -76,12 +80,16 @@ def planner_inputs(draw: st.DrawFn) -> tuple[Layout, list[int], CostModel]:
     cost = draw(cost_models(layout.num_layers))
     if draw(st.booleans()):  # memory caps: generous, tight or impossible
         scale = draw(st.sampled_from([0.01, 0.5, 1.0, 10.0]))
-        full = [cost.memory.stage_base_bytes + float(cost.layer_mem_bytes(layout, p).sum())
-                for p in range(layout.num_stages)]
+        full = [
+            cost.memory.stage_base_bytes + float(cost.layer_mem_bytes(layout, p).sum())
+            for p in range(layout.num_stages)
+        ]
         layout = layout.replace(stage_mem_cap_bytes=tuple(max(scale * f, 1.0) for f in full))
     if draw(st.booleans()):  # some ranks already locked below the reference clock
         locked = draw(st.lists(st.sampled_from(layout.ranks()), unique=True, max_size=3))
-        layout = layout.replace(frequencies_mhz=tuple(sorted((r, draw(st.integers(500, F_REF))) for r in locked)))
+        layout = layout.replace(
+            frequencies_mhz=tuple(sorted((r, draw(st.integers(500, F_REF))) for r in locked))
+        )
     return layout, lost, cost
 
 
@@ -122,20 +130,34 @@ def test_resize_partition_dvfs_plan_always_validates(case: tuple[Layout, list[in
 @st.composite
 def cluster_states(draw: st.DrawFn) -> ClusterState:
     pp, dp, micro = draw(st.integers(1, 4)), draw(st.integers(1, 4)), draw(st.integers(1, 3))
-    shape = JobShape(pp=pp, dp=dp, micro_batch=micro, global_batch=dp * micro * draw(st.integers(1, 4)),
-                     tp=draw(st.sampled_from([1, 2])))
+    shape = JobShape(
+        pp=pp,
+        dp=dp,
+        micro_batch=micro,
+        global_batch=dp * micro * draw(st.integers(1, 4)),
+        tp=draw(st.sampled_from([1, 2])),
+    )
     num_layers = draw(st.integers(pp, 8))
     per_layer = st.lists(st.floats(1e-3, 1e-1), min_size=num_layers, max_size=num_layers)
     fwd = draw(per_layer)
-    profile = JobProfile(layer_fwd_s=tuple(fwd), layer_bwd_s=tuple(2 * t for t in fwd),
-                         layer_param_bytes=tuple(draw(st.lists(st.floats(1e6, 1e9), min_size=num_layers,
-                                                               max_size=num_layers))),
-                         layer_act_bytes=(1e7,) * num_layers,
-                         mem_cap_bytes=draw(st.sampled_from([2e9, 1e10, 1e12])),
-                         p2p_s_per_sample=draw(st.floats(0.0, 1e-3)))
+    profile = JobProfile(
+        layer_fwd_s=tuple(fwd),
+        layer_bwd_s=tuple(2 * t for t in fwd),
+        layer_param_bytes=tuple(
+            draw(st.lists(st.floats(1e6, 1e9), min_size=num_layers, max_size=num_layers))
+        ),
+        layer_act_bytes=(1e7,) * num_layers,
+        mem_cap_bytes=draw(st.sampled_from([2e9, 1e10, 1e12])),
+        p2p_s_per_sample=draw(st.floats(0.0, 1e-3)),
+    )
     failed = draw(st.sets(st.integers(0, shape.num_ranks - 1), max_size=shape.num_ranks))
-    slow = draw(st.lists(st.tuples(st.integers(0, shape.num_ranks - 1), st.floats(1.0, 2.0)),
-                         max_size=2, unique_by=lambda e: e[0]))
+    slow = draw(
+        st.lists(
+            st.tuples(st.integers(0, shape.num_ranks - 1), st.floats(1.0, 2.0)),
+            max_size=2,
+            unique_by=lambda e: e[0],
+        )
+    )
     return ClusterState(shape, profile, failed=frozenset(failed), slowdown=tuple(slow))
 
 
@@ -163,8 +185,9 @@ def test_single_pipeline_candidates_map_to_valid_layouts(state: ClusterState) ->
         assert all(s.mem_bytes <= prof.mem_cap_bytes for s in cand.pipelines[0].stages), policy
         if policy != "recycle":  # ReCycle's Layout spreads the rerouted samples over the peers
             sizes = micro_batch_sizes(layout)
-            assert all(n <= max(s.samples_per_slot)
-                       for n, s in zip(sizes, cand.pipelines[0].stages, strict=True)), policy
+            assert all(
+                n <= max(s.samples_per_slot) for n, s in zip(sizes, cand.pipelines[0].stages, strict=True)
+            ), policy
 
 
 def test_candidate_layout_refuses_an_infeasible_candidate() -> None:

@@ -96,7 +96,9 @@ def test_interleaved_move_between_stages_of_different_dp_is_still_one_copy() -> 
     assert cost.total_elements == cost.cross_stage_elements == 31
     moved = shard_transfers(old, new)
     assert {t.layer for t in moved} == {1}
-    contiguous = migration_cost(replace(old, zero_layout="contiguous"), replace(new, zero_layout="contiguous"))
+    contiguous = migration_cost(
+        replace(old, zero_layout="contiguous"), replace(new, zero_layout="contiguous")
+    )
     assert contiguous.total_elements > cost.total_elements
 
 
@@ -109,8 +111,9 @@ def test_transfers_require_same_model() -> None:
 def _reblock(layout: Layout, stages: tuple[StageLayout, ...], cuts: list[int]) -> tuple[StageLayout, ...]:
     """`stages` (their ranks and weights) over new contiguous layer blocks ending at `cuts`."""
     edges = [0, *cuts, layout.num_layers]
-    return tuple(replace(s, stage=p, layer_start=edges[p], layer_stop=edges[p + 1])
-                 for p, s in enumerate(stages))
+    return tuple(
+        replace(s, stage=p, layer_start=edges[p], layer_stop=edges[p + 1]) for p, s in enumerate(stages)
+    )
 
 
 @st.composite
@@ -125,11 +128,13 @@ def relayouts(draw: st.DrawFn) -> tuple[Layout, Layout]:
         new = resize_after_loss(old, lost).layout
     elif kind == "join":
         fresh = iter(range(max(old.ranks()) + 1, max(old.ranks()) + 20))
-        new = resize_after_join(old, {s.stage: [next(fresh) for _ in range(draw(st.integers(0, 3)))]
-                                      for s in old.stages}).layout
+        new = resize_after_join(
+            old, {s.stage: [next(fresh) for _ in range(draw(st.integers(0, 3)))] for s in old.stages}
+        ).layout
     elif kind == "permute":
-        stages = tuple(replace(s, ranks=tuple(draw(st.permutations(s.ranks))), sample_weights=())
-                       for s in old.stages)
+        stages = tuple(
+            replace(s, ranks=tuple(draw(st.permutations(s.ranks))), sample_weights=()) for s in old.stages
+        )
         new = replace(old, stages=stages)
     if kind in ("lose", "join", "boundaries", "permute"):
         stages = new.stages
@@ -138,14 +143,26 @@ def relayouts(draw: st.DrawFn) -> tuple[Layout, Layout]:
             gone = draw(st.integers(0, old.num_stages - 1))
             stages = tuple(s for s in old.stages if s.stage != gone)
         else:
-            stages = (*old.stages, StageLayout(old.num_stages, 0, 0, (max(old.ranks()) + 1, max(old.ranks()) + 2)))
+            stages = (
+                *old.stages,
+                StageLayout(old.num_stages, 0, 0, (max(old.ranks()) + 1, max(old.ranks()) + 2)),
+            )
     else:
         other = draw(layouts(max_layers=old.num_layers, max_stages=4, max_dp=4))
         stages = other.stages
     stages = stages[: old.num_layers]
     if kind != "permute" and len(stages) > 0:
-        cuts = sorted(draw(st.sets(st.integers(1, old.num_layers - 1), min_size=len(stages) - 1,
-                                   max_size=len(stages) - 1))) if len(stages) > 1 else []
+        cuts = (
+            sorted(
+                draw(
+                    st.sets(
+                        st.integers(1, old.num_layers - 1), min_size=len(stages) - 1, max_size=len(stages) - 1
+                    )
+                )
+            )
+            if len(stages) > 1
+            else []
+        )
         stages = _reblock(old, stages, cuts)
     zero = draw(st.sampled_from([old.zero_layout, "interleaved", "contiguous"]))
     new = replace(old, stages=stages, zero_layout=zero, stage_mem_cap_bytes=None)
@@ -160,9 +177,12 @@ def test_closed_form_migration_cost_equals_the_enumerated_transfers(case: tuple[
     old, new = case
     assert validate(old).ok and validate(new).ok, validate(new).problems
     fast, slow = migration_cost(old, new), migration_cost_from_transfers(old, new)
-    assert (fast.total_elements, fast.cross_stage_elements, fast.intra_stage_elements,
-            fast.per_stage_elements) == (slow.total_elements, slow.cross_stage_elements,
-                                         slow.intra_stage_elements, slow.per_stage_elements)
+    assert (
+        fast.total_elements,
+        fast.cross_stage_elements,
+        fast.intra_stage_elements,
+        fast.per_stage_elements,
+    ) == (slow.total_elements, slow.cross_stage_elements, slow.intra_stage_elements, slow.per_stage_elements)
     transfers = shard_transfers(old, new)
     assert transfers == shard_transfers_by_intervals(old, new)  # per-layer merge == every interval listed
     assert fast.total_elements == sum(t.size for t in transfers)
@@ -176,5 +196,6 @@ def test_closed_form_migration_cost_equals_the_enumerated_transfers(case: tuple[
 def test_closed_form_matches_transfers_on_the_paper_layer_move(kind: str, dp: int) -> None:
     old = make_uniform_layout(8, 2, dp, dp, 1, layer_numel=(1000 * dp + 3,) * 8, zero_layout=kind)  # type: ignore[arg-type]
     new = apply_boundaries(old, (3,))
-    assert migration_cost(old, new) == replace(migration_cost_from_transfers(old, new),
-                                               reason=migration_cost(old, new).reason)
+    assert migration_cost(old, new) == replace(
+        migration_cost_from_transfers(old, new), reason=migration_cost(old, new).reason
+    )

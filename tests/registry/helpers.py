@@ -43,7 +43,9 @@ class EventRecorder:
             while not predicate(self._events):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise AssertionError(f"condition not met within {timeout_s:.1f} s; events: {self._events}")
+                    raise AssertionError(
+                        f"condition not met within {timeout_s:.1f} s; events: {self._events}"
+                    )
                 self._cond.wait(remaining)
             return list(self._events)
 

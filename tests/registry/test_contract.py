@@ -36,7 +36,10 @@ def test_get_prefix_is_sorted_and_respects_the_prefix_boundary(registry: Registr
         registry.put(key, key.encode())
     assert registry.get_prefix("/p/") == [("/p/a/1", b"/p/a/1"), ("/p/a/2", b"/p/a/2"), ("/p/b", b"/p/b")]
     assert registry.get_prefix("/p") == [
-        ("/p/a/1", b"/p/a/1"), ("/p/a/2", b"/p/a/2"), ("/p/b", b"/p/b"), ("/pa", b"/pa")
+        ("/p/a/1", b"/p/a/1"),
+        ("/p/a/2", b"/p/a/2"),
+        ("/p/b", b"/p/b"),
+        ("/pa", b"/pa"),
     ]
     assert registry.get_prefix("/nothing/") == []
 
@@ -87,7 +90,11 @@ def test_compare_and_swap_writes_its_companions_all_or_nothing(registry: Registr
         registry.compare_and_swap("/txn/epoch", b"1", b"2", also=[("/txn/x",)])  # type: ignore[list-item]
     with pytest.raises(LeaseNotFound):
         registry.compare_and_swap("/txn/epoch", b"1", b"2", lease=987654321, also=[("/txn/y", b"y")])
-    assert registry.get("/txn/epoch") == b"1" and registry.get("/txn/x") is None and registry.get("/txn/y") is None
+    assert (
+        registry.get("/txn/epoch") == b"1"
+        and registry.get("/txn/x") is None
+        and registry.get("/txn/y") is None
+    )
 
 
 def test_transact_compares_every_key_and_writes_in_one_revision_or_not_at_all(registry: Registry) -> None:
@@ -158,7 +165,9 @@ def test_fenced_writes_follow_the_election_that_holds_the_fence(registry: Regist
     standby.resign()
 
 
-def test_compare_and_swap_with_a_fence_needs_both_the_fence_and_the_expected_value(registry: Registry) -> None:
+def test_compare_and_swap_with_a_fence_needs_both_the_fence_and_the_expected_value(
+    registry: Registry,
+) -> None:
     fence = Fence("/fc/leader", b"core-a")
     registry.put(fence.key, b"core-a")
     companions = [("/fc/plans/1", b"plan")]
@@ -167,7 +176,11 @@ def test_compare_and_swap_with_a_fence_needs_both_the_fence_and_the_expected_val
     registry.put(fence.key, b"core-b")
     with pytest.raises(FenceLost, match="compare-and-swap of '/fc/epoch' refused"):
         registry.compare_and_swap("/fc/epoch", b"1", b"2", also=[("/fc/plans/2", b"late")], fence=fence)
-    assert registry.get_prefix("/fc/") == [("/fc/epoch", b"1"), ("/fc/leader", b"core-b"), ("/fc/plans/1", b"plan")]
+    assert registry.get_prefix("/fc/") == [
+        ("/fc/epoch", b"1"),
+        ("/fc/leader", b"core-b"),
+        ("/fc/plans/1", b"plan"),
+    ]
     with pytest.raises(ValueError, match="own fence key"):
         registry.compare_and_swap("/fc/epoch", b"1", b"2", also=[(fence.key, b"core-a")], fence=fence)
 
@@ -331,8 +344,11 @@ def test_watch_delivers_every_change_in_order_on_a_background_thread(registry: R
                 expected.append(KVEvent("put", key, str(i).encode(), rev))
         events = recorder.wait_for(lambda evs: len(evs) >= len(expected), timeout_s=10)
     assert [(e.kind, e.key, e.value) for e in events] == [(e.kind, e.key, e.value) for e in expected]
-    put_revisions = [(got.revision, want.revision) for got, want in zip(events, expected, strict=True)
-                     if want.kind == "put"]
+    put_revisions = [
+        (got.revision, want.revision)
+        for got, want in zip(events, expected, strict=True)
+        if want.kind == "put"
+    ]
     assert all(got == want for got, want in put_revisions), "a put event carries the revision put returned"
     revisions = [e.revision for e in events]
     assert revisions == sorted(revisions) and len(set(revisions)) == len(revisions)

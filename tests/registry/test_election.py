@@ -138,11 +138,17 @@ def test_standby_takes_over_from_a_sigkilled_leader_process(
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     leader = subprocess.Popen(
         [sys.executable, "-m", "tests.registry.leader_process", registry_url, KEY, "core-proc", str(ttl)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT, env=env, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO_ROOT,
+        env=env,
+        text=True,
     )
     try:
         line = _read_line(leader, timeout_s=30)
-        assert line == "LEADER", f"leader process said {line!r}; stderr: {leader.stderr.read() if leader.stderr else ''}"
+        assert line == "LEADER", (
+            f"leader process said {line!r}; stderr: {leader.stderr.read() if leader.stderr else ''}"
+        )
         standby = LeaderElection(registry, KEY, "core-b", ttl)
         assert standby.campaign(timeout_s=ttl) is False, "the live leader process must keep its lease"
         assert standby.leader_id() == "core-proc"
@@ -168,4 +174,3 @@ def _read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
     reader.start()
     reader.join(timeout=timeout_s)
     return lines[0].strip() if lines else ""
-

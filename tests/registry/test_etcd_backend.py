@@ -55,7 +55,9 @@ def test_a_lost_endpoint_fails_one_call_then_the_next_endpoint_is_used(
     own_etcd: EtcdServer, etcd_server: EtcdServer, etcd_registry_url: str
 ) -> None:
     # Two independent servers stand in for two members: what is tested is the switch, not replication.
-    with open_registry(f"etcd://{own_etcd.endpoint},{etcd_server.endpoint}?timeout=1&connect_timeout=1") as reg:
+    with open_registry(
+        f"etcd://{own_etcd.endpoint},{etcd_server.endpoint}?timeout=1&connect_timeout=1"
+    ) as reg:
         assert isinstance(reg, EtcdRegistry)
         assert str(reg.endpoint) == own_etcd.endpoint, "the first endpoint answers, so it is used"
         own_etcd.kill()
@@ -67,11 +69,15 @@ def test_a_lost_endpoint_fails_one_call_then_the_next_endpoint_is_used(
         assert second.get("/fo/k") == b"v"
 
 
-def test_lease_ttl_is_rounded_up_to_whole_seconds(etcd_registry: EtcdRegistry, etcd_server: EtcdServer) -> None:
+def test_lease_ttl_is_rounded_up_to_whole_seconds(
+    etcd_registry: EtcdRegistry, etcd_server: EtcdServer
+) -> None:
     host, port = etcd_server.endpoint.split(":")
     raw = etcd3.client(host=host, port=int(port), timeout=5)
     try:
-        granted = {ttl: raw.get_lease_info(etcd_registry.grant_lease(ttl)).grantedTTL for ttl in (0.2, 1.0, 1.2)}
+        granted = {
+            ttl: raw.get_lease_info(etcd_registry.grant_lease(ttl)).grantedTTL for ttl in (0.2, 1.0, 1.2)
+        }
     finally:
         raw.close()
     assert granted == {0.2: 1, 1.0: 1, 1.2: 2}
@@ -99,7 +105,9 @@ def test_server_loss_is_backend_unavailable_and_the_registry_recovers(own_etcd: 
         assert value == b"1", "etcd keeps data across a restart"
         reg.put("/rc/after", b"2")
         recorder.wait_for_key("put", "/rc/after", timeout_s=15)
-        assert [e.key for e in recorder.events] == ["/rc/after"], "the resumed watch neither lost nor repeated"
+        assert [e.key for e in recorder.events] == ["/rc/after"], (
+            "the resumed watch neither lost nor repeated"
+        )
         watch.cancel()
     finally:
         reg.close()
@@ -111,7 +119,11 @@ def test_a_hung_server_never_blocks_a_caller_past_the_deadline(own_etcd: EtcdSer
         reg.put("/hung/k", b"v")
         own_etcd.pause()
         try:
-            for call in (lambda: reg.get("/hung/k"), lambda: reg.put("/hung/k", b"w"), lambda: reg.grant_lease(2)):
+            for call in (
+                lambda: reg.get("/hung/k"),
+                lambda: reg.put("/hung/k", b"w"),
+                lambda: reg.grant_lease(2),
+            ):
                 with pytest.raises(BackendUnavailable, match=own_etcd.endpoint):
                     call()
         finally:

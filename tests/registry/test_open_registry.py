@@ -16,8 +16,14 @@ def test_memory_url_gives_a_fresh_private_registry() -> None:
 
 
 def test_etcd_url_parsing() -> None:
-    endpoints, options = parse_etcd_url("etcd://10.0.0.1:2379,etcd-b:2380,[::1]:2381?timeout=3&connect_timeout=0.5")
-    assert endpoints == [EtcdEndpoint("10.0.0.1", 2379), EtcdEndpoint("etcd-b", 2380), EtcdEndpoint("[::1]", 2381)]
+    endpoints, options = parse_etcd_url(
+        "etcd://10.0.0.1:2379,etcd-b:2380,[::1]:2381?timeout=3&connect_timeout=0.5"
+    )
+    assert endpoints == [
+        EtcdEndpoint("10.0.0.1", 2379),
+        EtcdEndpoint("etcd-b", 2380),
+        EtcdEndpoint("[::1]", 2381),
+    ]
     assert options == {"timeout_s": 3.0, "connect_timeout_s": 0.5}
     assert parse_etcd_url("etcd://h:1/") == ([EtcdEndpoint("h", 1)], {})
 

@@ -112,7 +112,9 @@ def test_a_deposed_leader_cannot_publish_over_its_successor(registry: Registry) 
     new.resign()
 
 
-def test_a_deposed_leader_that_saw_the_latest_epoch_is_stopped_by_the_leader_fence(registry: Registry) -> None:
+def test_a_deposed_leader_that_saw_the_latest_epoch_is_stopped_by_the_leader_fence(
+    registry: Registry,
+) -> None:
     ttl = lease_ttl(registry)
     store = PlanStore(registry, PREFIX)
     old = LeaderElection(registry, f"{PREFIX}/core/leader", "core-a", ttl)

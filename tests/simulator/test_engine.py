@@ -21,7 +21,11 @@ NODE = SPEC.devices_per_node
 
 def test_node_trace_fills_slots_and_spares_replace_lost_nodes() -> None:
     events = [TraceEvent(0, "add", f"n{i:02d}") for i in range(SPEC.num_nodes + 1)]  # n12 is a spare
-    events += [TraceEvent(10, "remove", "n03"), TraceEvent(20, "remove", "n05"), TraceEvent(30, "add", "fresh")]
+    events += [
+        TraceEvent(10, "remove", "n03"),
+        TraceEvent(20, "remove", "n05"),
+        TraceEvent(30, "add", "fresh"),
+    ]
     timeline = dead_device_timeline(events, SPEC)
     assert timeline[0] == (0.0, frozenset())
     # n3 is replaced by the spare at once, so the first change is n5's slot at t=20.
@@ -44,7 +48,9 @@ def test_time_average_counts_downtime_and_steady_state_by_hand() -> None:
     run = run_policy("torchft", SPEC, timeline, 4000.0, 3600.0, mttr)
     shape, prof = SPEC.shape, SPEC.profile()
     full = POLICIES["torchft"](ClusterState(shape, prof)).throughput
-    shrunk = POLICIES["torchft"](ClusterState(shape, prof, failed=ranks_of_devices(SPEC, set(lost)))).throughput
+    shrunk = POLICIES["torchft"](
+        ClusterState(shape, prof, failed=ranks_of_devices(SPEC, set(lost)))
+    ).throughput
     down = mttr.torchft_restart_s
     expected = (1000 * full + (2000 - down) * shrunk + (1000 - down) * full) / 4000
     assert run.time_averaged_throughput == pytest.approx(expected)
@@ -58,11 +64,17 @@ def test_an_event_during_recovery_restarts_it_unless_the_plan_is_unchanged() -> 
     # Node 3 is in another replica (13B: 3 nodes per replica): TorchFT drops a second replica.
     timeline = [(0.0, frozenset()), (100.0, node0), (120.0, node0 | node3)]
     run = run_policy("torchft", SPEC, timeline, 400.0, 3600.0, mttr)
-    assert [(s.start_s, s.end_s, s.throughput) for s in run.segments[1:3]] == [(100.0, 120.0, 0.0), (120.0, 170.0, 0.0)]
+    assert [(s.start_s, s.end_s, s.throughput) for s in run.segments[1:3]] == [
+        (100.0, 120.0, 0.0),
+        (120.0, 170.0, 0.0),
+    ]
     # Node 1 is in the replica already dropped: the plan is unchanged, the recovery just continues.
     timeline = [(0.0, frozenset()), (100.0, node0), (120.0, node0 | node1)]
     run = run_policy("torchft", SPEC, timeline, 400.0, 3600.0, mttr)
-    assert [(s.start_s, s.end_s) for s in run.segments if s.throughput == 0.0] == [(100.0, 120.0), (120.0, 150.0)]
+    assert [(s.start_s, s.end_s) for s in run.segments if s.throughput == 0.0] == [
+        (100.0, 120.0),
+        (120.0, 150.0),
+    ]
 
 
 def test_simulate_cli_writes_table_csv_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -70,8 +82,21 @@ def test_simulate_cli_writes_table_csv_and_png(tmp_path: Path, capsys: pytest.Ca
     lines = [f"0,add,n{i}" for i in range(12)] + ["1800000,remove,n0", "5400000,add,n12"]
     trace.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
-    code = main(["simulate", "--trace", str(trace), "--hours", "2", "--job", "llama2-34b",
-                 "--policies", "elaswave,recycle,torchft", "--out", str(out)])
+    code = main(
+        [
+            "simulate",
+            "--trace",
+            str(trace),
+            "--hours",
+            "2",
+            "--job",
+            "llama2-34b",
+            "--policies",
+            "elaswave,recycle,torchft",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "elaswave" in printed and "time_avg_samples_per_s" in printed
@@ -96,8 +121,13 @@ def test_simulate_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFi
 def test_recycle_restarts_without_damaged_replicas_when_rerouting_would_not_fit() -> None:
     shape = JobShape(pp=2, dp=3, micro_batch=1, global_batch=12)
     # Stage 0 of 2 holds 2 layers: static 2 * 8 B + 2 micro-batches in flight x 2 layers x 100 B.
-    prof = JobProfile(layer_fwd_s=(0.01,) * 4, layer_bwd_s=(0.02,) * 4, layer_param_bytes=(1.0,) * 4,
-                      layer_act_bytes=(100.0,) * 4, mem_cap_bytes=500.0)
+    prof = JobProfile(
+        layer_fwd_s=(0.01,) * 4,
+        layer_bwd_s=(0.02,) * 4,
+        layer_param_bytes=(1.0,) * 4,
+        layer_act_bytes=(100.0,) * 4,
+        mem_cap_bytes=500.0,
+    )
     state = ClusterState(shape, prof, failed=frozenset({shape.rank(0, 0)}))
     rerouted = POLICIES["recycle"](state)
     assert not rerouted.feasible and "memory" in rerouted.reason  # peers would hold 1.5x activations

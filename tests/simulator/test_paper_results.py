@@ -56,8 +56,15 @@ def whole_replicas_lost(job: str, nodes: int) -> bool:
 def test_throughput_orders_elaswave_recycle_torchft(job: str, nodes: int) -> None:
     r = after_node_loss(job, nodes)
     lse = r["elaswave"] / (r["fault_free"] * r["alive_fraction"])
-    print(f"{job} -{nodes} node(s): " + ", ".join(f"{k}={v / r['fault_free']:.3f}" for k, v in r.items()
-                                                   if k not in ("fault_free", "alive_fraction")) + f", LSE={lse:.3f}")
+    print(
+        f"{job} -{nodes} node(s): "
+        + ", ".join(
+            f"{k}={v / r['fault_free']:.3f}"
+            for k, v in r.items()
+            if k not in ("fault_free", "alive_fraction")
+        )
+        + f", LSE={lse:.3f}"
+    )
     assert lse >= 0.89
     if whole_replicas_lost(job, nodes):
         # ElasWave §7.2: losing whole replicas degenerates ElasWave and ReCycle to TorchFT.
@@ -93,7 +100,9 @@ def test_replay_through_the_engine_gives_the_reported_numbers(job: str, nodes: i
         recovery = sum(seg.end_s - seg.start_s for seg in rest if seg.throughput == 0.0)
         assert recovery >= base_mttr(policy, mttr) - 1e-9, policy
         assert run.time_averaged_throughput == pytest.approx(
-            (LOSS_AT_S * healthy.throughput + (HORIZON_S - LOSS_AT_S - recovery) * after.throughput) / HORIZON_S)
+            (LOSS_AT_S * healthy.throughput + (HORIZON_S - LOSS_AT_S - recovery) * after.throughput)
+            / HORIZON_S
+        )
     replayed = {p: runs[p].segments[-1].throughput for p in runs}
     if whole_replicas_lost(job, nodes):
         assert replayed["recycle"] == pytest.approx(replayed["torchft"], rel=0.01)
@@ -104,7 +113,9 @@ def test_replay_through_the_engine_gives_the_reported_numbers(job: str, nodes: i
 
 def test_whole_replica_cases_are_the_papers() -> None:
     assert whole_replicas_lost("llama2-7b", 3) and whole_replicas_lost("llama2-13b", 3)
-    assert not any(whole_replicas_lost(j, n) for j in TABLE2 for n in (1, 2)) and not whole_replicas_lost("llama2-34b", 3)
+    assert not any(whole_replicas_lost(j, n) for j in TABLE2 for n in (1, 2)) and not whole_replicas_lost(
+        "llama2-34b", 3
+    )
 
 
 def test_llama2_34b_one_node_ratios_within_band() -> None:
@@ -115,11 +126,13 @@ def test_llama2_34b_one_node_ratios_within_band() -> None:
     runs = replay_node_loss("llama2-34b", 1)
     steady = {p: run.segments[-1].throughput for p, run in runs.items()}
     averaged = {p: run.time_averaged_throughput for p, run in runs.items()}
-    print(f"llama2-34b -1 node: ElasWave/TorchFT = {vs_torchft:.3f} (paper 1.6), "
-          f"ElasWave/ReCycle = {vs_recycle:.3f} (paper 1.35); replayed steady "
-          f"{steady['elaswave'] / steady['torchft']:.3f} / {steady['elaswave'] / steady['recycle']:.3f}, "
-          f"time-averaged over {HORIZON_S / 3600:.0f} h {averaged['elaswave'] / averaged['torchft']:.3f} / "
-          f"{averaged['elaswave'] / averaged['recycle']:.3f}")
+    print(
+        f"llama2-34b -1 node: ElasWave/TorchFT = {vs_torchft:.3f} (paper 1.6), "
+        f"ElasWave/ReCycle = {vs_recycle:.3f} (paper 1.35); replayed steady "
+        f"{steady['elaswave'] / steady['torchft']:.3f} / {steady['elaswave'] / steady['recycle']:.3f}, "
+        f"time-averaged over {HORIZON_S / 3600:.0f} h {averaged['elaswave'] / averaged['torchft']:.3f} / "
+        f"{averaged['elaswave'] / averaged['recycle']:.3f}"
+    )
     assert steady["elaswave"] / steady["torchft"] == pytest.approx(vs_torchft, rel=1e-12)
     assert steady["elaswave"] / steady["recycle"] == pytest.approx(vs_recycle, rel=1e-12)
     # Linear scaling caps the ratio: TorchFT keeps 2 of 3 replicas, ElasWave 88 of 96 devices.
@@ -136,10 +149,14 @@ def test_chameleon_ranks_above_recycle_in_chameleons_setting() -> None:
     gap = 3600 / (0.1 * spec.shape.num_devices)
     ratios = []
     for seed in range(4):
-        timeline = dead_device_timeline(poisson_device_failures(32, 0.1, hours, seed, repair_hours=None), spec)
+        timeline = dead_device_timeline(
+            poisson_device_failures(32, 0.1, hours, seed, repair_hours=None), spec
+        )
         cham = run_policy("chameleon", spec, timeline, hours * 3600, gap).time_averaged_throughput
         rec = run_policy("recycle", spec, timeline, hours * 3600, gap).time_averaged_throughput
         ratios.append(cham / rec)
-    print(f"Chameleon / ReCycle time-averaged throughput per seed: {[round(x, 3) for x in ratios]} (paper 1.355)")
+    print(
+        f"Chameleon / ReCycle time-averaged throughput per seed: {[round(x, 3) for x in ratios]} (paper 1.355)"
+    )
     assert all(x > 1.0 for x in ratios)
     assert sum(ratios) / len(ratios) > 1.05

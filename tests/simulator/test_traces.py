@@ -12,17 +12,24 @@ from simulator.traces import TraceEvent, load_bamboo, parse_bamboo, poisson_devi
 
 def test_parse_sorts_skips_comments_and_round_trips(tmp_path: Path) -> None:
     events = parse_bamboo(["# spot trace", "", "2500,remove,a", "0,add,a", "0,add,b"])
-    assert events == [TraceEvent(0.0, "add", "a"), TraceEvent(0.0, "add", "b"), TraceEvent(2.5, "remove", "a")]
+    assert events == [
+        TraceEvent(0.0, "add", "a"),
+        TraceEvent(0.0, "add", "b"),
+        TraceEvent(2.5, "remove", "a"),
+    ]
     write_bamboo(events, tmp_path / "t.txt")
     assert load_bamboo(tmp_path / "t.txt") == events
 
 
-@pytest.mark.parametrize("line,msg", [
-    ("1,add", "expected 'milliseconds,add|remove,nodeName'"),
-    ("x,add,n", "milliseconds 'x' is not a number"),
-    ("5,kill,n", "kind add|remove"),
-    ("-5,add,n", "ms >= 0"),
-])
+@pytest.mark.parametrize(
+    "line,msg",
+    [
+        ("1,add", "expected 'milliseconds,add|remove,nodeName'"),
+        ("x,add,n", "milliseconds 'x' is not a number"),
+        ("5,kill,n", "kind add|remove"),
+        ("-5,add,n", "ms >= 0"),
+    ],
+)
 def test_bad_lines_name_the_line(line: str, msg: str) -> None:
     with pytest.raises(ValueError, match=msg) as e:
         parse_bamboo(["0,add,a", line], "t.txt")
