@@ -12,6 +12,7 @@ more; `Session.teardown` then stops whatever is left, each process bounded.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -197,7 +198,10 @@ class Session:
         for rank in result.failed_ranks[:MAX_FAILED_LOGS]:
             self._show_log(rank)
         print(f"[elaswave] {result.summary}", file=sys.stderr if result.exit_code else sys.stdout, flush=True)
-        if stop_signal is not None:
+        refused = self._refused_plan()
+        if refused:
+            print(f"[elaswave] the job cannot go on in place: {refused}", file=sys.stderr, flush=True)
+        if stop_signal is not None or refused:
             self._print_resume()
         return result.exit_code
 
@@ -244,6 +248,17 @@ class Session:
                 file=sys.stderr,
                 flush=True,
             )
+
+    def _refused_plan(self) -> str | None:
+        """What a worker said when it could not apply the Core's plan in place (None if none did)."""
+        for path in sorted(self.run_dir.glob("rank-*.json")):
+            try:
+                results = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if "resume_from" in results:
+                return str(results.get("fatal", "a plan the engine cannot apply"))
+        return None
 
     def _show_log(self, rank: int) -> None:
         log = self.run_dir / f"rank-{rank}.log"

@@ -50,6 +50,9 @@ EXIT_OK = 0
 EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a SIGTERM'd process
 EXIT_NO_PLAN = 75  # EX_TEMPFAIL: a step aborted and no plan came; the agent reports a failure
 EXIT_USAGE = 64  # EX_USAGE: the script's model, data or settings cannot train (message on stderr)
+# EX_UNAVAILABLE: the Core's plan cannot be applied in place; the job's state is in its latest
+# checkpoint and resumes from it (`elaswave run --resume DIR`) on the layout the cluster has now.
+EXIT_PLAN_NOT_APPLICABLE = 69
 
 DESCRIPTION_VERSION = 1
 

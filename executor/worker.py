@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elaswave.worker_env import EXIT_NO_PLAN, EXIT_TERMINATED, WorkerPlace
+from elaswave.worker_env import EXIT_NO_PLAN, EXIT_PLAN_NOT_APPLICABLE, EXIT_TERMINATED, WorkerPlace
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,14 @@ class WorkerSettings:
     # `on_step`); `log_every`: the first rank of the last stage prints a progress line this often.
     on_step: Callable[[int, float | None], None] | None = None
     log_every: int = 0
+
+
+class PlanNotApplicable(RuntimeError):
+    """The Core's plan asks for a change the engine cannot apply in place (RelayoutError)."""
+
+    def __init__(self, epoch: int, reason: str, lost: frozenset[int]) -> None:
+        super().__init__(f"plan {epoch} cannot be applied in place: {reason}")
+        self.epoch, self.reason, self.lost = epoch, reason, lost
 
 
 class ModelMismatch(ValueError):
@@ -259,6 +267,11 @@ class CoreDrivenWorker:
                     # no layout to replay on. Fail visibly, with results, rather than hang.
                     self.results["fatal"], self.exit_code = str(exc), EXIT_NO_PLAN
                     break
+                except PlanNotApplicable as exc:
+                    self.results["fatal"], self.exit_code = str(exc), EXIT_PLAN_NOT_APPLICABLE
+                    self._finish_checkpoints()  # settle what was in flight before naming the latest
+                    self._end_with_checkpoint(exc)
+                    break
                 resumed_epoch = self.proto.plan_epoch
         finally:
             self.plans.close()
@@ -292,6 +305,32 @@ class CoreDrivenWorker:
                 stop_after = request.after_step if stop_after is None else min(stop_after, request.after_step)
         return stop_after
 
+    def _end_with_checkpoint(self, exc: PlanNotApplicable) -> None:
+        """After a plan the engine cannot apply: when no rank of the current layout is gone, every
+        worker holds its share of the committed state and they all refuse the same plan, so they
+        save it together (collective per stage, as at any step); otherwise the job's latest
+        durable checkpoint is where it resumes. Either way, say where and how."""
+        from executor.checkpoint import CheckpointError, latest_checkpoint  # noqa: PLC0415
+        from executor.trainer import checkpoint_payload  # noqa: PLC0415
+
+        root = self.settings.checkpoint_dir
+        if root is not None and self.writer is not None and not exc.lost:
+            payload = checkpoint_payload(self.trainer)
+            if payload is not None:
+                self.writer.submit(payload)
+            self._finish_checkpoints()
+        try:
+            where = str(latest_checkpoint(root)) if root is not None else None
+        except CheckpointError:
+            where = None
+        self.results["resume_from"] = where
+        said = (
+            f"its state is in {where}: resume with `elaswave run --resume {root} ...` on the nodes there are now"
+            if where
+            else "no checkpoint of this job exists (no checkpoint directory, or none written yet)"
+        )
+        print(f"worker {self.args.worker_id}: {exc}; {said}", file=sys.stderr, flush=True)
+
     def _checkpoint_due(self, step: int, stop_after: int | None, save_at: set[int]) -> bool:
         """Every worker reaches the same verdict: the settings are the job's, and a stop or an
         operator's request is announced at least one boundary ahead (module docstring)."""
@@ -319,10 +358,13 @@ class CoreDrivenWorker:
         self._payload = None
 
     def _finish_checkpoints(self) -> None:
+        """Wait for the checkpoints in flight: as long as a big model's write may take when the job
+        ends well; one worker timeout when it does not (a stage that died will never mark its
+        share, and an incomplete checkpoint stays a temporary directory, never the latest)."""
         if self.writer is None:
             return
         try:
-            self.writer.wait(timeout_s=600.0)
+            self.writer.wait(timeout_s=600.0 if self.exit_code == 0 else self.args.timeout_s)
         except TimeoutError as exc:
             self.results["checkpoint_error"] = str(exc)
         if self.writer.errors:
@@ -378,7 +420,12 @@ class CoreDrivenWorker:
             published.epoch, self.trainer.layout, new, published.reasons, published.predicted_step_time_s
         )
         t1 = time.perf_counter()
-        report = self.proto.apply_plan(plan)
+        try:
+            report = self.proto.apply_plan(plan)
+        except ValueError as exc:  # RelayoutError: refused before any group was edited
+            self.plans.ack(published.epoch, "FAILED", time.perf_counter() - t1, reason=str(exc)[:1000])
+            lost = frozenset(self.trainer.layout.ranks()) - frozenset(new.ranks())
+            raise PlanNotApplicable(published.epoch, str(exc), lost) from exc
         applied = time.perf_counter() - t1
         self.plans.ack(published.epoch, "APPLIED", applied)
         self.results["recoveries"].append(

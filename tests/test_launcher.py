@@ -509,3 +509,68 @@ def test_end_to_end_a_worker_killed_on_a_simulated_node_and_the_job_finishes(tmp
     assert final.keys() == expected.keys()
     worst = max(float((final[k] - expected[k]).abs().max()) for k in final)
     assert worst <= 1e-5, worst
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_stage_ends_the_job_with_a_checkpoint_and_it_resumes_on_the_workers_left(
+    tmp_path: Path,
+) -> None:
+    """Stage 1's only rank is killed: the Core's plan drops a stage, which the engine cannot apply
+    in place. Every survivor says so (FAILED ack), the launcher prints why and the resume command,
+    and resuming from the last periodic checkpoint on one stage trains on as the fault-free run."""
+    script = _tiny(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    launcher = Launcher(
+        "--nproc-per-node",
+        "2",
+        "--pp",
+        "2",
+        "--checkpoint-dir",
+        ckpt,
+        "--checkpoint-every",
+        "2",
+        script,
+        "--steps",
+        "40",
+        cwd=tmp_path,
+    )
+    run_dir = tmp_path / "elaswave-run" / "tiny"
+    launcher.wait_for(
+        "every worker to commit step 5",
+        lambda: len(s := _member_steps(run_dir, "tiny")) == 2 and min(s.values()) >= 5,
+        timeout_s=120,
+    )
+    victim = next(m for m in core_job(run_dir, "tiny")["members"] if m["stage"] == 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    code = launcher.wait(timeout_s=120)
+    out = launcher.output
+    assert code != 0, out[-3000:]
+    assert "the job cannot go on in place: plan 1 cannot be applied in place" in out, out[-3000:]
+    assert f"resume with: elaswave run --nnodes 1 --nproc-per-node 2 --pp 2 --resume {ckpt}" in out, out[
+        -3000:
+    ]
+    survivor = json.loads((run_dir / "rank-0.json").read_text())
+    resume_from = Path(survivor["resume_from"])
+    saved = int(resume_from.name.split("-")[1])
+    assert saved >= 2 and saved % 2 == 0, resume_from
+    resumed = elaswave_run(
+        "--nproc-per-node",
+        "2",
+        "--pp",
+        "1",
+        "--resume",
+        ckpt,
+        "--job",
+        "again",
+        script,
+        "--steps",
+        "40",
+        cwd=tmp_path,
+        timeout_s=180,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    losses = _job_losses(tmp_path / "elaswave-run" / "again", [0, 1])
+    assert sorted(losses) == list(range(saved, 40))
+    reference = _reference_losses(script, 40)
+    for step in range(saved, 40):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-4, abs=1e-6), step
