@@ -3,8 +3,9 @@
 The Core cannot reach into the workers' memory; it relays the request on every live agent's
 stream (`Checkpoint` command), and each agent writes it into its worker's control file
 (elaswave.local_protocol). The step to save is chosen so that every worker sees the request
-before it gets there: two steps past the furthest step any worker has reported (workers of one
-synchronous job are never more than one step apart). With `stop`, every worker leaves the job
+before it gets there: about two seconds of steps past the furthest step any worker has reported
+(`elaswave.worker_env.steps_ahead`; workers of one synchronous job are never more than one step
+apart). With `stop`, every worker leaves the job
 after that step: the operator's clean stop, ending with a checkpoint from which
 `elaswave run --resume DIR` continues on any layout. Workers started without a checkpoint
 directory cannot save and say so in their results.
@@ -23,12 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from core_service.agent_service import HTTP_STATUS
 from core_service.grpc_util import RpcError
 from elaswave.v1 import agent_pb2
+from elaswave.worker_env import steps_ahead
 
 if TYPE_CHECKING:
     from core_service.core import Core
-
-# Steps past the furthest reported step: one for a worker a step behind, one for the request's travel.
-LEAD_STEPS = 2
 
 
 class CheckpointRequestBody(BaseModel):
@@ -52,7 +51,8 @@ def request_checkpoint(core: Core, job_name: str, body: CheckpointRequestBody, n
             grpc.StatusCode.FAILED_PRECONDITION,
             f"no worker of job {job_name!r} has committed a step yet; ask again once it trains",
         )
-    after_step = max(steps) + LEAD_STEPS
+    times = [m.last_step.step_time_s for m in live if m.last_step is not None]
+    after_step = max(steps) + steps_ahead(max(times) if times else None)
     command = agent_pb2.ConnectResponse(
         checkpoint=agent_pb2.Checkpoint(after_step=after_step, stop=body.stop)
     )

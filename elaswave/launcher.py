@@ -15,7 +15,7 @@ On one machine (no --core) it
    (`launcher_procs`), with the worker contract of `elaswave.worker_env` in its environment;
 4. prints progress from the Core about once a second and exits when every worker has
    (`launcher_monitor`), 0 when the job completed;
-5. on Ctrl-C or SIGTERM asks the workers to stop two steps on (`ELASWAVE_STOP_FILE`), waits for
+5. on Ctrl-C or SIGTERM asks the workers to stop about two seconds of steps on (`ELASWAVE_STOP_FILE`), waits for
    them (bounded), tears everything down and prints how to resume.
 
 `--nnodes N` without `--core` simulates N nodes here: node n runs ranks n*K .. n*K+K-1, and the

@@ -112,6 +112,15 @@ class Monitor:
             self._history.popleft()
         return self.snapshot
 
+    def slowest_step_s(self) -> float | None:
+        """The slowest live worker's last reported step time (None before any report)."""
+        times = [
+            m["last_step"]["step_time_s"]
+            for m in self.snapshot.live
+            if m.get("last_step") and m["last_step"].get("step_time_s")
+        ]
+        return max(times) if times else None
+
     def samples_per_s(self) -> float | None:
         if len(self._history) >= 2:
             (t0, s0), (t1, s1) = self._history[0], self._history[-1]

@@ -167,7 +167,7 @@ class Session:
             monitor.poll()
             if self.stop.signum is not None and stop_deadline is None:
                 stop_deadline = time.monotonic() + self.args.stop_timeout
-                self._request_stop(monitor.snapshot.step(monitor.snapshot.live))
+                self._request_stop(monitor.snapshot.step(monitor.snapshot.live), monitor.slowest_step_s())
             elif stop_deadline is not None:
                 self._retry_core_stop()
             if stop_deadline is not None and time.monotonic() > stop_deadline:
@@ -205,13 +205,13 @@ class Session:
             self._print_resume()
         return result.exit_code
 
-    def _request_stop(self, committed: int) -> None:
+    def _request_stop(self, committed: int, step_time_s: float | None) -> None:
         if self.joined is not None:  # through the Core, so that the stop reaches every node
             self._stop_asked_at = 0.0
             self._core_stop_accepted = False
             self._retry_core_stop()
             return
-        stop_after = committed + 2
+        stop_after = committed + we.steps_ahead(step_time_s)
         write_stop_file(self.stop_file, stop_after)
         print(
             f"[elaswave] asked the workers to stop after step {stop_after} ({self.stop_file}); waiting up to "

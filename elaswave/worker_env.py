@@ -56,6 +56,19 @@ EXIT_PLAN_NOT_APPLICABLE = 69
 
 DESCRIPTION_VERSION = 1
 
+# A request that every worker must act on at the same step boundary (checkpoint, stop) names a
+# step this far ahead in time, so that it reaches every worker, through the Core and its agent or
+# a file, before any of them gets there; a worker never runs more than a step ahead of another.
+REQUEST_MARGIN_S = 2.0
+MIN_STEPS_AHEAD = 2
+
+
+def steps_ahead(step_time_s: float | None, margin_s: float = REQUEST_MARGIN_S) -> int:
+    """How many steps past the furthest committed one such a request must name (module note above)."""
+    if step_time_s is None or not step_time_s > 0 or step_time_s != step_time_s:
+        return MIN_STEPS_AHEAD + int(margin_s / 0.01)  # unknown pace: assume fast (10 ms) steps
+    return MIN_STEPS_AHEAD + int(margin_s / step_time_s) + 1
+
 
 @dataclass(frozen=True)
 class UnitDescription:

@@ -21,16 +21,18 @@ import pytest
 from executor.checkpoint import latest_checkpoint, read_meta
 from harness.training import GPT_SCRIPT, TrainDemo, TrainDemoConfig, launch_job, wait_committed
 
-CFG = TrainDemoConfig(pp=2, dp=2, steps=40, kill_after_step=2, victim_rank=3, dropout=0.1)
+# Long enough that the stop (about two seconds of steps ahead) always comes first.
+CFG = TrainDemoConfig(pp=2, dp=2, steps=2000, kill_after_step=2, victim_rank=3, dropout=0.1)
+AFTER_RESUME = 8  # steps compared after the resume
 
 
-def _script(*args: str, out: Path) -> dict[int, float]:
+def _script(*args: str, out: Path, steps: int = CFG.steps) -> dict[int, float]:
     subprocess.run(
         [
             sys.executable,
             str(GPT_SCRIPT),
             "--steps",
-            str(CFG.steps),
+            str(steps),
             "--layers",
             str(CFG.layers),
             "--dropout",
@@ -76,9 +78,10 @@ def test_operator_checkpoint_and_stop_then_resume_elsewhere(tmp_path: Path) -> N
     meta = read_meta(root)
     assert latest_checkpoint(root).name == f"step-{after + 1:08d}" and meta.next_step == after + 1
     assert meta.num_stages == 2 and meta.step_count == after + 1
-    fault_free = _script(out=tmp_path / "fault_free.json")
-    resumed = _script("--resume", str(root), out=tmp_path / "resumed.json")
-    assert sorted(resumed) == list(range(after + 1, CFG.steps))
+    end = after + 1 + AFTER_RESUME
+    fault_free = _script(out=tmp_path / "fault_free.json", steps=end)
+    resumed = _script("--resume", str(root), out=tmp_path / "resumed.json", steps=end)
+    assert sorted(resumed) == list(range(after + 1, end))
     for step, loss in resumed.items():
         assert loss == pytest.approx(fault_free[step], rel=2e-6), step
 
