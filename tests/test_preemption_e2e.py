@@ -145,6 +145,13 @@ def _check_core_view(out: Outcome) -> tuple[dict[str, Any], dict[str, Any], dict
     return marked, published, resumed
 
 
+def groups_holding_the_victim() -> set[str]:
+    """Its pipeline links, its stage's DP group and the job-wide group (clipping's norm)."""
+    stage = CFG.victim_rank // CFG.dp
+    links = {f"link/{min(r, CFG.victim_rank)}-{max(r, CFG.victim_rank)}" for r in range(CFG.pp * CFG.dp)}
+    return links | {f"dp/{stage}", "world"}
+
+
 def _check_training(out: Outcome) -> tuple[int, float]:
     """The victim left at a step boundary; every step trained once, exactly, vs the fault-free run."""
     victim = out.results[CFG.victim_rank]
@@ -162,8 +169,7 @@ def _check_training(out: Outcome) -> tuple[int, float]:
                 f"peer failure in group '{failure['group']}': epoch 0 aborted: "
             )
             victim_closed = (
-                str(CFG.victim_rank) in failure["group"].split("/")[-1].split("-")
-                and "Connection closed" in failure["error"]
+                failure["group"] in groups_holding_the_victim() and "Connection closed" in failure["error"]
             )
             assert aborted or victim_closed, (rank, failure)
         if rank != CFG.victim_rank:
