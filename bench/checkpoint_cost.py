@@ -75,7 +75,7 @@ def _worker(rank: int, port: int, args: tuple[int, int, int, int, str, bool], re
     proto = StepProtocol(
         comm, FabricParticipant(trainer, comm), timeout_s=TIMEOUT_S, committed_step=start - 1
     )
-    writer = checkpoint_writer(spec, Path(root), layout.global_batch)
+    writer = checkpoint_writer(spec, Path(root), layout.global_batch, "resume" if resume else "bench")
     plain, saving, gather = [], [], []
     for step in range(start, start + steps):
         t0 = time.perf_counter()

@@ -37,7 +37,14 @@ class CheckpointRequestBody(BaseModel):
     stop: bool = Field(default=False, description="leave the job after the checkpointed step (a clean stop)")
 
 
-def request_checkpoint(core: Core, job_name: str, body: CheckpointRequestBody, now: float) -> dict[str, Any]:
+# job -> (after_step, stop) of the request its workers are heading to: a second request before
+# that step joins it (same step; a stop is added), so workers never see two different steps.
+Pending = dict[str, tuple[int, bool]]
+
+
+def request_checkpoint(
+    core: Core, job_name: str, body: CheckpointRequestBody, now: float, pending: Pending | None = None
+) -> dict[str, Any]:
     """Queue the Checkpoint command on every live agent stream of the job; records an event."""
     job = core.job_or_not_found(job_name)
     live = [m for m in job.live_members() if (job_name, m.worker_id) in core.membership.sessions]
@@ -52,24 +59,27 @@ def request_checkpoint(core: Core, job_name: str, body: CheckpointRequestBody, n
             f"no worker of job {job_name!r} has committed a step yet; ask again once it trains",
         )
     times = [m.last_step.step_time_s for m in live if m.last_step is not None]
-    after_step = max(steps) + steps_ahead(max(times) if times else None)
-    command = agent_pb2.ConnectResponse(
-        checkpoint=agent_pb2.Checkpoint(after_step=after_step, stop=body.stop)
-    )
+    after_step, stop = max(steps) + steps_ahead(max(times) if times else None), body.stop
+    earlier = (pending or {}).get(job_name)
+    if earlier is not None and earlier[0] > max(steps):  # still ahead: join it
+        after_step, stop = earlier[0], earlier[1] or body.stop
+    if pending is not None:
+        pending[job_name] = (after_step, stop)
+    command = agent_pb2.ConnectResponse(checkpoint=agent_pb2.Checkpoint(after_step=after_step, stop=stop))
     for member in live:
         core.membership.send(job_name, member.worker_id, command)
-    what = "checkpoint and stop" if body.stop else "checkpoint"
+    what = "checkpoint and stop" if stop else "checkpoint"
     event = core.table.record(
         job,
         "checkpoint_requested",
         detail=f"{what} after step {after_step}",
         now=now,
-        data={"after_step": after_step, "stop": body.stop, "workers": len(live)},
+        data={"after_step": after_step, "stop": stop, "workers": len(live)},
     )
     return {
         "job": job_name,
         "after_step": after_step,
-        "stop": body.stop,
+        "stop": stop,
         "workers": sorted(m.worker_id for m in live),
         "event_seq": event.seq,
     }
@@ -78,12 +88,13 @@ def request_checkpoint(core: Core, job_name: str, body: CheckpointRequestBody, n
 def checkpoint_router(core: Core, dependencies: list[Depends]) -> APIRouter:
     """The REST route; `dependencies` are the app's leader and scheduler-token checks."""
     router = APIRouter(dependencies=dependencies)
+    pending: Pending = {}
 
     @router.post("/api/v1/jobs/{job}/checkpoint", status_code=202)
     async def post_checkpoint(job: str, body: CheckpointRequestBody | None = None) -> dict[str, Any]:
         # async: the commands go into asyncio.Queues, which only the event loop may touch.
         try:
-            return request_checkpoint(core, job, body or CheckpointRequestBody(), time.time())
+            return request_checkpoint(core, job, body or CheckpointRequestBody(), time.time(), pending)
         except RpcError as err:
             raise HTTPException(HTTP_STATUS.get(err.code, 400), detail=err.message) from None
 

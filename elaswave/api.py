@@ -15,6 +15,7 @@ import atexit
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,7 +182,7 @@ def _train_single_process(
     start = load_checkpoint(trainer, resume).next_step if resume is not None else 0
     writer = None
     if ckpt_dir is not None:
-        writer = checkpoint_writer(spec, ckpt_dir, global_batch)
+        writer = checkpoint_writer(spec, ckpt_dir, global_batch, uuid.uuid4().hex[:16])
     losses: dict[int, float] = {}
     t0 = time.perf_counter()
     for step in range(start, steps):

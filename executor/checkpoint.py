@@ -16,17 +16,19 @@ data and RNG seeds (all randomness is counter-based on (seed, step), so this *is
 Writing is collective per stage and asynchronous: at a committed step boundary the ranks of each
 stage gather their units' full state into host memory (one exchange in the stage's DP group, the
 only part the step waits for), then the stage's first rank writes the files on a background
-thread into `<root>/.tmp-step-<N>/`, and marks its stage done. The rank of stage 0 that writes
+thread into `<root>/.tmp-step-<N>-<run id>/`, and marks its stage done. The rank of stage 0 that writes
 (the coordinator) renames the directory to `step-<N>` once every stage is done and then points
-`<root>/latest` at it (write a temporary file, `os.replace`). A checkpoint killed mid-write is
-never `latest`. The root must be storage every node sees (a shared filesystem), as for any
-multi-node checkpoint.
+`<root>/latest` at it (write a temporary file, `os.replace`; `latest` never moves back). A
+checkpoint killed mid-write is never `latest`: temporary directories carry the run's id, so a
+killed run's leftovers are never counted by a later run, and are removed once it commits. The
+root must be storage every node sees (a shared filesystem), as for any multi-node checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import threading
 import time
@@ -133,9 +135,20 @@ def load_unit_state(ckpt: Path, unit: str) -> tuple[dict[str, torch.Tensor], tor
 
 
 def check_fits(
-    meta: CheckpointMeta, units: Sequence[str], numel: Sequence[int], global_batch: int, where: Path
+    meta: CheckpointMeta,
+    units: Sequence[str],
+    numel: Sequence[int],
+    global_batch: int,
+    where: Path,
+    optimizer: str | None = None,
 ) -> None:
-    """Refuse (CheckpointError) a checkpoint of another model or batch."""
+    """Refuse (CheckpointError) a checkpoint of another model, batch or optimizer (their states
+    mean different things: SGD's momentum is not Adam's first moment)."""
+    if optimizer is not None and optimizer != meta.optimizer:
+        raise CheckpointError(
+            f"{where} holds the state of optimizer {meta.optimizer!r}, this job uses {optimizer!r}: "
+            "resume with the optimizer that wrote it"
+        )
     if tuple(units) != meta.units or tuple(numel) != meta.unit_numel:
         raise CheckpointError(
             f"{where} holds units {list(zip(meta.units, meta.unit_numel, strict=True))}, this "
@@ -161,48 +174,69 @@ class StagePayload:
 
 
 class CheckpointWriter:
-    """Writes this rank's share of each checkpoint on a background thread (module docstring).
+    """Writes this rank's share of each checkpoint, in order, on one background thread (module
+    docstring). `run_id` is the same on every rank of one run and different across runs (a
+    resumed job is a new run): a run's temporary directories and stage markers are its own, so
+    what a killed run left behind is never counted, and is removed when this run commits.
 
-    `submit` returns at once; `wait(timeout_s)` blocks until every submitted write is finished
-    (and, on the coordinator, committed) or raises TimeoutError."""
+    `submit` returns at once (at most `max_pending` payloads wait; beyond that it blocks until the
+    oldest is written); `wait(timeout_s)` blocks until every submitted write is finished (and, on
+    the coordinator, committed) or raises TimeoutError."""
 
-    def __init__(self, root: Path, meta: dict[str, Any], commit_timeout_s: float = 600.0) -> None:
-        self.root, self.meta, self.commit_timeout_s = root, meta, commit_timeout_s
+    def __init__(
+        self,
+        root: Path,
+        meta: dict[str, Any],
+        run_id: str,
+        commit_timeout_s: float = 600.0,
+        max_pending: int = 2,
+    ) -> None:
+        if not run_id or not all(c.isalnum() or c in "-_" for c in run_id):
+            raise ValueError(f"run_id must be a non-empty [A-Za-z0-9_-] string, got {run_id!r}")
+        self.root, self.meta, self.run_id, self.commit_timeout_s = root, meta, run_id, commit_timeout_s
         self.root.mkdir(parents=True, exist_ok=True)
-        self._threads: list[threading.Thread] = []
         self.errors: list[BaseException] = []
         self.written: list[Path] = []
+        self._queue: queue.Queue[StagePayload | None] = queue.Queue(maxsize=max_pending)
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"elaswave-ckpt-{run_id}")
+        self._thread.start()
 
     def submit(self, payload: StagePayload) -> None:
         """Write `payload` (this rank is its stage's writer; stage 0's writer also commits)."""
-        t = threading.Thread(
-            target=self._write, args=(payload,), daemon=True, name=f"elaswave-ckpt-{payload.next_step}"
-        )
-        t.start()
-        self._threads.append(t)
+        self._queue.put(payload)
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                raise TimeoutError(f"checkpoint write {t.name} still running after {timeout_s:g} s")
-        self._threads.clear()
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"checkpoint writes still running after {timeout_s:g} s")
+            time.sleep(0.01)
+
+    def _run(self) -> None:
+        while True:
+            payload = self._queue.get()
+            try:
+                if payload is not None:
+                    self._write(payload)
+            except BaseException as exc:  # noqa: BLE001 - reported by the worker, never crashes training
+                self.errors.append(exc)
+            finally:
+                self._queue.task_done()
+
+    def _tmp_dir(self, next_step: int) -> Path:
+        return self.root / f".tmp-{step_dir_name(next_step)}-{self.run_id}"
 
     def _write(self, payload: StagePayload) -> None:
-        try:
-            tmp = self.root / f".tmp-{step_dir_name(payload.next_step)}"
-            (tmp / "model").mkdir(parents=True, exist_ok=True)
-            (tmp / "optim").mkdir(parents=True, exist_ok=True)
-            for name, unit in payload.units.items():
-                _save(unit.state_dict(), tmp / "model" / f"{name}.pt")
-                m, v = payload.moments[name]
-                _save({"exp_avg": m, "exp_avg_sq": v}, tmp / "optim" / f"{name}.pt")
-            (tmp / STAGE_DONE.format(stage=payload.stage)).write_text(f"{time.time():.6f}\n")
-            if payload.stage == 0:
-                self._commit(tmp, payload)
-        except BaseException as exc:  # noqa: BLE001 - reported by the worker, never crashes training
-            self.errors.append(exc)
+        tmp = self._tmp_dir(payload.next_step)
+        (tmp / "model").mkdir(parents=True, exist_ok=True)
+        (tmp / "optim").mkdir(parents=True, exist_ok=True)
+        for name, unit in payload.units.items():
+            _save(unit.state_dict(), tmp / "model" / f"{name}.pt")
+            m, v = payload.moments[name]
+            _save({"exp_avg": m, "exp_avg_sq": v}, tmp / "optim" / f"{name}.pt")
+        (tmp / STAGE_DONE.format(stage=payload.stage)).write_text(f"{time.time():.6f}\n")
+        if payload.stage == 0:
+            self._commit(tmp, payload)
 
     def _commit(self, tmp: Path, payload: StagePayload) -> None:
         deadline = time.monotonic() + self.commit_timeout_s
@@ -221,13 +255,29 @@ class CheckpointWriter:
         )
         (tmp / "meta.json").write_text(meta.to_json())
         final = self.root / step_dir_name(payload.next_step)
-        if final.exists():
-            shutil.rmtree(final)
+        aside = None
+        if final.exists():  # the same step saved again (a refused plan right after a periodic save)
+            aside = self.root / f".old-{final.name}-{self.run_id}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
         os.replace(tmp, final)
-        pointer = self.root / f".{LATEST}.tmp"
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, self.root / LATEST)
+        if _latest_step(self.root) <= payload.next_step:  # `latest` never goes back
+            pointer = self.root / f".{LATEST}.{self.run_id}.tmp"
+            pointer.write_text(final.name + "\n")
+            os.replace(pointer, self.root / LATEST)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
         self.written.append(final)
+        for stale in self.root.glob(".tmp-step-*"):  # what killed runs left behind
+            if not stale.name.endswith(f"-{self.run_id}"):
+                shutil.rmtree(stale, ignore_errors=True)
+
+
+def _latest_step(root: Path) -> int:
+    try:
+        return read_meta(root).next_step
+    except (CheckpointError, OSError):
+        return -1
 
 
 def _save(obj: Mapping[str, Any], path: Path) -> None:

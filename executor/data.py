@@ -13,7 +13,11 @@ the step is a replay after a rollback; the data position of a job is just its ne
 access and collation overlap compute; rows asked for that were not prefetched are loaded on the
 spot): on one background thread by default, or with `workers > 0` in that many loader processes
 (spawned, each holding its own copy of the dataset, so the dataset and `collate_fn` must be
-picklable), for datasets whose `__getitem__` is CPU-heavy and would hold the GIL.
+picklable), for datasets whose `__getitem__` is CPU-heavy and would hold the GIL. The dataset
+is never read from two threads at once. A dataset that draws random numbers (augmentation)
+should draw them from its own `torch.Generator` (or run in loader processes): the loading thread
+shares torch's global generator with the training thread, which re-seeds it before every unit's
+forward (executor.rng.unit_call).
 """
 
 from __future__ import annotations
@@ -198,8 +202,10 @@ class Prefetcher:
     def rows(self, step: int, start: int, stop: int) -> SampleBatch:
         """The rows, from the prefetched load if there is one (blocks until it is done)."""
         pending = self._pending.pop((step, start, stop), None)
-        if pending is None and self.workers and stop > start:
-            pending = self._submit(step, start, stop)  # the loader's copy: the main process keeps none busy
+        if pending is None and stop > start:
+            # Through the same loader even on a miss: the dataset is only ever read by one thread
+            # (or the loader processes), never concurrently from the training thread.
+            pending = self._submit(step, start, stop)
         return pending.result() if pending is not None else self.sampler.rows(step, start, stop)
 
     def close(self) -> None:

@@ -8,9 +8,11 @@ the parent waits at most `timeout_s` for results and joins, and kills whatever i
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import queue
 import traceback
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -52,6 +54,7 @@ class JobSpec:
     checkpoint_dir: str | None = None
     checkpoint_steps: tuple[int, ...] = ()
     resume_dir: str | None = None
+    run_id: str = "run"  # names this run's temporary checkpoint directories (run_job draws one)
 
 
 @dataclass
@@ -78,7 +81,7 @@ def _membership(spec: JobSpec) -> dict[str, tuple[int, ...]]:
 def _checkpoint_writer(spec: JobSpec) -> CheckpointWriter | None:
     if spec.checkpoint_dir is None:
         return None
-    return checkpoint_writer(spec.cfg, Path(spec.checkpoint_dir), spec.layout.global_batch)
+    return checkpoint_writer(spec.cfg, Path(spec.checkpoint_dir), spec.layout.global_batch, spec.run_id)
 
 
 def _run_rank(spec: JobSpec, rank: int, trainer: Trainer) -> RankResult:
@@ -156,6 +159,8 @@ def _worker(rank: int, spec: JobSpec, port: int, results: Any) -> None:
 def run_job(spec: JobSpec) -> dict[int, RankResult]:
     """Run `spec` on one process per rank; returns each rank's result or raises RuntimeError."""
     _membership(spec)
+    if spec.run_id == "run":  # each call is a run of its own (its temporary checkpoint directories)
+        spec = dataclasses.replace(spec, run_id=uuid.uuid4().hex[:16])
     if spec.migration not in ("blocking", "nonblocking"):
         raise ValueError(f"migration must be 'blocking' or 'nonblocking', got {spec.migration!r}")
     if spec.comm_kind not in ("static", "dynamic"):

@@ -483,8 +483,9 @@ def _unit_host_copy(unit: nn.Module) -> nn.Module:
     return copy.deepcopy(unit).cpu()
 
 
-def checkpoint_writer(spec: TrainSpec, root: Path, global_batch: int) -> CheckpointWriter:
-    """A writer of this job's checkpoints under `root` (the model, batch and seeds go in meta.json)."""
+def checkpoint_writer(spec: TrainSpec, root: Path, global_batch: int, run_id: str) -> CheckpointWriter:
+    """A writer of this job's checkpoints under `root` (the model, batch and seeds go in meta.json);
+    `run_id` is shared by every rank of this run (executor.checkpoint.CheckpointWriter)."""
     return CheckpointWriter(
         root,
         {
@@ -496,6 +497,7 @@ def checkpoint_writer(spec: TrainSpec, root: Path, global_batch: int) -> Checkpo
             "init_seed": spec.model.init_seed,
             "optimizer": spec.optimizer.kind,
         },
+        run_id,
     )
 
 
@@ -520,7 +522,14 @@ def load_checkpoint(trainer: Trainer, path: str | Path) -> CheckpointMeta:
     (local reads only). Raises CheckpointError, changing nothing, if it is not this model's."""
     ckpt = latest_checkpoint(path)
     meta = read_meta(ckpt)
-    check_fits(meta, trainer.unit_names, trainer.spec.unit_numels(), trainer.layout.global_batch, ckpt)
+    check_fits(
+        meta,
+        trainer.unit_names,
+        trainer.spec.unit_numels(),
+        trainer.layout.global_batch,
+        ckpt,
+        trainer.spec.optimizer.kind,
+    )
     loaded = {n: load_unit_state(ckpt, n) for n in trainer.model.unit_names()}
     for name, (state, _m, _v) in loaded.items():
         try:

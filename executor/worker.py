@@ -32,6 +32,7 @@ worker writes its per-step losses, the samples it ran and its recovery timings a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -161,7 +162,9 @@ class CoreDrivenWorker:
         )
         self.writer = None
         if settings.checkpoint_dir is not None:
-            self.writer = checkpoint_writer(spec, settings.checkpoint_dir, layout.global_batch)
+            # Every rank of this job holds the same job name and token; a resumed job is a new job.
+            run_id = hashlib.sha256(f"{place.job}/{place.token}".encode()).hexdigest()[:16]
+            self.writer = checkpoint_writer(spec, settings.checkpoint_dir, layout.global_batch, run_id)
         self.results: dict[str, Any] = {
             "rank": place.rank,
             "worker_id": place.worker_id,
@@ -225,7 +228,7 @@ class CoreDrivenWorker:
         save_at: set[int] = set()  # steps an operator asked to checkpoint
         try:
             while step < self.settings.steps:
-                stop_after = self._poll_requests(stop_after, save_at)
+                stop_after = self._poll_requests(stop_after, save_at, step)
                 if stop_after is not None and step > stop_after:
                     self.results["stopped_after_step"] = step - 1
                     break  # the launcher's stop: every worker leaves at this same boundary
@@ -285,9 +288,11 @@ class CoreDrivenWorker:
         )
         return self.results
 
-    def _poll_requests(self, stop_after: int | None, save_at: set[int]) -> int | None:
-        """Read the launcher's stop file and the operator's checkpoint request (control file) at a
-        boundary; returns the step to stop after (None: keep going) and adds to `save_at`."""
+    def _poll_requests(self, stop_after: int | None, save_at: set[int], step: int) -> int | None:
+        """Read the launcher's stop file and the operator's checkpoint request (control file) at the
+        boundary before `step`; returns the step to stop after (None: keep going) and adds to
+        `save_at`. The Core joins a second request to the first (same step), so a request seen
+        again may only add its stop."""
         if stop_after is None:
             stop_after = read_stop_after(self.settings.stop_file)
         try:
@@ -296,13 +301,18 @@ class CoreDrivenWorker:
             request = None
         if request is not None and request.after_step not in save_at:
             save_at.add(request.after_step)
-            if self.writer is None:
+            if request.after_step < step:
+                self.results["checkpoint_error"] = (
+                    f"the request to checkpoint after step {request.after_step} reached this worker only "
+                    f"before step {step}"
+                )
+            elif self.writer is None:
                 self.results["checkpoint_error"] = (
                     f"a checkpoint after step {request.after_step} was requested, "
                     "but this worker has no checkpoint directory"
                 )
-            if request.stop:
-                stop_after = request.after_step if stop_after is None else min(stop_after, request.after_step)
+        if request is not None and request.stop:
+            stop_after = request.after_step if stop_after is None else min(stop_after, request.after_step)
         return stop_after
 
     def _end_with_checkpoint(self, exc: PlanNotApplicable) -> None:

@@ -62,13 +62,14 @@ def test_operator_checkpoint_and_stop_then_resume_elsewhere(tmp_path: Path) -> N
         launch_job(demo)
         wait_committed(demo, 2)
         assert demo.http is not None
-        response = demo.http.post(
-            "/api/v1/jobs/demo/checkpoint",
-            json={"stop": True},
-            headers={"Authorization": f"Bearer {demo.scheduler_token}"},
-        )
+        token = {"Authorization": f"Bearer {demo.scheduler_token}"}
+        first = demo.http.post("/api/v1/jobs/demo/checkpoint", json={"stop": False}, headers=token)
+        assert first.status_code == 202, first.text
+        # A second request while the first is on its way joins it: same step, the stop added.
+        response = demo.http.post("/api/v1/jobs/demo/checkpoint", json={"stop": True}, headers=token)
         assert response.status_code == 202, response.text
         after = response.json()["after_step"]
+        assert after == first.json()["after_step"] and response.json()["stop"] is True
         results = demo.wait_results(list(range(cfg.pp * cfg.dp)))
     finally:
         demo.stop()

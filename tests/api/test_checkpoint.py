@@ -4,6 +4,7 @@ mid-write never becomes the latest; what is not a checkpoint is refused with a c
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -109,7 +110,7 @@ def test_single_process_resume_is_bitwise(tmp_path: Path) -> None:
     trainer = single_rank_trainer(spec, BATCH, SLOTS)
     for step in range(AT + 1):
         trainer.train_step(step)
-    writer = checkpoint_writer(spec, tmp_path, BATCH)
+    writer = checkpoint_writer(spec, tmp_path, BATCH, "test")
     payload = checkpoint_payload(trainer)
     assert payload is not None
     writer.submit(payload)
@@ -135,7 +136,7 @@ def _write_slowly(root: str, started: object) -> None:
     trainer = single_rank_trainer(spec, BATCH, SLOTS)
     for step in range(5):
         trainer.train_step(step)
-    writer = checkpoint_writer(spec, Path(root), BATCH)
+    writer = checkpoint_writer(spec, Path(root), BATCH, "child")
     writer.submit(checkpoint_payload(trainer))
     writer.wait(60.0)
 
@@ -147,7 +148,7 @@ def test_checkpoint_killed_mid_write_leaves_the_previous_one(tmp_path: Path) -> 
     trainer = single_rank_trainer(spec, BATCH, SLOTS)
     for step in range(AT + 1):
         trainer.train_step(step)
-    writer = checkpoint_writer(spec, tmp_path, BATCH)
+    writer = checkpoint_writer(spec, tmp_path, BATCH, "test")
     writer.submit(checkpoint_payload(trainer))
     writer.wait(60.0)
     before = load_model_state(tmp_path)
@@ -158,12 +159,19 @@ def test_checkpoint_killed_mid_write_leaves_the_previous_one(tmp_path: Path) -> 
     assert started.wait(60.0), "the child never started writing"
     os.kill(child.pid, signal.SIGKILL)
     child.join(10.0)
-    assert list(tmp_path.glob(".tmp-step-00000005")), "the killed write left its temporary directory"
+    assert list(tmp_path.glob(".tmp-step-00000005-child")), "the killed write left its temporary directory"
     assert latest_checkpoint(tmp_path).name == "step-00000003"
     after = load_model_state(tmp_path)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     resumed = single_rank_trainer(toy_spec(STEPS), BATCH, SLOTS)
     assert load_checkpoint(resumed, tmp_path).next_step == AT + 1
+    # A later run saves that step for real: the killed run's leftovers are not counted, and go.
+    for step in range(AT + 1, 5):
+        resumed.train_step(step)
+    again = checkpoint_writer(toy_spec(STEPS), tmp_path, BATCH, "again")
+    again.submit(checkpoint_payload(resumed))
+    again.wait(60.0)
+    assert latest_checkpoint(tmp_path).name == "step-00000005" and not list(tmp_path.glob(".tmp-*"))
 
 
 def test_not_a_checkpoint_is_refused_clearly(tmp_path: Path) -> None:
@@ -177,9 +185,13 @@ def test_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
     spec = toy_spec(STEPS)
     trainer = single_rank_trainer(spec, BATCH, SLOTS)
     trainer.train_step(0)
-    writer = checkpoint_writer(spec, tmp_path, BATCH)
+    writer = checkpoint_writer(spec, tmp_path, BATCH, "test")
     writer.submit(checkpoint_payload(trainer))
     writer.wait(60.0)
     other = single_rank_trainer(toy_spec(STEPS), BATCH * 2, SLOTS)
     with pytest.raises(CheckpointError, match="global batch"):
         load_checkpoint(other, tmp_path)
+    adam = toy_spec(STEPS)
+    adam.optimizer = dataclasses.replace(adam.optimizer, kind="adam")
+    with pytest.raises(CheckpointError, match="optimizer 'sgd'.*this job uses 'adam'"):
+        load_checkpoint(single_rank_trainer(adam, BATCH, SLOTS), tmp_path)
