@@ -31,8 +31,10 @@ from torch import nn
 OptimizerKind = Literal["adamw", "adam", "sgd"]
 Schedule = Callable[[int], float]
 NoDecay = Callable[[str, nn.Parameter], bool]
-# (start, stop, weight decay) runs of a unit's flat parameter vector
+# (start, stop, weight decay) runs of a unit's flat parameter vector; FROZEN marks parameters
+# that do not require grad, which no update touches (torch.optim's optimizers are never given them)
 Segments = tuple[tuple[int, int, float], ...]
+FROZEN = -1.0
 
 
 def no_decay_norms_and_biases(name: str, param: nn.Parameter) -> bool:
@@ -115,6 +117,8 @@ class OptimizerConfig:
         pos = 0
         for pname, p in named_params:
             wd = 0.0 if self.no_decay is not None and self.no_decay(pname, p) else self.weight_decay
+            if not p.requires_grad:
+                wd = FROZEN
             if runs and runs[-1][1] == pos and runs[-1][2] == wd:
                 runs[-1] = (runs[-1][0], pos + p.numel(), wd)
             else:
@@ -138,7 +142,7 @@ class OptimizerConfig:
         lr = self.lr_at(step)
         for start, stop, wd in segments:
             a, b = max(lo, start), min(hi, stop)
-            if a < b:
+            if a < b and wd != FROZEN:
                 s = slice(a - lo, b - lo)
                 self._update(param[s], grad[s], state1[s], state2[s], step, lr, wd)
 

@@ -206,10 +206,15 @@ class UnitProbe:
     param_bytes: int
     output: ActivationSpec
     params: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (name, shape) in parameters() order
+    frozen: tuple[str, ...] = ()  # parameters that do not require grad
 
     def meta_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """Stand-ins of the unit's parameters (no storage), for rules that look at names and shapes."""
-        return [(n, nn.Parameter(torch.empty(shape, device="meta"))) for n, shape in self.params]
+        """Stand-ins of the unit's parameters (no storage), for rules that look at names, shapes
+        and whether they train."""
+        return [
+            (n, nn.Parameter(torch.empty(shape, device="meta"), requires_grad=n not in self.frozen))
+            for n, shape in self.params
+        ]
 
 
 def discover_boundaries(model: UnitModel, sample_input: Activation) -> tuple[UnitProbe, ...]:
@@ -239,6 +244,7 @@ def discover_boundaries(model: UnitModel, sample_input: Activation) -> tuple[Uni
                 sum(p.numel() * p.element_size() for p in unit.parameters()),
                 ActivationSpec.of(x),
                 tuple((n, tuple(p.shape)) for n, p in unit.named_parameters()),
+                tuple(n for n, p in unit.named_parameters() if not p.requires_grad),
             )
         )
         del unit

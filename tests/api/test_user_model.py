@@ -93,3 +93,30 @@ def test_layouts_match_single_process(bounds: list[tuple[int, int]], ranks: list
     results = run_job(JobSpec(spec, toy_layout(bounds, ranks), STEPS, timeout_s=60.0))
     assert job_losses(results) == pytest.approx(ref.losses, rel=REL)
     assert_close_states(merged_state(results), ref.state)
+
+
+def test_frozen_parameters_are_left_alone_as_torch_optim_does() -> None:
+    from torch.utils.data import TensorDataset
+
+    import elaswave
+
+    def build(name: str) -> nn.Module:
+        unit = nn.Linear(4, 4)
+        if name == "frozen":
+            unit.weight.requires_grad_(False)  # a frozen weight, its bias still trains
+        return unit
+
+    units = elaswave.Units(["frozen", "head"], build)
+    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 4))
+    result = elaswave.train(
+        units,
+        lambda out, y: ((out - y) ** 2).mean(1),
+        data,
+        global_batch=8,
+        steps=3,
+        optimizer=elaswave.AdamW(lr=0.1, weight_decay=0.5),
+    )
+    assert result.state_dict is not None
+    before = units.build(0)
+    assert torch.equal(result.state_dict["frozen.weight"], before.weight)  # neither decayed nor moved
+    assert not torch.equal(result.state_dict["frozen.bias"], before.bias)
