@@ -114,7 +114,15 @@ def _check_core_view(out: Outcome) -> tuple[dict[str, Any], dict[str, Any], dict
     published = _first(out.events, "plan_published")
     assert marked["seq"] < published["seq"]
     assert published["data"]["epoch"] == 1
-    assert not [e for e in out.events if e["kind"] == "plan_published" and e["data"]["epoch"] > 1]
+    # One plan for the departure. A later one is allowed only for a straggler the Core saw (on a
+    # loaded 2-core machine a worker can be slow for real; the DVFS plan is then right to come).
+    slow = [e["seq"] for e in out.events if e["kind"] == "worker_slow"]
+    later = [e for e in out.events if e["kind"] == "plan_published" and e["data"]["epoch"] > 1]
+    unexplained = [(e["seq"], e["detail"]) for e in later if not any(s < e["seq"] for s in slow)]
+    assert not unexplained, (
+        unexplained,
+        [(e["seq"], e["kind"], e["worker_id"], e["detail"]) for e in out.events],
+    )
     survivors = {f"rank-{r}" for r in RANKS if r != CFG.victim_rank}
     for phase in ("applied", "resumed"):
         acked = {
