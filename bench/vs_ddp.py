@@ -2,7 +2,7 @@
 
 The same model, weights, data order, loss and optimizer in every configuration: the GPT example
 (examples/gpt: hidden 256, 4 heads, 4 blocks, seq 32; units embed, block_0..3, head, each built by
-`gpt_units(cfg).build(i)`), the Markov corpus (vocab 64) in `executor.data.GlobalBatchSampler`'s
+`gpt_units(cfg).build(i)`), the Markov corpus (vocab 64) in `executor.sampler.GlobalBatchSampler`'s
 sample order, global batch 32 in 2 micro-batches, loss = sum of per-sample losses / 32, AdamW
 (lr 3e-3, weight decay 0.01 on every parameter), dropout 0, gloo on CPU, one thread per process.
 
@@ -195,9 +195,9 @@ class Prof:
 def instrument_engine(prof: Prof) -> None:
     """Wrap the engine's methods (class level, in this worker process only)."""
     import executor.zero as zero  # noqa: PLC0415
-    from executor.data import Prefetcher  # noqa: PLC0415
     from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
     from executor.pipeline import PipelineRunner  # noqa: PLC0415
+    from executor.sampler import Prefetcher  # noqa: PLC0415
     from executor.step_protocol import StepProtocol  # noqa: PLC0415
     from executor.trainer import Trainer  # noqa: PLC0415
 

@@ -27,8 +27,8 @@ from torch.utils.data import Dataset
 
 from elaswave import worker_env
 from executor.checkpoint import load_model_state
-from executor.data import Collate
 from executor.optim import OptimizerConfig
+from executor.sampler import Collate
 from executor.trainer import LossFn, TrainSpec, checkpoint_payload, checkpoint_writer, load_checkpoint
 from executor.units import UnitModel
 

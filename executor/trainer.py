@@ -34,11 +34,11 @@ from executor.checkpoint import (
     load_unit_state,
     read_meta,
 )
-from executor.data import Collate, GlobalBatchSampler, Prefetcher
 from executor.engine_comm import EngineComm, dp_group_name
 from executor.optim import OptimizerConfig
 from executor.pipeline import PipelineRunner
 from executor.rng import DropoutRng, UnitCall, mix64, unit_call
+from executor.sampler import Collate, GlobalBatchSampler, Prefetcher
 from executor.units import Activation, ActivationSpec, UnitModel, UnitProbe, call_unit, discover_boundaries
 from executor.zero import (
     GradHook,
@@ -66,7 +66,7 @@ class TrainSpec:
     data_seed: int = 0
     shuffle: bool = True
     rng_seed: int = 0
-    loader_workers: int = 0  # loader processes per rank (0: one prefetch thread); executor.data
+    loader_workers: int = 0  # loader processes per rank (0: one prefetch thread); executor.sampler
     # One probe per unit (parameters, output activation); discovered by a dry run if not given.
     probes: tuple[UnitProbe, ...] | None = None
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from executor.data import GlobalBatchSampler
 from executor.launch import JobSpec, job_losses, merged_state, run_job
 from executor.reference import run_reference
+from executor.sampler import GlobalBatchSampler
 from planners.layout import Layout, StageLayout
 from tests.api.toy_model import UNITS, huber_per_sample, toy_spec
 

@@ -1,4 +1,4 @@
-"""The layout-independent sampler over a map-style dataset (executor.data) and the GPT example's
+"""The layout-independent sampler over a map-style dataset (executor.sampler) and the GPT example's
 Markov corpus (examples/gpt/data.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import Dataset
 
 from examples.gpt.data import MarkovWindows, generate_corpus
-from executor.data import GlobalBatchSampler, Prefetcher
+from executor.sampler import GlobalBatchSampler, Prefetcher
 
 
 class Numbers(Dataset[tuple[torch.Tensor, torch.Tensor]]):
