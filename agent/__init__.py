@@ -1,4 +1,4 @@
-"""ElasWave agent: a daemon beside each training worker (DESIGN.md §2, §5, §7; ElasWave §3.2).
+"""ElasWave agent: a daemon beside each training worker (docs/architecture.md ("Processes", "The Core's decisions", "Promises and rules"); ElasWave §3.2).
 
 Run it with ``elaswave agent`` (``agent.cli``). What other parts use:
 

@@ -6,7 +6,7 @@ Core commands go to the agent's callbacks. On any failure it reconnects across t
 backoff (see ``agent.backoff``) and registers again. Reports that must not be lost
 (``send_critical``: preemption, worker exit) are re-sent after every re-registration; the rest
 (metrics, probes) sit in a bounded queue while no Core is connected, oldest dropped first.
-Every network wait is bounded (DESIGN.md §7: no unbounded retries or blocking calls).
+Every network wait is bounded (docs/architecture.md ("Promises and rules"): no unbounded retries or blocking calls).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The agent daemon: one asyncio process beside one training worker (DESIGN.md §2, §5, §7).
+"""The agent daemon: one asyncio process beside one training worker (docs/architecture.md ("Processes", "The Core's decisions", "Promises and rules")).
 
 It watches the worker (exit reported the moment it happens), probes host, process, devices and
 interconnect, forwards the executor's step metrics, relays preemption (SIGTERM, notice file) and

@@ -1,4 +1,4 @@
-"""Device clock controllers behind the Core's SetFrequency command (DESIGN.md §4 "DVFS", ElasWave §4.3).
+"""Device clock controllers behind the Core's SetFrequency command (docs/architecture.md ("The executor") "DVFS", ElasWave §4.3).
 
 Algorithm 2 of the paper up-clocks only the residual straggler stage; the Core's DVFS planner
 (``planners.dvfs``) picks the clock and the agent beside each worker applies it through one of:

@@ -1,4 +1,4 @@
-"""The agent's own etcd liveness lease on ``<prefix>/jobs/<job>/alive/<worker>`` (DESIGN.md §2).
+"""The agent's own etcd liveness lease on ``<prefix>/jobs/<job>/alive/<worker>`` (docs/architecture.md ("Processes")).
 
 While the agent lives the key exists; when the agent (or its node) dies the lease runs out and
 etcd deletes the key, which the Core watches: node loss is detected even with no stream to close.

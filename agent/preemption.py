@@ -1,4 +1,4 @@
-"""Preemption signals the agent relays to the Core (DESIGN.md §7, ElasWave §3.2 Agent).
+"""Preemption signals the agent relays to the Core (docs/architecture.md ("Promises and rules"), ElasWave §3.2 Agent).
 
 Kubernetes, Slurm, Kueue and Volcano announce a preemption only by SIGTERM followed by a grace
 period (30 s by default); some clouds instead drop a notice file. Either becomes a

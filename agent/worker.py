@@ -1,6 +1,6 @@
 """The worker process the agent watches: launched by the agent, or an existing pid.
 
-Exit is detected the moment it happens, never by slow polling (DESIGN.md §5, "the agent sees the
+Exit is detected the moment it happens, never by slow polling (docs/architecture.md ("The Core's decisions"), "the agent sees the
 process exit"): a launched child through asyncio's child watcher (waitpid in a thread or a
 pidfd), a foreign pid through ``pidfd_open`` readable on exit, with a 50 ms psutil poll only
 where pidfds are unavailable.

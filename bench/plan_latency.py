@@ -8,7 +8,7 @@ and the whole ElasWave plan is built on the post-failure layout, each stage time
   dvfs       `plan_straggler_frequency`: the model-based first guess for the residual straggler (§4.3)
   migration  `migration_cost` old -> new: ZeRO elements (bytes) each stage sends or receives (§6.3)
   rng        `rng_plan` old -> new (§4.4; placement-invariant keys: nothing to move)
-  validate   `ensure_valid` with the memory model (DESIGN.md §3)
+  validate   `ensure_valid` with the memory model (docs/architecture.md ("The central idea"))
   plan       predicted step time and stage memory, `Plan` assembled and serialised to JSON
 
 `total` is their sum. Outside the total, `diff` is `diff_layouts(old, new)` with its full ZeRO

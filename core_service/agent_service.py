@@ -324,7 +324,7 @@ def worker_command(
         command = agent_pb2.ConnectResponse(report_now=agent_pb2.ReportNow())
         detail = "report_now"
     if body.command == "drain":
-        # The worker is leaving on the Core's word: the planner sees it go (DESIGN.md §5).
+        # The worker is leaving on the Core's word: the planner sees it go (docs/architecture.md ("The Core's decisions")).
         core.table.set_state(job, member, WorkerState.DRAINING, detail, now=now, kind="worker_draining")
     core.membership.send(job_name, worker_id, command)
     event = core.table.record(

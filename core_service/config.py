@@ -96,7 +96,7 @@ class CoreSettings(BaseSettings):
     failslow: FailSlowSettings = Field(default_factory=FailSlowSettings)
     policy: PolicyName = Field(
         default="elaswave",
-        description="schedule-engine policy: elaswave (resize + re-partition + DVFS, elaswave.txt §4) or "
+        description="schedule-engine policy: elaswave (resize + re-partition + DVFS, ElasWave §4) or "
         "elaswave-resize (micro-batch resizing only, the ablation baseline)",
     )
 

@@ -1,4 +1,4 @@
-"""ElasWave's schedule-engine policy: resize, re-partition, up-clock (elaswave.txt §4.1-4.3).
+"""ElasWave's schedule-engine policy: resize, re-partition, up-clock (ElasWave §4.1-4.3).
 
 One pure decision per membership change, in the paper's order:
 
@@ -56,7 +56,7 @@ from planners.partition import apply_boundaries, rebalance_layers
 from planners.validation import validate
 
 # The simulated controller's default range (agent/frequency.py): the 910B's 1,400 MHz nominal and
-# 1,650 MHz maximum (elaswave.txt §5), used when the job registered no model.
+# 1,650 MHz maximum (ElasWave §5), used when the job registered no model.
 DEFAULT_NOMINAL_MHZ = 1400
 DEFAULT_MAX_MHZ = 1650
 # FailSlowSettings.ratio's default: the least slowdown that gets a worker flagged, assumed when

@@ -1,4 +1,4 @@
-"""The schedule engine: one explicit state machine per job (DESIGN.md §5; elaswave.txt §3.3, §4).
+"""The schedule engine: one explicit state machine per job (docs/architecture.md ("The Core's decisions"); ElasWave §3.3, §4).
 
     RUNNING --(membership change)--> PLANNING --(plan published)--> APPLYING --(all resumed)--> RUNNING
                                          |  (nothing to do) -> RUNNING          | (new change) -> PLANNING

@@ -1,4 +1,4 @@
-"""Fail-slow detection: step-time outliers against stage peers, with hysteresis (DESIGN.md §5).
+"""Fail-slow detection: step-time outliers against stage peers, with hysteresis (docs/architecture.md ("The Core's decisions")).
 
 A worker is *suspect* on a step when its step time exceeds both `ratio x median` and
 `median + mad_k x MAD` of its stage peers' latest step times (the peers exclude the worker itself,

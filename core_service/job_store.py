@@ -1,6 +1,6 @@
 """Rendezvous stores the Core hosts for jobs formed by `elaswave run --core` (core_service.rendezvous).
 
-Every executor of a job builds its communication groups over one `TCPStore` (DESIGN §2). On one
+Every executor of a job builds its communication groups over one `TCPStore` (docs/architecture.md ("Processes")). On one
 machine the launcher runs it; across nodes it must outlive any node, so the Core hosts it: one
 `executor.store_server` child process per job, bound to the Core's REST interface (the address
 the nodes reached the Core at), started when the job's last node joins.

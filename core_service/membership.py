@@ -1,4 +1,4 @@
-"""Agent lifecycle and fail-stop / fail-slow detection (DESIGN.md §5 detection paths).
+"""Agent lifecycle and fail-stop / fail-slow detection (docs/architecture.md ("The Core's decisions") detection paths).
 
 Paths, fastest first: the agent reports the worker's exit; the agent's stream closes without a
 Leave; the liveness lease expires (node loss, partition, an agent that hangs); heartbeats stop.
@@ -137,7 +137,7 @@ class Membership:
 
     def _send_frequencies(self, job: Job, frequencies: dict[int, int], members: list[MemberRecord]) -> None:
         """SetFrequency to each of `members` whose rank the layout pins (DVFS for stragglers,
-        elaswave.txt §5.3); 0 MHz restores the device default."""
+        ElasWave §5.3); 0 MHz restores the device default."""
         if not frequencies:
             return
         for member in members:

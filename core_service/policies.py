@@ -4,7 +4,7 @@ The default is `core_service.elaswave_policy.ElasWavePolicy` (resize + re-partit
 `LayoutPolicy` here is its resize-only ablation baseline (config `policy = "elaswave-resize"`),
 and the dataflow step both share. For jobs registered with a layout (planners.Layout JSON): lost
 and preempted ranks leave their stages and the survivors take their samples (micro-batch
-resizing, elaswave.txt §4.1 / planners.dataflow); a stage that loses every rank hands its layers
+resizing, ElasWave §4.1 / planners.dataflow); a stage that loses every rank hands its layers
 to a neighbour; the result is validated (planners.validation) before it is published. Only a
 change that leaves no rank at all is refused. Jobs registered without a layout are
 membership-only: changes are recorded and nothing is re-planned.
@@ -75,7 +75,7 @@ def going_ranks(snapshot: JobSnapshot, layout: Layout) -> list[int]:
 
 def resize_for_going(layout: Layout, going: list[int]) -> Resized:
     """Stages that lose every rank hand their layers to a neighbour; the survivors of the others
-    take the going ranks' samples (micro-batch resizing, elaswave.txt §4.1); the result validates.
+    take the going ranks' samples (micro-batch resizing, ElasWave §4.1); the result validates.
     The last two reasons are the resize's own and the micro-batch sizes."""
     remaining, dropped = _drop_emptied_stages(layout, set(going))
     if remaining is None:
@@ -90,7 +90,7 @@ def resize_for_going(layout: Layout, going: list[int]) -> Resized:
 
 def _drop_emptied_stages(layout: Layout, going: set[int]) -> tuple[Layout | None, tuple[str, ...]]:
     """Stages that lose every rank hand their layers to a neighbour (planners.dataflow.drop_stage);
-    the layers then migrate to that neighbour's ranks (elaswave.txt §4.2, §6.2)."""
+    the layers then migrate to that neighbour's ranks (ElasWave §4.2, §6.2)."""
     reasons: list[str] = []
     while True:
         emptied = [s for s in layout.stages if all(r in going for r in s.ranks)]
@@ -107,7 +107,7 @@ def _drop_emptied_stages(layout: Layout, going: set[int]) -> tuple[Layout | None
 
 
 # Devices of an offer are expected to stay until reclaimed; FlexTrain models reclaims as a
-# Poisson process (flextrain.txt §5, eq. 15-16), so 1 / expected duration is its rate.
+# Poisson process (FlexTrain §5, eq. 15-16), so 1 / expected duration is its rate.
 RECONFIGURATION_OVERHEAD_S = 30.0
 DEFAULT_RECLAIM_RATE_PER_S = 1.0 / (8 * 3600.0)  # FlexTrain's 8-hour window when nothing is known
 
@@ -123,7 +123,7 @@ def _model_state(job: Job) -> tuple[ClusterState, dict[str, Any]]:
 
 
 def scale_table(job: Job) -> list[dict[str, Any]]:
-    """FlexTrain's scale table (flextrain.txt §4.4): the best (DP, PP) per device count, filtered."""
+    """FlexTrain's scale table (FlexTrain §4.4): the best (DP, PP) per device count, filtered."""
     state, request = _model_state(job)
     max_devices = int(request.get("max_devices", state.shape.num_devices))
     predictions = predict_configs(state, max_devices // state.shape.tp)

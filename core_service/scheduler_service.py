@@ -215,7 +215,7 @@ class SchedulerServicer:
 
 def scale_up_what_if(job: Job, add_devices: int, now: float) -> scheduler_pb2.PlanWhatIfResponse:
     """What adding `add_devices` would do to a job registered with a model: FlexTrain's best
-    scale-table entry within current + added devices (flextrain.txt §4.4), runnable when it pays for
+    scale-table entry within current + added devices (FlexTrain §4.4), runnable when it pays for
     its reconfiguration (eq. 16) - the same table, cap and rule as OfferResources (policies.judge_offer)
     with an offer of unknown duration. Jobs without a model have no scale table, so adding devices
     is refused rather than answered with a guess."""

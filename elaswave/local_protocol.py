@@ -31,7 +31,7 @@ either the old or the new JSON object, never a torn one::
 
 - ``seq`` increases by one on every write.
 - ``frequency`` is the clock the agent's controller applied (``null`` with no controller).
-  ``factor = mhz / nominal_mhz``. For the simulated controller (CPU runs, DESIGN.md §4 "DVFS")
+  ``factor = mhz / nominal_mhz``. For the simulated controller (CPU runs, docs/architecture.md ("The executor") "DVFS")
   the factor *is* the clock: a worker emulates it by dividing its injected per-layer compute
   delay by ``factor`` (0.5 = half speed, twice the delay), the same way straggler slowdowns
   are injected. For real controllers (NVML, npu-smi) the hardware is already clocked and the

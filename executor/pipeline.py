@@ -2,7 +2,7 @@
 
 Schedule. Stage s of P runs `min(P-s-1, M)` warm-up forwards, then alternates one forward and one
 backward, then drains the backwards. Communication is plain blocking `send`/`recv` (gloo's
-batched isend is fragile, DESIGN §7), and gloo's send is a rendezvous, so the *order* of the
+batched isend is fragile, docs/architecture.md ("Promises and rules")), and gloo's send is a rendezvous, so the *order* of the
 communication ops must be deadlock-free by construction: when a backward is followed by a
 forward, a stage receives the next forward input *before* it sends the backward gradient. Then
 both ends of every stage pair see the same sequence of pair operations (`stage_program`); the

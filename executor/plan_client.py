@@ -1,4 +1,4 @@
-"""The executor's link to the Core's `ExecutorService` (DESIGN §2-3): plans by epoch, phase acks.
+"""The executor's link to the Core's `ExecutorService` (docs/architecture.md ("Processes", "The central idea")): plans by epoch, phase acks.
 
 A training process follows its job's plans through one background subscription
 (`SubscribePlans`, a server stream fenced by epoch) and answers each plan with phase acks

@@ -1,4 +1,4 @@
-"""The executor's step-boundary protocol (DESIGN §4 "Step atomicity"; ElasWave Fig. 2b-c).
+"""The executor's step-boundary protocol (docs/architecture.md ("The executor") "Step atomicity"; ElasWave Fig. 2b-c).
 
 In the style of torchft's Manager, a training loop drives it like this::
 
@@ -18,7 +18,7 @@ A step commits only when every worker of the layout has finished its optimizer u
 worker saw a communication error. The decision is made once, atomically, in the store that no
 training rank hosts (`compare_set` on one key per (plan epoch, step)): the first worker to know the
 outcome writes it and every other worker reads the same value, so a late error cannot split the
-survivors into committers and rollers-back (the failure mode DESIGN §7 describes for torchft 0.2).
+survivors into committers and rollers-back (the failure mode docs/architecture.md ("Promises and rules") describes for torchft 0.2).
 
 What a step's state is, and how it is rolled back and remapped, belongs to a `StepParticipant`
 (for the engine: `executor.fabric.trainer_state.FabricParticipant`).

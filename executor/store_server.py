@@ -1,4 +1,4 @@
-"""A standalone rendezvous store that no training rank hosts (DESIGN §2).
+"""A standalone rendezvous store that no training rank hosts (docs/architecture.md ("Processes")).
 
 The executors build every communication group over this `torch.distributed.TCPStore`. A store
 that lives inside a training rank dies with it and takes every survivor's rendezvous down, so

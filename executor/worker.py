@@ -8,7 +8,7 @@ does here:
 - a peer dies -> the survivors' collectives fail (a closed socket is seen in milliseconds), every
   survivor votes abort and rolls back to the last committed step;
 - the agent beside the dead worker reports the exit, the Core plans (micro-batch resizing,
-  elaswave.txt §4.1) and publishes the plan; the survivors receive it through
+  ElasWave §4.1) and publishes the plan; the survivors receive it through
   `ExecutorService.SubscribePlans` (executor.plan_client), acknowledge RECEIVED, PAUSED and
   APPLIED, edit their groups in place, remap the lost shard from its ring snapshot, replay the
   step and acknowledge RESUMED after the first committed step under the new layout;
@@ -209,7 +209,7 @@ class CoreDrivenWorker:
 
     def _report_peer(self, exc: Any, step: int) -> None:
         """A link op that failed on its peer's side (not on the abort flag) names that peer: the
-        Core's collective-failure path (DESIGN.md §5) marks it lost if nothing else has, which is
+        Core's collective-failure path (docs/architecture.md ("The Core's decisions")) marks it lost if nothing else has, which is
         how a hung peer, one whose process and agent still look alive, gets planned out."""
         peer = link_peer(exc.group, self.args.rank)
         if peer is not None and " aborted: " not in str(exc):

@@ -7,7 +7,7 @@ GPT example (`examples/gpt/train.py`, written against the public `elaswave.train
 user's script) as one rank of a PP x DP x ZeRO-1 job. The layout comes from the script itself,
 run once in describe mode, as `elaswave run` does. Mid-training one worker
 is killed with SIGKILL. Nothing is restarted: the agent reports the exit, the Core re-plans
-(micro-batch resizing, elaswave.txt §4.1, and a block migrated off the damaged stage when the
+(micro-batch resizing, ElasWave §4.1, and a block migrated off the damaged stage when the
 cost model says it pays, §4.2) and publishes the plan, the survivors roll back, take the plan from
 `ExecutorService`, edit their groups in place, rebuild the lost optimizer shard from its ring
 snapshot (§5), migrate the moved block (§6.2) and replay the step. The demo then checks the job against a fault-free
@@ -45,7 +45,7 @@ from harness.demo import Demo, states
 
 GPT_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
 
-MAX_MEAN_REL_DEV = 1e-4  # the engine's promise with placement-invariant RNG (DESIGN §1, promise 4)
+MAX_MEAN_REL_DEV = 1e-4  # the engine's promise with placement-invariant RNG (docs/architecture.md ("Promises and rules"), promise 4)
 # Before the failure only the summation order differs from one process: fp32 round-off.
 MAX_REL_DEV_BEFORE = 1e-6
 
@@ -394,7 +394,7 @@ def print_layout(layout: dict[str, Any] | None) -> None:
 def print_timeline(
     events: list[dict[str, Any]], killed_unix: float, results: dict[int, dict[str, Any]]
 ) -> None:
-    """Where the recovery time went (DESIGN §1, promise 2: itemised per component)."""
+    """Where the recovery time went (docs/architecture.md ("Promises and rules"), promise 2: itemised per component)."""
     lost = next((e for e in events if e["kind"] == "worker_lost"), None)
     published = next(
         (e for e in events if e["kind"].startswith("plan_published") or e["kind"] == "decision_publish"), None

@@ -1,4 +1,4 @@
-"""What changes between two layouts: the work an executor derives from a Plan (DESIGN.md §3).
+"""What changes between two layouts: the work an executor derives from a Plan (docs/architecture.md ("The central idea")).
 
 `diff_layouts(old, new)` lists ranks added and removed, stages whose rank set changed, layers
 that move between stages, frequency changes, and the ZeRO overlap matrix — for each layer, every

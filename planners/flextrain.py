@@ -1,4 +1,4 @@
-"""FlexTrain's scale table and Poisson benefit test for scale-up offers (flextrain.txt §4.4, §5.1).
+"""FlexTrain's scale table and Poisson benefit test for scale-up offers (FlexTrain §4.4, §5.1).
 
 Scale table (§4.4.4): for each GPU count, the fastest memory-feasible configuration by the
 profiling-based prediction; then, in ascending GPU count, an entry is dropped when (1) the

@@ -1,4 +1,4 @@
-"""The Layout: the single description of how a job is laid out (DESIGN.md §3).
+"""The Layout: the single description of how a job is laid out (docs/architecture.md ("The central idea")).
 
 A Layout says which layers each pipeline stage holds, which ranks serve each stage (in DP order),
 which global-batch samples every rank processes in every micro-batch slot (as an exact split

@@ -1,4 +1,4 @@
-"""Validate a Layout before it is applied (DESIGN.md §3): every problem, each with a clear message.
+"""Validate a Layout before it is applied (docs/architecture.md ("The central idea")): every problem, each with a clear message.
 
 Checked always (cost O(ranks + stages x slots + layers), fine at 100,000 ranks):
   * every layer held by exactly one stage, stages contiguous and in order, each non-empty;

@@ -1,6 +1,6 @@
 """Start a real single-member etcd (Debian's ``etcd-server``) on free loopback ports for tests.
 
-Tests that claim etcd behaviour run against this server, never against a stand-in (DESIGN.md §2).
+Tests that claim etcd behaviour run against this server, never against a stand-in (docs/architecture.md ("Processes")).
 Raft timings are shortened (50 ms heartbeat, 500 ms election) so the member elects itself in
 well under a second; with those settings etcd's minimum lease TTL is 1 s.
 """

@@ -42,7 +42,7 @@ def test_training_demo_recovers_in_place_and_matches_the_fault_free_run() -> Non
     assert "worker_rejoined" not in out
     assert re.search(r"epoch 1 applied by 5 workers", out)
     # The ElasWave policy resized stage 1 (DP 3 -> 2) and, with the uniform block cost model,
-    # moved unit 3 (block_2) off it to the adjacent stage 0 in the same plan (elaswave.txt §4.1-4.2).
+    # moved unit 3 (block_2) off it to the adjacent stage 0 in the same plan (ElasWave §4.1-4.2).
     assert re.search(
         r"plan published \(lost ranks \[4\]; re-partition \(Algorithm 1, §4\.2\): unit 3 stage 1->0; "
         r"predicted step time \d",

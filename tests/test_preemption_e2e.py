@@ -1,4 +1,4 @@
-"""A planned departure with the real engine, driven by the Core (DESIGN §1, §5 "Scheduler API", §7).
+"""A planned departure with the real engine, driven by the Core (docs/architecture.md ("Promises and rules", "The Core's decisions") "Scheduler API", §7).
 
 The demo's job (PP=2 x DP=3 ZeRO-1, one agent + Core-driven worker per rank) is started through
 `harness.training`; once every worker committed step k, one worker is preempted, either as a

@@ -1,7 +1,7 @@
 """The membership registry interface shared by the in-memory and the etcd backends.
 
 The registry is the source of truth for membership, liveness, plans and Core leadership
-(DESIGN.md §2, §5). It is a small synchronous key-value API with leases, atomic put-if-absent,
+(docs/architecture.md ("Processes", "The Core's decisions")). It is a small synchronous key-value API with leases, atomic put-if-absent,
 compare-and-swap and prefix watches; every method is thread-safe. The Core calls it from asyncio
 through ``asyncio.to_thread``.
 

@@ -6,7 +6,7 @@ is deleted, which happens at once on ``resign()`` (the lease is revoked) and wit
 the leader dies (the lease expires). Leadership is also bounded locally: ``is_leader`` turns
 False once ``ttl`` has passed since the last refresh that was *sent* before it succeeded, which
 is never later than the moment the backend lets the lease expire; so a partitioned leader stops
-believing it leads before a standby can take over (DESIGN.md §2: a second Core takes over with no
+believing it leads before a standby can take over (docs/architecture.md ("Processes"): a second Core takes over with no
 lost state).
 """
 

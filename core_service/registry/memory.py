@@ -1,6 +1,6 @@
 """Embedded in-memory registry: the default backend for single-machine runs and the demo.
 
-It follows the etcd semantics the rest of the system relies on (DESIGN.md §2): a global revision
+It follows the etcd semantics the rest of the system relies on (docs/architecture.md ("Processes")): a global revision
 counter, leases whose expiry deletes their keys in one revision, and watches that see those
 deletions. One lock guards the state; every change is queued to the watchers while that lock is
 held, so each watch receives events in revision order. Each watch delivers on its own thread, so

@@ -1,6 +1,6 @@
 """Epoch-fenced plan store: every plan of a job gets the next epoch, allocated atomically.
 
-Plans are target layouts (DESIGN.md §3) and are fenced by epoch: an executor never applies a plan
+Plans are target layouts (docs/architecture.md ("The central idea")) and are fenced by epoch: an executor never applies a plan
 older than the one it has, and a Core that lost leadership must not publish over its successor.
 ``publish`` allocates epochs by compare-and-swap on ``<prefix>/jobs/<job>/epoch`` (retried under
 contention) and stores the plan under ``<prefix>/jobs/<job>/plans/<epoch:020d>`` in the same

@@ -14,7 +14,7 @@ rebuilt (`groups.decide_edit` says which).
 
 Every op goes through `_wait`, which returns as soon as the op completes and otherwise converts a
 closed peer socket, an abort flagged in the store by another survivor, or the group timeout into
-`PeerFailure`: a survivor never blocks without a deadline (DESIGN §7, pytorch#111646).
+`PeerFailure`: a survivor never blocks without a deadline (docs/architecture.md ("Promises and rules"), pytorch#111646).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from executor.engine_comm import BACKENDS, make_group
 
 ABORT_POLL_S = 0.02
 # torch.distributed.distributed_c10d.SHRINK_DEFAULT (torch >= 2.10). Not SHRINK_ABORT: the abort
-# mode hangs with NCCL >= 2.31 (DESIGN §7, pytorch#194679), and a group is only ever shrunk when
+# mode hangs with NCCL >= 2.31 (docs/architecture.md ("Promises and rules"), pytorch#194679), and a group is only ever shrunk when
 # no survivor has an op in flight on it (ledger.survivors_are_quiet), so there is nothing to abort.
 SHRINK_DEFAULT = 0
 

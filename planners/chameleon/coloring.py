@@ -1,4 +1,4 @@
-"""Asymmetric all-reduce rounds by greedy graph colouring (chameleon.txt §IV-B, Fig. 4).
+"""Asymmetric all-reduce rounds by greedy graph colouring (Chameleon §IV-B, Fig. 4).
 
 After dynamic parallelism the pipelines of a job may split the layers differently, so the DP
 all-reduce of each layer spans a different set of devices. Layers held by the same device

@@ -1,4 +1,4 @@
-"""Chameleon's step-time estimators (chameleon.txt §IV-C, eq. 9-13).
+"""Chameleon's step-time estimators (Chameleon §IV-C, eq. 9-13).
 
 Symmetric 1F1B pipelines use the closed forms of eq. (9), (12) and (13); asymmetric pipelines
 (stages with different forward/backward times, pipelines with different micro-batch counts) use

@@ -1,4 +1,4 @@
-"""Weight-transfer matching with Kuhn-Munkres (chameleon.txt §IV-B, Fig. 3).
+"""Weight-transfer matching with Kuhn-Munkres (Chameleon §IV-B, Fig. 3).
 
 When dynamic parallelism re-lays out the model, surviving node i (holding layers `old[i]`) can
 take any slot j of the new plan (which needs layers `new[j]`). `Cost[i][j]` is what node i must

@@ -1,4 +1,4 @@
-"""Chameleon's peak-memory estimator, eq. (14) of chameleon.txt §IV-C.
+"""Chameleon's peak-memory estimator, eq. (14) of Chameleon §IV-C.
 
 `M_peak,i = N_li (m_p + m_o + m_g) + (N_pp - i) N_li m_a`: static memory of the stage's layers
 plus the activations of the micro-batches a 1F1B stage keeps in flight in the steady phase.

@@ -1,4 +1,4 @@
-"""Precomputed plans for the loss of 1..k workers (chameleon.txt §IV-A, last paragraph).
+"""Precomputed plans for the loss of 1..k workers (Chameleon §IV-A, last paragraph).
 
 During fault-free training the planner computes the decision for every loss pattern of up to k
 ranks, up to symmetry, so that at failure time the decision is a lookup. From a fault-free,

@@ -1,6 +1,6 @@
 """Policy choice by Chameleon's eq. (8): throughput x effective-time ratio.
 
-`score = B / t_step * t_next / (t_transition + t_next)` (chameleon.txt §III). The time between
+`score = B / t_step * t_next / (t_transition + t_next)` (Chameleon §III). The time between
 two events is fixed by the environment, so with `E` the expected time from now to the next event
 the new state runs for `t_next = max(E - t_transition, 0)` and the ratio is `t_next / E`: a
 policy that moves many bytes wins only when the next event is far enough away.

@@ -1,6 +1,6 @@
 """Dynamic-parallelism candidates: Chameleon's plan search and Oobleck-style templates.
 
-Chameleon (chameleon.txt §IV-A, its Algorithm 1): use every live rank; for each DP degree within
+Chameleon (Chameleon §IV-A, its Algorithm 1): use every live rank; for each DP degree within
 `dp_range` of the current one, split the live ranks into that many pipelines as evenly as
 possible (asymmetric lengths allowed), distribute micro-batches in proportion to pipeline
 length, split layers evenly with the remainder on the later stages (eq. 14: they keep fewer

@@ -104,7 +104,7 @@ class JobProfile:
 class MttrModel:
     """Seconds of no progress after a change, per policy (documented in the README, "Recovery-time assumptions").
 
-    ElasWave: detection to next step in about a second (DESIGN.md §1, §7.4: 0.15-0.37 s
+    ElasWave: detection to next step in about a second (docs/architecture.md ("Promises and rules"): 0.15-0.37 s
     communicator edit) plus layer migration at `migrate_bytes_per_s`. TorchFT: ~20 s full restart
     (ElasWave §7.6). ReCycle: reroutes without moving parameters. Chameleon's dynamic
     parallelism: restart plus matched weight transfer (8.2-11.2 s measured, chameleon §V-C).

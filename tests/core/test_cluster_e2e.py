@@ -1,4 +1,4 @@
-"""A real etcd, real Cores and real agent processes: the detection paths of DESIGN.md §5 and the
+"""A real etcd, real Cores and real agent processes: the detection paths of docs/architecture.md ("The Core's decisions") and the
 Core's leader failover, observed through the REST API."""
 
 from __future__ import annotations

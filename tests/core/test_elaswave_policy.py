@@ -1,4 +1,4 @@
-"""The ElasWave policy (resize + Algorithm 1 re-partition + DVFS, elaswave.txt §4.1-4.3) driving the
+"""The ElasWave policy (resize + Algorithm 1 re-partition + DVFS, ElasWave §4.1-4.3) driving the
 schedule engine one tick at a time, and its resize-only baseline selected by configuration."""
 
 from __future__ import annotations

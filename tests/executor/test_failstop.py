@@ -1,4 +1,4 @@
-"""Fail-stop end to end (DESIGN §6, ElasWave §5): a PP=2 x DP=3 job on gloo, one worker is killed
+"""Fail-stop end to end (docs/architecture.md ("Promises and rules"), ElasWave §5): a PP=2 x DP=3 job on gloo, one worker is killed
 with SIGKILL in the middle of a step. The survivors — the same processes, no restart — roll back
 to the last committed step, edit their groups in place, rebuild the lost optimizer shard from its
 ring snapshot, and replay the step under the new layout with the same samples. Compared with a

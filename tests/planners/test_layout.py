@@ -1,4 +1,4 @@
-"""Layout, validation and diff (DESIGN.md §3)."""
+"""Layout, validation and diff (docs/architecture.md ("The central idea"))."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Property tests: every plan the planners produce validates (DESIGN.md §3, issue "plans always validate").
+"""Property tests: every plan the planners produce validates (docs/architecture.md ("The central idea"), issue "plans always validate").
 
 Two pipelines are exercised on random inputs:
 
