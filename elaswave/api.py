@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from elaswave import worker_env
-from executor.checkpoint import load_model_state
+from executor.checkpoint import load_model_state, scheduled
 from executor.optim import OptimizerConfig
 from executor.sampler import Collate
 from executor.trainer import LossFn, TrainSpec, checkpoint_payload, checkpoint_writer, load_checkpoint
@@ -189,7 +189,7 @@ def _train_single_process(
         loss = trainer.train_step(step).loss
         assert loss is not None
         losses[step] = loss
-        if writer is not None and ((every and (step + 1) % every == 0) or step + 1 == steps):
+        if writer is not None and scheduled(step, steps, every):
             payload = checkpoint_payload(trainer)
             assert payload is not None
             writer.submit(payload)

@@ -83,6 +83,12 @@ class CheckpointMeta:
             ) from exc
 
 
+def scheduled(step: int, steps: int, every: int) -> bool:
+    """Whether the job's own schedule saves after `step`: every `every` steps (0: never) and
+    after the last of `steps`."""
+    return (every > 0 and (step + 1) % every == 0) or step + 1 == steps
+
+
 def step_dir_name(next_step: int) -> str:
     return f"step-{next_step:08d}"
 

@@ -346,10 +346,10 @@ class CoreDrivenWorker:
         operator's request is announced at least one boundary ahead (module docstring)."""
         if self.writer is None:
             return False
-        every = self.settings.checkpoint_every
+        from executor.checkpoint import scheduled  # noqa: PLC0415
+
         return (
-            (every > 0 and (step + 1) % every == 0)
-            or step + 1 == self.settings.steps
+            scheduled(step, self.settings.steps, self.settings.checkpoint_every)
             or step == stop_after
             or step in save_at
         )
