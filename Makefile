@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/elaswave/v1/*.proto)
 
-.PHONY: install system-deps demo test test-fast proto proto-check lint bench clean
+.PHONY: install system-deps demo test test-fast proto proto-check lint bench chaos clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +44,10 @@ lint: install
 
 bench: install system-deps
 	$(BIN)/python -m bench.run_all
+
+# The long chaos run (not in CI): seeded random kills until 100 ranks died, every run checked.
+chaos: install system-deps
+	$(BIN)/python -m bench.chaos_long --kills 100
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

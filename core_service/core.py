@@ -45,6 +45,7 @@ from core_service.membership import Membership
 from core_service.metrics import CoreMetrics
 from core_service.persist import NotDurable, Persister, registry_call
 from core_service.policies import judge_offer, scale_table
+from core_service.recovery import stored_plans
 from core_service.registry import (
     FenceLost,
     KVEvent,
@@ -304,13 +305,13 @@ class Core:
         assert self._election is not None
         now = time.time()
         jobs = await asyncio.to_thread(self.table.read_registry, now)
-        stored = {name: await asyncio.to_thread(self._stored_plans, name) for name in jobs}
+        stored = {name: await asyncio.to_thread(stored_plans, self.plans, job) for name, job in jobs.items()}
         self.table.jobs = jobs
         self.persister.start(self._election.fence)
         self.table.ensure_configured_jobs(now)
         self.engine.reset()
-        for name, (epoch, latest) in stored.items():
-            self.engine.restore(jobs[name], epoch, latest, now)
+        for name, (epoch, latest, committed) in stored.items():
+            self.engine.restore(jobs[name], epoch, latest, now, committed)
         self.membership.start_watching(asyncio.get_running_loop())
         self.is_leader = True
         self._leader_holder = self.identity
@@ -320,10 +321,6 @@ class Core:
         for job in self.table.jobs.values():
             self.table.record(job, "core_leader", detail=f"core {self.settings.core_id} leads", now=now)
         log.info("core %s is the leader (%d jobs loaded)", self.settings.core_id, len(self.table.jobs))
-
-    def _stored_plans(self, job: str) -> tuple[int, tuple[int, bytes] | None]:
-        """The job's current epoch and newest stored plan (blocking: run in a thread)."""
-        return self.plans.current_epoch(job), self.plans.latest(job)
 
     def _on_leadership_lost_thread(self) -> None:
         self._loop.call_soon_threadsafe(

@@ -451,7 +451,7 @@ def straggler_clocks(
     stage = graph.stages[plan.stage]
     need = {r: math.ceil(plan.mhz * factors.get(r, 1.0) - 1e-6) for r in stage.ranks}
     slow = [r for r in stage.ranks if r in factors]
-    target = plan.mhz
+    target: float = plan.mhz
     if max(need.values()) > model.max_mhz:
         if not slow:
             return {}, [

@@ -1,37 +1,64 @@
 """The schedule engine: one explicit state machine per job (docs/architecture.md ("The Core's decisions"); ElasWave §3.3, §4).
 
-    RUNNING --(membership change)--> PLANNING --(plan published)--> APPLYING --(all resumed)--> RUNNING
-                                         |  (nothing to do) -> RUNNING          | (new change) -> PLANNING
-                                                                                | (a phase failed) -> PLANNING
-                                                                                | (deadline) -> RUNNING
+    RUNNING --(membership change, retry request)--> PLANNING --(plan published)--> APPLYING --(all resumed)--> RUNNING
+                                                       |  (nothing to do, refused) -> RUNNING  | (new change) -> PLANNING
+                                                                                               | (a phase failed) -> PLANNING
+                                                                                               | (collective failure) -> PLANNING
+                                                                                               | (deadline) -> RUNNING
 
 Policies only return decisions; the engine acts on them (publishes plans, records events). Every
 call of `tick` makes at most one transition, so tests can step the machine one tick at a time.
 
+Recovery is restartable: every plan goes from the job's committed layout (the newest epoch a
+step committed on, proven by one RESUMED ack) to the policy's target, and its mode (IN_PLACE or
+RESTORE) follows `core_service.recovery`. Executors whose apply was interrupted go back to their
+committed state and wait; when re-planning finds nothing new to change, the engine republishes
+the target under a new epoch ("retry of epoch N after ..."), a bounded number of times.
+
 Failures stay with their job: a policy that raises leaves the job in PLANNING with its changes
-kept, records `plan_failed` and retries with exponential backoff (a standby would run the same
+kept, records `planner_failed` and retries with exponential backoff (a standby would run the same
 planner on the same state, so this is no reason to give up leadership). A failed publish keeps
 the changes too and is reported by `tick_all`, so the Core can count registry failures and step
 down when they persist. A new leader `restore`s each job from the registry (layout of the newest
-plan, pending changes, an interrupted apply).
+plan, committed layout, pending changes, an interrupted apply).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from core_service.jobs import Job, JobTable
 from core_service.metrics import CoreMetrics
-from core_service.model import Event, JobPhase, MemberRecord, WorkerState
+from core_service.model import (
+    Ack,
+    AckPhase,
+    Event,
+    JobPhase,
+    MemberRecord,
+    PlanFailure,
+    RetryRequest,
+    WorkerState,
+)
+from core_service.recovery import (
+    COLLECTIVE_EVENT,
+    COMMITTED_EVENT,
+    MAX_IN_PLACE_RETRIES,
+    MAX_RESTORE_FAILURES,
+    RESTORE,
+    CollectiveFailure,
+    PeerAction,
+    PeerOutcome,
+    choose_mode,
+    judge_collective_failure,
+)
+from planners.layout import Layout, Plan, PlanMode
 
 log = logging.getLogger("elaswave.core.engine")
 
-RESUMED_PHASES = frozenset({"RESUMED"})
 # Workers whose rank leaves the layout at the next plan (the states LayoutPolicy re-plans for).
 LEAVING_STATES = frozenset({WorkerState.LOST, WorkerState.LEFT, WorkerState.PREEMPTING, WorkerState.DRAINING})
 # Executor acknowledgements as recorded in the event log ("plan_<phase>", see ExecutorService).
@@ -77,12 +104,15 @@ class Decision:
 
 
 class Policy(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def decide(self, snapshot: JobSnapshot) -> Decision: ...
 
 
-PublishPlan = Callable[[str, bytes, int], Awaitable[int]]  # (job, plan body, expected epoch) -> new epoch
+# (job, plan body, expected epoch) -> new epoch. The store allocates `expected + 1` or refuses
+# (StaleEpoch), so the body can name its epoch before it is stored.
+PublishPlan = Callable[[str, bytes, int], Awaitable[int]]
 
 
 def snapshot_of(job: Job) -> JobSnapshot:
@@ -155,6 +185,8 @@ class ScheduleEngine:
         """Makes at most one transition of `job`'s state machine and returns the new phase."""
         if job.phase == JobPhase.RUNNING and job.pending_changes:
             self._enter(job, JobPhase.PLANNING, now, f"{len(job.pending_changes)} change(s) to plan for")
+        elif job.phase == JobPhase.RUNNING and job.recovery.request is not None:
+            self._enter(job, JobPhase.PLANNING, now, f"to answer: {job.recovery.request.summary()}")
         elif job.phase == JobPhase.PLANNING:
             await self._plan(job, now)
         elif job.phase == JobPhase.APPLYING:
@@ -165,6 +197,7 @@ class ScheduleEngine:
         job.phase = phase
         self.table.record(job, f"phase_{phase.value.lower()}", detail=detail, now=now)
 
+    # ---- planning --------------------------------------------------------------------------------
     async def _plan(self, job: Job, now: float) -> None:
         retry = self._retry.get(job.name)
         if retry is not None and now < retry.not_before:
@@ -172,6 +205,7 @@ class ScheduleEngine:
         snapshot = snapshot_of(job)
         taken = list(job.pending_changes)
         job.pending_changes.clear()
+        request = job.recovery.request  # answered (cleared) only once a plan or a decision is recorded
         started = time.perf_counter()
         try:
             decision = self.policy.decide(snapshot)
@@ -180,40 +214,105 @@ class ScheduleEngine:
             self._back_off(job, now, f"policy {getattr(self.policy, 'name', '?')} failed: {exc!r}")
             return
         self.metrics.plan_seconds.observe(time.perf_counter() - started)
-        data = {
+        data: dict[str, Any] = {
             "policy": decision.policy,
             "changes": list(snapshot.changes),
             "alternatives": list(decision.alternatives),
+            "epoch": job.plan_epoch,
+            **_request_data(request),
         }
-        if decision.action != "publish" or decision.layout_json is None:
-            self._retry.pop(job.name, None)
-            self.table.record(job, f"decision_{decision.action}", detail=decision.reason, now=now, data=data)
-            self._enter(job, JobPhase.RUNNING, now, decision.reason)
+        recovery = job.recovery
+        # A RESTORE plan whose apply failed: the failure counts once, when it is answered.
+        restore_failed = bool(
+            request is not None
+            and request.failed
+            and job.last_plan is not None
+            and job.last_plan.mode == PlanMode.RESTORE
+            and request.epoch == job.plan_epoch
+        )
+        restore_failures = recovery.restore_failures + int(restore_failed)
+        if restore_failed and restore_failures >= MAX_RESTORE_FAILURES:
+            assert request is not None
+            recovery.restore_failures = restore_failures
+            self._settle(
+                job,
+                "refuse",
+                f"restoring from the latest durable checkpoint failed {restore_failures} times without a "
+                f"committed step (last: {request.summary()}): no further plan is published; check the "
+                "checkpoint and the workers' logs, then restart the job from its latest checkpoint",
+                now,
+                {**data, "mode": PlanMode.RESTORE.value, "restore_failures": restore_failures},
+            )
             return
-        body = json.dumps(
-            {
-                "job": job.name,
-                "layout_json": decision.layout_json,
-                "reasons": list(decision.reasons),
-                "predicted_step_time_s": decision.predicted_step_time_s,
-                "created_unix": now,
-                "policy": decision.policy,
-            },
-            sort_keys=True,
-        ).encode()
+        target = _target(job, decision, request)
+        if target is None:
+            recovery.restore_failures = restore_failures
+            self._settle(job, decision.action, decision.reason, now, data)
+            return
+        new, reasons, detail, predicted, retry_of = target
+        committed = None if job.committed_layout_json is None else Layout.from_json(job.committed_layout_json)
+        mode, why = choose_mode(job, committed, new, request)
+        in_place_retries = recovery.in_place_retries
+        if retry_of is not None and request is not None and request.failed and mode == PlanMode.IN_PLACE:
+            if in_place_retries >= MAX_IN_PLACE_RETRIES:
+                mode = PlanMode.RESTORE
+                why = (
+                    f"{RESTORE}: the in-place recovery was retried {in_place_retries} times "
+                    "without a committed step",
+                )
+            else:
+                in_place_retries += 1
+        plan = Plan(
+            epoch=job.plan_epoch + 1,
+            old=committed,
+            new=new,
+            reasons=(*reasons, *why),
+            predicted_step_time_s=predicted,
+            job=job.name,
+            policy=decision.policy,
+            mode=mode,
+            created_unix=now,
+        )
         try:
-            epoch = await self.publish(job.name, body, job.plan_epoch)
+            epoch = await self.publish(job.name, plan.to_json().encode(), job.plan_epoch)
         except BaseException:
             job.pending_changes[:0] = taken  # not published: plan again on the next tick
             raise
+        if epoch != plan.epoch:  # the store allocates expected + 1 or refuses: never happens
+            raise RuntimeError(f"job {job.name}: plan {plan.epoch} was stored as epoch {epoch}")
         self._retry.pop(job.name, None)
-        job.plan_epoch = epoch
-        job.layout_json = decision.layout_json
+        recovery.in_place_retries, recovery.restore_failures = in_place_retries, restore_failures
+        if request is not None:
+            for rank in request.peers:
+                recovery.collective_retries[rank] = recovery.collective_retries.get(rank, 0) + 1
+        recovery.request = None
+        job.plan_epoch, job.layout_json, job.last_plan = epoch, new.to_json(), plan
+        job.acks.setdefault(epoch, {})  # watched from now on (recovery.answered)
         self.metrics.plans_published.labels(policy=decision.policy).inc()
-        data["epoch"] = epoch
-        self.table.record(job, "plan_published", detail=decision.reason, now=now, data=data)
+        data.update(
+            epoch=epoch,
+            mode=mode.value,
+            reasons=list(plan.reasons),
+            in_place_retries=in_place_retries,
+            restore_failures=restore_failures,
+        )
+        if retry_of is not None:
+            data["retry_of"] = retry_of
+        if mode == PlanMode.RESTORE:
+            detail = f"{detail}; {'; '.join(why)}"
+        self.table.record(job, "plan_published", detail=detail, now=now, data=data)
         self._applying[job.name] = _Applying(epoch, now, now + self.apply_timeout_s)
         self._enter(job, JobPhase.APPLYING, now, f"waiting for executors to apply epoch {epoch}")
+
+    def _settle(self, job: Job, action: str, reason: str, now: float, data: dict[str, Any]) -> None:
+        """No plan: records the decision and returns to RUNNING. A refused retry request is given
+        up for this epoch: later failures of the same epoch do not plan again."""
+        self._retry.pop(job.name, None)
+        if job.recovery.request is not None and action == "refuse":
+            job.recovery.gave_up_at = job.plan_epoch
+        job.recovery.request = None
+        self.table.record(job, f"decision_{action}", detail=reason, now=now, data=data)
+        self._enter(job, JobPhase.RUNNING, now, reason)
 
     def _back_off(self, job: Job, now: float, reason: str) -> None:
         """The job stays in PLANNING and is planned again after an exponentially growing pause."""
@@ -230,9 +329,12 @@ class ScheduleEngine:
             data={"failures": failures, "retry_in_s": delay},
         )
 
+    # ---- applying --------------------------------------------------------------------------------
     def _watch_apply(self, job: Job, now: float) -> None:
         applying = self._applying[job.name]
         acks = job.acks.get(applying.epoch, {})
+        if any(a.phase == AckPhase.RESUMED for a in acks.values()) and job.layout_json is not None:
+            self.commit(job, applying.epoch, job.layout_json, now)
         if job.pending_changes:
             self._enter(
                 job,
@@ -241,15 +343,17 @@ class ScheduleEngine:
                 "new change while applying: re-planning from the cumulative state",
             )
             return
-        failed = {w: p for w, p in acks.items() if p.startswith("FAILED")}
+        failed = {w: a for w, a in acks.items() if a.failed}
         if failed:
-            self._enter(job, JobPhase.PLANNING, now, f"apply failed on {sorted(failed)}: re-planning")
+            self._request_retry(job, applying.epoch, failed=failed)
+        if job.recovery.request is not None:
+            self._enter(job, JobPhase.PLANNING, now, f"re-planning: {job.recovery.request.summary()}")
             return
         # Members the plan removed (a preempted rank on its way out) never resume: not waited for.
         live = {
             m.worker_id for m in job.live_members() if m.state != WorkerState.JOINING and job.in_layout(m)
         }
-        if live and all(acks.get(w) in RESUMED_PHASES for w in live):
+        if live and all(w in acks and acks[w].phase == AckPhase.RESUMED for w in live):
             self.metrics.apply_seconds.observe(now - applying.started)
             self._enter(job, JobPhase.RUNNING, now, f"epoch {applying.epoch} applied by {len(live)} workers")
         elif now >= applying.deadline:
@@ -257,25 +361,138 @@ class ScheduleEngine:
                 job, JobPhase.RUNNING, now, f"epoch {applying.epoch} not confirmed by every worker in time"
             )
 
+    def _request_retry(
+        self,
+        job: Job,
+        epoch: int,
+        *,
+        failed: dict[str, Ack] | None = None,
+        collective: str = "",
+        peer_rank: int | None = None,
+    ) -> None:
+        """Asks for a plan newer than `epoch` (merged into a request not yet answered)."""
+        recovery = job.recovery
+        if recovery.gave_up_at == epoch:
+            return
+        request = recovery.request
+        if request is None:
+            request = recovery.request = RetryRequest(epoch)
+        request.failed.update(failed or {})
+        if collective:
+            request.collective.append(collective)
+        if peer_rank is not None:
+            request.peers.add(peer_rank)
+
+    # ---- what executors report -----------------------------------------------------------------
+    def acknowledge(
+        self, job: Job, worker_id: str, epoch: int, ack: Ack, phase_time_s: float, now: float
+    ) -> None:
+        """Records a phase acknowledgement of plan `epoch` (the newest; ExecutorService checks).
+
+        RESUMED commits the epoch (one is proof: a commit is atomic across the layout's workers);
+        FAILED asks for a newer plan, which the next tick plans (in any phase)."""
+        job.acks.setdefault(epoch, {})[worker_id] = ack
+        data: dict[str, Any] = {"epoch": epoch, "phase_time_s": phase_time_s}
+        detail = f"epoch {epoch} in {phase_time_s:.3f}s"
+        if ack.failure is not None:
+            data.update(failure=ack.failure.value, reason=ack.reason)
+            detail += f" ({ack.failure.value}): {ack.reason}"
+        self.table.record(
+            job, f"plan_{ack.phase.value.lower()}", worker_id=worker_id, detail=detail, now=now, data=data
+        )
+        if ack.phase == AckPhase.RESUMED and epoch == job.plan_epoch and job.layout_json is not None:
+            self.commit(job, epoch, job.layout_json, now)
+        elif ack.failed and epoch == job.plan_epoch and epoch > job.committed_epoch:
+            self._request_retry(job, epoch, failed={worker_id: ack})
+
+    def commit(self, job: Job, epoch: int, layout_json: str, now: float) -> bool:
+        """Epoch `epoch` (layout `layout_json`) committed a step: it is where executors restart an
+        interrupted apply from. Progress: the retry bounds start again. False if not newer."""
+        if epoch <= job.committed_epoch:
+            return False
+        job.committed_epoch, job.committed_layout_json = epoch, layout_json
+        job.recovery.progress()
+        self.table.record(
+            job,
+            COMMITTED_EVENT,
+            detail=f"a step committed on the layout of epoch {epoch}: later plans start from it",
+            now=now,
+            data={"epoch": epoch},
+        )
+        return True
+
+    def collective_failure(self, job: Job, failure: CollectiveFailure, now: float) -> PeerOutcome:
+        """A collective failed with no membership change: a replay on the same layout while the
+        named peer looks alive, bounded by `recovery.COLLECTIVE_RETRIES`; the caller marks the
+        peer lost when the outcome says so (membership owns that path)."""
+        outcome = judge_collective_failure(job, failure, self.table.settings.heartbeat_timeout_s, now)
+        data = {
+            "peer_rank": failure.peer_rank,
+            "step": failure.step,
+            "operation": failure.operation,
+            "epoch": job.plan_epoch,
+            "outcome": outcome.action.value,
+        }
+        if outcome.action == PeerAction.RETRY:
+            fresh = job.recovery.request is None
+            self._request_retry(
+                job, job.plan_epoch, collective=outcome.reason if fresh else "", peer_rank=failure.peer_rank
+            )
+            if fresh:
+                self.table.record(
+                    job,
+                    COLLECTIVE_EVENT,
+                    worker_id=failure.reporter,
+                    detail=f"{outcome.reason} ({failure.describe()})",
+                    now=now,
+                    data=data,
+                )
+        elif outcome.action == PeerAction.REFUSED and job.recovery.gave_up_at != job.plan_epoch:
+            job.recovery.gave_up_at = job.plan_epoch
+            self.table.record(
+                job, "decision_refuse", worker_id=failure.reporter, detail=outcome.reason, now=now, data=data
+            )
+        log.info("job=%s collective failure report %s: %s", job.name, outcome.action.value, outcome.reason)
+        return outcome
+
     # ---- takeover --------------------------------------------------------------------------------
     def reset(self) -> None:
         """Forgets what a previous leadership term was watching."""
         self._applying.clear()
         self._retry.clear()
 
-    def restore(self, job: Job, epoch: int, latest_plan: tuple[int, bytes] | None, now: float) -> None:
+    def restore(
+        self,
+        job: Job,
+        epoch: int,
+        latest_plan: tuple[int, bytes] | None,
+        now: float,
+        committed_plan: tuple[int, bytes | None] | None = None,
+    ) -> None:
         """Resumes `job` where the previous leader left it, from what the registry holds.
 
         The layout is the newest stored plan's (the job spec keeps the layout the job was created
-        with); ranks of that layout whose worker is leaving are planned again (the previous leader
-        may have died between storing the loss and publishing its plan); and a plan whose apply
-        had not finished is watched again, with the acknowledgements found in the event log.
+        with); the committed layout is that of `committed_plan` (the newest epoch the event log
+        shows a commit for, `recovery.committed_epoch_in`; the creation layout without one); ranks
+        of the layout whose worker is leaving are planned again (the previous leader may have died
+        between storing the loss and publishing its plan); and a plan whose apply had not finished
+        is watched again, with the acknowledgements found in the event log.
         """
         job.plan_epoch = epoch
         job.phase = JobPhase.RUNNING
         job.pending_changes.clear()
+        latest = None
         if latest_plan is not None:
-            job.layout_json = json.loads(latest_plan[1])["layout_json"]
+            latest = Plan.from_json(latest_plan[1])
+            job.layout_json, job.last_plan = latest.new.to_json(), latest
+        if committed_plan is not None and committed_plan[0] > 0:
+            body = committed_plan[1]
+            if body is not None:
+                job.committed_layout_json = Plan.from_json(body).new.to_json()
+            elif latest is not None and latest.old is not None:
+                # Pruned: the newest plan was planned from the committed layout of its time.
+                job.committed_layout_json = latest.old.to_json()
+            job.committed_epoch = committed_plan[0]
         for member, rank in leaving_ranks(job):
             self.table.record(
                 job,
@@ -291,6 +508,41 @@ class ScheduleEngine:
             self._enter(
                 job, JobPhase.APPLYING, now, f"watching the apply of epoch {epoch} again after a takeover"
             )
+
+
+def _target(
+    job: Job, decision: Decision, request: RetryRequest | None
+) -> tuple[Layout, tuple[str, ...], str, float, int | None] | None:
+    """What to publish for `decision`: (layout, reasons, event detail, predicted step time, the
+    epoch it retries or None), or None when there is nothing to publish."""
+    if decision.action == "publish" and decision.layout_json is not None:
+        reasons = decision.reasons or (decision.reason,)
+        return (
+            Layout.from_json(decision.layout_json),
+            reasons,
+            decision.reason,
+            decision.predicted_step_time_s,
+            None,
+        )
+    if decision.action == "none" and request is not None and job.layout_json is not None:
+        # The going ranks are planned out already, but the executors went back to their committed
+        # state and wait: they get the same target again under a new epoch.
+        detail = f"retry of epoch {job.plan_epoch} after {request.summary()}"
+        predicted = job.last_plan.predicted_step_time_s if job.last_plan is not None else 0.0
+        return Layout.from_json(job.layout_json), (detail,), detail, predicted, job.plan_epoch
+    return None
+
+
+def _request_data(request: RetryRequest | None) -> dict[str, Any]:
+    """What a decision answering `request` records about it (event data)."""
+    if request is None:
+        return {}
+    return {
+        "failed_workers": sorted(request.failed),
+        "failures": {w: a.failure.value for w, a in sorted(request.failed.items()) if a.failure},
+        "collective_peers": sorted(request.peers),
+        "request": request.summary(),
+    }
 
 
 def leaving_ranks(job: Job) -> list[tuple[MemberRecord, int]]:
@@ -319,11 +571,15 @@ def _apply_unfinished(job: Job, epoch: int) -> bool:
     return not later or later[-1] == "phase_applying"
 
 
-def acks_from_events(events: Iterable[Event], epoch: int) -> dict[str, str]:
-    """Each worker's last acknowledged phase of `epoch`, as ExecutorService recorded it."""
-    acks: dict[str, str] = {}
+def acks_from_events(events: Iterable[Event], epoch: int) -> dict[str, Ack]:
+    """Each worker's last acknowledged phase of `epoch`, as `ScheduleEngine.acknowledge` recorded it."""
+    acks: dict[str, Ack] = {}
     for event in events:
         if event.kind in ACK_EVENT_KINDS and event.worker_id and event.data.get("epoch") == epoch:
-            phase = event.kind.removeprefix("plan_").upper()
-            acks[event.worker_id] = f"FAILED: {event.detail}" if phase == "FAILED" else phase
+            phase = AckPhase(event.kind.removeprefix("plan_").upper())
+            if phase == AckPhase.FAILED:
+                failure = PlanFailure(event.data.get("failure", PlanFailure.UNSPECIFIED.value))
+                acks[event.worker_id] = Ack(phase, failure, str(event.data.get("reason", event.detail)))
+            else:
+                acks[event.worker_id] = Ack(phase)
     return acks

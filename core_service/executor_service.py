@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -12,31 +11,51 @@ from typing import TYPE_CHECKING
 import grpc
 
 from core_service.grpc_util import RpcError, bearer_token, finite, require
+from core_service.model import Ack, AckPhase, PlanFailure
 from core_service.persist import registry_call
+from core_service.recovery import NO_PEER, CollectiveFailure, PeerAction
 from elaswave.v1 import common_pb2, executor_pb2
+from planners.layout import Plan
 
 if TYPE_CHECKING:
     from core_service.core import Core
+    from core_service.engine import ScheduleEngine
+    from core_service.jobs import Job
+    from core_service.membership import Membership
 
-PHASE_NAMES = {
-    executor_pb2.PLAN_PHASE_RECEIVED: "RECEIVED",
-    executor_pb2.PLAN_PHASE_PAUSED: "PAUSED",
-    executor_pb2.PLAN_PHASE_APPLIED: "APPLIED",
-    executor_pb2.PLAN_PHASE_RESUMED: "RESUMED",
-    executor_pb2.PLAN_PHASE_FAILED: "FAILED",
+PHASES = {
+    executor_pb2.PLAN_PHASE_RECEIVED: AckPhase.RECEIVED,
+    executor_pb2.PLAN_PHASE_PAUSED: AckPhase.PAUSED,
+    executor_pb2.PLAN_PHASE_APPLIED: AckPhase.APPLIED,
+    executor_pb2.PLAN_PHASE_RESUMED: AckPhase.RESUMED,
+    executor_pb2.PLAN_PHASE_FAILED: AckPhase.FAILED,
+}
+FAILURES = {
+    executor_pb2.PLAN_FAILURE_NOT_APPLICABLE: PlanFailure.NOT_APPLICABLE,
+    executor_pb2.PLAN_FAILURE_INTERRUPTED: PlanFailure.INTERRUPTED,
 }
 
 
-def plan_from_body(job: str, epoch: int, body: bytes) -> common_pb2.Plan:
-    data = json.loads(body)
+def plan_message(plan: Plan, plan_json: bytes | None = None) -> common_pb2.Plan:
+    """The protobuf of `plan`: `plan_json` is the whole record (what executors decode); the other
+    fields repeat parts of it for readers that only show them."""
     return common_pb2.Plan(
-        job=job,
-        epoch=epoch,
-        layout_json=data["layout_json"].encode(),
-        reasons=data["reasons"],
-        predicted_step_time_s=data["predicted_step_time_s"],
-        created_unix=data["created_unix"],
+        job=plan.job,
+        epoch=plan.epoch,
+        layout_json=plan.new.to_json().encode(),
+        reasons=list(plan.reasons),
+        predicted_step_time_s=plan.predicted_step_time_s,
+        created_unix=plan.created_unix,
+        plan_json=plan.to_json().encode() if plan_json is None else plan_json,
     )
+
+
+def plan_from_body(job: str, epoch: int, body: bytes) -> common_pb2.Plan:
+    """A stored plan (`Plan.to_json()`, stored under `epoch`) as the protobuf executors receive."""
+    plan = Plan.from_json(body)
+    if plan.epoch != epoch or (plan.job and plan.job != job):
+        raise ValueError(f"the plan stored as {job!r} epoch {epoch} names {plan.job!r} epoch {plan.epoch}")
+    return plan_message(plan, body)
 
 
 class PlanFeed:
@@ -93,33 +112,47 @@ class ExecutorServicer:
         self._authorise(request.job, request.worker_id, context)
         job = self.core.job_or_not_found(request.job)
         require(request.worker_id in job.members, f"job {job.name!r} has no worker {request.worker_id!r}")
-        phase = PHASE_NAMES.get(request.phase)
+        phase = PHASES.get(request.phase)
         require(phase is not None, f"phase {request.phase} is not a known plan phase")
+        assert phase is not None
         finite(request.phase_time_s, "phase_time_s")
-        if phase == "FAILED":
+        failure = FAILURES.get(request.failure)
+        if phase == AckPhase.FAILED:
             require(bool(request.failure_reason), "failure_reason is required when phase is FAILED")
+            require(
+                failure is not None,
+                "failure (PLAN_FAILURE_NOT_APPLICABLE or PLAN_FAILURE_INTERRUPTED) is required when "
+                "phase is FAILED",
+            )
+        else:
+            require(
+                request.failure == executor_pb2.PLAN_FAILURE_UNSPECIFIED, "failure is only set with FAILED"
+            )
         if request.epoch > job.plan_epoch:
             raise RpcError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"epoch {request.epoch} was never published (newest is {job.plan_epoch})",
             )
+        now = time.time()
         if request.epoch < job.plan_epoch:
+            if phase == AckPhase.RESUMED and request.epoch > job.committed_epoch:
+                # A commit on an older plan still moves the layout executors restart from.
+                await self._commit_stale(job, request.epoch, now)
             raise RpcError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"epoch {request.epoch} is stale: the job is at epoch {job.plan_epoch}",
             )
-        recorded = f"FAILED: {request.failure_reason}" if phase == "FAILED" else phase
-        job.acks.setdefault(request.epoch, {})[request.worker_id] = recorded
-        self.core.table.record(
-            job,
-            f"plan_{phase.lower()}",
-            worker_id=request.worker_id,
-            detail=f"epoch {request.epoch} in {request.phase_time_s:.3f}s"
-            + (f": {request.failure_reason}" if phase == "FAILED" else ""),
-            now=time.time(),
-            data={"epoch": request.epoch, "phase_time_s": request.phase_time_s},
-        )
+        ack = Ack(phase, failure, request.failure_reason) if phase == AckPhase.FAILED else Ack(phase)
+        self.core.engine.acknowledge(job, request.worker_id, request.epoch, ack, request.phase_time_s, now)
         return executor_pb2.AckPlanPhaseResponse(current_epoch=job.plan_epoch)
+
+    async def _commit_stale(self, job: Job, epoch: int, now: float) -> None:
+        body = await registry_call(self.core.registry, self.core.plans.get, job.name, epoch)
+        if body is None:
+            return  # pruned: a newer commit will come
+        layout_json = Plan.from_json(body).new.to_json()
+        if epoch > job.committed_epoch:  # checked again: the registry call yielded the loop
+            self.core.engine.commit(job, epoch, layout_json, now)
 
     async def ReportPeerFailure(
         self, request: executor_pb2.ReportPeerFailureRequest, context: grpc.aio.ServicerContext
@@ -127,27 +160,32 @@ class ExecutorServicer:
         self._authorise(request.job, request.worker_id, context)
         job = self.core.job_or_not_found(request.job)
         require(request.worker_id in job.members, f"job {job.name!r} has no worker {request.worker_id!r}")
-        require(request.peer_rank >= 0, f"peer_rank must be >= 0, got {request.peer_rank}")
-        peer = next(
-            (m for m in job.members.values() if m.rank == request.peer_rank and not m.state.is_gone), None
+        require(
+            request.peer_rank >= NO_PEER,
+            f"peer_rank must be >= 0, or {NO_PEER} when no peer can be named, got {request.peer_rank}",
         )
-        if peer is None:
-            peer = next((m for m in job.members.values() if m.rank == request.peer_rank), None)
-            require(peer is not None, f"job {job.name!r} has no worker with rank {request.peer_rank}")
-            return executor_pb2.ReportPeerFailureResponse(
-                peer_marked_lost=False, peer_worker_id=peer.worker_id
-            )
-        if not job.in_layout(peer):
-            # The plan in force already removed it (a preempted rank on its way out): its closed
-            # connections are expected, not a failure.
-            return executor_pb2.ReportPeerFailureResponse(
-                peer_marked_lost=False, peer_worker_id=peer.worker_id
-            )
-        reason = (
-            f"collective {request.operation or 'operation'} failed on {request.worker_id} at step "
-            f"{request.step}: {request.error or 'peer unreachable'}"
+        require(
+            request.peer_rank == NO_PEER or any(m.rank == request.peer_rank for m in job.members.values()),
+            f"job {job.name!r} has no worker with rank {request.peer_rank}",
         )
-        marked = self.core.membership.mark_lost(
-            job, peer.worker_id, reason, "collective_failure", time.time()
+        failure = CollectiveFailure(
+            request.worker_id, request.peer_rank, request.step, request.operation, request.error
         )
-        return executor_pb2.ReportPeerFailureResponse(peer_marked_lost=marked, peer_worker_id=peer.worker_id)
+        marked, peer_id = report_collective_failure(
+            self.core.engine, self.core.membership, job, failure, time.time()
+        )
+        return executor_pb2.ReportPeerFailureResponse(peer_marked_lost=marked, peer_worker_id=peer_id)
+
+
+def report_collective_failure(
+    engine: ScheduleEngine, membership: Membership, job: Job, failure: CollectiveFailure, now: float
+) -> tuple[bool, str]:
+    """Answers a collective-failure report (the peer, if named, exists): a replay plan while the
+    peer looks alive, the "collective_failure" detection path once it looks dead or keeps failing
+    (`core_service.recovery`). Returns (peer marked lost, the peer's worker id or "")."""
+    outcome = engine.collective_failure(job, failure, now)
+    peer_id = "" if outcome.peer is None else outcome.peer.worker_id
+    if outcome.action != PeerAction.MARK_LOST or outcome.peer is None:
+        return False, peer_id
+    marked = membership.mark_lost(job, peer_id, outcome.reason, "collective_failure", now)
+    return marked, peer_id

@@ -20,10 +20,10 @@ from typing import Any
 
 from core_service.config import JOB_NAME_PATTERN, CoreSettings, JobSpec
 from core_service.failslow import FailSlowDetector
-from core_service.model import Event, JobPhase, MemberRecord, WorkerState
+from core_service.model import Ack, Event, JobPhase, MemberRecord, Recovery, WorkerState
 from core_service.persist import Persister
 from core_service.registry import Registry
-from planners.layout import Layout
+from planners.layout import Layout, Plan
 
 log = logging.getLogger("elaswave.core.jobs")
 
@@ -69,11 +69,19 @@ class Job:
     plan_epoch: int = 0
     next_seq: int = 1
     events: deque[Event] = field(default_factory=lambda: deque(maxlen=10_000))
+    # The newest published layout with every going rank planned out: what policies plan from.
     layout_json: str | None = None
     model_json: str | None = None  # the job's model and profile (`elaswave plan` state.json)
+    # The layout of the newest epoch on which a step committed (the creation layout before any):
+    # executors go back to it when an apply is interrupted, so every plan's `old` is this layout
+    # and applicability is judged from it (docs/architecture.md ("The Core's decisions")).
+    committed_layout_json: str | None = None
+    committed_epoch: int = 0
+    last_plan: Plan | None = None  # the newest published plan (its epoch is `plan_epoch`)
+    recovery: Recovery = field(default_factory=Recovery)
     # Set by membership changes; the schedule engine clears it when it plans.
     pending_changes: list[Event] = field(default_factory=list)
-    acks: dict[int, dict[str, str]] = field(default_factory=dict)
+    acks: dict[int, dict[str, Ack]] = field(default_factory=dict)  # epoch -> worker -> last ack
     _parsed: ParsedLayout | None = field(default=None, repr=False, compare=False)
 
     def check_token(self, presented: str) -> bool:
@@ -159,6 +167,7 @@ class JobTable:
             spec.name, token_digest(spec.token.get_secret_value()), spec.expected_workers, now
         )
         job.layout_json, job.model_json = layout_json, model_json
+        job.committed_layout_json = layout_json
         self.jobs[job.name] = job
         self.persister.put(self.job_key(job.name, "spec"), job.spec_json())
         self.record(job, "job_created", detail=f"expects {spec.expected_workers} workers", now=now)
@@ -255,6 +264,7 @@ class JobTable:
                     spec["name"], spec["token_sha256"], spec["expected_workers"], spec["created_unix"]
                 )
                 job.layout_json, job.model_json = spec.get("layout_json"), spec.get("model_json")
+                job.committed_layout_json = job.layout_json  # until the engine restores the job
                 jobs[job.name] = job
         for name, job in jobs.items():
             self._load_job_contents(job, now)

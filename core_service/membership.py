@@ -28,7 +28,7 @@ from core_service.model import DeviceInfo, MemberRecord, StepReport, WorkerState
 from core_service.persist import registry_call
 from core_service.registry import FenceLost, KVEvent, LeaseNotFound, Registry, RegistryError, WatchHandle
 from elaswave.v1 import agent_pb2
-from planners.layout import Layout
+from planners.layout import Plan
 
 log = logging.getLogger("elaswave.core.membership")
 
@@ -323,7 +323,7 @@ class Membership:
         if job is None:
             return
         try:
-            frequencies = _frequencies(json.loads(body)["layout_json"])
+            frequencies = dict(Plan.from_json(body).new.frequencies_mhz)
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("plan of job %s has no readable layout: %s", job_name, exc)
             return
@@ -368,8 +368,3 @@ class Membership:
         if session is None or session.lease_id is None:
             return None
         return ("core", session.lease_id)
-
-
-def _frequencies(layout_json: str | bytes) -> dict[int, int]:
-    """Per-rank frequencies (MHz) a layout pins; empty when it pins none."""
-    return dict(Layout.from_json(layout_json).frequencies_mhz)

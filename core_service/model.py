@@ -29,6 +29,51 @@ class JobPhase(StrEnum):
     APPLYING = "APPLYING"
 
 
+class AckPhase(StrEnum):
+    """A phase an executor acknowledges for a plan (executor.proto `PlanPhase`)."""
+
+    RECEIVED = "RECEIVED"
+    PAUSED = "PAUSED"
+    APPLIED = "APPLIED"
+    RESUMED = "RESUMED"
+    FAILED = "FAILED"
+
+
+class PlanFailure(StrEnum):
+    """Why an executor could not apply a plan (executor.proto `PlanFailure`).
+
+    NOT_APPLICABLE: it cannot reach the new layout in place (planners.applicability), so the next
+    plan is a RESTORE. INTERRUPTED: applying was cut short (a peer died, a wait timed out) and the
+    executor is back at its last committed state, waiting for a newer plan. UNSPECIFIED: only in
+    event logs written before the field existed; treated as INTERRUPTED."""
+
+    NOT_APPLICABLE = "not_applicable"
+    INTERRUPTED = "interrupted"
+    UNSPECIFIED = "unspecified"
+
+
+@dataclass(frozen=True)
+class Ack:
+    """One executor's last acknowledged phase of one plan; `failure` and `reason` only with FAILED."""
+
+    phase: AckPhase
+    failure: PlanFailure | None = None
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.phase == AckPhase.FAILED) != (self.failure is not None):
+            raise ValueError(f"an ack has a failure kind exactly when it is FAILED, got {self}")
+
+    @property
+    def failed(self) -> bool:
+        return self.phase == AckPhase.FAILED
+
+    def __str__(self) -> str:
+        if self.failure is None:
+            return self.phase.value
+        return f"{self.phase.value} ({self.failure.value}): {self.reason}"
+
+
 @dataclass
 class DeviceInfo:
     kind: str
@@ -108,3 +153,49 @@ class Event:
     @classmethod
     def from_json(cls, raw: bytes) -> Event:
         return cls(**json.loads(raw))
+
+
+@dataclass
+class RetryRequest:
+    """Why the engine must publish again although the policy may find nothing to change
+    (docs/architecture.md ("The Core's decisions")): executors that could not apply the plan of
+    `epoch` went back to their committed state, or a collective failed with no membership
+    change, and either way they wait for a newer plan."""
+
+    epoch: int  # the plan epoch the request was raised at
+    failed: dict[str, Ack] = field(default_factory=dict)  # worker -> its FAILED ack of `epoch`
+    collective: list[str] = field(default_factory=list)  # one reason per collective failure
+    peers: set[int] = field(default_factory=set)  # ranks the failures named; -1: none named
+
+    def not_applicable(self) -> dict[str, Ack]:
+        return {w: a for w, a in self.failed.items() if a.failure == PlanFailure.NOT_APPLICABLE}
+
+    def summary(self) -> str:
+        """One clause per cause, for a plan's reasons and the event log."""
+        parts = []
+        by_kind: dict[PlanFailure, list[str]] = {}
+        for worker, ack in sorted(self.failed.items()):
+            assert ack.failure is not None
+            by_kind.setdefault(ack.failure, []).append(worker)
+        for kind, workers in by_kind.items():
+            first = self.failed[workers[0]]
+            parts.append(f"its apply failed on {workers} ({kind.value}: {first.reason})")
+        parts.extend(self.collective)
+        return "; ".join(parts)
+
+
+@dataclass
+class Recovery:
+    """What the engine counts between two committed steps, to bound retries that make no progress
+    (a commit on any plan's layout resets it: executors acknowledge RESUMED only after one)."""
+
+    in_place_retries: int = 0  # retry plans published in place
+    restore_failures: int = 0  # RESTORE plans whose apply failed
+    collective_retries: dict[int, int] = field(default_factory=dict)  # rank named (-1: none) -> replays
+    request: RetryRequest | None = None  # raised and not yet answered by a plan
+    gave_up_at: int | None = None  # the epoch whose failures were refused: no more retries for it
+
+    def progress(self) -> None:
+        self.in_place_retries = self.restore_failures = 0
+        self.collective_retries.clear()
+        self.gave_up_at = None

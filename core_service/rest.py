@@ -58,6 +58,10 @@ def job_summary(job: Job) -> dict[str, Any]:
         "name": job.name,
         "phase": job.phase.value,
         "plan_epoch": job.plan_epoch,
+        # The newest epoch a step committed on, and how the newest plan is applied (in_place or
+        # restore): a plan's apply restarts from the committed layout (docs/architecture.md).
+        "committed_epoch": job.committed_epoch,
+        "plan_mode": None if job.last_plan is None else job.last_plan.mode.value,
         "expected_workers": job.expected_workers,
         "members_by_state": counts,
         "has_layout": job.layout_json is not None,
@@ -170,6 +174,9 @@ def build_app(core: Core) -> FastAPI:
             **job_summary(record),
             "members": members,
             "layout": None if record.layout_json is None else json.loads(record.layout_json),
+            "committed_layout": None
+            if record.committed_layout_json is None
+            else json.loads(record.committed_layout_json),
         }
 
     @app.get("/api/v1/jobs/{job}/events", dependencies=[Depends(leader_only)])

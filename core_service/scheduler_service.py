@@ -10,15 +10,17 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from core_service.engine import Decision, snapshot_of
+from core_service.engine import snapshot_of
+from core_service.executor_service import plan_message
 from core_service.grpc_util import RpcError, bearer_token, finite, invalid, require
 from core_service.jobs import Job
 from core_service.model import MemberRecord, WorkerState
 from core_service.policies import DEFAULT_RECLAIM_RATE_PER_S, RECONFIGURATION_OVERHEAD_S
+from core_service.recovery import RESTORE, choose_mode
 from elaswave.v1 import agent_pb2, common_pb2, scheduler_pb2
 from planners.chameleon.schema import state_from_dict
 from planners.flextrain import build_scale_table, choose_scale_up, predict_configs
-from planners.layout import make_uniform_layout
+from planners.layout import Layout, Plan, PlanMode, make_uniform_layout
 
 if TYPE_CHECKING:
     from core_service.core import Core
@@ -47,15 +49,34 @@ def member_message(member: MemberRecord) -> common_pb2.Member:
     )
 
 
-def plan_message(job: str, epoch: int, decision: Decision, now: float) -> common_pb2.Plan:
-    return common_pb2.Plan(
-        job=job,
-        epoch=epoch,
-        layout_json=(decision.layout_json or "").encode(),
-        reasons=list(decision.reasons) or [decision.reason],
-        predicted_step_time_s=decision.predicted_step_time_s,
+def what_if_plan(
+    job: Job, layout_json: str | None, reasons: tuple[str, ...], predicted_s: float, policy: str, now: float
+) -> common_pb2.Plan:
+    """The plan the engine would publish (epoch 0: nothing is stored), with the mode the Core's
+    rules give it from the committed layout (`core_service.recovery.choose_mode`)."""
+    if layout_json is None:  # refused: no layout to show
+        return common_pb2.Plan(
+            job=job.name, epoch=0, reasons=list(reasons), predicted_step_time_s=predicted_s, created_unix=now
+        )
+    new = Layout.from_json(layout_json)
+    committed = None if job.committed_layout_json is None else Layout.from_json(job.committed_layout_json)
+    why: tuple[str, ...]
+    if committed is None:
+        mode, why = PlanMode.RESTORE, (f"{RESTORE}: the job has no committed layout to change in place",)
+    else:
+        mode, why = choose_mode(job, committed, new, None)
+    plan = Plan(
+        epoch=0,
+        old=committed,
+        new=new,
+        reasons=(*reasons, *why),
+        predicted_step_time_s=predicted_s,
+        job=job.name,
+        policy=policy,
+        mode=mode,
         created_unix=now,
     )
+    return plan_message(plan)
 
 
 class SchedulerServicer:
@@ -93,6 +114,7 @@ class SchedulerServicer:
         for worker_id in request.worker_ids:
             member = job.members.get(worker_id)
             require(member is not None, f"job {job.name!r} has no worker {worker_id!r}")
+            assert member is not None
             require(not member.state.is_gone, f"worker {worker_id!r} is already {member.state.value}")
             members.append(member)
         survivors = [m for m in job.live_members() if m.worker_id not in set(request.worker_ids)]
@@ -208,9 +230,15 @@ class SchedulerServicer:
             return scheduler_pb2.PlanWhatIfResponse(runnable=False, reason="no worker would be left")
         decision = self.core.policy.decide(hypothetical)
         runnable = decision.action != "refuse"
-        return scheduler_pb2.PlanWhatIfResponse(
-            plan=plan_message(job.name, 0, decision, time.time()), runnable=runnable, reason=decision.reason
+        plan = what_if_plan(
+            job,
+            decision.layout_json,
+            decision.reasons or (decision.reason,),
+            decision.predicted_step_time_s,
+            decision.policy,
+            time.time(),
         )
+        return scheduler_pb2.PlanWhatIfResponse(plan=plan, runnable=runnable, reason=decision.reason)
 
 
 def scale_up_what_if(job: Job, add_devices: int, now: float) -> scheduler_pb2.PlanWhatIfResponse:
@@ -253,14 +281,7 @@ def scale_up_what_if(job: Job, add_devices: int, now: float) -> scheduler_pb2.Pl
         f"with {add_devices} more device(s): {target.gpus} devices as DP={target.dp}, PP={target.pp}, "
         f"TP={shape.tp} (from {current}), predicted step {step_s:.3f} s"
     )
-    plan = common_pb2.Plan(
-        job=job.name,
-        epoch=0,
-        layout_json=layout.to_json().encode(),
-        reasons=[summary, decision.reason],
-        predicted_step_time_s=step_s,
-        created_unix=now,
-    )
+    plan = what_if_plan(job, layout.to_json(), (summary, decision.reason), step_s, "flextrain", now)
     return scheduler_pb2.PlanWhatIfResponse(
         plan=plan, runnable=decision.scale_up, reason=f"{summary}; {decision.reason}"
     )

@@ -45,6 +45,10 @@ RESUME_ENV = "ELASWAVE_RESUME_DIR"  # resume from the latest checkpoint in this 
 DESCRIBE_ENV = "ELASWAVE_DESCRIBE_FILE"  # describe mode: write a ModelDescription here and exit
 STOP_FILE_ENV = "ELASWAVE_STOP_FILE"  # launcher's stop request: checkpoint and leave at a boundary
 DESCRIPTION_ENV = "ELASWAVE_DESCRIPTION_FILE"  # the describe run's ModelDescription (unit fingerprints)
+# Fault injection for chaos tests and drills: "collective@STEP" makes this worker's first attempt
+# at step STEP fail as a collective would with every process alive (the Core then replays the
+# step on the same layout). Never set by the launcher.
+INJECT_FAULT_ENV = "ELASWAVE_INJECT_FAULT"
 
 EXIT_OK = 0
 EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a SIGTERM'd process
@@ -123,6 +127,7 @@ class WorkerPlace:
     token: str
     timeout_s: float = 20.0
     results_file: Path | None = None
+    collective_fault_at: int | None = None  # INJECT_FAULT_ENV: the step whose first attempt fails here
 
 
 def _required(name: str) -> str:
@@ -143,6 +148,10 @@ def worker_place_from_env() -> WorkerPlace | None:
     if rank < 0 or timeout <= 0:
         raise ValueError(f"${RANK_ENV} must be >= 0 and ${TIMEOUT_ENV} positive, got {rank}, {timeout}")
     results = os.environ.get(RESULTS_ENV)
+    fault = os.environ.get(INJECT_FAULT_ENV, "").strip()
+    kind, _, at = fault.partition("@")
+    if fault and (kind != "collective" or not at.isdigit()):
+        raise ValueError(f"${INJECT_FAULT_ENV} must be 'collective@STEP', got {fault!r}")
     return WorkerPlace(
         job=_required(JOB_ENV),
         worker_id=_required(WORKER_ID_ENV),
@@ -153,4 +162,5 @@ def worker_place_from_env() -> WorkerPlace | None:
         token=os.environ.get(TOKEN_ENV, ""),
         timeout_s=timeout,
         results_file=Path(results) if results else None,
+        collective_fault_at=int(at) if fault else None,
     )

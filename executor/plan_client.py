@@ -18,11 +18,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import grpc
 
 from elaswave.v1 import executor_pb2, executor_pb2_grpc
+from planners.layout import Plan
 
 log = logging.getLogger("elaswave.executor.plans")
 
@@ -36,18 +36,14 @@ PHASES = {
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.05, 2.0
 
 
+FAILURES = {
+    "NOT_APPLICABLE": executor_pb2.PLAN_FAILURE_NOT_APPLICABLE,
+    "INTERRUPTED": executor_pb2.PLAN_FAILURE_INTERRUPTED,
+}
+
+
 class PlanTimeout(TimeoutError):
     """No plan newer than the executor's epoch arrived in time."""
-
-
-@dataclass(frozen=True)
-class PublishedPlan:
-    """A plan as the Core published it: the target layout (planners.Layout JSON) and why."""
-
-    epoch: int
-    layout_json: str
-    reasons: tuple[str, ...]
-    predicted_step_time_s: float
 
 
 class PlanClient:
@@ -60,7 +56,7 @@ class PlanClient:
         worker_id: str,
         token: str,
         rpc_timeout_s: float = 2.0,
-        on_plan: Callable[[PublishedPlan], None] | None = None,
+        on_plan: Callable[[Plan], None] | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("at least one Core address (host:port) is needed")
@@ -70,7 +66,7 @@ class PlanClient:
         self.rpc_timeout_s = rpc_timeout_s
         self._metadata = (("authorization", f"Bearer {token}"),)
         self._on_plan = on_plan
-        self._newest: PublishedPlan | None = None
+        self._newest: Plan | None = None
         self._floor = 0  # the epoch the executor already runs: plans at or below it are old
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -93,7 +89,7 @@ class PlanClient:
         with self._cond:
             return self._floor if self._newest is None else max(self._floor, self._newest.epoch)
 
-    def wait_plan(self, after_epoch: int, timeout_s: float) -> PublishedPlan:
+    def wait_plan(self, after_epoch: int, timeout_s: float) -> Plan:
         """Block (at most `timeout_s`) until a plan with epoch > `after_epoch` is known; the newest
         one wins, so an executor that missed several epochs jumps straight to the latest layout."""
         deadline = time.monotonic() + timeout_s
@@ -147,12 +143,14 @@ class PlanClient:
             self._channel.close()
 
     def _publish(self, proto: object) -> None:
-        plan = PublishedPlan(
-            epoch=int(proto.epoch),  # type: ignore[attr-defined]
-            layout_json=proto.layout_json.decode(),  # type: ignore[attr-defined]
-            reasons=tuple(proto.reasons),  # type: ignore[attr-defined]
-            predicted_step_time_s=float(proto.predicted_step_time_s),  # type: ignore[attr-defined]
-        )
+        try:
+            plan = Plan.from_json(proto.plan_json)  # type: ignore[attr-defined]
+        except ValueError as exc:
+            log.error("plan epoch %s from the Core cannot be read: %s", proto.epoch, exc)  # type: ignore[attr-defined]
+            return  # the wait for a plan times out and says so
+        if plan.epoch != int(proto.epoch):  # type: ignore[attr-defined]
+            log.error("plan body says epoch %d, the stream says %d: ignored", plan.epoch, proto.epoch)  # type: ignore[attr-defined]
+            return
         with self._cond:
             if plan.epoch <= self._floor or (self._newest is not None and plan.epoch <= self._newest.epoch):
                 return  # fenced: never go back to an older epoch
@@ -163,8 +161,9 @@ class PlanClient:
             self._on_plan(plan)
 
     # ----- acks ----------------------------------------------------------------------------
-    def ack(self, epoch: int, phase: str, seconds: float, reason: str = "") -> bool:
-        """Acknowledge `phase` of plan `epoch`; True when the Core took it (bounded, never raises)."""
+    def ack(self, epoch: int, phase: str, seconds: float, reason: str = "", failure: str = "") -> bool:
+        """Acknowledge `phase` of plan `epoch`; True when the Core took it (bounded, never raises).
+        A FAILED phase names its `failure` (a key of FAILURES) and `reason`."""
         request = executor_pb2.AckPlanPhaseRequest(
             job=self.job,
             worker_id=self.worker_id,
@@ -172,11 +171,13 @@ class PlanClient:
             phase=PHASES[phase],
             phase_time_s=max(0.0, seconds),
             failure_reason=reason,
+            failure=FAILURES[failure] if failure else executor_pb2.PLAN_FAILURE_UNSPECIFIED,
         )
         return self._unary("AckPlanPhase", request)
 
     def report_peer_failure(self, peer_rank: int, step: int, operation: str, error: str) -> bool:
-        """Tell the Core a collective failed because of `peer_rank` (bounded, never raises)."""
+        """Tell the Core a collective failed because of `peer_rank` (-1: no peer could be named;
+        the Core then replays the step on the same layout). Bounded, never raises."""
         request = executor_pb2.ReportPeerFailureRequest(
             job=self.job,
             worker_id=self.worker_id,

@@ -26,6 +26,7 @@ What a step's state is, and how it is rolled back and remapped, belongs to a `St
 
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import timedelta
 from typing import Protocol
@@ -41,6 +42,18 @@ POLL_S = 0.01
 
 class StepProtocolError(RuntimeError):
     """The protocol was driven out of order, or a plan cannot be applied."""
+
+
+class PlanInterrupted(RuntimeError):
+    """Applying a plan was cut short (a peer failed, a wait timed out, a newer plan arrived).
+
+    The groups may be half-edited and the participant's state half-moved; nothing is committed.
+    The participant starts the next plan from its last committed point, so the caller only has
+    to wait for a newer plan (docs/architecture.md ("Recovery"): recoveries are restartable)."""
+
+    def __init__(self, epoch: int, cause: BaseException) -> None:
+        super().__init__(f"applying plan {epoch} was interrupted: {type(cause).__name__}: {cause}")
+        self.epoch, self.cause = epoch, cause
 
 
 class StepParticipant(Protocol):
@@ -60,9 +73,12 @@ class StepParticipant(Protocol):
         """Raise (a ValueError) if this participant cannot adopt `plan`; local, called before the
         groups are edited, so a refused plan changes nothing."""
 
-    def on_plan(self, plan: Plan, lost: frozenset[int], committed_step: int) -> None:
+    def on_plan(self, plan: Plan, lost: frozenset[int], committed_step: int) -> int:
         """Adopt `plan.new` (collective over the new layout's workers; groups already edited):
-        for the engine, remap the committed state to the new ranks and migrate moved layers."""
+        for the engine, remap the committed state to the new ranks and migrate moved layers.
+        Returns the last committed step afterwards (`committed_step`, or an earlier one when the
+        plan restored a durable checkpoint). An exception leaves nothing committed: the next
+        call starts again from the last committed point."""
 
 
 def plan_key(namespace: str, epoch: int) -> str:
@@ -161,23 +177,33 @@ class StepProtocol:
         self.attempt += 1
 
     # ----- layout changes ------------------------------------------------------------------
-    def await_plan(self, timeout_s: float | None = None) -> Plan:
-        """Block (at most `timeout_s`, default the protocol timeout) until the Core publishes the
-        plan of the next epoch; raises StepProtocolError if none arrives in time."""
-        key = plan_key(self.comm.namespace, self.plan_epoch + 1)
+    def await_plan(self, timeout_s: float | None = None, after_epoch: int | None = None) -> Plan:
+        """Block (at most `timeout_s`, default the protocol timeout) until a plan newer than
+        `after_epoch` (default: the applied epoch) is published in the store, and return the
+        newest one; raises StepProtocolError if none arrives in time. (Under the Core, plans come
+        through `executor.plan_client` instead; this is the store-only path of the tests.)"""
+        after = self.plan_epoch if after_epoch is None else after_epoch
+        key = plan_key(self.comm.namespace, after + 1)
         wait = self.timeout_s if timeout_s is None else timeout_s
         try:
             self.comm.store.wait([key], timedelta(seconds=wait))
         except Exception as exc:  # noqa: BLE001 - the store reports a timeout as a generic error
-            raise StepProtocolError(f"no plan for epoch {self.plan_epoch + 1} within {wait}s") from exc
-        return Plan.from_json(self.comm.store.get(key))
+            raise StepProtocolError(f"no plan after epoch {after} within {wait}s") from exc
+        newest = after + 1
+        while self.comm.store.check([plan_key(self.comm.namespace, newest + 1)]):
+            newest += 1
+        return Plan.from_json(self.comm.store.get(plan_key(self.comm.namespace, newest)))
 
     def apply_plan(self, plan: Plan, timeout_s: float | None = None) -> EditReport:
-        """Apply `plan` between steps: edit the communicator in place (only changed groups), then
-        let the participant remap its state to `plan.new`. Collective over the new layout's
-        workers; each part is bounded by the communicator timeout. Plans are fenced by epoch: an
-        older or repeated plan is refused (StepProtocolError) and changes nothing; so is a plan the
-        participant refuses (`check_plan`: its ValueError is raised before any group is edited)."""
+        """Apply `plan` between steps: edit the communicator in place (only changed groups, under
+        the plan's epoch), then let the participant move its state to `plan.new`. Collective over
+        the new layout's workers; each wait is bounded by the communicator timeout and abandoned
+        as soon as the communicator's `interrupt` says a newer plan exists.
+
+        Refused, changing nothing (StepProtocolError, or the participant's ValueError from
+        `check_plan`): an older or repeated epoch, a plan without its old layout, a plan this
+        worker is not in. Any failure after the edit began raises PlanInterrupted after flagging
+        the plan's epoch as aborted, so the other workers stop waiting for this one."""
         if self.step is not None:
             raise StepProtocolError(f"apply_plan inside step {self.step}: commit or roll back first")
         if plan.epoch <= self.plan_epoch:
@@ -192,11 +218,17 @@ class StepProtocol:
             )
         lost = frozenset(plan.old.ranks()) - frozenset(plan.new.ranks())
         self.participant.check_plan(plan, lost)
-        report = self.comm.apply_edit(
-            groups_for_stages([s.ranks for s in plan.new.stages], world=WORLD_GROUP in self.comm.names())
-        )
-        self.participant.on_plan(plan, lost, self.committed_step)
-        self.plan_epoch = plan.epoch
+        try:
+            report = self.comm.apply_edit(
+                groups_for_stages([s.ranks for s in plan.new.stages], world=WORLD_GROUP in self.comm.names()),
+                epoch=plan.epoch,
+            )
+            committed = self.participant.on_plan(plan, lost, self.committed_step)
+        except Exception as exc:  # noqa: BLE001 - whatever broke, the attempt is over and retried
+            with contextlib.suppress(Exception):  # an unreachable store must not mask the cause
+                self.comm.store.set(self.comm.abort_key(plan.epoch), f"{self.comm.worker}: {exc}"[:500])
+            raise PlanInterrupted(plan.epoch, exc) from exc
+        self.plan_epoch, self.committed_step, self.attempt = plan.epoch, committed, 0
         return report
 
     def _require_step(self) -> int:

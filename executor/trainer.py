@@ -449,6 +449,55 @@ class Trainer:
             sh.exp_avg_sq.copy_(shards[name].exp_avg_sq)
         self.next_step = next_step
 
+    def restore_layout(
+        self, layout: Layout, comm: EngineComm, checkpoint: Path | None
+    ) -> CheckpointMeta | None:
+        """Adopt `layout` with the state of durable checkpoint `checkpoint` (a directory as
+        `latest_checkpoint` returns it), or the job's initial state (step 0) when None: what a
+        RESTORE plan does in place when some state has no copy left in memory. Local reads only;
+        the modules are rebuilt by name (`UnitModel.build`) so buffers come back too. Raises
+        CheckpointError (changing nothing) if the checkpoint is not this model's."""
+        stage = layout.stage_layout_of_rank(self.rank)
+        meta = None
+        if checkpoint is not None:
+            meta = read_meta(checkpoint)
+            check_fits(
+                meta,
+                self.unit_names,
+                self.spec.unit_numels(),
+                layout.global_batch,
+                checkpoint,
+                self.spec.optimizer.kind,
+            )
+        owned = unit_ownership(layout, stage, self.unit_names)
+        j = stage.dp_index(self.rank)
+        states: dict[str, dict[str, torch.Tensor]] = {}
+        params: dict[str, torch.Tensor] = {}
+        shards: dict[str, ShardState] = {}
+        for index in range(stage.layer_start, stage.layer_stop):
+            name = self.unit_names[index]
+            unit = self.spec.model.build(index, self.device)
+            lo, hi = owned[name][j]
+            if checkpoint is not None:
+                state, m, v = load_unit_state(checkpoint, name)
+                try:
+                    unit.load_state_dict(state, strict=True)
+                except RuntimeError as exc:
+                    raise CheckpointError(f"{checkpoint}: unit {name!r} does not fit: {exc}") from exc
+                m, v = m[lo:hi].to(self.device).clone(), v[lo:hi].to(self.device).clone()
+            else:
+                m = torch.zeros(hi - lo, device=self.device)
+                v = torch.zeros(hi - lo, device=self.device)
+            states[name] = unit.state_dict()
+            params[name] = flat_params(unit)
+            shards[name] = ShardState(lo, hi, m, v)
+        step_count = 0 if meta is None else meta.step_count
+        next_step = 0 if meta is None else meta.next_step
+        self.reset_layout(layout, comm, params, shards, step_count, next_step)
+        for name, state in states.items():  # buffers (and parameters again, identical)
+            self.model.units[name].load_state_dict(state, strict=True)
+        return meta
+
     def _spare_units(self, layer_start: int, layer_stop: int) -> dict[str, nn.Module]:
         """Current modules a new stage `[layer_start, layer_stop)` can keep (their parameters are
         overwritten by reset_layout anyway; re-initialising them would only cost time)."""

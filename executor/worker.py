@@ -32,6 +32,7 @@ worker writes its per-step losses, the samples it ran and its recovery timings a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -64,6 +65,10 @@ class WorkerSettings:
     # `on_step`); `log_every`: the first rank of the last stage prints a progress line this often.
     on_step: Callable[[int, float | None], None] | None = None
     log_every: int = 0
+
+
+# A step that failed with no plan this long afterwards is reported to the Core (peer -1).
+NO_PLAN_REPORT_S = 0.25
 
 
 class PlanNotApplicable(RuntimeError):
@@ -151,7 +156,9 @@ class CoreDrivenWorker:
         if settings.resume is not None:
             meta = load_checkpoint(self.trainer, settings.resume)
             self.start_step = meta.next_step
-        self.participant = FabricParticipant(self.trainer, self.comm, verify_every=settings.verify_every)
+        self.participant = FabricParticipant(
+            self.trainer, self.comm, verify_every=settings.verify_every, restore_source=self._restore_source
+        )
         self.proto = StepProtocol(
             self.comm, self.participant, timeout_s=place.timeout_s, committed_step=self.start_step - 1
         )
@@ -170,14 +177,48 @@ class CoreDrivenWorker:
             "worker_id": place.worker_id,
             "losses": {},
             "samples": {},
+            "stage_of_step": {},
+            "committed_unix": {},
             "recoveries": [],
             "failures": [],
+            "interrupted": [],
+            "restores": [],
             "checkpoints": [],
             "start_step": self.start_step,
         }
         self.exit_code = 0
+        self._applying: int | None = None  # epoch of the plan being applied
+        self._fault_fired = False  # WorkerPlace.collective_fault_at fires once per process
+        self.comm.interrupt = self._superseded
         self._sigterm_at: float | None = None  # monotonic time of the first SIGTERM
         self._payload: Any = None  # this step's checkpoint share, written once the step commits
+
+    def _superseded(self) -> str | None:
+        """The communicator's interrupt: a plan newer than the one this worker trains on or is
+        applying makes every wait give up at once (a recovery never waits on a superseded plan)."""
+        current = self.proto.plan_epoch if self._applying is None else self._applying
+        newest = self.plans.newest_epoch()
+        return f"plan epoch {newest} is published (this worker is at {current})" if newest > current else None
+
+    def _restore_source(self, plan: Any) -> Path | None:
+        """The checkpoint every worker of a RESTORE plan reloads: the first worker to ask names the
+        job's latest complete one (after settling its own writes in flight) and the rest take
+        that name from the store, so all of them load the same step. None: the job's initial
+        state (no checkpoint directory, or nothing written yet)."""
+        from executor.checkpoint import CheckpointError, latest_checkpoint  # noqa: PLC0415
+
+        root = self.settings.checkpoint_dir
+        choice = "initial"
+        if root is not None:
+            # A share that never lands leaves its checkpoint incomplete, never the latest one.
+            if self.writer is not None:
+                with contextlib.suppress(TimeoutError):
+                    self.writer.wait(timeout_s=self.args.timeout_s)
+            with contextlib.suppress(CheckpointError):
+                choice = str(latest_checkpoint(root))
+        key = f"{self.comm.namespace}/e{plan.epoch}/restore-from"
+        agreed = self.comm.store.compare_set(key, "", choice).decode()
+        return None if agreed == "initial" else Path(agreed)
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
         # A preemption notice, not a kill: the agent reports it and the Core's plan lets this
@@ -243,6 +284,7 @@ class CoreDrivenWorker:
                         # A plan is waiting: this step is the boundary where every worker takes it.
                         self.comm.signal_abort(f"plan epoch {self.plans.newest_epoch()} is waiting")
                     else:
+                        self._maybe_inject_fault(step)
                         result = self.trainer.train_step(step)
                         self._gather_checkpoint(step, stop_after, save_at)
                 except PeerFailure as exc:
@@ -263,7 +305,8 @@ class CoreDrivenWorker:
                 self.proto.rollback()
                 self._payload = None  # the state it captured was rolled back
                 try:
-                    if not self._recover(step):
+                    resume_at = self._recover(step)
+                    if resume_at is None:
                         break  # this worker is not in the new layout: it leaves
                 except PlanTimeout as exc:
                     # Nothing the Core saw changed the job (no member lost): without a plan there is
@@ -275,7 +318,7 @@ class CoreDrivenWorker:
                     self._finish_checkpoints()  # settle what was in flight before naming the latest
                     self._end_with_checkpoint(exc)
                     break
-                resumed_epoch = self.proto.plan_epoch
+                resumed_epoch, step = self.proto.plan_epoch, resume_at
         finally:
             self.plans.close()
             self.trainer.data.close()
@@ -387,6 +430,8 @@ class CoreDrivenWorker:
         if result is None:
             raise RuntimeError(f"step {step} committed on rank {self.args.rank} without having run")
         self.results["samples"][step] = sorted(result.sample_ids)  # global ids the trainer actually fed
+        self.results["stage_of_step"][step] = self.trainer.stage  # a restore may change the stage count
+        self.results["committed_unix"][step] = time.time()  # recovery time is measured up to this
         if result is not None and result.loss is not None:
             self.results["losses"][step] = result.loss
         if self.metrics is not None:
@@ -406,57 +451,135 @@ class CoreDrivenWorker:
             rate = self.trainer.layout.global_batch / seconds if seconds > 0 else float("inf")
             print(f"step {step:>6}  loss {result.loss:.6f}  {rate:,.0f} samples/s (this step)", flush=True)
 
-    def _recover(self, step: int) -> bool:
-        """Wait for the Core's plan, apply it, and say so; False if this worker is not in it."""
-        from planners.layout import Layout, Plan  # noqa: PLC0415
+    def _maybe_inject_fault(self, step: int) -> None:
+        """WorkerPlace.collective_fault_at: the first attempt at that step fails here like a
+        collective whose peers are all alive (chaos tests and drills; never set by the launcher)."""
+        if self.args.collective_fault_at == step and not self._fault_fired:
+            from executor.comm import PeerFailure  # noqa: PLC0415
 
-        t0 = time.perf_counter()
-        published = self.plans.wait_plan(self.proto.plan_epoch, timeout_s=self.args.timeout_s)
-        waited = time.perf_counter() - t0
-        self.plans.ack(published.epoch, "RECEIVED", waited)
-        new = Layout.from_json(published.layout_json)
-        if self.args.rank not in new.ranks():
-            # A planned departure, not a failed apply: a FAILED ack would make the Core re-plan.
-            self.plans.ack(published.epoch, "PAUSED", 0.0)
-            self.results["left_at_step"] = step
-            print(
-                f"worker {self.args.worker_id}: plan {published.epoch} has no rank {self.args.rank}; leaving at "
-                f"the boundary of step {step} ({'; '.join(published.reasons)})",
-                flush=True,
-            )
-            return False
-        self.plans.ack(published.epoch, "PAUSED", 0.0)
-        plan = Plan(
-            published.epoch, self.trainer.layout, new, published.reasons, published.predicted_step_time_s
-        )
-        t1 = time.perf_counter()
+            self._fault_fired = True
+            raise PeerFailure("injected", f"fault injected at step {step} on rank {self.args.rank}")
+
+    def _wait_plan(self, step: int, newer_than: int) -> Any:
+        """Wait for a plan newer than `newer_than`. A step that failed with no plan after
+        NO_PLAN_REPORT_S (nobody the agents saw die, no link peer named) is reported to the Core
+        as a collective failure without a peer, which replays the step on the same layout."""
+        from executor.plan_client import PlanTimeout  # noqa: PLC0415
+
+        quick = min(NO_PLAN_REPORT_S, self.args.timeout_s)
         try:
-            report = self.proto.apply_plan(plan)
-        except ValueError as exc:  # RelayoutError: refused before any group was edited
-            self.plans.ack(published.epoch, "FAILED", time.perf_counter() - t1, reason=str(exc)[:1000])
-            lost = frozenset(self.trainer.layout.ranks()) - frozenset(new.ranks())
-            raise PlanNotApplicable(published.epoch, str(exc), lost) from exc
-        applied = time.perf_counter() - t1
-        self.plans.ack(published.epoch, "APPLIED", applied)
-        self.results["recoveries"].append(
-            {
-                "step": step,
-                "epoch": published.epoch,
-                "plan_wait_s": waited,
-                "apply_s": applied,
-                "communicator_s": report.seconds,
-                "rebuilt": list(report.rebuilt),
-                "reused": list(report.reused),
-                "reasons": list(published.reasons),
-            }
+            return self.plans.wait_plan(newer_than, timeout_s=quick)
+        except PlanTimeout:
+            if self.proto.failure is not None or self.results["failures"]:
+                self.plans.report_peer_failure(
+                    -1, step, "step", f"no plan {quick:g} s after step {step} failed"
+                )
+        return self.plans.wait_plan(newer_than, timeout_s=max(0.0, self.args.timeout_s - quick))
+
+    def _recover(self, step: int) -> int | None:
+        """Wait for the Core's plan and apply it from the last committed state; the step to run
+        next (`step`, or the next step of a restored checkpoint), or None if this worker is not in
+        the new layout. An attempt that is interrupted (a peer failed during the recovery, a
+        newer plan arrived) is acknowledged FAILED and the next plan is applied from the same
+        committed state; one this worker cannot apply in place is acknowledged FAILED as not
+        applicable, and the Core re-plans (in RESTORE mode). Raises PlanTimeout when no plan
+        comes within the worker timeout, PlanNotApplicable when even a RESTORE plan is refused."""
+        from dataclasses import replace  # noqa: PLC0415
+
+        from executor.step_protocol import PlanInterrupted  # noqa: PLC0415
+        from planners.layout import PlanMode  # noqa: PLC0415
+
+        tried = self.proto.plan_epoch
+        while True:
+            t0 = time.perf_counter()
+            published = self._wait_plan(step, tried)
+            tried = published.epoch
+            waited = time.perf_counter() - t0
+            self.plans.ack(published.epoch, "RECEIVED", waited)
+            if self.args.rank not in published.new.ranks():
+                # A planned departure, not a failed apply: a FAILED ack would make the Core re-plan.
+                self.plans.ack(published.epoch, "PAUSED", 0.0)
+                self.results["left_at_step"] = step
+                print(
+                    f"worker {self.args.worker_id}: plan {published.epoch} has no rank {self.args.rank}; leaving at "
+                    f"the boundary of step {step} ({'; '.join(published.reasons)})",
+                    flush=True,
+                )
+                return None
+            self.plans.ack(published.epoch, "PAUSED", 0.0)
+            # Applied from this worker's committed layout (the Core's `old` is its own view of it).
+            plan = replace(published, old=self.participant.committed_layout)
+            t1 = time.perf_counter()
+            self._applying = plan.epoch
+            try:
+                report = self.proto.apply_plan(plan)
+            except ValueError as exc:  # RelayoutError: refused before any group was edited
+                self.plans.ack(
+                    plan.epoch,
+                    "FAILED",
+                    time.perf_counter() - t1,
+                    reason=str(exc)[:1000],
+                    failure="NOT_APPLICABLE",
+                )
+                self.results["interrupted"].append(
+                    {"epoch": plan.epoch, "step": step, "refused": str(exc)[:300]}
+                )
+                if plan.mode is PlanMode.RESTORE:
+                    lost = frozenset(self.participant.committed_layout.ranks()) - frozenset(plan.new.ranks())
+                    raise PlanNotApplicable(plan.epoch, str(exc), lost) from exc
+                continue
+            except PlanInterrupted as exc:
+                self.plans.ack(
+                    plan.epoch,
+                    "FAILED",
+                    time.perf_counter() - t1,
+                    reason=str(exc)[:1000],
+                    failure="INTERRUPTED",
+                )
+                self.results["interrupted"].append(
+                    {"epoch": plan.epoch, "step": step, "error": str(exc)[:300]}
+                )
+                print(f"worker {self.args.worker_id}: {exc}; waiting for a newer plan", flush=True)
+                continue
+            finally:
+                self._applying = None
+            applied = time.perf_counter() - t1
+            self.plans.ack(plan.epoch, "APPLIED", applied)
+            return self._applied(plan, step, waited, applied, report)
+
+    def _applied(self, plan: Any, step: int, waited: float, applied: float, report: Any) -> int:
+        resume_at = self.proto.committed_step + 1
+        record: dict[str, Any] = {
+            "step": step,
+            "epoch": plan.epoch,
+            "mode": plan.mode.value,
+            "plan_wait_s": waited,
+            "apply_s": applied,
+            "communicator_s": report.seconds,
+            "rebuilt": list(report.rebuilt),
+            "reused": list(report.reused),
+            "reasons": list(plan.reasons),
+            "resume_at": resume_at,
+            "applied_unix": time.time(),
+        }
+        if resume_at != step:
+            epoch, where, _next = self.participant.restored_from[-1]
+            record.update(restored_from=where, steps_lost=step - resume_at)
+            self.results["restores"].append(record)
+        self.results["recoveries"].append(record)
+        restored = (
+            f"; restored {record.get('restored_from') or 'the initial state'} in place, replaying from step "
+            f"{resume_at} ({step - resume_at} steps lost)"
+            if resume_at != step
+            else ""
         )
         print(
-            f"worker {self.args.worker_id}: plan {published.epoch} applied before replaying step {step} "
+            f"worker {self.args.worker_id}: plan {plan.epoch} applied before step {step} "
             f"(waited {waited * 1e3:.0f} ms, applied in {applied * 1e3:.0f} ms; rebuilt {list(report.rebuilt)}, "
-            f"reused {len(report.reused)} groups)",
+            f"reused {len(report.reused)} groups){restored}",
             flush=True,
         )
-        return True
+        return resume_at
 
 
 def run_worker(spec: Any, settings: WorkerSettings) -> tuple[int, dict[str, Any]]:

@@ -81,6 +81,7 @@ class TrainDemo(Demo):
         self.cfg = cfg
         self.store = None
         self.agents: dict[int, subprocess.Popen[bytes]] = {}  # by rank: tests signal one agent
+        self.extra_env: dict[int, dict[str, str]] = {}  # by rank: e.g. a fault to inject
 
     def script_args(self) -> list[str]:
         c = self.cfg
@@ -140,6 +141,7 @@ class TrainDemo(Demo):
                 )
                 if self.cfg.checkpoint_dir is not None:
                     env[CHECKPOINT_DIR_ENV] = self.cfg.checkpoint_dir
+                env.update(self.extra_env.get(rank, {}))
                 worker = [sys.executable, str(GPT_SCRIPT), *self.script_args()]
                 agent = [
                     sys.executable,

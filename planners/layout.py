@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from functools import lru_cache
 from itertools import chain
 from typing import Any, Literal
@@ -241,9 +242,26 @@ class Layout:
         return layout_from_json(data)
 
 
+class PlanMode(StrEnum):
+    """How executors reach a plan's new layout (docs/architecture.md ("Recovery")).
+
+    IN_PLACE: from the committed in-memory state (live remap from ring snapshots, migration);
+    `planners.applicability.judge` says when that is possible. RESTORE: every copy of some state
+    is gone, so the workers of the new layout reload the job's latest durable checkpoint in
+    place (no process restarts) and replay the steps after it."""
+
+    IN_PLACE = "in_place"
+    RESTORE = "restore"
+
+
 @dataclass(frozen=True)
 class Plan:
-    """One planned change: `old -> new` at `epoch`, why, and what the planner predicts."""
+    """One planned change: `old -> new` at `epoch`, why, and what the planner predicts.
+
+    The one plan record from the Core's engine to the executors: the registry stores
+    `to_json()`, `ExecutorService` streams it (`Plan.plan_json` in the protobuf) and the executor
+    decodes it with `from_json`. `old` is the layout the Core planned from (its last committed
+    layout); an executor applies the plan from the layout it last committed."""
 
     epoch: int
     old: Layout | None
@@ -251,6 +269,10 @@ class Plan:
     reasons: tuple[str, ...]
     predicted_step_time_s: float
     predicted_stage_mem_bytes: tuple[float, ...] = field(default=())
+    job: str = ""
+    policy: str = ""
+    mode: PlanMode = PlanMode.IN_PLACE
+    created_unix: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(
@@ -261,6 +283,10 @@ class Plan:
                 "reasons": list(self.reasons),
                 "predicted_step_time_s": self.predicted_step_time_s,
                 "predicted_stage_mem_bytes": list(self.predicted_stage_mem_bytes),
+                "job": self.job,
+                "policy": self.policy,
+                "mode": self.mode.value,
+                "created_unix": self.created_unix,
             },
             sort_keys=True,
             separators=(",", ":"),
@@ -270,6 +296,9 @@ class Plan:
     def from_json(data: str | bytes) -> Plan:
         d = load_object(data, "plan")
         old = d.get("old")
+        mode = d.get("mode", PlanMode.IN_PLACE.value)
+        if mode not in {m.value for m in PlanMode}:
+            raise ValueError(f"plan.mode must be one of {[m.value for m in PlanMode]}, got {mode!r}")
         return Plan(
             epoch=int_field(d, "epoch", "plan"),
             old=None if old is None else layout_from_dict(old),
@@ -282,6 +311,10 @@ class Plan:
                 as_float(x, "plan.predicted_stage_mem_bytes")
                 for x in list_field(d, "predicted_stage_mem_bytes", "plan")
             ),
+            job=str(d.get("job", "")),
+            policy=str(d.get("policy", "")),
+            mode=PlanMode(mode),
+            created_unix=as_float(d.get("created_unix", 0.0), "plan.created_unix"),
         )
 
 

@@ -169,14 +169,16 @@ def _check_training(out: Outcome) -> tuple[int, float]:
     for rank, res in out.results.items():
         assert res["checksum_mismatches"] == 0, (rank, res["checksum_mismatches"])
         # Only ops abandoned at the departure boundary: because the plan aborted the step in flight
-        # (the abort flag), or, when the victim's exit beats the flag to a survivor blocked on it,
-        # a broken connection (closed, reset, failed read: gloo words it several ways) in a group
-        # that holds the victim. Either way the same rollback.
+        # (the abort flag, or the plan itself interrupting the wait on this worker), or, when the
+        # victim's exit beats the flag to a survivor blocked on it, a broken connection (closed,
+        # reset, failed read: gloo words it several ways) in a group that holds the victim.
+        # Either way the same rollback.
         for failure in res["failures"]:
             assert failure["step"] == left, (rank, failure)
-            aborted = failure["error"].startswith(
-                f"peer failure in group '{failure['group']}': epoch 0 aborted: "
-            )
+            prefix = f"peer failure in group '{failure['group']}': "
+            aborted = failure["error"].startswith(prefix + "epoch 0 aborted: ") or failure[
+                "error"
+            ].startswith(prefix + "plan epoch 1 is published")
             victim_closed = failure["group"] in groups_holding_the_victim() and "gloo" in failure["error"]
             assert aborted or victim_closed, (rank, failure)
         if rank != CFG.victim_rank:

@@ -78,17 +78,19 @@ class Member(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., lost_reason: _Optional[str] = ..., last_heartbeat_unix: _Optional[float] = ..., last_step: _Optional[int] = ..., last_step_time_s: _Optional[float] = ..., stage: _Optional[int] = ..., dp_rank: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("job", "epoch", "layout_json", "reasons", "predicted_step_time_s", "created_unix")
+    __slots__ = ("job", "epoch", "layout_json", "reasons", "predicted_step_time_s", "created_unix", "plan_json")
     JOB_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
     REASONS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
     job: str
     epoch: int
     layout_json: bytes
     reasons: _containers.RepeatedScalarFieldContainer[str]
     predicted_step_time_s: float
     created_unix: float
-    def __init__(self, job: _Optional[str] = ..., epoch: _Optional[int] = ..., layout_json: _Optional[bytes] = ..., reasons: _Optional[_Iterable[str]] = ..., predicted_step_time_s: _Optional[float] = ..., created_unix: _Optional[float] = ...) -> None: ...
+    plan_json: bytes
+    def __init__(self, job: _Optional[str] = ..., epoch: _Optional[int] = ..., layout_json: _Optional[bytes] = ..., reasons: _Optional[_Iterable[str]] = ..., predicted_step_time_s: _Optional[float] = ..., created_unix: _Optional[float] = ..., plan_json: _Optional[bytes] = ...) -> None: ...

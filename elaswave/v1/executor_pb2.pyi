@@ -15,12 +15,21 @@ class PlanPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PLAN_PHASE_APPLIED: _ClassVar[PlanPhase]
     PLAN_PHASE_RESUMED: _ClassVar[PlanPhase]
     PLAN_PHASE_FAILED: _ClassVar[PlanPhase]
+
+class PlanFailure(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PLAN_FAILURE_UNSPECIFIED: _ClassVar[PlanFailure]
+    PLAN_FAILURE_NOT_APPLICABLE: _ClassVar[PlanFailure]
+    PLAN_FAILURE_INTERRUPTED: _ClassVar[PlanFailure]
 PLAN_PHASE_UNSPECIFIED: PlanPhase
 PLAN_PHASE_RECEIVED: PlanPhase
 PLAN_PHASE_PAUSED: PlanPhase
 PLAN_PHASE_APPLIED: PlanPhase
 PLAN_PHASE_RESUMED: PlanPhase
 PLAN_PHASE_FAILED: PlanPhase
+PLAN_FAILURE_UNSPECIFIED: PlanFailure
+PLAN_FAILURE_NOT_APPLICABLE: PlanFailure
+PLAN_FAILURE_INTERRUPTED: PlanFailure
 
 class SubscribePlansRequest(_message.Message):
     __slots__ = ("job", "worker_id", "after_epoch")
@@ -39,20 +48,22 @@ class SubscribePlansResponse(_message.Message):
     def __init__(self, plan: _Optional[_Union[_common_pb2.Plan, _Mapping]] = ...) -> None: ...
 
 class AckPlanPhaseRequest(_message.Message):
-    __slots__ = ("job", "worker_id", "epoch", "phase", "failure_reason", "phase_time_s")
+    __slots__ = ("job", "worker_id", "epoch", "phase", "failure_reason", "phase_time_s", "failure")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
     PHASE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     job: str
     worker_id: str
     epoch: int
     phase: PlanPhase
     failure_reason: str
     phase_time_s: float
-    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., phase: _Optional[_Union[PlanPhase, str]] = ..., failure_reason: _Optional[str] = ..., phase_time_s: _Optional[float] = ...) -> None: ...
+    failure: PlanFailure
+    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., phase: _Optional[_Union[PlanPhase, str]] = ..., failure_reason: _Optional[str] = ..., phase_time_s: _Optional[float] = ..., failure: _Optional[_Union[PlanFailure, str]] = ...) -> None: ...
 
 class AckPlanPhaseResponse(_message.Message):
     __slots__ = ("current_epoch",)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from executor.comm.communicator import Communicator, EditReport, RebuildMode
-from executor.comm.errors import MembershipError, PeerFailure
+from executor.comm.errors import Interrupted, MembershipError, PeerFailure
 from executor.comm.groups import dp_group_name, groups_for_stages, pp_group_name
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "EditReport",
     "MembershipError",
     "PeerFailure",
+    "Interrupted",
     "RebuildMode",
     "dp_group_name",
     "groups_for_stages",

@@ -39,7 +39,7 @@ from torch.distributed import (
 )
 
 from executor.comm import ledger as ledger_mod
-from executor.comm.errors import MembershipError, PeerFailure
+from executor.comm.errors import Interrupted, MembershipError, PeerFailure
 from executor.comm.groups import (
     EditDecision,
     Membership,
@@ -55,6 +55,9 @@ from executor.comm.ledger import GroupLedger
 from executor.engine_comm import BACKENDS, make_group
 
 ABORT_POLL_S = 0.02
+# Polling of store keys during recovery: fast at first (the keys are usually there within ms),
+# never slower than the abort poll.
+KEY_POLL_FIRST_S, KEY_POLL_MAX_S = 0.001, ABORT_POLL_S
 # torch.distributed.distributed_c10d.SHRINK_DEFAULT (torch >= 2.10). Not SHRINK_ABORT: the abort
 # mode hangs with NCCL >= 2.31 (docs/architecture.md ("Promises and rules"), pytorch#194679), and a group is only ever shrunk when
 # no survivor has an op in flight on it (ledger.survivors_are_quiet), so there is nothing to abort.
@@ -155,6 +158,9 @@ class Communicator:
         self.physical = physical_groups(self.membership, pp_links)
         self._groups: dict[str, _Group] = {}
         self._graveyard: list[ProcessGroup] = []  # groups with abandoned ops; never destroyed
+        # Asked at every poll of every wait: a reason (str) makes the wait raise `Interrupted`. The
+        # worker sets it to "a newer plan exists", so no wait of a superseded recovery runs on.
+        self.interrupt: Callable[[], str | None] | None = None
         self._build(sorted(n for n, ws in self.physical.items() if worker in ws))
 
     # ----- introspection -------------------------------------------------------------------
@@ -309,8 +315,11 @@ class Communicator:
         self._wait(g, work, has_future)
 
     # ----- edits ---------------------------------------------------------------------------
-    def apply_edit(self, new_membership: Membership) -> EditReport:
-        """Move to `new_membership`: every worker in it must call this with the same argument.
+    def apply_edit(self, new_membership: Membership, epoch: int | None = None) -> EditReport:
+        """Move to `new_membership` at communicator epoch `epoch` (default: the next one): every
+        worker in it must call this with the same arguments. Callers that follow plans pass the
+        plan's epoch, so workers whose earlier edits diverged (one abandoned an edit another
+        finished) still meet under the same prefixes.
 
         Publishes this worker's op ledger, waits (bounded by timeout_s) for the ledgers of the
         members of every group it might reuse, rebuilds only the groups whose member list changed
@@ -323,11 +332,16 @@ class Communicator:
         new = {k: tuple(v) for k, v in new_membership.items()}
         if self.worker not in all_workers(new):
             raise MembershipError(f"worker {self.worker} is not in the new membership {new}")
+        target = self.epoch + 1 if epoch is None else epoch
+        if target <= self.epoch:
+            raise MembershipError(
+                f"edit to epoch {target}: the communicator is already at epoch {self.epoch}"
+            )
         t0 = time.perf_counter()
         physical = physical_groups(new, self.pp_links)
-        decision = self._decide(physical)
+        decision = self._decide(physical, target)
         old_groups = self._groups
-        self.epoch += 1
+        self.epoch = target
         self.membership, self.physical = new, physical
         self._groups = {n: old_groups[n] for n in decision.reuse}
         for name in decision.drop:
@@ -345,10 +359,10 @@ class Communicator:
             shrunk=decision.shrink,
         )
 
-    def _decide(self, new: Membership) -> EditDecision:
+    def _decide(self, new: Membership, target: int) -> EditDecision:
         full = self.mode is RebuildMode.FULL
         can_shrink = self._can_shrink()
-        key = f"{self.namespace}/e{self.epoch}/ledger/"
+        key = f"{self.namespace}/e{target}/ledger/"
         # c10d stores take bytes as well as str (torch's stubs say str only)
         self.store.set(
             key + str(self.worker),
@@ -356,17 +370,20 @@ class Communicator:
         )
         needed: set[int] = set()
         for name, g in self._groups.items():  # members whose ledgers decide reuse or shrink
-            target = new.get(name)
-            if target is None or full:
+            members = new.get(name)
+            if members is None or full:
                 continue
-            if target == g.workers or (can_shrink and shrink_exclusions(g.workers, target) is not None):
-                needed.update(target)
-        keys = [key + str(w) for w in sorted(needed)]
-        if keys:
-            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+            if members == g.workers or (can_shrink and shrink_exclusions(g.workers, members) is not None):
+                needed.update(members)
+        self.wait_keys(
+            [key + str(w) for w in sorted(needed)], f"ledger exchange of epoch {target}", epoch=target
+        )
         ledgers = {w: ledger_mod.decode(self.store.get(key + str(w))) for w in sorted(needed)}
+        # The groups this worker actually holds, not the membership it last aimed for: an edit
+        # interrupted part-way through `_build` holds only some of that membership's groups.
+        held = {name: g.workers for name, g in self._groups.items()}
         return decide_edit(
-            self.physical, new, self.worker, ledgers, full=full, backend=self.backend, can_shrink=can_shrink
+            held, new, self.worker, ledgers, full=full, backend=self.backend, can_shrink=can_shrink
         )
 
     def _can_shrink(self) -> bool:
@@ -385,10 +402,15 @@ class Communicator:
         shrink = shrink or {}
         for name in sorted([*names, *shrink]):
             workers = self.physical[name]
+            prefix = f"{self.namespace}/e{self.epoch}/{name}"
+            # Every member announces itself before the backend's own rendezvous, which cannot be
+            # interrupted: a member that died or left for a newer plan is a recorded absence
+            # (bounded, interruptible), not a wait inside gloo.
+            self.store.set(f"{prefix}/joined/{self.worker}", "1")
+            self.wait_keys([f"{prefix}/joined/{w}" for w in workers], f"building {name!r}")
             if name in shrink:
                 pg = self._shrink(shrink[name], workers)
             else:
-                prefix = f"{self.namespace}/e{self.epoch}/{name}"
                 pg = make_group(
                     self.backend,
                     PrefixStore(prefix, self.store),
@@ -396,7 +418,8 @@ class Communicator:
                     len(workers),
                     timedelta(seconds=self.timeout_s),
                 )
-            self._groups[name] = _Group(name=name, workers=workers, pg=pg, ledger=GroupLedger())
+            ledger = GroupLedger(built=self.epoch, workers=workers)
+            self._groups[name] = _Group(name=name, workers=workers, pg=pg, ledger=ledger)
 
     def _shrink(self, old: _Group, workers: tuple[int, ...]) -> ProcessGroup:
         """The backend's own shrink (what `torch.distributed.shrink_group` calls after its checks;
@@ -412,6 +435,39 @@ class Communicator:
                 f"expected {workers.index(self.worker)} of {len(workers)}"
             )
         return pg
+
+    def wait_keys(
+        self, keys: Sequence[str], what: str, timeout_s: float | None = None, epoch: int | None = None
+    ) -> None:
+        """Block until every store key in `keys` exists: at most `timeout_s` (default the group
+        timeout), raising PeerFailure naming the missing keys or as soon as epoch `epoch`
+        (default: the current one) is flagged aborted, or `Interrupted` as soon as `interrupt`
+        gives a reason. Returns at once when the keys are there."""
+        if not keys:
+            return
+        abort = self.abort_key(epoch)
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        pause = KEY_POLL_FIRST_S
+        while True:
+            # check(), not a sliced wait(): a c10d wait that times out logs a warning each time
+            try:
+                if self.store.check(list(keys)):
+                    return
+            except Exception as exc:  # noqa: BLE001 - the store process is gone or unreachable
+                raise PeerFailure(what, f"store unreachable: {str(exc).splitlines()[0][:200]}") from exc
+            self._check_interrupt(what)
+            if self.store.check([abort]):
+                raise PeerFailure(what, f"aborted: {self.store.get(abort).decode()}")
+            if time.monotonic() > deadline:
+                missing = [k for k in keys if not self.store.check([k])]
+                raise PeerFailure(what, f"no answer within {self.timeout_s}s from {missing}")
+            time.sleep(pause)
+            pause = min(KEY_POLL_MAX_S, pause * 2)
+
+    def _check_interrupt(self, what: str) -> None:
+        reason = self.interrupt() if self.interrupt is not None else None
+        if reason:
+            raise Interrupted(what, reason)
 
     # ----- internals -----------------------------------------------------------------------
     def _route(self, name: str, peer: int) -> _Group:
@@ -450,6 +506,10 @@ class Communicator:
         g.ledger.pending += 1
         deadline = time.monotonic() + self.timeout_s + 2 * ABORT_POLL_S
         while not done.wait(ABORT_POLL_S):
+            reason = self.interrupt() if self.interrupt is not None else None
+            if reason:
+                g.ledger.failed = True
+                raise Interrupted(g.name, reason)
             if self.aborted():
                 g.ledger.failed = True
                 raise PeerFailure(

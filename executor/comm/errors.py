@@ -17,5 +17,10 @@ class PeerFailure(RuntimeError):
         self.reason = reason
 
 
+class Interrupted(PeerFailure):
+    """A wait was abandoned because it no longer matters (a newer plan exists): not a failure
+    of the group's peers, but handled like one (the step or the recovery is rolled back)."""
+
+
 class MembershipError(ValueError):
     """A membership (group name -> ordered worker ids) is malformed or inconsistent."""

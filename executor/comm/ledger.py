@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 
 @dataclass
 class GroupLedger:
+    # Which group object this is: the epoch it was built (or shrunk) in and its members. Workers
+    # whose recoveries diverged (one finished an edit another abandoned) may hold different
+    # objects under one name; such a group is never reused.
+    built: int = 0
+    workers: tuple[int, ...] = ()
     collectives: int = 0
     sent: Counter[int] = field(default_factory=Counter)
     received: Counter[int] = field(default_factory=Counter)
@@ -24,6 +29,8 @@ class GroupLedger:
 
     def as_json(self) -> dict[str, object]:
         return {
+            "built": self.built,
+            "workers": list(self.workers),
             "collectives": self.collectives,
             "sent": {str(k): v for k, v in self.sent.items()},
             "received": {str(k): v for k, v in self.received.items()},
@@ -46,7 +53,7 @@ def decode(raw: bytes) -> dict[str, dict[str, object]]:
 
 def group_is_clean(name: str, workers: Sequence[int], ledgers: Mapping[int, LedgerRecord]) -> bool:
     entries = _entries(name, workers, ledgers)
-    if entries is None or any(e["pending"] or e["failed"] for e in entries):
+    if entries is None or any(e["pending"] or e["failed"] for e in entries) or not _same_object(entries):
         return False
     return len({e["collectives"] for e in entries}) == 1 and _p2p_balanced(name, workers, entries, ledgers)
 
@@ -61,10 +68,15 @@ def survivors_are_quiet(name: str, survivors: Sequence[int], ledgers: Mapping[in
     its first collective, and shrinking one never used would first create it with the lost ranks.
     """
     entries = _entries(name, survivors, ledgers)
-    if entries is None or any(e["pending"] or e["failed"] for e in entries):
+    if entries is None or any(e["pending"] or e["failed"] for e in entries) or not _same_object(entries):
         return False
     counts = {e["collectives"] for e in entries}
     return len(counts) == 1 and counts != {0} and _p2p_balanced(name, survivors, entries, ledgers)
+
+
+def _same_object(entries: Sequence[Mapping[str, object]]) -> bool:
+    """Every member holds the same group object (built in the same epoch, same members)."""
+    return len({json.dumps([e.get("built"), e.get("workers")]) for e in entries}) == 1
 
 
 def _entries(

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from executor.migration import moved_layers
+from planners.applicability import UNSUPPORTED, structural_problem
 from planners.layout import Layout
 
 
@@ -30,9 +31,6 @@ class RelayoutError(ValueError):
     Unsupported in place (README "Known gaps"): adding ranks (scale-up), changing the number of
     pipeline stages, moving a block by more than one stage in one plan, changing the model or
     the global batch."""
-
-
-UNSUPPORTED = "unsupported by the engine's in-place re-layout"
 
 
 @dataclass(frozen=True)
@@ -69,35 +67,8 @@ def plan_relayout(old: Layout, new: Layout) -> Relayout:
 
 
 def check_supported(old: Layout, new: Layout) -> None:
-    """Raise RelayoutError naming the first change of `old -> new` the engine cannot make in place."""
-    joined = set(new.ranks()) - set(old.ranks())
-    if joined:
-        raise RelayoutError(
-            f"{UNSUPPORTED}: adding ranks (ranks {sorted(joined)} join in this plan). Only "
-            "ranks already in the job have a process and state here, so a plan may remove "
-            "ranks and move layers but not add ranks"
-        )
-    if old.num_stages != new.num_stages:
-        raise RelayoutError(
-            f"{UNSUPPORTED}: changing the number of stages ({old.num_stages} -> "
-            f"{new.num_stages}). Stages are re-laid out one by one; none can be added or dropped"
-        )
-    if old.num_layers != new.num_layers or old.layer_numel != new.layer_numel:
-        raise RelayoutError(f"{UNSUPPORTED}: a different model (layer count or sizes differ)")
-    if old.global_batch != new.global_batch:
-        raise RelayoutError(
-            f"{UNSUPPORTED}: changing the global batch ({old.global_batch} -> "
-            f"{new.global_batch}); it is fixed for a job"
-        )
-    jumps = [
-        (layer, old.stage_of_layer(layer), new.stage_of_layer(layer))
-        for layer in range(old.num_layers)
-        if abs(old.stage_of_layer(layer) - new.stage_of_layer(layer)) > 1
-    ]
-    if jumps:
-        desc = ", ".join(f"block {lay}: stage {a} -> {b}" for lay, a, b in jumps)
-        raise RelayoutError(
-            f"{UNSUPPORTED}: moving a block by more than one stage in one plan ({desc}). "
-            "Migration moves blocks between adjacent stages only (§6.2); send plans that "
-            "move each block one stage at a time"
-        )
+    """Raise RelayoutError naming the first change of `old -> new` the engine cannot make in place
+    (the rule the Core applies before publishing: `planners.applicability`)."""
+    problem = structural_problem(old, new)
+    if problem is not None:
+        raise RelayoutError(problem)

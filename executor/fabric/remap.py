@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection, Mapping
-from datetime import timedelta
 
 import torch
 
@@ -157,7 +156,7 @@ def _check_integrity(
     mode = "moments" if replicated else "moments+params"
     comm.store.set(key + str(comm.worker), f"{step} {mode}")
     keys = [key + str(w) for w in new.ranks()]
-    comm.store.wait(keys, timedelta(seconds=timeout_s))
+    comm.wait_keys(keys, "remap integrity check", timeout_s=timeout_s)
     said = {w: comm.store.get(key + str(w)).decode().split() for w in new.ranks()}
     steps = {w: int(v[0]) for w, v in said.items()}
     if len(set(steps.values())) != 1:

@@ -25,7 +25,9 @@ following step re-seeds the ring.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +43,33 @@ from executor.nonblocking_migration import NonBlockingMigration, check_nonblocki
 from executor.trainer import Trainer
 from executor.zero import ShardState as ZeroShard
 from executor.zero import flat_params, unit_ownership
-from planners.layout import Layout, Plan
+from planners.applicability import judge
+from planners.layout import Layout, Plan, PlanMode
+
+
+@dataclass(frozen=True)
+class CommittedPoint:
+    """The state of the last committed step, kept from the first plan after it until the next
+    commit: every attempt to reach a new layout starts here, so a recovery cut short (a failure
+    during a recovery, ElasWave's promise of consistency under cascades) is simply started again
+    from it. `snapshot` is the ring snapshot this worker held then (of its DP successor)."""
+
+    state: dict[str, Any]
+    snapshot: ShardState | None
+
+    @property
+    def layout(self) -> Layout:
+        return self.state["layout"]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["next_step"]) - 1
+
+
+# Where a RESTORE plan reads from: given the plan, the checkpoint directory every worker of the
+# new layout agreed on (None: the job's initial state). Supplied by the worker, which owns the
+# job's checkpoint directory and writer.
+RestoreSource = Callable[[Plan], Path | None]
 
 
 def engine_ownership(layout: Layout, names: Sequence[str]) -> dict[str, list[tuple[int, int, int]]]:
@@ -85,6 +113,7 @@ class FabricParticipant:
         verify_every: int = 50,
         migration: str = "blocking",
         shadow_slots: int = 1,
+        restore_source: RestoreSource | None = None,
     ) -> None:
         if verify_every < 1:
             raise ValueError(f"verify_every must be >= 1, got {verify_every}")
@@ -100,7 +129,10 @@ class FabricParticipant:
         self.checksum_mismatches = 0
         self.verified_steps: list[int] = []
         self.migrations: list[MigrationReport] = []  # one per plan that moved layers
+        self.restore_source = restore_source
+        self.restored_from: list[tuple[int, str | None, int]] = []  # (plan epoch, checkpoint, its next step)
         self._committed: dict[str, Any] = trainer.get_state()
+        self._base: CommittedPoint | None = None  # set by the first plan after a commit
         # The hook lives in the Trainer, so every optimizer it builds (any layout) calls it.
         trainer.set_grad_hook(self._on_grads)
         self._install_snapshot()
@@ -112,6 +144,7 @@ class FabricParticipant:
 
     def on_commit(self, step: int) -> None:
         self._committed = self.trainer.get_state()
+        self._base = None  # the new layout is committed: later plans start from here
         if self._inflight is not None:  # the step that carried a non-blocking migration committed
             self.migrations.append(self._inflight.report())
             self._inflight, self._seed_pending = None, True
@@ -135,13 +168,28 @@ class FabricParticipant:
         if self.snapshot is not None:
             self.snapshot.discard()
 
-    def check_plan(self, plan: Plan, lost: frozenset[int]) -> Relayout:
-        """Raise RelayoutError (before any group is edited) unless `plan` applies to this worker's
-        layout and the engine can apply it in place; returns the diff."""
-        if plan.old is None or plan.old != self.trainer.layout:
+    @property
+    def committed_layout(self) -> Layout:
+        """The layout of the last committed step: what every plan is applied from."""
+        return self._base.layout if self._base is not None else self.trainer.layout
+
+    def check_plan(self, plan: Plan, lost: frozenset[int]) -> Relayout | None:
+        """Raise RelayoutError (before any group is edited) unless `plan` starts from this
+        worker's committed layout and, for an in-place plan, the engine can apply it in place;
+        returns the diff (None for a RESTORE plan, which reloads state and needs none)."""
+        if plan.old is None or plan.old != self.committed_layout:
             raise RelayoutError(
-                f"plan {plan.epoch} was made for another layout than worker {self.comm.worker}'s current one"
+                f"plan {plan.epoch} was made for another layout than worker {self.comm.worker}'s committed one"
             )
+        if plan.mode is PlanMode.RESTORE:
+            if self.restore_source is None:
+                raise RelayoutError(
+                    f"plan {plan.epoch} restores from a checkpoint, and this worker has no source"
+                )
+            return None
+        verdict = judge(plan.old, plan.new)  # the Core's own rule (planners.applicability)
+        if not verdict.in_place:
+            raise RelayoutError(verdict.reason)
         steps = plan_relayout(plan.old, plan.new)
         if steps.lost != lost:
             raise RelayoutError(
@@ -150,22 +198,68 @@ class FabricParticipant:
             )
         return steps
 
-    def on_plan(self, plan: Plan, lost: frozenset[int], committed_step: int) -> None:
-        """Adopt `plan.new` from the committed state (the protocol rolled back first): (1) live
-        remap onto the new ranks with the old stage boundaries (§5.2), (2) blocking migration of
-        the blocks whose stage changes (§4.2, §6.2), (3) a new ring seeded for the new layout.
-        Collective over the new layout's workers, after the communicator's edit."""
+    def on_plan(self, plan: Plan, lost: frozenset[int], committed_step: int) -> int:
+        """Adopt `plan.new` from the last committed state (collective over the new layout's
+        workers, after the communicator's edit); returns the last committed step afterwards.
+
+        In place: (1) live remap onto the new ranks with the old stage boundaries (§5.2), (2)
+        blocking migration of the blocks whose stage changes (§4.2, §6.2), (3) a new ring seeded
+        for the new layout. RESTORE: every worker reloads its part of the agreed checkpoint for
+        the new layout (any stage count) and seeds a new ring. Either way the committed point
+        stays until the next commit, so an attempt that fails part-way is retried from it."""
+        base = self._enter_plan()
         steps = self.check_plan(plan, lost)
         self._seed_pending = False  # this plan seeds a ring of its own
+        if steps is None:
+            return self._restore(plan)
         if steps.remap_to is not None:
-            self._remap(plan, steps.remap_to, lost)
+            self._remap(plan, steps.remap_to, lost, base)
         if steps.moves and self._nonblocking_applies(steps.remap_to or plan.old, steps.moves):
             self._arm_nonblocking(plan.new)
-            return
+            return committed_step
         if steps.moves:
             self.migrations.append(migrate(self.trainer, plan.new, "blocking"))
         self._committed = self.trainer.get_state()
         self._install_snapshot()
+        return committed_step
+
+    def _enter_plan(self) -> CommittedPoint:
+        """The committed point every attempt starts from: frozen at the first plan after a
+        commit (the trainer was just rolled back to it); at a later attempt the trainer is put
+        back to it, whatever the failed attempt left behind. The ring of a failed attempt is
+        retired: the frozen snapshot is the one that matches the committed state."""
+        if self._base is None:
+            snap = self.snapshot.state() if self.snapshot is not None else None
+            self._base = CommittedPoint(self._committed, snap)
+        else:
+            self._revert_to(self._base)
+        if self.snapshot is not None:
+            self.snapshot.close()
+            self.snapshot = None
+        return self._base
+
+    def _revert_to(self, base: CommittedPoint) -> None:
+        state = base.state
+        optim = state["optimizer"]
+        shards = {
+            name: ZeroShard(lo, hi, m.clone(), v.clone()) for name, (lo, hi, m, v) in optim["shards"].items()
+        }
+        params = {name: flat.clone() for name, flat in state["params"].items()}
+        self.trainer.reset_layout(
+            base.layout, self.comm, params, shards, optim["step_count"], int(state["next_step"])
+        )
+        self._committed = self.trainer.get_state()
+
+    def _restore(self, plan: Plan) -> int:
+        """Reload the agreed checkpoint for `plan.new` (every copy of some state was lost)."""
+        assert self.restore_source is not None
+        where = self.restore_source(plan)
+        meta = self.trainer.restore_layout(plan.new, self.comm, where)
+        next_step = 0 if meta is None else meta.next_step
+        self.restored_from.append((plan.epoch, None if where is None else str(where), next_step))
+        self._committed = self.trainer.get_state()
+        self._install_snapshot()
+        return next_step - 1
 
     def _nonblocking_applies(self, before: Layout | None, moves: tuple[tuple[int, int, int], ...]) -> bool:
         """Whether this plan's moves migrate non-blocking: selected, and possible (module docstring).
@@ -187,13 +281,13 @@ class FabricParticipant:
         self._inflight = NonBlockingMigration(self.trainer, new, self.shadow_slots)
         self.trainer.arm_overlay(self._inflight)
 
-    def _remap(self, plan: Plan, target: Layout, lost: frozenset[int]) -> None:
+    def _remap(self, plan: Plan, target: Layout, lost: frozenset[int], base: CommittedPoint) -> None:
         """Live remap of the committed shards to `target` (same stage boundaries as now): only
         the Adam moments travel, the parameters are replicated on every rank of the stage."""
         assert plan.old is not None
         names = self.trainer.unit_names
         mine = shard_state_of(self.trainer)
-        snap = self.snapshot.state() if self.snapshot is not None else None
+        snap = base.snapshot
         params = self.trainer.unit_params()
         remapped = live_remap(
             self.comm,

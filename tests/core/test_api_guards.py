@@ -213,6 +213,16 @@ def test_malformed_grpc_bytes_get_invalid_argument(core: tuple) -> None:
             timeout=5,
         )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "never published" in err.value.details()
+    # A FAILED ack must say why and of which kind (the kind decides the next plan's mode).
+    with pytest.raises(grpc.RpcError) as err:
+        ack(
+            executor_pb2.AckPlanPhaseRequest(
+                job="train", worker_id="w0", epoch=0, phase=executor_pb2.PLAN_PHASE_FAILED, failure_reason="x"
+            ),
+            metadata=[("authorization", f"Bearer {job_token}")],
+            timeout=5,
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "failure" in err.value.details()
     channel.close()
 
 

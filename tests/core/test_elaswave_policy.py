@@ -11,17 +11,17 @@ import pytest
 from core_service.config import ConfigError, FailSlowSettings, load_settings
 from core_service.elaswave_policy import ElasWavePolicy, make_policy
 from core_service.engine import JobSnapshot, WorkerView
-from core_service.model import JobPhase, StepReport
+from core_service.model import Ack, AckPhase, JobPhase, StepReport
 from core_service.policies import LayoutPolicy
-from planners.layout import Layout, StageLayout, make_uniform_layout
+from planners.layout import Layout, Plan, StageLayout, make_uniform_layout
 from planners.validation import validate
 from tests.core.test_engine import Harness, run
 
 
-def published(h: Harness) -> tuple[int, dict[str, Any], Layout]:
+def published(h: Harness) -> tuple[int, Plan, Layout]:
     epoch, body = h.plans.latest("j")
-    plan = json.loads(body)
-    return epoch, plan, Layout.from_json(plan["layout_json"])
+    plan = Plan.from_json(body)
+    return epoch, plan, plan.new
 
 
 async def settle(h: Harness, now: float) -> None:
@@ -34,7 +34,7 @@ async def settle(h: Harness, now: float) -> None:
 async def apply_all(h: Harness, epoch: int, now: float) -> None:
     for worker, member in h.job.members.items():
         if not member.state.is_gone:
-            h.job.acks.setdefault(epoch, {})[worker] = "RESUMED"
+            h.job.acks.setdefault(epoch, {})[worker] = Ack(AckPhase.RESUMED)
     assert await h.engine.tick(h.job, now) == JobPhase.RUNNING
 
 
@@ -60,16 +60,16 @@ def test_loss_in_one_stage_moves_a_block_to_the_adjacent_stage() -> None:
         assert await h.engine.tick(h.job, 2.0) == JobPhase.PLANNING
         assert await h.engine.tick(h.job, 2.1) == JobPhase.APPLYING
         epoch, plan, new = published(h)
-        assert epoch == 1 and plan["policy"] == "elaswave"
+        assert epoch == 1 and plan.policy == "elaswave"
         assert validate(new, exhaustive=True).ok
         # Stage 1 lost a rank (micro-batch 2 -> 3); block 2 moves to stage 0, one stage only.
         assert new.stages[1].ranks == (3, 5) and new.stages[0].ranks == (0, 1, 2)
         assert moves(layout, new) == [(2, 1, 0)]
         relayout = plan_relayout(layout, new)  # the executor accepts it in place
         assert relayout.moves == ((2, 1, 0),) and relayout.lost == {4}
-        assert any("unit 2 stage 1->0" in r for r in plan["reasons"]), plan["reasons"]
-        assert any(r.startswith("predicted step time") for r in plan["reasons"])
-        assert plan["predicted_step_time_s"] > 0
+        assert any("unit 2 stage 1->0" in r for r in plan.reasons), plan.reasons
+        assert any(r.startswith("predicted step time") for r in plan.reasons)
+        assert plan.predicted_step_time_s > 0
         await apply_all(h, 1, 2.2)
 
     run(scenario())
@@ -101,7 +101,7 @@ def test_best_partition_needing_a_two_stage_hop_falls_back_to_resize_only() -> N
         _, plan, new = published(h)
         assert validate(new, exhaustive=True).ok
         assert new.boundaries == layout.boundaries and new.stages[0].ranks == (0,)
-        why = [r for r in plan["reasons"] if r.startswith("re-partition not adopted")]
+        why = [r for r in plan.reasons if r.startswith("re-partition not adopted")]
         assert len(why) == 1 and "unit 2 stage 0->2" in why[0] and "more than one stage" in why[0], plan[
             "reasons"
         ]
@@ -142,8 +142,8 @@ def test_slow_worker_is_up_clocked_and_given_its_clock_back_when_it_recovers() -
         assert epoch == 1 and validate(new).ok
         assert new.frequencies_mhz == ((4, 1568),)  # 1,400 MHz x 1.12, below the 1,650 MHz maximum
         assert new.stages == layout.stages  # a sub-layer gap: no block moves, no rank leaves
-        assert any("DVFS" in r and "rank 4 at 1568 MHz" in r for r in plan["reasons"]), plan["reasons"]
-        assert any("fail-slow" in r for r in plan["reasons"])
+        assert any("DVFS" in r and "rank 4 at 1568 MHz" in r for r in plan.reasons), plan.reasons
+        assert any("fail-slow" in r for r in plan.reasons)
         await apply_all(h, 1, 5.2)
         # Compensated: normal step times, but the worker is cleared only after clear_steps of them.
         for step in range(3, 5):
@@ -155,7 +155,7 @@ def test_slow_worker_is_up_clocked_and_given_its_clock_back_when_it_recovers() -
         assert await h.engine.tick(h.job, 9.1) == JobPhase.APPLYING
         epoch, plan, new = published(h)
         assert epoch == 2 and new.frequencies_mhz == ((4, 1400),)  # pinned at nominal: SetFrequency is sent
-        assert any("back to the nominal 1400 MHz" in r for r in plan["reasons"]), plan["reasons"]
+        assert any("back to the nominal 1400 MHz" in r for r in plan.reasons), plan.reasons
 
     run(scenario())
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -14,11 +13,14 @@ from core_service.engine import Decision, JobSnapshot, Policy, ScheduleEngine
 from core_service.jobs import JobTable
 from core_service.membership import Membership, Registration
 from core_service.metrics import CoreMetrics
-from core_service.model import JobPhase, WorkerState
+from core_service.model import Ack, AckPhase, JobPhase, WorkerState
 from core_service.persist import Persister
 from core_service.policies import LayoutPolicy
+from core_service.recovery import stored_plans
 from core_service.registry import MemoryRegistry, PlanStore, RegistryError
-from planners.layout import Layout, make_uniform_layout
+from planners.layout import Layout, Plan, make_uniform_layout
+
+RESUMED = Ack(AckPhase.RESUMED)
 
 
 class Harness:
@@ -91,19 +93,18 @@ def test_loss_is_planned_published_applied_and_resumed_tick_by_tick() -> None:
         assert await h.engine.tick(h.job, 2.0) == JobPhase.PLANNING
         assert await h.engine.tick(h.job, 2.1) == JobPhase.APPLYING
         assert h.job.plan_epoch == 1
-        epoch, body = h.plans.latest("j")
-        new_layout = Layout.from_json(json.loads(body)["layout_json"])
+        new_layout = layout_of_epoch(h, "j", 1)
         assert lost_rank not in new_layout.ranks()
         assert new_layout.stages[0] == layout.stages[0]  # the untouched stage is unchanged
 
         # Still applying until every live worker has resumed.
         live = [w for w in h.job.members if h.job.members[w].state != WorkerState.LOST]
         for worker in live[:-1]:
-            h.job.acks.setdefault(1, {})[worker] = "RESUMED"
+            h.job.acks.setdefault(1, {})[worker] = RESUMED
         assert await h.engine.tick(h.job, 2.2) == JobPhase.APPLYING
-        h.job.acks[1][live[-1]] = "RESUMED"
+        h.job.acks[1][live[-1]] = RESUMED
         assert await h.engine.tick(h.job, 2.3) == JobPhase.RUNNING
-        assert h.kinds()[-3:] == ["plan_published", "phase_applying", "phase_running"]
+        assert h.kinds()[-4:] == ["plan_published", "phase_applying", "layout_committed", "phase_running"]
 
     run(scenario())
 
@@ -127,7 +128,7 @@ def test_new_loss_while_applying_replans_from_the_cumulative_state() -> None:
         assert await h.engine.tick(h.job, 2.5) == JobPhase.PLANNING
         assert await h.engine.tick(h.job, 2.6) == JobPhase.APPLYING
         assert h.job.plan_epoch == 2
-        final = Layout.from_json(json.loads(h.plans.latest("j")[1])["layout_json"])
+        final = layout_of_epoch(h, "j", 2)
         assert first not in final.ranks() and second not in final.ranks()
         assert sorted(final.ranks()) == sorted(set(layout.ranks()) - {first, second})
 
@@ -147,7 +148,7 @@ def test_emptied_stage_hands_its_layers_on_and_losing_everything_is_refused() ->
         h.membership.mark_lost(h.job, f"w{layout.stages[1].ranks[0]}", "gone", "process_exit", 2.0)
         await h.engine.tick(h.job, 2.0)
         assert await h.engine.tick(h.job, 2.0) == JobPhase.APPLYING
-        merged = Layout.from_json(json.loads(h.plans.latest("j")[1])["layout_json"])
+        merged = layout_of_epoch(h, "j", 1)
         assert merged.num_stages == 1 and merged.stages[0].ranks == layout.stages[0].ranks
         assert (merged.stages[0].layer_start, merged.stages[0].layer_stop) == (0, 2)
         h.membership.mark_lost(h.job, f"w{layout.stages[0].ranks[0]}", "gone", "process_exit", 3.0)
@@ -190,10 +191,14 @@ class FailingFor:
         return self.inner.decide(snapshot)
 
 
-def layout_of_epoch(h: Harness, job: str, epoch: int) -> Layout:
+def plan_of_epoch(h: Harness, job: str, epoch: int) -> Plan:
     body = h.plans.get(job, epoch)
     assert body is not None, f"no plan {epoch} for {job}"
-    return Layout.from_json(json.loads(body)["layout_json"])
+    return Plan.from_json(body)
+
+
+def layout_of_epoch(h: Harness, job: str, epoch: int) -> Layout:
+    return plan_of_epoch(h, job, epoch).new
 
 
 @pytest.mark.timeout(30)
@@ -286,19 +291,24 @@ def test_restore_takes_the_newest_plan_replans_unplanned_losses_and_resumes_the_
         new.persister.start()
         new.table.jobs = new.table.read_registry(3.0)
         restored = new.table.get("j")
-        assert Layout.from_json(restored.layout_json) == layout  # the spec keeps the creation layout
-        new.engine.restore(restored, new.plans.current_epoch("j"), new.plans.latest("j"), 3.0)
+        assert restored.layout_json == layout.to_json()  # the spec keeps the creation layout
+        epoch, latest, committed = stored_plans(new.plans, restored)
+        assert committed == (1, old.plans.get("j", 1))  # j-w1 resumed epoch 1
+        new.engine.restore(restored, epoch, latest, 3.0, committed)
 
-        assert restored.plan_epoch == 1
-        assert Layout.from_json(restored.layout_json) == layout_of_epoch(old, "j", 1)
+        assert restored.plan_epoch == 1 and restored.committed_epoch == 1
+        assert restored.committed_layout_json == layout_of_epoch(old, "j", 1).to_json()
+        assert restored.last_plan == plan_of_epoch(old, "j", 1)
+        assert restored.layout_json == layout_of_epoch(old, "j", 1).to_json()
         assert [(e.kind, e.worker_id) for e in restored.pending_changes] == [
             ("replan_after_takeover", f"j-w{second}")
         ]
-        assert restored.phase == JobPhase.APPLYING and restored.acks == {1: {"j-w1": "RESUMED"}}
+        assert restored.phase == JobPhase.APPLYING and restored.acks == {1: {"j-w1": RESUMED}}
         assert await new.engine.tick(restored, 3.1) == JobPhase.PLANNING  # a change while applying
         assert await new.engine.tick(restored, 3.2) == JobPhase.APPLYING
         final = layout_of_epoch(new, "j", 2)
         assert sorted(final.ranks()) == sorted(set(layout.ranks()) - {first, second})
+        assert plan_of_epoch(new, "j", 2).old == layout_of_epoch(old, "j", 1)
         await new.persister.stop(5.0)
         await old.persister.stop(5.0)
 

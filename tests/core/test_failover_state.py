@@ -35,7 +35,7 @@ from elaswave.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from planners.layout import Layout, make_uniform_layout
+from planners.layout import Layout, Plan, make_uniform_layout
 from tests.core.procs import CoreProcess, create_job, new_token, wait_until
 from tests.core.test_engine import FailingFor
 from tests.core.test_plan_flow import RawAgent
@@ -112,7 +112,7 @@ async def join_all(core: Core, job: str, layout: Layout) -> None:
 def stored_layout(registry: Registry, job: str, epoch: int) -> Layout:
     body = PlanStore(registry, "/elaswave").get(job, epoch)
     assert body is not None, f"job {job} has no stored plan {epoch}"
-    return Layout.from_json(json.loads(body)["layout_json"])
+    return Plan.from_json(body).new
 
 
 def kinds(job: Job) -> list[str]:
@@ -163,16 +163,18 @@ def test_plans_that_cannot_be_stored_make_the_leader_step_down_and_the_standby_r
             await eventually(lambda: "decision_none" in kinds(job), 10, "the joins to be planned")
             # Another publisher (a Core that still believes it leads) stores epoch 1: every plan of
             # "a" is now fenced off (StaleEpoch), tick after tick.
-            split_brain = {
-                "job": "train",
-                "layout_json": LAYOUT.to_json(),
-                "reasons": ["split brain"],
-                "predicted_step_time_s": 0.0,
-                "created_unix": time.time(),
-                "policy": "other",
-            }
+            split_brain = Plan(
+                epoch=1,
+                old=LAYOUT,
+                new=LAYOUT,
+                reasons=("split brain",),
+                predicted_step_time_s=0.0,
+                job="train",
+                policy="other",
+                created_unix=time.time(),
+            )
             PlanStore(registry, "/elaswave").publish(
-                "train", json.dumps(split_brain).encode(), expected_epoch=0
+                "train", split_brain.to_json().encode(), expected_epoch=0
             )
             a.membership.mark_lost(job, "w3", "killed", "process_exit", time.time())
 

@@ -21,7 +21,7 @@ from elaswave.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from planners.layout import Layout, make_uniform_layout
+from planners.layout import Layout, Plan, PlanMode, make_uniform_layout
 from tests.core.procs import CoreProcess, create_job, new_token, wait_until
 
 pytestmark = pytest.mark.multiproc
@@ -175,23 +175,63 @@ def test_lost_worker_yields_a_plan_that_executors_apply(core: tuple[CoreProcess,
         )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "stale" in err.value.details()
 
-    # Detection path "collective failure": a survivor reports rank 2 in a failed all-reduce.
-    report = executor.ReportPeerFailure(
-        executor_pb2.ReportPeerFailureRequest(
-            job="train",
-            worker_id="w0",
-            peer_rank=2,
-            step=7,
-            operation="send(stage 1)",
-            error="Connection reset",
+    # A collective failure with no membership change: rank 2's agent still heartbeats, so the step
+    # is replayed on the same layout (a retry plan) twice; reported again after that, it is lost
+    # (detection path "collective failure").
+    def report(peer_rank: int) -> executor_pb2.ReportPeerFailureResponse:
+        return executor.ReportPeerFailure(
+            executor_pb2.ReportPeerFailureRequest(
+                job="train",
+                worker_id="w0",
+                peer_rank=peer_rank,
+                step=7,
+                operation="send(stage 1)",
+                error="Connection reset",
+            ),
+            metadata=auth,
+            timeout=5,
+        )
+
+    with pytest.raises(grpc.RpcError) as err:
+        report(-2)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "peer_rank" in err.value.details()
+    target = Layout.from_json(json.dumps(proc.job("train")["layout"]))  # epoch 2's layout
+    executor.AckPlanPhase(
+        executor_pb2.AckPlanPhaseRequest(
+            job="train", worker_id="w0", epoch=2, phase=executor_pb2.PLAN_PHASE_RECEIVED
         ),
         metadata=auth,
         timeout=5,
     )
-    assert report.peer_marked_lost and report.peer_worker_id == "w2"
+    for retry, epoch in ((1, 3), (2, 4)):
+        answer = report(2)
+        assert not answer.peer_marked_lost and answer.peer_worker_id == "w2"
+        plan = next(plans).plan
+        decoded = Plan.from_json(plan.plan_json)
+        assert (plan.epoch, decoded.epoch, decoded.new, decoded.mode) == (
+            epoch,
+            epoch,
+            target,
+            PlanMode.IN_PLACE,
+        )
+        assert decoded.reasons[0] == (
+            f"retry of epoch {epoch - 1} after collective failure in send(stage 1) at step 7: "
+            f"replay on the same layout (retry {retry} of 2)"
+        )
+        # w0 received the replay: its next report is about a new failure, not this one.
+        executor.AckPlanPhase(
+            executor_pb2.AckPlanPhaseRequest(
+                job="train", worker_id="w0", epoch=epoch, phase=executor_pb2.PLAN_PHASE_RECEIVED
+            ),
+            metadata=auth,
+            timeout=5,
+        )
+    assert proc.states("train")["w2"] == "RUNNING"
+    answer = report(2)
+    assert answer.peer_marked_lost and answer.peer_worker_id == "w2"
     lost = next(m for m in proc.job("train")["members"] if m["worker_id"] == "w2")
     assert lost["state"] == "LOST" and "Connection reset" in lost["lost_reason"]
-    assert next(plans).plan.epoch == 3
+    assert next(plans).plan.epoch == 5
     plans.cancel()
     for agent in agents.values():
         agent.close()

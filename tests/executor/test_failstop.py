@@ -223,7 +223,7 @@ def _run(sc: Scenario) -> dict[int, dict[str, Any]]:
             from executor.comm.ledger import decode
 
             for w in survivors:
-                out[w]["ledger"] = decode(store.get(f"ew/e0/ledger/{w}"))
+                out[w]["ledger"] = decode(store.get(f"ew/e1/ledger/{w}"))
         return out
     finally:
         server.stop()
@@ -457,8 +457,9 @@ class _Recorder:
     def check_plan(self, plan: Plan, lost: frozenset[int]) -> None:
         self.calls.append(("check", plan.epoch))
 
-    def on_plan(self, plan: Plan, lost: frozenset[int], committed_step: int) -> None:
+    def on_plan(self, plan: Plan, lost: frozenset[int], committed_step: int) -> int:
         self.calls.append(("plan", plan.epoch))
+        return committed_step
 
 
 def _protocols(port: int, n: int, timeout_s: float = 5.0) -> list[StepProtocol]:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed import HashStore
 
+from executor.checkpoint import latest_checkpoint
 from executor.engine_comm import StaticComm, groups_for_stage_ranks
 from executor.reference import run_reference
-from executor.trainer import Trainer, check_layout
+from executor.trainer import Trainer, check_layout, checkpoint_payload, checkpoint_writer
 from executor.zero import ShardState
 from tests.executor.engine_cases import NUM_UNITS, gpt_spec, layout
 
@@ -71,3 +73,34 @@ def test_bad_remapped_state_changes_nothing() -> None:
     after = trainer.state_dict_for_rollback()
     assert all(torch.equal(before["params"][n], after["params"][n]) for n in params)
     assert trainer.next_step == 1
+
+
+def _states_equal(a: dict, b: dict) -> bool:
+    return a["step_count"] == b["step_count"] and all(
+        torch.equal(a["units"][n][k], b["units"][n][k])
+        for n in a["units"]
+        for k in ("param", "exp_avg", "exp_avg_sq")
+    )
+
+
+def test_restore_layout_reloads_a_checkpoint_or_the_initial_state_in_place(tmp_path: Path) -> None:
+    """What a RESTORE plan does on each worker: the same process, its state replaced by the
+    agreed checkpoint's (or the job's initial state), bitwise, and training goes on from there."""
+    trainer = _trainer()
+    initial = trainer.gather_full_state()
+    for step in range(3):
+        trainer.train_step(step)
+    at_3 = trainer.gather_full_state()
+    writer = checkpoint_writer(trainer.spec, tmp_path, trainer.layout.global_batch, "run")
+    payload = checkpoint_payload(trainer)
+    assert payload is not None
+    writer.submit(payload)
+    writer.wait(timeout_s=60)
+    replay = trainer.train_step(3).loss
+    trainer.train_step(4)
+    meta = trainer.restore_layout(trainer.layout, trainer.comm, latest_checkpoint(tmp_path))
+    assert meta is not None and meta.next_step == 3 and trainer.next_step == 3
+    assert _states_equal(trainer.gather_full_state(), at_3)
+    assert trainer.train_step(3).loss == replay
+    assert trainer.restore_layout(trainer.layout, trainer.comm, None) is None
+    assert trainer.next_step == 0 and _states_equal(trainer.gather_full_state(), initial)

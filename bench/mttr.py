@@ -1,0 +1,119 @@
+"""MTTR under the failures clusters see, itemised (issue: survive what clusters do).
+
+`python -m bench.mttr` runs the GPT example under the Core (real processes: Core, store, agents,
+workers; `harness.chaos`) once per case and configuration, and prints, per case, the time from
+the fault to the first step committed on every survivor, split into: detect (fault -> the Core
+marks the last victim LOST), plan (-> the recovering plan is published), communicator (the
+slowest survivor's group edit), state (its remap from ring snapshots, migration or checkpoint
+restore), and replay (the rest: the replayed step and its commit, and any wait for a newer plan
+when a recovery was restarted). Each run is also checked like the chaos suite (loss and final
+state against the fault-free run); a failed check is printed with the row.
+
+Cases: one kill; two kills in one step (different stages); a node of 2 and of 4 ranks (worker
+and agent killed; ranks spread over nodes as `planners.placement` spreads them, so a node holds
+DP-alternate ranks); a kill during the recovery from another (50 ms later); a whole stage (its
+node, restored in place from the latest checkpoint). Configurations PP=2 x DP=4 and PP=4 x DP=2.
+`--quick` runs the first configuration only. Timings are wall-clock on a shared machine: compare
+rows of one run, not runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from harness.chaos import ChaosOutcome, ChaosScenario, Fault, run_scenario
+
+PHASES = ("detect", "plan", "communicator", "state", "replay")
+
+
+def cases(pp: int, dp: int) -> list[tuple[str, ChaosScenario]]:
+    """(case, scenario) for a PP x DP job; ranks are stage-major (stage p: p*dp .. p*dp+dp-1)."""
+
+    def rank(stage: int, index: int) -> int:
+        return stage * dp + index
+
+    def job(name: str, fault: Fault, checkpoint_every: int = 0) -> ChaosScenario:
+        return ChaosScenario(
+            f"{name} (PP={pp} x DP={dp})",
+            pp=pp,
+            dp=dp,
+            global_batch=16,
+            steps=8,
+            checkpoint_every=checkpoint_every,
+            faults=(fault,),
+        )
+
+    last = pp - 1
+    node4 = tuple(rank(s, i) for s in range(pp) for i in range(0, dp, 2))[:4]
+    return [
+        ("one kill", job("one kill", Fault("kill", 2, (rank(last, 1),)))),
+        ("two kills at once", job("two kills", Fault("kill", 2, (rank(0, 1), rank(last, 0))))),
+        ("node of 2 ranks", job("node of 2", Fault("node", 2, (rank(0, 0), rank(last, 0))))),
+        ("node of 4 ranks", job("node of 4", Fault("node", 2, node4))),
+        ("kill during recovery", job("during", Fault("kill", 2, (rank(last, 0), rank(0, 1)), gap_s=0.05))),
+        (
+            "whole stage",
+            job("whole stage", Fault("node", 3, tuple(rank(last, i) for i in range(dp))), checkpoint_every=2),
+        ),
+    ]
+
+
+def row(case: str, outcome: ChaosOutcome) -> dict[str, Any]:
+    record = outcome.faults[0]
+    return {
+        "case": case,
+        "config": f"PP={outcome.scenario.pp} x DP={outcome.scenario.dp}",
+        "mttr_s": record.mttr_s,
+        "phases": {k: max(0.0, v) for k, v in record.phases.items()},
+        "modes": record.modes,
+        "epochs": record.epochs,
+        "steps_lost": record.steps_lost,
+        "loss_rel_dev_mean": outcome.loss_rel_dev_mean,
+        "problems": outcome.problems,
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = f"{'config':<14} {'case':<22} {'MTTR':>7} " + " ".join(f"{p:>12}" for p in PHASES) + "  plan"
+    print(head)
+    for r in rows:
+        mttr = "-" if r["mttr_s"] is None else f"{r['mttr_s'] * 1e3:5.0f}ms"
+        phases = " ".join(f"{r['phases'].get(p, 0.0) * 1e3:10.0f}ms" for p in PHASES)
+        how = "/".join(r["modes"]) + (f", {r['steps_lost']} steps lost" if r["steps_lost"] else "")
+        flag = "  CHECK FAILED: " + "; ".join(r["problems"]) if r["problems"] else ""
+        print(f"{r['config']:<14} {r['case']:<22} {mttr:>7} {phases}  {how}{flag}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="PP=2 x DP=4 only")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    configs = [(2, 4)] if args.quick else [(2, 4), (4, 2)]
+    print(
+        f"machine: {platform.machine()}, {platform.processor() or 'cpu'}; python {platform.python_version()}"
+    )
+    rows = []
+    for pp, dp in configs:
+        for case, scenario in cases(pp, dp):
+            with tempfile.TemporaryDirectory() as tmp:
+                rows.append(row(case, run_scenario(scenario, Path(tmp))))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    print_table(rows)
+    done = [r["mttr_s"] for r in rows if r["mttr_s"] is not None]
+    if done:
+        print(f"MTTR median {statistics.median(done) * 1e3:.0f} ms, worst {max(done) * 1e3:.0f} ms")
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 1 if any(r["problems"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

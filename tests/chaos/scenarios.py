@@ -1,0 +1,38 @@
+"""The chaos suite's fault schedules (tests/chaos/test_chaos.py); `make chaos` runs seeded random
+ones (`harness.chaos.random_scenario`). Every fault fires once every live worker has committed
+its step."""
+
+from __future__ import annotations
+
+from harness.chaos import ChaosScenario, Fault
+
+# Several ranks at once: two of one stage (DP ring neighbours' copies survive: ranks 4 and 6 of
+# stage 1 = {4, 5, 6, 7}), then two of different stages.
+SIMULTANEOUS = ChaosScenario(
+    "simultaneous",
+    pp=2,
+    dp=4,
+    global_batch=16,
+    steps=10,
+    faults=(Fault("kill", 2, (4, 6)), Fault("kill", 5, (1, 5))),
+)
+# A failure during a recovery (the second kill 50 ms after the first, while the survivors apply
+# the first plan), then a collective that fails with every process alive.
+CASCADING = ChaosScenario(
+    "cascading",
+    pp=2,
+    dp=3,
+    steps=10,
+    faults=(Fault("kill", 2, (4, 1), gap_s=0.05), Fault("collective", 5, (0,))),
+)
+# A whole simulated node (workers and agents) holding all of stage 1: no copy of its state is
+# left in memory, so the job restores its latest checkpoint in place on one stage.
+WHOLE_STAGE = ChaosScenario(
+    "whole-stage",
+    pp=2,
+    dp=2,
+    steps=10,
+    checkpoint_every=2,
+    faults=(Fault("node", 4, (2, 3)),),
+)
+SCENARIOS = (SIMULTANEOUS, CASCADING, WHOLE_STAGE)

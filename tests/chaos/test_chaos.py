@@ -1,0 +1,27 @@
+"""The bounded chaos suite (issue: survive what clusters do): real Core, store, agents and GPT
+workers; each scenario's faults fire at chosen steps, and the job must finish with no process
+restarted, every step committed, every sample once per stage, the loss on the fault-free curve
+and the final parameters and Adam moments equal to the fault-free run's up to fp32 round-off.
+The MTTR of every fault is printed (`pytest -s`); `make chaos` runs the long seeded version."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.chaos import run_scenario
+from tests.chaos.scenarios import SCENARIOS
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_job_survives_the_schedule_and_matches_the_fault_free_run(scenario, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    outcome = run_scenario(scenario, tmp_path, timeout_s=240.0)
+    print(outcome.summary())
+    assert outcome.problems == [], outcome.summary() + "\n" + "\n".join(outcome.problems)
+    assert all(r.mttr_s is not None for r in outcome.faults)
+    restores = [m for r in outcome.faults for m in r.modes if m == "restore"]
+    # Only a whole stage lost needs the durable checkpoint; everything else recovers in memory.
+    assert bool(restores) == any(f.kind == "node" for f in scenario.faults), outcome.summary()
