@@ -202,7 +202,10 @@ class PlanClient:
                     return True
                 except grpc.RpcError as exc:
                     code = exc.code() if isinstance(exc, grpc.Call) else None
-                    log.warning(
+                    # A newer plan superseded this one: the Core refuses acks of old epochs.
+                    level = logging.INFO if code == grpc.StatusCode.FAILED_PRECONDITION else logging.WARNING
+                    log.log(
+                        level,
                         "%s to %s failed: %s %s",
                         method,
                         address,

@@ -31,8 +31,10 @@ import time
 from datetime import timedelta
 from typing import Protocol
 
+from torch.distributed import DistNetworkError
+
 from executor.comm.communicator import Communicator, EditReport
-from executor.comm.errors import PeerFailure
+from executor.comm.errors import PeerFailure, StoreLost
 from executor.comm.groups import WORLD_GROUP, all_workers, groups_for_stages
 from planners.layout import Plan
 
@@ -42,6 +44,16 @@ POLL_S = 0.01
 
 class StepProtocolError(RuntimeError):
     """The protocol was driven out of order, or a plan cannot be applied."""
+
+
+class DecisionUnknown(RuntimeError):
+    """The store was lost while this worker waited for the commit decision of `step`, after it
+    voted ok. Do not roll back: the next `apply_plan` settles the step with the other workers on
+    the new store (committed if any of them read COMMIT, else rolled back)."""
+
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(f"the commit decision of step {step} was lost with the store: {reason}")
+        self.step = step
 
 
 class PlanInterrupted(RuntimeError):
@@ -111,6 +123,10 @@ class StepProtocol:
         # Every abort decision makes every survivor roll back once, so all agree on this count;
         # it keeps a replayed step's decision apart from the aborted attempt's.
         self.attempt = 0
+        # A step whose decision was lost with the store (`DecisionUnknown`): its state is kept
+        # until the next plan settles it with the other workers on the new store.
+        self.undecided: int | None = None
+        self._settled_generation = comm.store_generation
 
     # ----- one step ------------------------------------------------------------------------
     def begin_step(self, step: int, timeout_s: float | None = None) -> None:
@@ -144,6 +160,18 @@ class StepProtocol:
         except PeerFailure as exc:
             if self.failure is None:
                 self.report_failure(exc)
+        try:
+            return self._decide(step, deadline)
+        except (StoreLost, DistNetworkError) as exc:
+            if self.failure is None:
+                self.failure = f"StoreLost: {exc}"
+                # This worker voted ok (or was about to): the decision may be COMMIT in the lost
+                # store, read by others. Keep the step's state until the workers settle it.
+                self.undecided = step
+                raise DecisionUnknown(step, str(exc)) from exc
+            return False  # this worker voted fail (or never voted): no one can have committed
+
+    def _decide(self, step: int, deadline: float) -> bool:
         base = f"{self.comm.namespace}/decide/p{self.plan_epoch}/s{step}/a{self.attempt}"
         store, workers = self.comm.store, sorted(all_workers(self.comm.membership))
         store.set(f"{base}/vote/{self.comm.worker}", "fail" if self.failure else "ok")
@@ -204,7 +232,7 @@ class StepProtocol:
         `check_plan`): an older or repeated epoch, a plan without its old layout, a plan this
         worker is not in. Any failure after the edit began raises PlanInterrupted after flagging
         the plan's epoch as aborted, so the other workers stop waiting for this one."""
-        if self.step is not None:
+        if self.step is not None and self.step != self.undecided:
             raise StepProtocolError(f"apply_plan inside step {self.step}: commit or roll back first")
         if plan.epoch <= self.plan_epoch:
             raise StepProtocolError(
@@ -219,6 +247,8 @@ class StepProtocol:
         lost = frozenset(plan.old.ranks()) - frozenset(plan.new.ranks())
         self.participant.check_plan(plan, lost)
         try:
+            if self.comm.store_generation != self._settled_generation:
+                self._settle(plan)
             report = self.comm.apply_edit(
                 groups_for_stages([s.ranks for s in plan.new.stages], world=WORLD_GROUP in self.comm.names()),
                 epoch=plan.epoch,
@@ -230,6 +260,31 @@ class StepProtocol:
             raise PlanInterrupted(plan.epoch, exc) from exc
         self.plan_epoch, self.committed_step, self.attempt = plan.epoch, committed, 0
         return report
+
+    def _settle(self, plan: Plan) -> None:
+        """After a move to a new store: agree with the workers of `plan.new` on the last committed
+        step. A worker whose step decision was lost commits it if any worker has committed it
+        (every worker then voted ok, so every one holds that step's update), else rolls it back.
+        Bounded and interruptible like every recovery wait."""
+        key = f"{self.comm.namespace}/e{plan.epoch}/settle/"
+        self.comm.store.set(key + str(self.comm.worker), str(self.committed_step))
+        members = sorted(plan.new.ranks())
+        self.comm.wait_keys(
+            [key + str(w) for w in members], "settling the last step on the new store", epoch=plan.epoch
+        )
+        newest = max(int(self.comm.store.get(key + str(w))) for w in members)
+        if self.undecided is not None:
+            if newest == self.undecided:
+                self.commit()
+            else:
+                self.rollback()
+            self.undecided = None
+        if self.committed_step != newest:
+            raise StepProtocolError(
+                f"worker {self.comm.worker} committed step {self.committed_step}, another worker {newest}: "
+                "no in-place way to agree"
+            )
+        self._settled_generation = self.comm.store_generation
 
     def _require_step(self) -> int:
         if self.step is None:

@@ -69,6 +69,7 @@ class WorkerSettings:
 
 # A step that failed with no plan this long afterwards is reported to the Core (peer -1).
 NO_PLAN_REPORT_S = 0.25
+STORE_CONNECT_S = 2.0  # how long a standby store address may take to answer
 
 
 class PlanNotApplicable(RuntimeError):
@@ -141,7 +142,11 @@ class CoreDrivenWorker:
         place = settings.place
         self.args, self.settings = place, settings
         layout = Layout.from_json(place.layout_file.read_text())
-        host, port = place.store.rsplit(":", 1)
+        # The store and its standbys, in the order every worker tries them (docs/architecture.md
+        # ("Recovery")): a lost store is replaced by the next address that answers.
+        self.store_addresses = [a.strip() for a in place.store.split(",") if a.strip()]
+        self._store_index = 0
+        host, port = self.store_addresses[0].rsplit(":", 1)
         store = connect_store(host, int(port), timeout_s=place.timeout_s)
         world = spec.optimizer.max_grad_norm is not None
         self.comm = Communicator(
@@ -259,6 +264,7 @@ class CoreDrivenWorker:
     def run(self) -> dict[str, Any]:
         from executor.comm import PeerFailure  # noqa: PLC0415
         from executor.plan_client import PlanTimeout  # noqa: PLC0415
+        from executor.step_protocol import DecisionUnknown  # noqa: PLC0415
 
         signal.signal(signal.SIGTERM, self._on_sigterm)
         # Restart system calls the signal interrupts: a SIGTERM must never fail a collective.
@@ -293,7 +299,13 @@ class CoreDrivenWorker:
                         {"step": step, "group": exc.group, "error": str(exc)[:300]}
                     )
                     self._report_peer(exc, step)
-                if self.proto.should_commit():
+                undecided = False
+                try:
+                    decided = self.proto.should_commit()
+                except DecisionUnknown as exc:  # the store went down: settled by the next plan
+                    self.results["failures"].append({"step": step, "group": "store", "error": str(exc)[:300]})
+                    decided, undecided = False, True
+                if decided:
                     self.proto.commit()
                     self._committed(step, result, time.perf_counter() - started)
                     self._write_checkpoint()
@@ -302,10 +314,15 @@ class CoreDrivenWorker:
                         resumed_epoch = None
                     step += 1
                     continue
-                self.proto.rollback()
-                self._payload = None  # the state it captured was rolled back
+                if not undecided:
+                    self.proto.rollback()
+                    self._payload = None  # the state it captured was rolled back
                 try:
                     resume_at = self._recover(step)
+                    if undecided and self.proto.committed_step >= step:  # the other workers had committed it
+                        self._committed(step, result, time.perf_counter() - started)
+                        self._write_checkpoint()
+                    self._payload = None
                     if resume_at is None:
                         break  # this worker is not in the new layout: it leaves
                 except PlanTimeout as exc:
@@ -451,6 +468,38 @@ class CoreDrivenWorker:
             rate = self.trainer.layout.global_batch / seconds if seconds > 0 else float("inf")
             print(f"step {step:>6}  loss {result.loss:.6f}  {rate:,.0f} samples/s (this step)", flush=True)
 
+    def _ensure_store(self) -> None:
+        """Before applying a plan: if the store is gone, move to the next address of the list that
+        answers (every worker tries them in the same order, so they meet on the same one).
+        Raises StoreLost (the apply is interrupted, retried with the next plan) if none does."""
+        from torch.distributed import DistNetworkError  # noqa: PLC0415
+
+        from executor.comm import StoreLost  # noqa: PLC0415
+        from executor.store_server import connect_store  # noqa: PLC0415
+
+        try:
+            self.comm.store.check([f"{self.comm.namespace}/alive"])
+            return
+        except DistNetworkError:
+            pass
+        n = len(self.store_addresses)
+        for offset in range(1, n):
+            index = (self._store_index + offset) % n
+            host, port = self.store_addresses[index].rsplit(":", 1)
+            try:
+                store = connect_store(host, int(port), timeout_s=STORE_CONNECT_S)
+            except (DistNetworkError, RuntimeError):
+                continue
+            self._store_index = index
+            self.comm.replace_store(store)
+            self.results.setdefault("store_moves", []).append(self.store_addresses[index])
+            print(
+                f"worker {self.args.worker_id}: the store is gone; now on {self.store_addresses[index]}",
+                flush=True,
+            )
+            return
+        raise StoreLost(f"no store answers at {self.store_addresses}")
+
     def _maybe_inject_fault(self, step: int) -> None:
         """WorkerPlace.collective_fault_at: the first attempt at that step fails here like a
         collective whose peers are all alive (chaos tests and drills; never set by the launcher)."""
@@ -486,6 +535,7 @@ class CoreDrivenWorker:
         comes within the worker timeout, PlanNotApplicable when even a RESTORE plan is refused."""
         from dataclasses import replace  # noqa: PLC0415
 
+        from executor.comm import StoreLost  # noqa: PLC0415
         from executor.step_protocol import PlanInterrupted  # noqa: PLC0415
         from planners.layout import PlanMode  # noqa: PLC0415
 
@@ -512,6 +562,7 @@ class CoreDrivenWorker:
             t1 = time.perf_counter()
             self._applying = plan.epoch
             try:
+                self._ensure_store()
                 report = self.proto.apply_plan(plan)
             except ValueError as exc:  # RelayoutError: refused before any group was edited
                 self.plans.ack(
@@ -528,7 +579,7 @@ class CoreDrivenWorker:
                     lost = frozenset(self.participant.committed_layout.ranks()) - frozenset(plan.new.ranks())
                     raise PlanNotApplicable(plan.epoch, str(exc), lost) from exc
                 continue
-            except PlanInterrupted as exc:
+            except (PlanInterrupted, StoreLost) as exc:
                 self.plans.ack(
                     plan.epoch,
                     "FAILED",

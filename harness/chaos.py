@@ -8,7 +8,9 @@ A scenario lists faults, each fired once every live worker has committed a given
 - `node`: SIGKILL of the workers *and their agents* (a node gone: nobody reports the exit, the
   Core learns it from the agents' leases or from the survivors' failed collectives);
 - `collective`: the first attempt at the next step fails on `ranks` as a collective would with
-  every process alive (executor fault injection, `ELASWAVE_INJECT_FAULT`).
+  every process alive (executor fault injection, `ELASWAVE_INJECT_FAULT`);
+- `store`: SIGKILL of the rendezvous store (the workers move to the standby store started with
+  it; `ranks` is empty).
 
 The outcome says what a user would check: the job finished with no process restarted; every step
 committed (the last commit of each is the one that counts) with its samples processed exactly
@@ -35,7 +37,7 @@ from elaswave.worker_env import CHECKPOINT_EVERY_ENV, INJECT_FAULT_ENV
 from harness.demo import states
 from harness.training import GPT_SCRIPT, TrainDemo, TrainDemoConfig, job_losses, last_step, launch_job
 
-FaultKind = Literal["kill", "node", "collective"]
+FaultKind = Literal["kill", "node", "collective", "store"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class ChaosScenario:
 
     @property
     def killed(self) -> tuple[int, ...]:
-        return tuple(r for f in self.faults if f.kind != "collective" for r in f.ranks)
+        return tuple(r for f in self.faults if f.kind in ("kill", "node") for r in f.ranks)
 
 
 @dataclass
@@ -119,6 +121,7 @@ class ChaosRun(TrainDemo):
         )
         super().__init__(workdir, cfg, timeout_s)
         self.scenario = scenario
+        self.standbys = sum(f.kind == "store" for f in scenario.faults)
         for rank in range(scenario.pp * scenario.dp):
             self.extra_env[rank] = {CHECKPOINT_EVERY_ENV: str(scenario.checkpoint_every)}
         for fault in scenario.faults:
@@ -142,6 +145,12 @@ class ChaosRun(TrainDemo):
         )
         fired = time.time()
         if fault.kind == "collective":
+            return FaultRecord(fault, fired)
+        if fault.kind == "store":
+            live = [
+                s for s in [self.store, *self.standby_stores] if s is not None and s.process.poll() is None
+            ]
+            live[0].process.kill()  # the one the workers use: the first still running
             return FaultRecord(fault, fired)
         pids = {m["worker_id"]: m["pid"] for m in job["members"]}
         for i, rank in enumerate(fault.ranks):

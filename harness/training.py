@@ -82,6 +82,8 @@ class TrainDemo(Demo):
         self.store = None
         self.agents: dict[int, subprocess.Popen[bytes]] = {}  # by rank: tests signal one agent
         self.extra_env: dict[int, dict[str, str]] = {}  # by rank: e.g. a fault to inject
+        self.standby_stores: list[Any] = []  # started with the store when `standbys` > 0
+        self.standbys = 0
 
     def script_args(self) -> list[str]:
         c = self.cfg
@@ -118,6 +120,7 @@ class TrainDemo(Demo):
         from executor.store_server import StoreServer  # noqa: PLC0415
 
         self.store = StoreServer.start()
+        self.standby_stores = [StoreServer.start() for _ in range(self.standbys)]
         return self.store.port
 
     def start_training(self, grpc_port: int, store_port: int, job_token: str, layout: Any) -> None:
@@ -133,7 +136,9 @@ class TrainDemo(Demo):
                         JOB_ENV: "demo",
                         RANK_ENV: str(rank),
                         CORE_ENV: f"127.0.0.1:{grpc_port}",
-                        STORE_ENV: f"127.0.0.1:{store_port}",
+                        STORE_ENV: ",".join(
+                            [f"127.0.0.1:{store_port}", *(f"127.0.0.1:{s.port}" for s in self.standby_stores)]
+                        ),
                         LAYOUT_ENV: str(layout_file),
                         TIMEOUT_ENV: "20",
                         RESULTS_ENV: str(self.result_file(rank)),
@@ -181,8 +186,9 @@ class TrainDemo(Demo):
 
     def stop(self) -> None:
         super().stop()
-        if self.store is not None:
-            self.store.stop()
+        for store in [self.store, *self.standby_stores]:
+            if store is not None:
+                store.stop()
 
 
 def last_step(member: dict[str, Any]) -> int:

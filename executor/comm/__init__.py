@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from executor.comm.communicator import Communicator, EditReport, RebuildMode
-from executor.comm.errors import Interrupted, MembershipError, PeerFailure
+from executor.comm.errors import Interrupted, MembershipError, PeerFailure, StoreLost
 from executor.comm.groups import dp_group_name, groups_for_stages, pp_group_name
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "MembershipError",
     "PeerFailure",
     "Interrupted",
+    "StoreLost",
     "RebuildMode",
     "dp_group_name",
     "groups_for_stages",

@@ -23,7 +23,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
@@ -32,6 +32,7 @@ import torch
 from torch.distributed import (
     AllreduceOptions,
     BroadcastOptions,
+    DistNetworkError,
     PrefixStore,
     ProcessGroup,
     ReduceOp,
@@ -39,7 +40,7 @@ from torch.distributed import (
 )
 
 from executor.comm import ledger as ledger_mod
-from executor.comm.errors import Interrupted, MembershipError, PeerFailure
+from executor.comm.errors import Interrupted, MembershipError, PeerFailure, StoreLost
 from executor.comm.groups import (
     EditDecision,
     Membership,
@@ -161,6 +162,7 @@ class Communicator:
         # Asked at every poll of every wait: a reason (str) makes the wait raise `Interrupted`. The
         # worker sets it to "a newer plan exists", so no wait of a superseded recovery runs on.
         self.interrupt: Callable[[], str | None] | None = None
+        self.store_generation = 0  # how many times `replace_store` moved this worker to a new store
         self._build(sorted(n for n, ws in self.physical.items() if worker in ws))
 
     # ----- introspection -------------------------------------------------------------------
@@ -207,11 +209,22 @@ class Communicator:
         return f"{self.namespace}/e{self.epoch if epoch is None else epoch}/abort"
 
     def signal_abort(self, reason: str) -> None:
-        """Tell every survivor to abandon its current ops (non-blocking, one store write)."""
-        self.store.set(self.abort_key(), f"{self.worker}: {reason}")
+        """Tell every survivor to abandon its current ops (non-blocking, one store write; best
+        effort: with the store gone nobody could read the flag, and every worker finds out)."""
+        with contextlib.suppress(DistNetworkError):
+            self.store.set(self.abort_key(), f"{self.worker}: {reason}")
 
     def aborted(self) -> bool:
-        return self.store.check([self.abort_key()])
+        """Whether this epoch is flagged aborted; StoreLost when the store cannot be reached."""
+        with _store_errors():
+            return self.store.check([self.abort_key()])
+
+    def replace_store(self, store: Store) -> None:
+        """Use `store` from now on (the previous one is gone). Groups already built keep working:
+        a backend needs its store only to connect. The next edit (under a new plan epoch) meets
+        the other workers on this store."""
+        self.store = store
+        self.store_generation += 1
 
     # ----- guarded ops ---------------------------------------------------------------------
     def all_reduce(self, name: str, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:  # type: ignore[assignment]
@@ -339,7 +352,8 @@ class Communicator:
             )
         t0 = time.perf_counter()
         physical = physical_groups(new, self.pp_links)
-        decision = self._decide(physical, target)
+        with _store_errors():
+            decision = self._decide(physical, target)
         old_groups = self._groups
         self.epoch = target
         self.membership, self.physical = new, physical
@@ -348,7 +362,8 @@ class Communicator:
             g = old_groups[name]
             if g.ledger.pending or g.ledger.failed:
                 self._graveyard.append(g.pg)
-        self._build(list(decision.rebuild), shrink={n: old_groups[n] for n in decision.shrink})
+        with _store_errors():
+            self._build(list(decision.rebuild), shrink={n: old_groups[n] for n in decision.shrink})
         return EditReport(
             epoch=self.epoch,
             rebuilt=decision.rebuild,
@@ -450,13 +465,12 @@ class Communicator:
         pause = KEY_POLL_FIRST_S
         while True:
             # check(), not a sliced wait(): a c10d wait that times out logs a warning each time
-            try:
+            with _store_errors():
                 if self.store.check(list(keys)):
                     return
-            except Exception as exc:  # noqa: BLE001 - the store process is gone or unreachable
-                raise PeerFailure(what, f"store unreachable: {str(exc).splitlines()[0][:200]}") from exc
+                aborted = self.store.check([abort])
             self._check_interrupt(what)
-            if self.store.check([abort]):
+            if aborted:
                 raise PeerFailure(what, f"aborted: {self.store.get(abort).decode()}")
             if time.monotonic() > deadline:
                 missing = [k for k in keys if not self.store.check([k])]
@@ -510,11 +524,14 @@ class Communicator:
             if reason:
                 g.ledger.failed = True
                 raise Interrupted(g.name, reason)
-            if self.aborted():
+            try:
+                aborted = self.aborted() and self.store.get(self.abort_key()).decode()
+            except (StoreLost, DistNetworkError) as exc:
+                g.ledger.failed = True  # the op itself may still complete; the step cannot commit
+                raise StoreLost(f"during an op on {g.name}: {exc}") from exc
+            if aborted:
                 g.ledger.failed = True
-                raise PeerFailure(
-                    g.name, f"epoch {self.epoch} aborted: {self.store.get(self.abort_key()).decode()}"
-                )
+                raise PeerFailure(g.name, f"epoch {self.epoch} aborted: {aborted}")
             if time.monotonic() > deadline:
                 self._fail(g, f"no completion within {self.timeout_s}s")
         if has_future:
@@ -532,6 +549,15 @@ class Communicator:
         with contextlib.suppress(Exception):
             self.signal_abort(f"{g.name}: {reason}")
         raise PeerFailure(g.name, reason)
+
+
+@contextlib.contextmanager
+def _store_errors() -> Iterator[None]:
+    """Turn the store client's network errors (its server is gone) into StoreLost."""
+    try:
+        yield
+    except DistNetworkError as exc:
+        raise StoreLost(str(exc).splitlines()[0][:200]) from exc
 
 
 def _op_device(backend: str) -> torch.device:

@@ -22,5 +22,14 @@ class Interrupted(PeerFailure):
     of the group's peers, but handled like one (the step or the recovery is rolled back)."""
 
 
+class StoreLost(PeerFailure):
+    """The rendezvous store cannot be reached (its process or host is gone). Handled like a peer
+    failure inside a step; the worker moves to the next store address before the next plan
+    (docs/architecture.md ("Recovery"))."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("store", reason)
+
+
 class MembershipError(ValueError):
     """A membership (group name -> ordered worker ids) is malformed or inconsistent."""

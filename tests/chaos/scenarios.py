@@ -25,14 +25,15 @@ CASCADING = ChaosScenario(
     steps=10,
     faults=(Fault("kill", 2, (4, 1), gap_s=0.05), Fault("collective", 5, (0,))),
 )
-# A whole simulated node (workers and agents) holding all of stage 1: no copy of its state is
-# left in memory, so the job restores its latest checkpoint in place on one stage.
+# The rendezvous store killed (the workers move to its standby and replay the step), then a
+# whole simulated node (workers and agents) holding all of stage 1: no copy of its state is left
+# in memory, so the job restores its latest checkpoint in place on one stage.
 WHOLE_STAGE = ChaosScenario(
-    "whole-stage",
+    "store-then-whole-stage",
     pp=2,
     dp=2,
     steps=10,
     checkpoint_every=2,
-    faults=(Fault("node", 4, (2, 3)),),
+    faults=(Fault("store", 1, ()), Fault("node", 4, (2, 3))),
 )
 SCENARIOS = (SIMULTANEOUS, CASCADING, WHOLE_STAGE)

@@ -1,0 +1,112 @@
+"""The rendezvous store is not a single point of failure (issue: survive what clusters do).
+
+Three workers' step protocols over a real store server; the store is killed at chosen points:
+
+- between the commit decision and its reading: worker 0 has read COMMIT, workers 1 and 2 lose
+  the store while they wait for the decision (`DecisionUnknown`, their step's state kept). All
+  move to the standby store and apply the next plan: the settle step makes 1 and 2 commit the
+  step worker 0 committed, and everyone agrees on the last committed step;
+- during a vote nobody has decided: everyone who lost the decision rolls the step back;
+- the groups themselves survive the move (a backend needs its store only to connect): the edit
+  onto the standby store reuses every clean group and the next collective works.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+
+from executor.comm import StoreLost
+from executor.step_protocol import COMMIT, DecisionUnknown, StepProtocol
+from executor.store_server import StoreServer, connect_store
+from planners.layout import Plan, make_uniform_layout
+from tests.executor.test_failstop import _protocols
+
+pytestmark = pytest.mark.timeout(90)
+LAYOUT = make_uniform_layout(4, 1, 3, global_batch=6, num_micro_batches=1, layer_numel=(8,) * 4)
+
+
+def _move_all(protos: list[StepProtocol], standby: StoreServer) -> None:
+    for p in protos:
+        p.comm.replace_store(connect_store("127.0.0.1", standby.port))
+
+
+def _apply_all(protos: list[StepProtocol], epoch: int) -> list[Any]:
+    plan = Plan(epoch, LAYOUT, LAYOUT, ("the store moved",), 0.0)
+    with ThreadPoolExecutor(len(protos)) as pool:
+        return list(pool.map(lambda p: p.apply_plan(plan), protos))
+
+
+def _decide(proto: StepProtocol) -> bool | DecisionUnknown:
+    try:
+        return proto.should_commit()
+    except DecisionUnknown as exc:
+        return exc
+
+
+def test_a_decision_lost_with_the_store_is_settled_on_the_standby() -> None:
+    primary, standby = StoreServer.start(), StoreServer.start()
+    try:
+        protos = _protocols(primary.port, 3)
+        for p in protos:
+            p.begin_step(0)
+        # Workers 1 and 2 vote ok; worker 0 votes and decides COMMIT (every vote is in) ...
+        base = "ew/decide/p0/s0/a0"
+        for w in (1, 2):
+            protos[w].comm.store.set(f"{base}/vote/{w}", "ok")
+        assert protos[0].should_commit() is True
+        protos[0].commit()
+        assert protos[0].comm.store.get(f"{base}/decision") == COMMIT
+        # ... and the store dies before 1 and 2 read the decision.
+        primary.process.kill()
+        primary.process.wait()
+        results = [_decide(protos[w]) for w in (1, 2)]
+        assert all(isinstance(r, DecisionUnknown) and r.step == 0 for r in results), results
+        assert [p.committed_step for p in protos] == [0, -1, -1]
+        _move_all(protos, standby)
+        reports = _apply_all(protos, 1)
+        assert [p.committed_step for p in protos] == [0, 0, 0]  # 1 and 2 committed what 0 did
+        assert all(p.undecided is None for p in protos)
+        calls = [p.participant.calls for p in protos]  # type: ignore[attr-defined]
+        assert all(("commit", 0) in c and ("rollback", -1) not in c for c in calls)
+        # The groups outlived their store: reused, and usable on the next step.
+        assert all(r.reused == ("dp/0",) and not r.rebuilt for r in reports)
+        tensors = [torch.ones(1) * (w + 1) for w in range(3)]
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda i: protos[i].comm.all_reduce("dp/0", tensors[i]), range(3)))
+        assert [t.item() for t in tensors] == [6.0, 6.0, 6.0]
+        for p in protos:
+            p.begin_step(1)
+        with ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(lambda p: p.should_commit(), protos)) == [True, True, True]
+    finally:
+        primary.stop()
+        standby.stop()
+
+
+def test_a_decision_nobody_read_is_rolled_back_everywhere() -> None:
+    primary, standby = StoreServer.start(), StoreServer.start()
+    try:
+        protos = _protocols(primary.port, 3)
+        for p in protos:
+            p.begin_step(0)
+        primary.process.kill()
+        primary.process.wait()
+        for p in protos:
+            with pytest.raises(DecisionUnknown):
+                p.should_commit()
+        with pytest.raises(StoreLost):
+            protos[0].comm.aborted()
+        _move_all(protos, standby)
+        _apply_all(protos, 1)
+        assert [p.committed_step for p in protos] == [-1, -1, -1]
+        calls = [p.participant.calls for p in protos]  # type: ignore[attr-defined]
+        assert all(("rollback", -1) in c and ("commit", 0) not in c for c in calls)
+        for p in protos:
+            p.begin_step(0)  # the step is replayed
+    finally:
+        primary.stop()
+        standby.stop()
