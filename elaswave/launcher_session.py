@@ -55,6 +55,7 @@ class Session:
         self.run_dir, self.socket_dir, self.stop, self.joined = run_dir, socket_dir, stop, joined
         self.core: LocalCore | None = None
         self.store: LocalStore | None = None
+        self.standby_store: LocalStore | None = None  # where the workers go when the store dies
         self.http: httpx.Client | None = None  # the Core's REST API, local or remote
         self.core_address = self.store_address = ""  # gRPC, store: HOST:PORT
         self.agents = Agents()
@@ -81,11 +82,14 @@ class Session:
         layout = self.placement.layout
         token = self.core.create_job(self.job, len(layout.ranks()), layout.to_json())
         self.store = LocalStore.start(env, self.run_dir / "store.log")
+        self.standby_store = LocalStore.start(env, self.run_dir / "store-standby.log")
         self.http = self.core.http
-        self.core_address, self.store_address = f"{LOOPBACK}:{self.core.grpc_port}", self.store.address
+        self.core_address = f"{LOOPBACK}:{self.core.grpc_port}"
+        # The workers try these in order: the standby takes over in place if the store dies.
+        self.store_address = f"{self.store.address},{self.standby_store.address}"
         print(
             f"[elaswave] Core up (gRPC {self.core_address}, REST {self.core.http.base_url}"
-            f"/api/v1/jobs/{self.job}), store on {self.store.address}",
+            f"/api/v1/jobs/{self.job}), store on {self.store.address} (standby {self.standby_store.address})",
             flush=True,
         )
         return token
@@ -296,7 +300,8 @@ class Session:
         self.agents.stop()
         if self.joined is not None and self.http is not None:
             self.http.close()  # a local Core's client closes with it
-        if self.store is not None:
-            self.store.stop()
+        for store in (self.store, self.standby_store):
+            if store is not None:
+                store.stop()
         if self.core is not None:
             self.core.stop()

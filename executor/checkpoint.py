@@ -27,6 +27,7 @@ root must be storage every node sees (a shared filesystem), as for any multi-nod
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import shutil
@@ -203,13 +204,26 @@ class CheckpointWriter:
         self.root.mkdir(parents=True, exist_ok=True)
         self.errors: list[BaseException] = []
         self.written: list[Path] = []
-        self._queue: queue.Queue[StagePayload | None] = queue.Queue(maxsize=max_pending)
+        self._queue: queue.Queue[tuple[int, StagePayload] | None] = queue.Queue(maxsize=max_pending)
+        self._submitted = 0  # payloads submitted so far (each is numbered in order)
+        # (monotonic time, payload number): commits of payloads up to that number stop waiting for
+        # other stages' shares at that time (see give_up_waiting)
+        self._give_up: tuple[float, int] = (math.inf, 0)
+        self.abandoned: list[Path] = []  # checkpoints given up (a stage that wrote none is gone)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"elaswave-ckpt-{run_id}")
         self._thread.start()
 
     def submit(self, payload: StagePayload) -> None:
         """Write `payload` (this rank is its stage's writer; stage 0's writer also commits)."""
-        self._queue.put(payload)
+        self._submitted += 1
+        self._queue.put((self._submitted, payload))
+
+    def give_up_waiting(self, after_s: float) -> None:
+        """Commits of the checkpoints submitted so far that still wait for other stages' shares
+        give up `after_s` from now (the job's layout changed: a stage whose ranks are gone will
+        never write its share). A given-up checkpoint stays a temporary directory, never the
+        latest; checkpoints submitted later are not affected."""
+        self._give_up = (time.monotonic() + max(0.0, after_s), self._submitted)
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -220,10 +234,10 @@ class CheckpointWriter:
 
     def _run(self) -> None:
         while True:
-            payload = self._queue.get()
+            item = self._queue.get()
             try:
-                if payload is not None:
-                    self._write(payload)
+                if item is not None:
+                    self._write(*item)
             except BaseException as exc:  # noqa: BLE001 - reported by the worker, never crashes training
                 self.errors.append(exc)
             finally:
@@ -232,7 +246,7 @@ class CheckpointWriter:
     def _tmp_dir(self, next_step: int) -> Path:
         return self.root / f".tmp-{step_dir_name(next_step)}-{self.run_id}"
 
-    def _write(self, payload: StagePayload) -> None:
+    def _write(self, number: int, payload: StagePayload) -> None:
         tmp = self._tmp_dir(payload.next_step)
         (tmp / "model").mkdir(parents=True, exist_ok=True)
         (tmp / "optim").mkdir(parents=True, exist_ok=True)
@@ -242,11 +256,15 @@ class CheckpointWriter:
             _save({"exp_avg": m, "exp_avg_sq": v}, tmp / "optim" / f"{name}.pt")
         (tmp / STAGE_DONE.format(stage=payload.stage)).write_text(f"{time.time():.6f}\n")
         if payload.stage == 0:
-            self._commit(tmp, payload)
+            self._commit(tmp, payload, number)
 
-    def _commit(self, tmp: Path, payload: StagePayload) -> None:
+    def _commit(self, tmp: Path, payload: StagePayload, number: int) -> None:
         deadline = time.monotonic() + self.commit_timeout_s
         while not all((tmp / STAGE_DONE.format(stage=s)).exists() for s in range(payload.num_stages)):
+            give_up_at, up_to = self._give_up
+            if number <= up_to and time.monotonic() > give_up_at:
+                self.abandoned.append(tmp)
+                return
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"checkpoint {tmp}: not every stage wrote its units within {self.commit_timeout_s:g} s"

@@ -126,6 +126,9 @@ class StepProtocol:
         # A step whose decision was lost with the store (`DecisionUnknown`): its state is kept
         # until the next plan settles it with the other workers on the new store.
         self.undecided: int | None = None
+        # Whether the job has a job-wide group (clipping by the global norm): a property of the
+        # job, not of the groups an interrupted edit happened to build.
+        self.world = WORLD_GROUP in comm.membership
         self._settled_generation = comm.store_generation
 
     # ----- one step ------------------------------------------------------------------------
@@ -250,7 +253,7 @@ class StepProtocol:
             if self.comm.store_generation != self._settled_generation:
                 self._settle(plan)
             report = self.comm.apply_edit(
-                groups_for_stages([s.ranks for s in plan.new.stages], world=WORLD_GROUP in self.comm.names()),
+                groups_for_stages([s.ranks for s in plan.new.stages], world=self.world),
                 epoch=plan.epoch,
             )
             committed = self.participant.on_plan(plan, lost, self.committed_step)

@@ -70,6 +70,7 @@ class WorkerSettings:
 # A step that failed with no plan this long afterwards is reported to the Core (peer -1).
 NO_PLAN_REPORT_S = 0.25
 STORE_CONNECT_S = 2.0  # how long a standby store address may take to answer
+RESTORE_COMMIT_WAIT_S = 2.0  # a checkpoint in flight may still commit this long before a restore
 
 
 class PlanNotApplicable(RuntimeError):
@@ -215,8 +216,10 @@ class CoreDrivenWorker:
         root = self.settings.checkpoint_dir
         choice = "initial"
         if root is not None:
-            # A share that never lands leaves its checkpoint incomplete, never the latest one.
+            # A checkpoint whose other shares are still being written gets a moment to commit; one
+            # waiting for a lost stage's share never will (it stays incomplete, never the latest).
             if self.writer is not None:
+                self.writer.give_up_waiting(RESTORE_COMMIT_WAIT_S)
                 with contextlib.suppress(TimeoutError):
                     self.writer.wait(timeout_s=self.args.timeout_s)
             with contextlib.suppress(CheckpointError):
@@ -596,6 +599,13 @@ class CoreDrivenWorker:
                 self._applying = None
             applied = time.perf_counter() - t1
             self.plans.ack(plan.epoch, "APPLIED", applied)
+            if (
+                self.writer is not None
+                and plan.old is not None
+                and set(plan.new.ranks()) != set(plan.old.ranks())
+            ):
+                # A checkpoint in flight waits for every old stage's share: lost ranks send none.
+                self.writer.give_up_waiting(self.args.timeout_s)
             return self._applied(plan, step, waited, applied, report)
 
     def _applied(self, plan: Any, step: int, waited: float, applied: float, report: Any) -> int:

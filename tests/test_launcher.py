@@ -512,12 +512,13 @@ def test_end_to_end_a_worker_killed_on_a_simulated_node_and_the_job_finishes(tmp
 
 
 @pytest.mark.timeout(300)
-def test_a_lost_stage_ends_the_job_with_a_checkpoint_and_it_resumes_on_the_workers_left(
+def test_a_lost_stage_is_restored_in_place_from_the_last_checkpoint_and_the_job_finishes(
     tmp_path: Path,
 ) -> None:
-    """Stage 1's only rank is killed: the Core's plan drops a stage, which the engine cannot apply
-    in place. Every survivor says so (FAILED ack), the launcher prints why and the resume command,
-    and resuming from the last periodic checkpoint on one stage trains on as the fault-free run."""
+    """Stage 1's only rank is killed: no copy of its state is left in memory, so the Core's plan is
+    a RESTORE plan (planners.applicability). The survivor, the same process, reloads the latest
+    periodic checkpoint on one stage, replays the steps after it and trains to the end as the
+    fault-free run; the launcher reports a finished job."""
     script = _tiny(tmp_path)
     ckpt = tmp_path / "ckpt"
     launcher = Launcher(
@@ -544,33 +545,18 @@ def test_a_lost_stage_ends_the_job_with_a_checkpoint_and_it_resumes_on_the_worke
     os.kill(victim["pid"], signal.SIGKILL)
     code = launcher.wait(timeout_s=120)
     out = launcher.output
-    assert code != 0, out[-3000:]
-    assert "the job cannot go on in place: plan 1 cannot be applied in place" in out, out[-3000:]
-    assert f"resume with: elaswave run --nnodes 1 --nproc-per-node 2 --pp 2 --resume {ckpt}" in out, out[
-        -3000:
-    ]
+    assert code == 0, out[-3000:]
+    assert "restore in place from the latest durable checkpoint" in out, out[-3000:]
+    assert "job 'tiny' finished: 40/40 steps" in out, out[-3000:]
     survivor = json.loads((run_dir / "rank-0.json").read_text())
-    resume_from = Path(survivor["resume_from"])
-    saved = int(resume_from.name.split("-")[1])
-    assert saved >= 2 and saved % 2 == 0, resume_from
-    resumed = elaswave_run(
-        "--nproc-per-node",
-        "2",
-        "--pp",
-        "1",
-        "--resume",
-        ckpt,
-        "--job",
-        "again",
-        script,
-        "--steps",
-        "40",
-        cwd=tmp_path,
-        timeout_s=180,
-    )
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    losses = _job_losses(tmp_path / "elaswave-run" / "again", [0, 1])
-    assert sorted(losses) == list(range(saved, 40))
+    assert survivor["committed_steps"] == 40 and survivor["start_step"] == 0
+    [restore] = survivor["restores"]
+    saved = int(Path(restore["restored_from"]).name.split("-")[1])
+    assert saved >= 2 and restore["resume_at"] == saved and restore["steps_lost"] == restore["step"] - saved
+    assert restore["mode"] == "restore"
+    assert set(survivor["stage_of_step"].values()) == {0}  # one stage after the restore: all units
+    losses = _job_losses(run_dir, [0])
+    assert set(range(saved, 40)) <= set(losses)
     reference = _reference_losses(script, 40)
     for step in range(saved, 40):
         assert losses[step] == pytest.approx(reference[step], rel=1e-4, abs=1e-6), step
