@@ -15,7 +15,11 @@ any worker starts, with the units the script's describe run measured. It decides
   to stages from the node-interleaved order (node 0's first rank, node 1's first, ..., node 0's
   second, ...), each stage a window of that order, so a stage of D ranks spans min(D, N) nodes
   and one node loss never empties a stage when every stage has >= 2 ranks and N >= 2. Where that
-  is impossible the result's `warnings` name the stages a single node loss would empty.
+  is impossible the result's `warnings` name the stages a single node loss would empty. A stage's
+  DP order is that window's order, not the rank order: DP neighbours sit on different nodes, so
+  the ring snapshot of a shard (kept by its DP predecessor, ElasWave §5.1) is never on the node
+  that holds the shard, and a node loss leaves a copy of every lost shard
+  (`planners.applicability`) whenever the stage spans two nodes.
 * **Memory.** With a per-worker cap, only partitions whose every stage fits are considered
   (Algorithm 1's memory constraint). A worker of stage p holding units with P parameter bytes
   (fp32: n = P / 4 elements) keeps the weights, their gradients and the step's rollback copy
@@ -221,11 +225,12 @@ def _segment_sums(per_unit: np.ndarray) -> np.ndarray:
 
 
 def _spread_ranks(dp_sizes: Sequence[int], nnodes: int, nproc: int) -> tuple[tuple[int, ...], ...]:
-    """Stage p's ranks: a window of the node-interleaved rank order, sorted (its DP order)."""
+    """Stage p's ranks in DP order: a window of the node-interleaved rank order, kept in that order
+    (DP neighbours on different nodes: see the module docstring)."""
     order = [node * nproc + local for local in range(nproc) for node in range(nnodes)]
     out, pos = [], 0
     for d in dp_sizes:
-        out.append(tuple(sorted(order[pos : pos + d])))
+        out.append(tuple(order[pos : pos + d]))
         pos += d
     return tuple(out)
 

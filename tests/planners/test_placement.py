@@ -104,6 +104,7 @@ def test_stage_ranks_are_spread_so_one_node_loss_never_empties_a_stage() -> None
         assert all(set(s.ranks) - lost for s in p.layout.stages)
     p = plan_placement(units([1] * 8), global_batch=16, micro_batches=2, nnodes=4, nproc_per_node=3, pp=4)
     assert all(len(p.stage_nodes(s)) == 3 for s in range(4))
+
     assert p.layout.dp_sizes == (3, 3, 3, 3)
 
 
@@ -210,3 +211,20 @@ def test_a_job_that_cannot_fit_the_memory_cap_is_refused_with_what_to_change() -
         plan_placement(
             _mem_units(), global_batch=32, micro_batches=2, nnodes=1, nproc_per_node=2, pp=2, mem_cap_bytes=0
         )
+
+
+@pytest.mark.parametrize(("nnodes", "nproc", "pp"), [(2, 4, 2), (2, 4, 1), (4, 2, 2), (3, 4, 2), (2, 8, 4)])
+def test_a_node_loss_leaves_a_copy_of_every_lost_shard(nnodes: int, nproc: int, pp: int) -> None:
+    """DP neighbours sit on different nodes, so each lost rank's ring snapshot (on its DP
+    predecessor) survives the loss of its node: the recovery stays in place."""
+    from planners.applicability import judge, lost_without_copy
+    from planners.dataflow import resize_after_loss
+
+    p = plan_placement(
+        units([1] * 8), global_batch=32, micro_batches=2, nnodes=nnodes, nproc_per_node=nproc, pp=pp
+    )
+    for node in range(nnodes):
+        lost = frozenset(p.ranks_on_node(node))
+        assert lost_without_copy(p.layout, lost) == (), (node, [s.ranks for s in p.layout.stages])
+        new = resize_after_loss(p.layout, set(lost)).layout
+        assert judge(p.layout, new).in_place
