@@ -10,7 +10,9 @@ A scenario lists faults, each fired once every live worker has committed a given
 - `collective`: the first attempt at the next step fails on `ranks` as a collective would with
   every process alive (executor fault injection, `ELASWAVE_INJECT_FAULT`);
 - `store`: SIGKILL of the rendezvous store (the workers move to the standby store started with
-  it; `ranks` is empty).
+  it; `ranks` is empty);
+- `core`: SIGKILL of the leading Core of a two-Core control plane on etcd (`ChaosScenario.cores`;
+  the standby takes over and plans the faults that follow).
 
 The outcome says what a user would check: the job finished with no process restarted; every step
 committed (the last commit of each is the one that counts) with its samples processed exactly
@@ -33,11 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
+
 from elaswave.worker_env import CHECKPOINT_EVERY_ENV, INJECT_FAULT_ENV
 from harness.demo import states
 from harness.training import GPT_SCRIPT, TrainDemo, TrainDemoConfig, job_losses, last_step, launch_job
 
-FaultKind = Literal["kill", "node", "collective", "store"]
+FaultKind = Literal["kill", "node", "collective", "store", "core"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class ChaosScenario:
     global_batch: int = 12
     micro_batches: int = 2
     checkpoint_every: int = 0  # 0: only the final checkpoint (kept for the end-state check)
+    cores: int = 1  # 2: a leader and a standby on the etcd registry given to run_scenario
 
     @property
     def killed(self) -> tuple[int, ...]:
@@ -97,6 +102,8 @@ class ChaosOutcome:
                 f" (epochs {r.epochs}, {'/'.join(r.modes)}"
                 + (f", {r.steps_lost} steps lost" if r.steps_lost else "")
                 + ")"
+                if r.epochs
+                else " (no plan needed)"
             )
             for r in self.faults
         )
@@ -107,7 +114,9 @@ class ChaosOutcome:
 
 
 class ChaosRun(TrainDemo):
-    def __init__(self, workdir: Path, scenario: ChaosScenario, timeout_s: float) -> None:
+    def __init__(
+        self, workdir: Path, scenario: ChaosScenario, timeout_s: float, registry: str | None = None
+    ) -> None:
         cfg = TrainDemoConfig(
             pp=scenario.pp,
             dp=scenario.dp,
@@ -122,12 +131,77 @@ class ChaosRun(TrainDemo):
         super().__init__(workdir, cfg, timeout_s)
         self.scenario = scenario
         self.standbys = sum(f.kind == "store" for f in scenario.faults)
+        self.registry = registry
+        self.cores: list[tuple[subprocess.Popen[bytes], dict[str, Any], httpx.Client]] = []
+        if scenario.cores > 1 and registry is None:
+            raise ValueError(
+                f"scenario {scenario.name!r} runs {scenario.cores} Cores: give it an etcd registry"
+            )
         for rank in range(scenario.pp * scenario.dp):
             self.extra_env[rank] = {CHECKPOINT_EVERY_ENV: str(scenario.checkpoint_every)}
         for fault in scenario.faults:
             if fault.kind == "collective":
                 for rank in fault.ranks:
                     self.extra_env[rank][INJECT_FAULT_ENV] = f"collective@{fault.after_step + 1}"
+
+    def start_core(self) -> dict[str, Any]:
+        """One Core (in-memory), or a leader and a standby on the etcd registry."""
+        if self.scenario.cores == 1:
+            return super().start_core()
+        for i in range(self.scenario.cores):
+            self.cores.append(self._start_ha_core(f"core-{i}"))
+        self.core_addresses = [f"127.0.0.1:{info['grpc_port']}" for _p, info, _h in self.cores]
+        self._follow_leader()
+        return next(info for _p, info, http in self.cores if http is self.http)
+
+    def _start_ha_core(self, name: str) -> tuple[subprocess.Popen[bytes], dict[str, Any], httpx.Client]:
+        ready = self.workdir / f"{name}.json"
+        cmd = [sys.executable, "-m", "elaswave.cli", "core", "--grpc-port", "0", "--http-port", "0"]
+        cmd += ["--registry", str(self.registry), "--core-id", name, "--ready-file", str(ready)]
+        cmd += ["--heartbeat-timeout", "2", "--lease-ttl", "2", "--leader-ttl", "2", "--log-level", "WARNING"]
+        env = dict(os.environ, ELASWAVE_SCHEDULER_TOKEN=self.scheduler_token)
+        proc = subprocess.Popen(cmd, env=env)
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"Core {name} exited with status {proc.returncode} before it was ready")
+            self._check_time(f"Core {name} to start")
+            time.sleep(0.05)
+        info = json.loads(ready.read_text())
+        return proc, info, httpx.Client(base_url=f"http://127.0.0.1:{info['http_port']}", timeout=5.0)
+
+    def _follow_leader(self) -> None:
+        """Point the REST client at whichever live Core leads (after a takeover: the standby)."""
+        while True:
+            for proc, _info, http in self.cores:
+                if proc.poll() is None:
+                    try:
+                        if http.get("/healthz").json().get("role") == "leader":
+                            self.http = http
+                            return
+                    except httpx.HTTPError:
+                        pass
+            self._check_time("a Core to lead")
+            time.sleep(0.05)
+
+    def job(self) -> dict[str, Any]:
+        if not self.cores:
+            return super().job()
+        try:
+            return super().job()
+        except httpx.HTTPError:
+            self._follow_leader()
+            return super().job()
+
+    def stop(self) -> None:
+        super().stop()
+        for proc, _info, http in self.cores:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            http.close()
 
     def fire(self, fault: Fault) -> FaultRecord:
         """Wait until every live worker committed `fault.after_step`, then kill (collective faults
@@ -146,6 +220,12 @@ class ChaosRun(TrainDemo):
         fired = time.time()
         if fault.kind == "collective":
             return FaultRecord(fault, fired)
+        if fault.kind == "core":
+            leader = next(proc for proc, _info, http in self.cores if http is self.http)
+            leader.kill()
+            leader.wait(timeout=10)
+            self._follow_leader()
+            return FaultRecord(fault, fired)
         if fault.kind == "store":
             live = [
                 s for s in [self.store, *self.standby_stores] if s is not None and s.process.poll() is None
@@ -162,10 +242,13 @@ class ChaosRun(TrainDemo):
         return FaultRecord(fault, fired)
 
 
-def run_scenario(scenario: ChaosScenario, workdir: Path, timeout_s: float = 240.0) -> ChaosOutcome:
-    """Run `scenario` end to end and check it (see the module docstring)."""
+def run_scenario(
+    scenario: ChaosScenario, workdir: Path, timeout_s: float = 240.0, registry: str | None = None
+) -> ChaosOutcome:
+    """Run `scenario` end to end and check it (see the module docstring); `registry`: the etcd
+    URL a two-Core scenario keeps its state in."""
     workdir.mkdir(parents=True, exist_ok=True)
-    run = ChaosRun(workdir, scenario, timeout_s)
+    run = ChaosRun(workdir, scenario, timeout_s, registry)
     try:
         launch_job(run)
         records = [run.fire(f) for f in scenario.faults]
@@ -339,9 +422,12 @@ def attribute(records: list[FaultRecord], results: dict[int, dict[str, Any]]) ->
         for res in results.values():
             mine = [r for r in res["recoveries"] if record.fired_unix <= r["applied_unix"] < bounds[i + 1]]
             recs.update({r["epoch"]: r for r in mine})
-            if mine:
-                applied = max(r["applied_unix"] for r in mine)
-                after = [t for t in res["committed_unix"].values() if t > applied]
+            # A Core failover needs no plan: training goes on, the next commit is its "recovery".
+            since = max((r["applied_unix"] for r in mine), default=None)
+            if since is None and record.fault.kind == "core":
+                since = record.fired_unix
+            if since is not None:
+                after = [t for t in res["committed_unix"].values() if t > since]
                 if after:
                     firsts.append(min(after))
         record.mttr_s = max(firsts) - record.fired_unix if firsts else None

@@ -84,6 +84,7 @@ class TrainDemo(Demo):
         self.extra_env: dict[int, dict[str, str]] = {}  # by rank: e.g. a fault to inject
         self.standby_stores: list[Any] = []  # started with the store when `standbys` > 0
         self.standbys = 0
+        self.core_addresses: list[str] = []  # gRPC of every Core (HA); empty: the one started
 
     def script_args(self) -> list[str]:
         c = self.cfg
@@ -126,6 +127,7 @@ class TrainDemo(Demo):
     def start_training(self, grpc_port: int, store_port: int, job_token: str, layout: Any) -> None:
         layout_file = self.workdir / "layout.json"
         layout_file.write_text(layout.to_json())
+        cores = ",".join(self.core_addresses or [f"127.0.0.1:{grpc_port}"])
         for stage in layout.stages:
             for dp_rank, rank in enumerate(stage.ranks):
                 env = dict(
@@ -135,7 +137,7 @@ class TrainDemo(Demo):
                         TOKEN_ENV: job_token,
                         JOB_ENV: "demo",
                         RANK_ENV: str(rank),
-                        CORE_ENV: f"127.0.0.1:{grpc_port}",
+                        CORE_ENV: cores,
                         STORE_ENV: ",".join(
                             [f"127.0.0.1:{store_port}", *(f"127.0.0.1:{s.port}" for s in self.standby_stores)]
                         ),
@@ -164,7 +166,7 @@ class TrainDemo(Demo):
                     "--dp-rank",
                     str(dp_rank),
                     "--core",
-                    f"127.0.0.1:{grpc_port}",
+                    cores,
                     "--metrics-socket",
                     str(self.workdir / f"rank-{rank}.sock"),
                     "--log-level",

@@ -36,4 +36,15 @@ WHOLE_STAGE = ChaosScenario(
     checkpoint_every=2,
     faults=(Fault("store", 1, ()), Fault("node", 4, (2, 3))),
 )
-SCENARIOS = (SIMULTANEOUS, CASCADING, WHOLE_STAGE)
+# The leading Core of a two-Core control plane on etcd killed mid-training (the workers never
+# need it between failures and train on through the takeover, so the run is long enough for the
+# standby to lead again), then a worker: the new leader plans the recovery.
+LEADER_CORE = ChaosScenario(
+    "leader-core",
+    pp=2,
+    dp=2,
+    steps=80,
+    cores=2,
+    faults=(Fault("core", 2, ()), Fault("kill", 60, (3,))),
+)
+SCENARIOS = (SIMULTANEOUS, CASCADING, WHOLE_STAGE, LEADER_CORE)

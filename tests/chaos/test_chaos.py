@@ -10,15 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from harness.chaos import run_scenario
+from harness.chaos import ChaosScenario, run_scenario
 from tests.chaos.scenarios import SCENARIOS
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_job_survives_the_schedule_and_matches_the_fault_free_run(scenario, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    outcome = run_scenario(scenario, tmp_path, timeout_s=240.0)
+@pytest.mark.parametrize(
+    "scenario",
+    [pytest.param(s, marks=[pytest.mark.etcd] if s.cores > 1 else []) for s in SCENARIOS],
+    ids=lambda s: s.name,
+)
+def test_job_survives_the_schedule_and_matches_the_fault_free_run(
+    scenario: ChaosScenario, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Two Cores keep their state in a real etcd (the session's, emptied for this test).
+    registry = request.getfixturevalue("etcd_registry_url") if scenario.cores > 1 else None
+    outcome = run_scenario(scenario, tmp_path, timeout_s=240.0, registry=registry)
     print(outcome.summary())
     assert outcome.problems == [], outcome.summary() + "\n" + "\n".join(outcome.problems)
     assert all(r.mttr_s is not None for r in outcome.faults)
