@@ -81,9 +81,9 @@ class ElasWavePolicy:
     default_slowdown: float = DEFAULT_SLOWDOWN
 
     def decide(self, snapshot: JobSnapshot) -> Decision:
-        if snapshot.layout_json is None:
+        layout = snapshot.layout
+        if layout is None:
             return Decision("none", NO_LAYOUT, self.name)
-        layout = Layout.from_json(snapshot.layout_json)
         going = going_ranks(snapshot, layout)
         recovered = recovered_ranks(snapshot, layout)
         if not going and not recovered and not any(w.state == "SLOW" for w in snapshot.live):
@@ -132,7 +132,7 @@ class ElasWavePolicy:
             "publish",
             summary(resized, graph_reasons, clock_reasons, reasons[-1]),
             self.name,
-            layout_json=new.to_json(),
+            layout=new,
             predicted_step_time_s=t_after,
             reasons=reasons,
         )

@@ -85,7 +85,7 @@ class JobSnapshot:
 
     job: str
     plan_epoch: int
-    layout_json: str | None
+    layout: Layout | None  # the job's current target layout (the newest published), if any
     live: tuple[WorkerView, ...]
     gone: tuple[WorkerView, ...]
     changes: tuple[str, ...]  # "kind:worker" of every change since the last plan
@@ -97,7 +97,7 @@ class Decision:
     action: Literal["publish", "none", "refuse"]
     reason: str
     policy: str
-    layout_json: str | None = None
+    layout: Layout | None = None  # the target layout of a "publish" decision
     predicted_step_time_s: float = 0.0
     reasons: tuple[str, ...] = ()
     alternatives: tuple[dict, ...] = field(default_factory=tuple)
@@ -115,6 +115,11 @@ class Policy(Protocol):
 PublishPlan = Callable[[str, bytes, int], Awaitable[int]]
 
 
+def _current_layout(job: Job) -> Layout | None:
+    parsed = job.parsed_layout()
+    return None if parsed is None else parsed.layout
+
+
 def snapshot_of(job: Job) -> JobSnapshot:
     def view(m: MemberRecord) -> WorkerView:
         step_time = m.last_step.step_time_s if m.last_step is not None else None
@@ -124,7 +129,7 @@ def snapshot_of(job: Job) -> JobSnapshot:
     return JobSnapshot(
         job=job.name,
         plan_epoch=job.plan_epoch,
-        layout_json=job.layout_json,
+        layout=_current_layout(job),
         live=tuple(view(m) for m in members if not m.state.is_gone),
         gone=tuple(view(m) for m in members if m.state.is_gone),
         changes=tuple(f"{e.kind}:{e.worker_id}" for e in job.pending_changes),
@@ -515,10 +520,10 @@ def _target(
 ) -> tuple[Layout, tuple[str, ...], str, float, int | None] | None:
     """What to publish for `decision`: (layout, reasons, event detail, predicted step time, the
     epoch it retries or None), or None when there is nothing to publish."""
-    if decision.action == "publish" and decision.layout_json is not None:
+    if decision.action == "publish" and decision.layout is not None:
         reasons = decision.reasons or (decision.reason,)
         return (
-            Layout.from_json(decision.layout_json),
+            decision.layout,
             reasons,
             decision.reason,
             decision.predicted_step_time_s,

@@ -44,9 +44,9 @@ class LayoutPolicy:
     name: str = "elaswave-resize"
 
     def decide(self, snapshot: JobSnapshot) -> Decision:
-        if snapshot.layout_json is None:
+        layout = snapshot.layout
+        if layout is None:
             return Decision("none", NO_LAYOUT, self.name)
-        layout = Layout.from_json(snapshot.layout_json)
         going = going_ranks(snapshot, layout)
         if not going:
             return Decision("none", "no rank of the current layout is leaving", self.name)
@@ -57,7 +57,7 @@ class LayoutPolicy:
             "publish",
             resized.reasons[-2],
             self.name,
-            layout_json=resized.layout.to_json(),
+            layout=resized.layout,
             reasons=resized.reasons,
         )
 

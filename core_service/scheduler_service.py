@@ -50,15 +50,14 @@ def member_message(member: MemberRecord) -> common_pb2.Member:
 
 
 def what_if_plan(
-    job: Job, layout_json: str | None, reasons: tuple[str, ...], predicted_s: float, policy: str, now: float
+    job: Job, new: Layout | None, reasons: tuple[str, ...], predicted_s: float, policy: str, now: float
 ) -> common_pb2.Plan:
     """The plan the engine would publish (epoch 0: nothing is stored), with the mode the Core's
     rules give it from the committed layout (`core_service.recovery.choose_mode`)."""
-    if layout_json is None:  # refused: no layout to show
+    if new is None:  # refused: no layout to show
         return common_pb2.Plan(
             job=job.name, epoch=0, reasons=list(reasons), predicted_step_time_s=predicted_s, created_unix=now
         )
-    new = Layout.from_json(layout_json)
     committed = None if job.committed_layout_json is None else Layout.from_json(job.committed_layout_json)
     why: tuple[str, ...]
     if committed is None:
@@ -232,7 +231,7 @@ class SchedulerServicer:
         runnable = decision.action != "refuse"
         plan = what_if_plan(
             job,
-            decision.layout_json,
+            decision.layout,
             decision.reasons or (decision.reason,),
             decision.predicted_step_time_s,
             decision.policy,
@@ -281,7 +280,7 @@ def scale_up_what_if(job: Job, add_devices: int, now: float) -> scheduler_pb2.Pl
         f"with {add_devices} more device(s): {target.gpus} devices as DP={target.dp}, PP={target.pp}, "
         f"TP={shape.tp} (from {current}), predicted step {step_s:.3f} s"
     )
-    plan = what_if_plan(job, layout.to_json(), (summary, decision.reason), step_s, "flextrain", now)
+    plan = what_if_plan(job, layout, (summary, decision.reason), step_s, "flextrain", now)
     return scheduler_pb2.PlanWhatIfResponse(
         plan=plan, runnable=decision.scale_up, reason=f"{summary}; {decision.reason}"
     )

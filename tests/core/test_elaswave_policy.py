@@ -170,7 +170,7 @@ def _snapshot(layout: Layout, lost: int, model: dict[str, Any] | None) -> JobSna
     return JobSnapshot(
         "j",
         0,
-        layout.to_json(),
+        layout,
         live,
         gone,
         (f"worker_lost:w{lost}",),
@@ -194,11 +194,11 @@ def test_registered_model_is_the_cost_model_when_the_job_has_one() -> None:
     }
     with_model = ElasWavePolicy().decide(_snapshot(layout, 4, model))
     assert with_model.action == "publish" and "registered profile" in with_model.reasons[0]
-    assert Layout.from_json(with_model.layout_json or "").boundaries == (2,)
+    assert with_model.layout is not None and with_model.layout.boundaries == (2,)
     assert any(r.startswith("no unit moves") for r in with_model.reasons), with_model.reasons
     uniform = ElasWavePolicy().decide(_snapshot(layout, 4, None))
     assert "uniform blocks" in uniform.reasons[0]
-    assert Layout.from_json(uniform.layout_json or "").boundaries == (3,)
+    assert uniform.layout is not None and uniform.layout.boundaries == (3,)
 
 
 def test_policy_is_selected_by_configuration() -> None:
@@ -223,6 +223,7 @@ def test_memory_caps_keep_a_block_where_it_is() -> None:
     )
     decision = ElasWavePolicy().decide(_snapshot(capped, 4, None))
     assert decision.action == "publish"
-    new = Layout.from_json(decision.layout_json or "")
+    new = decision.layout
+    assert new is not None
     assert new.boundaries == (2,) and new.stages[1].ranks == (3, 5)
     assert any(r.startswith("no unit moves") for r in decision.reasons), decision.reasons
