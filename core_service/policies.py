@@ -13,7 +13,7 @@ membership-only: changes are recorded and nothing is re-planned.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from core_service.engine import Decision, JobSnapshot
@@ -80,7 +80,10 @@ def resize_for_going(layout: Layout, going: list[int]) -> Resized:
     remaining, dropped = _drop_emptied_stages(layout, set(going))
     if remaining is None:
         return Resized(None, dropped, "every stage would lose all of its ranks")
-    result = resize_after_loss(remaining, [r for r in going if r in set(remaining.ranks())])
+    left = [r for r in going if r in set(remaining.ranks())]
+    result = resize_after_loss(remaining, left)
+    if not left:  # every going rank went with a dropped stage: no survivor's share changes
+        result = replace(result, reason=f"lost ranks {sorted(going)} (with their stages)")
     report = validate(result.layout)
     if not report.ok:
         return Resized(None, dropped, "resized layout does not validate: " + "; ".join(report.problems))
