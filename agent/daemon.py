@@ -362,7 +362,7 @@ class Agent:
             log_event(
                 logging.ERROR,
                 "agent_task_failed",
-                task=task.get_coro().__qualname__,
+                task=getattr(task.get_coro(), "__qualname__", repr(task.get_coro())),
                 error=repr(task.exception()),
             )
             self._request_shutdown(f"internal error: {task.exception()!r}")

@@ -25,7 +25,7 @@ from elaswave.v1 import agent_pb2
 
 def parse_step_metrics(record: object) -> agent_pb2.StepMetrics:
     """Validate one decoded JSON record (elaswave.local_protocol's rules) and build its proto."""
-    return agent_pb2.StepMetrics(**validate_step_metrics(record))
+    return agent_pb2.StepMetrics(**validate_step_metrics(record))  # type: ignore[arg-type]  # validated fields
 
 
 def parse_line(line: bytes) -> agent_pb2.StepMetrics:

@@ -165,7 +165,12 @@ class ForeignWorker(Worker):
     async def _wait_readable(fd: int) -> None:
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
-        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+
+        def readable() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(fd, readable)
         try:
             await exited
         finally:

@@ -43,7 +43,7 @@ def invalid(message: str) -> RpcError:
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def _safe_deserializer(message_cls: type) -> Callable[[bytes], Any]:
+def _safe_deserializer(message_cls: Any) -> Callable[[bytes], Any]:  # a generated message class
     def deserialize(data: bytes) -> Any:
         try:
             return message_cls.FromString(data)

@@ -79,7 +79,7 @@ class TrainDemo(Demo):
         super().__init__(workdir, cfg.pp * cfg.dp, timeout_s)
         cfg.check()
         self.cfg = cfg
-        self.store = None
+        self.store: Any = None  # executor.store_server.StoreServer once started
         self.agents: dict[int, subprocess.Popen[bytes]] = {}  # by rank: tests signal one agent
         self.extra_env: dict[int, dict[str, str]] = {}  # by rank: e.g. a fault to inject
         self.standby_stores: list[Any] = []  # started with the store when `standbys` > 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 from etcd3 import etcdrpc, utils
@@ -140,7 +141,7 @@ class EtcdPrefixWatch(WatchHandle):
             self._deliver(event)
             self._next_revision = event.kv.mod_revision + 1
 
-    def _deliver(self, event: object) -> None:
+    def _deliver(self, event: Any) -> None:  # an etcd mvccpb.Event (generated, untyped)
         kv = event.kv
         is_put = event.type == _PUT
         change = KVEvent(
