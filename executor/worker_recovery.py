@@ -231,17 +231,16 @@ class PlanFollowing:
             "resume_at": resume_at,
             "applied_unix": time.time(),
         }
-        if resume_at != step:
-            epoch, where, _next = self.participant.restored_from[-1]
+        restored = ""
+        if plan.mode.value == "restore":
+            _epoch, where, _next = self.participant.restored_from[-1]
             record.update(restored_from=where, steps_lost=step - resume_at)
             self.results["restores"].append(record)
+            restored = (
+                f"; restored {where or 'the initial state'} in place, replaying from step "
+                f"{resume_at} ({step - resume_at} steps lost)"
+            )
         self.results["recoveries"].append(record)
-        restored = (
-            f"; restored {record.get('restored_from') or 'the initial state'} in place, replaying from step "
-            f"{resume_at} ({step - resume_at} steps lost)"
-            if resume_at != step
-            else ""
-        )
         print(
             f"worker {self.args.worker_id}: plan {plan.epoch} applied before step {step} "
             f"(waited {waited * 1e3:.0f} ms, applied in {applied * 1e3:.0f} ms; rebuilt {list(report.rebuilt)}, "
