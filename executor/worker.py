@@ -14,6 +14,10 @@ does here:
   step and acknowledge RESUMED after the first committed step under the new layout;
 - a plan that arrives while a step is running aborts that step on every worker (the plan is the
   abort signal: it also releases survivors blocked on a hung rather than a dead peer);
+- what clusters do beyond one clean kill (several ranks at once, a failure during the recovery,
+  a whole stage or the store lost, a collective that fails with everyone alive) goes through the
+  same loop: how a worker follows plans, restarts an interrupted recovery from the last committed
+  state and moves to a standby store is `executor.worker_recovery`;
 - a planned departure (scheduler preemption through the Core, or SIGTERM of the agent, which
   reports a PreemptionNotice) is the same plan: the leaving worker rolls back with everyone at
   the boundary, sees that its rank is gone and exits 0 (its agent then says Leave: LEFT, not
