@@ -74,6 +74,7 @@ class ChaosScenario:
 class FaultRecord:
     fault: Fault
     fired_unix: float
+    missed: str = ""  # why the fault could not be fired as scheduled
     mttr_s: float | None = None  # fault -> the first step committed after it on every survivor
     epochs: list[int] = field(default_factory=list)  # plans applied to recover from it
     modes: list[str] = field(default_factory=list)
@@ -238,7 +239,10 @@ class ChaosRun(TrainDemo):
                 time.sleep(fault.gap_s)
             if fault.kind == "node":
                 self.agents[rank].kill()  # the agent first: nobody is left to report the worker's exit
-            os.kill(pids[f"rank-{rank}"], signal.SIGKILL)
+            try:
+                os.kill(pids[f"rank-{rank}"], signal.SIGKILL)
+            except ProcessLookupError:  # it finished first: the schedule was too short to hit it
+                return FaultRecord(fault, fired, missed=f"rank {rank} had already exited")
         return FaultRecord(fault, fired)
 
 
@@ -341,7 +345,9 @@ def judge(
         if e["kind"] == "plan_published"
     ]
     for record in records:
-        if record.mttr_s is None:
+        if record.missed:
+            problems.append(f"fault {record.fault} not fired: {record.missed}")
+        elif record.mttr_s is None:
             problems.append(f"no step committed after fault {record.fault}")
     return ChaosOutcome(scenario, records, problems, dev_mean, diff, plans, final)
 
