@@ -402,6 +402,9 @@ class ScheduleEngine:
         if ack.failure is not None:
             data.update(failure=ack.failure.value, reason=ack.reason)
             detail += f" ({ack.failure.value}): {ack.reason}"
+        if ack.steps_replayed:
+            data["steps_lost"] = ack.steps_replayed
+            detail += f"; restored in place, {ack.steps_replayed} committed steps replayed"
         self.table.record(
             job, f"plan_{ack.phase.value.lower()}", worker_id=worker_id, detail=detail, now=now, data=data
         )

@@ -128,6 +128,10 @@ class ExecutorServicer:
             require(
                 request.failure == executor_pb2.PLAN_FAILURE_UNSPECIFIED, "failure is only set with FAILED"
             )
+        require(
+            request.steps_replayed >= 0 and (request.steps_replayed == 0 or phase == AckPhase.RESUMED),
+            f"steps_replayed must be >= 0 and given only with RESUMED, got {request.steps_replayed}",
+        )
         if request.epoch > job.plan_epoch:
             raise RpcError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -142,7 +146,11 @@ class ExecutorServicer:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"epoch {request.epoch} is stale: the job is at epoch {job.plan_epoch}",
             )
-        ack = Ack(phase, failure, request.failure_reason) if phase == AckPhase.FAILED else Ack(phase)
+        ack = (
+            Ack(phase, failure, request.failure_reason)
+            if phase == AckPhase.FAILED
+            else Ack(phase, steps_replayed=request.steps_replayed)
+        )
         self.core.engine.acknowledge(job, request.worker_id, request.epoch, ack, request.phase_time_s, now)
         return executor_pb2.AckPlanPhaseResponse(current_epoch=job.plan_epoch)
 

@@ -59,10 +59,13 @@ class Ack:
     phase: AckPhase
     failure: PlanFailure | None = None
     reason: str = ""
+    steps_replayed: int = 0  # RESUMED after a restore: committed steps the job went back over
 
     def __post_init__(self) -> None:
         if (self.phase == AckPhase.FAILED) != (self.failure is not None):
             raise ValueError(f"an ack has a failure kind exactly when it is FAILED, got {self}")
+        if self.steps_replayed < 0 or (self.steps_replayed and self.phase != AckPhase.RESUMED):
+            raise ValueError(f"steps_replayed is a count >= 0 given only with RESUMED, got {self}")
 
     @property
     def failed(self) -> bool:

@@ -161,9 +161,18 @@ class PlanClient:
             self._on_plan(plan)
 
     # ----- acks ----------------------------------------------------------------------------
-    def ack(self, epoch: int, phase: str, seconds: float, reason: str = "", failure: str = "") -> bool:
+    def ack(
+        self,
+        epoch: int,
+        phase: str,
+        seconds: float,
+        reason: str = "",
+        failure: str = "",
+        steps_replayed: int = 0,
+    ) -> bool:
         """Acknowledge `phase` of plan `epoch`; True when the Core took it (bounded, never raises).
-        A FAILED phase names its `failure` (a key of FAILURES) and `reason`."""
+        A FAILED phase names its `failure` (a key of FAILURES) and `reason`; a RESUMED after a
+        restore says how many committed steps it went back over (`steps_replayed`)."""
         request = executor_pb2.AckPlanPhaseRequest(
             job=self.job,
             worker_id=self.worker_id,
@@ -172,6 +181,7 @@ class PlanClient:
             phase_time_s=max(0.0, seconds),
             failure_reason=reason,
             failure=FAILURES[failure] if failure else executor_pb2.PLAN_FAILURE_UNSPECIFIED,
+            steps_replayed=steps_replayed,
         )
         return self._unary("AckPlanPhase", request)
 

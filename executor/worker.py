@@ -274,7 +274,15 @@ class CoreDrivenWorker(PlanFollowing):
                     self._committed(step, result, time.perf_counter() - started)
                     self._write_checkpoint()
                     if resumed_epoch is not None:
-                        self.plans.ack(resumed_epoch, "RESUMED", time.perf_counter() - started)
+                        lost = [
+                            r["steps_lost"] for r in self.results["restores"] if r["epoch"] == resumed_epoch
+                        ]
+                        self.plans.ack(
+                            resumed_epoch,
+                            "RESUMED",
+                            time.perf_counter() - started,
+                            steps_replayed=max(0, lost[-1]) if lost else 0,
+                        )
                         resumed_epoch = None
                     step += 1
                     continue

@@ -345,6 +345,15 @@ def judge(
         if e["kind"] == "plan_published"
     ]
     for record in records:
+        resumed = [
+            e["data"].get("steps_lost", 0)
+            for e in events
+            if e["kind"] == "plan_resumed" and record.epochs and e["data"].get("epoch") == record.epochs[-1]
+        ]
+        if "restore" in record.modes and record.steps_lost and record.steps_lost not in resumed:
+            problems.append(
+                f"the Core's events do not say the restore cost {record.steps_lost} steps: {resumed}"
+            )
         if record.missed:
             problems.append(f"fault {record.fault} not fired: {record.missed}")
         elif record.mttr_s is None:

@@ -48,7 +48,7 @@ class SubscribePlansResponse(_message.Message):
     def __init__(self, plan: _Optional[_Union[_common_pb2.Plan, _Mapping]] = ...) -> None: ...
 
 class AckPlanPhaseRequest(_message.Message):
-    __slots__ = ("job", "worker_id", "epoch", "phase", "failure_reason", "phase_time_s", "failure")
+    __slots__ = ("job", "worker_id", "epoch", "phase", "failure_reason", "phase_time_s", "failure", "steps_replayed")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class AckPlanPhaseRequest(_message.Message):
     FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
     PHASE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_REPLAYED_FIELD_NUMBER: _ClassVar[int]
     job: str
     worker_id: str
     epoch: int
@@ -63,7 +64,8 @@ class AckPlanPhaseRequest(_message.Message):
     failure_reason: str
     phase_time_s: float
     failure: PlanFailure
-    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., phase: _Optional[_Union[PlanPhase, str]] = ..., failure_reason: _Optional[str] = ..., phase_time_s: _Optional[float] = ..., failure: _Optional[_Union[PlanFailure, str]] = ...) -> None: ...
+    steps_replayed: int
+    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., phase: _Optional[_Union[PlanPhase, str]] = ..., failure_reason: _Optional[str] = ..., phase_time_s: _Optional[float] = ..., failure: _Optional[_Union[PlanFailure, str]] = ..., steps_replayed: _Optional[int] = ...) -> None: ...
 
 class AckPlanPhaseResponse(_message.Message):
     __slots__ = ("current_epoch",)

@@ -172,6 +172,13 @@ def test_a_whole_stage_lost_gives_a_restore_plan_from_the_committed_layout() -> 
         )
         assert stored(h, 2) == expected(2, first, merged, (*reasons, why), PlanMode.RESTORE, 3.1)
         assert h.job.layout_json == merged.to_json() and h.job.committed_layout_json == first.to_json()
+        # The restored worker's first commit says what the restore cost; the event keeps it.
+        h.engine.acknowledge(h.job, "j-w1", 2, Ack(AckPhase.RESUMED, steps_replayed=3), 0.01, 3.5)
+        resumed = last_event(h.job, "plan_resumed")
+        assert resumed["steps_lost"] == 3 and "3 committed steps replayed" in resumed["detail"]
+        assert (h.job.committed_epoch, h.job.committed_layout_json) == (2, merged.to_json())
+        with pytest.raises(ValueError, match="steps_replayed"):
+            Ack(AckPhase.APPLIED, steps_replayed=1)
 
     run(scenario())
 
