@@ -176,31 +176,13 @@ class PlanFollowing:
                 self._ensure_store()
                 report = self.proto.apply_plan(plan)
             except ValueError as exc:  # RelayoutError: refused before any group was edited
-                self.plans.ack(
-                    plan.epoch,
-                    "FAILED",
-                    time.perf_counter() - t1,
-                    reason=str(exc)[:1000],
-                    failure="NOT_APPLICABLE",
-                )
-                self.results["interrupted"].append(
-                    {"epoch": plan.epoch, "step": step, "refused": str(exc)[:300]}
-                )
+                self._failed(plan.epoch, step, exc, "NOT_APPLICABLE", time.perf_counter() - t1)
                 if plan.mode is PlanMode.RESTORE:
                     lost = frozenset(self.participant.committed_layout.ranks()) - frozenset(plan.new.ranks())
                     raise PlanNotApplicable(plan.epoch, str(exc), lost) from exc
                 continue
             except (PlanInterrupted, StoreLost) as exc:
-                self.plans.ack(
-                    plan.epoch,
-                    "FAILED",
-                    time.perf_counter() - t1,
-                    reason=str(exc)[:1000],
-                    failure="INTERRUPTED",
-                )
-                self.results["interrupted"].append(
-                    {"epoch": plan.epoch, "step": step, "error": str(exc)[:300]}
-                )
+                self._failed(plan.epoch, step, exc, "INTERRUPTED", time.perf_counter() - t1)
                 print(f"worker {self.args.worker_id}: {exc}; waiting for a newer plan", flush=True)
                 continue
             finally:
@@ -216,7 +198,16 @@ class PlanFollowing:
                 self.writer.give_up_waiting(self.args.timeout_s)
             return self._applied(plan, step, waited, applied, report)
 
+    def _failed(self, epoch: int, step: int, exc: BaseException, failure: str, seconds: float) -> None:
+        """Acknowledge plan `epoch` FAILED (`failure`: NOT_APPLICABLE or INTERRUPTED) and keep it."""
+        self.plans.ack(epoch, "FAILED", seconds, reason=str(exc)[:1000], failure=failure)
+        self.results["interrupted"].append(
+            {"epoch": epoch, "step": step, "failure": failure, "error": str(exc)[:300]}
+        )
+
     def _applied(self, plan: Any, step: int, waited: float, applied: float, report: Any) -> int:
+        from planners.layout import PlanMode  # noqa: PLC0415
+
         resume_at = self.proto.committed_step + 1
         record: dict[str, Any] = {
             "step": step,
@@ -232,7 +223,7 @@ class PlanFollowing:
             "applied_unix": time.time(),
         }
         restored = ""
-        if plan.mode.value == "restore":
+        if plan.mode is PlanMode.RESTORE:
             _epoch, where, _next = self.participant.restored_from[-1]
             record.update(restored_from=where, steps_lost=step - resume_at)
             self.results["restores"].append(record)

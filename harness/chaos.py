@@ -39,7 +39,7 @@ import httpx
 
 from elaswave.worker_env import CHECKPOINT_EVERY_ENV, INJECT_FAULT_ENV
 from harness.demo import states
-from harness.training import GPT_SCRIPT, TrainDemo, TrainDemoConfig, job_losses, last_step, launch_job
+from harness.training import TrainDemo, TrainDemoConfig, fault_free_losses, job_losses, last_step, launch_job
 
 FaultKind = Literal["kill", "node", "collective", "store", "core"]
 
@@ -270,27 +270,8 @@ def run_scenario(
 
 def fault_free_run(run: TrainDemo) -> tuple[list[float], Path]:
     """The same script and seed in one process: (losses by step, its final checkpoint)."""
-    from elaswave.launcher_describe import clean_env  # noqa: PLC0415
-
-    out = run.workdir / "fault_free_losses.json"
     ckpt = run.workdir / "fault_free_checkpoint"
-    subprocess.run(
-        [
-            sys.executable,
-            str(GPT_SCRIPT),
-            *run.script_args(),
-            "--losses-out",
-            str(out),
-            "--checkpoint-dir",
-            str(ckpt),
-        ],
-        env=clean_env(),
-        check=True,
-        stdout=subprocess.DEVNULL,
-        timeout=run.timeout_s,
-    )
-    losses = json.loads(out.read_text())
-    return [float(losses[str(s)]) for s in range(run.cfg.steps)], ckpt
+    return fault_free_losses(run, ckpt), ckpt
 
 
 def judge(

@@ -298,13 +298,15 @@ def report(demo: TrainDemo, killed_unix: float, results: dict[int, dict[str, Any
     return 1 if problems else 0
 
 
-def fault_free_losses(demo: TrainDemo) -> list[float]:
-    """The same script and seed in one process (no launcher environment): the reference."""
+def fault_free_losses(demo: TrainDemo, checkpoint_dir: Path | None = None) -> list[float]:
+    """The same script and seed in one process (no launcher environment): the reference; with
+    `checkpoint_dir`, its final checkpoint is written there too."""
     from elaswave.launcher_describe import clean_env  # noqa: PLC0415
 
     out = demo.workdir / "fault_free_losses.json"
+    ckpt = [] if checkpoint_dir is None else ["--checkpoint-dir", str(checkpoint_dir)]
     subprocess.run(
-        [sys.executable, str(GPT_SCRIPT), *demo.script_args(), "--losses-out", str(out)],
+        [sys.executable, str(GPT_SCRIPT), *demo.script_args(), "--losses-out", str(out), *ckpt],
         env=clean_env(),
         check=True,
         stdout=subprocess.DEVNULL,
