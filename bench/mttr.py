@@ -12,7 +12,10 @@ state against the fault-free run); a failed check is printed with the row.
 Cases: one kill; two kills in one step (different stages); a node of 2 and of 4 ranks (worker
 and agent killed; ranks spread over nodes as `planners.placement` spreads them, so a node holds
 DP-alternate ranks); a kill during the recovery from another (50 ms later); a whole stage (its
-node, restored in place from the latest checkpoint). Configurations PP=2 x DP=4 and PP=4 x DP=2.
+node: its shards are backed up on other nodes, in the neighbouring stage, and its blocks move
+there in place); a stage lost with its backups (each rank of the stage its own node, so the ring
+copies die with it: restored in place from the latest checkpoint). Configurations PP=2 x DP=4
+and PP=4 x DP=2.
 `--quick` runs the first configuration only. Timings are wall-clock on a shared machine: compare
 rows of one run, not runs.
 """
@@ -39,7 +42,9 @@ def cases(pp: int, dp: int) -> list[tuple[str, ChaosScenario]]:
     def rank(stage: int, index: int) -> int:
         return stage * dp + index
 
-    def job(name: str, fault: Fault, checkpoint_every: int = 0) -> ChaosScenario:
+    def job(
+        name: str, fault: Fault, checkpoint_every: int = 0, nodes: tuple[tuple[int, ...], ...] = ()
+    ) -> ChaosScenario:
         return ChaosScenario(
             f"{name} (PP={pp} x DP={dp})",
             pp=pp,
@@ -48,9 +53,11 @@ def cases(pp: int, dp: int) -> list[tuple[str, ChaosScenario]]:
             steps=8,
             checkpoint_every=checkpoint_every,
             faults=(fault,),
+            nodes=nodes,
         )
 
     last = pp - 1
+    stage_last = tuple(rank(last, i) for i in range(dp))
     node4 = tuple(rank(s, i) for s in range(pp) for i in range(0, dp, 2))[:4]
     return [
         ("one kill", job("one kill", Fault("kill", 2, (rank(last, 1),)))),
@@ -58,9 +65,10 @@ def cases(pp: int, dp: int) -> list[tuple[str, ChaosScenario]]:
         ("node of 2 ranks", job("node of 2", Fault("node", 2, (rank(0, 0), rank(last, 0))))),
         ("node of 4 ranks", job("node of 4", Fault("node", 2, node4))),
         ("kill during recovery", job("during", Fault("kill", 2, (rank(last, 0), rank(0, 1)), gap_s=0.05))),
+        ("whole stage", job("whole stage", Fault("node", 3, stage_last), nodes=(stage_last,))),
         (
-            "whole stage",
-            job("whole stage", Fault("node", 3, tuple(rank(last, i) for i in range(dp))), checkpoint_every=2),
+            "stage + its backups",
+            job("stage and backups", Fault("node", 3, stage_last), checkpoint_every=2),
         ),
     ]
 

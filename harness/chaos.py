@@ -64,6 +64,9 @@ class ChaosScenario:
     micro_batches: int = 2
     checkpoint_every: int = 0  # 0: only the final checkpoint (kept for the end-state check)
     cores: int = 1  # 2: a leader and a standby on the etcd registry given to run_scenario
+    # Ranks of each simulated node, as the layout tells the job (`Layout.rank_nodes`: shard
+    # backups avoid a shard's own node); a rank listed nowhere is a node of its own.
+    nodes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def killed(self) -> tuple[int, ...]:
@@ -140,6 +143,7 @@ class ChaosRun(TrainDemo):
             )
         for rank in range(scenario.pp * scenario.dp):
             self.extra_env[rank] = {CHECKPOINT_EVERY_ENV: str(scenario.checkpoint_every)}
+        self.rank_nodes = tuple((r, n) for n, ranks in enumerate(scenario.nodes) for r in ranks)
         for fault in scenario.faults:
             if fault.kind == "collective":
                 for rank in fault.ranks:
@@ -244,6 +248,9 @@ class ChaosRun(TrainDemo):
             except ProcessLookupError:  # it finished first: the schedule was too short to hit it
                 return FaultRecord(fault, fired, missed=f"rank {rank} had already exited")
         return FaultRecord(fault, fired)
+
+    def layout(self) -> Any:
+        return super().layout().replace(rank_nodes=self.rank_nodes)
 
 
 def run_scenario(

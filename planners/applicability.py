@@ -7,17 +7,20 @@ it refuses is one the Core could not have known better about, and it acknowledge
 this module's reason.
 
 In place means from the committed in-memory state (ElasWave §5): under ZeRO-1 every rank of a
-stage holds the stage's parameters, so only the optimizer shards of lost ranks must be rebuilt,
-from the ring snapshot their DP predecessor keeps (§5.1, Fig. 6a). A lost rank whose holder is
-lost too (two ring neighbours on one node, or a whole stage) has no copy left; neither has the
-shard of a lost rank alone in its stage (DP = 1). The executor's structural limits (a plan may
-remove ranks and move blocks between adjacent stages, nothing else) are checked first.
+stage holds the stage's parameters, and every rank's shard (its parameter slice and Adam moments)
+has one backup on another rank (`planners.backup`: the DP predecessor of §5.1 on another node,
+else a rank of a neighbouring stage). A lost rank whose holder is lost too has no copy left. With
+a copy of everything, the executors can reach any layout over the surviving ranks: fewer ranks,
+fewer stages (a whole stage lost, its blocks taken by its neighbours from the backups), blocks
+moved any distance, as long as each block's state travels within a stage or between adjacent
+stages of the new layout (the groups the executors have). Adding ranks is not in place.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planners.backup import backup_holders
 from planners.layout import Layout
 
 UNSUPPORTED = "unsupported by the engine's in-place re-layout"
@@ -33,23 +36,39 @@ class Verdict:
     without_copy: tuple[int, ...] = ()  # lost ranks whose optimizer shard has no surviving copy
 
 
-def snapshot_holder(layout: Layout, rank: int) -> int | None:
-    """The rank whose host memory keeps `rank`'s shard snapshot: its DP predecessor in the ring
-    (executor.fabric.snapshot.ring_holder); None when the stage has one rank (no ring)."""
-    ranks = layout.stage_layout_of_rank(rank).ranks
-    if len(ranks) < 2:
-        return None
-    return ranks[(ranks.index(rank) - 1) % len(ranks)]
-
-
 def lost_without_copy(layout: Layout, lost: frozenset[int]) -> tuple[int, ...]:
-    """Lost ranks of `layout` whose shard and snapshot are both gone."""
+    """Lost ranks of `layout` whose shard and backup are both gone (`planners.backup`)."""
+    holders = backup_holders(layout)
     gone = []
     for rank in sorted(lost & frozenset(layout.ranks())):
-        holder = snapshot_holder(layout, rank)
+        holder = holders.get(rank)
         if holder is None or holder in lost:
             gone.append(rank)
     return tuple(gone)
+
+
+def unit_sources(old: Layout, lost: frozenset[int], layer: int) -> tuple[int, ...]:
+    """The live ranks that hold block `layer`'s committed state after losing `lost`: every rank
+    of its old stage, a lost one replaced by its backup holder (ranks without a copy left out)."""
+    holders = backup_holders(old)
+    out = []
+    for rank in old.stages[old.stage_of_layer(layer)].ranks:
+        src = holders.get(rank) if rank in lost else rank
+        if src is not None and src not in lost:
+            out.append(src)
+    return tuple(dict.fromkeys(out))
+
+
+def unreachable_sources(old: Layout, new: Layout, lost: frozenset[int]) -> list[str]:
+    """Blocks whose state would have to travel between two stages of `new` that share no group
+    (the executors' groups are each stage and each pair of adjacent stages)."""
+    out = []
+    for layer in range(new.num_layers):
+        dst = new.stage_of_layer(layer)
+        far = [src for src in unit_sources(old, lost, layer) if abs(new.stage_of_rank(src) - dst) > 1]
+        if far:
+            out.append(f"block {layer} (held by ranks {far}, needed by stage {dst})")
+    return out
 
 
 def structural_problem(old: Layout, new: Layout) -> str | None:
@@ -67,22 +86,6 @@ def structural_problem(old: Layout, new: Layout) -> str | None:
         return (
             f"{UNSUPPORTED}: changing the global batch ({old.global_batch} -> "
             f"{new.global_batch}); it is fixed for a job"
-        )
-    if old.num_stages != new.num_stages:
-        return (
-            f"{UNSUPPORTED}: changing the number of stages ({old.num_stages} -> "
-            f"{new.num_stages}). Stages are re-laid out one by one; none can be added or dropped"
-        )
-    jumps = [
-        (layer, old.stage_of_layer(layer), new.stage_of_layer(layer))
-        for layer in range(old.num_layers)
-        if abs(old.stage_of_layer(layer) - new.stage_of_layer(layer)) > 1
-    ]
-    if jumps:
-        desc = ", ".join(f"block {lay}: stage {a} -> {b}" for lay, a, b in jumps)
-        return (
-            f"{UNSUPPORTED}: moving a block by more than one stage in one plan ({desc}). "
-            "Migration moves blocks between adjacent stages only (§6.2)"
         )
     return None
 
@@ -103,4 +106,11 @@ def judge(old: Layout, new: Layout) -> Verdict:
     problem = structural_problem(old, new)
     if problem is not None:
         return Verdict(False, problem, lost)
+    far = unreachable_sources(old, new, lost)
+    if far:
+        return Verdict(
+            False,
+            f"{UNSUPPORTED}: state would travel between stages that share no group: {'; '.join(far)}",
+            lost,
+        )
     return Verdict(True, "", lost)

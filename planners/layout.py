@@ -182,6 +182,9 @@ class Layout:
     frequencies_mhz: tuple[tuple[int, int], ...] = ()
     rng_mode: RngMode = "placement_invariant"
     stage_mem_cap_bytes: tuple[float, ...] | None = None
+    # (rank, node) pairs: which node (host index) runs a rank. Empty: unknown, every rank is taken
+    # to be on a node of its own. Decides where shard backups go (`planners.backup`).
+    rank_nodes: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -226,6 +229,10 @@ class Layout:
 
     def slot_range(self, slot: int) -> SampleRange:
         return slot_range(self.global_batch, self.num_micro_batches, slot)
+
+    def node_of(self, rank: int) -> int | None:
+        """The node running `rank`, or None when the layout does not say."""
+        return dict(self.rank_nodes).get(rank)
 
     def frequency_of(self, rank: int) -> int | None:
         """Locked frequency of `rank` in MHz, or None for the device default."""
@@ -383,7 +390,7 @@ def layout_to_dict(layout: Layout) -> dict[str, Any]:
         "stage_mem_cap_bytes": None
         if layout.stage_mem_cap_bytes is None
         else list(layout.stage_mem_cap_bytes),
-    }
+    } | ({"rank_nodes": list(map(list, layout.rank_nodes))} if layout.rank_nodes else {})
 
 
 def layout_to_json(layout: Layout) -> str:
@@ -422,6 +429,9 @@ def layout_from_dict(d: Any) -> Layout:
         if caps is None
         else tuple(
             as_float(c, "layout.stage_mem_cap_bytes") for c in as_list(caps, "layout.stage_mem_cap_bytes")
+        ),
+        rank_nodes=tuple(
+            int_pair(x, "rank_nodes") for x in as_list(d.get("rank_nodes", []), "layout.rank_nodes")
         ),
     )
 

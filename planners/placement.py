@@ -18,8 +18,9 @@ any worker starts, with the units the script's describe run measured. It decides
   is impossible the result's `warnings` name the stages a single node loss would empty. A stage's
   DP order is that window's order, not the rank order: DP neighbours sit on different nodes, so
   the ring snapshot of a shard (kept by its DP predecessor, ElasWave §5.1) is never on the node
-  that holds the shard, and a node loss leaves a copy of every lost shard
-  (`planners.applicability`) whenever the stage spans two nodes.
+  that holds the shard. Where a stage sits on one node, its shards are backed up in a
+  neighbouring stage on another node (`planners.backup`, whose cost `backup` reports), so one
+  node's loss always leaves a copy of every lost shard (`planners.applicability`).
 * **Memory.** With a per-worker cap, only partitions whose every stage fits are considered
   (Algorithm 1's memory constraint). A worker of stage p holding units with P parameter bytes
   (fp32: n = P / 4 elements) keeps the weights, their gradients and the step's rollback copy
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planners.backup import BackupCost, backup_cost
 from planners.layout import Layout, StageLayout
 from planners.partition import PartitionResult, minimax_partition
 from planners.validation import validate
@@ -71,6 +73,7 @@ class Placement:
     exposed_stages: tuple[int, ...]  # stages whose ranks all sit on one node
     warnings: tuple[str, ...]
     reason: str
+    backup: BackupCost | None = None  # host memory of the shard backups (planners.backup)
 
     def ranks_on_node(self, node: int) -> tuple[int, ...]:
         return tuple(r for r, n in enumerate(self.rank_node) if n == node)
@@ -113,6 +116,7 @@ def plan_placement(
     )
     edges = (0, *result.boundaries, len(units))
     stage_ranks = _spread_ranks(dp_sizes, nnodes, nproc_per_node)
+    rank_node = tuple(r // nproc_per_node for r in range(world))
     stages = tuple(StageLayout(p, edges[p], edges[p + 1], stage_ranks[p]) for p in range(pp))
     layout = Layout(
         num_layers=len(units),
@@ -123,16 +127,17 @@ def plan_placement(
         zero_layout="interleaved",
         frequencies_mhz=(),
         rng_mode="placement_invariant",
+        rank_nodes=tuple(enumerate(rank_node)),  # where shard backups go (planners.backup)
     )
     report = validate(layout)
     if not report.ok:  # a bug here, never the user's input: say so plainly
         raise PlacementError(f"internal error: the planned layout does not validate: {report.reason}")
-    rank_node = tuple(r // nproc_per_node for r in range(world))
     step_s = tuple(float(cost[edges[p] : edges[p + 1]].sum()) * global_batch / dp_sizes[p] for p in range(pp))
     stage_bytes = tuple(int(size[edges[p] : edges[p + 1]].sum()) for p in range(pp))
     stage_mem = tuple(float(memory.matrix(p)[edges[p], edges[p + 1]]) for p in range(pp))
     exposed = tuple(p for p, s in enumerate(stages) if len({rank_node[r] for r in s.ranks}) < 2)
     warnings = _warnings(layout, rank_node, exposed, nnodes)
+    backup = backup_cost(layout)
     return Placement(
         layout,
         rank_node,
@@ -141,7 +146,8 @@ def plan_placement(
         stage_mem,
         exposed,
         warnings,
-        _reason(layout, units, rank_node, step_s, dp_sizes, nnodes, nproc_per_node),
+        _reason(layout, units, rank_node, step_s, dp_sizes, nnodes, nproc_per_node) + "; " + backup.reason,
+        backup,
     )
 
 
@@ -296,8 +302,9 @@ def _warnings(
             for p in exposed
         )
         out.append(
-            f"losing one node would empty {where}; the Core then hands the emptied stage's units to a "
-            "neighbour, but to avoid it give every stage >= 2 ranks (a smaller --pp or more workers)"
+            f"losing one node would empty {where}; their shards are backed up in a neighbouring stage, "
+            "so the Core hands the emptied stage's units to its neighbours in place, at the cost of a "
+            "shallower pipeline: give every stage >= 2 ranks (a smaller --pp or more workers) to avoid it"
         )
     per_slot = layout.global_batch // layout.num_micro_batches
     starved = [s.stage for s in layout.stages if s.dp_size > per_slot]

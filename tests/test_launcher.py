@@ -511,23 +511,17 @@ def test_end_to_end_a_worker_killed_on_a_simulated_node_and_the_job_finishes(tmp
     assert worst <= 1e-5, worst
 
 
-@pytest.mark.timeout(300)
-def test_a_lost_stage_is_restored_in_place_from_the_last_checkpoint_and_the_job_finishes(
-    tmp_path: Path,
-) -> None:
-    """Stage 1's only rank is killed: no copy of its state is left in memory, so the Core's plan is
-    a RESTORE plan (planners.applicability). The survivor, the same process, reloads the latest
-    periodic checkpoint on one stage, replays the steps after it and trains to the end as the
-    fault-free run; the launcher reports a finished job."""
+def _launch_tiny(tmp_path: Path, nproc: int) -> tuple[Launcher, Path, Path]:
+    """A PP=2 run of the tiny script on one node, checkpointing every 2 steps; returns it once
+    every worker has committed step 5."""
     script = _tiny(tmp_path)
-    ckpt = tmp_path / "ckpt"
     launcher = Launcher(
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--pp",
         "2",
         "--checkpoint-dir",
-        ckpt,
+        tmp_path / "ckpt",
         "--checkpoint-every",
         "2",
         script,
@@ -538,24 +532,62 @@ def test_a_lost_stage_is_restored_in_place_from_the_last_checkpoint_and_the_job_
     run_dir = tmp_path / "elaswave-run" / "tiny"
     launcher.wait_for(
         "every worker to commit step 5",
-        lambda: len(s := _member_steps(run_dir, "tiny")) == 2 and min(s.values()) >= 5,
+        lambda: len(s := _member_steps(run_dir, "tiny")) == nproc and min(s.values()) >= 5,
         timeout_s=120,
     )
+    return launcher, run_dir, script
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_stage_is_rebuilt_in_place_from_its_backup_and_the_job_finishes(tmp_path: Path) -> None:
+    """Stage 1's only rank is killed. Its shard is backed up on stage 0 (planners.backup), so the
+    Core's plan is in place: the survivor, the same process, takes stage 1's units from the
+    backup it keeps, loses no step and trains to the end as the fault-free run."""
+    launcher, run_dir, script = _launch_tiny(tmp_path, 2)
     victim = next(m for m in core_job(run_dir, "tiny")["members"] if m["stage"] == 1)
     os.kill(victim["pid"], signal.SIGKILL)
     code = launcher.wait(timeout_s=120)
     out = launcher.output
     assert code == 0, out[-3000:]
-    assert "restore in place from the latest durable checkpoint" in out, out[-3000:]
+    assert "restore in place" not in out, out[-3000:]
     assert "job 'tiny' finished: 40/40 steps" in out, out[-3000:]
     survivor = json.loads((run_dir / "rank-0.json").read_text())
+    assert survivor["committed_steps"] == 40 and survivor["start_step"] == 0 and survivor["restores"] == []
+    assert set(survivor["stage_of_step"].values()) == {0}
+    # rank 0 reports the loss from the step it became the last stage on: each step once, from
+    # the step after the kill on (no step replayed from disk)
+    losses, reference = _job_losses(run_dir, [0]), _reference_losses(script, 40)
+    assert sorted(losses) == list(range(min(losses), 40)) and 5 <= min(losses) < 40
+    for step in losses:
+        assert losses[step] == pytest.approx(reference[step], rel=1e-4, abs=1e-6), step
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_and_its_backup_lost_are_restored_in_place_from_the_last_checkpoint(tmp_path: Path) -> None:
+    """PP=2 over 3 ranks on one node: stage 1 is rank 2 alone, backed up on rank 0. Ranks 2 and
+    0 are killed together, so no copy of stage 1's state is left in memory and the Core's plan
+    is a RESTORE plan (planners.applicability). The survivor, the same process, reloads the
+    latest periodic checkpoint on one stage, replays the steps after it and trains to the end
+    as the fault-free run; the launcher reports a finished job."""
+    launcher, run_dir, script = _launch_tiny(tmp_path, 3)
+    members = core_job(run_dir, "tiny")["members"]
+    victims = [m for m in members if m["rank"] in (0, 2)]
+    assert {m["stage"] for m in victims} == {0, 1}
+    for m in victims:
+        os.kill(m["pid"], signal.SIGKILL)
+    code = launcher.wait(timeout_s=120)
+    out = launcher.output
+    assert code == 0, out[-3000:]
+    assert "restore in place from the latest durable checkpoint" in out, out[-3000:]
+    assert "job 'tiny' finished: 40/40 steps" in out, out[-3000:]
+    survivor = json.loads((run_dir / "rank-1.json").read_text())
     assert survivor["committed_steps"] == 40 and survivor["start_step"] == 0
     [restore] = survivor["restores"]
     saved = int(Path(restore["restored_from"]).name.split("-")[1])
     assert saved >= 2 and restore["resume_at"] == saved and restore["steps_lost"] == restore["step"] - saved
     assert restore["mode"] == "restore"
     assert set(survivor["stage_of_step"].values()) == {0}  # one stage after the restore: all units
-    losses = _job_losses(run_dir, [0])
+    losses = _job_losses(run_dir, [1])
     assert set(range(saved, 40)) <= set(losses)
     reference = _reference_losses(script, 40)
     for step in range(saved, 40):

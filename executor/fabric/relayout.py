@@ -11,9 +11,11 @@ applies such a plan in two steps, each with its own, already exact, transfer pla
    (every stage keeps its new ranks), whose moved blocks are `moves`.
 
 Either step is skipped when it has nothing to do: a pure loss has no moves, a pipeline-only
-plan has nothing to remap. Plans outside these two steps are refused up front (`RelayoutError`,
-before any group is edited): adding ranks, changing the stage count, moving a block by more
-than one stage.
+plan has nothing to remap. A plan outside these two steps (the stage count changes because a
+whole stage was lost, a block moves by more than one stage, a lost shard's backup lives in
+another stage) is one rebuild from live shards and backups (`executor.fabric.rebuild`). Refused
+up front (`RelayoutError`, before any group is edited): adding ranks, changing the model or the
+global batch.
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ from dataclasses import dataclass, replace
 
 from executor.migration import moved_layers
 from planners.applicability import UNSUPPORTED, structural_problem
+from planners.backup import backup_holders
 from planners.layout import Layout
 
 
 class RelayoutError(ValueError):
     """The plan asks for a change the engine cannot apply in place; nothing was changed.
 
-    Unsupported in place (README "Known gaps"): adding ranks (scale-up), changing the number of
-    pipeline stages, moving a block by more than one stage in one plan, changing the model or
+    Unsupported in place (README "Known gaps"): adding ranks (scale-up), changing the model or
     the global batch."""
 
 
@@ -38,10 +40,11 @@ class Relayout:
     lost: frozenset[int]
     remap_to: Layout | None  # the new ranks with the old stage boundaries; None: nothing to remap
     moves: tuple[tuple[int, int, int], ...]  # (layer, from stage, to stage) of the migration step
+    rebuild: bool = False  # neither step fits: one rebuild from live shards and backups
 
     @property
     def is_empty(self) -> bool:
-        return self.remap_to is None and not self.moves
+        return self.remap_to is None and not self.moves and not self.rebuild
 
 
 def with_boundaries(layout: Layout, bounds_from: Layout) -> Layout:
@@ -57,13 +60,26 @@ def plan_relayout(old: Layout, new: Layout) -> Relayout:
     """Diff `old -> new` into a remap and a migration; raises RelayoutError (a ValueError) for a
     plan the engine cannot apply in place (see `RelayoutError`)."""
     check_supported(old, new)
+    lost = frozenset(old.ranks()) - frozenset(new.ranks())
+    if needs_rebuild(old, new, lost):
+        return Relayout(lost, None, (), rebuild=True)
     mid = with_boundaries(new, old)
     try:
         moves = moved_layers(mid, new)
     except ValueError as exc:  # only the checks above should reject a plan; keep the reason if not
         raise RelayoutError(f"{UNSUPPORTED}: the plan's layer moves cannot be migrated: {exc}") from None
-    lost = frozenset(old.ranks()) - frozenset(new.ranks())
     return Relayout(lost, None if mid == old else mid, moves)
+
+
+def needs_rebuild(old: Layout, new: Layout, lost: frozenset[int]) -> bool:
+    """Whether `old -> new` falls outside remap-then-migrate: the stage count changes, a block
+    moves by more than one stage, or a lost shard's backup lives in another stage."""
+    if old.num_stages != new.num_stages:
+        return True
+    if any(abs(old.stage_of_layer(k) - new.stage_of_layer(k)) > 1 for k in range(old.num_layers)):
+        return True
+    holders = backup_holders(old)
+    return any(r in holders and old.stage_of_rank(holders[r]) != old.stage_of_rank(r) for r in lost)
 
 
 def check_supported(old: Layout, new: Layout) -> None:

@@ -21,7 +21,8 @@ must use the same mode (the integrity check compares it).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
+from typing import Protocol
 
 import torch
 
@@ -31,6 +32,26 @@ from executor.fabric.state import ShardState, UnitShard
 from planners.layout import Layout
 
 REMAP_TAG = 9000
+
+# The backups a worker keeps: owner -> its shard, or the single ring snapshot, or none.
+Backups = Mapping[int, ShardState] | ShardState | None
+
+
+class Sourced(Protocol):
+    """An interval read from a worker's live shard or from a backup it keeps."""
+
+    @property
+    def unit(self) -> str: ...
+    @property
+    def lo(self) -> int: ...
+    @property
+    def hi(self) -> int: ...
+    @property
+    def owner(self) -> int: ...
+    @property
+    def src(self) -> int: ...
+    @property
+    def from_snapshot(self) -> bool: ...
 
 
 class RemapError(RuntimeError):
@@ -43,7 +64,7 @@ def live_remap(
     new: Layout,
     lost: Collection[int],
     mine: ShardState | None,
-    snapshot: ShardState | None,
+    snapshot: Backups,
     step: int,
     timeout_s: float = 30.0,
     old_own: Ownership | None = None,
@@ -52,15 +73,17 @@ def live_remap(
 ) -> ShardState:
     """Return this worker's state under `new` (all workers of `new` call this after
     `comm.apply_edit`). `mine` is its live state at committed step `step` (None for a joining
-    worker), `snapshot` its ring snapshot (of the worker it protects), `params` the full
+    worker), `snapshot` the backups it keeps (owner -> shard; a bare ShardState is its ring
+    snapshot, of the one worker it protects), `params` the full
     replicated parameters of its units under `new` (moments-only mode, see the module
     docstring). Blocks on the store and on p2p transfers, each bounded by `timeout_s` / the
     communicator timeout (PeerFailure). Ownership maps default to the planners' block ownership."""
     old_own = block_ownership(old) if old_own is None else old_own
     new_own = block_ownership(new) if new_own is None else new_own
     plan = remap_plan(old, new, lost, old_own, new_own)
-    _check_integrity(comm, new, plan, mine, snapshot, step, timeout_s, params is not None)
-    sources = {"live": mine, "snapshot": snapshot}
+    check_integrity(
+        comm, new, plan, mine, snapshot, step, timeout_s, "moments" if params is not None else "all"
+    )
     rows = 3 if params is None else 2
     sends: list[tuple[str, torch.Tensor, int, int]] = []
     recvs: list[tuple[str, torch.Tensor, int, int]] = []
@@ -69,7 +92,7 @@ def live_remap(
     for i, t in enumerate(plan):
         tag = REMAP_TAG + 2 * i  # + 1: the parameter digest of the same interval
         if t.src == comm.worker:
-            data = _read(sources["snapshot" if t.from_snapshot else "live"], t)
+            data = _read(backup_of(snapshot, t.owner) if t.from_snapshot else mine, t)
             if t.dst == comm.worker:
                 if params is not None:
                     _check_param_digest(params, t, _digest(data[0]), comm.worker)
@@ -123,7 +146,14 @@ def _check_param_digest(
         )
 
 
-def _read(state: ShardState | None, t: RemapTransfer) -> torch.Tensor:
+def backup_of(backups: Backups, owner: int) -> ShardState | None:
+    """The backup of `owner`'s shard among `backups` (a bare ShardState: the only one kept)."""
+    if backups is None or isinstance(backups, ShardState):
+        return backups
+    return backups.get(owner)
+
+
+def _read(state: ShardState | None, t: Sourced) -> torch.Tensor:
     if state is None or t.unit not in state.units:
         what = f"snapshot of worker {t.owner}" if t.from_snapshot else "live state"
         raise RemapError(
@@ -132,28 +162,29 @@ def _read(state: ShardState | None, t: RemapTransfer) -> torch.Tensor:
     return state.units[t.unit].slice(t.lo, t.hi)
 
 
-def _check_integrity(
+def check_integrity(
     comm: Communicator,
     new: Layout,
-    plan: tuple[RemapTransfer, ...],
+    plan: Sequence[Sourced],
     mine: ShardState | None,
-    snapshot: ShardState | None,
+    snapshot: Backups,
     step: int,
     timeout_s: float,
-    replicated: bool,
+    mode: str,
 ) -> None:
+    """Fig. 7a: my live state and every backup I must serve are at committed step `step`, and
+    every worker of `new` announces the same step and `mode` (what travels: a mixed mode would
+    mismatch message sizes). Blocks on the store, bounded by `timeout_s`."""
     if mine is not None and mine.step != step:
         raise RemapError(f"worker {comm.worker}: live state is at step {mine.step}, remap expects {step}")
-    owners = {t.owner for t in plan if t.from_snapshot and t.src == comm.worker}
-    if owners and (snapshot is None or snapshot.step != step):
-        raise RemapError(
-            f"worker {comm.worker} must serve the snapshot of {sorted(owners)} at step {step}, "
-            f"but its snapshot is at step {None if snapshot is None else snapshot.step}"
-        )
-    # Every worker of the new layout announces the step it remaps to and whether parameters
-    # travel; all must agree (a mixed mode would mismatch message sizes).
+    for owner in sorted({t.owner for t in plan if t.from_snapshot and t.src == comm.worker}):
+        held = backup_of(snapshot, owner)
+        if held is None or held.step != step:
+            raise RemapError(
+                f"worker {comm.worker} must serve the snapshot of {owner} at step {step}, "
+                f"but its snapshot is at step {None if held is None else held.step}"
+            )
     key = f"{comm.namespace}/e{comm.epoch}/remap-step/"
-    mode = "moments" if replicated else "moments+params"
     comm.store.set(key + str(comm.worker), f"{step} {mode}")
     keys = [key + str(w) for w in new.ranks()]
     comm.wait_keys(keys, "remap integrity check", timeout_s=timeout_s)
@@ -163,7 +194,7 @@ def _check_integrity(
         raise RemapError(f"survivors disagree on the committed step: {steps}")
     modes = {w: v[1] for w, v in said.items()}
     if len(set(modes.values())) != 1:
-        raise RemapError(f"workers disagree on what travels (replicated parameters or not): {modes}")
+        raise RemapError(f"workers disagree on what travels: {modes}")
 
 
 def _assemble(

@@ -1,7 +1,10 @@
-"""Per-step ring snapshots of ZeRO-1 shards (ElasWave §5.1, Fig. 6).
+"""Per-step snapshots of ZeRO-1 shards (ElasWave §5.1, Fig. 6).
 
-In a stage's DP group (workers w_0..w_{D-1} in DP order), worker w_i keeps in host memory a copy
-of the shard owned by w_{(i+1) mod D}. Every step, each worker sends its *gradient* shard (not
+Every worker's shard has one backup, kept in host memory by its *holder*; `planners.backup`
+says who that is (the DP predecessor of Fig. 6a where it runs on another node, else a rank of a
+neighbouring stage), so a worker may protect none, one or several shards. `RingSnapshot` is
+the ring of §5.1 over one DP group: worker w_i keeps the shard owned by w_{(i+1) mod D}.
+Every step, each worker sends its *gradient* shard (not
 its three times larger optimizer state) to the worker that backs it up; that worker applies the
 same update as the live optimizer (`Trainer.update_slice`: the same code path on the
 same operands, hence bitwise equal) to
@@ -60,80 +63,98 @@ def ring_protected(dp_workers: tuple[int, ...], worker: int) -> int:
     return dp_workers[(i + 1) % len(dp_workers)]
 
 
-class RingSnapshot:
-    """This worker's side of the ring in DP group `group`: sends its gradient shards to its
-    holder and maintains the snapshot of the worker it protects.
+class ShardBackups:
+    """This worker's side of the backup pairs: sends its gradient shards to `holder` (None: its
+    shard has no backup) and maintains the backups of the workers in `protected`. Each pair
+    talks over the first group that holds both (`Communicator.group_with`).
 
-    Blocking behaviour: `seed` blocks on one send and one receive in the group (bounded by the
+    Blocking behaviour: `seed` blocks on one send and one receive per pair (bounded by the
     communicator timeout; PeerFailure on a dead peer); `exchange_grads` never blocks;
     `finish_exchange` blocks until that exchange completes (bounded the same way); `commit`
-    enqueues the update (after finishing a still-posted exchange); `flush(timeout_s)` blocks until the background updates are applied or raises
-    TimeoutError.
+    enqueues the update (after finishing a still-posted exchange); `flush(timeout_s)` blocks
+    until the background updates are applied or raises TimeoutError.
     """
 
-    def __init__(self, comm: Communicator, group: str, update_fn: UpdateFn) -> None:
-        self.comm, self.group, self.update_fn = comm, group, update_fn
-        workers = comm.workers(group)
-        if len(workers) < 2:
-            raise SnapshotError(f"group {group!r} has one worker: a ring snapshot needs at least two")
-        self.holder = ring_holder(workers, comm.worker)
-        self.protected = ring_protected(workers, comm.worker)
-        self._state: ShardState | None = None
-        self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
-        # posted exchange: (step, ops, incoming buffer, outgoing buffer kept alive until completion)
-        self._inflight: tuple[int, PendingOps, torch.Tensor, torch.Tensor] | None = None
+    def __init__(
+        self, comm: Communicator, holder: int | None, protected: tuple[int, ...], update_fn: UpdateFn
+    ) -> None:
+        if comm.worker in protected or holder == comm.worker:
+            raise SnapshotError(f"worker {comm.worker} cannot keep a backup of its own shard")
+        self.comm, self.update_fn = comm, update_fn
+        self.holder, self.protected_ranks = holder, tuple(protected)
+        self._states: dict[int, ShardState] = {}
+        self._pending: tuple[int, dict[int, dict[str, torch.Tensor]]] | None = None
+        # posted exchange: (step, ops, incoming buffer per protected worker, outgoing buffer)
+        self._inflight: tuple[int, PendingOps, dict[int, torch.Tensor], torch.Tensor] | None = None
+        self._bad: set[int] = set()  # pairs (peer ids) whose last verify found a mismatch
         self.stats = SnapshotStats()
+        self._seeded = False
         self._committed = 0  # last committed step (the background update may still be running)
-        # committed (step, gradients) to apply, an Event that flush() waits on, or None (close())
-        self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor]] | threading.Event | None] = queue.Queue()
+        # committed (step, gradients per protected worker) to apply, an Event that flush()
+        # waits on, or None (close())
+        self._queue: queue.Queue[tuple[int, dict[int, dict[str, torch.Tensor]]] | threading.Event | None] = (
+            queue.Queue()
+        )
         self._errors: list[BaseException] = []
         self._closed = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def _group(self, peer: int) -> str:
+        return self.comm.group_with(self.comm.worker, peer)
+
     # ----- protocol ------------------------------------------------------------------------
     def seed(self, mine: ShardState) -> None:
-        """Send my full shard state to my holder and receive the protected worker's (at start,
-        and after every remap, when the ring and the shard intervals change)."""
+        """Send my full shard state to my holder and receive each protected worker's (at start,
+        and after every re-layout, when the pairs and the shard intervals change)."""
         self.flush()
-        sizes_out, sizes_in = torch.tensor([mine.header().numel()]), torch.zeros(1, dtype=torch.int64)
-        self.comm.exchange(
-            self.group, [(sizes_out, self.holder, SNAPSHOT_TAG)], [(sizes_in, self.protected, SNAPSHOT_TAG)]
-        )
-        header_in = torch.zeros(int(sizes_in.item()), dtype=torch.uint8)
-        self.comm.exchange(
-            self.group,
-            [(mine.header(), self.holder, SNAPSHOT_TAG + 1)],
-            [(header_in, self.protected, SNAPSHOT_TAG + 1)],
-        )
-        payload_in = torch.zeros(ShardState.payload_numel(header_in))
-        self.comm.exchange(
-            self.group,
-            [(mine.payload(), self.holder, SNAPSHOT_TAG + 2)],
-            [(payload_in, self.protected, SNAPSHOT_TAG + 2)],
-        )
+        received = self._transfer_states(mine, self.holder, self.protected_ranks)
         with self._lock:
-            self._state = ShardState.from_wire(header_in, payload_in)
+            self._states = received
             self._pending = None
-            self._committed = self._state.step
+            self._committed = mine.step
+            self._seeded = True
+
+    def _transfer_states(
+        self, mine: ShardState, send_to: int | None, receive_from: tuple[int, ...]
+    ) -> dict[int, ShardState]:
+        """Full states over the pairs: mine to `send_to`, and one from each of `receive_from`."""
+        header = mine.header()
+        sizes = {p: torch.zeros(1, dtype=torch.int64) for p in receive_from}
+        self._pairwise(torch.tensor([header.numel()]), send_to, sizes, SNAPSHOT_TAG)
+        headers = {p: torch.zeros(int(sizes[p].item()), dtype=torch.uint8) for p in receive_from}
+        self._pairwise(header, send_to, headers, SNAPSHOT_TAG + 1)
+        payloads = {p: torch.zeros(ShardState.payload_numel(headers[p])) for p in receive_from}
+        self._pairwise(mine.payload(), send_to, payloads, SNAPSHOT_TAG + 2)
+        return {p: ShardState.from_wire(headers[p], payloads[p]) for p in receive_from}
+
+    def _pairwise(
+        self, out: torch.Tensor, send_to: int | None, into: dict[int, torch.Tensor], tag: int
+    ) -> None:
+        sends = [] if send_to is None else [(self._group(send_to), out, send_to, tag)]
+        recvs = [(self._group(p), buf, p, tag) for p, buf in into.items()]
+        self.comm.exchange_many(sends, recvs)
 
     def exchange_grads(self, step: int, mine: Mapping[str, torch.Tensor]) -> None:
         """Post the send of this step's reduced gradient shards (unit -> flat grad of my interval)
-        to my holder and the receive of the protected worker's; returns without waiting.
+        to my holder and the receives of the protected workers'; returns without waiting.
         `mine` must not change until `finish_exchange`."""
-        state = self._require_state()
+        self._require_seeded()
         if step != self._committed + 1 or self._inflight is not None:
             raise SnapshotError(
                 f"snapshot is at step {self._committed}; gradients of step {step} are out of order"
             )
         t0 = time.perf_counter()
         out = torch.cat([mine[k].reshape(-1) for k in sorted(mine)]) if mine else torch.empty(0)
-        incoming = torch.empty(sum(s.stop - s.start for s in state.units.values()))
-        ops = self.comm.post_exchange(
-            [(self.group, out, self.holder, SNAPSHOT_TAG + 3)],
-            [(self.group, incoming, self.protected, SNAPSHOT_TAG + 3)],
+        incoming = {
+            p: torch.empty(sum(s.stop - s.start for s in st.units.values())) for p, st in self._states.items()
+        }
+        sends = (
+            [] if self.holder is None else [(self._group(self.holder), out, self.holder, SNAPSHOT_TAG + 3)]
         )
+        recvs = [(self._group(p), buf, p, SNAPSHOT_TAG + 3) for p, buf in incoming.items()]
+        ops = self.comm.post_exchange(sends, recvs)
         self._inflight = (step, ops, incoming, out)
         self.stats.steps += 1
         self.stats.post_s += time.perf_counter() - t0
@@ -147,16 +168,19 @@ class RingSnapshot:
         step, ops, incoming, _out = self._inflight
         self.comm.complete(ops)
         self._inflight = None
-        units, grads, pos = self._require_state().units, {}, 0
-        for k in sorted(units):
-            n = units[k].stop - units[k].start
-            grads[k] = incoming[pos : pos + n]
-            pos += n
+        grads: dict[int, dict[str, torch.Tensor]] = {}
+        for p, buf in incoming.items():
+            units, pos = self._states[p].units, 0
+            grads[p] = {}
+            for k in sorted(units):
+                n = units[k].stop - units[k].start
+                grads[p][k] = buf[pos : pos + n]
+                pos += n
         self._pending = (step, grads)
         self.stats.finish_wait_s += time.perf_counter() - t0
 
     def commit(self, step: int) -> None:
-        """Step `step` committed: apply its pending gradients to the snapshot in the background.
+        """Step `step` committed: apply its pending gradients to the backups in the background.
         An exchange still posted is finished first (the step protocol has already done that
         before its vote, so there this only enqueues)."""
         self.finish_exchange()
@@ -167,17 +191,17 @@ class RingSnapshot:
         self._committed = step
 
     def discard(self) -> None:
-        """Step rolled back: its gradients never reach the snapshot. Call it after
+        """Step rolled back: its gradients never reach the backups. Call it after
         `finish_exchange` (the step protocol does, before its vote); an exchange still posted is
-        abandoned, and its group must be rebuilt (the communicator's ledger makes the next edit
-        do so) before the ring is used again."""
+        abandoned, and its groups must be rebuilt (the communicator's ledger makes the next
+        edit do so) before the pairs are used again."""
         self._pending = None
         self._inflight = None
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait until every committed update is applied to the snapshot."""
+        """Wait until every committed update is applied to the backups."""
         if self._closed:
-            raise SnapshotError("snapshot closed: its ring was replaced")
+            raise SnapshotError("snapshot closed: its pairs were replaced")
         done = threading.Event()
         self._queue.put(done)
         if not done.wait(timeout_s):
@@ -186,46 +210,71 @@ class RingSnapshot:
             raise SnapshotError(f"background snapshot update failed: {self._errors[0]!r}")
 
     def close(self) -> None:
-        """Stop the background updater once the queued updates are applied (the ring is being
-        replaced after a re-layout). The snapshot is unusable afterwards."""
+        """Stop the background updater once the queued updates are applied (the pairs are being
+        replaced after a re-layout). The backups are unusable afterwards."""
         self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=30.0)
 
-    def state(self) -> ShardState:
-        """A copy of the snapshot of `self.protected` (after all committed updates)."""
+    def states(self) -> dict[int, ShardState]:
+        """Copies of the backups, protected worker -> its shard (after all committed updates)."""
         self.flush()
         with self._lock:
-            return self._require_state().clone()
+            self._require_seeded()
+            return {p: st.clone() for p, st in self._states.items()}
+
+    def state(self) -> ShardState:
+        """A copy of the one backup this worker keeps (SnapshotError unless it keeps exactly one)."""
+        states = self.states()
+        if len(states) != 1:
+            raise SnapshotError(f"worker {self.comm.worker} keeps {len(states)} backups, not one")
+        return next(iter(states.values()))
 
     def verify(self, mine: ShardState) -> bool:
-        """Periodic integrity check: does every snapshot in the group equal its live shard?
-
-        I send the checksum of my live shard to my holder, compare the one I receive with my
-        snapshot, and the group all-reduces the mismatches so every member gets the same answer.
-        """
+        """Periodic integrity check of my pairs: does my holder's backup equal my live shard, and
+        does each backup I keep equal its owner's? The holder tells the owner its verdict, so
+        both sides of a pair know; `repair` re-seeds the pairs that failed."""
         t0 = time.perf_counter()
         self.flush()
         digest_out = torch.frombuffer(bytearray(bytes.fromhex(mine.checksum())), dtype=torch.uint8)
-        digest_in = torch.zeros(32, dtype=torch.uint8)
-        self.comm.exchange(
-            self.group,
-            [(digest_out, self.holder, SNAPSHOT_TAG + 4)],
-            [(digest_in, self.protected, SNAPSHOT_TAG + 4)],
-        )
+        digests = {p: torch.zeros(32, dtype=torch.uint8) for p in self.protected_ranks}
+        self._pairwise(digest_out, self.holder, digests, SNAPSHOT_TAG + 4)
         with self._lock:
-            ok = bytes(digest_in.tolist()).hex() == self._require_state().checksum()
-        mismatches = torch.tensor([0.0 if ok else 1.0])
-        self.comm.all_reduce(self.group, mismatches)
+            self._require_seeded()
+            held_bad = {
+                p for p, d in digests.items() if bytes(d.tolist()).hex() != self._states[p].checksum()
+            }
+        # verdicts travel the other way: holder -> owner
+        sends = [
+            (self._group(p), torch.tensor([1 if p in held_bad else 0]), p, SNAPSHOT_TAG + 5)
+            for p in self.protected_ranks
+        ]
+        mine_bad = torch.zeros(1, dtype=torch.int64)
+        recvs = (
+            []
+            if self.holder is None
+            else [(self._group(self.holder), mine_bad, self.holder, SNAPSHOT_TAG + 5)]
+        )
+        self.comm.exchange_many(sends, recvs)
+        self._bad = held_bad | ({self.holder} if self.holder is not None and mine_bad.item() else set())
         self.stats.verify_s += time.perf_counter() - t0
         self.stats.verifies += 1
-        return mismatches.item() == 0.0
+        return not self._bad
+
+    def repair(self, mine: ShardState) -> None:
+        """Re-seed the pairs the last `verify` found broken (both sides of each call this)."""
+        send_to = self.holder if self.holder in self._bad else None
+        receive_from = tuple(p for p in self.protected_ranks if p in self._bad)
+        self.flush()
+        fresh = self._transfer_states(mine, send_to, receive_from)
+        with self._lock:
+            self._states.update(fresh)
+        self._bad = set()
 
     # ----- background updater --------------------------------------------------------------
-    def _require_state(self) -> ShardState:
-        if self._state is None:
+    def _require_seeded(self) -> None:
+        if not self._seeded:
             raise SnapshotError("snapshot not seeded: call seed() with the initial shard state first")
-        return self._state
 
     def _run(self) -> None:
         while True:
@@ -239,12 +288,42 @@ class RingSnapshot:
             t0 = time.perf_counter()
             try:
                 with self._lock:
-                    state = self._require_state()
-                    for k, shard in state.units.items():
-                        self.update_fn(
-                            k, shard.start, shard.param, grads[k], shard.exp_avg, shard.exp_avg_sq, step
-                        )
-                    state.step = step
+                    for p, state in self._states.items():
+                        for k, shard in state.units.items():
+                            self.update_fn(
+                                k,
+                                shard.start,
+                                shard.param,
+                                grads[p][k],
+                                shard.exp_avg,
+                                shard.exp_avg_sq,
+                                step,
+                            )
+                        state.step = step
             except BaseException as exc:  # noqa: BLE001 - surfaced by flush()
                 self._errors.append(exc)
             self.stats.update_s += time.perf_counter() - t0
+
+
+class RingSnapshot(ShardBackups):
+    """The ring of §5.1 over DP group `group`: I back up my DP successor's shard and my DP
+    predecessor backs up mine. `verify` answers for the whole group (an all-reduce)."""
+
+    def __init__(self, comm: Communicator, group: str, update_fn: UpdateFn) -> None:
+        workers = comm.workers(group)
+        if len(workers) < 2:
+            raise SnapshotError(f"group {group!r} has one worker: a ring snapshot needs at least two")
+        self.group = group
+        super().__init__(
+            comm, ring_holder(workers, comm.worker), (ring_protected(workers, comm.worker),), update_fn
+        )
+        self.protected = self.protected_ranks[0]
+
+    def _group(self, peer: int) -> str:
+        return self.group
+
+    def verify(self, mine: ShardState) -> bool:
+        ok = super().verify(mine)
+        mismatches = torch.tensor([0.0 if ok else 1.0])
+        self.comm.all_reduce(self.group, mismatches)
+        return mismatches.item() == 0.0

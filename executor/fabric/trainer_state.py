@@ -2,15 +2,18 @@
 
 Per step: the trainer's ZeRO-1 optimizer reduce-scatters gradients and hands the reduced slices to
 its gradient hook (`Trainer.set_grad_hook`, kept across every layout change); this participant's
-hook sends them around the DP ring (`RingSnapshot`), and the holder applies
-`Trainer.update_slice` — the engine's own optimizer update — to its host copy once the step
-commits. Every `verify_every` steps the ring compares checksums of snapshot and live shard.
+hook sends them to the rank that backs this shard up (`ShardBackups`; where, `planners.backup`:
+the DP predecessor of §5.1 on another node, else a rank of a neighbouring stage), and the holder
+applies `Trainer.update_slice` — the engine's own optimizer update — to its host copy once the
+step commits. Every `verify_every` steps each pair compares checksums of backup and live shard.
 
 On a plan (`on_plan`) it is the one diff-and-apply path of the engine (`relayout.plan_relayout`):
 live remap of the committed optimizer shards onto the new ranks with the old stage boundaries
 (lost shards from snapshots, §5.2), then blocking migration of the blocks whose stage changes
-(§4.2, §6.2), then a new snapshot ring seeded for the new layout. A pipeline-only plan (no rank
-lost) skips the remap, a pure loss skips the migration.
+(§4.2, §6.2), then new backup pairs seeded for the new layout. A pipeline-only plan (no rank
+lost) skips the remap, a pure loss skips the migration. A plan outside those two steps (a whole
+stage lost, so fewer stages; blocks moved further; a lost shard backed up in another stage) is
+one rebuild from live shards and backups (`executor.fabric.rebuild`), with no step lost.
 
 `migration="nonblocking"` selects Fig. 9's non-blocking migration (shadow layer and gradient
 payback, `executor.nonblocking_migration`) for the plan path wherever it applies: gloo, the
@@ -33,10 +36,10 @@ from typing import Any
 import torch
 
 from executor.comm.communicator import Communicator
-from executor.engine_comm import dp_group_name
+from executor.fabric.rebuild import rebuild, rebuild_plan
 from executor.fabric.relayout import Relayout, RelayoutError, plan_relayout
 from executor.fabric.remap import live_remap
-from executor.fabric.snapshot import RingSnapshot, SnapshotError
+from executor.fabric.snapshot import ShardBackups, SnapshotError
 from executor.fabric.state import ShardState, UnitShard
 from executor.migration import MigrationReport, migrate
 from executor.nonblocking_migration import NonBlockingMigration, check_nonblocking
@@ -44,6 +47,7 @@ from executor.trainer import Trainer
 from executor.zero import ShardState as ZeroShard
 from executor.zero import flat_params, unit_ownership
 from planners.applicability import judge
+from planners.backup import backup_holders, protected_by
 from planners.layout import Layout, Plan, PlanMode
 
 
@@ -52,10 +56,10 @@ class CommittedPoint:
     """The state of the last committed step, kept from the first plan after it until the next
     commit: every attempt to reach a new layout starts here, so a recovery cut short (a failure
     during a recovery, ElasWave's promise of consistency under cascades) is simply started again
-    from it. `snapshot` is the ring snapshot this worker held then (of its DP successor)."""
+    from it. `snapshot` holds the backups this worker kept then (owner -> shard)."""
 
     state: dict[str, Any]
-    snapshot: ShardState | None
+    snapshot: dict[int, ShardState] | None
 
     @property
     def layout(self) -> Layout:
@@ -122,7 +126,7 @@ class FabricParticipant:
         self.trainer, self.comm = trainer, comm
         self.snapshots, self.verify_every = snapshots, verify_every
         self.migration, self.shadow_slots = migration, shadow_slots
-        self.snapshot: RingSnapshot | None = None
+        self.snapshot: ShardBackups | None = None
         self._seeded_layout: Layout | None = None
         self._inflight: NonBlockingMigration | None = None  # armed by a plan, runs in the next step
         self._seed_pending = False  # re-seed the ring inside the next step (after a non-blocking move)
@@ -212,6 +216,11 @@ class FabricParticipant:
         self._seed_pending = False  # this plan seeds a ring of its own
         if steps is None:
             return self._restore(plan)
+        if steps.rebuild:
+            self._rebuild(plan, lost, base)
+            self._committed = self.trainer.get_state()
+            self._install_snapshot()
+            return committed_step
         if steps.remap_to is not None:
             self._remap(plan, steps.remap_to, lost, base)
         if steps.moves and self._nonblocking_applies(steps.remap_to or plan.old, steps.moves):
@@ -229,7 +238,7 @@ class FabricParticipant:
         back to it, whatever the failed attempt left behind. The ring of a failed attempt is
         retired: the frozen snapshot is the one that matches the committed state."""
         if self._base is None:
-            snap = self.snapshot.state() if self.snapshot is not None else None
+            snap = self.snapshot.states() if self.snapshot is not None else None
             self._base = CommittedPoint(self._committed, snap)
         else:
             self._revert_to(self._base)
@@ -308,15 +317,45 @@ class FabricParticipant:
             target, self.comm, params, shards, step_count=mine.step, next_step=self.trainer.next_step
         )
 
-    # ----- snapshot ring -------------------------------------------------------------------
+    def _rebuild(self, plan: Plan, lost: frozenset[int], base: CommittedPoint) -> None:
+        """Every unit's committed state from where it lives (live shards, backups of lost
+        shards) to where `plan.new` needs it, in one exchange (`executor.fabric.rebuild`)."""
+        assert plan.old is not None
+        names, numels = self.trainer.unit_names, self.trainer.spec.unit_numels()
+        new_own = engine_ownership(plan.new, names)
+        transfers = rebuild_plan(
+            plan.old,
+            plan.new,
+            lost,
+            backup_holders(plan.old),
+            names,
+            engine_ownership(plan.old, names),
+            new_own,
+        )
+        stage = plan.new.stage_layout_of_rank(self.comm.worker)
+        units = {names[i]: numels[i] for i in stage.layers}
+        mine = shard_state_of(self.trainer)
+        state = rebuild(
+            self.comm, plan.new, transfers, mine, base.snapshot, self.trainer.unit_params(), units, new_own
+        )
+        shards = {
+            n: ZeroShard(sh.start, sh.stop, sh.exp_avg, sh.exp_avg_sq) for n, sh in state.shard.units.items()
+        }
+        self.trainer.reset_layout(
+            plan.new, self.comm, state.params, shards, step_count=mine.step, next_step=self.trainer.next_step
+        )
+
+    # ----- shard backups -------------------------------------------------------------------
     def _install_snapshot(self) -> None:
-        """(Re)form the ring over the current DP group and seed it with the current shards."""
+        """(Re)form this worker's backup pairs for the current layout and seed them."""
         if self.snapshot is not None:
             self.snapshot.close()
-        group = dp_group_name(self.trainer.stage)
+        holders = backup_holders(self.trainer.layout)
+        me = self.comm.worker
+        holder, protected = holders.get(me), protected_by(holders, me)
         self.snapshot = None
-        if self.snapshots and len(self.comm.workers(group)) >= 2:
-            snap = RingSnapshot(self.comm, group, update_fn=self.trainer.update_slice)
+        if self.snapshots and (holder is not None or protected):
+            snap = ShardBackups(self.comm, holder, protected, update_fn=self.trainer.update_slice)
             try:
                 snap.seed(shard_state_of(self.trainer))
             except BaseException:
@@ -347,6 +386,6 @@ class FabricParticipant:
             # the live shard is still the committed one here: compare it with the snapshot
             if not snap.verify(shard_state_of(self.trainer)):
                 self.checksum_mismatches += 1
-                snap.seed(shard_state_of(self.trainer))
+                snap.repair(shard_state_of(self.trainer))
             self.verified_steps.append(committed)
         snap.exchange_grads(step, grads)

@@ -26,14 +26,16 @@ CASCADING = ChaosScenario(
     faults=(Fault("kill", 2, (4, 1), gap_s=0.05), Fault("collective", 5, (0,))),
 )
 # The rendezvous store killed (the workers move to its standby and replay the step), then a
-# whole simulated node (workers and agents) holding all of stage 1: no copy of its state is left
-# in memory, so the job restores its latest checkpoint in place on one stage.
+# whole node (workers and agents) holding all of stage 1, as torchrun's numbering places a
+# PP=2 job on two nodes: stage 1's shards are backed up on node 0 (planners.backup), so its
+# blocks move to stage 0 in place, from memory, with no step lost.
 WHOLE_STAGE = ChaosScenario(
     "store-then-whole-stage",
     pp=2,
     dp=2,
     steps=10,
     checkpoint_every=2,
+    nodes=((0, 1), (2, 3)),
     faults=(Fault("store", 1, ()), Fault("node", 4, (2, 3))),
 )
 # The leading Core of a two-Core control plane on etcd killed mid-training, then a worker: the new

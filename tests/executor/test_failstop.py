@@ -72,9 +72,13 @@ class Scenario:
     new_layout: Layout | None = None  # the plan's layout (default after a kill: resize_after_loss)
     migration: str = "blocking"  # FabricParticipant's migration mode on the plan path
     clip: bool = False  # CLIP_CFG (and its world group) instead of CFG
+    layout: Layout | None = None  # the job's layout over WORKERS (default: base_layout)
+
+    def base(self) -> Layout:
+        return self.layout or base_layout(self.rng_mode)
 
     def plan(self) -> Plan | None:
-        old = base_layout(self.rng_mode)
+        old = self.base()
         if self.kill_at_op:
             new = self.new_layout or resize_after_loss(old, {self.victim}).layout
             return Plan(1, old, new, (f"lost worker {self.victim}",), 0.0)
@@ -128,7 +132,7 @@ def _state_numpy(state: dict[str, Any]) -> dict[str, Any]:
 def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
     """One worker of a job (see `Scenario`)."""
     inject = sc.kill_at_op > 0
-    layout = base_layout(sc.rng_mode)
+    layout = sc.base()
     store = connect_store("127.0.0.1", port)
     cls = KillingCommunicator if inject and worker == sc.victim else Communicator
     comm = cls(
@@ -193,7 +197,7 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
         migrations=[m.as_dict() for m in participant.migrations],
         final_state=_state_numpy(trainer.gather_full_state()),
         live_shard=shard_state_of(trainer).to_numpy(),
-        snapshot=None if snap is None else (snap.protected, snap.state().to_numpy()),
+        snapshot=None if snap is None else {p: st.to_numpy() for p, st in snap.states().items()},
     )
     return out
 
@@ -263,15 +267,16 @@ def _mean_rel_dev(a: dict[int, float], b: dict[int, float], steps: range) -> flo
     return float(np.mean([abs(a[s] - b[s]) / abs(b[s]) for s in steps]))
 
 
-_CLEAN: dict[tuple[str, bool], dict[int, dict[str, Any]]] = {}
+_CLEAN: dict[tuple[str, bool, Layout | None], dict[int, dict[str, Any]]] = {}
 
 
-def _clean(rng_mode: str, clip: bool = False) -> dict[int, dict[str, Any]]:
-    """The fault-free run of the same seed (computed once per RNG mode, clipping on or off, and
-    pytest process)."""
-    if (rng_mode, clip) not in _CLEAN:
-        _CLEAN[rng_mode, clip] = _run(Scenario(rng_mode, clip=clip))
-    return _CLEAN[rng_mode, clip]
+def _clean(rng_mode: str, clip: bool = False, layout: Layout | None = None) -> dict[int, dict[str, Any]]:
+    """The fault-free run of the same seed (computed once per RNG mode, clipping on or off,
+    layout, and pytest process)."""
+    key = (rng_mode, clip, layout)
+    if key not in _CLEAN:
+        _CLEAN[key] = _run(Scenario(rng_mode, clip=clip, layout=layout))
+    return _CLEAN[key]
 
 
 def assert_states_bitwise(ref: dict[str, Any], got: dict[str, Any]) -> None:
@@ -346,21 +351,26 @@ def assert_exact_edit(
 
 
 def assert_snapshots_equal_live(results: dict[int, dict[str, Any]]) -> None:
-    """At the end every ring snapshot equals its protected worker's live shard bitwise, and the
-    periodic checksum verification ran after the last re-layout and found nothing."""
+    """At the end every shard backup equals its owner's live shard bitwise, and the periodic
+    checksum verification ran after the last re-layout and found nothing."""
     protected = {}
     for w, r in results.items():
         assert r["snapshot"] is not None, w
-        owner, snap = r["snapshot"]
-        protected[owner] = w
-        live = results[owner]["live_shard"]
-        assert sorted(snap) == sorted(live), (w, owner)
-        for unit, (lo, hi, rows) in live.items():
-            assert (lo, hi) == snap[unit][:2] and rows.tobytes() == snap[unit][2].tobytes(), (w, owner, unit)
+        for owner, snap in r["snapshot"].items():
+            assert owner not in protected, (owner, w)
+            protected[owner] = w
+            live = results[owner]["live_shard"]
+            assert sorted(snap) == sorted(live), (w, owner)
+            for unit, (lo, hi, rows) in live.items():
+                assert (lo, hi) == snap[unit][:2] and rows.tobytes() == snap[unit][2].tobytes(), (
+                    w,
+                    owner,
+                    unit,
+                )
         assert r["checksum_mismatches"] == 0
         last_edit = max((e["at_step"] for e in r["edits"]), default=0)
         assert any(s >= last_edit for s in r["verified"]), (w, r["verified"])
-    assert sorted(protected) == sorted(results)  # every worker is protected by exactly one ring neighbour
+    assert sorted(protected) == sorted(results)  # every worker is backed up exactly once
 
 
 @pytest.mark.multiproc

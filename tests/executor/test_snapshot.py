@@ -129,7 +129,7 @@ def _engine_snapshot_worker(worker: int, port: int) -> dict[str, object]:
         "live": shard_state_of(trainer).to_numpy(),
         "initial": initial,
         "snapshot": snap.state().to_numpy(),
-        "protected": snap.protected,
+        "protected": snap.protected_ranks[0],
         "snapshot_step": snap.state().step,
         "rollbacks": rollbacks,
         "mismatches": participant.checksum_mismatches,

@@ -1,0 +1,94 @@
+"""A whole stage lost, recovered in place from memory (no step lost, no checkpoint read).
+
+PP=3 x DP=(3, 1, 2) on gloo: stage 1 is worker 3 alone, so its shard's backup lives in stage 2
+(`planners.backup`: a DP = 1 stage is backed up by its next neighbour). Worker 3 is killed with
+SIGKILL mid-step; the plan drops stage 1 and gives its blocks to stages 0 and 2 (three stages
+become two). The survivors rebuild every unit from live shards and the backup in one exchange
+(`executor.fabric.rebuild`) and replay the step. Compared with a fault-free run of the same seed:
+right after recovery the gathered parameters and Adam moments equal the fault-free state at the
+last committed step bitwise; every later step feeds its global batch once per stage; the losses
+follow the fault-free ones; at the end every backup equals its owner's live shard bitwise.
+
+Job driver and assertions come from test_failstop.py (units: 0 embed, 1-4 block_0..block_3,
+5 head).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from executor.fabric.relayout import plan_relayout
+from planners.applicability import judge
+from planners.backup import backup_holders
+from planners.layout import Layout, StageLayout, make_uniform_layout
+from tests.executor.engine_cases import NUM_UNITS
+from tests.executor.test_failstop import (
+    BATCH,
+    CFG,
+    FAIL_STEP,
+    STEPS,
+    Scenario,
+    _clean,
+    _last_stage_losses,
+    _mean_rel_dev,
+    _merged,
+    _run,
+    assert_snapshots_equal_live,
+    assert_states_bitwise,
+)
+
+VICTIM = 3
+
+
+def three_stages() -> Layout:
+    base = make_uniform_layout(
+        NUM_UNITS, 3, 1, global_batch=BATCH, num_micro_batches=2, layer_numel=CFG.unit_numels()
+    )
+    return base.replace(
+        stages=(StageLayout(0, 0, 2, (0, 1, 2)), StageLayout(1, 2, 4, (3,)), StageLayout(2, 4, 6, (4, 5)))
+    )
+
+
+def stage_one_lost() -> Layout:
+    """Stage 1's blocks split between its neighbours: units [0, 3) on stage 0, [3, 6) on stage 1."""
+    return three_stages().replace(stages=(StageLayout(0, 0, 3, (0, 1, 2)), StageLayout(1, 3, 6, (4, 5))))
+
+
+def test_the_plan_is_in_place_and_reads_the_backup_in_the_next_stage() -> None:
+    old, new = three_stages(), stage_one_lost()
+    assert backup_holders(old)[VICTIM] == 4  # DP = 1: backed up by the next stage
+    verdict = judge(old, new)
+    assert verdict.in_place and verdict.lost == {VICTIM}, verdict.reason
+    assert plan_relayout(old, new).rebuild
+
+
+def _stage_batches(results: dict[int, dict[str, Any]], step: int) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for r in results.values():
+        out.setdefault(r["stage_after"], []).extend(r["samples"][step])
+    return {k: sorted(v) for k, v in out.items()}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_whole_stage_lost_is_rebuilt_from_memory_bitwise() -> None:
+    layout = three_stages()
+    sc = Scenario(kill_at_op=3, victim=VICTIM, new_layout=stage_one_lost(), layout=layout)
+    clean, faulty = _clean("placement_invariant", layout=layout), _run(sc)
+    assert sorted(faulty) == [0, 1, 2, 4, 5]
+    # the committed state came back whole, from live shards and the backup: nothing replayed
+    ref_state = _merged(clean, "committed_state")
+    assert ref_state["step_count"] == FAIL_STEP
+    assert_states_bitwise(ref_state, _merged(faulty, "recovered_state"))
+    assert {r["stage_after"] for r in faulty.values()} == {0, 1}
+    ref_losses, got_losses = _last_stage_losses(clean), _last_stage_losses(faulty)
+    assert sorted(got_losses) == list(range(STEPS))
+    assert all(got_losses[s] == ref_losses[s] for s in range(FAIL_STEP))
+    assert _mean_rel_dev(got_losses, ref_losses, range(FAIL_STEP, STEPS)) <= 1e-4
+    for step in range(FAIL_STEP, STEPS):
+        assert _stage_batches(faulty, step) == {
+            s: list(range(step * BATCH, (step + 1) * BATCH)) for s in (0, 1)
+        }
+    assert_snapshots_equal_live(faulty)
