@@ -8,9 +8,11 @@ the nodes reached the Core at), started when the job's last node joins.
 Why the Core and not the first node to join: a store on node 0 dies with node 0 and takes every
 survivor's rendezvous with it, so losing that one node would end the job however well the
 layout spreads the stages. Hosting it here costs the Core one process per running job (it
-imports torch: about 200 MB and a few seconds to start), hence `MAX_STORES`. What it does not do
-yet: a standby Core taking over does not inherit the stores (they die with the Core that started
-them), so a Core failover ends the jobs whose groups still need their store.
+imports torch: about 200 MB and a few seconds to start), hence `MAX_STORES`. Each job gets a
+standby store too, in its own process: a store that dies (killed, out of memory) costs the
+workers one in-place move of their groups, not the job. What it does not do yet: a standby Core
+taking over does not inherit the stores (they die with the Core that started them), so a Core
+failover ends the jobs whose groups still need their store.
 
 A store stops when its job is gone from the table, when every member of the job has been gone
 (LEFT or LOST) for `GONE_GRACE_S`, when no worker registered within `UNCLAIMED_S`, or with the
@@ -50,20 +52,37 @@ class StoreError(RuntimeError):
 
 
 class JobStores:
-    """The stores this Core runs, one per job, each with a task that ends it with its job."""
+    """The stores this Core runs: per job a primary and a standby (separate processes), with a
+    task that ends both with the job. Workers get both addresses (`host:port,standby`) and move
+    their groups to the standby in place when the primary dies (`executor.worker_recovery`)."""
 
     def __init__(self, core: Core) -> None:
         self.core = core
-        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.procs: dict[str, list[asyncio.subprocess.Process]] = {}
+        self.ports: dict[str, tuple[int, int]] = {}  # job -> (primary port, standby port)
         self._watchers: dict[str, asyncio.Task[None]] = {}
 
     async def start(self, job: str) -> int:
-        """Start the job's store on the Core's REST interface; returns its port. At most
-        `STORE_START_S`; raises StoreError (the Core serves too many, or the child failed)."""
+        """Start the job's store and its standby on the Core's REST interface; returns the
+        primary's port (both: `ports[job]`). At most `STORE_START_S` each; raises StoreError
+        (the Core serves too many, or a child failed), leaving nothing running."""
         if job in self.procs:
             raise StoreError(f"job {job!r} already has a store")
         if len(self.procs) >= MAX_STORES:
             raise StoreError(f"this Core already runs {MAX_STORES} job stores; wait for a job to end")
+        primary, port = await self._spawn(job)
+        try:
+            standby, standby_port = await self._spawn(job)
+        except StoreError:
+            _terminate(primary)
+            raise
+        self.procs[job], self.ports[job] = [primary, standby], (port, standby_port)
+        self._watchers[job] = asyncio.ensure_future(self._watch(job, [primary, standby]))
+        host = self.core.settings.http_host
+        log.info("rendezvous store for job %s on %s:%d (standby %s:%d)", job, host, port, host, standby_port)
+        return port
+
+    async def _spawn(self, job: str) -> tuple[asyncio.subprocess.Process, int]:
         # Forked from the event loop's thread, which lives as long as the Core: the child's
         # parent-death signal is tied to the forking thread, not the process.
         proc = await asyncio.create_subprocess_exec(
@@ -93,26 +112,24 @@ class JobStores:
                 f"the rendezvous store for job {job!r} did not start within {STORE_START_S:g} s "
                 f"({'said ' + repr(line) if line else 'no port announced'}); see the Core's log"
             )
-        self.procs[job] = proc
-        self._watchers[job] = asyncio.ensure_future(self._watch(job, proc))
-        log.info("rendezvous store for job %s on %s:%s", job, self.core.settings.http_host, line.split()[1])
-        return int(line.split()[1])
+        return proc, int(line.split()[1])
 
     def stop(self, job: str) -> None:
-        """End the job's store (no wait: the child exits on SIGTERM within its own bounds)."""
+        """End the job's stores (no wait: the children exit on SIGTERM within their own bounds)."""
         task = self._watchers.pop(job, None)
         if task is not None:
             task.cancel()
-        proc = self.procs.pop(job, None)
-        if proc is not None:
+        self.ports.pop(job, None)
+        for proc in self.procs.pop(job, []):
             _terminate(proc)
 
-    async def _watch(self, job: str, proc: asyncio.subprocess.Process) -> None:
+    async def _watch(self, job: str, procs: list[asyncio.subprocess.Process]) -> None:
         started = gone_since = time.monotonic()
         try:
-            while proc.returncode is None:
+            while any(p.returncode is None for p in procs):
+                alive = next(p for p in procs if p.returncode is None)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(proc.wait(), WATCH_INTERVAL_S)
+                    await asyncio.wait_for(alive.wait(), WATCH_INTERVAL_S)
                 record = self.core.table.jobs.get(job)
                 now = time.monotonic()
                 if record is None:
@@ -124,11 +141,13 @@ class JobStores:
                 if over:  # every worker left or was lost, or none ever came
                     break
         finally:
-            _terminate(proc)
-            if self.procs.get(job) is proc:
+            for proc in procs:
+                _terminate(proc)
+            if self.procs.get(job) is procs:
                 del self.procs[job]
+                self.ports.pop(job, None)
                 self._watchers.pop(job, None)
-            log.info("rendezvous store for job %s stopped", job)
+            log.info("rendezvous stores for job %s stopped", job)
 
 
 def _terminate(proc: asyncio.subprocess.Process) -> None:

@@ -132,7 +132,8 @@ def join_job(args: argparse.Namespace, job: str, description_json: str, schedule
     return Joined(
         rest_url=rest_url,
         grpc_address=f"{host}:{answer['grpc_port']}",
-        store_address=f"{host}:{answer['store_port']}",
+        # the job's store, then its standby (the workers move there if the first one dies)
+        store_address=f"{host}:{answer['store_port']},{host}:{answer['standby_store_port']}",
         token=str(answer["token"]),
         node_index=int(answer["node_index"]),
         node_id=str(answer["node_id"]),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from core_service.rendezvous import LEASE_S
@@ -118,9 +119,11 @@ def test_the_rendezvous_needs_the_scheduler_token_and_a_readable_request(
     assert post_join(proc, None, "j", join_body("a")).status_code == 401
     assert post_join(proc, "x" * 32, "j", join_body("a")).status_code == 403
     bad = post_join(proc, token, "j", join_body("a", description={"units": []}))
-    assert bad.status_code == 422 and "not a model description" in bad.json()["detail"]
+    assert bad.status_code == 422 and "not a model description" in json.dumps(bad.json()["detail"])
     too_deep = post_join(proc, token, "j", join_body("a", pp=5))
-    assert too_deep.status_code == 422 and "--pp 5 needs at least 5 units" in too_deep.json()["detail"]
+    assert too_deep.status_code == 422 and "--pp 5 needs at least 5 units" in json.dumps(
+        too_deep.json()["detail"]
+    )
     assert post_join(proc, token, "j", join_body("a", nnodes=0)).status_code == 422
     assert proc.http.get("/api/v1/jobs/j").status_code == 404  # nothing was created
 
@@ -180,6 +183,7 @@ def test_nodes_that_differ_are_refused_and_the_others_form_the_job(core: tuple[C
     assert (a["node_index"], a["ranks"], b["node_index"], b["ranks"]) == (0, [0, 1], 1, [2, 3])
     assert a["layout"] == b["layout"] and a["rank_node"] == b["rank_node"] == [0, 0, 1, 1]
     assert a["token"] == b["token"] and a["store_port"] == b["store_port"] > 0
+    assert a["standby_store_port"] == b["standby_store_port"] not in (0, a["store_port"])
     for stage in a["layout"]["stages"]:  # losing either node leaves every stage a rank
         assert {a["rank_node"][r] for r in stage["ranks"]} == {0, 1}
     job = proc.job("j")
@@ -236,15 +240,29 @@ def _two_nodes(proc: CoreProcess, tmp_path: Path, *script_args: str) -> tuple[La
 
 
 @pytest.mark.timeout(240)
-def test_two_nodes_train_one_job_like_the_single_process_run(
+def test_two_nodes_train_one_job_like_the_single_process_run_through_a_store_loss(
     core: tuple[CoreProcess, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Two nodes form one job through the Core, which hosts its store and a standby; the store is
+    killed at step 3 and the workers move to the standby in place: the job trains like the
+    single-process run."""
     proc, token = core
     monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
-    nodes = _two_nodes(proc, tmp_path, "--steps", "8")
+    nodes = _two_nodes(proc, tmp_path, "--steps", "12")
+    nodes[0].wait_for(
+        "every worker to commit step 3",
+        lambda: len(s := _member_steps_remote(proc)) == 4 and min(s.values()) >= 3,
+        timeout_s=150,
+    )
+    stores = sorted(
+        (c for c in psutil.Process(proc.proc.pid).children() if "core_service.job_store" in c.cmdline()),
+        key=lambda c: c.create_time(),
+    )
+    assert len(stores) == 2  # the job's store and its standby, in their own processes
+    stores[0].kill()
     codes = [n.wait(timeout_s=180) for n in nodes]
     for node in nodes:
-        assert "job 'tiny' finished: 8/8 steps, 4 of 4 workers finished" in node.output, node.output[-3000:]
+        assert "job 'tiny' finished: 12/12 steps, 4 of 4 workers finished" in node.output, node.output[-3000:]
     assert codes == [0, 0]
     run_dirs = [tmp_path / "elaswave-run" / "tiny" / f"node-{i}" for i in range(2)]
     records = [json.loads((d / "nodes.json").read_text()) for d in run_dirs]
@@ -256,10 +274,12 @@ def test_two_nodes_train_one_job_like_the_single_process_run(
         assert sorted(records[0]["rank_node"][r] for r in stage["ranks"]) == [0, 1]
     for d, ranks in zip(run_dirs, ([0, 1], [2, 3]), strict=True):  # each node ran its own ranks only
         assert sorted(int(p.stem.split("-")[1]) for p in d.glob("rank-*.json")) == ranks
+        for result in d.glob("rank-*.json"):  # every worker moved to the standby, once
+            assert len(json.loads(result.read_text())["store_moves"]) == 1, result
     losses = _job_losses(run_dirs[0], [0, 1]) | _job_losses(run_dirs[1], [2, 3])
-    reference = _reference_losses(tmp_path / "tiny.py", 8)
-    assert sorted(losses) == list(range(8))
-    for step in range(8):
+    reference = _reference_losses(tmp_path / "tiny.py", 12)
+    assert sorted(losses) == list(range(12))
+    for step in range(12):
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), (step, losses, reference)
     assert {m["state"] for m in proc.job("tiny")["members"]} == {"LEFT"}
 
