@@ -24,8 +24,10 @@ any worker starts, with the units the script's describe run measured. It decides
 * **Memory.** With a per-worker cap, only partitions whose every stage fits are considered
   (Algorithm 1's memory constraint). A worker of stage p holding units with P parameter bytes
   (fp32: n = P / 4 elements) keeps the weights, their gradients and the step's rollback copy
-  (3 P), its ZeRO-1 share of the two optimizer states, their rollback copy and the ring snapshot
-  of its neighbour's share (parameters and both states) (28 n / D_p bytes), and the activations of
+  (3 P), its ZeRO-1 share of the two optimizer states and their rollback copy (16 n / D_p bytes),
+  the shard backups it keeps for others (parameters and both states of each: 12 n / D_p for its
+  ring neighbour's share, or a neighbouring stage's shares, as `planners.backup` places them;
+  checked against the cap once the ranks are placed), and the activations of
   the micro-batches in flight under 1F1B: min(P_stages - p, M) of them, B / (M D_p) samples each,
   at the units' measured activation bytes per sample. `stage_mem_bytes` reports the estimate.
 
@@ -134,10 +136,10 @@ def plan_placement(
         raise PlacementError(f"internal error: the planned layout does not validate: {report.reason}")
     step_s = tuple(float(cost[edges[p] : edges[p + 1]].sum()) * global_batch / dp_sizes[p] for p in range(pp))
     stage_bytes = tuple(int(size[edges[p] : edges[p + 1]].sum()) for p in range(pp))
-    stage_mem = tuple(float(memory.matrix(p)[edges[p], edges[p + 1]]) for p in range(pp))
+    backup = backup_cost(layout)
+    stage_mem = _with_backups(layout, memory, edges, stage_bytes, backup, mem_cap_bytes)
     exposed = tuple(p for p, s in enumerate(stages) if len({rank_node[r] for r in s.ranks}) < 2)
     warnings = _warnings(layout, rank_node, exposed, nnodes)
-    backup = backup_cost(layout)
     return Placement(
         layout,
         rank_node,
@@ -284,6 +286,31 @@ def _check_input(
                 f"unit {i} ({u.name!r}) has a bad measured time {u.seconds_per_sample!r} "
                 "(need a finite number of seconds >= 0)"
             )
+
+
+def _with_backups(
+    layout: Layout,
+    memory: StageMemory,
+    edges: tuple[int, ...],
+    stage_bytes: tuple[int, ...],
+    backup: BackupCost,
+    mem_cap_bytes: float | None,
+) -> tuple[float, ...]:
+    """Each stage's peak per-worker bytes with the backups each rank really keeps: the estimate
+    counts a copy of the rank's own share (3 P / D); a rank backing up a neighbouring stage, or
+    none, keeps what `planners.backup` says instead. Raises PlacementError over the cap."""
+    out = []
+    for p, stage in enumerate(layout.stages):
+        base = float(memory.matrix(p)[edges[p], edges[p + 1]]) - 3.0 * stage_bytes[p] / stage.dp_size
+        need = max(base + backup.per_rank_bytes.get(r, 0) for r in stage.ranks)
+        if mem_cap_bytes is not None and need > mem_cap_bytes:
+            raise PlacementError(
+                f"stage {p}: a worker needs {need / 2**20:.1f} MiB with the shard backups it keeps "
+                f"({backup.stage_max_bytes(layout, p) / 2**20:.1f} MiB), over the cap of "
+                f"{mem_cap_bytes / 2**20:.1f} MiB: use more workers per stage or more nodes"
+            )
+        out.append(need)
+    return tuple(out)
 
 
 def _warnings(

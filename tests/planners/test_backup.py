@@ -5,13 +5,14 @@ no group."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planners.applicability import judge, lost_without_copy
 from planners.backup import BACKUP_ROWS, FLOAT_BYTES, backup_cost, backup_holders, shard_elements
 from planners.layout import Layout, StageLayout, make_uniform_layout
-from planners.placement import UnitCost, plan_placement
+from planners.placement import PlacementError, UnitCost, plan_placement
 
 
 def uniform(pp: int, dp: int, layers: int = 8) -> Layout:
@@ -110,3 +111,23 @@ def test_placement_tells_the_layout_where_ranks_run_and_reports_the_cost() -> No
     assert dict(placement.layout.rank_nodes) == {0: 0, 1: 1}
     assert placement.backup is not None and placement.backup.max_bytes > 0
     assert "shard backups take" in placement.reason
+
+
+def test_the_placement_memory_check_counts_the_backups_a_rank_keeps() -> None:
+    """PP=2 over 3 ranks: stage 1 is one rank whose whole shard is backed up on stage 0's rank 0,
+    which then needs more than the estimate's copy of its own share."""
+    units = [UnitCost(f"u{i}", numel=10_000, param_bytes=40_000, seconds_per_sample=0.01) for i in range(4)]
+    free = plan_placement(units, global_batch=8, micro_batches=2, nnodes=1, nproc_per_node=3, pp=2)
+    assert free.layout.dp_sizes == (2, 1) and backup_holders(free.layout)[2] == 0
+    own_share = 3 * free.stage_param_bytes[0] / 2
+    assert free.backup is not None and free.backup.per_rank_bytes[0] > own_share
+    with pytest.raises(PlacementError, match="with the shard backups it keeps"):
+        plan_placement(
+            units,
+            global_batch=8,
+            micro_batches=2,
+            nnodes=1,
+            nproc_per_node=3,
+            pp=2,
+            mem_cap_bytes=free.stage_mem_bytes[0] - 1,
+        )
