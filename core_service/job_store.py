@@ -10,7 +10,7 @@ survivor's rendezvous with it, so losing that one node would end the job however
 layout spreads the stages. Hosting it here costs the Core one process per running job (it
 imports torch: about 200 MB and a few seconds to start), hence `MAX_STORES`. Each job gets a
 standby store too, in its own process: a store that dies (killed, out of memory) costs the
-workers one in-place move of their groups, not the job. What it does not do yet: a standby Core
+workers one in-place move of their groups, not the job, and the Core starts a new standby. What it does not do yet: a standby Core
 taking over does not inherit the stores (they die with the Core that started them), so a Core
 failover ends the jobs whose groups still need their store.
 
@@ -53,13 +53,16 @@ class StoreError(RuntimeError):
 
 class JobStores:
     """The stores this Core runs: per job a primary and a standby (separate processes), with a
-    task that ends both with the job. Workers get both addresses (`host:port,standby`) and move
-    their groups to the standby in place when the primary dies (`executor.worker_recovery`)."""
+    task that ends them with the job and replaces one that dies while the job lives. Workers
+    get the list (`host:port,standby`), move their groups to the next store when theirs dies
+    (`executor.worker_recovery`), and re-read the list that a replacement writes into the
+    stores still alive (`executor.store_server.STORES_KEY`)."""
 
     def __init__(self, core: Core) -> None:
         self.core = core
         self.procs: dict[str, list[asyncio.subprocess.Process]] = {}
-        self.ports: dict[str, tuple[int, int]] = {}  # job -> (primary port, standby port)
+        self.ports: dict[str, list[int]] = {}  # job -> the ports of procs[job], in the workers' order
+        self.replaced: dict[str, int] = {}  # job -> stores replaced so far
         self._watchers: dict[str, asyncio.Task[None]] = {}
 
     async def start(self, job: str) -> int:
@@ -70,19 +73,24 @@ class JobStores:
             raise StoreError(f"job {job!r} already has a store")
         if len(self.procs) >= MAX_STORES:
             raise StoreError(f"this Core already runs {MAX_STORES} job stores; wait for a job to end")
-        primary, port = await self._spawn(job)
+        primary, port = await self._spawn(job, ())
         try:
-            standby, standby_port = await self._spawn(job)
+            standby, standby_port = await self._spawn(job, (self._address(port),))
         except StoreError:
             _terminate(primary)
             raise
-        self.procs[job], self.ports[job] = [primary, standby], (port, standby_port)
-        self._watchers[job] = asyncio.ensure_future(self._watch(job, [primary, standby]))
-        host = self.core.settings.http_host
-        log.info("rendezvous store for job %s on %s:%d (standby %s:%d)", job, host, port, host, standby_port)
+        self.procs[job], self.ports[job] = [primary, standby], [port, standby_port]
+        self.replaced[job] = 0
+        self._watchers[job] = asyncio.ensure_future(self._watch(job, self.procs[job]))
+        log.info(
+            "rendezvous stores for job %s: %s", job, ", ".join(self._address(p) for p in self.ports[job])
+        )
         return port
 
-    async def _spawn(self, job: str) -> tuple[asyncio.subprocess.Process, int]:
+    def _address(self, port: int) -> str:
+        return f"{self.core.settings.http_host}:{port}"
+
+    async def _spawn(self, job: str, peers: tuple[str, ...]) -> tuple[asyncio.subprocess.Process, int]:
         # Forked from the event loop's thread, which lives as long as the Core: the child's
         # parent-death signal is tied to the forking thread, not the process.
         proc = await asyncio.create_subprocess_exec(
@@ -93,6 +101,7 @@ class JobStores:
             self.core.settings.http_host,
             "--parent",
             str(os.getpid()),
+            *(["--announce-to", ",".join(peers)] if peers else []),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             start_new_session=True,
@@ -123,19 +132,42 @@ class JobStores:
         for proc in self.procs.pop(job, []):
             _terminate(proc)
 
+    async def _replace_dead(self, job: str, procs: list[asyncio.subprocess.Process]) -> None:
+        """Drop the stores that exited and start one standby per loss, announced to the rest."""
+        ports = self.ports[job]
+        for i in reversed([i for i, p in enumerate(procs) if p.returncode is not None]):
+            log.warning(
+                "rendezvous store %s of job %s exited; starting a new standby", self._address(ports[i]), job
+            )
+            del procs[i], ports[i]
+        while len(procs) < 2:
+            try:
+                proc, port = await self._spawn(job, tuple(self._address(p) for p in ports))
+            except StoreError as exc:
+                log.error("job %s: no new standby store: %s", job, exc)
+                return
+            procs.append(proc)
+            ports.append(port)
+            self.replaced[job] += 1
+
     async def _watch(self, job: str, procs: list[asyncio.subprocess.Process]) -> None:
         started = gone_since = time.monotonic()
         try:
             while any(p.returncode is None for p in procs):
-                alive = next(p for p in procs if p.returncode is None)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(alive.wait(), WATCH_INTERVAL_S)
+                waits = [asyncio.ensure_future(p.wait()) for p in procs if p.returncode is None]
+                _, pending = await asyncio.wait(
+                    waits, timeout=WATCH_INTERVAL_S, return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in pending:
+                    task.cancel()
                 record = self.core.table.jobs.get(job)
                 now = time.monotonic()
                 if record is None:
                     break
                 if record.live_members():
                     gone_since = now
+                    if any(p.returncode is not None for p in procs):
+                        await self._replace_dead(job, procs)
                     continue
                 over = now - gone_since > GONE_GRACE_S if record.members else now - started > UNCLAIMED_S
                 if over:  # every worker left or was lost, or none ever came
@@ -168,11 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="A job's rendezvous store, run by the Core")
     parser.add_argument("--host", required=True)
     parser.add_argument("--parent", type=int, required=True, help="the Core's pid")
+    parser.add_argument("--announce-to", default="", help="HOST:PORT,... the job's live stores")
     args = parser.parse_args(argv)
     _arm_parent_death(args.parent)
     from executor.store_server import main as serve  # noqa: PLC0415 - torch only in the child
 
-    return serve(["--host", args.host, "--port", "0"])
+    return serve(["--host", args.host, "--port", "0", "--announce-to", args.announce_to])
 
 
 if __name__ == "__main__":

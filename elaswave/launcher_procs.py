@@ -164,9 +164,14 @@ class LocalStore:
     port: int
 
     @classmethod
-    def start(cls, env: Mapping[str, str], log: Path, timeout_s: float = 60.0) -> LocalStore:
-        """Start it and wait (at most `timeout_s`: it imports torch) for the port it bound."""
+    def start(
+        cls, env: Mapping[str, str], log: Path, timeout_s: float = 60.0, peers: tuple[str, ...] = ()
+    ) -> LocalStore:
+        """Start it and wait (at most `timeout_s`: it imports torch) for the port it bound;
+        `peers`: the job's live stores, which learn the new store list from it."""
         cmd = [sys.executable, "-m", "executor.store_server", "--host", LOOPBACK, "--port", "0"]
+        if peers:
+            cmd += ["--announce-to", ",".join(peers)]
         with log.open("ab") as err:  # the child keeps its own copy
             proc = subprocess.Popen(
                 cmd,

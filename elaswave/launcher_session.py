@@ -26,7 +26,8 @@ from elaswave import worker_env as we
 from elaswave.launcher_describe import clean_env, tail
 from elaswave.launcher_join import SCHEDULER_TOKEN_ENV, stop_job, stopped_by_the_core
 from elaswave.launcher_monitor import Monitor, outcome, write_stop_file
-from elaswave.launcher_procs import LOOPBACK, Agents, LaunchError, LocalCore, LocalStore, RankSpec
+from elaswave.launcher_procs import LOOPBACK, Agents, LaunchError, LocalCore, RankSpec
+from elaswave.store_keeper import StoreKeeper
 
 if TYPE_CHECKING:
     from elaswave.launcher import StopRequest
@@ -54,8 +55,7 @@ class Session:
         self.args, self.job, self.desc, self.placement = args, job, desc, placement
         self.run_dir, self.socket_dir, self.stop, self.joined = run_dir, socket_dir, stop, joined
         self.core: LocalCore | None = None
-        self.store: LocalStore | None = None
-        self.standby_store: LocalStore | None = None  # where the workers go when the store dies
+        self.stores: StoreKeeper | None = None  # the store, its standby, a new standby after a loss
         self.http: httpx.Client | None = None  # the Core's REST API, local or remote
         self.core_address = self.store_address = ""  # gRPC, store: HOST:PORT
         self.agents = Agents()
@@ -81,15 +81,15 @@ class Session:
         self.core = LocalCore.start(self.run_dir, env)
         layout = self.placement.layout
         token = self.core.create_job(self.job, len(layout.ranks()), layout.to_json())
-        self.store = LocalStore.start(env, self.run_dir / "store.log")
-        self.standby_store = LocalStore.start(env, self.run_dir / "store-standby.log")
+        self.stores = StoreKeeper(env, self.run_dir)
         self.http = self.core.http
         self.core_address = f"{LOOPBACK}:{self.core.grpc_port}"
         # The workers try these in order: the standby takes over in place if the store dies.
-        self.store_address = f"{self.store.address},{self.standby_store.address}"
+        self.store_address = self.stores.start()
+        first, standby = self.store_address.split(",", 1)
         print(
             f"[elaswave] Core up (gRPC {self.core_address}, REST {self.core.http.base_url}"
-            f"/api/v1/jobs/{self.job}), store on {self.store.address} (standby {self.standby_store.address})",
+            f"/api/v1/jobs/{self.job}), store on {first} (standby {standby})",
             flush=True,
         )
         return token
@@ -169,6 +169,9 @@ class Session:
                 )
                 return 1
             monitor.poll()
+            replaced = self.stores.poll() if self.stores is not None else None
+            if replaced is not None:
+                print(f"[elaswave] {replaced}", flush=True)
             if self.stop.signum is not None and stop_deadline is None:
                 stop_deadline = time.monotonic() + self.args.stop_timeout
                 self._request_stop(monitor.snapshot.step(monitor.snapshot.live), monitor.slowest_step_s())
@@ -300,8 +303,7 @@ class Session:
         self.agents.stop()
         if self.joined is not None and self.http is not None:
             self.http.close()  # a local Core's client closes with it
-        for store in (self.store, self.standby_store):
-            if store is not None:
-                store.stop()
+        if self.stores is not None:
+            self.stores.stop()
         if self.core is not None:
             self.core.stop()

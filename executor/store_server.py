@@ -31,9 +31,30 @@ def connect_store(host: str, port: int, timeout_s: float = 30.0) -> TCPStore:
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
-def serve(host: str, port: int, stop: threading.Event, announce: bool = True) -> None:
-    """Host a TCPStore on (host, port) until `stop` is set. Port 0 picks a free port."""
+# Every store of a job holds the job's current store list here ("host:port,host:port", in the
+# order the workers try them): a replacement standby writes it into itself and into the stores
+# still alive, and the workers re-read it (`executor.worker_recovery`), so a job keeps a standby
+# after every store loss, not only the first.
+STORES_KEY = "elaswave/stores"
+PEER_CONNECT_S = 5.0
+
+
+def serve(
+    host: str, port: int, stop: threading.Event, announce: bool = True, peers: tuple[str, ...] = ()
+) -> None:
+    """Host a TCPStore on (host, port) until `stop` is set. Port 0 picks a free port. The list
+    `peers` + this store is written under STORES_KEY here and into every peer that answers."""
     store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    listed = ",".join((*peers, f"{host}:{store.port}"))
+    store.set(STORES_KEY, listed)
+    for peer in peers:
+        peer_host, peer_port = peer.rsplit(":", 1)
+        try:
+            connect_store(peer_host, int(peer_port), PEER_CONNECT_S).set(STORES_KEY, listed)
+        except (RuntimeError, ValueError) as exc:  # a peer that died meanwhile: the list skips it next time
+            print(
+                f"store {host}:{store.port}: peer {peer} did not take the store list: {exc}", file=sys.stderr
+            )
     if announce:
         print(f"PORT {store.port}", flush=True)
     stop.wait()
@@ -49,15 +70,31 @@ class StoreServer:
     port: int
 
     @classmethod
-    def start(cls, host: str = DEFAULT_HOST, timeout_s: float = 30.0) -> StoreServer:
-        """Spawn `python -m executor.store_server` and wait (at most timeout_s) for its port."""
+    def start(
+        cls, host: str = DEFAULT_HOST, timeout_s: float = 30.0, peers: tuple[str, ...] = ()
+    ) -> StoreServer:
+        """Spawn `python -m executor.store_server` and wait (at most timeout_s) for its port;
+        `peers`: the job's live stores, which learn the new list (`serve`)."""
         proc = subprocess.Popen(
-            [sys.executable, "-m", "executor.store_server", "--host", host, "--port", "0"],
+            [
+                sys.executable,
+                "-m",
+                "executor.store_server",
+                "--host",
+                host,
+                "--port",
+                "0",
+                *announce_args(peers),
+            ],
             stdout=subprocess.PIPE,
             text=True,
         )
         port = _read_port(proc, timeout_s)
         return cls(process=proc, host=host, port=port)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
 
     def connect(self, timeout_s: float = 30.0) -> TCPStore:
         return connect_store(self.host, self.port, timeout_s)
@@ -72,6 +109,11 @@ class StoreServer:
                 self.process.wait(timeout=timeout_s)
         if self.process.stdout is not None:
             self.process.stdout.close()
+
+
+def announce_args(peers: tuple[str, ...]) -> list[str]:
+    """The command-line arguments that make a new store announce itself to `peers`."""
+    return ["--announce-to", ",".join(peers)] if peers else []
 
 
 def _read_port(proc: subprocess.Popen[str], timeout_s: float) -> int:
@@ -95,13 +137,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--host", default=DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed as 'PORT <n>')")
+    parser.add_argument(
+        "--announce-to",
+        default="",
+        help="HOST:PORT,... the job's live stores: the new list (them, then this one) is written to each",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    serve(args.host, args.port, stop)
+    peers = tuple(a.strip() for a in args.announce_to.split(",") if a.strip())
+    serve(args.host, args.port, stop, peers=peers)
     return 0
 
 

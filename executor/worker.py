@@ -50,6 +50,9 @@ from typing import Any
 from elaswave.worker_env import EXIT_NO_PLAN, EXIT_PLAN_NOT_APPLICABLE, EXIT_TERMINATED, WorkerPlace
 from executor.worker_recovery import PlanFollowing, PlanNotApplicable
 
+# Re-read the job's store list every this many committed steps (one store round trip).
+STORE_LIST_EVERY = 8
+
 
 @dataclass(frozen=True)
 class WorkerSettings:
@@ -421,6 +424,8 @@ class CoreDrivenWorker(PlanFollowing):
         self.results["samples"][step] = sorted(result.sample_ids)  # global ids the trainer actually fed
         self.results["stage_of_step"][step] = self.trainer.stage  # a restore may change the stage count
         self.results["committed_unix"][step] = time.time()  # recovery time is measured up to this
+        if step % STORE_LIST_EVERY == 0:
+            self._refresh_stores()  # a standby replaced since the last plan is known before it is needed
         if result is not None and result.loss is not None:
             self.results["losses"][step] = result.loss
         if self.metrics is not None:

@@ -92,6 +92,7 @@ class PlanFollowing:
 
         try:
             self.comm.store.check([f"{self.comm.namespace}/alive"])
+            self._refresh_stores()
             return
         except DistNetworkError:
             pass
@@ -110,8 +111,30 @@ class PlanFollowing:
                 f"worker {self.args.worker_id}: the store is gone; now on {self.store_addresses[index]}",
                 flush=True,
             )
+            self._refresh_stores()
             return
         raise StoreLost(f"no store answers at {self.store_addresses}")
+
+    def _refresh_stores(self) -> None:
+        """Take the job's current store list from the store (`executor.store_server.STORES_KEY`:
+        a replacement standby writes it into the stores still alive), keeping this worker on the
+        store it uses now. Called before every plan and every few commits; a store without the key
+        (an older launcher) leaves the list as it is. Never blocks: check before get."""
+        from torch.distributed import DistError  # noqa: PLC0415
+
+        from executor.store_server import STORES_KEY  # noqa: PLC0415
+
+        try:
+            if not self.comm.store.check([STORES_KEY]):
+                return
+            listed = [a for a in self.comm.store.get(STORES_KEY).decode().split(",") if a]
+        except DistError:  # the store went meanwhile: the next plan moves this worker
+            return
+        current = self.store_addresses[self._store_index]
+        if current not in listed:
+            listed.insert(0, current)
+        if listed != self.store_addresses:
+            self.store_addresses, self._store_index = listed, listed.index(current)
 
     def _maybe_inject_fault(self, step: int) -> None:
         """WorkerPlace.collective_fault_at: the first attempt at that step fails here like a

@@ -592,3 +592,63 @@ def test_a_stage_and_its_backup_lost_are_restored_in_place_from_the_last_checkpo
     reference = _reference_losses(script, 40)
     for step in range(saved, 40):
         assert losses[step] == pytest.approx(reference[step], rel=1e-4, abs=1e-6), step
+
+
+@pytest.mark.timeout(300)
+def test_the_store_lost_twice_is_replaced_and_the_job_trains_like_the_single_process_run(
+    tmp_path: Path,
+) -> None:
+    """`elaswave run` keeps the store and a standby; the store is killed, the workers move to the
+    standby in place and the launcher starts a new standby, whose address the workers learn from
+    the store; then that one is killed too, and the job still finishes like the reference."""
+    script = _tiny(tmp_path)
+    launcher = Launcher(
+        "--nproc-per-node", "2", "--pp", "2", script, "--steps", str(STORE_LOSS_STEPS), cwd=tmp_path
+    )
+    run_dir = tmp_path / "elaswave-run" / "tiny"
+    launcher.wait_for(
+        "every worker to commit step 3",
+        lambda: len(s := _member_steps(run_dir, "tiny")) == 2 and min(s.values()) >= 3,
+        timeout_s=120,
+    )
+    first, standby = _local_stores(launcher)
+    first.kill()
+    at = max(_member_steps(run_dir, "tiny").values())
+    launcher.wait_for("a new standby store", lambda: "new standby store on" in launcher.output, timeout_s=150)
+    ready = max(_member_steps(run_dir, "tiny").values())
+    launcher.wait_for(
+        "every worker 10 steps on (it re-reads the store list every 8)",
+        lambda: min(_member_steps(run_dir, "tiny").values(), default=-1) >= max(at, ready) + 10,
+        timeout_s=150,
+    )
+    assert [s.pid for s in _local_stores(launcher)][0] == standby.pid
+    standby.kill()
+    code = launcher.wait(timeout_s=150)
+    out = launcher.output
+    assert code == 0, out[-3000:]
+    assert f"job 'tiny' finished: {STORE_LOSS_STEPS}/{STORE_LOSS_STEPS} steps" in out, out[-3000:]
+    assert out.count("a new standby is starting") == 2, out[-3000:]
+    for rank in (0, 1):
+        result = json.loads((run_dir / f"rank-{rank}.json").read_text())
+        assert len(result["store_moves"]) == 2 and result["committed_steps"] == STORE_LOSS_STEPS
+    losses, reference = _job_losses(run_dir, [1]), _reference_losses(script, STORE_LOSS_STEPS)
+    assert sorted(losses) == list(range(STORE_LOSS_STEPS))
+    for step in losses:
+        assert losses[step] == pytest.approx(reference[step], rel=1e-4, abs=1e-6), step
+
+
+STORE_LOSS_STEPS = 150
+
+
+def _local_stores(launcher: Launcher) -> list[psutil.Process]:
+    """The launcher's store processes, oldest first."""
+    children = psutil.Process(launcher.proc.pid).children()
+    return sorted((c for c in children if _runs(c, "executor.store_server")), key=lambda c: c.create_time())
+
+
+def _runs(process: psutil.Process, module: str) -> bool:
+    """Whether `process` is alive (not a zombie waiting to be reaped) and runs `module`."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE and module in process.cmdline()
+    except psutil.Error:
+        return False

@@ -243,26 +243,40 @@ def _two_nodes(proc: CoreProcess, tmp_path: Path, *script_args: str) -> tuple[La
 def test_two_nodes_train_one_job_like_the_single_process_run_through_a_store_loss(
     core: tuple[CoreProcess, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two nodes form one job through the Core, which hosts its store and a standby; the store is
-    killed at step 3 and the workers move to the standby in place: the job trains like the
-    single-process run."""
+    """Two nodes form one job through the Core, which hosts its store and a standby. The store is
+    killed at step 3: the workers move to the standby in place and the Core starts a new
+    standby, whose address the workers learn from the store; that store is killed too, and the
+    job still trains like the single-process run."""
     proc, token = core
     monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
-    nodes = _two_nodes(proc, tmp_path, "--steps", "12")
+    nodes = _two_nodes(proc, tmp_path, "--steps", str(STORE_LOSS_STEPS))
     nodes[0].wait_for(
         "every worker to commit step 3",
         lambda: len(s := _member_steps_remote(proc)) == 4 and min(s.values()) >= 3,
         timeout_s=150,
     )
-    stores = sorted(
-        (c for c in psutil.Process(proc.proc.pid).children() if "core_service.job_store" in c.cmdline()),
-        key=lambda c: c.create_time(),
+    first, standby = _job_stores(proc)  # the job's store and its standby, in their own processes
+    first_address = f"127.0.0.1:{_listening_port(first)}"
+    first.kill()
+    at = max(_member_steps_remote(proc).values())
+    nodes[0].wait_for(
+        "a new standby store, announced in the standby",
+        lambda: len(listed := _store_list(standby)) == 2 and first_address not in listed,
+        timeout_s=150,
     )
-    assert len(stores) == 2  # the job's store and its standby, in their own processes
-    stores[0].kill()
+    ready = max(_member_steps_remote(proc).values())
+    nodes[0].wait_for(
+        "every worker 10 steps on (it re-reads the store list every 8)",
+        lambda: min(_member_steps_remote(proc).values(), default=-1) >= max(at, ready) + 10,
+        timeout_s=150,
+    )
+    standby.kill()
     codes = [n.wait(timeout_s=180) for n in nodes]
     for node in nodes:
-        assert "job 'tiny' finished: 12/12 steps, 4 of 4 workers finished" in node.output, node.output[-3000:]
+        assert (
+            f"job 'tiny' finished: {STORE_LOSS_STEPS}/{STORE_LOSS_STEPS} steps, 4 of 4 workers finished"
+            in (node.output)
+        ), node.output[-3000:]
     assert codes == [0, 0]
     run_dirs = [tmp_path / "elaswave-run" / "tiny" / f"node-{i}" for i in range(2)]
     records = [json.loads((d / "nodes.json").read_text()) for d in run_dirs]
@@ -274,12 +288,12 @@ def test_two_nodes_train_one_job_like_the_single_process_run_through_a_store_los
         assert sorted(records[0]["rank_node"][r] for r in stage["ranks"]) == [0, 1]
     for d, ranks in zip(run_dirs, ([0, 1], [2, 3]), strict=True):  # each node ran its own ranks only
         assert sorted(int(p.stem.split("-")[1]) for p in d.glob("rank-*.json")) == ranks
-        for result in d.glob("rank-*.json"):  # every worker moved to the standby, once
-            assert len(json.loads(result.read_text())["store_moves"]) == 1, result
+        for result in d.glob("rank-*.json"):  # every worker moved to the standby, then to the new one
+            assert len(json.loads(result.read_text())["store_moves"]) == 2, result
     losses = _job_losses(run_dirs[0], [0, 1]) | _job_losses(run_dirs[1], [2, 3])
-    reference = _reference_losses(tmp_path / "tiny.py", 12)
-    assert sorted(losses) == list(range(12))
-    for step in range(12):
+    reference = _reference_losses(tmp_path / "tiny.py", STORE_LOSS_STEPS)
+    assert sorted(losses) == list(range(STORE_LOSS_STEPS))
+    for step in range(STORE_LOSS_STEPS):
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), (step, losses, reference)
     assert {m["state"] for m in proc.job("tiny")["members"]} == {"LEFT"}
 
@@ -308,6 +322,28 @@ def test_ctrl_c_on_one_node_stops_the_job_on_every_node(
     assert len(steps) == 1 and 3 <= steps.pop() < 100000  # every rank left at the same boundary
 
 
+STORE_LOSS_STEPS = 150
+
+
+def _store_list(store: psutil.Process) -> list[str]:
+    """The job's store list as `store` holds it (executor.store_server.STORES_KEY)."""
+    from executor.store_server import STORES_KEY, connect_store  # noqa: PLC0415 - torch
+
+    return (
+        connect_store("127.0.0.1", _listening_port(store), timeout_s=5.0).get(STORES_KEY).decode().split(",")
+    )
+
+
+def _listening_port(store: psutil.Process) -> int:
+    return next(c.laddr.port for c in store.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
+
+
+def _job_stores(proc: CoreProcess) -> list[psutil.Process]:
+    """The Core's job store processes, oldest first."""
+    children = psutil.Process(proc.proc.pid).children()
+    return sorted((c for c in children if _runs(c, "core_service.job_store")), key=lambda c: c.create_time())
+
+
 def _member_steps_remote(proc: CoreProcess) -> dict[str, int]:
     try:
         members = proc.job("tiny")["members"]
@@ -334,3 +370,11 @@ def test_the_resume_command_of_a_joined_node_names_a_new_job() -> None:
         "10.0.0.5:8080 --job train-2 train.py"
     )
     assert next_job_name("train-2") == "train-3" and next_job_name("x" * 63) == "x" * 61 + "-2"
+
+
+def _runs(process: psutil.Process, module: str) -> bool:
+    """Whether `process` is alive (not a zombie waiting to be reaped) and runs `module`."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE and module in process.cmdline()
+    except psutil.Error:
+        return False
