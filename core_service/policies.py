@@ -13,17 +13,17 @@ membership-only: changes are recorded and nothing is re-planned.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from core_service.engine import Decision, JobSnapshot
 from core_service.jobs import Job
 from planners.chameleon.schema import state_from_dict
 from planners.chameleon.state import ClusterState
-from planners.dataflow import drop_stage, micro_batch_sizes, resize_after_loss
+from planners.elaswave_policy import resize_for_going as planned_resize
+from planners.elaswave_reasons import texts
 from planners.flextrain import build_scale_table, choose_scale_up, predict_configs
 from planners.layout import Layout
-from planners.validation import validate
 
 GOING_STATES = frozenset({"LOST", "LEFT", "PREEMPTING", "DRAINING"})
 
@@ -74,39 +74,11 @@ def going_ranks(snapshot: JobSnapshot, layout: Layout) -> list[int]:
 
 
 def resize_for_going(layout: Layout, going: list[int]) -> Resized:
-    """Stages that lose every rank hand their layers to a neighbour; the survivors of the others
-    take the going ranks' samples (micro-batch resizing, ElasWave §4.1); the result validates.
-    The last two reasons are the resize's own and the micro-batch sizes."""
-    remaining, dropped = _drop_emptied_stages(layout, set(going))
-    if remaining is None:
-        return Resized(None, dropped, "every stage would lose all of its ranks")
-    left = [r for r in going if r in set(remaining.ranks())]
-    result = resize_after_loss(remaining, left)
-    if not left:  # every going rank went with a dropped stage: no survivor's share changes
-        result = replace(result, reason=f"lost ranks {sorted(going)} (with their stages)")
-    report = validate(result.layout)
-    if not report.ok:
-        return Resized(None, dropped, "resized layout does not validate: " + "; ".join(report.problems))
-    sizes = micro_batch_sizes(result.layout)
-    return Resized(result.layout, (*dropped, result.reason, f"micro-batch sizes per stage {list(sizes)}"))
-
-
-def _drop_emptied_stages(layout: Layout, going: set[int]) -> tuple[Layout | None, tuple[str, ...]]:
-    """Stages that lose every rank hand their layers to a neighbour (planners.dataflow.drop_stage);
-    the layers then migrate to that neighbour's ranks (ElasWave §4.2, §6.2)."""
-    reasons: list[str] = []
-    while True:
-        emptied = [s for s in layout.stages if all(r in going for r in s.ranks)]
-        if not emptied:
-            return layout, tuple(reasons)
-        if layout.num_stages == 1:
-            return None, tuple(reasons)
-        stage = emptied[0]
-        reasons.append(
-            f"stage {stage.stage} lost every rank: layers {stage.layer_start}..{stage.layer_stop - 1} "
-            "move to a neighbouring stage"
-        )
-        layout = drop_stage(layout, stage.stage)
+    """The pure dataflow step (`planners.elaswave_policy.resize_for_going`, ElasWave §4.1) with its
+    reasons as the sentences a plan records. The last two are the resize's own and the
+    micro-batch sizes."""
+    result = planned_resize(layout, going)
+    return Resized(result.layout, texts(result.reasons), result.refusal)
 
 
 # Devices of an offer are expected to stay until reclaimed; FlexTrain models reclaims as a

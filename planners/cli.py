@@ -18,9 +18,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from planners.chameleon.policy import POLICIES, choose_policy
+from planners.applicability import judge
+from planners.chameleon.policy import POLICIES, PolicyDecision, decide, eq8_score
 from planners.chameleon.schema import decision_to_dict, state_from_dict
+from planners.chameleon.state import Candidate, ClusterState, infeasible
+from planners.chameleon.to_layout import candidate_layout
+from planners.elaswave_model import RankReport, registered_model
+from planners.elaswave_policy import ElasWaveInput, plan_elaswave
 from planners.flextrain import build_scale_table, predict_configs
+from planners.layout import Layout
+from planners.layout_pricing import healthy_layout, layout_candidate
 from planners.partition import solve_partition_request
 
 
@@ -59,11 +66,94 @@ def main(args: argparse.Namespace) -> int:
 
 
 def plan(request: Any) -> dict[str, Any]:
-    """state.json -> decision JSON (the library call the CLI prints)."""
+    """state.json -> decision JSON (the library call the CLI prints).
+
+    Only plans the executor can apply are chosen: "elaswave" is the Core's own planner
+    (`planners.elaswave_policy`), and every candidate must be one pipeline whose layout
+    `planners.applicability.judge` accepts from the healthy layout. The others stay in
+    `alternatives` with `"applicable": false` and the reason."""
     state, policies = state_from_dict(request)
-    decision = choose_policy(state, policies)
+    current = healthy_layout(state)
+    candidates = [_candidate(p, state, current) for p in policies]
+    verdicts = [_applicability(c, state, current) for c in candidates]
+    usable = [c for c, why in zip(candidates, verdicts, strict=True) if not why]
+    horizon = state.expected_time_to_next_event_s
+    if usable:
+        decision = decide(usable, horizon)
+    else:
+        nothing = infeasible("none", "no policy's plan applies: " + "; ".join(filter(None, verdicts)))
+        decision = PolicyDecision(nothing, (), nothing.reason)
     fault_free = POLICIES["torchft"](replace(state, failed=frozenset(), slowdown=()))
-    return decision_to_dict(decision, state, fault_free)
+    out = decision_to_dict(decision, state, fault_free)
+    for alt in out["alternatives"]:
+        alt["applicable"] = True
+    for cand, why in zip(candidates, verdicts, strict=True):
+        if why:
+            scored = eq8_score(cand, horizon)
+            out["alternatives"].append(
+                {
+                    "policy": cand.policy,
+                    "feasible": cand.feasible,
+                    "applicable": False,
+                    "score": 0.0,
+                    "effective_ratio": scored.effective_ratio,
+                    "samples_per_s": cand.throughput,
+                    "step_time_s": cand.step_time_s if cand.feasible else None,
+                    "transition_s": cand.transition_s,
+                    "bytes_moved": cand.bytes_moved,
+                    "reason": f"not applicable: {why}; {cand.reason}",
+                }
+            )
+    return out
+
+
+def _candidate(policy: str, state: ClusterState, current: Layout) -> Candidate:
+    """The policy's plan; "elaswave" is the Core's planner on the healthy layout."""
+    if policy != "elaswave":
+        return POLICIES[policy](state)
+    model = registered_model(state.profile, current)
+    reports = _reports(state, current)
+    result = plan_elaswave(ElasWaveInput(current, tuple(sorted(state.failed)), model, reports))
+    if result.action == "refuse":
+        return infeasible("elaswave", result.summary)
+    layout = result.layout or current
+    cand = layout_candidate(state, layout, "elaswave", result.summary)
+    moved = _moved_bytes(state, current, layout)
+    seconds = moved / state.profile.migrate_bytes_per_s
+    return replace(
+        cand,
+        transition_s=state.mttr.elaswave_base_s + seconds if state.failed else seconds,
+        bytes_moved=moved,
+    )
+
+
+def _reports(state: ClusterState, layout: Layout) -> tuple[RankReport, ...]:
+    """Slow ranks as the planner sees them: a step time `factor` x their peers' 1 s."""
+    if not state.slowdown:
+        return ()
+    slow = state.slowdown_map
+    return tuple(RankReport(r, slow.get(r, 1.0), r in slow) for r in layout.ranks() if r not in state.failed)
+
+
+def _moved_bytes(state: ClusterState, old: Layout, new: Layout) -> float:
+    """Blocks that change stage, into the busiest receiving rank (weights + its optimizer share)."""
+    prof = state.profile
+    busiest = 0.0
+    for p, stage in enumerate(new.stages):
+        before = old.stages[p].layers if p < old.num_stages else range(0)
+        incoming = sum(prof.layer_param_bytes[b] for b in stage.layers if b not in before)
+        busiest = max(busiest, incoming * (1 + prof.optimizer_bytes_per_param_byte / stage.dp_size))
+    return busiest
+
+
+def _applicability(cand: Candidate, state: ClusterState, current: Layout) -> str:
+    """Empty when the executor can apply `cand` in place from `current`, else why not."""
+    if not cand.feasible:
+        return ""  # infeasible plans are ranked (and explained) like any other
+    if len(cand.pipelines) != 1:
+        return f"{len(cand.pipelines)} pipelines cannot be expressed as one Layout for the executor"
+    verdict = judge(current, candidate_layout(cand, state))
+    return "" if verdict.in_place else verdict.reason
 
 
 def scale_table(request: Any) -> dict[str, Any]:

@@ -221,12 +221,19 @@ def apply_boundaries(layout: Layout, boundaries: Sequence[int]) -> Layout:
     return replace(layout, stages=stages)
 
 
-def rebalance_layers(layout: Layout, cost: CostModel) -> GraphPlan:
-    """Re-partition layers for the layout's current ranks, micro-batches and frequencies with the
-    eq. (1) cost model and the layout's memory caps (none = unbounded)."""
+@dataclass(frozen=True)
+class SegmentTables:
+    """(P, L+1, L+1) mini-step times and memory of every layer range [k, l) on every stage of a
+    layout: eq. (1) and the memory model. Built once per plan and shared by Algorithm 1 and any
+    constrained search over the same costs (planners.elaswave_graph)."""
+
+    times: np.ndarray
+    mems: np.ndarray
+
+
+def segment_tables(layout: Layout, cost: CostModel) -> SegmentTables:
+    """Every stage's tables in one numpy call each, from (P, L) per-layer costs."""
     conds = cost.conditions(layout)
-    caps = layout.stage_mem_cap_bytes or (math.inf,) * layout.num_stages
-    # All stages at once: (P, L+1, L+1) segment tables from (P, L) per-layer costs.
     compute = [cost.stage_compute(c) for c in conds]
     fwd, bwd = np.stack([f for f, _ in compute]), np.stack([b for _, b in compute])
     p2p_f = np.array([c.p2p_f_s for c in conds])[:, None, None]
@@ -237,7 +244,16 @@ def rebalance_layers(layout: Layout, cost: CostModel) -> GraphPlan:
         )
     )
     layer_mem = np.stack([cost.layer_mem_bytes(layout, p, c.micro_batch) for p, c in enumerate(conds)])
-    mems = np.asarray(cost.memory.stage_base_bytes + _segment_sums(layer_mem))
+    return SegmentTables(times, np.asarray(cost.memory.stage_base_bytes + _segment_sums(layer_mem)))
+
+
+def rebalance_layers(layout: Layout, cost: CostModel, tables: SegmentTables | None = None) -> GraphPlan:
+    """Re-partition layers for the layout's current ranks, micro-batches and frequencies with the
+    eq. (1) cost model and the layout's memory caps (none = unbounded). `tables`: the layout's
+    `segment_tables`, when the caller already built them."""
+    caps = layout.stage_mem_cap_bytes or (math.inf,) * layout.num_stages
+    built = tables if tables is not None else segment_tables(layout, cost)
+    times, mems = built.times, built.mems
 
     def seg_time(p: int) -> np.ndarray:
         return np.asarray(times[p])

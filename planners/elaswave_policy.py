@@ -1,0 +1,190 @@
+"""ElasWave's policy as one pure function: resize, re-partition, up-clock (ElasWave §4.1-4.3).
+
+The Core (`core_service.elaswave_policy`), `elaswave plan` (`planners.cli`) and the simulator
+(`simulator.policies`) all call `plan_elaswave`; each turns its own view of the job (a snapshot
+of workers, a state.json, a trace) into an `ElasWaveInput`. One decision per membership change,
+in the paper's order:
+
+1. dataflow (§4.1): going ranks leave, their stage's survivors take their samples
+   (`resize_for_going`, shared with the resize-only baseline); a stage that loses every rank
+   hands its layers to a neighbour;
+2. graph (§4.2): Algorithm 1 under the executor's adjacency rule (`planners.elaswave_graph`);
+3. DVFS (§4.3): the residual straggler stage is up-clocked (`planners.elaswave_clocks`).
+
+Every reason is a typed `Reason` (which step, whether it changes the layout); the event-log line
+is built from their headlines, never by parsing sentences. The plan is validated; whether the
+executor can reach it in place is `planners.applicability.judge`, which the caller asks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Set
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from planners.dataflow import drop_stage, micro_batch_sizes, resize_after_loss
+from planners.elaswave_clocks import plan_clocks
+from planners.elaswave_graph import repartition
+from planners.elaswave_model import DEFAULT_SLOWDOWN, JobModel, RankReport, Slowdown, costing, slowdowns
+from planners.elaswave_reasons import Outcome, Reason, Step, headlines
+from planners.layout import Layout
+from planners.validation import validate
+
+Action = Literal["publish", "none", "refuse"]
+
+
+@dataclass(frozen=True)
+class ElasWaveSettings:
+    min_gain: float = 0.02  # relative step-time gain a layer migration must buy
+    clock_hysteresis_mhz: int = 20
+    default_slowdown: float = DEFAULT_SLOWDOWN
+    migrate: bool = True  # False: the resize-only ablation (no re-partition, no DVFS)
+    dvfs: bool = True
+
+
+@dataclass(frozen=True)
+class ElasWaveInput:
+    """What the policy decides from: the layout in force, the ranks that go, every worker's last
+    report, the ranks whose fail-slow flag cleared since the last plan, and the cost model."""
+
+    layout: Layout
+    going: tuple[int, ...]
+    model: JobModel
+    reports: tuple[RankReport, ...] = ()
+    recovered: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class ElasWavePlan:
+    action: Action
+    layout: Layout | None
+    reasons: tuple[Reason, ...]
+    summary: str  # one line for the event log
+    predicted_step_time_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Resized:
+    """The dataflow step (§4.1) for the ranks that go: the layout, or why there is none."""
+
+    layout: Layout | None
+    reasons: tuple[Reason, ...]
+    refusal: str = ""
+    dropped_stages: tuple[int, ...] = field(default_factory=tuple)
+
+
+def plan_elaswave(inp: ElasWaveInput, settings: ElasWaveSettings = ElasWaveSettings()) -> ElasWavePlan:
+    """The ElasWave plan for `inp` (no I/O: the same answer for the same input)."""
+    layout, model = inp.layout, inp.model
+    in_layout = set(layout.ranks())
+    going = sorted(set(inp.going) & in_layout)
+    recovered = frozenset(inp.recovered) & in_layout
+    slow = slowdowns(layout, inp.reports, going, model.nominal_mhz, settings.default_slowdown)
+    if not going and not slow and not recovered:
+        text = "no rank of the current layout is leaving, slow or recovered"
+        return ElasWavePlan("none", None, (), text)
+    resized = resize_for_going(layout, going) if going else Resized(layout, ())
+    if resized.layout is None:
+        return ElasWavePlan("refuse", None, resized.reasons, resized.refusal)
+    return _plan(layout, resized.layout, resized.reasons, model, slow, recovered, settings)
+
+
+def _plan(
+    old: Layout,
+    resized: Layout,
+    resize_reasons: tuple[Reason, ...],
+    model: JobModel,
+    slow: dict[int, Slowdown],
+    recovered: Set[int],
+    settings: ElasWaveSettings,
+) -> ElasWavePlan:
+    factors = {r: s.factor for r, s in slow.items()}
+    before = costing(old, factors, model.nominal_mhz, current_clocks=True)
+    graph, graph_reasons = resized, []
+    clocks: tuple[tuple[int, int], ...] = resized.frequencies_mhz
+    clock_reasons: list[Reason] = []
+    if settings.migrate:
+        graph, graph_reason = repartition(resized, factors, model, settings.min_gain)
+        graph_reasons = [graph_reason]
+    if settings.dvfs:
+        clocks, clock_reasons = plan_clocks(
+            graph, factors, model, old, recovered, settings.clock_hysteresis_mhz
+        )
+    new = replace(graph, frequencies_mhz=clocks)
+    report = validate(new)
+    if not report.ok:
+        why = "planned layout does not validate: " + report.reason
+        return ElasWavePlan("refuse", None, (*resize_reasons, Reason(Step.GRAPH, Outcome.DECLINED, why)), why)
+    t_before = model.cost.step_time(before)
+    t_after = model.cost.step_time(costing(new, factors, model.nominal_mhz, current_clocks=True))
+    predicted = Reason(
+        Step.PREDICTION,
+        Outcome.INFO,
+        f"predicted step time {t_after:.4g} {model.unit} ({t_before:.4g} before this change)",
+    )
+    reasons = (
+        Reason(Step.MODEL, Outcome.INFO, model.reason),
+        *resize_reasons,
+        *(Reason(Step.SLOW, Outcome.INFO, s.reason) for s in slow.values()),
+        *graph_reasons,
+        *clock_reasons,
+        predicted,
+    )
+    if new == old:
+        summary = "nothing to change: " + "; ".join(r.text for r in reasons[1:])
+        return ElasWavePlan("none", None, reasons, summary, t_after)
+    summary = "; ".join([*headlines(reasons), predicted.text])
+    return ElasWavePlan("publish", new, reasons, summary, t_after)
+
+
+def resize_for_going(layout: Layout, going: Sequence[int]) -> Resized:
+    """Stages that lose every rank hand their layers to a neighbour; the survivors of the others
+    take the going ranks' samples (micro-batch resizing, ElasWave §4.1); the result validates.
+    The last two reasons are the resize's own and the micro-batch sizes."""
+    remaining, dropped, emptied = _drop_emptied_stages(layout, set(going))
+    if remaining is None:
+        return Resized(None, dropped, "every stage would lose all of its ranks", emptied)
+    left = [r for r in going if r in set(remaining.ranks())]
+    result = resize_after_loss(remaining, left)
+    headline = f"lost ranks {sorted(left)}"
+    text = result.reason
+    if not left:  # every going rank went with a dropped stage: no survivor's share changes
+        headline = text = f"lost ranks {sorted(going)} (with their stages)"
+    report = validate(result.layout)
+    if not report.ok:
+        return Resized(
+            None, dropped, "resized layout does not validate: " + "; ".join(report.problems), emptied
+        )
+    sizes = micro_batch_sizes(result.layout)
+    return Resized(
+        result.layout,
+        (
+            *dropped,
+            Reason(Step.RESIZE, Outcome.CHANGED, text, headline),
+            Reason(Step.RESIZE, Outcome.INFO, f"micro-batch sizes per stage {list(sizes)}"),
+        ),
+        dropped_stages=emptied,
+    )
+
+
+def _drop_emptied_stages(
+    layout: Layout, going: set[int]
+) -> tuple[Layout | None, tuple[Reason, ...], tuple[int, ...]]:
+    """Stages that lose every rank hand their layers to a neighbour (planners.dataflow.drop_stage);
+    the layers then migrate to that neighbour's ranks (ElasWave §4.2, §6.2)."""
+    reasons: list[Reason] = []
+    emptied_ids: list[int] = []
+    while True:
+        emptied = [s for s in layout.stages if all(r in going for r in s.ranks)]
+        if not emptied:
+            return layout, tuple(reasons), tuple(emptied_ids)
+        if layout.num_stages == 1:
+            return None, tuple(reasons), tuple(emptied_ids)
+        stage = emptied[0]
+        text = (
+            f"stage {stage.stage} lost every rank: layers {stage.layer_start}..{stage.layer_stop - 1} "
+            "move to a neighbouring stage"
+        )
+        reasons.append(Reason(Step.RESIZE, Outcome.CHANGED, text))
+        emptied_ids.append(stage.stage)
+        layout = drop_stage(layout, stage.stage)

@@ -1,0 +1,132 @@
+"""This project's ElasWave (the Core's planner and the executor's applicability rule) as a
+simulated policy: `elaswave` and its ablations `elaswave-migrate`, `elaswave-resize`.
+
+The plan is `planners.elaswave_policy.plan_elaswave` on the layout the job runs. It is applied in
+place only when `planners.applicability.judge` (the executor's rule) accepts it, otherwise as a
+RESTORE (reload the latest durable checkpoint, redo the steps since). The executor adds ranks only
+through RESTORE, so waiting nodes join when the Core's scale-up rule says it pays before the next
+likely change (FlexTrain eq. 15-16), re-planned from the healthy layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from planners.applicability import judge
+from planners.chameleon.state import Candidate
+from planners.elaswave_policy import ElasWaveInput, ElasWaveSettings, plan_elaswave
+from planners.flextrain import poisson_benefit
+from planners.layout import Layout
+from simulator.cluster import ClusterChange
+from simulator.jobs import JobSpec
+from simulator.layouts import busiest_state_bytes, layout_candidate, layout_model
+from simulator.sim_policy import SimPolicy, Transition, healthy_layout, itemised
+
+
+@dataclass
+class ElasWavePolicy(SimPolicy):
+    """This project's Core and executor: the pure planner, in place only where `judge` allows."""
+
+    settings: ElasWaveSettings = ElasWaveSettings()
+    event_rate_per_s: float = 1.0 / 3600  # expected cluster changes per second (eq. 15's lambda)
+    layout: Layout | None = None
+    current: Candidate | None = None
+
+    def step(self, change: ClusterChange, step_before_s: float) -> Transition:
+        healthy = healthy_layout(self.spec)
+        old = self.layout or healthy
+        self.layout = old
+        dead, lost, arrived = self.ranks(change)
+        going = tuple(sorted((dead | lost) & set(old.ranks())))
+        waiting = set(healthy.ranks()) - dead - (set(old.ranks()) - set(going))  # nodes free to join
+        if not going and not waiting:
+            return Transition(self._candidate(old, "no change"), layout=old)
+        c = self.costs
+        shrink = self._shrink(old, going) if going else (old, "nothing lost")
+        if waiting and self._join_pays(shrink, healthy, dead):
+            # The executor adds ranks only through RESTORE: re-plan from the healthy layout.
+            new, why = self._plan(healthy, tuple(sorted(dead)))
+            assert new is not None
+            items = [("detection", c.detection_s)] if going else []
+            items += [("planning", c.elaswave_planning_s), ("communicator", c.elaswave_communicator_s)]
+            items.append(("restore", c.restore_s(busiest_state_bytes(self.spec, new))))
+            return self._move(old, new, why, "restore", items)
+        new, why = shrink
+        if new is None:
+            cand = Candidate(self.name, False, why)
+            self.current = cand
+            return Transition(cand, previous_layout=old)
+        if new == old:
+            return Transition(self._candidate(old, why), layout=old)
+        in_place = judge(old, new).in_place
+        items = [("detection", c.detection_s), ("planning", c.elaswave_planning_s)]
+        items.append(("communicator", c.elaswave_communicator_s))
+        if in_place:
+            items.append(("state transfer", migration_bytes(self.spec, old, new) / c.link_bytes_per_s))
+            items.append(("replay", self.replay_s(step_before_s)))
+        else:
+            items.append(("restore", c.restore_s(busiest_state_bytes(self.spec, new))))
+        return self._move(old, new, why, "in place" if in_place else "restore", items)
+
+    def _shrink(self, old: Layout, going: tuple[int, ...]) -> tuple[Layout | None, str]:
+        return self._plan(old, going)
+
+    def _join_pays(self, shrink: tuple[Layout | None, str], healthy: Layout, dead: frozenset[int]) -> bool:
+        """Take waiting nodes (a RESTORE) when the Core's scale-up rule says it pays before the
+        next change is likely (FlexTrain eq. 15-16, `planners.flextrain.poisson_benefit`, the
+        rule `core_service.policies.judge_offer` applies to offers)."""
+        grown, why = self._plan(healthy, tuple(sorted(dead)))
+        if grown is None:
+            return False
+        now = self._candidate(shrink[0], shrink[1]).throughput if shrink[0] is not None else 0.0
+        after = self._candidate(grown, why).throughput
+        if after <= now:
+            return False
+        if now <= 0:
+            return True
+        cost = self.costs.restore_s(busiest_state_bytes(self.spec, grown))
+        return poisson_benefit(after / now, cost, self.event_rate_per_s).scale_up
+
+    def _move(
+        self, old: Layout, new: Layout, why: str, mode: str, items: list[tuple[str, float]]
+    ) -> Transition:
+        cand = self._candidate(new, why)
+        self.layout, self.current = new, cand
+        return replace(itemised(cand, mode, items), layout=new, previous_layout=old)
+
+    def _plan(self, base: Layout, going: tuple[int, ...]) -> tuple[Layout | None, str]:
+        if not going:
+            return base, "healthy layout"
+        plan = plan_elaswave(ElasWaveInput(base, going, layout_model(self.spec, base)), self.settings)
+        if plan.action == "refuse":
+            return None, plan.summary
+        return (plan.layout or base), plan.summary
+
+    def _candidate(self, layout: Layout, why: str) -> Candidate:
+        key = (layout, why)
+        if key not in self.cache:
+            self.cache[key] = layout_candidate(self.spec, layout, self.name, why)
+        return self.cache[key]
+
+
+def migration_bytes(spec: JobSpec, old: Layout, new: Layout) -> float:
+    """Bytes into the busiest rank of `new`: blocks that change stage (weights and the rank's
+    optimizer share) plus, in a stage that shrank, the larger optimizer share it takes over from
+    the ring snapshots (ElasWave §5.2, §6.3 interleaved ZeRO)."""
+    prof = spec.profile()
+    ratio = prof.optimizer_bytes_per_param_byte
+    busiest = 0.0
+    for p, stage in enumerate(new.stages):
+        dp_new = stage.dp_size
+        old_stage = old.stages[p] if p < old.num_stages else None
+        dp_old = old_stage.dp_size if old_stage is not None else dp_new
+        incoming = stayed = 0.0
+        for layer in stage.layers:
+            w = prof.layer_param_bytes[layer]
+            if old_stage is not None and layer in old_stage.layers:
+                stayed += w
+            else:
+                incoming += w
+        remap = stayed * ratio * (1 / dp_new - 1 / dp_old) if dp_new < dp_old else 0.0
+        busiest = max(busiest, incoming * (1 + ratio / dp_new) + remap)
+    return busiest
