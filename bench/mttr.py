@@ -13,9 +13,9 @@ Cases: one kill; two kills in one step (different stages); a node of 2 and of 4 
 and agent killed; ranks spread over nodes as `planners.placement` spreads them, so a node holds
 DP-alternate ranks); a kill during the recovery from another (50 ms later); a whole stage (its
 node: its shards are backed up on other nodes, in the neighbouring stage, and its blocks move
-there in place); a stage lost with its backups (each rank of the stage its own node, so the ring
-copies die with it: restored in place from the latest checkpoint). Configurations PP=2 x DP=4
-and PP=4 x DP=2.
+there in place); the rendezvous store (the workers move to its standby); a stage lost with its
+backups (each rank of the stage its own node, so the ring copies die with it: restored in place
+from the latest checkpoint). Configurations PP=2 x DP=4 and PP=4 x DP=2.
 `--quick` runs the first configuration only. Timings are wall-clock on a shared machine: compare
 rows of one run, not runs.
 """
@@ -66,6 +66,7 @@ def cases(pp: int, dp: int) -> list[tuple[str, ChaosScenario]]:
         ("node of 4 ranks", job("node of 4", Fault("node", 2, node4))),
         ("kill during recovery", job("during", Fault("kill", 2, (rank(last, 0), rank(0, 1)), gap_s=0.05))),
         ("whole stage", job("whole stage", Fault("node", 3, stage_last), nodes=(stage_last,))),
+        ("the store", job("store", Fault("store", 2, ()))),
         (
             "stage + its backups",
             job("stage and backups", Fault("node", 3, stage_last), checkpoint_every=2),

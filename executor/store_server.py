@@ -42,11 +42,13 @@ PEER_CONNECT_S = 5.0
 def serve(
     host: str, port: int, stop: threading.Event, announce: bool = True, peers: tuple[str, ...] = ()
 ) -> None:
-    """Host a TCPStore on (host, port) until `stop` is set. Port 0 picks a free port. The list
-    `peers` + this store is written under STORES_KEY here and into every peer that answers."""
+    """Host a TCPStore on (host, port) until `stop` is set. Port 0 picks a free port. With
+    `peers`, the list `peers` + this store is written under STORES_KEY here and into every peer
+    that answers."""
     store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     listed = ",".join((*peers, f"{host}:{store.port}"))
-    store.set(STORES_KEY, listed)
+    if peers:  # a store started alone knows of no standby: it leaves the workers' own list alone
+        store.set(STORES_KEY, listed)
     for peer in peers:
         peer_host, peer_port = peer.rsplit(":", 1)
         try:

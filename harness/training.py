@@ -121,7 +121,10 @@ class TrainDemo(Demo):
         from executor.store_server import StoreServer  # noqa: PLC0415
 
         self.store = StoreServer.start()
-        self.standby_stores = [StoreServer.start() for _ in range(self.standbys)]
+        self.standby_stores = []
+        for _ in range(self.standbys):  # each announces the list so far (executor.store_server)
+            peers = (self.store.address, *(s.address for s in self.standby_stores))
+            self.standby_stores.append(StoreServer.start(peers=peers))
         return self.store.port
 
     def start_training(self, grpc_port: int, store_port: int, job_token: str, layout: Any) -> None:
