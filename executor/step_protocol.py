@@ -35,8 +35,9 @@ from torch.distributed import DistNetworkError
 
 from executor.comm.communicator import Communicator, EditReport
 from executor.comm.errors import PeerFailure, StoreLost
-from executor.comm.groups import WORLD_GROUP, all_workers, groups_for_stages
-from planners.layout import Plan
+from executor.comm.groups import WORLD_GROUP, all_workers, groups_for_stages, transfer_groups
+from planners.applicability import far_pairs
+from planners.layout import Plan, PlanMode
 
 COMMIT, ABORT = b"commit", b"abort"
 POLL_S = 0.01
@@ -252,10 +253,10 @@ class StepProtocol:
         try:
             if self.comm.store_generation != self._settled_generation:
                 self._settle(plan)
-            report = self.comm.apply_edit(
-                groups_for_stages([s.ranks for s in plan.new.stages], world=self.world),
-                epoch=plan.epoch,
-            )
+            membership = groups_for_stages([s.ranks for s in plan.new.stages], world=self.world)
+            if plan.mode is PlanMode.IN_PLACE:  # blocks moved past a neighbour: a group per pair
+                membership |= transfer_groups(far_pairs(plan.old, plan.new, lost))
+            report = self.comm.apply_edit(membership, epoch=plan.epoch)
             committed = self.participant.on_plan(plan, lost, self.committed_step)
         except Exception as exc:  # noqa: BLE001 - whatever broke, the attempt is over and retried
             with contextlib.suppress(Exception):  # an unreachable store must not mask the cause

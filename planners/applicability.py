@@ -12,8 +12,8 @@ has one backup on another rank (`planners.backup`: the DP predecessor of §5.1 o
 else a rank of a neighbouring stage). A lost rank whose holder is lost too has no copy left. With
 a copy of everything, the executors can reach any layout over the surviving ranks: fewer ranks,
 fewer stages (a whole stage lost, its blocks taken by its neighbours from the backups), blocks
-moved any distance, as long as each block's state travels within a stage or between adjacent
-stages of the new layout (the groups the executors have). Adding ranks is not in place.
+moved any distance (state that travels between stages that are not adjacent gets a two-rank
+group for the transfer: `far_pairs`). Adding ranks is not in place.
 """
 
 from __future__ import annotations
@@ -59,16 +59,18 @@ def unit_sources(old: Layout, lost: frozenset[int], layer: int) -> tuple[int, ..
     return tuple(dict.fromkeys(out))
 
 
-def unreachable_sources(old: Layout, new: Layout, lost: frozenset[int]) -> list[str]:
-    """Blocks whose state would have to travel between two stages of `new` that share no group
-    (the executors' groups are each stage and each pair of adjacent stages)."""
-    out = []
+def far_pairs(old: Layout, new: Layout, lost: frozenset[int]) -> tuple[tuple[int, int], ...]:
+    """(source, destination) ranks whose state must travel between two stages of `new` that are
+    not adjacent (a block moved by more than one stage): the executors add a two-rank group for
+    each (`executor.comm.groups.transfer_groups`), since their stage and pipeline groups hold
+    only one stage or two adjacent ones."""
+    pairs: set[tuple[int, int]] = set()
     for layer in range(new.num_layers):
-        dst = new.stage_of_layer(layer)
-        far = [src for src in unit_sources(old, lost, layer) if abs(new.stage_of_rank(src) - dst) > 1]
-        if far:
-            out.append(f"block {layer} (held by ranks {far}, needed by stage {dst})")
-    return out
+        dst_stage = new.stages[new.stage_of_layer(layer)]
+        for src in unit_sources(old, lost, layer):
+            if abs(new.stage_of_rank(src) - dst_stage.stage) > 1:
+                pairs.update((src, dst) for dst in dst_stage.ranks)
+    return tuple(sorted(pairs))
 
 
 def structural_problem(old: Layout, new: Layout) -> str | None:
@@ -106,11 +108,4 @@ def judge(old: Layout, new: Layout) -> Verdict:
     problem = structural_problem(old, new)
     if problem is not None:
         return Verdict(False, problem, lost)
-    far = unreachable_sources(old, new, lost)
-    if far:
-        return Verdict(
-            False,
-            f"{UNSUPPORTED}: state would travel between stages that share no group: {'; '.join(far)}",
-            lost,
-        )
     return Verdict(True, "", lost)

@@ -49,6 +49,17 @@ def groups_for_stages(
     return groups
 
 
+def transfer_groups(pairs: Sequence[tuple[int, int]]) -> dict[str, tuple[int, ...]]:
+    """One two-worker group per pair of workers in stages that are not adjacent that a re-layout
+    moves state between (`planners.applicability.far_pairs`): the rebuild's point-to-point
+    transfers need a group holding both (`Communicator.group_with`)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for a, b in pairs:
+        lo, hi = sorted((a, b))
+        out[f"xfer/{lo}-{hi}"] = (lo, hi)
+    return out
+
+
 def link_name(a: int, b: int) -> str:
     """The two-worker group of one pipeline link (ordered by worker id)."""
     lo, hi = sorted((a, b))

@@ -1,4 +1,7 @@
-"""A whole stage lost, recovered in place from memory (no step lost, no checkpoint read).
+"""Plans outside remap-then-migrate, applied in place from memory by one rebuild
+(`executor.fabric.rebuild`): a whole stage lost, and blocks moved by more than one stage.
+
+A whole stage lost, recovered in place from memory (no step lost, no checkpoint read).
 
 PP=3 x DP=(3, 1, 2) on gloo: stage 1 is worker 3 alone, so its shard's backup lives in stage 2
 (`planners.backup`: a DP = 1 stage is backed up by its next neighbour). Worker 3 is killed with
@@ -9,18 +12,24 @@ right after recovery the gathered parameters and Adam moments equal the fault-fr
 last committed step bitwise; every later step feeds its global batch once per stage; the losses
 follow the fault-free ones; at the end every backup equals its owner's live shard bitwise.
 
+Blocks moved by more than one stage: PP=4 x DP=(2, 1, 1, 2), a pipeline-only plan moves units
+1-2 to stage 0 and unit 3 to stage 1, so stage 3's ranks send unit 3 two stages up over a pair
+group made for the transfer (`planners.applicability.far_pairs`). The state right after equals
+the fault-free run's bitwise, the losses follow it, and every backup equals its live shard.
+
 Job driver and assertions come from test_failstop.py (units: 0 embed, 1-4 block_0..block_3,
 5 head).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from executor.fabric.relayout import plan_relayout
-from planners.applicability import judge
+from planners.applicability import far_pairs, judge
 from planners.backup import backup_holders
 from planners.layout import Layout, StageLayout, make_uniform_layout
 from tests.executor.engine_cases import NUM_UNITS
@@ -92,3 +101,44 @@ def test_whole_stage_lost_is_rebuilt_from_memory_bitwise() -> None:
             s: list(range(step * BATCH, (step + 1) * BATCH)) for s in (0, 1)
         }
     assert_snapshots_equal_live(faulty)
+
+
+def four_stages() -> Layout:
+    return three_stages().replace(
+        stages=(
+            StageLayout(0, 0, 1, (0, 1)),
+            StageLayout(1, 1, 2, (2,)),
+            StageLayout(2, 2, 3, (3,)),
+            StageLayout(3, 3, 6, (4, 5)),
+        )
+    )
+
+
+def far_moves() -> Layout:
+    bounds = [(0, 3), (3, 4), (4, 5), (5, 6)]
+    old = four_stages()
+    return old.replace(
+        stages=tuple(
+            replace(s, layer_start=a, layer_stop=b) for s, (a, b) in zip(old.stages, bounds, strict=True)
+        )
+    )
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_blocks_moved_two_stages_travel_over_pair_groups_bitwise() -> None:
+    old, new = four_stages(), far_moves()
+    assert far_pairs(old, new, frozenset()) == ((3, 0), (3, 1), (4, 2), (5, 2))
+    assert plan_relayout(old, new).rebuild
+    sc = Scenario(relayout_at=FAIL_STEP, new_layout=new, layout=old)
+    clean, moved = _clean("placement_invariant", layout=old), _run(sc)
+    ref_state = _merged(clean, "committed_state")
+    assert_states_bitwise(ref_state, _merged(moved, "recovered_state"))
+    ref_losses, got_losses = _last_stage_losses(clean), _last_stage_losses(moved)
+    assert all(got_losses[s] == ref_losses[s] for s in range(FAIL_STEP))
+    assert _mean_rel_dev(got_losses, ref_losses, range(FAIL_STEP, STEPS)) <= 1e-4
+    for w, r in moved.items():
+        (edit,) = r["edits"]
+        pairs = {f"xfer/{a}-{b}" for a, b in ((0, 3), (1, 3), (2, 4), (2, 5)) if w in (a, b)}
+        assert pairs <= set(edit["rebuilt"]), (w, edit)
+    assert_snapshots_equal_live(moved)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planners.applicability import judge, lost_without_copy
+from planners.applicability import far_pairs, judge, lost_without_copy
 from planners.backup import BACKUP_ROWS, FLOAT_BYTES, backup_cost, backup_holders, shard_elements
 from planners.layout import Layout, StageLayout, make_uniform_layout
 from planners.placement import PlacementError, UnitCost, plan_placement
@@ -77,22 +77,20 @@ def test_whole_stage_loss_is_in_place_and_stage_with_its_backups_is_not() -> Non
     assert "no surviving copy" in refused.reason
 
 
-def test_state_never_travels_between_stages_that_share_no_group() -> None:
+def test_state_between_stages_that_are_not_adjacent_gets_a_pair_group() -> None:
     old = uniform(4, 1)  # 0 | 1 | 2 | 3, two layers each
     # rank 3 moves to stage 0, but blocks 6-7 it holds are needed by stage 2, two stages away
     far = old.replace(
         stages=(StageLayout(0, 0, 2, (3,)), StageLayout(1, 2, 4, (1,)), StageLayout(2, 4, 8, (2,)))
     )
     verdict = judge(old, far)
-    assert (
-        not verdict.in_place
-        and "share no group" in verdict.reason
-        and "block 6 (held by ranks [3], needed by stage 2)" in verdict.reason
-    )
+    assert verdict.in_place and verdict.lost == {0}, verdict.reason
+    assert far_pairs(old, far, verdict.lost) == ((3, 2),)
     near = old.replace(
         stages=(StageLayout(0, 0, 4, (0,)), StageLayout(1, 4, 6, (2,)), StageLayout(2, 6, 8, (3,)))
     )
     assert judge(old, near).in_place  # stage 1 lost: its blocks go to stage 0 from stage 2's copy
+    assert far_pairs(old, near, frozenset({1})) == ()
 
 
 def test_the_cost_is_three_rows_of_every_shard_kept() -> None:
