@@ -2,11 +2,12 @@
 
 Algorithm 1 (`planners.partition.rebalance_layers`) minimises the worst mini-step only, and many
 partitions often share that optimum; among those in which every block moves at most one stage
-(what the executor migrates in place, executor/fabric/relayout.py, §6.2, and what
-`planners.applicability` accepts) we take the least summed stage time (the 1F1B warm-up and
-cool-down of `CostModel.step_time`), then the fewest moved blocks. When no optimal partition
-qualifies, or the move lowers the predicted step time by no more than `min_gain`, the plan stays
-resize-only and says why. The (P, L+1, L+1) segment tables are built once per plan
+(what the executor migrates between neighbours, §6.2) we take the least summed stage time (the
+1F1B warm-up and cool-down of `CostModel.step_time`), then the fewest moved blocks. When no
+optimal partition moves every block at most one stage, Algorithm 1's own is taken (the executor
+applies longer moves by one rebuild from live shards, executor/fabric/rebuild.py). When the move
+lowers the predicted step time by no more than `min_gain`, the plan stays resize-only and says
+why. The (P, L+1, L+1) segment tables are built once per plan
 (`planners.partition.segment_tables`) and serve both searches.
 """
 
@@ -36,18 +37,11 @@ def repartition(
     plan = rebalance_layers(base, model.cost, tables)
     if not plan.partition.feasible:
         return resized, _declined(f"re-partition not possible ({plan.reason}): resize only")
-    best = apply_boundaries(base, plan.partition.boundaries)
-    t0, t_best = model.cost.step_time(base), model.cost.step_time(best)
-    bounds = adjacent_optimum(base, tables, plan.partition.worst_stage_time)
-    if bounds is None:
-        jumps = [m for m in block_moves(resized, best) if abs(m[1] - m[2]) > 1]
-        return resized, _declined(
-            f"re-partition not adopted: Algorithm 1's best partition (boundaries "
-            f"{list(plan.partition.boundaries)}) moves {describe(jumps)} by more than one stage, and "
-            "no partition as good moves every unit at most one; the executor migrates units between "
-            f"adjacent stages only (§6.2): resize only (predicted {t0:.4g} -> {t_best:.4g} "
-            f"{model.unit} forgone)"
-        )
+    t0 = model.cost.step_time(base)
+    # Prefer an equally good partition that moves every block at most one stage (a migration
+    # between neighbours); else Algorithm 1's own, whose longer moves the executor applies by
+    # one rebuild (executor/fabric/rebuild.py).
+    bounds = adjacent_optimum(base, tables, plan.partition.worst_stage_time) or plan.partition.boundaries
     candidate = apply_boundaries(base, bounds)
     moves, t1 = block_moves(resized, candidate), model.cost.step_time(candidate)
     if not moves:

@@ -13,7 +13,8 @@ from core_service.elaswave_policy import ElasWavePolicy, make_policy
 from core_service.engine import JobSnapshot, WorkerView
 from core_service.model import Ack, AckPhase, JobPhase, StepReport
 from core_service.policies import LayoutPolicy
-from planners.layout import Layout, Plan, StageLayout, make_uniform_layout
+from planners.applicability import judge
+from planners.layout import Layout, Plan, PlanMode, StageLayout, make_uniform_layout
 from planners.validation import validate
 from tests.core.test_engine import Harness, run
 
@@ -87,7 +88,10 @@ def _three_stages() -> Layout:
 
 
 @pytest.mark.timeout(60)
-def test_best_partition_needing_a_two_stage_hop_falls_back_to_resize_only() -> None:
+def test_best_partition_moving_a_block_two_stages_is_published_in_place() -> None:
+    """No partition as good as Algorithm 1's moves every block at most one stage; the executor
+    applies the two-stage move by one rebuild (executor/fabric/rebuild.py), so the Core adopts it
+    and publishes it in place."""
     layout = _three_stages()
     assert validate(layout).ok
     h = Harness(layout, ElasWavePolicy())
@@ -100,12 +104,10 @@ def test_best_partition_needing_a_two_stage_hop_falls_back_to_resize_only() -> N
         assert await h.engine.tick(h.job, 2.1) == JobPhase.APPLYING
         _, plan, new = published(h)
         assert validate(new, exhaustive=True).ok
-        assert new.boundaries == layout.boundaries and new.stages[0].ranks == (0,)
-        why = [r for r in plan.reasons if r.startswith("re-partition not adopted")]
-        assert len(why) == 1 and "unit 2 stage 0->2" in why[0] and "more than one stage" in why[0], plan[
-            "reasons"
-        ]
-        assert "resize only" in why[0]
+        assert new.boundaries == (1, 2) and new.stages[0].ranks == (0,)
+        assert plan.mode is PlanMode.IN_PLACE and judge(layout, new).in_place
+        moved = [r for r in plan.reasons if r.startswith("re-partition (Algorithm 1")]
+        assert len(moved) == 1 and "unit 2 stage 0->2" in moved[0], plan.reasons
 
     run(scenario())
 
