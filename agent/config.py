@@ -100,6 +100,10 @@ class AgentConfig:
     npu_smi_set: str | None = None
     control_file: Path | None = None
     drain_grace_s: float = 10.0
+    # A Core that has sent nothing for this long (not even the echo the agent asks for halfway)
+    # accepts bytes but does not answer (its loop hangs): the agent moves to another Core.
+    # Default: three heartbeat intervals, at least 3 s.
+    core_silence_s: float | None = None
 
     def __post_init__(self) -> None:
         _require_name(self.job, "--job")
@@ -128,6 +132,11 @@ class AgentConfig:
             raise ValueError(f"--npu-smi-set: the command must contain {{mhz}}, got {self.npu_smi_set!r}")
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl: must be a whole number of seconds >= 1, got {self.lease_ttl_s}")
+        if self.silence_bound_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"core_silence_s ({self.core_silence_s}) must exceed the heartbeat interval "
+                f"({self.heartbeat_interval_s}): the echo of a heartbeat must have time to come back"
+            )
         if self.backoff_max_s < self.backoff_initial_s:
             raise ValueError("backoff: the cap must not be below the initial delay")
         if not self.etcd_prefix.startswith("/") or self.etcd_prefix.endswith("/"):
@@ -140,12 +149,20 @@ class AgentConfig:
                 "a Unix socket path may have; pass a shorter path"
             )
 
+    @property
+    def silence_bound_s(self) -> float:
+        """Seconds of silence from the Core after which the agent moves to another Core."""
+        if self.core_silence_s is not None:
+            return self.core_silence_s
+        return max(3.0, 3 * self.heartbeat_interval_s)
+
     def _positive_durations(self) -> list[tuple[str, float]]:
         return [
             ("--heartbeat-interval", self.heartbeat_interval_s),
             ("--probe-interval", self.probe_interval_s),
             ("--register-timeout", self.register_timeout_s),
             ("--rpc-timeout", self.rpc_timeout_s),
+            ("core_silence_s", self.silence_bound_s),
             ("--leave-timeout", self.leave_timeout_s),
             ("--peer-timeout", self.peer_timeout_s),
             ("notice poll", self.notice_poll_s),

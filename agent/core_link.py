@@ -30,8 +30,17 @@ from elaswave.v1 import agent_pb2, agent_pb2_grpc
 OUTBOX_LIMIT = 1000
 
 
+# gRPC metadata key the worker's own credential is presented under when registering again
+# (core_service.membership.WORKER_TOKEN_METADATA).
+WORKER_TOKEN_METADATA = "x-elaswave-worker-token"
+
+
 class StreamRefused(Exception):
     """The Core ended the stream or answered Register with something other than a RegisterAck."""
+
+
+class CoreSilent(Exception):
+    """The Core accepted the stream but has answered nothing, not even an echo, for too long."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +59,13 @@ class CoreLink:
         config: AgentConfig,
         build_register: Callable[[], agent_pb2.Register],
         handlers: CommandHandlers,
+        on_worker_token: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_worker_token`: called with the worker's credential from each RegisterAck (the
+        agent hands it to its worker process for the executor's own calls)."""
+        self._on_worker_token = on_worker_token
+        self.worker_token: str | None = None  # presented on every later registration
+        self._last_heard = 0.0  # monotonic: when the Core last sent anything on this stream
         self._config = config
         self._build_register = build_register
         self._handlers = handlers
@@ -158,7 +173,9 @@ class CoreLink:
 
     async def _session(self, address: Address) -> None:
         token = load_job_token(self._config.job_token_file)
-        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        if self.worker_token:
+            metadata += ((WORKER_TOKEN_METADATA, self.worker_token),)
         self._leave_written = False
         async with self._channel(address) as channel:
             call = agent_pb2_grpc.AgentServiceStub(channel).Connect(metadata=metadata)
@@ -178,6 +195,11 @@ class CoreLink:
         if first.WhichOneof("body") != "ack":
             raise StreamRefused(f"core {address} answered Register with {first.WhichOneof('body')}, not ack")
         self.last_ack = first.ack
+        self._last_heard = time.monotonic()
+        if first.ack.worker_token and first.ack.worker_token != self.worker_token:
+            self.worker_token = first.ack.worker_token
+            if self._on_worker_token is not None:
+                self._on_worker_token(first.ack.worker_token)
         self.sessions += 1
         self._backoff.reset()
         # Re-send what earlier Cores saw but this one may not have (a new leader, a restart).
@@ -226,6 +248,9 @@ class CoreLink:
             response = await call.read()
             if response is grpc.aio.EOF:
                 raise StreamRefused("core closed the stream")
+            self._last_heard = time.monotonic()
+            if response.WhichOneof("body") == "echo":
+                continue  # the Core answers: that is all an echo says
             await self._dispatch(response)
 
     async def _dispatch(self, response: agent_pb2.ConnectResponse) -> None:
@@ -258,6 +283,12 @@ class CoreLink:
         next_heartbeat = time.monotonic()
         while True:
             now = time.monotonic()
+            silent = now - self._last_heard
+            if silent > self._config.silence_bound_s:
+                raise CoreSilent(
+                    f"the Core answered nothing (not even an echo) for {silent:.1f} s "
+                    f"(bound {self._config.silence_bound_s} s)"
+                )
             if self._critical:
                 # Pop only once written: a stream that breaks mid-write must not lose it.
                 request = self._critical[0]
@@ -265,7 +296,8 @@ class CoreLink:
                 self._critical_written.append(self._critical.popleft())
             elif now >= next_heartbeat or self._beat_now:
                 self._beat_now = False
-                await self._write(call, self._heartbeat())
+                # Halfway to the silence bound, ask the Core to answer this one.
+                await self._write(call, self._heartbeat(echo=silent >= self._config.silence_bound_s / 2))
                 next_heartbeat = (
                     max(next_heartbeat + interval, now) if now >= next_heartbeat else next_heartbeat
                 )
@@ -279,13 +311,16 @@ class CoreLink:
                 return
             else:
                 self._wakeup.clear()
+                until_silent = self._config.silence_bound_s - silent
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wakeup.wait(), next_heartbeat - now)
+                    await asyncio.wait_for(
+                        self._wakeup.wait(), max(0.0, min(next_heartbeat - now, until_silent)) + 0.001
+                    )
 
-    def _heartbeat(self) -> agent_pb2.ConnectRequest:
+    def _heartbeat(self, echo: bool = False) -> agent_pb2.ConnectRequest:
         self._heartbeat_seq += 1
         return agent_pb2.ConnectRequest(
-            heartbeat=agent_pb2.Heartbeat(seq=self._heartbeat_seq, sent_unix=time.time())
+            heartbeat=agent_pb2.Heartbeat(seq=self._heartbeat_seq, sent_unix=time.time(), echo=echo)
         )
 
     async def _write(self, call: grpc.aio.StreamStreamCall, request: agent_pb2.ConnectRequest) -> None:

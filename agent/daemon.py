@@ -63,6 +63,7 @@ from elaswave.local_protocol import (
     finished_path,
 )
 from elaswave.v1 import agent_pb2
+from elaswave.worker_env import WORKER_TOKEN_FILE_ENV
 
 
 def agent_exit_code(status: ExitStatus | None) -> int:
@@ -100,7 +101,9 @@ class Agent:
             config,
             self._register_message,
             CommandHandlers(self._on_report_now, self._on_drain, self._on_set_frequency, self._on_checkpoint),
+            on_worker_token=self._store_worker_token,
         )
+        self.worker_token_file = config.control_path.with_name(config.control_path.name + ".worker-token")
         self.metrics = MetricsReceiver(config.socket_path, self._on_step_metrics)
         self.lease = (
             AliveLease(
@@ -156,7 +159,17 @@ class Agent:
             await self._cancel_tasks()
             self.metrics.close()
             self.control.remove()
+            self.worker_token_file.unlink(missing_ok=True)
         return agent_exit_code(self._worker_status)
+
+    def _store_worker_token(self, token: str) -> None:
+        """The worker's own credential from the Core, for its executor's acks and failure reports
+        (elaswave.worker_env.WORKER_TOKEN_FILE_ENV): written atomically, readable by this user only."""
+        tmp = self.worker_token_file.with_name(self.worker_token_file.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(token)
+        tmp.replace(self.worker_token_file)
 
     def _select_frequency_controller(self) -> None:
         """Pick the clock controller (ValueError when an explicit one cannot run) and say which."""
@@ -211,6 +224,7 @@ class Agent:
                 FINISHED_ENV: str(finished),
                 "ELASWAVE_JOB": self.config.job,
                 "ELASWAVE_WORKER_ID": self.config.worker_id,
+                WORKER_TOKEN_FILE_ENV: str(self.worker_token_file),
             },
         )
         return await LaunchedWorker.start(self.config.worker_command, env)

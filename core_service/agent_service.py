@@ -13,16 +13,18 @@ import logging
 import math
 import re
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import grpc
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, HTTPException, Path
 from fastapi.params import Depends
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from core_service.grpc_util import Malformed, RpcError, bearer_token, finite, invalid, require
+from core_service.grpc_util import Malformed, RpcError, bearer_token, finite, invalid, metadata_value, require
+from core_service.http_guard import error_responses, field_error
 from core_service.jobs import UnknownJob
-from core_service.membership import AgentSession, Registration
+from core_service.limits import MAX_DETAIL_CHARS, MAX_HOST_CHARS, MAX_OPERATION_CHARS, MAX_REASON_CHARS
+from core_service.membership import WORKER_TOKEN_METADATA, AgentSession, Registration
 from core_service.model import DeviceInfo, StepReport, WorkerState
 from elaswave.local_protocol import EXIT_CODE_UNKNOWN
 from elaswave.v1 import agent_pb2
@@ -40,6 +42,7 @@ MAX_DEADLINE_AHEAD_S = 7 * 24 * 3600.0
 MAX_QUEUED_NOTICES = 100
 # Device clocks are below 4 GHz; a bound of 10 GHz catches values sent in Hz or kHz.
 MAX_FREQUENCY_MHZ = 10_000
+MAX_DEVICES_PER_WORKER = 1_024
 DEFAULT_DRAIN_S = 60.0
 
 
@@ -49,7 +52,13 @@ def _registration(msg: agent_pb2.Register, heartbeat_timeout_s: float) -> Regist
         bool(WORKER_ID_PATTERN.match(msg.worker_id)),
         f"register.worker_id {msg.worker_id!r} must be 1-128 characters of letters, digits, '._:@-'",
     )
-    require(bool(msg.host) and len(msg.host) <= 255, "register.host must be 1-255 characters")
+    require(
+        bool(msg.host) and len(msg.host) <= MAX_HOST_CHARS and msg.host.isprintable(),
+        f"register.host must be 1-{MAX_HOST_CHARS} printable characters (no newline or control character)",
+    )
+    require(
+        len(msg.devices) <= MAX_DEVICES_PER_WORKER, f"register has more than {MAX_DEVICES_PER_WORKER} devices"
+    )
     require(msg.pid >= 0, f"register.pid must be >= 0, got {msg.pid}")
     require(
         msg.stage >= -1 and msg.dp_rank >= -1 and msg.rank >= -1,
@@ -69,6 +78,10 @@ def _registration(msg: agent_pb2.Register, heartbeat_timeout_s: float) -> Regist
     for d in msg.devices:
         require(d.kind in ("cuda", "npu", "cpu"), f"device kind {d.kind!r} is not cuda, npu or cpu")
         require(d.index >= 0, f"device index must be >= 0, got {d.index}")
+        require(
+            len(d.name) <= MAX_HOST_CHARS and d.name.isprintable(),
+            "device name must be <= 255 printable characters",
+        )
         devices.append(DeviceInfo(d.kind, d.index, d.name, d.memory_bytes))
     return Registration(
         msg.job,
@@ -100,6 +113,7 @@ class AgentServicer:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.metrics = core.metrics  # grpc_util.generic_handler times and counts through this
+        self._report_counters: dict[str, Any] = {}
 
     async def Connect(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -134,13 +148,15 @@ class AgentServicer:
             raise invalid(first.message)
         if first.WhichOneof("body") != "register":
             raise invalid(f"first message must be register, got {first.WhichOneof('body')}")
+        self.core.check_job_token(first.register.job, bearer_token(context))
         reg = _registration(first.register, self.core.settings.heartbeat_timeout_s)
-        self.core.check_job_token(reg.job, bearer_token(context))
-        session = await self.core.membership.register(reg, time.time())
+        presented = metadata_value(context, WORKER_TOKEN_METADATA)
+        session = await self.core.membership.register(reg, time.time(), presented)
         ack = agent_pb2.RegisterAck(
             session=session.session_id,
             heartbeat_timeout_ms=int(self.core.settings.heartbeat_timeout_s * 1000),
             core_id=self.core.settings.core_id,
+            worker_token=session.worker_token,
         )
         await context.write(agent_pb2.ConnectResponse(ack=ack))
         return session
@@ -166,10 +182,10 @@ class AgentServicer:
         assert isinstance(msg, agent_pb2.ConnectRequest)
         started = time.perf_counter()
         kind = msg.WhichOneof("body")
-        self.core.metrics.agent_reports.labels(kind=kind or "empty").inc()
+        self._report_counter(kind or "empty").inc()
         if kind == "leave":
             await self.core.membership.leave(
-                session, msg.leave.reason, time.time(), finished=msg.leave.finished
+                session, msg.leave.reason[:MAX_REASON_CHARS], time.time(), finished=msg.leave.finished
             )
             # The agent takes the stream's clean close as "Leave delivered" and never sends it
             # again: close it only once the departure is stored (else UNAVAILABLE, and it retries).
@@ -184,6 +200,14 @@ class AgentServicer:
             return False
         self.core.metrics.report_seconds.observe(time.perf_counter() - started)
         return False
+
+    def _report_counter(self, kind: str) -> Any:
+        """The counter child of one report kind (a label lookup per report costs more than the
+        increment itself at 10,000 reports/s)."""
+        counter = self._report_counters.get(kind)
+        if counter is None:
+            counter = self._report_counters[kind] = self.core.metrics.agent_reports.labels(kind=kind)
+        return counter
 
     def _reject(self, session: AgentSession, report: str, reason: str) -> None:
         """Refuses one report; _handle validates before it changes anything, so nothing changed."""
@@ -209,10 +233,15 @@ class AgentServicer:
             job = core.table.get(session.job)
         except UnknownJob as exc:
             raise RpcError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+        if kind == "heartbeat":  # nine reports in ten: the fast path
+            await core.membership.heartbeat(session, now, job)
+            if msg.heartbeat.echo:
+                # The agent checks that this Core still answers (a hung loop would not).
+                echo = agent_pb2.HeartbeatEcho(seq=msg.heartbeat.seq)
+                session.outbox.put_nowait(agent_pb2.ConnectResponse(echo=echo))
+            return
         member = job.member(session.worker_id)
-        if kind == "heartbeat":
-            await core.membership.heartbeat(session, now)
-        elif kind == "step":
+        if kind == "step":
             core.membership.step(session, _step_report(msg.step, now))
         elif kind == "memory":
             m = msg.memory
@@ -226,10 +255,18 @@ class AgentServicer:
                 "cpu_percent": m.cpu_percent,
             }
         elif kind == "probe":
+            require(
+                len(msg.probe.detail) <= MAX_DETAIL_CHARS,
+                f"probe.detail is over {MAX_DETAIL_CHARS} characters",
+            )
             self._probe(session, msg.probe, now)
         elif kind == "preemption":
             p = msg.preemption
             finite(p.deadline_unix, "preemption.deadline_unix")
+            require(
+                len(p.source) <= MAX_OPERATION_CHARS,
+                f"preemption.source is over {MAX_OPERATION_CHARS} characters",
+            )
             require(
                 p.deadline_unix <= now + MAX_DEADLINE_AHEAD_S, "preemption.deadline_unix is too far ahead"
             )
@@ -238,6 +275,9 @@ class AgentServicer:
             raise invalid("register is only valid as the first message of a stream")
         elif kind == "worker_exit":
             e = msg.worker_exit
+            require(
+                len(e.detail) <= MAX_DETAIL_CHARS, f"worker_exit.detail is over {MAX_DETAIL_CHARS} characters"
+            )
             if e.exit_code == EXIT_CODE_UNKNOWN:
                 how = f"exited ({e.detail or 'exit status unknown'})"
             elif e.exit_code < 0:
@@ -269,7 +309,7 @@ class AgentServicer:
 class WorkerCommandRequest(BaseModel):
     """Body of POST /api/v1/jobs/{job}/workers/{worker}/commands."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no "1" for 1, no false for 0
     command: Literal["set_frequency", "drain", "report_now"]
     frequency_mhz: int | None = Field(
         default=None,
@@ -345,12 +385,22 @@ def worker_command_router(core: Core, dependencies: list[Depends]) -> APIRouter:
     """The REST route; `dependencies` are the app's leader and scheduler-token checks."""
     router = APIRouter(dependencies=dependencies)
 
-    @router.post("/api/v1/jobs/{job}/workers/{worker}/commands", status_code=202)
-    async def send_worker_command(job: str, worker: str, body: WorkerCommandRequest) -> dict[str, Any]:
+    @router.post(
+        "/api/v1/jobs/{job}/workers/{worker}/commands",
+        status_code=202,
+        responses=error_responses(400, 401, 403, 404, 409, 413, 422, 503),
+    )
+    async def send_worker_command(
+        job: Annotated[str, Path(max_length=63)],
+        worker: Annotated[str, Path(max_length=128)],
+        body: WorkerCommandRequest,
+    ) -> dict[str, Any]:
         # async: the command goes into an asyncio.Queue, which only the event loop may touch.
         try:
             return worker_command(core, job, worker, body, time.time())
         except RpcError as err:
-            raise HTTPException(HTTP_STATUS.get(err.code, 400), detail=err.message) from None
+            status = HTTP_STATUS.get(err.code, 400)
+            detail: Any = field_error("", err.message) if status == 422 else err.message
+            raise HTTPException(status, detail=detail) from None
 
     return router

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core_service.agent_service import HTTP_STATUS
 from core_service.grpc_util import RpcError
+from core_service.http_guard import error_responses, field_error
 from elaswave.v1 import agent_pb2
 from elaswave.worker_env import steps_ahead
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 class CheckpointRequestBody(BaseModel):
     """Body of POST /api/v1/jobs/{job}/checkpoint."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no "1" for 1, no false for 0
     stop: bool = Field(default=False, description="leave the job after the checkpointed step (a clean stop)")
 
 
@@ -90,12 +91,18 @@ def checkpoint_router(core: Core, dependencies: list[Depends]) -> APIRouter:
     router = APIRouter(dependencies=dependencies)
     pending: Pending = {}
 
-    @router.post("/api/v1/jobs/{job}/checkpoint", status_code=202)
+    @router.post(
+        "/api/v1/jobs/{job}/checkpoint",
+        status_code=202,
+        responses=error_responses(400, 401, 403, 404, 409, 413, 422, 503),
+    )
     async def post_checkpoint(job: str, body: CheckpointRequestBody | None = None) -> dict[str, Any]:
         # async: the commands go into asyncio.Queues, which only the event loop may touch.
         try:
             return request_checkpoint(core, job, body or CheckpointRequestBody(), time.time(), pending)
         except RpcError as err:
-            raise HTTPException(HTTP_STATUS.get(err.code, 400), detail=err.message) from None
+            status = HTTP_STATUS.get(err.code, 400)
+            detail: Any = field_error("", err.message) if status == 422 else err.message
+            raise HTTPException(status, detail=detail) from None
 
     return router

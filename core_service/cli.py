@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import signal
 import sys
 from pathlib import Path
 
 from core_service.config import ConfigError, CoreSettings, load_settings
+from core_service.logfmt import configure as configure_logging
 
 EPILOG = """\
 Settings come from (highest first) these flags, ELASWAVE_* environment variables (for example
@@ -46,6 +46,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", type=Path, help="TOML configuration file (must exist)")
     parser.add_argument("--grpc-host", help="address for the gRPC server (default 127.0.0.1)")
     parser.add_argument("--grpc-port", type=int, help="gRPC port, 0 = any free port (default 50051)")
+    parser.add_argument(
+        "--advertise",
+        help="host[:port] clients reach this Core's gRPC at, carried in leader hints "
+        "(default: $POD_IP, else --grpc-host unless it is a wildcard address)",
+    )
     parser.add_argument("--http-host", help="address for the REST API and /metrics (default 127.0.0.1)")
     parser.add_argument("--http-port", type=int, help="HTTP port, 0 = any free port (default 8080)")
     parser.add_argument(
@@ -87,11 +92,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    configure_logging(args.log_level)  # client-supplied values cannot forge log lines
     if args.config:
         os.environ["ELASWAVE_CONFIG"] = str(args.config)
     overrides = {
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         for name in (
             "grpc_host",
             "grpc_port",
+            "advertise",
             "http_host",
             "http_port",
             "registry_url",

@@ -28,6 +28,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from core_service.limits import MAX_SPARE_WORKERS, MAX_WORKERS_PER_JOB
+
 JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 MIN_TOKEN_LENGTH = 16
 PolicyName = Literal["elaswave", "elaswave-resize"]  # core_service.elaswave_policy.make_policy
@@ -47,6 +49,12 @@ class JobSpec(BaseModel):
     name: str
     token: SecretStr = Field(description="per-job token agents and executors present")
     expected_workers: int = Field(default=0, ge=0, description="workers the job is launched with")
+    spare_workers: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_SPARE_WORKERS,
+        description="workers that may register beyond expected_workers (standbys for replacements)",
+    )
 
     @field_validator("name")
     @classmethod
@@ -75,6 +83,11 @@ class CoreSettings(BaseSettings):
 
     core_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
     grpc_host: str = "127.0.0.1"
+    advertise: str | None = Field(
+        default=None,
+        description="host[:port] agents and standbys are told to reach this Core's gRPC at (leader "
+        "hints); default: the pod IP ($POD_IP), else grpc_host unless that is a wildcard address",
+    )
     grpc_port: int = Field(default=50051, ge=0, le=65535, description="0 picks a free port")
     http_host: str = "127.0.0.1"
     http_port: int = Field(default=8080, ge=0, le=65535, description="0 picks a free port")
@@ -93,6 +106,29 @@ class CoreSettings(BaseSettings):
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = Field(default=None, description="set to require client certs (mTLS)")
+    http_tls_cert: Path | None = Field(default=None, description="serve REST over HTTPS with this cert")
+    http_tls_key: Path | None = None
+    etcd_ca: Path | None = Field(default=None, description="CA of the etcd servers: connect with TLS")
+    etcd_cert: Path | None = Field(default=None, description="client certificate for etcd (with etcd_key)")
+    etcd_key: Path | None = None
+    etcd_user: str | None = Field(default=None, description="etcd user (with etcd_password)")
+    etcd_password: SecretStr | None = None
+    read_access: Literal["open", "token"] = Field(
+        default="open",
+        description="REST reads of jobs and events and gRPC GetJobState: open, or scheduler token only",
+    )
+    max_workers_per_job: int = Field(
+        default=MAX_WORKERS_PER_JOB,
+        ge=1,
+        le=MAX_WORKERS_PER_JOB,
+        description="bound on the members of a job that does not declare expected_workers",
+    )
+    loop_stall_s: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="a leader whose event loop has not turned for this long gives its lease up "
+        "(default: the leader TTL)",
+    )
     failslow: FailSlowSettings = Field(default_factory=FailSlowSettings)
     policy: PolicyName = Field(
         default="elaswave",
@@ -156,7 +192,29 @@ class CoreSettings(BaseSettings):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
-        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+        if (self.http_tls_cert is None) != (self.http_tls_key is None):
+            raise ValueError("http_tls_cert and http_tls_key must be given together")
+        if (self.etcd_cert is None) != (self.etcd_key is None):
+            raise ValueError("etcd_cert and etcd_key must be given together")
+        if (self.etcd_user is None) != (self.etcd_password is None):
+            raise ValueError("etcd_user and etcd_password must be given together")
+        if self.etcd_user is not None and self.etcd_ca is None:
+            raise ValueError("etcd_user needs etcd_ca: the password must not cross the network in plain text")
+        if self.loop_stall_s is not None and self.loop_stall_s > self.leader_ttl_s:
+            raise ValueError(
+                f"loop_stall_s ({self.loop_stall_s}) must not exceed leader_ttl_s ({self.leader_ttl_s}): "
+                "a stalled leader must be replaced as promptly as a dead one"
+            )
+        for name in (
+            "tls_cert",
+            "tls_key",
+            "tls_client_ca",
+            "http_tls_cert",
+            "http_tls_key",
+            "etcd_ca",
+            "etcd_cert",
+            "etcd_key",
+        ):
             path = getattr(self, name)
             if path is not None and not path.is_file():
                 raise ValueError(f"{name} {str(path)!r} is not a readable file")

@@ -24,6 +24,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import socket
 import time
 from typing import Any
@@ -43,10 +44,12 @@ from core_service.grpc_util import RpcError, generic_handler
 from core_service.jobs import Job, JobTable, UnknownJob
 from core_service.membership import Membership
 from core_service.metrics import CoreMetrics
+from core_service.offload import PlanningWorker
 from core_service.persist import NotDurable, Persister, registry_call
-from core_service.policies import judge_offer, scale_table
+from core_service.policies import scale_table
 from core_service.recovery import stored_plans
 from core_service.registry import (
+    EtcdSecurity,
     FenceLost,
     KVEvent,
     LeaderElection,
@@ -88,6 +91,8 @@ GRPC_SERVER_OPTIONS = [
     ("grpc.server.max_pending_requests_hard_limit", 100_000),
 ]
 GAUGE_INTERVAL_S = 1.0
+# The event loop marks each turn this often; the leader watchdog reads the mark.
+LOOP_BEAT_S = 0.05
 # Consecutive leader-loop ticks with a failure (a plan that cannot be stored, a sweep that raises)
 # before this Core gives the leadership up: 2 s of ticks, long enough to ride out one slow etcd
 # call, short enough that a standby with a working registry connection takes over promptly.
@@ -98,6 +103,32 @@ STEP_DOWN_HOLD_OFF_S = 10.0
 DURABLE_WAIT_S = 5.0
 # On a graceful stop or a voluntary step-down, queued writes get this long to be stored.
 STOP_FLUSH_S = 5.0
+
+
+def etcd_security(settings: CoreSettings) -> EtcdSecurity:
+    """TLS and user/password for etcd, from the settings (files read once, at start)."""
+    password = settings.etcd_password.get_secret_value() if settings.etcd_password else None
+    return EtcdSecurity(
+        ca=settings.etcd_ca.read_bytes() if settings.etcd_ca else None,
+        cert=settings.etcd_cert.read_bytes() if settings.etcd_cert else None,
+        key=settings.etcd_key.read_bytes() if settings.etcd_key else None,
+        user=settings.etcd_user,
+        password=password,
+    )
+
+
+def advertised_host(settings: CoreSettings) -> str:
+    """The host agents and standbys are told to reach this Core at (leader hints): --advertise,
+    else the pod IP, else grpc_host; a wildcard bind address (0.0.0.0, ::) is never advertised,
+    since no client can connect to it, so it falls back to this machine's name."""
+    if settings.advertise:
+        return settings.advertise
+    pod_ip = os.environ.get("POD_IP", "").strip()
+    if pod_ip:
+        return pod_ip
+    if settings.grpc_host in ("0.0.0.0", "::", "[::]", ""):
+        return socket.getfqdn()
+    return settings.grpc_host
 
 
 class Core:
@@ -113,10 +144,14 @@ class Core:
         self.settings = settings
         self.metrics = CoreMetrics(metrics_registry or CollectorRegistry())
         self._owns_registry = registry is None
-        self.registry = open_registry(settings.registry_url) if registry is None else registry
+        self.registry = (
+            open_registry(settings.registry_url, etcd_security(settings)) if registry is None else registry
+        )
         self.plans = PlanStore(self.registry, settings.key_prefix)
         self.policy: Policy = policy or make_policy(settings.policy)
         self.plan_feed = PlanFeed()
+        # Scale tables and what-ifs: off the loop, within the client's deadline, stoppable.
+        self.planning = PlanningWorker(on_stop=self.metrics.planning_stopped.inc)
         self.is_leader = False
         self.leader_info: dict[str, Any] = {}
         self.grpc_port = 0
@@ -153,8 +188,8 @@ class Core:
         self.identity = json.dumps(
             {
                 "core_id": self.settings.core_id,
-                "grpc": f"{self.settings.grpc_host}:{self.grpc_port}",
-                "http": f"http://{self.settings.http_host}:{self.http_port}",
+                "grpc": self.advertised_grpc(),
+                "http": f"{self.http_scheme}://{self.settings.http_host}:{self.http_port}",
             },
             sort_keys=True,
         )
@@ -164,12 +199,15 @@ class Core:
             self.identity,
             self._leader_ttl(),
             on_lost=self._on_leadership_lost_thread,
+            stalled=self._loop_stalled,
         )
         self._loop = asyncio.get_running_loop()
         self._leader_watch = await registry_call(
             self.registry, self.registry.watch_prefix, self._leader_key, self._on_leader_key
         )
         await self._refresh_leader_holder()
+        self._loop_turned = time.monotonic()
+        self._tasks.append(asyncio.ensure_future(self._turn_loop()))
         self._tasks.append(asyncio.ensure_future(self._campaign()))
         await self._set_health(False)
         log.info(
@@ -181,12 +219,54 @@ class Core:
             self.http_port,
         )
 
+    def advertised_grpc(self) -> str:
+        """host:port of this Core's gRPC API as clients reach it (the leader hint)."""
+        host = advertised_host(self.settings)
+        has_port = "]:" in host if host.startswith("[") else host.count(":") == 1
+        if has_port:
+            return host  # host:port as configured (a port mapped in front of this Core)
+        if host.count(":") > 1 and not host.startswith("["):
+            host = f"[{host}]"  # a bare IPv6 address
+        return f"{host}:{self.grpc_port}"
+
+    @property
+    def http_scheme(self) -> str:
+        return "https" if self.settings.http_tls_cert is not None else "http"
+
     def _leader_ttl(self) -> float:
         # An in-memory registry lives in this process, so no standby can exist: a short lease
         # would only let a CPU-starved keepalive thread depose the sole Core for nothing.
         if isinstance(self.registry, MemoryRegistry):
             return max(self.settings.leader_ttl_s, 3600.0)
         return self.settings.leader_ttl_s
+
+    # ---- leader watchdog ---------------------------------------------------------------------
+    async def _turn_loop(self) -> None:
+        """Marks every turn of the event loop (at LOOP_BEAT_S); the election's keepalive thread
+        reads the mark (`_loop_stalled`)."""
+        while True:
+            self._loop_turned = time.monotonic()
+            await asyncio.sleep(LOOP_BEAT_S)
+
+    def loop_stall_bound_s(self) -> float:
+        # Default: the lease TTL. A frozen leader is then replaced as promptly as a dead one
+        # (whose lease lapses within the TTL), and a loop that a loaded machine merely slows
+        # down for a second does not cost a leadership change.
+        return self.settings.loop_stall_s or self._leader_ttl()
+
+    def _loop_stalled(self) -> str | None:
+        """Election keepalive thread: why this Core cannot lead (None: it can). A leader whose
+        loop has not turned for the bound answers no agent, sweeps no heartbeat and plans
+        nothing, yet its keepalive thread would hold the lease forever; so it gives the lease up."""
+        silent = time.monotonic() - self._loop_turned
+        bound = self.loop_stall_bound_s()
+        if silent <= bound:
+            return None
+        self.metrics.watchdog_step_downs.inc()
+        log.error(
+            "core %s: event loop stalled for %.2f s (bound %.2f s)", self.settings.core_id, silent, bound
+        )
+        return f"the event loop has not turned for {silent:.2f} s (bound {bound:.2f} s)"
 
     async def wait_leader(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -220,6 +300,7 @@ class Core:
         if self._election is not None:
             with contextlib.suppress(RegistryError):
                 await asyncio.to_thread(self._election.resign)
+        self.planning.close()
         if self._owns_registry:
             self.registry.close()
 
@@ -264,7 +345,15 @@ class Core:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.settings.http_host, self.settings.http_port))
         self.http_port = sock.getsockname()[1]
-        config = uvicorn.Config(build_app(self), log_level="warning", lifespan="off", access_log=False)
+        tls = self.settings
+        config = uvicorn.Config(
+            build_app(self),
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            ssl_certfile=str(tls.http_tls_cert) if tls.http_tls_cert else None,
+            ssl_keyfile=str(tls.http_tls_key) if tls.http_tls_key else None,
+        )
         self._http = uvicorn.Server(config)
         self._tasks.append(asyncio.ensure_future(self._http.serve(sockets=[sock])))
 
@@ -272,7 +361,9 @@ class Core:
         status = (
             health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        # The overall status ("") follows leadership too: a standby serves no API call, so
+        # load balancers and gRPC health probes route to the leader only (liveness is /healthz).
+        await self._health.set("", status)
         for service in SERVICES:
             await self._health.set(service.full_name, status)
 
@@ -512,11 +603,21 @@ class Core:
             raise RpcError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
 
     def check_job_token(self, job_name: str, token: str | None) -> None:
-        job = self.job_or_not_found(job_name)
+        """The token is checked before the job is looked up: an unknown job and a wrong token
+        get the same answer, so a caller without a token learns nothing about which jobs exist."""
         if token is None:
             raise RpcError(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <job token>'")
-        if not job.check_token(token):
-            raise RpcError(grpc.StatusCode.PERMISSION_DENIED, f"wrong token for job {job_name!r}")
+        job = self.table.jobs.get(job_name)
+        if job is None or not job.check_token(token):
+            raise RpcError(
+                grpc.StatusCode.PERMISSION_DENIED, f"unknown job {job_name!r} or wrong token for it"
+            )
+
+    def check_read_access(self, token: str | None) -> None:
+        """Reads (REST GETs of jobs and events, gRPC GetJobState) follow `read_access`: "open"
+        to anyone who reaches the Core, "token" with the scheduler token (docs/api.md)."""
+        if self.settings.read_access == "token":
+            self.check_scheduler_token(token)
 
     def scheduler_token_ok(self, token: str | None) -> bool:
         expected = self.settings.scheduler_token
@@ -534,18 +635,18 @@ class Core:
         if not self.scheduler_token_ok(token):
             raise RpcError(grpc.StatusCode.PERMISSION_DENIED, "wrong scheduler token")
 
+    def scale_table(self, job: Job) -> list[dict[str, Any]]:
+        """FlexTrain's scale table, computed here on the caller's thread (bounded: a job's model
+        has at most limits.MAX_DEVICES devices). The gRPC handlers run it in the planning process
+        within the client's deadline instead (SchedulerServicer._plan, core_service.offload)."""
+        try:
+            return scale_table(job)
+        except ValueError as exc:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+
     def send_command(self, job: str, worker_id: str, command: agent_pb2.ConnectResponse) -> bool:
         session = self.membership.sessions.get((job, worker_id))
         if session is None:
             return False
         session.outbox.put_nowait(command)
         return True
-
-    def judge_offer(self, job: Job, devices: int, expected_duration_s: float) -> tuple[bool, str]:
-        return judge_offer(job, devices, expected_duration_s)
-
-    def scale_table(self, job: Job) -> list[dict[str, Any]]:
-        try:
-            return scale_table(job)
-        except ValueError as exc:
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -11,6 +12,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from core_service.grpc_util import RpcError, bearer_token, finite, require
+from core_service.jobs import token_digest
+from core_service.limits import MAX_DETAIL_CHARS, MAX_OPERATION_CHARS
 from core_service.model import Ack, AckPhase, PlanFailure
 from core_service.persist import registry_call
 from core_service.recovery import NO_PEER, CollectiveFailure, PeerAction
@@ -85,10 +88,39 @@ class ExecutorServicer:
         self.metrics = core.metrics  # grpc_util.generic_handler times and counts through this
 
     def _authorise(self, job_name: str, worker_id: str, context: grpc.aio.ServicerContext) -> None:
+        """The job's token or the worker's own credential (reading plans)."""
         self.core.require_leader()
         require(bool(job_name), "job is empty")
         require(bool(worker_id), "worker_id is empty")
-        self.core.check_job_token(job_name, bearer_token(context))
+        token = bearer_token(context)
+        if token is not None and self._is_worker(job_name, worker_id, token):
+            return
+        self.core.check_job_token(job_name, token)
+
+    def _authorise_worker(self, job_name: str, worker_id: str, context: grpc.aio.ServicerContext) -> None:
+        """Only the worker itself, with its credential (RegisterAck.worker_token), may ack plans or
+        report failures as `worker_id`: the job's token, shared by every worker, is not enough."""
+        self.core.require_leader()
+        require(bool(job_name), "job is empty")
+        require(bool(worker_id), "worker_id is empty")
+        token = bearer_token(context)
+        if token is None:
+            raise RpcError(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <worker token>'")
+        if not self._is_worker(job_name, worker_id, token):
+            raise RpcError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"only worker {worker_id!r} of job {job_name!r} itself may do this: present its own "
+                "credential (RegisterAck.worker_token), not the job's token or another worker's",
+            )
+
+    def _is_worker(self, job_name: str, worker_id: str, token: str) -> bool:
+        job = self.core.table.jobs.get(job_name)
+        member = None if job is None else job.members.get(worker_id)
+        return (
+            member is not None
+            and bool(member.worker_token_sha256)
+            and hmac.compare_digest(token_digest(token), member.worker_token_sha256)
+        )
 
     async def SubscribePlans(
         self, request: executor_pb2.SubscribePlansRequest, context: grpc.aio.ServicerContext
@@ -109,13 +141,17 @@ class ExecutorServicer:
     async def AckPlanPhase(
         self, request: executor_pb2.AckPlanPhaseRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.AckPlanPhaseResponse:
-        self._authorise(request.job, request.worker_id, context)
+        self._authorise_worker(request.job, request.worker_id, context)
         job = self.core.job_or_not_found(request.job)
         require(request.worker_id in job.members, f"job {job.name!r} has no worker {request.worker_id!r}")
         phase = PHASES.get(request.phase)
         require(phase is not None, f"phase {request.phase} is not a known plan phase")
         assert phase is not None
         finite(request.phase_time_s, "phase_time_s")
+        require(
+            len(request.failure_reason) <= MAX_DETAIL_CHARS,
+            f"failure_reason is longer than {MAX_DETAIL_CHARS} characters",
+        )
         failure = FAILURES.get(request.failure)
         if phase == AckPhase.FAILED:
             require(bool(request.failure_reason), "failure_reason is required when phase is FAILED")
@@ -165,7 +201,12 @@ class ExecutorServicer:
     async def ReportPeerFailure(
         self, request: executor_pb2.ReportPeerFailureRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.ReportPeerFailureResponse:
-        self._authorise(request.job, request.worker_id, context)
+        self._authorise_worker(request.job, request.worker_id, context)
+        require(
+            len(request.operation) <= MAX_OPERATION_CHARS,
+            f"operation is longer than {MAX_OPERATION_CHARS} characters",
+        )
+        require(len(request.error) <= MAX_DETAIL_CHARS, f"error is longer than {MAX_DETAIL_CHARS} characters")
         job = self.core.job_or_not_found(request.job)
         require(request.worker_id in job.members, f"job {job.name!r} has no worker {request.worker_id!r}")
         require(

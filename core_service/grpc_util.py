@@ -9,6 +9,7 @@ refusal (elaswave_rejected_requests_total{api=<service>}), so no servicer can fo
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,10 +31,17 @@ class Malformed:
         self.message = f"malformed {type_name}: {error or 'bytes do not decode'}"
 
 
+# A status message says what is wrong; a client's oversized value quoted in it is cut here, so
+# no answer echoes a large input back.
+MAX_STATUS_MESSAGE_CHARS = 1_000
+
+
 class RpcError(Exception):
     """Raised inside servicer code; turned into a gRPC status by `guard`."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        if len(message) > MAX_STATUS_MESSAGE_CHARS:
+            message = message[: MAX_STATUS_MESSAGE_CHARS - 20] + " ... (message cut)"
         super().__init__(message)
         self.code = code
         self.message = message
@@ -53,10 +61,12 @@ def _safe_deserializer(message_cls: Any) -> Callable[[bytes], Any]:  # a generat
     return deserialize
 
 
-def _status_name(context: grpc.aio.ServicerContext, failed: bool) -> str:
+def _status_name(context: grpc.aio.ServicerContext, failed: bool | None) -> str:
+    """`failed`: None when the handler was cancelled because the client went away (it cancelled,
+    or its deadline passed), which is no failure of the Core's."""
     code = context.code()
     if code is None:
-        return "UNKNOWN" if failed else "OK"
+        return "CANCELLED" if failed is None else ("UNKNOWN" if failed else "OK")
     return code.name if isinstance(code, grpc.StatusCode) else str(code)
 
 
@@ -72,17 +82,21 @@ class _Observer:
         if self.metrics is not None:
             self.metrics.rejected_requests.labels(api=self.api, reason=err.code.name).inc()
 
-    def done(self, context: grpc.aio.ServicerContext, started: float, failed: bool) -> None:
+    def done(self, context: grpc.aio.ServicerContext, started: float, failed: bool | None) -> None:
         if self.metrics is not None:
-            self.metrics.grpc_seconds.labels(
-                service=self.service, method=self.method, code=_status_name(context, failed)
-            ).observe(time.perf_counter() - started)
+            code = _status_name(context, failed)
+            self.metrics.grpc_seconds.labels(service=self.service, method=self.method, code=code).observe(
+                time.perf_counter() - started
+            )
+            if code in ("UNKNOWN", "INTERNAL"):
+                self.metrics.server_errors.labels(api=self.api).inc()
 
 
 def _guard_unary(fn: Callable[..., Awaitable[Any]], observer: _Observer) -> Callable[..., Awaitable[Any]]:
     @functools.wraps(fn)
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        started, failed = time.perf_counter(), True
+        started = time.perf_counter()
+        failed: bool | None = True  # None: cancelled because the client went away
         try:
             if isinstance(request, Malformed):
                 raise invalid(request.message)
@@ -92,6 +106,9 @@ def _guard_unary(fn: Callable[..., Awaitable[Any]], observer: _Observer) -> Call
         except RpcError as err:
             observer.rejected(err)
             await context.abort(err.code, err.message)
+        except asyncio.CancelledError:
+            failed = None  # the client went away
+            raise
         finally:
             observer.done(context, started, failed)
 
@@ -103,7 +120,8 @@ def _guard_stream(
 ) -> Callable[..., AsyncIterator[Any]]:
     @functools.wraps(fn)
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        started, failed = time.perf_counter(), True
+        started = time.perf_counter()
+        failed: bool | None = True  # None: cancelled because the client went away
         try:
             if isinstance(request, Malformed):
                 raise invalid(request.message)
@@ -113,6 +131,9 @@ def _guard_stream(
         except RpcError as err:
             observer.rejected(err)
             await context.abort(err.code, err.message)
+        except (asyncio.CancelledError, GeneratorExit):
+            failed = None  # the client went away
+            raise
         finally:
             observer.done(context, started, failed)
 
@@ -124,11 +145,15 @@ def _timed_bidi(fn: Callable[..., Awaitable[Any]], observer: _Observer) -> Calla
 
     @functools.wraps(fn)
     async def wrapper(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        started, failed = time.perf_counter(), True
+        started = time.perf_counter()
+        failed: bool | None = True  # None: cancelled because the client went away
         try:
             result = await fn(request_iterator, context)
             failed = False
             return result
+        except asyncio.CancelledError:
+            failed = None  # the client went away
+            raise
         finally:
             observer.done(context, started, failed)
 
@@ -168,6 +193,14 @@ def generic_handler(
                 _guard_unary(behaviour, observer), **kwargs
             )
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
+def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    """The value of metadata `key` (lower case), or None."""
+    for name, value in context.invocation_metadata() or ():
+        if name.lower() == key and isinstance(value, str):
+            return value
+    return None
 
 
 def bearer_token(context: grpc.aio.ServicerContext) -> str | None:

@@ -64,6 +64,7 @@ class Job:
     expected_workers: int
     created_unix: float
     failslow: FailSlowDetector
+    spare_workers: int = 0  # registrations accepted beyond expected_workers
     members: dict[str, MemberRecord] = field(default_factory=dict)
     phase: JobPhase = JobPhase.RUNNING
     plan_epoch: int = 0
@@ -127,6 +128,7 @@ class Job:
                 "name": self.name,
                 "token_sha256": self.token_sha256,
                 "expected_workers": self.expected_workers,
+                "spare_workers": self.spare_workers,
                 "created_unix": self.created_unix,
                 "layout_json": self.layout_json,
                 "model_json": self.model_json,
@@ -167,6 +169,7 @@ class JobTable:
             spec.name, token_digest(spec.token.get_secret_value()), spec.expected_workers, now
         )
         job.layout_json, job.model_json = layout_json, model_json
+        job.spare_workers = spec.spare_workers
         job.committed_layout_json = layout_json
         self.jobs[job.name] = job
         self.persister.put(self.job_key(job.name, "spec"), job.spec_json())
@@ -186,6 +189,7 @@ class JobTable:
                 self.create_job(spec, now=now)
             else:
                 existing.token_sha256 = token_digest(spec.token.get_secret_value())
+                existing.spare_workers = spec.spare_workers
                 self.persister.put(self.job_key(spec.name, "spec"), existing.spec_json())
 
     # ---- events -----------------------------------------------------------------------------
@@ -264,6 +268,7 @@ class JobTable:
                     spec["name"], spec["token_sha256"], spec["expected_workers"], spec["created_unix"]
                 )
                 job.layout_json, job.model_json = spec.get("layout_json"), spec.get("model_json")
+                job.spare_workers = int(spec.get("spare_workers", 0))
                 job.committed_layout_json = job.layout_json  # until the engine restores the job
                 jobs[job.name] = job
         for name, job in jobs.items():

@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 
-from core_service.jobs import Job, JobTable
+import grpc
+
+from core_service.grpc_util import RpcError
+from core_service.jobs import Job, JobTable, token_digest
 from core_service.metrics import CoreMetrics
 from core_service.model import DeviceInfo, MemberRecord, StepReport, WorkerState
 from core_service.persist import registry_call
@@ -31,6 +36,8 @@ from elaswave.v1 import agent_pb2
 from planners.layout import Plan
 
 log = logging.getLogger("elaswave.core.membership")
+# gRPC metadata key an agent presents its worker's credential under when it registers again.
+WORKER_TOKEN_METADATA = "x-elaswave-worker-token"
 
 
 @dataclass
@@ -47,6 +54,7 @@ class AgentSession:
     # The member's last_heartbeat_unix when ReportNow was last sent: one nudge per silence.
     nudged_for_heartbeat: float | None = None
     rejected_reports: int = 0
+    worker_token: str = field(default="", repr=False)  # the worker's credential, sent in the RegisterAck
 
 
 @dataclass(frozen=True)
@@ -78,12 +86,52 @@ class Membership:
         self.closing_streams = False
 
     # ---- registration -------------------------------------------------------------------------
-    async def register(self, reg: Registration, now: float) -> AgentSession:
+    def member_limit(self, job: Job) -> int:
+        """Live members a job may have: its expected workers plus its spares, or the Core's
+        bound for a job that did not say how many it expects."""
+        if job.expected_workers > 0:
+            return job.expected_workers + job.spare_workers
+        return self.settings.max_workers_per_job
+
+    def admit(self, job: Job, reg: Registration, presented: str | None) -> str:
+        """The worker's credential for this registration, or RpcError. A live member's id is
+        registered again only with its own credential (a reconnect, a new leader): from anyone
+        else it is refused, never a takeover. A new (or returning) worker gets a new credential,
+        within the job's member limit. Synchronous: no other registration interleaves."""
+        member = job.members.get(reg.worker_id)
+        if member is not None and not member.state.is_gone:
+            if not member.worker_token_sha256:
+                return secrets.token_urlsafe(24)  # a member from a Core that issued none
+            if presented is not None and hmac.compare_digest(
+                token_digest(presented), member.worker_token_sha256
+            ):
+                return presented
+            raise RpcError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"worker {reg.worker_id!r} of job {job.name!r} is a live member (on host "
+                f"{member.host!r}); registering it again needs its own credential "
+                f"('{WORKER_TOKEN_METADATA}' metadata from its RegisterAck)",
+            )
+        limit = self.member_limit(job)
+        # Counting live members is O(members): only needed once there could be too many.
+        live = len(job.members) if len(job.members) < limit else len(job.live_members())
+        if live >= limit:
+            raise RpcError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"job {job.name!r} has {live} live workers, its limit (expected_workers "
+                f"{job.expected_workers} + spare_workers {job.spare_workers}, or the Core's "
+                f"max_workers_per_job) is {limit}: worker {reg.worker_id!r} refused",
+            )
+        return secrets.token_urlsafe(24)
+
+    async def register(self, reg: Registration, now: float, presented: str | None = None) -> AgentSession:
+        """Registers the worker (see `admit`); the session carries the worker's credential."""
         job = self.table.get(reg.job)
+        worker_token = self.admit(job, reg, presented)
         old = self.sessions.get((reg.job, reg.worker_id))
         if old is not None:
             await self._drop_lease(old)
-        session = AgentSession(reg.job, reg.worker_id, self._next_session)
+        session = AgentSession(reg.job, reg.worker_id, self._next_session, worker_token=worker_token)
         self._next_session += 1
         self.sessions[(reg.job, reg.worker_id)] = session
         member = job.members.get(reg.worker_id)
@@ -93,6 +141,7 @@ class Membership:
             member = MemberRecord(reg.worker_id, reg.host, reg.pid, registered_unix=now)
             job.members[reg.worker_id] = member
         member.host, member.pid, member.devices = reg.host, reg.pid, reg.devices
+        member.worker_token_sha256 = token_digest(worker_token)
         member.stage, member.dp_rank, member.holds_own_lease = reg.stage, reg.dp_rank, reg.holds_own_lease
         member.rank = reg.rank
         member.last_heartbeat_unix = now
@@ -175,8 +224,8 @@ class Membership:
             log.debug("revoking lease %s: %s", lease, exc)
 
     # ---- reports ------------------------------------------------------------------------------
-    async def heartbeat(self, session: AgentSession, now: float) -> None:
-        job = self.table.get(session.job)
+    async def heartbeat(self, session: AgentSession, now: float, job: Job | None = None) -> None:
+        job = self.table.get(session.job) if job is None else job
         member = job.member(session.worker_id)
         member.last_heartbeat_unix = now
         if member.state.is_gone or session.lease_id is None:

@@ -21,9 +21,13 @@ REST_REJECTIONS = {
     404: "NOT_FOUND",
     405: "METHOD_NOT_ALLOWED",
     409: "FAILED_PRECONDITION",
+    413: "PAYLOAD_TOO_LARGE",
     422: "INVALID_ARGUMENT",
     503: "UNAVAILABLE",
 }
+
+
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 class CoreMetrics:
@@ -97,6 +101,22 @@ class CoreMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.watchdog_step_downs = Counter(
+            "elaswave_leader_watchdog_step_downs_total",
+            "Leader leases given up because the Core's event loop stalled past its bound.",
+            registry=registry,
+        )
+        self.planning_stopped = Counter(
+            "elaswave_planning_stopped_total",
+            "Planning calls stopped (their process killed) at their deadline or when the client left.",
+            registry=registry,
+        )
+        self.server_errors = Counter(
+            "elaswave_server_errors_total",
+            "Requests that failed inside the Core (HTTP 5xx other than 503; gRPC UNKNOWN/INTERNAL), by API.",
+            ["api"],
+            registry=registry,
+        )
         self.agent_commands = Counter(
             "elaswave_agent_commands_total",
             "Commands queued on agent streams, by command.",
@@ -112,13 +132,22 @@ def observe_http(app: FastAPI, metrics: CoreMetrics) -> None:
     @app.middleware("http")
     async def timed(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         started = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        template = getattr(route, "path", "unmatched")
-        metrics.http_seconds.labels(
-            method=request.method, route=template, status=str(response.status_code)
-        ).observe(time.perf_counter() - started)
-        reason = REST_REJECTIONS.get(response.status_code)
-        if reason is not None:
-            metrics.rejected_requests.labels(api="rest", reason=reason).inc()
+        status = 500  # an exception escaping the app is answered with 500: count it as one
+        try:
+            response = await call_next(request)
+            status = response.status_code
+        finally:
+            route = request.scope.get("route")
+            # Label values stay bounded whatever clients send: unknown methods and paths
+            # collapse to one value each, statuses are the server's own.
+            template = getattr(route, "path", "unmatched") if route is not None else "unmatched"
+            method = request.method if request.method in HTTP_METHODS else "other"
+            metrics.http_seconds.labels(method=method, route=template, status=str(status)).observe(
+                time.perf_counter() - started
+            )
+            reason = REST_REJECTIONS.get(status)
+            if reason is not None:
+                metrics.rejected_requests.labels(api="rest", reason=reason).inc()
+            if status >= 500 and status != 503:
+                metrics.server_errors.labels(api="rest").inc()
         return response

@@ -20,7 +20,8 @@ class WorkerState(StrEnum):
 
     @property
     def is_gone(self) -> bool:
-        return self in (WorkerState.LOST, WorkerState.LEFT)
+        # Identity, not equality: asked for every member on every sweep and plan.
+        return self is WorkerState.LOST or self is WorkerState.LEFT
 
 
 class JobPhase(StrEnum):
@@ -118,6 +119,9 @@ class MemberRecord:
     memory: dict[str, Any] = field(default_factory=dict)
     probes: dict[str, dict[str, Any]] = field(default_factory=dict)
     preemption_deadline_unix: float | None = None
+    # SHA-256 of the worker's own credential (RegisterAck.worker_token), stored so that a new
+    # leader knows it too; "" for a record from a Core that issued none. Never served.
+    worker_token_sha256: str = ""
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
@@ -135,6 +139,7 @@ class MemberRecord:
         """The view served by the REST API."""
         view = dataclasses.asdict(self)
         view["state"] = self.state.value
+        del view["worker_token_sha256"]
         return view
 
 

@@ -48,6 +48,7 @@ from fastapi.params import Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 from core_service.config import JOB_NAME_PATTERN
+from core_service.http_guard import error_responses, field_error
 from core_service.job_store import JobStores, StoreError
 from elaswave.launcher_describe import model_difference, unit_costs
 from elaswave.worker_env import ModelDescription
@@ -69,7 +70,7 @@ REMEMBERED_JOBS = 1024  # formed jobs kept to answer their nodes' next poll and 
 class JoinRequest(BaseModel):
     """Body of POST /api/v1/rendezvous/{job}."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no "1" for 1, no false for 0
     node_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$", description="unique per node")
     session: str = Field(
         pattern=r"^[A-Za-z0-9_-]{8,64}$",
@@ -146,12 +147,20 @@ class Rendezvous:
         """One poll of one node: (200, its place) once the job is formed, (202, who joined so far)
         when `poll_s` passed first; raises HTTPException for a refusal or the expired wait (408)."""
         if not JOB_NAME_PATTERN.match(job):
-            raise HTTPException(422, detail=f"job name {job!r} is not valid (letters, digits, '.', '_', '-')")
+            raise HTTPException(
+                422,
+                detail=field_error(
+                    "job", f"job name {job[:80]!r} is not valid (letters, digits, '.', '_', '-')"
+                ),
+            )
         try:
             desc = ModelDescription.from_json(json.dumps(body.description))
         except (ValueError, TypeError, KeyError) as exc:
             raise HTTPException(
-                422, detail=f"description: not a model description this Core can read ({exc})"
+                422,
+                detail=field_error(
+                    "description", f"description: not a model description this Core can read ({exc})"
+                ),
             ) from None
         if (formed := self.formed.get(job)) is not None:
             session, answer = formed.answers.get(body.node_id, ("", {}))
@@ -224,7 +233,7 @@ class Rendezvous:
                 mem_cap_bytes=body.mem_per_worker_bytes,
             )
         except PlacementError as exc:
-            raise HTTPException(422, detail=str(exc)) from None
+            raise HTTPException(422, detail=field_error("", str(exc))) from None
         gathering = Gathering(
             job, body.nnodes, body.nproc_per_node, body.pp, body.mem_per_worker_bytes, placement
         )
@@ -325,6 +334,7 @@ class Rendezvous:
                 "placement": placement_json(placement),
                 "grpc_port": self.core.grpc_port,
                 "store_port": store_port,
+                "standby_store_port": self.stores.ports[g.job][1],  # where the groups move if it dies
                 "nodes": [
                     {
                         "index": i,
@@ -376,7 +386,13 @@ def rendezvous_router(core: Core, dependencies: list[Depends]) -> APIRouter:
     router = APIRouter(dependencies=dependencies)
     rendezvous = Rendezvous(core)
 
-    @router.post("/api/v1/rendezvous/{job}", responses={202: {"description": "still waiting for nodes"}})
+    @router.post(
+        "/api/v1/rendezvous/{job}",
+        responses={
+            202: {"description": "still waiting for nodes"},
+            **error_responses(400, 401, 403, 408, 409, 413, 422, 500, 503),
+        },
+    )
     async def post_rendezvous(job: str, body: JoinRequest, response: Response) -> dict[str, Any]:
         # async: the gatherings and the job table are only touched on the event loop.
         response.status_code, answer = await rendezvous.join(job, body)

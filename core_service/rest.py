@@ -1,21 +1,38 @@
-"""REST API under /api/v1, /healthz and /metrics (FastAPI). Reads are open; every call that
-changes something needs `Authorization: Bearer <scheduler token>`."""
+"""REST API under /api/v1, /healthz and /metrics (FastAPI). Reads (jobs, events) follow the
+Core's `read_access` (open, or the scheduler token), the same policy as gRPC GetJobState; every
+call that changes something needs `Authorization: Bearer <scheduler token>`. Bodies are bounded
+and checked before any of this (core_service.http_guard); every route documents each status it
+answers with, and its body."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import secrets
 import time
 from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Response
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Response
+from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from core_service.config import JOB_NAME_PATTERN, MIN_TOKEN_LENGTH, JobSpec
 from core_service.grpc_util import RpcError
+from core_service.http_guard import error_responses, field_error
+from core_service.http_guard import install as install_guards
 from core_service.jobs import Job, JobExists, UnknownJob
+from core_service.limits import (
+    MAX_DEVICES,
+    MAX_IDS_PER_REQUEST,
+    MAX_LAYERS,
+    MAX_REASON_CHARS,
+    MAX_SPARE_WORKERS,
+    MAX_TOKEN_CHARS,
+    MAX_WORKERS_PER_JOB,
+)
 from planners.chameleon.schema import state_from_dict
 from planners.layout import Layout
 from planners.validation import validate
@@ -24,13 +41,21 @@ if TYPE_CHECKING:
     from core_service.core import Core
 
 bearer = HTTPBearer(auto_error=False)
+# A job name in a path: longer names cannot exist (config.JOB_NAME_PATTERN), so they are refused
+# with 422 before any lookup.
+JobName = Annotated[str, Path(max_length=63, description="job name")]
 
 
 class CreateJobRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no "1" for 1, no false for 0
     name: str = Field(pattern=JOB_NAME_PATTERN.pattern, description="job name")
-    expected_workers: int = Field(default=0, ge=0, le=1_000_000)
-    token: str | None = Field(default=None, min_length=MIN_TOKEN_LENGTH, description="omit to generate")
+    expected_workers: int = Field(default=0, ge=0, le=MAX_WORKERS_PER_JOB)
+    spare_workers: int = Field(
+        default=0, ge=0, le=MAX_SPARE_WORKERS, description="workers that may register beyond expected_workers"
+    )
+    token: str | None = Field(
+        default=None, min_length=MIN_TOKEN_LENGTH, max_length=MAX_TOKEN_CHARS, description="omit to generate"
+    )
     layout: dict[str, Any] | None = Field(default=None, description="planners.Layout as JSON")
     model: dict[str, Any] | None = Field(
         default=None,
@@ -44,10 +69,12 @@ class CreateJobResponse(BaseModel):
 
 
 class PreemptRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    worker_ids: list[str] = Field(min_length=1, max_length=100_000)
-    deadline_unix: float = Field(description="seconds since the epoch, in the future")
-    reason: str = Field(default="", max_length=1000)
+    model_config = ConfigDict(extra="forbid", strict=True)  # no "1" for 1, no false for 0
+    worker_ids: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(
+        min_length=1, max_length=MAX_IDS_PER_REQUEST
+    )
+    deadline_unix: float = Field(allow_inf_nan=False, description="seconds since the epoch, in the future")
+    reason: str = Field(default="", max_length=MAX_REASON_CHARS)
 
 
 def job_summary(job: Job) -> dict[str, Any]:
@@ -80,20 +107,29 @@ async def store_new_job(core: Core, body: CreateJobRequest) -> CreateJobResponse
         try:
             layout = Layout.from_json(json.dumps(body.layout))
         except (ValueError, TypeError, KeyError) as exc:
-            raise HTTPException(422, detail=f"layout: {exc}") from None
+            raise HTTPException(422, detail=field_error("layout", f"layout: {exc}")) from None
         report = validate(layout)
         if not report.ok:
-            raise HTTPException(422, detail="layout does not validate: " + "; ".join(report.problems))
+            problems = "; ".join(report.problems)
+            raise HTTPException(422, detail=field_error("layout", f"layout does not validate: {problems}"))
         layout_json = layout.to_json()
     model_json = None
     if body.model is not None:
         try:
             state_from_dict(body.model)
         except (ValueError, TypeError, KeyError) as exc:
-            raise HTTPException(422, detail=f"model: {exc}") from None
+            raise HTTPException(422, detail=field_error("model", f"model: {exc}")) from None
+        problem = model_too_large(body.model)
+        if problem is not None:
+            raise HTTPException(422, detail=field_error("model", f"model: {problem}"))
         model_json = json.dumps(body.model, sort_keys=True)
     token = body.token or secrets.token_urlsafe(24)
-    spec = JobSpec(name=body.name, token=SecretStr(token), expected_workers=body.expected_workers)
+    spec = JobSpec(
+        name=body.name,
+        token=SecretStr(token),
+        expected_workers=body.expected_workers,
+        spare_workers=body.spare_workers,
+    )
     try:
         core.table.create_job(spec, layout_json, now=time.time(), model_json=model_json)
     except JobExists as exc:
@@ -105,11 +141,31 @@ async def store_new_job(core: Core, body: CreateJobRequest) -> CreateJobResponse
     return CreateJobResponse(name=body.name, token=token)
 
 
+def model_too_large(model: dict[str, Any]) -> str | None:
+    """Why a registered model would make planning unbounded (limits.MAX_DEVICES, MAX_LAYERS)."""
+    state = state_from_dict(model)[0]
+    devices = [("the cluster's device count", state.shape.num_devices)]
+    if "max_devices" in model:
+        try:
+            devices.append(("max_devices", int(model["max_devices"])))
+        except (TypeError, ValueError):
+            return f"max_devices {str(model['max_devices'])[:40]!r} is not a whole number"
+    for name, value in devices:
+        if not 1 <= value <= MAX_DEVICES:
+            return f"{name} is {value}; it must be 1..{MAX_DEVICES}"
+    if state.profile.num_layers > MAX_LAYERS:
+        return f"{state.profile.num_layers} layers; at most {MAX_LAYERS}"
+    return None
+
+
 def build_app(core: Core) -> FastAPI:
     app = FastAPI(
         title="ElasWave Core",
         version="v1",
         description="Jobs, members and events of the ElasWave control plane.",
+        # /docs and /redoc come from core_service.offline_docs, with assets shipped in the package.
+        docs_url=None,
+        redoc_url=None,
     )
 
     def leader_only() -> None:
@@ -132,6 +188,10 @@ def build_app(core: Core) -> FastAPI:
         if not core.scheduler_token_ok(credentials.credentials):
             raise HTTPException(403, detail="wrong scheduler token")
 
+    # Reads follow `read_access` (core_service.core.Core.check_read_access, the same for gRPC):
+    # open reads declare no security in the schema, token-protected ones the scheduler token.
+    reads = [Depends(leader_only)] + ([Depends(admin)] if core.settings.read_access == "token" else [])
+
     # Latency histogram and refusal counts of every request; Core -> agent commands (SetFrequency,
     # Drain, ReportNow) on the worker's live stream.
     from core_service.agent_service import worker_command_router
@@ -139,10 +199,21 @@ def build_app(core: Core) -> FastAPI:
     from core_service.metrics import observe_http
     from core_service.rendezvous import rendezvous_router
 
+    install_guards(app)  # inside the metrics middleware: refusals are timed and counted too
     observe_http(app, core.metrics)
     app.include_router(worker_command_router(core, [Depends(leader_only), Depends(admin)]))
     app.include_router(checkpoint_router(core, [Depends(leader_only), Depends(admin)]))
     app.include_router(rendezvous_router(core, [Depends(leader_only), Depends(admin)]))
+    from core_service.dashboard import dashboard_router
+    from core_service.offline_docs import offline_docs_router
+
+    app.include_router(dashboard_router(core, reads))
+    app.include_router(offline_docs_router(app.title))
+
+    read_errors = error_responses(
+        *((401, 403) if core.settings.read_access == "token" else ()), 404, 422, 503
+    )
+    write_errors = error_responses(400, 401, 403, 404, 409, 413, 422, 503)
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
@@ -154,20 +225,39 @@ def build_app(core: Core) -> FastAPI:
             "uptime_s": time.time() - core.started_unix,
         }
 
-    @app.get("/metrics")
+    @app.get("/readyz", responses={503: {"description": "a standby: not ready to serve as leader"}})
+    def readyz() -> Response:
+        """Readiness for a leader-only Service: 200 only on the Core that leads now (/healthz is
+        the liveness probe of every replica)."""
+        ready = core.leads
+        body = {"ready": ready, "role": "leader" if ready else "standby", "core_id": core.settings.core_id}
+        if not ready:
+            body["detail"] = core.not_leader_message()
+        return Response(json.dumps(body), status_code=200 if ready else 503, media_type="application/json")
+
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text exposition format"}},
+    )
     def metrics() -> Response:
         return Response(generate_latest(core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/api/v1/jobs", dependencies=[Depends(leader_only)])
+    @app.get("/api/v1/jobs", dependencies=reads, responses=read_errors)
     def list_jobs() -> dict[str, Any]:
         return {"jobs": [job_summary(j) for j in sorted(core.table.jobs.values(), key=lambda j: j.name)]}
 
-    @app.post("/api/v1/jobs", status_code=201, dependencies=[Depends(leader_only), Depends(admin)])
+    @app.post(
+        "/api/v1/jobs",
+        status_code=201,
+        dependencies=[Depends(leader_only), Depends(admin)],
+        responses=write_errors,
+    )
     async def create_job(body: CreateJobRequest) -> CreateJobResponse:
         return await store_new_job(core, body)
 
-    @app.get("/api/v1/jobs/{job}", dependencies=[Depends(leader_only)])
-    def get_job(job: str) -> dict[str, Any]:
+    @app.get("/api/v1/jobs/{job}", dependencies=reads, responses=read_errors)
+    def get_job(job: JobName) -> dict[str, Any]:
         record = job_or_404(job)
         members = [m.public() for m in sorted(record.members.values(), key=lambda m: m.worker_id)]
         return {
@@ -179,20 +269,30 @@ def build_app(core: Core) -> FastAPI:
             else json.loads(record.committed_layout_json),
         }
 
-    @app.get("/api/v1/jobs/{job}/events", dependencies=[Depends(leader_only)])
-    def get_events(
-        job: str,
+    @app.get(
+        "/api/v1/jobs/{job}/events",
+        dependencies=reads,
+        responses=read_errors,
+    )
+    async def get_events(  # on the loop: the deque is never read while it is appended to
+        job: JobName,
         since: Annotated[int, Query(ge=0, description="only events with seq > since")] = 0,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 500,
     ) -> dict[str, Any]:
         record = job_or_404(job)
-        events = [e for e in record.events if e.seq > since][:limit]
+        # Events are kept in seq order: start at the first one after `since` (a follower polling
+        # the tail of 100,000 kept events must not cost a scan of all of them per poll).
+        start = bisect.bisect_right(record.events, since, key=lambda e: e.seq)
+        events = list(itertools.islice(record.events, start, start + limit))
         return {"job": job, "events": [e.__dict__ for e in events]}
 
     @app.post(
-        "/api/v1/jobs/{job}/preempt", status_code=202, dependencies=[Depends(leader_only), Depends(admin)]
+        "/api/v1/jobs/{job}/preempt",
+        status_code=202,
+        dependencies=[Depends(leader_only), Depends(admin)],
+        responses=write_errors,
     )
-    async def preempt(job: str, body: PreemptRequest) -> dict[str, Any]:
+    async def preempt(job: JobName, body: PreemptRequest) -> dict[str, Any]:
         from elaswave.v1 import scheduler_pb2
 
         job_or_404(job)
@@ -203,7 +303,8 @@ def build_app(core: Core) -> FastAPI:
             response = await core.scheduler.preempt(grpc_request)
         except RpcError as err:
             status = {"FAILED_PRECONDITION": 409, "UNAVAILABLE": 503}.get(err.code.name, 422)
-            raise HTTPException(status, detail=err.message) from None
+            detail: Any = field_error("", err.message) if status == 422 else err.message
+            raise HTTPException(status, detail=detail) from None
         return {"event_seq": response.event_seq}
 
     return app

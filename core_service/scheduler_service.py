@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -14,8 +14,15 @@ from core_service.engine import snapshot_of
 from core_service.executor_service import plan_message
 from core_service.grpc_util import RpcError, bearer_token, finite, invalid, require
 from core_service.jobs import Job
+from core_service.limits import MAX_DEVICES, MAX_HOST_CHARS, MAX_IDS_PER_REQUEST, MAX_REASON_CHARS
 from core_service.model import MemberRecord, WorkerState
-from core_service.policies import DEFAULT_RECLAIM_RATE_PER_S, RECONFIGURATION_OVERHEAD_S
+from core_service.offload import PlanningFailed, PlanningTimeout
+from core_service.policies import (
+    DEFAULT_RECLAIM_RATE_PER_S,
+    RECONFIGURATION_OVERHEAD_S,
+    judge_offer,
+    scale_table,
+)
 from core_service.recovery import RESTORE, choose_mode
 from elaswave.v1 import agent_pb2, common_pb2, scheduler_pb2
 from planners.chameleon.schema import state_from_dict
@@ -26,6 +33,23 @@ if TYPE_CHECKING:
     from core_service.core import Core
 
 MAX_DEADLINE_AHEAD_S = 7 * 24 * 3600.0
+T = TypeVar("T")
+
+
+def planning_copy(job: Job) -> Job:
+    """What a planner call needs of `job` (name, model, layouts), without its members and events:
+    it is pickled to the planning process."""
+    return dataclasses.replace(
+        job, members={}, events=type(job.events)(maxlen=1), pending_changes=[], acks={}
+    )
+
+
+def check_devices(devices: int, name: str) -> None:
+    require(1 <= devices <= MAX_DEVICES, f"{name} must be >= 1 and <= {MAX_DEVICES}, got {devices}")
+
+
+def check_ids(ids: Any, name: str) -> None:
+    require(len(ids) <= MAX_IDS_PER_REQUEST, f"{name} has {len(ids)} entries; at most {MAX_IDS_PER_REQUEST}")
 
 
 def member_message(member: MemberRecord) -> common_pb2.Member:
@@ -87,6 +111,21 @@ class SchedulerServicer:
         self.core.require_leader()
         self.core.check_scheduler_token(bearer_token(context))
 
+    async def _plan(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the planning process with the client's deadline (capped); a deadline
+        that passes, or a client that goes away, stops the work (core_service.offload)."""
+        remaining = context.time_remaining()
+        try:
+            return await self.core.planning.call(fn, *args, timeout_s=remaining)
+        except PlanningTimeout as exc:
+            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
+        except PlanningFailed as exc:
+            if exc.code is not None:
+                raise RpcError(grpc.StatusCode[exc.code], exc.message) from None
+            if exc.kind in ("ValueError", "KeyError", "TypeError"):
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, exc.message) from None
+            raise RpcError(grpc.StatusCode.INTERNAL, f"planning failed: {exc.kind}: {exc.message}") from None
+
     def _deadline(self, deadline_unix: float, now: float) -> None:
         finite(deadline_unix, "deadline_unix")
         require(
@@ -107,6 +146,10 @@ class SchedulerServicer:
         now = time.time()
         job = self.core.job_or_not_found(request.job)
         require(len(request.worker_ids) > 0, "worker_ids is empty")
+        check_ids(request.worker_ids, "worker_ids")
+        require(
+            len(request.reason) <= MAX_REASON_CHARS, f"reason is longer than {MAX_REASON_CHARS} characters"
+        )
         require(len(set(request.worker_ids)) == len(request.worker_ids), "worker_ids has duplicates")
         self._deadline(request.deadline_unix, now)
         members = []
@@ -136,9 +179,16 @@ class SchedulerServicer:
     ) -> scheduler_pb2.OfferResourcesResponse:
         self._authorise(context)
         job = self.core.job_or_not_found(request.job)
-        require(request.devices >= 1, "devices must be >= 1")
+        check_devices(request.devices, "devices")
+        check_ids(request.hosts, "hosts")
+        require(
+            all(0 < len(h) <= MAX_HOST_CHARS for h in request.hosts), "hosts must be 1-255 characters each"
+        )
         finite(request.expected_duration_s, "expected_duration_s")
-        accepted, reason = self.core.judge_offer(job, request.devices, request.expected_duration_s)
+        accepted, reason = await self._plan(
+            context, judge_offer, planning_copy(job), request.devices, request.expected_duration_s
+        )
+        job = self.core.job_or_not_found(request.job)  # the loop turned: it may be gone
         event = self.core.table.record(
             job,
             "resources_offered",
@@ -155,7 +205,7 @@ class SchedulerServicer:
         self._authorise(context)
         now = time.time()
         job = self.core.job_or_not_found(request.job)
-        require(request.devices >= 1, "devices must be >= 1")
+        check_devices(request.devices, "devices")
         self._deadline(request.deadline_unix, now)
         live = job.live_members()
         if request.devices >= len(live):
@@ -180,7 +230,9 @@ class SchedulerServicer:
     async def GetJobState(
         self, request: scheduler_pb2.GetJobStateRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.GetJobStateResponse:
-        self._authorise(context)
+        # A read: open or token-protected by `read_access`, the same policy as the REST reads.
+        self.core.require_leader()
+        self.core.check_read_access(bearer_token(context))
         job = self.core.job_or_not_found(request.job)
         return scheduler_pb2.GetJobStateResponse(
             job=job.name,
@@ -195,7 +247,7 @@ class SchedulerServicer:
     ) -> scheduler_pb2.GetScaleTableResponse:
         self._authorise(context)
         job = self.core.job_or_not_found(request.job)
-        rows = self.core.scale_table(job)
+        rows = await self._plan(context, scale_table, planning_copy(job))
         return scheduler_pb2.GetScaleTableResponse(rows=[scheduler_pb2.ScaleTableRow(**row) for row in rows])
 
     async def PlanWhatIf(
@@ -203,13 +255,17 @@ class SchedulerServicer:
     ) -> scheduler_pb2.PlanWhatIfResponse:
         self._authorise(context)
         job = self.core.job_or_not_found(request.job)
+        check_ids(request.remove_worker_ids, "remove_worker_ids")
         if request.add_devices:
+            check_devices(request.add_devices, "add_devices")
             require(
                 not request.remove_worker_ids,
                 "add_devices and remove_worker_ids together are not modelled: ask one what-if at a time",
             )
             # Seconds of planner work for a large model: off the event loop, heartbeats keep flowing.
-            return await asyncio.to_thread(scale_up_what_if, job, request.add_devices, time.time())
+            return await self._plan(
+                context, scale_up_what_if, planning_copy(job), request.add_devices, time.time()
+            )
         snapshot = snapshot_of(job)
         live_ids = {w.worker_id for w in snapshot.live}
         for worker_id in request.remove_worker_ids:
@@ -227,7 +283,7 @@ class SchedulerServicer:
         )
         if not hypothetical.live:
             return scheduler_pb2.PlanWhatIfResponse(runnable=False, reason="no worker would be left")
-        decision = self.core.policy.decide(hypothetical)
+        decision = await self._plan(context, self.core.policy.decide, hypothetical)
         runnable = decision.action != "refuse"
         plan = what_if_plan(
             job,

@@ -37,6 +37,9 @@ CORE_ENV = "ELASWAVE_CORE"  # HOST:PORT[,HOST:PORT...], the Core's gRPC address(
 STORE_ENV = "ELASWAVE_STORE"  # HOST:PORT of the rendezvous store[,HOST:PORT of a standby...]
 LAYOUT_ENV = "ELASWAVE_LAYOUT_FILE"  # the job's initial layout (planners.Layout JSON)
 TOKEN_ENV = "ELASWAVE_JOB_TOKEN"  # the job's token (never on a command line)
+# A file holding the worker's own credential (the Core issues it to the agent at registration; the
+# agent writes it here, mode 0600): the executor acks plans and reports failures with it.
+WORKER_TOKEN_FILE_ENV = "ELASWAVE_WORKER_TOKEN_FILE"
 TIMEOUT_ENV = "ELASWAVE_TIMEOUT_S"  # bound on every collective, vote and plan wait (seconds)
 RESULTS_ENV = "ELASWAVE_RESULTS_FILE"  # optional: the worker writes its per-step record here
 CHECKPOINT_DIR_ENV = "ELASWAVE_CHECKPOINT_DIR"  # where checkpoints go (overrides the script's)

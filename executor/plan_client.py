@@ -15,13 +15,16 @@ for at most `rpc_timeout_s`.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import grpc
 
 from elaswave.v1 import executor_pb2, executor_pb2_grpc
+from elaswave.worker_env import WORKER_TOKEN_FILE_ENV
 from planners.layout import Plan
 
 log = logging.getLogger("elaswave.executor.plans")
@@ -65,6 +68,9 @@ class PlanClient:
         self.addresses, self.job, self.worker_id = list(addresses), job, worker_id
         self.rpc_timeout_s = rpc_timeout_s
         self._metadata = (("authorization", f"Bearer {token}"),)
+        # The worker's own credential (its agent writes it once the Core issues it): acks and
+        # failure reports speak for this worker only, so the Core wants it, not the job token.
+        self._worker_token_file = os.environ.get(WORKER_TOKEN_FILE_ENV)
         self._on_plan = on_plan
         self._newest: Plan | None = None
         self._floor = 0  # the epoch the executor already runs: plans at or below it are old
@@ -208,7 +214,7 @@ class PlanClient:
             with grpc.insecure_channel(address) as channel:
                 stub = executor_pb2_grpc.ExecutorServiceStub(channel)
                 try:
-                    getattr(stub, method)(request, metadata=self._metadata, timeout=left)
+                    getattr(stub, method)(request, metadata=self._worker_metadata(), timeout=left)
                     return True
                 except grpc.RpcError as exc:
                     code = exc.code() if isinstance(exc, grpc.Call) else None
@@ -225,6 +231,18 @@ class PlanClient:
                     if code != grpc.StatusCode.UNAVAILABLE:
                         return False
         return False
+
+    def _worker_metadata(self) -> tuple[tuple[str, str], ...]:
+        """`authorization` with the worker's credential when its agent has written it, else the
+        job token (then the Core refuses acks and reports: they need the worker's own)."""
+        if self._worker_token_file:
+            try:
+                token = Path(self._worker_token_file).read_text().strip()
+            except OSError:
+                token = ""
+            if token:
+                return (("authorization", f"Bearer {token}"),)
+        return self._metadata
 
     def close(self) -> None:
         """Stop following plans (joins the thread for at most rpc_timeout_s)."""

@@ -19,7 +19,7 @@ from core_service.registry.base import (
     WatchHandle,
 )
 from core_service.registry.election import LeaderElection, holder_of
-from core_service.registry.etcd import EtcdEndpoint, EtcdRegistry
+from core_service.registry.etcd import EtcdEndpoint, EtcdRegistry, EtcdSecurity
 from core_service.registry.factory import open_registry
 from core_service.registry.memory import MemoryRegistry
 from core_service.registry.plans import PlanStore, StaleEpoch
@@ -44,4 +44,5 @@ __all__ = [
     "WatchCallback",
     "WatchHandle",
     "open_registry",
+    "EtcdSecurity",
 ]

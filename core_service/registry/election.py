@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 # A standby re-reads the key at least this often, in case a watch event was missed.
 _RECHECK_S = 0.5
+# How often the keepalive thread asks the leader's watchdog whether it can still lead.
+WATCHDOG_PERIOD_S = 0.1
 # The key holds "<candidate><separator><term>": the term (the lease id, unique per grant) makes
 # each term's fence distinct, so a write left over from an earlier term of the same candidate
 # cannot pass the fence of a later one.
@@ -53,7 +55,12 @@ class LeaderElection:
         candidate_id: str,
         ttl_s: float,
         on_lost: Callable[[], None] | None = None,
+        stalled: Callable[[], str | None] | None = None,
     ) -> None:
+        """`stalled`: the leader's watchdog, asked by the keepalive thread before every refresh;
+        a reason (not None) means the process cannot act as leader (its event loop stopped
+        turning), so the lease is revoked at once and a standby takes over."""
+        self.stalled = stalled
         self._registry = registry
         self._key = check_key(key)
         if not isinstance(candidate_id, str) or not candidate_id:
@@ -164,7 +171,17 @@ class LeaderElection:
 
     def _keep_alive(self, lease: int, stop: threading.Event) -> None:
         interval = self._ttl_s / 3
-        while not stop.wait(interval):
+        next_refresh = time.monotonic() + interval
+        # The watchdog is asked more often than the lease is refreshed, so a stall is acted on
+        # within WATCHDOG_PERIOD_S of its bound, not a third of the TTL later.
+        while not stop.wait(min(WATCHDOG_PERIOD_S, max(0.0, next_refresh - time.monotonic()))):
+            reason = self.stalled() if self.stalled is not None else None
+            if reason is not None:
+                self._give_up(lease, reason)
+                return
+            if time.monotonic() < next_refresh:
+                continue
+            next_refresh = time.monotonic() + interval
             sent_at = time.monotonic()
             try:
                 self._registry.refresh_lease(lease)
@@ -184,6 +201,14 @@ class LeaderElection:
             with self._lock:
                 if self._lease == lease:
                     self._valid_until = sent_at + self._ttl_s
+
+    def _give_up(self, lease: int, reason: str) -> None:
+        """The watchdog fired: stop leading and revoke the lease, so the key goes now."""
+        self._lose(lease, f"watchdog: {reason}")
+        try:
+            self._registry.revoke_lease(lease)
+        except RegistryError as exc:  # LeaseNotFound included: then it is gone already
+            log.warning("%s could not revoke its lease (%s); it lapses within the TTL", self._candidate, exc)
 
     def _lose(self, lease: int, reason: str) -> None:
         with self._lock:

@@ -73,12 +73,36 @@ class EtcdEndpoint:
         return f"{self.host}:{self.port}"
 
 
+@dataclass(frozen=True)
+class EtcdSecurity:
+    """How the Core authenticates to etcd: TLS (the servers' CA, optionally a client certificate)
+    and/or a user and password (etcd's own auth). All None: plaintext, no auth."""
+
+    ca: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+    user: str | None = None
+    password: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if self.ca is None and self.cert is None:
+            return None
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
+
+
 class EtcdRegistry(Registry):
     """Registry on an etcd v3 cluster; connects to the first endpoint that answers."""
 
     def __init__(
-        self, endpoints: Sequence[EtcdEndpoint], timeout_s: float = 5.0, connect_timeout_s: float = 2.0
+        self,
+        endpoints: Sequence[EtcdEndpoint],
+        timeout_s: float = 5.0,
+        connect_timeout_s: float = 2.0,
+        security: EtcdSecurity | None = None,
     ) -> None:
+        self._security = security or EtcdSecurity()
         if not endpoints:
             raise ValueError("EtcdRegistry needs at least one endpoint")
         self._endpoints = tuple(endpoints)
@@ -174,6 +198,7 @@ class EtcdRegistry(Registry):
         self._session()
         watch = EtcdPrefixWatch(
             channel=lambda: self._session()[0].channel,
+            metadata=lambda: self._session()[0].metadata,
             endpoint=lambda: str(self._endpoint),
             prefix=prefix,
             callback=callback,
@@ -199,14 +224,26 @@ class EtcdRegistry(Registry):
     def _connect_first_reachable(self) -> tuple[etcd3.MultiEndpointEtcd3Client, EtcdEndpoint]:
         failures = []
         for endpoint in self._endpoints:
-            client = etcd3.MultiEndpointEtcd3Client(
-                endpoints=[
-                    etcd3.Endpoint(
-                        endpoint.host, endpoint.port, secure=False, time_retry=0, opts=GRPC_OPTIONS
-                    )
-                ],
-                timeout=self._connect_timeout_s,
-            )
+            credentials = self._security.credentials()
+            try:
+                client = etcd3.MultiEndpointEtcd3Client(
+                    endpoints=[
+                        etcd3.Endpoint(
+                            endpoint.host,
+                            endpoint.port,
+                            secure=credentials is not None,
+                            creds=credentials,
+                            time_retry=0,
+                            opts=GRPC_OPTIONS,
+                        )
+                    ],
+                    timeout=self._connect_timeout_s,
+                    user=self._security.user,
+                    password=self._security.password,
+                )
+            except (grpc.RpcError, etcd3.exceptions.Etcd3Exception) as exc:  # the login failed
+                failures.append(f"{endpoint} ({_reason(exc)})")
+                continue
             try:
                 client.status()
             except (grpc.RpcError, etcd3.exceptions.Etcd3Exception) as exc:

@@ -42,8 +42,10 @@ class EtcdPrefixWatch(WatchHandle):
         callback: WatchCallback,
         start_timeout_s: float,
         on_broken: Callable[[], None],
+        metadata: Callable[[], tuple[tuple[str, str], ...] | None] = lambda: None,
     ) -> None:
         self._channel = channel
+        self._metadata = metadata  # etcd's auth token when the registry logs in with a user
         self._on_broken = on_broken
         self._endpoint = endpoint
         self._key = utils.to_bytes(prefix)
@@ -82,7 +84,9 @@ class EtcdPrefixWatch(WatchHandle):
         while not self._cancelled.is_set():
             stream_over = threading.Event()
             try:
-                call = etcdrpc.WatchStub(self._channel()).Watch(self._requests(stream_over))
+                call = etcdrpc.WatchStub(self._channel()).Watch(
+                    self._requests(stream_over), metadata=self._metadata()
+                )
                 with self._lock:
                     self._call = call
                 if self._cancelled.is_set():

@@ -10,14 +10,15 @@ from __future__ import annotations
 from urllib.parse import parse_qs
 
 from core_service.registry.base import Registry
-from core_service.registry.etcd import EtcdEndpoint, EtcdRegistry
+from core_service.registry.etcd import EtcdEndpoint, EtcdRegistry, EtcdSecurity
 from core_service.registry.memory import MemoryRegistry
 
 _ETCD_OPTIONS = {"timeout": "timeout_s", "connect_timeout": "connect_timeout_s"}
 
 
-def open_registry(url: str) -> Registry:
-    """Open the registry named by ``url`` (see the module docstring for the forms)."""
+def open_registry(url: str, security: EtcdSecurity | None = None) -> Registry:
+    """Open the registry named by ``url`` (see the module docstring for the forms); ``security``:
+    TLS and/or user and password for etcd."""
     if not isinstance(url, str):
         raise TypeError(f"registry url must be a str, got {type(url).__name__}")
     scheme, sep, rest = url.partition("://")
@@ -29,7 +30,7 @@ def open_registry(url: str) -> Registry:
         return MemoryRegistry()
     if scheme == "etcd":
         endpoints, options = parse_etcd_url(url)
-        return EtcdRegistry(endpoints, **options)
+        return EtcdRegistry(endpoints, security=security, **options)
     raise ValueError(f"unknown registry scheme {scheme!r} in {url!r}; expected memory:// or etcd://")
 
 

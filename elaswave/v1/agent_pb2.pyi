@@ -46,12 +46,14 @@ class Register(_message.Message):
     def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., stage: _Optional[int] = ..., dp_rank: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., holds_own_lease: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "sent_unix")
+    __slots__ = ("seq", "sent_unix", "echo")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FIELD_NUMBER: _ClassVar[int]
     seq: int
     sent_unix: float
-    def __init__(self, seq: _Optional[int] = ..., sent_unix: _Optional[float] = ...) -> None: ...
+    echo: bool
+    def __init__(self, seq: _Optional[int] = ..., sent_unix: _Optional[float] = ..., echo: _Optional[bool] = ...) -> None: ...
 
 class HealthProbe(_message.Message):
     __slots__ = ("kind", "healthy", "detail", "latency_ms")
@@ -144,14 +146,22 @@ class ConnectRequest(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., probe: _Optional[_Union[HealthProbe, _Mapping]] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., step: _Optional[_Union[StepMetrics, _Mapping]] = ..., preemption: _Optional[_Union[PreemptionNotice, _Mapping]] = ..., worker_exit: _Optional[_Union[WorkerExit, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ...) -> None: ...
 
 class RegisterAck(_message.Message):
-    __slots__ = ("session", "heartbeat_timeout_ms", "core_id")
+    __slots__ = ("session", "heartbeat_timeout_ms", "core_id", "worker_token")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     CORE_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     session: int
     heartbeat_timeout_ms: int
     core_id: str
-    def __init__(self, session: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., core_id: _Optional[str] = ...) -> None: ...
+    worker_token: str
+    def __init__(self, session: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., core_id: _Optional[str] = ..., worker_token: _Optional[str] = ...) -> None: ...
+
+class HeartbeatEcho(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class SetFrequency(_message.Message):
     __slots__ = ("mhz",)
@@ -188,17 +198,19 @@ class ReportRejected(_message.Message):
     def __init__(self, report: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
-    __slots__ = ("ack", "set_frequency", "drain", "report_now", "rejected", "checkpoint")
+    __slots__ = ("ack", "set_frequency", "drain", "report_now", "rejected", "checkpoint", "echo")
     ACK_FIELD_NUMBER: _ClassVar[int]
     SET_FREQUENCY_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     REPORT_NOW_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FIELD_NUMBER: _ClassVar[int]
     ack: RegisterAck
     set_frequency: SetFrequency
     drain: Drain
     report_now: ReportNow
     rejected: ReportRejected
     checkpoint: Checkpoint
-    def __init__(self, ack: _Optional[_Union[RegisterAck, _Mapping]] = ..., set_frequency: _Optional[_Union[SetFrequency, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., report_now: _Optional[_Union[ReportNow, _Mapping]] = ..., rejected: _Optional[_Union[ReportRejected, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ...) -> None: ...
+    echo: HeartbeatEcho
+    def __init__(self, ack: _Optional[_Union[RegisterAck, _Mapping]] = ..., set_frequency: _Optional[_Union[SetFrequency, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., report_now: _Optional[_Union[ReportNow, _Mapping]] = ..., rejected: _Optional[_Union[ReportRejected, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., echo: _Optional[_Union[HeartbeatEcho, _Mapping]] = ...) -> None: ...

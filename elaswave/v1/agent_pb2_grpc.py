@@ -49,6 +49,11 @@ class AgentServiceServicer:
         with a RegisterAck, then sends commands. Authenticated with the job's token
         ("authorization: Bearer <job token>" metadata). A stream that closes without a Leave report
         is a fail-stop signal for the worker.
+        Per-worker identity: the RegisterAck carries the worker's own credential. While the worker is
+        a live member, registering its worker_id again (a reconnect, a new leader) needs that
+        credential too ("x-elaswave-worker-token" metadata): any other registration of a live
+        worker_id is refused with ALREADY_EXISTS, never a takeover. Registrations beyond the job's
+        expected workers plus its spares are refused with RESOURCE_EXHAUSTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

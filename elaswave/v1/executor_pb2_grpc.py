@@ -57,7 +57,7 @@ class ExecutorServiceServicer:
     def SubscribePlans(self, request, context):
         """Server stream of the job's plans, starting with the newest one whose epoch is greater than
         after_epoch. Fenced by epoch: the stream never sends an epoch lower than one already sent.
-        Authenticated with the job's token.
+        Authenticated with the job's token or the worker's own credential (RegisterAck.worker_token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -65,7 +65,9 @@ class ExecutorServiceServicer:
 
     def AckPlanPhase(self, request, context):
         """Acknowledges one phase of a plan on one worker. An ack for an epoch older than the job's
-        current plan is refused with FAILED_PRECONDITION.
+        current plan is refused with FAILED_PRECONDITION. Only the worker itself may ack: it needs
+        "authorization: Bearer <worker token>" (RegisterAck.worker_token) of a live member whose
+        worker_id is the request's; anything else is PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -74,6 +76,7 @@ class ExecutorServiceServicer:
     def ReportPeerFailure(self, request, context):
         """A survivor saw a collective fail because of a peer (connection reset, closed socket, timeout).
         The Core declares the named peer lost at once (detection path "collective_failure").
+        Authenticated like AckPlanPhase: only a live member, as itself.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -158,6 +158,8 @@ class AgentProcess:
     ) -> None:
         self.worker_id = worker_id
         self.log_path = tmp / f"agent-{worker_id}.log"
+        # Where the agent writes its worker's credential (agent.config control_path + suffix).
+        self.worker_token_file = tmp / f"{worker_id}.control.json.worker-token"
         env = dict(os.environ, ELASWAVE_JOB_TOKEN=job_token)
         cmd = [
             sys.executable,

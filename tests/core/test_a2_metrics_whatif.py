@@ -50,7 +50,8 @@ def test_latency_histograms_and_refusals_move_with_real_calls(core: tuple[CorePr
     sched, execu = "elaswave.v1.SchedulerService", "elaswave.v1.ExecutorService"
     wanted = {
         "state_ok": (GRPC, {"service": sched, "method": "GetJobState", "code": "OK"}),
-        "state_denied": (GRPC, {"service": sched, "method": "GetJobState", "code": "PERMISSION_DENIED"}),
+        # GetJobState is a read (open by default); a planning call needs the scheduler token.
+        "table_denied": (GRPC, {"service": sched, "method": "GetScaleTable", "code": "PERMISSION_DENIED"}),
         "ack_denied": (GRPC, {"service": execu, "method": "AckPlanPhase", "code": "PERMISSION_DENIED"}),
         "connect_ok": (GRPC, {"service": "elaswave.v1.AgentService", "method": "Connect", "code": "OK"}),
         "rej_scheduler": (REJECTED, {"api": "scheduler", "reason": "PERMISSION_DENIED"}),
@@ -72,7 +73,7 @@ def test_latency_histograms_and_refusals_move_with_real_calls(core: tuple[CorePr
         for _ in range(3):
             scheduler.GetJobState(scheduler_pb2.GetJobStateRequest(job="plain"), metadata=good, timeout=5)
         with pytest.raises(grpc.RpcError):
-            scheduler.GetJobState(scheduler_pb2.GetJobStateRequest(job="plain"), metadata=bad, timeout=5)
+            scheduler.GetScaleTable(scheduler_pb2.GetScaleTableRequest(job="plain"), metadata=bad, timeout=5)
         with pytest.raises(grpc.RpcError):
             executor_pb2_grpc.ExecutorServiceStub(channel).AckPlanPhase(
                 executor_pb2.AckPlanPhaseRequest(
@@ -115,7 +116,7 @@ def test_latency_histograms_and_refusals_move_with_real_calls(core: tuple[CorePr
     moved = {key: after[key] - before[key] for key in wanted}
     assert moved == {
         "state_ok": 3,
-        "state_denied": 1,
+        "table_denied": 1,
         "ack_denied": 1,
         "connect_ok": 1,
         "rej_scheduler": 1,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,7 +145,7 @@ def test_scheduler_rejects_bad_values_with_reasons(core: tuple) -> None:
 
 @pytest.mark.timeout(60)
 def test_malformed_grpc_bytes_get_invalid_argument(core: tuple) -> None:
-    proc, token, job_token, _ = core
+    proc, token, job_token, agents = core
     channel = grpc.insecure_channel(proc.grpc_address)
     raw = channel.unary_unary(
         "/elaswave.v1.SchedulerService/GetJobState",
@@ -199,6 +200,9 @@ def test_malformed_grpc_bytes_get_invalid_argument(core: tuple) -> None:
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "w9" not in proc.states("train")
 
+    # Acks speak for one worker: they carry its own credential, which its agent was given (w1's:
+    # w0 was preempted and has left by now).
+    w1_auth = [("authorization", f"Bearer {agents[1].worker_token_file.read_text()}")]
     ack = channel.unary_unary(
         "/elaswave.v1.ExecutorService/AckPlanPhase",
         request_serializer=executor_pb2.AckPlanPhaseRequest.SerializeToString,
@@ -207,9 +211,9 @@ def test_malformed_grpc_bytes_get_invalid_argument(core: tuple) -> None:
     with pytest.raises(grpc.RpcError) as err:
         ack(
             executor_pb2.AckPlanPhaseRequest(
-                job="train", worker_id="w0", epoch=5, phase=executor_pb2.PLAN_PHASE_APPLIED
+                job="train", worker_id="w1", epoch=5, phase=executor_pb2.PLAN_PHASE_APPLIED
             ),
-            metadata=[("authorization", f"Bearer {job_token}")],
+            metadata=w1_auth,
             timeout=5,
         )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "never published" in err.value.details()
@@ -217,9 +221,9 @@ def test_malformed_grpc_bytes_get_invalid_argument(core: tuple) -> None:
     with pytest.raises(grpc.RpcError) as err:
         ack(
             executor_pb2.AckPlanPhaseRequest(
-                job="train", worker_id="w0", epoch=0, phase=executor_pb2.PLAN_PHASE_FAILED, failure_reason="x"
+                job="train", worker_id="w1", epoch=0, phase=executor_pb2.PLAN_PHASE_FAILED, failure_reason="x"
             ),
-            metadata=[("authorization", f"Bearer {job_token}")],
+            metadata=w1_auth,
             timeout=5,
         )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "failure" in err.value.details()
@@ -262,7 +266,7 @@ def test_rest_rejects_malformed_bodies_and_unknown_jobs_with_4xx(core: tuple) ->
     preempt = proc.http.post(
         "/api/v1/jobs/train/preempt", json={"worker_ids": ["w1"], "deadline_unix": 1.0}, headers=auth
     )
-    assert preempt.status_code == 422 and "not in the future" in preempt.json()["detail"]
+    assert preempt.status_code == 422 and "not in the future" in json.dumps(preempt.json()["detail"])
     assert proc.http.get("/api/v1/jobs/train/events?limit=0").status_code == 422
     assert job_names() == before == ["train"]
     assert proc.job("train")["members_by_state"].get("PREEMPTING", 0) <= 1  # only w0, from the test above

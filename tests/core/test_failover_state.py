@@ -306,7 +306,8 @@ def test_standby_serves_the_published_layout_and_epoch_after_the_leader_is_kille
                     phase=executor_pb2.PLAN_PHASE_RESUMED,
                     phase_time_s=0.01,
                 ),
-                metadata=auth,
+                # Each worker's own credential: the new leader knows it from the registry.
+                metadata=agents[rank].auth,
                 timeout=5,
             )
     wait_until(lambda: standby.job("train")["phase"] == "RUNNING", 10, "the apply to complete")

@@ -227,7 +227,8 @@ def test_only_the_leaders_own_core_held_leases_count_as_liveness() -> None:
         assert await old.wait_leader(10)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{old.http_port}", timeout=5) as http:
             assert (await http.post("/api/v1/jobs", json={"name": "train"}, headers=ADMIN)).status_code == 201
-        old_lease = (await old.membership.register(worker, time.time())).lease_id
+        first = await old.membership.register(worker, time.time())
+        old_lease, credential = first.lease_id, first.worker_token
         assert old_lease is not None and registry.get(alive_key) is not None
         await old.stop()  # its lease for w0 lives on, as a crashed leader's would until its TTL
 
@@ -241,7 +242,8 @@ def test_only_the_leaders_own_core_held_leases_count_as_liveness() -> None:
             await asyncio.sleep(0.3)
             assert job.members["w0"].state.value == "JOINING"
             # w0 reconnects; the lease this Core now holds for it ends: that is a loss.
-            new_lease = (await new.membership.register(worker, time.time())).lease_id
+            # (with its own credential: it is a live member, and nobody else may register as it)
+            new_lease = (await new.membership.register(worker, time.time(), credential)).lease_id
             assert new_lease is not None and new_lease != old_lease
             registry.revoke_lease(new_lease)
             await eventually(lambda: job.members["w0"].state.value == "LOST", 5, "w0 LOST")

@@ -49,6 +49,8 @@ class RawAgent:
             iter(self.outgoing.get, None), metadata=[("authorization", f"Bearer {token}")]
         )
         self.ack = next(self.call).ack
+        # The worker's own credential: what its executor acks plans and reports failures with.
+        self.auth = [("authorization", f"Bearer {self.ack.worker_token}")]
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._beat, daemon=True)
         self._beats.start()
@@ -116,7 +118,8 @@ def test_lost_worker_yields_a_plan_that_executors_apply(core: tuple[CoreProcess,
     wait_until(lambda: proc.job("train")["phase"] == "RUNNING", 10, "the engine to settle")
 
     channel = grpc.insecure_channel(proc.grpc_address)
-    auth = [("authorization", f"Bearer {job_token}")]
+    auth = [("authorization", f"Bearer {job_token}")]  # reading plans: the job token will do
+    w0_auth = agents[0].auth  # acks and failure reports: only w0 itself
     executor = executor_pb2_grpc.ExecutorServiceStub(channel)
     plans = executor.SubscribePlans(
         executor_pb2.SubscribePlansRequest(job="train", worker_id="w0"), metadata=auth, timeout=30
@@ -153,7 +156,7 @@ def test_lost_worker_yields_a_plan_that_executors_apply(core: tuple[CoreProcess,
                 executor_pb2.AckPlanPhaseRequest(
                     job="train", worker_id=f"w{rank}", epoch=1, phase=phase, phase_time_s=0.01
                 ),
-                metadata=auth,
+                metadata=agents[rank].auth,
                 timeout=5,
             )
             assert reply.current_epoch == 1
@@ -170,7 +173,7 @@ def test_lost_worker_yields_a_plan_that_executors_apply(core: tuple[CoreProcess,
             executor_pb2.AckPlanPhaseRequest(
                 job="train", worker_id="w0", epoch=1, phase=executor_pb2.PLAN_PHASE_RESUMED
             ),
-            metadata=auth,
+            metadata=w0_auth,
             timeout=5,
         )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "stale" in err.value.details()
@@ -188,7 +191,7 @@ def test_lost_worker_yields_a_plan_that_executors_apply(core: tuple[CoreProcess,
                 operation="send(stage 1)",
                 error="Connection reset",
             ),
-            metadata=auth,
+            metadata=w0_auth,
             timeout=5,
         )
 
@@ -200,7 +203,7 @@ def test_lost_worker_yields_a_plan_that_executors_apply(core: tuple[CoreProcess,
         executor_pb2.AckPlanPhaseRequest(
             job="train", worker_id="w0", epoch=2, phase=executor_pb2.PLAN_PHASE_RECEIVED
         ),
-        metadata=auth,
+        metadata=w0_auth,
         timeout=5,
     )
     for retry, epoch in ((1, 3), (2, 4)):
@@ -223,7 +226,7 @@ def test_lost_worker_yields_a_plan_that_executors_apply(core: tuple[CoreProcess,
             executor_pb2.AckPlanPhaseRequest(
                 job="train", worker_id="w0", epoch=epoch, phase=executor_pb2.PLAN_PHASE_RECEIVED
             ),
-            metadata=auth,
+            metadata=w0_auth,
             timeout=5,
         )
     assert proc.states("train")["w2"] == "RUNNING"
@@ -290,4 +293,4 @@ def test_scale_table_and_offers_follow_flextrain(core: tuple[CoreProcess, str]) 
         json={"name": "broken", "model": {"job": {"pp": 0}}},
         headers={"Authorization": f"Bearer {token}"},
     )
-    assert bad.status_code == 422 and bad.json()["detail"].startswith("model:")
+    assert bad.status_code == 422 and bad.json()["detail"][0]["msg"].startswith("model:")
