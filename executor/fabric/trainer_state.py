@@ -131,7 +131,10 @@ class FabricParticipant:
         self._inflight: NonBlockingMigration | None = None  # armed by a plan, runs in the next step
         self._seed_pending = False  # re-seed the ring inside the next step (after a non-blocking move)
         self.checksum_mismatches = 0
-        self.verified_steps: list[int] = []
+        self.verified_steps: list[int] = []  # committed steps whose backups were verified
+        # Verified inside the step in flight: recorded only when that step commits, so a replay
+        # after a rollback verifies again on every rank (a pairwise check needs both sides).
+        self._verified_in_step: int | None = None
         self.migrations: list[MigrationReport] = []  # one per plan that moved layers
         self.restore_source = restore_source
         self.restored_from: list[tuple[int, str | None, int]] = []  # (plan epoch, checkpoint, its next step)
@@ -147,6 +150,9 @@ class FabricParticipant:
             self.snapshot.finish_exchange()
 
     def on_commit(self, step: int) -> None:
+        if self._verified_in_step is not None:
+            self.verified_steps.append(self._verified_in_step)
+            self._verified_in_step = None
         self._committed = self.trainer.get_state()
         self._base = None  # the new layout is committed: later plans start from here
         if self._inflight is not None:  # the step that carried a non-blocking migration committed
@@ -169,6 +175,7 @@ class FabricParticipant:
                 "(use migration='blocking' where a failure must be survivable here)"
             )
         self.trainer.set_state(self._committed)
+        self._verified_in_step = None
         if self.snapshot is not None:
             self.snapshot.discard()
 
@@ -382,10 +389,11 @@ class FabricParticipant:
                 "snapshot still holds the old shard intervals; apply layout changes as plans"
             )
         committed = step - 1
+        self._verified_in_step = None
         if committed > 0 and committed % self.verify_every == 0 and committed not in self.verified_steps:
             # the live shard is still the committed one here: compare it with the snapshot
             if not snap.verify(shard_state_of(self.trainer)):
                 self.checksum_mismatches += 1
                 snap.repair(shard_state_of(self.trainer))
-            self.verified_steps.append(committed)
+            self._verified_in_step = committed
         snap.exchange_grads(step, grads)
