@@ -3,6 +3,7 @@ the price of a change as itemised costs, and the job's healthy layout."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -33,8 +34,9 @@ class Transition:
 
 
 @dataclass
-class SimPolicy:
-    """Base: a stateful policy the engine steps through the changes of one run."""
+class SimPolicy(ABC):
+    """Base: a stateful policy the engine steps through the changes of one run; each policy
+    (`simulator.policies`, `simulator.elaswave_sim`) says what a change leads to (`step`)."""
 
     name: str
     spec: JobSpec
@@ -56,8 +58,9 @@ class SimPolicy:
     def replay_s(self, step_s: float) -> float:
         return self.costs.replay_fraction * step_s if step_s != float("inf") else 0.0
 
+    @abstractmethod
     def step(self, change: ClusterChange, step_before_s: float) -> Transition:
-        raise NotImplementedError
+        """The plan running after `change` and what reaching it cost."""
 
 
 # What reaching `candidate` costs: (policy, candidate, how it was planned, ranks of the running
