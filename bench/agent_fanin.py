@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import platform
@@ -37,6 +39,7 @@ import grpc
 import httpx
 import psutil
 
+from agent.node_link import ChannelEnded, NodeChannel, NodeLink
 from elaswave.v1 import agent_pb2, agent_pb2_grpc
 
 STREAMS_PER_CHANNEL = 200
@@ -111,22 +114,82 @@ class SimAgent:
             self.registered.set()
         # The stream ends when cancelled (a vanishing agent) or at shutdown.
 
+    def write(self, msg: agent_pb2.ConnectRequest) -> None:
+        self.queue.put_nowait(msg)
+
+    def kill(self) -> None:
+        """The agent vanishes: its stream is cancelled, no Leave."""
+        assert self.call is not None
+        self.call.cancel()
+
+    def finish(self) -> None:
+        self.queue.put_nowait(None)
+
     async def report_loop(self, stop: asyncio.Event) -> None:
-        await self.registered.wait()
-        await asyncio.sleep(random.random())
-        seq = 0
-        while not stop.is_set():
-            seq += 1
-            if seq % 5 == 0:
-                msg = agent_pb2.ConnectRequest(
-                    step=agent_pb2.StepMetrics(
-                        step=seq, step_time_s=1.0, compute_time_s=0.9, loss=1.0, samples=8, stage=0, dp_rank=0
-                    )
+        await report_loop(self, stop)
+
+
+async def report_loop(agent: SimAgent | MuxAgent, stop: asyncio.Event) -> None:
+    """One report a second from a random phase on: heartbeats, every 5th a step report."""
+    await agent.registered.wait()
+    await asyncio.sleep(random.random())
+    seq = 0
+    while not stop.is_set():
+        seq += 1
+        if seq % 5 == 0:
+            msg = agent_pb2.ConnectRequest(
+                step=agent_pb2.StepMetrics(
+                    step=seq, step_time_s=1.0, compute_time_s=0.9, loss=1.0, samples=8, stage=0, dp_rank=0
                 )
-            else:
-                msg = agent_pb2.ConnectRequest(heartbeat=agent_pb2.Heartbeat(seq=seq, sent_unix=time.time()))
-            self.queue.put_nowait(msg)
-            await asyncio.sleep(1.0)
+            )
+        else:
+            msg = agent_pb2.ConnectRequest(heartbeat=agent_pb2.Heartbeat(seq=seq, sent_unix=time.time()))
+        agent.write(msg)
+        await asyncio.sleep(1.0)
+
+
+class MuxAgent:
+    """An agent behind a node multiplexer: one channel of a NodeLink (agent/node_link.py), what
+    the multiplexer forwards for an agent on its node. Vanishing ends the channel without a
+    Leave, which is what the multiplexer sends when the agent's local stream breaks."""
+
+    def __init__(self, link: NodeLink, job: str, token: str, worker_id: str) -> None:
+        self.link, self.job, self.token, self.worker_id = link, job, token, worker_id
+        self.channel: NodeChannel | None = None
+        self.registered = asyncio.Event()
+        self.sent = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        reg = agent_pb2.Register(
+            job=self.job,
+            worker_id=self.worker_id,
+            host="bench",
+            pid=1,
+            stage=0,
+            dp_rank=0,
+            heartbeat_interval_ms=1000,
+        )
+        self.channel = self.link.open(reg, self.token)
+        with contextlib.suppress(ChannelEnded):
+            while True:
+                response = await self.channel.read()
+                if response.WhichOneof("body") == "ack":
+                    self.registered.set()
+
+    def write(self, msg: agent_pb2.ConnectRequest) -> None:
+        assert self.channel is not None
+        self.sent += 1
+        self.channel.write(msg)
+
+    def kill(self) -> None:
+        assert self.channel is not None
+        self.channel.end()
+
+    def finish(self) -> None:
+        pass
+
+    async def report_loop(self, stop: asyncio.Event) -> None:
+        await report_loop(self, stop)
 
 
 async def load(
@@ -138,17 +201,30 @@ async def load(
     kills: int,
     warmup_s: float,
     register_timeout_s: float,
+    per_node: int = 1,
+    linger_s: float = 0.01,
 ) -> dict:
     # A local subchannel pool gives each channel its own TCP connection (by default channels to
     # one target share one), as separate agent processes would have.
-    channels = [
-        grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}", options=[("grpc.use_local_subchannel_pool", 1)])
-        for _ in range(max(1, n // STREAMS_PER_CHANNEL))
-    ]
-    agents = [
-        SimAgent(agent_pb2_grpc.AgentServiceStub(channels[i % len(channels)]), "bench", job_token, f"a{i}")
-        for i in range(n)
-    ]
+    target, options = f"127.0.0.1:{grpc_port}", [("grpc.use_local_subchannel_pool", 1)]
+    agents: list[SimAgent] | list[MuxAgent]
+    links: list[NodeLink] = []
+    if per_node > 1:
+        # One connection and one ConnectNode stream per simulated node, as node multiplexers have.
+        channels = [grpc.aio.insecure_channel(target, options=options) for _ in range(-(-n // per_node))]
+        links = [NodeLink(c, linger_s=linger_s) for c in channels]
+        agents = [MuxAgent(links[i // per_node], "bench", job_token, f"a{i}") for i in range(n)]
+    else:
+        channels = [
+            grpc.aio.insecure_channel(target, options=options)
+            for _ in range(max(1, n // STREAMS_PER_CHANNEL))
+        ]
+        agents = [
+            SimAgent(
+                agent_pb2_grpc.AgentServiceStub(channels[i % len(channels)]), "bench", job_token, f"a{i}"
+            )
+            for i in range(n)
+        ]
     stop = asyncio.Event()
     tasks = [asyncio.ensure_future(a.run(stop)) for a in agents]
     tasks += [asyncio.ensure_future(a.report_loop(stop)) for a in agents]
@@ -169,12 +245,15 @@ async def load(
     victims = random.Random(7).sample(registered, kills)
     killed_at: dict[str, float] = {}
     seen_at: dict[str, float] = {}
+    marked_unix: dict[str, float] = {}  # the Core's clock when it marked the worker lost
+    killed_unix: dict[str, float] = {}
 
     async def killer() -> None:
         for i, victim in enumerate(victims):
             await asyncio.sleep(max(0.0, start + (i + 0.5) * window_s / max(1, kills) - time.monotonic()))
             killed_at[victim.worker_id] = time.monotonic()
-            victim.call.cancel()
+            killed_unix[victim.worker_id] = time.time()
+            victim.kill()
 
     def watcher() -> None:
         """Polls the event feed from its own thread: the load process's event loop, busy with
@@ -190,6 +269,7 @@ async def load(
                     since = max(since, event["seq"])
                     if event["kind"] == "worker_lost":
                         seen_at.setdefault(event["worker_id"], now)
+                        marked_unix.setdefault(event["worker_id"], event["time_unix"])
                 time.sleep(0.02)
 
     await asyncio.gather(killer(), asyncio.to_thread(watcher), asyncio.sleep(window_s))
@@ -198,10 +278,12 @@ async def load(
     sent = sum(a.sent for a in agents) - sent_before
     stop.set()
     for a in agents:
-        a.queue.put_nowait(None)
+        a.finish()
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    for link in links:
+        await link.close()
     for c in channels:
         await c.close()
     await http.aclose()
@@ -222,10 +304,21 @@ async def load(
         "p99_ms": p(0.99) * 1000,
         "max_ms": (latencies[-1] * 1000 if latencies else float("nan")),
         "mean_ms": statistics.fmean(latencies) * 1000 if latencies else float("nan"),
+        "latencies_ms": [round(x * 1000) for x in latencies],
+        # Kill to the Core's mark (same machine, same clock): without the feed's polling delay.
+        "marked_ms": sorted(round((marked_unix[w] - killed_unix[w]) * 1000) for w in marked_unix),
     }
 
 
-def run_one(n: int, window_s: float, kills: int, warmup_s: float, register_timeout_s: float) -> dict:
+def run_one(
+    n: int,
+    window_s: float,
+    kills: int,
+    warmup_s: float,
+    register_timeout_s: float,
+    per_node: int = 1,
+    linger_s: float = 0.01,
+) -> dict:
     token = "bench-" + os.urandom(12).hex()
     with tempfile.TemporaryDirectory() as tmp:
         proc, info = start_core(Path(tmp), token)
@@ -249,6 +342,8 @@ def run_one(n: int, window_s: float, kills: int, warmup_s: float, register_timeo
                     kills,
                     warmup_s,
                     register_timeout_s,
+                    per_node,
+                    linger_s,
                 )
             )
             core_after, me_after = core.cpu_times(), me.cpu_times()
@@ -279,6 +374,17 @@ def main() -> int:
         default=120.0,
         help="seconds to wait for every agent to register; then measure with those that did",
     )
+    parser.add_argument(
+        "--per-node",
+        type=int,
+        nargs="+",
+        default=[1, 100],
+        help="agents per stream: 1 = each agent its own Connect stream; K > 1 = K agents behind each "
+        "node multiplexer's ConnectNode stream (agent/node_link.py); each value is a row per agent count",
+    )
+    parser.add_argument(
+        "--linger", type=float, default=0.01, help="multiplexer: seconds a frame waits for others (batching)"
+    )
     args = parser.parse_args()
     print(
         f"machine: {platform.machine()}, {psutil.cpu_count()} cores, "
@@ -287,14 +393,14 @@ def main() -> int:
         f"{os.getloadavg()[0]:.1f} (other processes compete for the same cores)"
     )
     print(
-        "| agents | registered | register (s) | sent reports/s | handled reports/s | Core CPU (cores) | "
+        "| agents | per stream | registered | register (s) | sent reports/s | handled reports/s | Core CPU (cores) | "
         "load CPU (cores) | kills detected | p50 detect (ms) | p99 detect (ms) | max (ms) | machine load avg |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for n in args.agents:
-        r = run_one(n, args.window, args.kills, args.warmup, args.register_timeout)
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, per_node in itertools.product(args.agents, args.per_node):
+        r = run_one(n, args.window, args.kills, args.warmup, args.register_timeout, per_node, args.linger)
         print(
-            f"| {r['agents']} | {r['registered']} | {r['register_s']:.1f} | {r['sent_per_s']:.0f} | "
+            f"| {r['agents']} | {per_node} | {r['registered']} | {r['register_s']:.1f} | {r['sent_per_s']:.0f} | "
             f"{r['handled_per_s']:.0f} | {r['core_cpu_s'] / r['wall_s']:.2f} | {r['load_cpu_s'] / r['wall_s']:.2f} | "
             f"{r['detected']}/{r['kills']} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | {r['max_ms']:.0f} | "
             f"{os.getloadavg()[0]:.1f} |",

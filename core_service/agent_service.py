@@ -26,6 +26,7 @@ from core_service.jobs import UnknownJob
 from core_service.limits import MAX_DETAIL_CHARS, MAX_HOST_CHARS, MAX_OPERATION_CHARS, MAX_REASON_CHARS
 from core_service.membership import WORKER_TOKEN_METADATA, AgentSession, Registration
 from core_service.model import DeviceInfo, StepReport, WorkerState
+from core_service.node_stream import NodeStream
 from elaswave.local_protocol import EXIT_CODE_UNKNOWN
 from elaswave.v1 import agent_pb2
 
@@ -146,20 +147,33 @@ class AgentServicer:
             raise invalid("stream closed before a register message")
         if isinstance(first, Malformed):
             raise invalid(first.message)
+        session, ack = await self.accept(
+            first, bearer_token(context), metadata_value(context, WORKER_TOKEN_METADATA)
+        )
+        await context.write(ack)
+        return session
+
+    async def accept(
+        self, first: agent_pb2.ConnectRequest, job_token: str | None, worker_token: str | None
+    ) -> tuple[AgentSession, agent_pb2.ConnectResponse]:
+        """Registers the agent whose stream opened with `first` (Connect, or a ConnectNode
+        channel: core_service.node_stream) under its own credentials; returns its RegisterAck."""
         if first.WhichOneof("body") != "register":
             raise invalid(f"first message must be register, got {first.WhichOneof('body')}")
-        self.core.check_job_token(first.register.job, bearer_token(context))
+        self.core.check_job_token(first.register.job, job_token)
         reg = _registration(first.register, self.core.settings.heartbeat_timeout_s)
-        presented = metadata_value(context, WORKER_TOKEN_METADATA)
-        session = await self.core.membership.register(reg, time.time(), presented)
+        session = await self.core.membership.register(reg, time.time(), worker_token)
         ack = agent_pb2.RegisterAck(
             session=session.session_id,
             heartbeat_timeout_ms=int(self.core.settings.heartbeat_timeout_s * 1000),
             core_id=self.core.settings.core_id,
             worker_token=session.worker_token,
         )
-        await context.write(agent_pb2.ConnectResponse(ack=ack))
-        return session
+        return session, agent_pb2.ConnectResponse(ack=ack)
+
+    async def ConnectNode(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        """Many agents' Connect streams over one stream from their node's multiplexer."""
+        await NodeStream(self, context).serve()
 
     async def _pump_commands(self, session: AgentSession, context: grpc.aio.ServicerContext) -> None:
         while True:
@@ -185,7 +199,11 @@ class AgentServicer:
         self._report_counter(kind or "empty").inc()
         if kind == "leave":
             await self.core.membership.leave(
-                session, msg.leave.reason[:MAX_REASON_CHARS], time.time(), finished=msg.leave.finished
+                session,
+                msg.leave.reason[:MAX_REASON_CHARS],
+                time.time(),
+                finished=msg.leave.finished,
+                checkpoint=msg.leave.checkpoint[:MAX_DETAIL_CHARS],  # a path or URL: bounded like a detail
             )
             # The agent takes the stream's clean close as "Leave delivered" and never sends it
             # again: close it only once the departure is stored (else UNAVAILABLE, and it retries).

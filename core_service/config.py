@@ -43,6 +43,12 @@ class ConfigError(ValueError):
 ENV_SOURCE_FIELD = re.compile(r'field "(?P<field>[^"]+)" from source "(?P<source>[^"]+)"')
 
 
+def check_worker_bounds(min_workers: int, max_workers: int) -> None:
+    """min_workers <= max_workers when both are set (0 leaves a bound unset); ValueError if not."""
+    if min_workers and max_workers and min_workers > max_workers:
+        raise ValueError(f"min_workers {min_workers} is above max_workers {max_workers}")
+
+
 class JobSpec(BaseModel):
     """A job the Core accepts agents and executors for."""
 
@@ -55,6 +61,23 @@ class JobSpec(BaseModel):
         le=MAX_SPARE_WORKERS,
         description="workers that may register beyond expected_workers (standbys for replacements)",
     )
+    min_workers: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_WORKERS_PER_JOB,
+        description="fewest ranks a plan may leave (0: no bound); below it the Core waits for spares",
+    )
+    max_workers: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_WORKERS_PER_JOB,
+        description="most ranks a plan may have (0: the creation layout's ranks plus accepted offers)",
+    )
+
+    @model_validator(mode="after")
+    def _bounds_are_ordered(self) -> JobSpec:
+        check_worker_bounds(self.min_workers, self.max_workers)
+        return self
 
     @field_validator("name")
     @classmethod

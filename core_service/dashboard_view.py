@@ -30,6 +30,8 @@ TRIGGER_KINDS = frozenset(
         "collective_failure",
         "replan_after_takeover",
         "resources_offered",
+        "spare_registered",
+        "joiner_lost",
     }
 )
 # Per-worker acknowledgements: many per plan, summarised in the plans table instead of listed.

@@ -2,8 +2,9 @@
 
 The algorithms (resize, Algorithm 1 under the executor's adjacency rule, DVFS; ElasWave §4.1-4.3)
 live in `planners.elaswave_policy`, which `elaswave plan` and the simulator run too; this module
-only turns a `JobSnapshot` into its input (going, slow and recovered ranks, the job's cost model)
-and its typed result into the engine's `Decision`. Hysteresis: the fail-slow detector flags and
+only turns a `JobSnapshot` into its input (going, slow and recovered ranks, the job's cost model,
+the spares that may join with the nodes of their hosts) and its typed result into the engine's
+`Decision` (with `joiners`: the spares taken in and their fresh ranks). Hysteresis: the fail-slow detector flags and
 clears only after consecutive steps; the planner keeps a clock within `clock_hysteresis_mhz` of
 the current one, and an unchanged layout publishes nothing. A straggler the up-clock fully hides
 is cleared by the detector and so loses its clock; if it is still slow it is flagged again after
@@ -22,6 +23,7 @@ from planners.chameleon.schema import state_from_dict
 from planners.chameleon.state import JobProfile
 from planners.elaswave_model import DEFAULT_SLOWDOWN, JobModel, RankReport, job_model
 from planners.elaswave_policy import ElasWaveInput, ElasWaveSettings, plan_elaswave
+from planners.elaswave_policy_join import Joins, Spare
 from planners.elaswave_reasons import texts
 from planners.layout import Layout
 
@@ -39,12 +41,17 @@ class ElasWavePolicy:
             return Decision("none", NO_LAYOUT, self.name)
         going = going_ranks(snapshot, layout)
         recovered = recovered_ranks(snapshot, layout)
-        if not going and not recovered and not any(w.state == "SLOW" for w in snapshot.live):
-            return Decision("none", "no rank of the current layout is leaving, slow or recovered", self.name)
+        joins = spare_joins(snapshot, layout)
+        if not going and not recovered and not joins and not any(w.state == "SLOW" for w in snapshot.live):
+            return Decision(
+                "none",
+                "no rank of the current layout is leaving, slow or recovered, and no spare waits",
+                self.name,
+            )
         reports = rank_reports(snapshot, layout)
         plan = plan_elaswave(
             ElasWaveInput(
-                layout, tuple(going), snapshot_model(snapshot, layout, reports), reports, recovered
+                layout, tuple(going), snapshot_model(snapshot, layout, reports), reports, recovered, joins
             ),
             ElasWaveSettings(self.min_gain, self.clock_hysteresis_mhz, self.default_slowdown),
         )
@@ -55,6 +62,7 @@ class ElasWavePolicy:
             layout=plan.layout,
             predicted_step_time_s=plan.predicted_step_time_s,
             reasons=texts(plan.reasons),
+            joiners=plan.joiners,
         )
 
 
@@ -65,6 +73,27 @@ def make_policy(name: PolicyName = "elaswave") -> Policy:
     if name == "elaswave":
         return ElasWavePolicy()
     raise ValueError(f"policy {name!r} is unknown: choose 'elaswave' or 'elaswave-resize'")
+
+
+def spare_joins(snapshot: JobSnapshot, layout: Layout) -> Joins | None:
+    """The spares that may join (None: none waits), in worker-id order, each with the node of its
+    host: the node of a rank on the same host when the layout places ranks on nodes, else a new
+    node per host (so `planners.backup` keeps a newcomer's backups off its own node)."""
+    spares = snapshot.spares
+    if not spares:
+        return None
+    node_of_rank = dict(layout.rank_nodes)
+    node_of_host: dict[str, int] = {}
+    for w in snapshot.live + snapshot.gone:
+        if w.rank in node_of_rank:
+            node_of_host.setdefault(w.host, node_of_rank[w.rank])
+    fresh = max(node_of_rank.values(), default=-1) + 1
+    placed = []
+    for w in spares:
+        if node_of_rank and w.host not in node_of_host:
+            node_of_host[w.host], fresh = fresh, fresh + 1
+        placed.append(Spare(w.worker_id, node_of_host.get(w.host)))
+    return Joins(tuple(placed), snapshot.original, snapshot.next_rank, snapshot.max_ranks)
 
 
 def rank_reports(snapshot: JobSnapshot, layout: Layout) -> tuple[RankReport, ...]:

@@ -1,10 +1,17 @@
 """The schedule engine: one explicit state machine per job (docs/architecture.md ("The Core's decisions"); ElasWave §3.3, §4).
 
-    RUNNING --(membership change, retry request)--> PLANNING --(plan published)--> APPLYING --(all resumed)--> RUNNING
+    RUNNING --(membership change, spare, retry request)--> PLANNING --(plan published)--> APPLYING --(all resumed)--> RUNNING
                                                        |  (nothing to do, refused) -> RUNNING  | (new change) -> PLANNING
                                                                                                | (a phase failed) -> PLANNING
                                                                                                | (collective failure) -> PLANNING
                                                                                                | (deadline) -> RUNNING
+    any phase --(every worker of the layout finished)--> COMPLETED (terminal)
+
+A spare (a worker registered with rank -1, `WorkerState.SPARE`) is a pending change like a loss:
+the policy may take it in, and the plan names it in `Plan.joiners` with a fresh rank (the
+largest rank the job ever used + 1, ...); the member gets its rank, stage and DP rank when the
+plan is published. No plan leaves fewer ranks than the job's `min_workers` or more than its
+maximum (`Job.rank_limit`): the engine refuses such a decision, whatever the policy.
 
 Policies only return decisions; the engine acts on them (publishes plans, records events). Every
 call of `tick` makes at most one transition, so tests can step the machine one tick at a time.
@@ -28,6 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -91,6 +99,14 @@ class JobSnapshot:
     gone: tuple[WorkerView, ...]
     changes: tuple[str, ...]  # "kind:worker" of every change since the last plan
     model_json: str | None = None  # the job's registered model (`elaswave plan` state.json), if any
+    original: Layout | None = None  # the layout the job was created with (its fault-free shape)
+    next_rank: int = 0  # the first rank id the job never used: where new ranks start
+    min_ranks: int = 1  # no plan may have fewer ranks (min_workers) ...
+    max_ranks: int = 0  # ... or more (max_workers, or the creation layout's plus accepted offers)
+
+    @property
+    def spares(self) -> tuple[WorkerView, ...]:
+        return tuple(w for w in self.live if w.state == WorkerState.SPARE.value)
 
 
 @dataclass(frozen=True)
@@ -102,6 +118,7 @@ class Decision:
     predicted_step_time_s: float = 0.0
     reasons: tuple[str, ...] = ()
     alternatives: tuple[dict, ...] = field(default_factory=tuple)
+    joiners: tuple[tuple[int, str], ...] = ()  # (new rank, spare's worker id) the layout takes in
 
 
 class Policy(Protocol):
@@ -139,17 +156,28 @@ def snapshot_of(job: Job) -> JobSnapshot:
     live: list[WorkerView] = []
     gone: list[WorkerView] = []
     lost, left = WorkerState.LOST, WorkerState.LEFT
+    used = -1
     # One pass over the members (10,000 of them in a large job), in worker-id order.
     for m in sorted(job.members.values(), key=lambda m: m.worker_id):
         (gone if m.state is lost or m.state is left else live).append(view(m))
+        used = max(used, m.rank)
+    layout, original = _current_layout(job), job.original_layout()
+    for known in (layout, original, job.last_plan.old if job.last_plan is not None else None):
+        if known is not None:
+            used = max(used, *known.ranks())
+    fewest, most = job.rank_limit()
     return JobSnapshot(
         job=job.name,
         plan_epoch=job.plan_epoch,
-        layout=_current_layout(job),
+        layout=layout,
         live=tuple(live),
         gone=tuple(gone),
         changes=tuple(f"{e.kind}:{e.worker_id}" for e in job.pending_changes),
         model_json=job.model_json,
+        original=original,
+        next_rank=used + 1,
+        min_ranks=fewest,
+        max_ranks=most,
     )
 
 
@@ -204,6 +232,14 @@ class ScheduleEngine:
 
     async def tick(self, job: Job, now: float) -> JobPhase:
         """Makes at most one transition of `job`'s state machine and returns the new phase."""
+        if job.phase == JobPhase.COMPLETED:
+            return job.phase
+        if job.check_completion:
+            job.check_completion = False
+            finished = finished_workers(job)
+            if finished:
+                self._complete(job, finished, now)
+                return job.phase
         if job.phase == JobPhase.RUNNING and job.pending_changes:
             self._enter(job, JobPhase.PLANNING, now, f"{len(job.pending_changes)} change(s) to plan for")
         elif job.phase == JobPhase.RUNNING and job.recovery.request is not None:
@@ -213,6 +249,26 @@ class ScheduleEngine:
         elif job.phase == JobPhase.APPLYING:
             self._watch_apply(job, now)
         return job.phase
+
+    def _complete(self, job: Job, finished: list[MemberRecord], now: float) -> None:
+        """Every worker of the layout finished: the job is COMPLETED, with the final checkpoint
+        most of them reported (persisted in the job's spec: a new leader keeps it)."""
+        reported = Counter(m.checkpoint for m in finished if m.checkpoint)
+        checkpoint = reported.most_common(1)[0][0] if reported else ""
+        job.completed_unix, job.final_checkpoint = now, checkpoint
+        job.pending_changes.clear()
+        job.recovery.request = None
+        self._applying.pop(job.name, None)
+        self._retry.pop(job.name, None)
+        self.table.save_spec(job)
+        where = f"final checkpoint {checkpoint}" if checkpoint else "no checkpoint reported"
+        data: dict[str, Any] = {"final_checkpoint": checkpoint, "workers": len(finished)}
+        if len(reported) > 1:
+            data["checkpoints_reported"] = dict(reported)
+        self.table.record(
+            job, "job_completed", detail=f"all {len(finished)} workers finished; {where}", now=now, data=data
+        )
+        self._enter(job, JobPhase.COMPLETED, now, f"every worker finished its work; {where}")
 
     def _enter(self, job: Job, phase: JobPhase, now: float, detail: str) -> None:
         job.phase = phase
@@ -272,6 +328,14 @@ class ScheduleEngine:
             return
         new, reasons, detail, predicted, retry_of = target
         committed = None if job.committed_layout_json is None else Layout.from_json(job.committed_layout_json)
+        refusal = _outside_bounds(snapshot, new)
+        joiners: tuple[tuple[int, str], ...] = ()
+        if not refusal:
+            joiners, refusal = _joiners(job, committed, new, decision)
+        if refusal:
+            recovery.restore_failures = restore_failures
+            self._settle(job, "refuse", refusal, now, {**data, "ranks": len(new.ranks())})
+            return
         mode, why = choose_mode(job, committed, new, request)
         in_place_retries = recovery.in_place_retries
         if retry_of is not None and request is not None and request.failed and mode == PlanMode.IN_PLACE:
@@ -293,6 +357,7 @@ class ScheduleEngine:
             policy=decision.policy,
             mode=mode,
             created_unix=now,
+            joiners=joiners,
         )
         try:
             epoch = await self.publish(job.name, plan.to_json().encode(), job.plan_epoch)
@@ -321,9 +386,47 @@ class ScheduleEngine:
             data["retry_of"] = retry_of
         if mode == PlanMode.RESTORE:
             detail = f"{detail}; {'; '.join(why)}"
+        if joiners:
+            data["joiners"] = [[rank, worker] for rank, worker in joiners]
         self.table.record(job, "plan_published", detail=detail, now=now, data=data)
+        self._place_joiners(job, new, decision.joiners, epoch, now)
         self._applying[job.name] = _Applying(epoch, now, now + self.apply_timeout_s)
         self._enter(job, JobPhase.APPLYING, now, f"waiting for executors to apply epoch {epoch}")
+
+    def _place_joiners(
+        self, job: Job, new: Layout, joiners: tuple[tuple[int, str], ...], epoch: int, now: float
+    ) -> None:
+        """The spares plan `epoch` takes in get their rank, stage and DP rank (JOINING until they
+        report a step). One that died while the plan was stored keeps its rank too, so the next
+        plan finds it going and plans it out (a failure during a join)."""
+        for rank, worker_id in joiners:
+            member = job.members.get(worker_id)
+            if member is None:
+                continue
+            stage = new.stage_layout_of_rank(rank)
+            member.rank, member.stage, member.dp_rank = rank, stage.stage, stage.dp_index(rank)
+            gone = member.state.is_gone
+            if not gone:
+                member.state, member.state_changed_unix = WorkerState.JOINING, now
+            self.table.save_member(job, member)
+            self.table.record(
+                job,
+                "joiner_lost" if gone else "spare_joining",
+                worker_id=worker_id,
+                detail=f"rank {rank} (stage {stage.stage}, DP rank {member.dp_rank}) in epoch {epoch}"
+                + ("; it is already gone: planned out again" if gone else ""),
+                now=now,
+                data={"epoch": epoch, "rank": rank, "stage": stage.stage, "dp_rank": member.dp_rank},
+                membership_change=gone,
+            )
+
+    def _restore_joiners(self, job: Job, latest: Plan, now: float) -> None:
+        """The previous leader may have stored a plan and died before its joiners' records were:
+        they get their ranks from the plan, as `_place_joiners` would have given them."""
+        for rank, worker_id in latest.joiners:
+            member = job.members.get(worker_id)
+            if member is not None and member.rank < 0:
+                self._place_joiners(job, latest.new, ((rank, worker_id),), latest.epoch, now)
 
     def _settle(self, job: Job, action: str, reason: str, now: float, data: dict[str, Any]) -> None:
         """No plan: records the decision and returns to RUNNING. A refused retry request is given
@@ -372,7 +475,9 @@ class ScheduleEngine:
             return
         # Members the plan removed (a preempted rank on its way out) never resume: not waited for.
         live = {
-            m.worker_id for m in job.live_members() if m.state != WorkerState.JOINING and job.in_layout(m)
+            m.worker_id
+            for m in job.live_members()
+            if m.state is not WorkerState.JOINING and m.state is not WorkerState.SPARE and job.in_layout(m)
         }
         if live and all(w in acks and acks[w].phase == AckPhase.RESUMED for w in live):
             self.metrics.apply_seconds.observe(now - applying.started)
@@ -503,12 +608,17 @@ class ScheduleEngine:
         is watched again, with the acknowledgements found in the event log.
         """
         job.plan_epoch = epoch
-        job.phase = JobPhase.RUNNING
+        job.phase = JobPhase.RUNNING if job.completed_unix is None else JobPhase.COMPLETED
         job.pending_changes.clear()
         latest = None
         if latest_plan is not None:
             latest = Plan.from_json(latest_plan[1])
             job.layout_json, job.last_plan = latest.new.to_json(), latest
+        if job.phase == JobPhase.COMPLETED:
+            return
+        job.check_completion = True  # workers may have finished while no Core led
+        if latest is not None:
+            self._restore_joiners(job, latest, now)
         if committed_plan is not None and committed_plan[0] > 0:
             body = committed_plan[1]
             if body is not None:
@@ -532,6 +642,71 @@ class ScheduleEngine:
             self._enter(
                 job, JobPhase.APPLYING, now, f"watching the apply of epoch {epoch} again after a takeover"
             )
+
+
+def _outside_bounds(snapshot: JobSnapshot, new: Layout) -> str:
+    """Why `new` is outside the job's bounds on ranks ("" when inside): such a plan is refused
+    and the job waits (below `min_workers`: for spares; the next change plans again)."""
+    ranks = len(new.ranks())
+    if ranks < snapshot.min_ranks:
+        return (
+            f"the plan would leave {ranks} rank(s), below the job's min_workers {snapshot.min_ranks}: "
+            "nothing is published; the job waits for spares to register"
+        )
+    if snapshot.max_ranks and ranks > snapshot.max_ranks:
+        return f"the plan would have {ranks} ranks, above the job's maximum {snapshot.max_ranks}: nothing is published"
+    return ""
+
+
+def _joiners(
+    job: Job, committed: Layout | None, new: Layout, decision: Decision
+) -> tuple[tuple[tuple[int, str], ...], str]:
+    """`Plan.joiners`: every rank `new` adds to the committed layout, with its worker (a spare
+    the decision takes in, or one an earlier plan of this apply took in), and why the plan is
+    refused ("" when it is not): a new rank no worker takes, or a worker that is no spare."""
+    if committed is None:
+        return (), ""
+    added = set(new.ranks()).difference(committed.ranks())
+    chosen = dict(decision.joiners)
+    for rank, worker in chosen.items():
+        member = job.members.get(worker)
+        if member is None or member.state is not WorkerState.SPARE:
+            state = "not a member" if member is None else member.state.value
+            return (), f"the plan takes in {worker!r} as rank {rank}, but it is {state}, not a spare"
+        if rank not in added:
+            return (), f"the plan takes in {worker!r} as rank {rank}, which is not a new rank of its layout"
+    if not added:
+        return (), ""
+    holders = {m.rank: m.worker_id for m in job.members.values() if m.rank in added and not m.state.is_gone}
+    out: list[tuple[int, str]] = []
+    for rank in sorted(added):
+        taker = chosen.get(rank, holders.get(rank))
+        if taker is None:
+            return (
+                (),
+                f"rank {rank} of the planned layout is new and no worker takes it: nothing is published",
+            )
+        if rank in chosen and rank in holders:
+            return (), f"rank {rank} is already {holders[rank]!r}'s: a new rank gets a fresh id"
+        out.append((rank, taker))
+    return tuple(out), ""
+
+
+def finished_workers(job: Job) -> list[MemberRecord]:
+    """The workers of the job's layout when every one of them finished its work (their agents
+    said Leave(finished) after a clean exit), else []. Spares are no workers of the layout;
+    without a layout every non-spare member counts."""
+    parsed = job.parsed_layout()
+    finished: list[MemberRecord] = []
+    for member in job.members.values():
+        if member.state is WorkerState.SPARE or (parsed is not None and member.rank not in parsed.ranks):
+            continue
+        if member.state is not WorkerState.LEFT or not member.finished:
+            return []
+        finished.append(member)
+    if parsed is not None and {m.rank for m in finished} != parsed.ranks:
+        return []  # a rank of the layout has no finished worker (it never registered, or was lost)
+    return finished
 
 
 def _target(

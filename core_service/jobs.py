@@ -9,6 +9,7 @@ before it answers. A standby that takes over reloads everything from the registr
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
@@ -65,6 +66,19 @@ class Job:
     created_unix: float
     failslow: FailSlowDetector
     spare_workers: int = 0  # registrations accepted beyond expected_workers
+    # Bounds on the ranks of any plan (0: unset; config.JobSpec), and the workers accepted
+    # offers admitted (SchedulerService.OfferResources): they register as spares.
+    min_workers: int = 0
+    max_workers: int = 0
+    offered_workers: int = 0
+    # The layout the job was created with: the fault-free shape joins return to.
+    original_layout_json: str | None = None
+    # Set once every worker of the layout finished (JobPhase.COMPLETED), with the final
+    # checkpoint they reported ("" when none); persisted in the spec so a new leader keeps it.
+    completed_unix: float | None = None
+    final_checkpoint: str = ""
+    # A member went (finished, left, lost): the engine checks whether the job is complete.
+    check_completion: bool = False
     members: dict[str, MemberRecord] = field(default_factory=dict)
     phase: JobPhase = JobPhase.RUNNING
     plan_epoch: int = 0
@@ -122,6 +136,21 @@ class Job:
             return True  # unreadable: count every member, as without a layout
         return parsed is None or member.rank in parsed.ranks
 
+    def is_spare(self, member: MemberRecord) -> bool:
+        return member.state is WorkerState.SPARE
+
+    def rank_limit(self) -> tuple[int, int]:
+        """(fewest, most) ranks a plan may have: min_workers (1 when unset), and max_workers or,
+        unset, the creation layout's ranks plus the workers accepted offers admitted."""
+        most = self.max_workers
+        if not most:
+            original = self.original_layout()
+            most = (len(original.ranks()) if original is not None else 0) + self.offered_workers
+        return max(1, self.min_workers), most
+
+    def original_layout(self) -> Layout | None:
+        return None if self.original_layout_json is None else _parse_layout(self.original_layout_json)
+
     def spec_json(self) -> bytes:
         return json.dumps(
             {
@@ -129,9 +158,15 @@ class Job:
                 "token_sha256": self.token_sha256,
                 "expected_workers": self.expected_workers,
                 "spare_workers": self.spare_workers,
+                "min_workers": self.min_workers,
+                "max_workers": self.max_workers,
+                "offered_workers": self.offered_workers,
                 "created_unix": self.created_unix,
-                "layout_json": self.layout_json,
+                # The creation layout: a new leader starts from it until it restores the plans.
+                "layout_json": self.original_layout_json or self.layout_json,
                 "model_json": self.model_json,
+                "completed_unix": self.completed_unix,
+                "final_checkpoint": self.final_checkpoint,
             },
             sort_keys=True,
         ).encode()
@@ -170,6 +205,8 @@ class JobTable:
         )
         job.layout_json, job.model_json = layout_json, model_json
         job.spare_workers = spec.spare_workers
+        job.min_workers, job.max_workers = spec.min_workers, spec.max_workers
+        job.original_layout_json = layout_json
         job.committed_layout_json = layout_json
         self.jobs[job.name] = job
         self.persister.put(self.job_key(job.name, "spec"), job.spec_json())
@@ -190,7 +227,11 @@ class JobTable:
             else:
                 existing.token_sha256 = token_digest(spec.token.get_secret_value())
                 existing.spare_workers = spec.spare_workers
+                existing.min_workers, existing.max_workers = spec.min_workers, spec.max_workers
                 self.persister.put(self.job_key(spec.name, "spec"), existing.spec_json())
+
+    def save_spec(self, job: Job) -> None:
+        self.persister.put(self.job_key(job.name, "spec"), job.spec_json())
 
     # ---- events -----------------------------------------------------------------------------
     def record(
@@ -236,6 +277,7 @@ class JobTable:
         `planned`: the move needs no plan (a worker that finished its work)."""
         if member.state == state or member.state.is_gone:
             return None
+        was_spare = member.state is WorkerState.SPARE
         member.state = state
         member.state_changed_unix = now
         if state in (WorkerState.LOST, WorkerState.SLOW, WorkerState.PREEMPTING, WorkerState.LEFT):
@@ -244,12 +286,14 @@ class JobTable:
             member.lost_reason = ""
         if state.is_gone:
             job.failslow.forget(member.worker_id)
+            job.check_completion = True
         self.save_member(job, member)
         # A worker starting to step changes nothing the planner cares about; every other move does,
         # except a departure the current layout already planned for (a preempted or drained rank
         # leaving after the plan that removed it): re-planning for it would interrupt the apply.
         changes_layout = state != WorkerState.RUNNING or kind == "worker_recovered"
-        if planned or (state.is_gone and not job.in_layout(member)):
+        # A spare that goes was in no layout: it is just removed.
+        if planned or (state.is_gone and (was_spare or not job.in_layout(member))):
             changes_layout = False
         return self.record(
             job, kind, worker_id=member.worker_id, detail=reason, now=now, membership_change=changes_layout
@@ -269,6 +313,14 @@ class JobTable:
                 )
                 job.layout_json, job.model_json = spec.get("layout_json"), spec.get("model_json")
                 job.spare_workers = int(spec.get("spare_workers", 0))
+                job.min_workers = int(spec.get("min_workers", 0))
+                job.max_workers = int(spec.get("max_workers", 0))
+                job.offered_workers = int(spec.get("offered_workers", 0))
+                job.original_layout_json = job.layout_json
+                job.completed_unix = spec.get("completed_unix")
+                job.final_checkpoint = str(spec.get("final_checkpoint", ""))
+                if job.completed_unix is not None:
+                    job.phase = JobPhase.COMPLETED
                 job.committed_layout_json = job.layout_json  # until the engine restores the job
                 jobs[job.name] = job
         for name, job in jobs.items():
@@ -292,6 +344,11 @@ class JobTable:
             event = Event.from_json(raw)
             job.events.append(event)
             job.next_seq = max(job.next_seq, event.seq + 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_layout(raw: str) -> Layout:
+    return Layout.from_json(raw)
 
 
 def now_unix() -> float:

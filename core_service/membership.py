@@ -29,7 +29,7 @@ import grpc
 from core_service.grpc_util import RpcError
 from core_service.jobs import Job, JobTable, token_digest
 from core_service.metrics import CoreMetrics
-from core_service.model import DeviceInfo, MemberRecord, StepReport, WorkerState
+from core_service.model import DeviceInfo, JobPhase, MemberRecord, StepReport, WorkerState
 from core_service.persist import registry_call
 from core_service.registry import FenceLost, KVEvent, LeaseNotFound, Registry, RegistryError, WatchHandle
 from elaswave.v1 import agent_pb2
@@ -84,13 +84,16 @@ class Membership:
         # closes say nothing about the workers, and recording them as losses would make the next
         # leader plan healthy workers out before they have had time to reconnect.
         self.closing_streams = False
+        # Per job: no live member can be due for a nudge or a loss before this time (see
+        # `sweep_heartbeats`); the leader tick skips the job's scan until then.
+        self._sweep_due: dict[str, float] = {}
 
     # ---- registration -------------------------------------------------------------------------
     def member_limit(self, job: Job) -> int:
-        """Live members a job may have: its expected workers plus its spares, or the Core's
-        bound for a job that did not say how many it expects."""
+        """Live members a job may have: its expected workers plus its spares plus the workers
+        accepted offers admitted, or the Core's bound for a job that did not say how many it expects."""
         if job.expected_workers > 0:
-            return job.expected_workers + job.spare_workers
+            return job.expected_workers + job.spare_workers + job.offered_workers
         return self.settings.max_workers_per_job
 
     def admit(self, job: Job, reg: Registration, presented: str | None) -> str:
@@ -112,6 +115,11 @@ class Membership:
                 f"{member.host!r}); registering it again needs its own credential "
                 f"('{WORKER_TOKEN_METADATA}' metadata from its RegisterAck)",
             )
+        if job.phase is JobPhase.COMPLETED:
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"job {job.name!r} is COMPLETED (every worker finished): worker {reg.worker_id!r} refused",
+            )
         limit = self.member_limit(job)
         # Counting live members is O(members): only needed once there could be too many.
         live = len(job.members) if len(job.members) < limit else len(job.live_members())
@@ -119,7 +127,8 @@ class Membership:
             raise RpcError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"job {job.name!r} has {live} live workers, its limit (expected_workers "
-                f"{job.expected_workers} + spare_workers {job.spare_workers}, or the Core's "
+                f"{job.expected_workers} + spare_workers {job.spare_workers} + offered "
+                f"{job.offered_workers}, or the Core's "
                 f"max_workers_per_job) is {limit}: worker {reg.worker_id!r} refused",
             )
         return secrets.token_urlsafe(24)
@@ -137,13 +146,19 @@ class Membership:
         member = job.members.get(reg.worker_id)
         rejoined = member is not None and member.state.is_gone
         reconnected = member is not None and not member.state.is_gone
+        # Rank -1 into a job with a layout: a spare, which a plan may take in (Plan.joiners).
+        spare = job.layout_json is not None and reg.rank < 0
         if member is None or rejoined:
             member = MemberRecord(reg.worker_id, reg.host, reg.pid, registered_unix=now)
+            if spare:
+                member.state = WorkerState.SPARE
             job.members[reg.worker_id] = member
         member.host, member.pid, member.devices = reg.host, reg.pid, reg.devices
         member.worker_token_sha256 = token_digest(worker_token)
-        member.stage, member.dp_rank, member.holds_own_lease = reg.stage, reg.dp_rank, reg.holds_own_lease
-        member.rank = reg.rank
+        member.holds_own_lease = reg.holds_own_lease
+        # A spare taken in keeps the rank its plan gave it when its agent (still saying -1) reconnects.
+        if not (reconnected and reg.rank < 0 and member.rank >= 0):
+            member.stage, member.dp_rank, member.rank = reg.stage, reg.dp_rank, reg.rank
         member.last_heartbeat_unix = now
         if not reg.holds_own_lease:
             try:
@@ -158,6 +173,8 @@ class Membership:
             self._send_frequencies(job, self._frequencies(job), [member])
         self.table.save_member(job, member)
         kind = "worker_reconnected" if reconnected else ("worker_rejoined" if rejoined else "worker_joined")
+        if spare and not reconnected:
+            kind = "spare_registered"  # a change to plan for: the policy may take it in
         self.table.record(
             job,
             kind,
@@ -292,9 +309,15 @@ class Membership:
         self.table.set_state(job, member, WorkerState.LOST, reason, now=now, kind="worker_lost")
         return True
 
-    async def leave(self, session: AgentSession, reason: str, now: float, finished: bool = False) -> None:
+    async def leave(
+        self, session: AgentSession, reason: str, now: float, finished: bool = False, checkpoint: str = ""
+    ) -> None:
+        """A clean departure; `finished`: the worker completed its work, and `checkpoint` is where
+        it says the final checkpoint is (the job is COMPLETED once every worker finished)."""
         job = self.table.get(session.job)
         member = job.member(session.worker_id)
+        if finished and not member.state.is_gone:
+            member.finished, member.checkpoint = True, checkpoint
         # A worker that completed its work takes nothing from the job: the others finish theirs too,
         # so re-planning for it would only reshuffle a job that is ending.
         self.table.set_state(
@@ -320,14 +343,30 @@ class Membership:
         await self._drop_lease(session)
 
     def sweep_heartbeats(self, now: float) -> None:
+        """Nudges members silent for half the timeout, marks those silent for all of it lost.
+
+        The leader ticks up to a few hundred times a second while events stream in, and scanning
+        10,000 members each time took a fifth of the Core's loop. A heartbeat only moves a
+        member's last_heartbeat_unix forward and a (re)registration sets it to the present, so
+        no member can become due before the earliest due time the previous scan saw: until
+        then the job is skipped, and a job with members beating at 1 Hz is scanned about once
+        a second (one heap entry per heartbeat would cost every report instead)."""
         timeout = self.settings.heartbeat_timeout_s
         for job in self.table.jobs.values():
+            if now < self._sweep_due.get(job.name, 0.0):
+                continue
+            due = now + timeout / 2  # the earliest a member registering from now on can be due
             for member in job.live_members():
                 silent = now - member.last_heartbeat_unix
                 if silent > timeout:
                     self.mark_lost(job, member.worker_id, f"no heartbeat for {silent:.2f}s", "heartbeat", now)
-                elif silent > timeout / 2:
+                    continue
+                if silent > timeout / 2:
                     self._nudge(job, member)
+                    due = min(due, member.last_heartbeat_unix + timeout)
+                else:
+                    due = min(due, member.last_heartbeat_unix + timeout / 2)
+            self._sweep_due[job.name] = due
 
     def _nudge(self, job: Job, member: MemberRecord) -> None:
         """Half the timeout without a heartbeat: ask the agent to report now, once per silence."""
@@ -341,6 +380,7 @@ class Membership:
     def start_watching(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self.closing_streams = False  # a new term: a stream that closes now is a signal again
+        self._sweep_due.clear()  # members were reloaded with heartbeats of their own
         prefix = self.settings.key_prefix + "/jobs/"
         self._watches.append(self.registry.watch_prefix(prefix, self._on_registry_event))
 

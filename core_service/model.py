@@ -11,6 +11,9 @@ from typing import Any
 
 class WorkerState(StrEnum):
     JOINING = "JOINING"
+    # Registered with rank -1 into a job that has a layout: not in the layout, watched for
+    # liveness like any member, taken in by a plan that names it in `Plan.joiners`.
+    SPARE = "SPARE"
     RUNNING = "RUNNING"
     SLOW = "SLOW"
     PREEMPTING = "PREEMPTING"
@@ -28,6 +31,8 @@ class JobPhase(StrEnum):
     RUNNING = "RUNNING"
     PLANNING = "PLANNING"
     APPLYING = "APPLYING"
+    # Every worker of the layout finished its work (terminal: nothing is planned any more).
+    COMPLETED = "COMPLETED"
 
 
 class AckPhase(StrEnum):
@@ -122,6 +127,10 @@ class MemberRecord:
     # SHA-256 of the worker's own credential (RegisterAck.worker_token), stored so that a new
     # leader knows it too; "" for a record from a Core that issued none. Never served.
     worker_token_sha256: str = ""
+    # Its agent said Leave(finished): the worker completed its work and exited 0; `checkpoint`
+    # is where it says the job's final checkpoint is ("" when it reported none).
+    finished: bool = False
+    checkpoint: str = ""
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()

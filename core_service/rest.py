@@ -6,6 +6,7 @@ answers with, and its body."""
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import itertools
 import json
@@ -19,7 +20,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from core_service.config import JOB_NAME_PATTERN, MIN_TOKEN_LENGTH, JobSpec
+from core_service.config import JOB_NAME_PATTERN, MIN_TOKEN_LENGTH, JobSpec, check_worker_bounds
 from core_service.grpc_util import RpcError
 from core_service.http_guard import error_responses, field_error
 from core_service.http_guard import install as install_guards
@@ -33,6 +34,8 @@ from core_service.limits import (
     MAX_TOKEN_CHARS,
     MAX_WORKERS_PER_JOB,
 )
+from core_service.model import MemberRecord, WorkerState
+from core_service.scale_cache import ScaleTables
 from planners.chameleon.schema import state_from_dict
 from planners.layout import Layout
 from planners.validation import validate
@@ -52,6 +55,15 @@ class CreateJobRequest(BaseModel):
     expected_workers: int = Field(default=0, ge=0, le=MAX_WORKERS_PER_JOB)
     spare_workers: int = Field(
         default=0, ge=0, le=MAX_SPARE_WORKERS, description="workers that may register beyond expected_workers"
+    )
+    min_workers: int = Field(
+        default=0, ge=0, le=MAX_WORKERS_PER_JOB, description="fewest ranks a plan may leave (0: no bound)"
+    )
+    max_workers: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_WORKERS_PER_JOB,
+        description="most ranks a plan may have (0: the creation layout's ranks plus accepted offers)",
     )
     token: str | None = Field(
         default=None, min_length=MIN_TOKEN_LENGTH, max_length=MAX_TOKEN_CHARS, description="omit to generate"
@@ -77,6 +89,16 @@ class PreemptRequest(BaseModel):
     reason: str = Field(default="", max_length=MAX_REASON_CHARS)
 
 
+def spare_view(member: MemberRecord) -> dict[str, Any]:
+    return {
+        "worker_id": member.worker_id,
+        "host": member.host,
+        "devices": len(member.devices),
+        "registered_unix": member.registered_unix,
+        "last_heartbeat_unix": member.last_heartbeat_unix,
+    }
+
+
 def job_summary(job: Job) -> dict[str, Any]:
     counts: dict[str, int] = {}
     for member in job.members.values():
@@ -90,7 +112,13 @@ def job_summary(job: Job) -> dict[str, Any]:
         "committed_epoch": job.committed_epoch,
         "plan_mode": None if job.last_plan is None else job.last_plan.mode.value,
         "expected_workers": job.expected_workers,
+        "min_workers": job.min_workers,
+        "max_workers": job.max_workers,
+        "offered_workers": job.offered_workers,  # admitted by accepted offers (OfferResources)
         "members_by_state": counts,
+        # COMPLETED: every worker finished; where the final checkpoint is, as they reported it.
+        "completed_unix": job.completed_unix,
+        "final_checkpoint": job.final_checkpoint or None,
         "has_layout": job.layout_json is not None,
         "last_event_seq": job.next_seq - 1,
     }
@@ -124,11 +152,17 @@ async def store_new_job(core: Core, body: CreateJobRequest) -> CreateJobResponse
             raise HTTPException(422, detail=field_error("model", f"model: {problem}"))
         model_json = json.dumps(body.model, sort_keys=True)
     token = body.token or secrets.token_urlsafe(24)
+    try:
+        check_worker_bounds(body.min_workers, body.max_workers)
+    except ValueError as exc:
+        raise HTTPException(422, detail=field_error("min_workers", str(exc))) from None
     spec = JobSpec(
         name=body.name,
         token=SecretStr(token),
         expected_workers=body.expected_workers,
         spare_workers=body.spare_workers,
+        min_workers=body.min_workers,
+        max_workers=body.max_workers,
     )
     try:
         core.table.create_job(spec, layout_json, now=time.time(), model_json=model_json)
@@ -256,18 +290,29 @@ def build_app(core: Core) -> FastAPI:
     async def create_job(body: CreateJobRequest) -> CreateJobResponse:
         return await store_new_job(core, body)
 
+    scale_tables = ScaleTables(core)
+
     @app.get("/api/v1/jobs/{job}", dependencies=reads, responses=read_errors)
-    def get_job(job: JobName) -> dict[str, Any]:
+    async def get_job(job: JobName) -> dict[str, Any]:
+        """The job, its members, its layouts, its spares (workers registered with rank -1 that
+        a plan may take in) and FlexTrain's scale table (computed off the loop, cached)."""
         record = job_or_404(job)
-        members = [m.public() for m in sorted(record.members.values(), key=lambda m: m.worker_id)]
-        return {
-            **job_summary(record),
-            "members": members,
-            "layout": None if record.layout_json is None else json.loads(record.layout_json),
-            "committed_layout": None
-            if record.committed_layout_json is None
-            else json.loads(record.committed_layout_json),
-        }
+        scale = await scale_tables.get(record)
+
+        def view() -> dict[str, Any]:  # 10,000 members: serialised off the event loop
+            members = sorted(record.members.values(), key=lambda m: m.worker_id)
+            return {
+                **job_summary(record),
+                "members": [m.public() for m in members],
+                "spares": [spare_view(m) for m in members if m.state is WorkerState.SPARE],
+                "scale_table": scale,
+                "layout": None if record.layout_json is None else json.loads(record.layout_json),
+                "committed_layout": None
+                if record.committed_layout_json is None
+                else json.loads(record.committed_layout_json),
+            }
+
+        return await asyncio.to_thread(view)
 
     @app.get(
         "/api/v1/jobs/{job}/events",

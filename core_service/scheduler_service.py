@@ -15,7 +15,7 @@ from core_service.executor_service import plan_message
 from core_service.grpc_util import RpcError, bearer_token, finite, invalid, require
 from core_service.jobs import Job
 from core_service.limits import MAX_DEVICES, MAX_HOST_CHARS, MAX_IDS_PER_REQUEST, MAX_REASON_CHARS
-from core_service.model import MemberRecord, WorkerState
+from core_service.model import JobPhase, MemberRecord, WorkerState
 from core_service.offload import PlanningFailed, PlanningTimeout
 from core_service.policies import (
     DEFAULT_RECLAIM_RATE_PER_S,
@@ -102,6 +102,26 @@ def what_if_plan(
     return plan_message(plan)
 
 
+def offer_room(job: Job) -> int:
+    """Workers an accepted offer may still admit under `max_workers` (unbounded without it): the
+    layout's ranks and the waiting spares count against it."""
+    if not job.max_workers:
+        return MAX_DEVICES
+    parsed = job.parsed_layout()
+    ranks = len(parsed.ranks) if parsed is not None else 0
+    spares = sum(1 for m in job.members.values() if m.state is WorkerState.SPARE)
+    return max(0, job.max_workers - ranks - spares)
+
+
+def offer_refusal(job: Job) -> str:
+    """Why an offer is refused before FlexTrain's test is asked ("" when it is not)."""
+    if job.phase == JobPhase.COMPLETED:
+        return f"job {job.name!r} is COMPLETED: it needs no more devices"
+    if offer_room(job) <= 0:
+        return f"job {job.name!r} is at its max_workers {job.max_workers}: no plan may add a rank"
+    return ""
+
+
 class SchedulerServicer:
     def __init__(self, core: Core) -> None:
         self.core = core
@@ -159,7 +179,11 @@ class SchedulerServicer:
             assert member is not None
             require(not member.state.is_gone, f"worker {worker_id!r} is already {member.state.value}")
             members.append(member)
-        survivors = [m for m in job.live_members() if m.worker_id not in set(request.worker_ids)]
+        survivors = [
+            m
+            for m in job.live_members()
+            if m.worker_id not in set(request.worker_ids) and m.state is not WorkerState.SPARE
+        ]
         if not survivors:
             raise RpcError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -185,19 +209,42 @@ class SchedulerServicer:
             all(0 < len(h) <= MAX_HOST_CHARS for h in request.hosts), "hosts must be 1-255 characters each"
         )
         finite(request.expected_duration_s, "expected_duration_s")
-        accepted, reason = await self._plan(
-            context, judge_offer, planning_copy(job), request.devices, request.expected_duration_s
-        )
-        job = self.core.job_or_not_found(request.job)  # the loop turned: it may be gone
+        refusal = offer_refusal(job)
+        if refusal:
+            accepted, reason = False, refusal
+        else:
+            accepted, reason = await self._plan(
+                context, judge_offer, planning_copy(job), request.devices, request.expected_duration_s
+            )
+            job = self.core.job_or_not_found(request.job)  # the loop turned: it may be gone
+            refusal = offer_refusal(job)  # ... or have completed, or filled up
+            if refusal:
+                accepted, reason = False, refusal
+        admitted = min(request.devices, offer_room(job)) if accepted else 0
+        if accepted:
+            # The devices' workers register as spares (rank -1); the engine plans them in.
+            job.offered_workers += admitted
+            self.core.table.save_spec(job)
+            if admitted < request.devices:
+                reason += (
+                    f"; {admitted} of the {request.devices} devices fit under max_workers {job.max_workers}"
+                )
         event = self.core.table.record(
             job,
             "resources_offered",
             detail=f"{request.devices} device(s) on {list(request.hosts)}: {reason}",
             now=time.time(),
-            data={"accepted": accepted, "devices": request.devices},
+            data={
+                "accepted": accepted,
+                "devices": request.devices,
+                "admitted_workers": admitted,
+                "reason": reason,
+            },
         )
-        await self.core.wait_durable()  # answer only once the offer's event is stored
-        return scheduler_pb2.OfferResourcesResponse(accepted=accepted, reason=reason, event_seq=event.seq)
+        await self.core.wait_durable()  # answer only once the offer's event (and admission) is stored
+        return scheduler_pb2.OfferResourcesResponse(
+            accepted=accepted, reason=reason, event_seq=event.seq, admitted_workers=admitted
+        )
 
     async def ReclaimResources(
         self, request: scheduler_pb2.ReclaimResourcesRequest, context: grpc.aio.ServicerContext
@@ -214,9 +261,18 @@ class SchedulerServicer:
                 f"reclaiming {request.devices} device(s) would leave job {job.name!r} with no worker "
                 f"({len(live)} live)",
             )
-        # Slow workers go first (they cost the most), then the highest (stage, dp rank) to keep
-        # the lower stages intact.
-        order = sorted(live, key=lambda m: (m.state != WorkerState.SLOW, -m.stage, -m.dp_rank, m.worker_id))
+        # Spares go first (they train nothing), then slow workers (they cost the most), then the
+        # highest (stage, dp rank) to keep the lower stages intact.
+        order = sorted(
+            live,
+            key=lambda m: (
+                m.state != WorkerState.SPARE,
+                m.state != WorkerState.SLOW,
+                -m.stage,
+                -m.dp_rank,
+                m.worker_id,
+            ),
+        )
         chosen = [m.worker_id for m in order[: request.devices]]
         for worker_id in chosen:
             member = job.members[worker_id]
@@ -240,6 +296,7 @@ class SchedulerServicer:
             members=[member_message(m) for m in sorted(job.members.values(), key=lambda m: m.worker_id)],
             plan_epoch=job.plan_epoch,
             last_event_seq=job.next_seq - 1,
+            final_checkpoint=job.final_checkpoint,
         )
 
     async def GetScaleTable(

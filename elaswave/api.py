@@ -257,7 +257,7 @@ def _train_as_worker(
         results.get("start_step", 0),
         results.get("checkpoints_written", []),
         None,
-        place.rank,
+        int(results.get("rank", place.rank)),  # a spare's rank came with the plan that took it in
         code,
         results,
     )

@@ -32,7 +32,9 @@ from typing import Any
 
 JOB_ENV = "ELASWAVE_JOB"
 WORKER_ID_ENV = "ELASWAVE_WORKER_ID"
-RANK_ENV = "ELASWAVE_RANK"
+RANK_ENV = "ELASWAVE_RANK"  # the rank, or "spare": a worker joining a running job (growth)
+SPARE = "spare"
+SPARE_WAIT_ENV = "ELASWAVE_SPARE_WAIT_S"  # how long a spare waits to be taken in (default: a day)
 CORE_ENV = "ELASWAVE_CORE"  # HOST:PORT[,HOST:PORT...], the Core's gRPC address(es)
 STORE_ENV = "ELASWAVE_STORE"  # HOST:PORT of the rendezvous store[,HOST:PORT of a standby...]
 LAYOUT_ENV = "ELASWAVE_LAYOUT_FILE"  # the job's initial layout (planners.Layout JSON)
@@ -131,6 +133,10 @@ class WorkerPlace:
     timeout_s: float = 20.0
     results_file: Path | None = None
     collective_fault_at: int | None = None  # INJECT_FAULT_ENV: the step whose first attempt fails here
+    spare_wait_s: float = 86400.0  # a spare's bound on waiting for the plan that takes it in
+    # A spare (`ELASWAVE_RANK=spare`, rank -1 until then): its rank comes with the plan that takes
+    # it in (`planners.layout.Plan.joiners`), found there by its worker id.
+    joining: bool = False
 
 
 def _required(name: str) -> str:
@@ -146,10 +152,15 @@ def worker_place_from_env() -> WorkerPlace | None:
     Raises ValueError naming the variable when the environment is set only in part."""
     if not os.environ.get(RANK_ENV):
         return None
-    rank = int(_required(RANK_ENV))
+    raw_rank = _required(RANK_ENV)
+    rank = -1 if raw_rank == SPARE else int(raw_rank)
     timeout = float(os.environ.get(TIMEOUT_ENV) or 20.0)
-    if rank < 0 or timeout <= 0:
-        raise ValueError(f"${RANK_ENV} must be >= 0 and ${TIMEOUT_ENV} positive, got {rank}, {timeout}")
+    spare_wait = float(os.environ.get(SPARE_WAIT_ENV) or 86400.0)
+    if (rank < 0 and raw_rank != SPARE) or timeout <= 0 or spare_wait <= 0:
+        raise ValueError(
+            f"${RANK_ENV} must be >= 0 or {SPARE!r}, ${TIMEOUT_ENV} and ${SPARE_WAIT_ENV} positive, "
+            f"got {raw_rank!r}, {timeout}, {spare_wait}"
+        )
     results = os.environ.get(RESULTS_ENV)
     fault = os.environ.get(INJECT_FAULT_ENV, "").strip()
     kind, _, at = fault.partition("@")
@@ -161,9 +172,12 @@ def worker_place_from_env() -> WorkerPlace | None:
         rank=rank,
         core=tuple(_required(CORE_ENV).split(",")),
         store=_required(STORE_ENV),
-        layout_file=Path(_required(LAYOUT_ENV)),
+        # a spare's layout comes with the plan that takes it in
+        layout_file=Path(os.environ.get(LAYOUT_ENV, "") if rank < 0 else _required(LAYOUT_ENV)),
         token=os.environ.get(TOKEN_ENV, ""),
         timeout_s=timeout,
         results_file=Path(results) if results else None,
         collective_fault_at=int(at) if fault else None,
+        spare_wait_s=spare_wait,
+        joining=raw_rank == SPARE,
     )

@@ -109,9 +109,15 @@ class StepProtocol:
         plan_epoch: int = 0,
         timeout_s: float = 30.0,
         committed_step: int = -1,
+        joining: bool = False,
+        world: bool | None = None,
     ) -> None:
         """`committed_step`: the last step already committed (-1: none; a resumed job starts at
-        its checkpoint's last step)."""
+        its checkpoint's last step). `joining`: this worker joins a running job (growth): it
+        holds no group and no state until a plan names it in `Plan.joiners`, and learns the job's
+        last committed step from the other workers when it applies that plan. `world`: whether
+        the job has a job-wide group (default: whether the communicator holds one; a joiner's
+        holds none yet, so it must be told)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if committed_step < -1:
@@ -129,8 +135,11 @@ class StepProtocol:
         self.undecided: int | None = None
         # Whether the job has a job-wide group (clipping by the global norm): a property of the
         # job, not of the groups an interrupted edit happened to build.
-        self.world = WORLD_GROUP in comm.membership
+        self.world = WORLD_GROUP in comm.membership if world is None else world
         self._settled_generation = comm.store_generation
+        # Until its first commit on a layout that holds it: a plan that adds it again (the plan
+        # that took it in was interrupted, or superseded before a step committed) starts over.
+        self.joining = joining
 
     # ----- one step ------------------------------------------------------------------------
     def begin_step(self, step: int, timeout_s: float | None = None) -> None:
@@ -200,6 +209,7 @@ class StepProtocol:
         step = self._require_step()
         self.participant.on_commit(step)
         self.committed_step, self.step = step, None
+        self.joining = False
 
     def rollback(self) -> None:
         """Return to the last committed step (local, no communication, never blocks)."""
@@ -249,10 +259,17 @@ class StepProtocol:
                 f"worker {self.comm.worker} is not in the new layout of plan {plan.epoch}"
             )
         lost = frozenset(plan.old.ranks()) - frozenset(plan.new.ranks())
+        joined = frozenset(plan.new.ranks()) - frozenset(plan.old.ranks())
+        if self.joining and self.comm.worker not in joined:
+            raise StepProtocolError(
+                f"joining worker {self.comm.worker} is already in the old layout of plan {plan.epoch}"
+            )
         self.participant.check_plan(plan, lost)
         try:
-            if self.comm.store_generation != self._settled_generation:
+            if self.comm.store_generation != self._settled_generation and not self.joining:
                 self._settle(plan)
+            if joined:
+                self._agree_join_point(plan, joined)
             membership = groups_for_stages([s.ranks for s in plan.new.stages], world=self.world)
             if plan.mode is PlanMode.IN_PLACE:  # blocks moved past a neighbour: a group per pair
                 membership |= transfer_groups(far_pairs(plan.old, plan.new, lost))
@@ -264,6 +281,25 @@ class StepProtocol:
             raise PlanInterrupted(plan.epoch, exc) from exc
         self.plan_epoch, self.committed_step, self.attempt = plan.epoch, committed, 0
         return report
+
+    def _agree_join_point(self, plan: Plan, joined: frozenset[int]) -> None:
+        """Ranks join in this plan: every worker already in the job announces its last committed
+        step, and a joiner adopts it (they all agree, or the plan is refused: no in-place way to
+        pick one). Bounded and interruptible like every recovery wait."""
+        key = f"{self.comm.namespace}/e{plan.epoch}/join-point/"
+        if not self.joining:
+            self.comm.store.set(key + str(self.comm.worker), str(self.committed_step))
+        members = sorted(set(plan.new.ranks()) - joined)
+        self.comm.wait_keys(
+            [key + str(w) for w in members], "the job's last committed step for the joiners", epoch=plan.epoch
+        )
+        said = {w: int(self.comm.store.get(key + str(w))) for w in members}
+        if len(set(said.values())) != 1:
+            raise StepProtocolError(
+                f"the workers of plan {plan.epoch} disagree on the last committed step: {said}"
+            )
+        if self.joining:
+            self.committed_step = next(iter(said.values()))
 
     def _settle(self, plan: Plan) -> None:
         """After a move to a new store: agree with the workers of `plan.new` on the last committed

@@ -43,7 +43,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -134,8 +134,18 @@ class CoreDrivenWorker(PlanFollowing):
 
         torch.set_num_threads(1)
         place = settings.place
+        self.plans = PlanClient(
+            list(place.core), place.job, place.worker_id, place.token, on_plan=self._plan_arrived
+        )
+        if place.joining:
+            # A spare: its rank, layout and state come with the plan that takes it in (growth).
+            self.plans.start(after_epoch=0)
+            join_plan = self._await_join_plan(place)
+            place = replace(place, rank=join_plan.rank_of_joiner(place.worker_id))
+            layout = join_plan.new
+        else:
+            layout = Layout.from_json(place.layout_file.read_text())
         self.args, self.settings = place, settings
-        layout = Layout.from_json(place.layout_file.read_text())
         # The store and its standbys, in the order every worker tries them (docs/architecture.md
         # ("Recovery")): a lost store is replaced by the next address that answers.
         self.store_addresses = [a.strip() for a in place.store.split(",") if a.strip()]
@@ -143,29 +153,38 @@ class CoreDrivenWorker(PlanFollowing):
         host, port = self.store_addresses[0].rsplit(":", 1)
         store = connect_store(host, int(port), timeout_s=place.timeout_s)
         world = spec.optimizer.max_grad_norm is not None
-        self.comm = Communicator(
-            store,
-            place.rank,
-            groups_for_stages([s.ranks for s in layout.stages], world=world),
-            timeout_s=place.timeout_s,
-        )
+        if place.joining:
+            self.comm = Communicator.for_joiner(store, place.rank, timeout_s=place.timeout_s)
+        else:
+            self.comm = Communicator(
+                store,
+                place.rank,
+                groups_for_stages([s.ranks for s in layout.stages], world=world),
+                timeout_s=place.timeout_s,
+            )
         self.trainer = Trainer(spec, layout, place.rank, self.comm)
         check_fingerprints(dict(self.trainer.model.units.items()), settings.fingerprints)
         self.start_step = 0
-        if settings.resume is not None:
+        if settings.resume is not None and not place.joining:  # a joiner's state is the job's
             meta = load_checkpoint(self.trainer, settings.resume)
             self.start_step = meta.next_step
         self.participant = FabricParticipant(
-            self.trainer, self.comm, verify_every=settings.verify_every, restore_source=self._restore_source
+            self.trainer,
+            self.comm,
+            verify_every=settings.verify_every,
+            restore_source=self._restore_source,
+            joining=place.joining,
         )
         self.proto = StepProtocol(
-            self.comm, self.participant, timeout_s=place.timeout_s, committed_step=self.start_step - 1
+            self.comm,
+            self.participant,
+            timeout_s=place.timeout_s,
+            committed_step=self.start_step - 1,
+            joining=place.joining,
+            world=world,
         )
         self.metrics = StepMetricsClient.from_env()
         self.control = ControlReader.from_env()
-        self.plans = PlanClient(
-            list(place.core), place.job, place.worker_id, place.token, on_plan=self._plan_arrived
-        )
         self.writer = None
         if settings.checkpoint_dir is not None:
             # Every rank of this job holds the same job name and token; a resumed job is a new job.
@@ -215,9 +234,27 @@ class CoreDrivenWorker(PlanFollowing):
             reported = False
         return not reported or time.monotonic() - self._sigterm_at > self.args.timeout_s
 
+    def _await_join_plan(self, place: WorkerPlace) -> Any:
+        """A spare waits (at most `place.spare_wait_s`) for a plan that takes it in: one whose
+        `joiners` names its worker id. Raises PlanTimeout when none comes."""
+        deadline = time.monotonic() + place.spare_wait_s
+        seen = 0
+        print(f"worker {place.worker_id}: a spare; waiting for a plan that takes it in", flush=True)
+        while True:
+            plan = self.plans.wait_plan(seen, timeout_s=max(0.0, deadline - time.monotonic()))
+            if plan.rank_of_joiner(place.worker_id) is not None:
+                return plan
+            seen = plan.epoch
+
     def _plan_arrived(self, plan: Any) -> None:
-        # Runs on the subscription thread: a newer plan aborts the step in flight everywhere.
-        if plan.epoch > self.proto.plan_epoch and self.proto.step is not None:
+        # Runs on the subscription thread: a plan without some rank of the layout this worker
+        # trains on aborts the step in flight everywhere (the plan is the abort signal: it also frees workers blocked on a hung
+        # peer). One that loses none (a join, a pipeline-only move) lets the step finish: every
+        # worker takes it at the next boundary, so the survivors lose no work to it.
+        proto = getattr(self, "proto", None)
+        if proto is None or plan.epoch <= proto.plan_epoch or proto.step is None:
+            return
+        if set(self.trainer.layout.ranks()) - set(plan.new.ranks()):
             self.comm.signal_abort(f"Core published plan epoch {plan.epoch}")
 
     def _report_peer(self, exc: Any, step: int) -> None:
@@ -236,8 +273,15 @@ class CoreDrivenWorker(PlanFollowing):
         signal.signal(signal.SIGTERM, self._on_sigterm)
         # Restart system calls the signal interrupts: a SIGTERM must never fail a collective.
         signal.siginterrupt(signal.SIGTERM, False)
-        self.plans.start(after_epoch=self.proto.plan_epoch)
+        if not self.args.joining:
+            self.plans.start(after_epoch=self.proto.plan_epoch)
         step, resumed_epoch = self.start_step, None
+        if self.args.joining:
+            joined_at = self._join()
+            if joined_at is None:
+                step = self.settings.steps  # not taken in after all: nothing to train
+            else:
+                step, resumed_epoch = joined_at, self.proto.plan_epoch
         stop_after: int | None = None  # leave after committing this step (launcher or operator)
         save_at: set[int] = set()  # steps an operator asked to checkpoint
         try:
@@ -322,6 +366,28 @@ class CoreDrivenWorker(PlanFollowing):
             verified_steps=list(self.participant.verified_steps),
         )
         return self.results
+
+    def _join(self) -> int | None:
+        """Apply the plan that takes this spare in (or a newer one): its groups are built with
+        everyone else's at the plan's epoch and its state is read from the live owners. The step
+        it trains first, or None when the newest plan no longer takes it in."""
+        from executor.plan_client import PlanTimeout  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        try:
+            at = self._recover(0)
+        except PlanTimeout as exc:
+            self.results["fatal"], self.exit_code = str(exc), EXIT_NO_PLAN
+            return None
+        if at is not None:
+            self.results["recoveries"][-1]["step"] = at  # the boundary it joined at
+            self.results["start_step"] = self.start_step = at
+            self.results["joined"] = {
+                "epoch": self.proto.plan_epoch,
+                "step": at,
+                "join_s": time.perf_counter() - t0,
+            }
+        return at
 
     def _poll_requests(self, stop_after: int | None, save_at: set[int], step: int) -> int | None:
         """Read the launcher's stop file and the operator's checkpoint request (control file) at the

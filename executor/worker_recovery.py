@@ -191,8 +191,10 @@ class PlanFollowing:
                 )
                 return None
             self.plans.ack(published.epoch, "PAUSED", 0.0)
-            # Applied from this worker's committed layout (the Core's `old` is its own view of it).
-            plan = replace(published, old=self.participant.committed_layout)
+            # Applied from this worker's committed layout (the Core's `old` is its own view of it);
+            # a joiner has none: the plan's `old` is the job's, which it is not part of yet.
+            old = published.old if self.proto.joining else self.participant.committed_layout
+            plan = replace(published, old=old)
             t1 = time.perf_counter()
             self._applying = plan.epoch
             try:

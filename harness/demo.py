@@ -1,7 +1,8 @@
 """`elaswave demo`: ElasWave end to end on one machine, on embedded defaults.
 
-By default the elastic training job of `harness.training`: a Core, agents, and a PP x DP x
-ZeRO-1 job whose worker is killed mid-training and which recovers in place under the Core's plan.
+By default the story of `harness.demo_story`: a Core, agents, and a PP x DP x ZeRO-1 job of the
+GPT example that lives through a kill, a straggler, a preemption, a node's loss and a join, all in
+place, then the report of `harness.demo_report` (report.json, demo.png, a summary table).
 `--control-plane` runs the control plane alone: a Core with in-memory membership, a job created
 through the REST API, a few agents each launching a dummy worker, one worker killed with SIGKILL
 and the Core seen to declare it lost. Every process is real; everything listens on loopback ports
@@ -26,16 +27,17 @@ import httpx
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from harness.training import TrainDemoConfig  # noqa: PLC0415 - light: no torch at import
+    from harness.demo_story import StoryConfig  # noqa: PLC0415 - light: no torch at import
 
-    d = TrainDemoConfig()
+    s = StoryConfig()
     parser = subparsers.add_parser(
         "demo",
         help="run the end-to-end demo on this machine",
         description="Start a Core (in-memory membership), the executors' rendezvous store and one agent per "
-        "worker of a PP x DP x ZeRO-1 training job; kill one worker with SIGKILL mid-training and watch the "
-        "job recover in place under the Core's plan, checked against a fault-free run (about a minute on "
-        "2 cores). With --control-plane: dummy workers, the Core's detection only (~10 s).",
+        "worker of a PP x DP x ZeRO-1 training job of the GPT example, and take it through every kind of event "
+        "in place: a kill, a straggler (simulated clock on CPU), a preemption through the scheduler API, a "
+        "node's loss and a join; then write report.json and demo.png, measured against a fault-free run of "
+        "the same seed (about a minute on 2 cores). --control-plane: dummy workers, the Core's detection only (~10 s).",
     )
     parser.add_argument(
         "--control-plane",
@@ -45,24 +47,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--workers", type=int, default=3, help="control-plane demo: agents/workers (default 3)"
     )
-    parser.add_argument("--pp", type=int, default=d.pp, help=f"pipeline stages (default {d.pp})")
+    parser.add_argument("--pp", type=int, default=s.pp, help=f"pipeline stages (default {s.pp})")
     parser.add_argument(
-        "--dp", type=int, default=d.dp, help=f"data-parallel ranks per stage (default {d.dp})"
+        "--dp", type=int, default=s.dp, help=f"data-parallel ranks per stage (default {s.dp})"
     )
-    parser.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
+    parser.add_argument("--steps", type=int, default=s.steps, help=f"training steps (default {s.steps})")
     parser.add_argument(
-        "--kill-after",
-        type=int,
-        default=d.kill_after_step,
-        metavar="STEP",
-        help=f"kill a worker once every worker committed this step (default {d.kill_after_step})",
-    )
-    parser.add_argument(
-        "--victim",
-        type=int,
-        default=d.victim_rank,
-        metavar="RANK",
-        help=f"global rank of the worker to kill (default {d.victim_rank})",
+        "--out",
+        default="elaswave-demo",
+        metavar="DIR",
+        help="where report.json and demo.png go (default ./elaswave-demo)",
     )
     parser.add_argument("--timeout", type=float, default=240.0, help="give up after this many seconds")
     parser.set_defaults(func=run)
@@ -77,10 +71,11 @@ class Demo:
         self.scheduler_token = secrets.token_urlsafe(24)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.http: httpx.Client | None = None
+        self.core_env: dict[str, str] = {}  # settings for the Core (ELASWAVE_* variables)
 
     def start_core(self) -> dict[str, Any]:
         ready = self.workdir / "core.json"
-        env = dict(os.environ, ELASWAVE_SCHEDULER_TOKEN=self.scheduler_token)
+        env = dict(os.environ, ELASWAVE_SCHEDULER_TOKEN=self.scheduler_token, **self.core_env)
         cmd = [
             sys.executable,
             "-m",
@@ -188,30 +183,54 @@ def states(job: dict[str, Any]) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.training import TrainDemo, TrainDemoConfig, run_train_demo  # noqa: PLC0415
-
+    if not args.control_plane:
+        return run_story_demo(args)
     with tempfile.TemporaryDirectory(prefix="elaswave-demo-") as tmp:
-        if args.control_plane:
-            demo = Demo(Path(tmp), args.workers, args.timeout)
-            runner = _run
-        else:
-            try:
-                cfg = TrainDemoConfig(
-                    pp=args.pp,
-                    dp=args.dp,
-                    steps=args.steps,
-                    kill_after_step=args.kill_after,
-                    victim_rank=args.victim,
-                )
-                demo = TrainDemo(Path(tmp), cfg, args.timeout)
-            except ValueError as exc:
-                print(f"elaswave demo: {exc}", file=sys.stderr)
-                return 2
-            runner = run_train_demo  # type: ignore[assignment]
+        demo = Demo(Path(tmp), args.workers, args.timeout)
         try:
-            return runner(demo)
+            return _run(demo)
         finally:
             demo.stop()
+
+
+def run_story_demo(args: argparse.Namespace) -> int:
+    """The whole story (harness.demo_story), then the report measured from it (harness.demo_report)."""
+    from harness.chaos import fault_free_run  # noqa: PLC0415
+    from harness.demo_output import plot, summary_lines  # noqa: PLC0415
+    from harness.demo_report import build_report, problems  # noqa: PLC0415
+    from harness.demo_story import StoryConfig, StoryRun, run_story, say  # noqa: PLC0415
+
+    started = time.monotonic()
+    try:
+        cfg = StoryConfig(pp=args.pp, dp=args.dp, steps=args.steps, timeout_s=args.timeout)
+        cfg.check()
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+    except (ValueError, OSError) as exc:
+        print(f"elaswave demo: {exc}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="elaswave-demo-") as tmp:
+        story = StoryRun(Path(tmp), cfg)
+        try:
+            record = run_story(story)
+        finally:
+            story.stop()
+        say("the fault-free run: the same script and seed in one process (losses, final checkpoint)")
+        ref_losses, ref_ckpt = fault_free_run(story)
+        report = build_report(record, ref_losses, ref_ckpt)
+    found = problems(report, record)
+    report["problems"] = found
+    report["wall_s"] = time.monotonic() - started
+    (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True))
+    plot(report, out / "demo.png")
+    for line in summary_lines(report):
+        say(line)
+    for problem in found:
+        say(f"CHECK FAILED: {problem}")
+    say(f"report: {out / 'report.json'}; figure: {out / 'demo.png'}; {report['wall_s']:.0f} s")
+    if not found:
+        say("checks passed: no process restarted, the state and the loss curve are the fault-free run's")
+    return 1 if found else 0
 
 
 def _run(demo: Demo) -> int:

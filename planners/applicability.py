@@ -13,7 +13,9 @@ else a rank of a neighbouring stage). A lost rank whose holder is lost too has n
 a copy of everything, the executors can reach any layout over the surviving ranks: fewer ranks,
 fewer stages (a whole stage lost, its blocks taken by its neighbours from the backups), blocks
 moved any distance (state that travels between stages that are not adjacent gets a two-rank
-group for the transfer: `far_pairs`). Adding ranks is not in place.
+group for the transfer: `far_pairs`), and ranks added (a joining worker, `Plan.joiners`, holds no
+state yet: it receives its blocks' parameters and its shard from their live owners, the same
+rebuild read in the other direction, ElasWave §5.2).
 """
 
 from __future__ import annotations
@@ -74,14 +76,8 @@ def far_pairs(old: Layout, new: Layout, lost: frozenset[int]) -> tuple[tuple[int
 
 
 def structural_problem(old: Layout, new: Layout) -> str | None:
-    """The first change of `old -> new` the executor cannot make in place, or None."""
-    joined = set(new.ranks()) - set(old.ranks())
-    if joined:
-        return (
-            f"{UNSUPPORTED}: adding ranks (ranks {sorted(joined)} join in this plan). Only "
-            "ranks already in the job have a process and state here, so a plan may remove "
-            "ranks and move layers but not add ranks"
-        )
+    """The first change of `old -> new` the executor cannot make in place, or None. Ranks that
+    `new` adds are not a problem: the plan names the workers that take them (`Plan.joiners`)."""
     if old.num_layers != new.num_layers or old.layer_numel != new.layer_numel:
         return f"{UNSUPPORTED}: a different model (layer count or sizes differ)"
     if old.global_batch != new.global_batch:

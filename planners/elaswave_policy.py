@@ -8,6 +8,8 @@ in the paper's order:
 1. dataflow (§4.1): going ranks leave, their stage's survivors take their samples
    (`resize_for_going`, shared with the resize-only baseline); a stage that loses every rank
    hands its layers to a neighbour;
+   spares join where they are needed most (`planners.elaswave_policy_join`, §4.1 in reverse):
+   back to the fault-free layout after a loss, beyond it only where it pays;
 2. graph (§4.2): Algorithm 1 under the executor's adjacency rule (`planners.elaswave_graph`);
 3. DVFS (§4.3): the residual straggler stage is up-clocked (`planners.elaswave_clocks`).
 
@@ -26,6 +28,7 @@ from planners.dataflow import drop_stage, micro_batch_sizes, resize_after_loss
 from planners.elaswave_clocks import plan_clocks
 from planners.elaswave_graph import repartition
 from planners.elaswave_model import DEFAULT_SLOWDOWN, JobModel, RankReport, Slowdown, costing, slowdowns
+from planners.elaswave_policy_join import Joins, add_spares
 from planners.elaswave_reasons import Outcome, Reason, Step, headlines
 from planners.layout import Layout
 from planners.validation import validate
@@ -45,13 +48,15 @@ class ElasWaveSettings:
 @dataclass(frozen=True)
 class ElasWaveInput:
     """What the policy decides from: the layout in force, the ranks that go, every worker's last
-    report, the ranks whose fail-slow flag cleared since the last plan, and the cost model."""
+    report, the ranks whose fail-slow flag cleared since the last plan, the cost model, and the
+    spares that may join (None: no growth)."""
 
     layout: Layout
     going: tuple[int, ...]
     model: JobModel
     reports: tuple[RankReport, ...] = ()
     recovered: frozenset[int] = frozenset()
+    joins: Joins | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class ElasWavePlan:
     reasons: tuple[Reason, ...]
     summary: str  # one line for the event log
     predicted_step_time_s: float = 0.0
+    joiners: tuple[tuple[int, str], ...] = ()  # (rank, worker_id) of each spare `layout` takes in
 
 
 @dataclass(frozen=True)
@@ -80,13 +86,24 @@ def plan_elaswave(inp: ElasWaveInput, settings: ElasWaveSettings = ElasWaveSetti
     going = sorted(set(inp.going) & in_layout)
     recovered = frozenset(inp.recovered) & in_layout
     slow = slowdowns(layout, inp.reports, going, model.nominal_mhz, settings.default_slowdown)
-    if not going and not slow and not recovered:
-        text = "no rank of the current layout is leaving, slow or recovered"
+    spares = inp.joins is not None and bool(inp.joins.spares)
+    if not going and not slow and not recovered and not spares:
+        text = "no rank of the current layout is leaving, slow or recovered, and no spare waits"
         return ElasWavePlan("none", None, (), text)
     resized = resize_for_going(layout, going) if going else Resized(layout, ())
     if resized.layout is None:
         return ElasWavePlan("refuse", None, resized.reasons, resized.refusal)
-    return _plan(layout, resized.layout, resized.reasons, model, slow, recovered, settings)
+    grown, reasons = resized.layout, resized.reasons
+    joiners: tuple[tuple[int, str], ...] = ()
+    if inp.joins is not None:
+        factors = {r: s.factor for r, s in slow.items()}
+        added = add_spares(resized.layout, inp.joins, model, factors, settings.min_gain)
+        grown, joiners, reasons = added.layout, added.joiners, (*reasons, *added.reasons)
+    plan = _plan(layout, grown, reasons, model, slow, recovered, settings)
+    if plan.action != "publish" or not joiners:
+        return plan
+    kept = set(plan.layout.ranks()) if plan.layout is not None else set()
+    return replace(plan, joiners=tuple((r, w) for r, w in joiners if r in kept))
 
 
 def _plan(

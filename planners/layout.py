@@ -280,6 +280,13 @@ class Plan:
     policy: str = ""
     mode: PlanMode = PlanMode.IN_PLACE
     created_unix: float = 0.0
+    # (rank, worker_id) of every rank that `new` adds to `old` (a spare taken in, growth issue):
+    # a joining worker finds its rank here by its worker id; sorted by rank.
+    joiners: tuple[tuple[int, str], ...] = field(default=())
+
+    def rank_of_joiner(self, worker_id: str) -> int | None:
+        """The rank this plan gives the joining worker `worker_id` (None: it does not join here)."""
+        return next((rank for rank, w in self.joiners if w == worker_id), None)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -294,6 +301,7 @@ class Plan:
                 "policy": self.policy,
                 "mode": self.mode.value,
                 "created_unix": self.created_unix,
+                "joiners": [[rank, worker] for rank, worker in self.joiners],
             },
             sort_keys=True,
             separators=(",", ":"),
@@ -322,6 +330,7 @@ class Plan:
             policy=str(d.get("policy", "")),
             mode=PlanMode(mode),
             created_unix=as_float(d.get("created_unix", 0.0), "plan.created_unix"),
+            joiners=_joiners(d.get("joiners", [])),
         )
 
 
@@ -450,3 +459,25 @@ def _stage_from_dict(d: Any, index: int) -> StageLayout:
             for w in as_list(d.get("sample_weights", []), f"{where}.sample_weights")
         ),
     )
+
+
+def _joiners(raw: Any) -> tuple[tuple[int, str], ...]:
+    """`plan.joiners` from JSON: [[rank, worker_id], ...], ranks distinct and >= 0."""
+    if not isinstance(raw, list):
+        raise ValueError(f"plan.joiners must be a list of [rank, worker_id] pairs, got {type(raw).__name__}")
+    out: list[tuple[int, str]] = []
+    for item in raw:
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or isinstance(item[0], bool)
+            or not isinstance(item[0], int)
+            or item[0] < 0
+            or not isinstance(item[1], str)
+            or not item[1]
+        ):
+            raise ValueError(f"plan.joiners entries must be [rank >= 0, worker_id], got {item!r}")
+        out.append((item[0], item[1]))
+    if len({r for r, _ in out}) != len(out) or len({w for _, w in out}) != len(out):
+        raise ValueError(f"plan.joiners names a rank or a worker twice: {raw!r}")
+    return tuple(sorted(out))

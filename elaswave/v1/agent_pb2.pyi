@@ -118,12 +118,14 @@ class WorkerExit(_message.Message):
     def __init__(self, exit_code: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Leave(_message.Message):
-    __slots__ = ("reason", "finished")
+    __slots__ = ("reason", "finished", "checkpoint")
     REASON_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     reason: str
     finished: bool
-    def __init__(self, reason: _Optional[str] = ..., finished: _Optional[bool] = ...) -> None: ...
+    checkpoint: str
+    def __init__(self, reason: _Optional[str] = ..., finished: _Optional[bool] = ..., checkpoint: _Optional[str] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("register", "heartbeat", "probe", "memory", "step", "preemption", "worker_exit", "leave")
@@ -214,3 +216,43 @@ class ConnectResponse(_message.Message):
     checkpoint: Checkpoint
     echo: HeartbeatEcho
     def __init__(self, ack: _Optional[_Union[RegisterAck, _Mapping]] = ..., set_frequency: _Optional[_Union[SetFrequency, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., report_now: _Optional[_Union[ReportNow, _Mapping]] = ..., rejected: _Optional[_Union[ReportRejected, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., echo: _Optional[_Union[HeartbeatEcho, _Mapping]] = ...) -> None: ...
+
+class NodeFrame(_message.Message):
+    __slots__ = ("channel", "request", "authorization", "worker_token", "end")
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    AUTHORIZATION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    channel: int
+    request: ConnectRequest
+    authorization: str
+    worker_token: str
+    end: bool
+    def __init__(self, channel: _Optional[int] = ..., request: _Optional[_Union[ConnectRequest, _Mapping]] = ..., authorization: _Optional[str] = ..., worker_token: _Optional[str] = ..., end: _Optional[bool] = ...) -> None: ...
+
+class NodeRequest(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[NodeFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[NodeFrame, _Mapping]]] = ...) -> None: ...
+
+class NodeReply(_message.Message):
+    __slots__ = ("channel", "response", "end", "code", "details")
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    channel: int
+    response: ConnectResponse
+    end: bool
+    code: int
+    details: str
+    def __init__(self, channel: _Optional[int] = ..., response: _Optional[_Union[ConnectResponse, _Mapping]] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class NodeResponse(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[NodeReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[NodeReply, _Mapping]]] = ...) -> None: ...

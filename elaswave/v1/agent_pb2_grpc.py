@@ -39,6 +39,11 @@ class AgentServiceStub:
                 request_serializer=elaswave_dot_v1_dot_agent__pb2.ConnectRequest.SerializeToString,
                 response_deserializer=elaswave_dot_v1_dot_agent__pb2.ConnectResponse.FromString,
                 _registered_method=True)
+        self.ConnectNode = channel.stream_stream(
+                '/elaswave.v1.AgentService/ConnectNode',
+                request_serializer=elaswave_dot_v1_dot_agent__pb2.NodeRequest.SerializeToString,
+                response_deserializer=elaswave_dot_v1_dot_agent__pb2.NodeResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -59,6 +64,20 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConnectNode(self, request_iterator, context):
+        """A node multiplexer (agent/node_mux.py) carries the Connect streams of the agents on its node
+        over this one stream, many of their messages per gRPC message: per-message gRPC work, not the
+        report itself, is what limits how many agents one Core can watch. Each channel is one
+        agent's Connect stream under Connect's rules: its first frame carries the Register with that
+        agent's own credentials (the job token, and the worker token when re-registering), checked
+        per channel as Connect checks its metadata, so every worker still speaks only for itself;
+        then reports; a channel that ends without a Leave is a fail-stop signal for its worker, and
+        so is the end of this stream for every channel still open on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -66,6 +85,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Connect,
                     request_deserializer=elaswave_dot_v1_dot_agent__pb2.ConnectRequest.FromString,
                     response_serializer=elaswave_dot_v1_dot_agent__pb2.ConnectResponse.SerializeToString,
+            ),
+            'ConnectNode': grpc.stream_stream_rpc_method_handler(
+                    servicer.ConnectNode,
+                    request_deserializer=elaswave_dot_v1_dot_agent__pb2.NodeRequest.FromString,
+                    response_serializer=elaswave_dot_v1_dot_agent__pb2.NodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -95,6 +119,33 @@ class AgentService:
             '/elaswave.v1.AgentService/Connect',
             elaswave_dot_v1_dot_agent__pb2.ConnectRequest.SerializeToString,
             elaswave_dot_v1_dot_agent__pb2.ConnectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConnectNode(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/elaswave.v1.AgentService/ConnectNode',
+            elaswave_dot_v1_dot_agent__pb2.NodeRequest.SerializeToString,
+            elaswave_dot_v1_dot_agent__pb2.NodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,6 +17,7 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_DRAINING: _ClassVar[WorkerState]
     WORKER_STATE_LOST: _ClassVar[WorkerState]
     WORKER_STATE_LEFT: _ClassVar[WorkerState]
+    WORKER_STATE_SPARE: _ClassVar[WorkerState]
 
 class JobPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -24,6 +25,7 @@ class JobPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_PHASE_RUNNING: _ClassVar[JobPhase]
     JOB_PHASE_PLANNING: _ClassVar[JobPhase]
     JOB_PHASE_APPLYING: _ClassVar[JobPhase]
+    JOB_PHASE_COMPLETED: _ClassVar[JobPhase]
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_JOINING: WorkerState
 WORKER_STATE_RUNNING: WorkerState
@@ -32,10 +34,12 @@ WORKER_STATE_PREEMPTING: WorkerState
 WORKER_STATE_DRAINING: WorkerState
 WORKER_STATE_LOST: WorkerState
 WORKER_STATE_LEFT: WorkerState
+WORKER_STATE_SPARE: WorkerState
 JOB_PHASE_UNSPECIFIED: JobPhase
 JOB_PHASE_RUNNING: JobPhase
 JOB_PHASE_PLANNING: JobPhase
 JOB_PHASE_APPLYING: JobPhase
+JOB_PHASE_COMPLETED: JobPhase
 
 class Device(_message.Message):
     __slots__ = ("kind", "index", "name", "memory_bytes")

@@ -38,14 +38,16 @@ class OfferResourcesRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., devices: _Optional[int] = ..., hosts: _Optional[_Iterable[str]] = ..., expected_duration_s: _Optional[float] = ...) -> None: ...
 
 class OfferResourcesResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "event_seq")
+    __slots__ = ("accepted", "reason", "event_seq", "admitted_workers")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     event_seq: int
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., event_seq: _Optional[int] = ...) -> None: ...
+    admitted_workers: int
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., event_seq: _Optional[int] = ..., admitted_workers: _Optional[int] = ...) -> None: ...
 
 class ReclaimResourcesRequest(_message.Message):
     __slots__ = ("job", "devices", "deadline_unix")
@@ -72,18 +74,20 @@ class GetJobStateRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class GetJobStateResponse(_message.Message):
-    __slots__ = ("job", "phase", "members", "plan_epoch", "last_event_seq")
+    __slots__ = ("job", "phase", "members", "plan_epoch", "last_event_seq", "final_checkpoint")
     JOB_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAST_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FINAL_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     job: str
     phase: _common_pb2.JobPhase
     members: _containers.RepeatedCompositeFieldContainer[_common_pb2.Member]
     plan_epoch: int
     last_event_seq: int
-    def __init__(self, job: _Optional[str] = ..., phase: _Optional[_Union[_common_pb2.JobPhase, str]] = ..., members: _Optional[_Iterable[_Union[_common_pb2.Member, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., last_event_seq: _Optional[int] = ...) -> None: ...
+    final_checkpoint: str
+    def __init__(self, job: _Optional[str] = ..., phase: _Optional[_Union[_common_pb2.JobPhase, str]] = ..., members: _Optional[_Iterable[_Union[_common_pb2.Member, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., last_event_seq: _Optional[int] = ..., final_checkpoint: _Optional[str] = ...) -> None: ...
 
 class GetScaleTableRequest(_message.Message):
     __slots__ = ("job",)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
+from typing import Any
 
 import torch
 from torch.distributed import (
@@ -145,7 +146,7 @@ class Communicator:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         validate_membership(membership)
-        if worker not in all_workers(membership):
+        if membership and worker not in all_workers(membership):
             raise MembershipError(f"worker {worker} is in no group of {dict(membership)}")
         self.store = store
         self.worker = worker
@@ -166,6 +167,14 @@ class Communicator:
         self._build(sorted(n for n, ws in self.physical.items() if worker in ws))
 
     # ----- introspection -------------------------------------------------------------------
+    @classmethod
+    def for_joiner(cls, store: Store, worker: int, timeout_s: float = 10.0, **kwargs: Any) -> Communicator:
+        """The communicator of a worker joining a running job (growth: a spare taken in). It holds
+        no group: the `apply_edit` of the plan that takes it in, called at that plan's epoch like
+        every other member's, builds each group it belongs to (they all gain a member, so every
+        other member rebuilds them too). Never blocks."""
+        return cls(store, worker, {}, timeout_s=timeout_s, **kwargs)
+
     def names(self) -> list[str]:
         """The gloo groups this worker is in (logical groups, and `link/a-b` pipeline links)."""
         return sorted(self._groups)

@@ -13,8 +13,11 @@ holder, `planners.backup`) and sent to the ranks that need it under the new layo
 All sends and receives are posted at once; each goes over the group the new layout gives the
 pair (same or adjacent stages: `planners.applicability` refuses other plans before they are
 published). Nothing is lost as long as each lost shard has a live backup, so no step is replayed.
-Non-parameter buffers of a unit that changes rank come from the model's constructor (they are
-not part of the ZeRO state the backups keep).
+A worker that joins (growth, `Plan.joiners`) is a destination that holds nothing: it receives the
+full parameters of its new units and its new shard's moments from their live owners, several
+peers at once; only the intervals that change owner move for everyone else. Non-parameter
+buffers of a unit that changes rank come from the model's constructor (they are not part of the
+ZeRO state the backups keep).
 """
 
 from __future__ import annotations
@@ -104,13 +107,16 @@ def rebuild(
     units: Mapping[str, int],
     new_own: Ownership,
     timeout_s: float = 30.0,
+    joining: bool = False,
 ) -> RebuiltState:
     """Run `plan` (every worker of `new` calls this after `comm.apply_edit`): `mine` is my live
     shard at the committed step, `backups` the shards I keep for others, `params` my committed
     full parameters (of my old units), `units` my units under `new` (name -> element count).
+    `joining`: I join in this plan and hold nothing (`mine` empty, `params` empty): every
+    element I need is read from its live owner, and the committed step is the others'.
     Blocks on the store and on p2p transfers, bounded by `timeout_s` / the communicator
     timeout (PeerFailure)."""
-    check_integrity(comm, new, plan, mine, backups, mine.step, timeout_s, "rebuild")
+    step = check_integrity(comm, new, plan, mine, backups, mine.step, timeout_s, "rebuild", adopt=joining)
     me = comm.worker
     sends: list[tuple[str, torch.Tensor, int, int]] = []
     recvs: list[tuple[str, torch.Tensor, int, int]] = []
@@ -127,7 +133,7 @@ def rebuild(
             recvs.append((comm.group_with(t.src, me), buf, t.src, REBUILD_TAG + i))
             pieces.append((t, buf))
     comm.exchange_many(sends, recvs)
-    out = RebuiltState({}, ShardState(mine.step))
+    out = RebuiltState({}, ShardState(step))
     for unit, n in units.items():
         got = [(t, d) for t, d in pieces if t.unit == unit]
         full = (

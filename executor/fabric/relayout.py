@@ -13,9 +13,9 @@ applies such a plan in two steps, each with its own, already exact, transfer pla
 Either step is skipped when it has nothing to do: a pure loss has no moves, a pipeline-only
 plan has nothing to remap. A plan outside these two steps (the stage count changes because a
 whole stage was lost, a block moves by more than one stage, a lost shard's backup lives in
-another stage) is one rebuild from live shards and backups (`executor.fabric.rebuild`). Refused
-up front (`RelayoutError`, before any group is edited): adding ranks, changing the model or the
-global batch.
+another stage, ranks added by joining workers) is one rebuild from live shards and backups
+(`executor.fabric.rebuild`). Refused up front (`RelayoutError`, before any group is edited):
+changing the model or the global batch.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from planners.layout import Layout
 class RelayoutError(ValueError):
     """The plan asks for a change the engine cannot apply in place; nothing was changed.
 
-    Unsupported in place (README "Known gaps"): adding ranks (scale-up), changing the model or
-    the global batch."""
+    Unsupported in place: changing the model or the global batch."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +72,9 @@ def plan_relayout(old: Layout, new: Layout) -> Relayout:
 
 def needs_rebuild(old: Layout, new: Layout, lost: frozenset[int]) -> bool:
     """Whether `old -> new` falls outside remap-then-migrate: the stage count changes, a block
-    moves by more than one stage, or a lost shard's backup lives in another stage."""
-    if old.num_stages != new.num_stages:
+    moves by more than one stage, a lost shard's backup lives in another stage, or ranks join
+    (a joiner holds nothing yet: everything it needs is read from live owners)."""
+    if old.num_stages != new.num_stages or set(new.ranks()) - set(old.ranks()):
         return True
     if any(abs(old.stage_of_layer(k) - new.stage_of_layer(k)) > 1 for k in range(old.num_layers)):
         return True

@@ -171,11 +171,14 @@ def check_integrity(
     step: int,
     timeout_s: float,
     mode: str,
-) -> None:
+    adopt: bool = False,
+) -> int:
     """Fig. 7a: my live state and every backup I must serve are at committed step `step`, and
     every worker of `new` announces the same step and `mode` (what travels: a mixed mode would
-    mismatch message sizes). Blocks on the store, bounded by `timeout_s`."""
-    if mine is not None and mine.step != step:
+    mismatch message sizes); returns that step. `adopt`: this worker joins and holds no state
+    yet, so it announces none and takes the others' (`step` is ignored). Blocks on the store,
+    bounded by `timeout_s`."""
+    if mine is not None and not adopt and mine.step != step:
         raise RemapError(f"worker {comm.worker}: live state is at step {mine.step}, remap expects {step}")
     for owner in sorted({t.owner for t in plan if t.from_snapshot and t.src == comm.worker}):
         held = backup_of(snapshot, owner)
@@ -185,16 +188,17 @@ def check_integrity(
                 f"but its snapshot is at step {None if held is None else held.step}"
             )
     key = f"{comm.namespace}/e{comm.epoch}/remap-step/"
-    comm.store.set(key + str(comm.worker), f"{step} {mode}")
+    comm.store.set(key + str(comm.worker), f"{'?' if adopt else step} {mode}")
     keys = [key + str(w) for w in new.ranks()]
     comm.wait_keys(keys, "remap integrity check", timeout_s=timeout_s)
     said = {w: comm.store.get(key + str(w)).decode().split() for w in new.ranks()}
-    steps = {w: int(v[0]) for w, v in said.items()}
+    steps = {w: int(v[0]) for w, v in said.items() if v[0] != "?"}
     if len(set(steps.values())) != 1:
         raise RemapError(f"survivors disagree on the committed step: {steps}")
     modes = {w: v[1] for w, v in said.items()}
     if len(set(modes.values())) != 1:
         raise RemapError(f"workers disagree on what travels: {modes}")
+    return next(iter(steps.values()))
 
 
 def _assemble(

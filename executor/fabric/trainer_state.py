@@ -118,6 +118,7 @@ class FabricParticipant:
         migration: str = "blocking",
         shadow_slots: int = 1,
         restore_source: RestoreSource | None = None,
+        joining: bool = False,
     ) -> None:
         if verify_every < 1:
             raise ValueError(f"verify_every must be >= 1, got {verify_every}")
@@ -140,9 +141,13 @@ class FabricParticipant:
         self.restored_from: list[tuple[int, str | None, int]] = []  # (plan epoch, checkpoint, its next step)
         self._committed: dict[str, Any] = trainer.get_state()
         self._base: CommittedPoint | None = None  # set by the first plan after a commit
+        # A joiner (growth) holds no group and no state until the plan that takes it in: its
+        # trainer's fresh parameters are never used, and its backups are formed by that plan.
+        self.joining = joining
         # The hook lives in the Trainer, so every optimizer it builds (any layout) calls it.
         trainer.set_grad_hook(self._on_grads)
-        self._install_snapshot()
+        if not joining:
+            self._install_snapshot()
 
     # ----- StepParticipant -----------------------------------------------------------------
     def before_vote(self) -> None:
@@ -155,6 +160,7 @@ class FabricParticipant:
             self._verified_in_step = None
         self._committed = self.trainer.get_state()
         self._base = None  # the new layout is committed: later plans start from here
+        self.joining = False
         if self._inflight is not None:  # the step that carried a non-blocking migration committed
             self.migrations.append(self._inflight.report())
             self._inflight, self._seed_pending = None, True
@@ -187,8 +193,14 @@ class FabricParticipant:
     def check_plan(self, plan: Plan, lost: frozenset[int]) -> Relayout | None:
         """Raise RelayoutError (before any group is edited) unless `plan` starts from this
         worker's committed layout and, for an in-place plan, the engine can apply it in place;
-        returns the diff (None for a RESTORE plan, which reloads state and needs none)."""
-        if plan.old is None or plan.old != self.committed_layout:
+        returns the diff (None for a RESTORE plan, which reloads state and needs none). A joiner
+        has no committed layout: the plan must add its rank."""
+        if self.joining:
+            if plan.old is None or self.comm.worker in plan.old.ranks():
+                raise RelayoutError(
+                    f"plan {plan.epoch} does not add joining worker {self.comm.worker}'s rank"
+                )
+        elif plan.old is None or plan.old != self.committed_layout:
             raise RelayoutError(
                 f"plan {plan.epoch} was made for another layout than worker {self.comm.worker}'s committed one"
             )
@@ -218,13 +230,13 @@ class FabricParticipant:
         for the new layout. RESTORE: every worker reloads its part of the agreed checkpoint for
         the new layout (any stage count) and seeds a new ring. Either way the committed point
         stays until the next commit, so an attempt that fails part-way is retried from it."""
-        base = self._enter_plan()
         steps = self.check_plan(plan, lost)
+        base = CommittedPoint(self._committed, None) if self.joining else self._enter_plan()
         self._seed_pending = False  # this plan seeds a ring of its own
         if steps is None:
             return self._restore(plan)
         if steps.rebuild:
-            self._rebuild(plan, lost, base)
+            self._rebuild(plan, lost, base, committed_step)
             self._committed = self.trainer.get_state()
             self._install_snapshot()
             return committed_step
@@ -324,9 +336,10 @@ class FabricParticipant:
             target, self.comm, params, shards, step_count=mine.step, next_step=self.trainer.next_step
         )
 
-    def _rebuild(self, plan: Plan, lost: frozenset[int], base: CommittedPoint) -> None:
+    def _rebuild(self, plan: Plan, lost: frozenset[int], base: CommittedPoint, committed_step: int) -> None:
         """Every unit's committed state from where it lives (live shards, backups of lost
-        shards) to where `plan.new` needs it, in one exchange (`executor.fabric.rebuild`)."""
+        shards) to where `plan.new` needs it, in one exchange (`executor.fabric.rebuild`). A
+        joiner contributes nothing and receives everything it holds under `plan.new`."""
         assert plan.old is not None
         names, numels = self.trainer.unit_names, self.trainer.spec.unit_numels()
         new_own = engine_ownership(plan.new, names)
@@ -341,15 +354,18 @@ class FabricParticipant:
         )
         stage = plan.new.stage_layout_of_rank(self.comm.worker)
         units = {names[i]: numels[i] for i in stage.layers}
-        mine = shard_state_of(self.trainer)
+        joining = self.joining
+        mine = ShardState(-1) if joining else shard_state_of(self.trainer)
+        params = {} if joining else self.trainer.unit_params()
         state = rebuild(
-            self.comm, plan.new, transfers, mine, base.snapshot, self.trainer.unit_params(), units, new_own
+            self.comm, plan.new, transfers, mine, base.snapshot, params, units, new_own, joining=joining
         )
         shards = {
             n: ZeroShard(sh.start, sh.stop, sh.exp_avg, sh.exp_avg_sq) for n, sh in state.shard.units.items()
         }
+        next_step = committed_step + 1 if joining else self.trainer.next_step
         self.trainer.reset_layout(
-            plan.new, self.comm, state.params, shards, step_count=mine.step, next_step=self.trainer.next_step
+            plan.new, self.comm, state.params, shards, step_count=state.shard.step, next_step=next_step
         )
 
     # ----- shard backups -------------------------------------------------------------------

@@ -78,8 +78,9 @@ def test_plan_is_diffed_into_remap_then_migration() -> None:
 
 def test_plans_outside_remap_and_migration() -> None:
     old = base_layout(RNG)
-    with pytest.raises(RelayoutError, match=r"unsupported .*: adding ranks \(ranks \[4\] join"):
-        plan_relayout(resize_after_loss(old, {4}).layout, old)
+    # a rank added (a joining worker takes rank 4 back): one rebuild, the joiner reads everything
+    joined = plan_relayout(resize_after_loss(old, {4}).layout, old)
+    assert joined.rebuild and not joined.lost and joined.remap_to is None and not joined.moves
     # a whole stage dropped: one rebuild from live shards and backups, no remap or migration
     whole = plan_relayout(old, replace(old, stages=(replace(old.stages[0], layer_stop=6),)))
     assert whole.rebuild and whole.lost == {3, 4, 5} and whole.remap_to is None and not whole.moves

@@ -115,7 +115,7 @@ def test_elaswave_is_credited_only_for_plans_the_executor_applies(policy: str) -
                 restored += 1
         assert run.restores == sum(1 for s in planned if s.mode == "restore")
     if policy == "elaswave":
-        assert restored  # joins (adding ranks) are never credited in place
+        assert restored  # node losses that take a shard with its backup restore from a checkpoint
 
 
 def test_costs_are_overridable_and_bad_ones_rejected(

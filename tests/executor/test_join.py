@@ -1,0 +1,323 @@
+"""Growth in place (issue 10): a worker that was lost is replaced by a new one, at a step boundary,
+with no process restarted and no checkpoint read.
+
+PP=2 x DP=3 on gloo. Worker 4 (stage 1) is SIGKILLed mid-step at FAIL_STEP; the survivors recover
+in place (plan 1, micro-batches resized, ElasWave §4.1). At the boundary before JOIN_STEP a new
+process, worker 6, joins: plan 2 takes the job back to the fault-free layout with rank 6 in rank
+4's place (`Plan.joiners`). The joiner builds its groups at the plan's epoch with everyone else
+(`Communicator.for_joiner`), learns the last committed step, and receives its blocks' parameters
+and its ZeRO shard from their live owners (`executor.fabric.rebuild`, joining).
+
+Checked against the job itself and a fault-free run of the same seed:
+- right after the join, the gathered parameters and Adam moments equal the job's state right
+  before it bitwise (nothing but the joiner's state moved), and the fault-free state at that step
+  within fp32 round-off (the steps on DP = 2 summed gradients in another order);
+- every sample of every step is processed once per stage, before and after the join;
+- the losses follow the fault-free run to fp32 round-off, and from the join on the job is
+  the fault-free layout again;
+- every backup equals its owner's live shard at the end (the joiner's included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from executor.comm import Communicator, PeerFailure, groups_for_stages
+from executor.fabric.trainer_state import FabricParticipant, shard_state_of
+from executor.step_protocol import PlanInterrupted, StepProtocol, plan_key
+from executor.store_server import StoreServer, connect_store
+from executor.trainer import Trainer
+from planners.applicability import judge
+from planners.dataflow import resize_after_loss
+from planners.layout import Layout, Plan, StageLayout
+from tests.executor.ft_procs import collect, spawn
+from tests.executor.test_failstop import (
+    BATCH,
+    CFG,
+    FAIL_STEP,
+    STEPS,
+    TIMEOUT_S,
+    VICTIM,
+    WORKERS,
+    KillingCommunicator,
+    _state_numpy,
+    assert_snapshots_equal_live,
+    assert_states_bitwise,
+    base_layout,
+)
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+
+RNG = "placement_invariant"
+JOIN_STEP = 6  # the joiner trains from this step on
+JOINER = 6
+READY = "test/committed-before-join"  # worker 0 sets it once step JOIN_STEP - 1 committed
+FP32_REL = 1e-5  # a relative difference fp32 round-off explains (different summation order)
+
+
+def after_loss() -> Layout:
+    return resize_after_loss(base_layout(RNG), {VICTIM}).layout
+
+
+def with_joiner() -> Layout:
+    """The fault-free layout, rank JOINER in VICTIM's place (same DP index: same samples)."""
+    base = base_layout(RNG)
+    s1 = base.stages[1]
+    ranks = tuple(JOINER if r == VICTIM else r for r in s1.ranks)
+    return base.replace(stages=(base.stages[0], StageLayout(1, s1.layer_start, s1.layer_stop, ranks)))
+
+
+def join_plan() -> Plan:
+    return Plan(2, after_loss(), with_joiner(), ("spare taken in",), 0.0, joiners=((JOINER, "spare-0"),))
+
+
+def replan(dying: int) -> Plan:
+    """Plan 3, from the cumulative state after `dying` died during the join: without the joiner
+    (it died), or with it and without the dead survivor (a kill racing the join)."""
+    if dying == JOINER:
+        return Plan(3, after_loss(), after_loss(), ("the joiner died",), 0.0)
+    new = resize_after_loss(with_joiner(), {dying}).layout
+    return Plan(3, after_loss(), new, (f"lost worker {dying}",), 0.0, joiners=((JOINER, "spare-0"),))
+
+
+class DiesInJoin(Communicator):
+    """SIGKILLs its own process on its first state transfer once `armed` (inside the join)."""
+
+    armed = False
+
+    def post_exchange(self, sends: Any, recvs: Any) -> Any:
+        if self.armed:
+            print(f"worker {self.worker}: SIGKILL during the join's state transfer", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().post_exchange(sends, recvs)
+
+
+def _loop(
+    worker: int,
+    trainer: Trainer,
+    proto: StepProtocol,
+    comm: Communicator,
+    step: int,
+    out: dict[str, Any],
+    kill: bool,
+    dying: int | None = None,
+) -> None:
+    """Train to STEPS; adopt a plan after a rollback (the loss) and before JOIN_STEP (the join)."""
+    while step < STEPS:
+        if step == JOIN_STEP and worker != JOINER and "before_join" not in out:
+            out["before_join"] = _state_numpy(trainer.gather_full_state())
+            if kill:
+                if isinstance(comm, DiesInJoin) and worker == dying:
+                    comm.armed = True
+                try:
+                    proto.apply_plan(proto.await_plan(timeout_s=120))
+                except PlanInterrupted:  # a worker died during the join: the Core re-plans
+                    proto.apply_plan(proto.await_plan(timeout_s=120, after_epoch=2))
+                out["edits"].append({"at_step": step})
+                out["after_join"] = _state_numpy(trainer.gather_full_state())
+        proto.begin_step(step)
+        if isinstance(comm, KillingCommunicator):
+            comm.current_step, comm.ops_in_step = step, 0
+        result = None
+        with contextlib.suppress(PeerFailure):
+            result = trainer.train_step(step)
+        if proto.should_commit():
+            proto.commit()
+            assert result is not None
+            out["losses"][step], out["samples"][step] = result.loss, list(result.sample_ids)
+            out["stage_of"][step] = trainer.stage
+            if step == JOIN_STEP - 1 and worker == 0:
+                comm.store.set(READY, "1")
+            step += 1
+        else:
+            proto.rollback()
+            proto.apply_plan(proto.await_plan())
+            out["edits"].append({"at_step": step})
+
+
+def _worker(worker: int, port: int, kill: bool, dying: int | None = None) -> dict[str, Any]:
+    layout = base_layout(RNG)
+    store = connect_store("127.0.0.1", port)
+    out: dict[str, Any] = {"worker": worker, "losses": {}, "samples": {}, "stage_of": {}, "edits": []}
+    if worker == JOINER:
+        comm = DiesInJoin.for_joiner(store, worker, timeout_s=TIMEOUT_S)
+        # Plans come from the Core in a real job; here from the store (plan 1 is not for it).
+        plan = StepProtocol(comm, _NoState(), timeout_s=120).await_plan(after_epoch=1)
+        assert plan.rank_of_joiner("spare-0") == worker
+        trainer = Trainer(CFG, plan.new, worker, comm)
+        participant = FabricParticipant(trainer, comm, verify_every=2, joining=True)
+        proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S, joining=True, world=False)
+        started = time.perf_counter()
+        comm.armed = dying == JOINER
+        try:
+            proto.apply_plan(plan)
+        except PlanInterrupted:  # a survivor died during the join: taken in by the next plan
+            plan = proto.await_plan(timeout_s=120, after_epoch=2)
+            assert plan.rank_of_joiner("spare-0") == worker
+            proto.apply_plan(plan)
+        out["join_s"] = time.perf_counter() - started
+        out["edits"].append({"at_step": proto.committed_step + 1})
+        out["after_join"] = _state_numpy(trainer.gather_full_state())
+        out["start_step"] = proto.committed_step + 1
+    else:
+        cls = KillingCommunicator if kill and worker == VICTIM else DiesInJoin
+        comm = cls(store, worker, groups_for_stages([s.ranks for s in layout.stages]), timeout_s=TIMEOUT_S)
+        if isinstance(comm, KillingCommunicator):
+            comm.kill_at_op = 5  # the gradient reduce-scatter of FAIL_STEP
+        trainer = Trainer(CFG, layout, worker, comm)
+        participant = FabricParticipant(trainer, comm, verify_every=2)
+        proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
+    _loop(worker, trainer, proto, comm, out.get("start_step", 0), out, kill, dying)
+    snap = participant.snapshot
+    out.update(
+        stage_after=trainer.stage,
+        dp_index_after=trainer.dp_index,
+        checksum_mismatches=participant.checksum_mismatches,
+        verified=list(participant.verified_steps),
+        live_shard=shard_state_of(trainer).to_numpy(),
+        snapshot=None if snap is None else {p: st.to_numpy() for p, st in snap.states().items()},
+    )
+    return out
+
+
+class _NoState:
+    """A participant for `await_plan` alone (it reads the store and nothing else)."""
+
+
+def _run(kill: bool, dying: int | None = None) -> dict[int, dict[str, Any]]:
+    server = StoreServer.start()
+    try:
+        store = connect_store("127.0.0.1", server.port)
+        workers = [*WORKERS, JOINER] if kill else WORKERS
+        procs, results = spawn(_worker, workers, server.port, kill, dying)
+        if kill:
+            procs[VICTIM].join(timeout=120)
+            assert procs[VICTIM].exitcode == -signal.SIGKILL, "the victim was not killed"
+            store.set("ew/e0/abort", f"core: worker {VICTIM} exited")
+            plan1 = Plan(1, base_layout(RNG), after_loss(), (f"lost worker {VICTIM}",), 0.0)
+            store.set(plan_key("ew", 1), plan1.to_json())
+            store.wait([READY])  # plan 2 only once plan 1 is applied and the job moved on
+            store.set(plan_key("ew", 2), join_plan().to_json())
+            if dying is not None:
+                procs[dying].join(timeout=120)
+                assert procs[dying].exitcode == -signal.SIGKILL, f"worker {dying} was not killed"
+                store.set(plan_key("ew", 3), replan(dying).to_json())
+        expect = [w for w in workers if w not in (VICTIM, dying)] if kill else workers
+        return collect(procs, results, expect, timeout_s=240)
+    finally:
+        server.stop()
+
+
+def _merged(results: dict[int, dict[str, Any]], key: str) -> dict[str, Any]:
+    """Whole-model state from `key` of every worker that recorded it (the ranks of a stage
+    gather the same full state, so any one of them gives the stage's units)."""
+    units: dict[str, Any] = {}
+    counts = set()
+    for r in results.values():
+        if key in r:
+            for unit, fields in r[key]["units"].items():
+                units.setdefault(unit, fields)
+            counts.add(r[key]["step_count"])
+    assert len(counts) == 1, counts
+    return {"step_count": counts.pop(), "units": units}
+
+
+def _max_rel(ref: dict[str, Any], got: dict[str, Any]) -> float:
+    worst = 0.0
+    for unit, fields in ref["units"].items():
+        for f, a in fields.items():
+            b = got["units"][unit][f]
+            worst = max(worst, float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-12)))
+    return worst
+
+
+def test_the_join_plan_is_in_place() -> None:
+    plan = join_plan()
+    assert plan.old is not None
+    assert judge(plan.old, plan.new).in_place
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+_CLEAN: dict[str, dict[int, dict[str, Any]]] = {}
+
+
+def _clean_run() -> dict[int, dict[str, Any]]:
+    """The fault-free run of the same seed (once per pytest process)."""
+    if "clean" not in _CLEAN:
+        _CLEAN["clean"] = _run(kill=False)
+    return _CLEAN["clean"]
+
+
+def test_a_new_worker_takes_a_lost_ranks_place_in_place_and_the_job_follows_the_fault_free_run() -> None:
+    clean = _clean_run()
+    job = _run(kill=True)
+    joiner = job[JOINER]
+    assert joiner["start_step"] == JOIN_STEP
+    # Nothing but the joiner's state moved: the state after the join is the state before it.
+    assert_states_bitwise(_merged(job, "before_join"), _merged(job, "after_join"))
+    # ... and the fault-free state at that step, to fp32 round-off (DP = 2 steps in between).
+    ref = {
+        "step_count": JOIN_STEP,
+        "units": {
+            u: f
+            for r in clean.values()
+            if r["dp_index_after"] == 0
+            for u, f in r["before_join"]["units"].items()
+        },
+    }
+    assert _merged(job, "after_join")["step_count"] == ref["step_count"]
+    assert _max_rel(ref, _merged(job, "after_join")) < FP32_REL
+    # The layout is the fault-free one again: the joiner is stage 1, DP index 1 (rank 4's place).
+    assert (joiner["stage_after"], joiner["dp_index_after"]) == (1, 1)
+    # Every sample of every step from the loss on (the victim's results died with it), once per
+    # stage; the joiner fed rank 4's share.
+    for step in range(FAIL_STEP, STEPS):
+        per_stage: dict[int, list[int]] = {0: [], 1: []}
+        for r in job.values():
+            if step in r["samples"]:
+                per_stage[r["stage_of"][step]].extend(r["samples"][step])
+        for stage, got in per_stage.items():
+            assert sorted(got) == list(range(step * BATCH, (step + 1) * BATCH)), (step, stage)
+    for step in range(JOIN_STEP, STEPS):
+        assert joiner["samples"][step] == clean[VICTIM]["samples"][step]
+    losses = {s: v for r in job.values() for s, v in r["losses"].items() if v is not None}
+    ref_losses = {s: v for r in clean.values() for s, v in r["losses"].items() if v is not None}
+    assert sorted(losses) == list(range(STEPS))
+    for step in range(STEPS):
+        assert abs(losses[step] - ref_losses[step]) <= FP32_REL * abs(ref_losses[step]), step
+    assert all(r["checksum_mismatches"] == 0 for r in job.values())
+    assert_snapshots_equal_live(job)
+
+
+@pytest.mark.parametrize("dying", [JOINER, 3], ids=["joiner-killed-in-transfer", "kill-racing-the-join"])
+def test_a_death_during_the_join_is_replanned_from_the_cumulative_state(dying: int) -> None:
+    """The joiner killed during its state transfer: the job goes on without it (stage 1 keeps
+    DP = 2). A survivor of stage 1 killed during the join: the next plan takes the joiner in
+    and drops the dead rank (its shard from its backup). Either way the state right after the
+    re-plan is the job's state before the join bitwise, every sample is fed once per stage, the
+    losses follow the fault-free run and every backup equals its live shard."""
+    clean = _clean_run()
+    job = _run(kill=True, dying=dying)
+    assert_states_bitwise(_merged(job, "before_join"), _merged(job, "after_join"))
+    stage1 = sorted(w for w, r in job.items() if r["stage_after"] == 1)
+    assert stage1 == ([3, 5] if dying == JOINER else [5, JOINER])
+    # from the loss on; a dead survivor's own record of the steps before the join died with it
+    for step in range(FAIL_STEP if dying == JOINER else JOIN_STEP, STEPS):
+        per_stage: dict[int, list[int]] = {0: [], 1: []}
+        for r in job.values():
+            if step in r["samples"]:
+                per_stage[r["stage_of"][step]].extend(r["samples"][step])
+        for stage, got in per_stage.items():
+            assert sorted(got) == list(range(step * BATCH, (step + 1) * BATCH)), (step, stage)
+    losses = {s: v for r in job.values() for s, v in r["losses"].items() if v is not None}
+    ref = {s: v for r in clean.values() for s, v in r["losses"].items() if v is not None}
+    assert sorted(losses) == list(range(STEPS))
+    assert all(abs(losses[s] - ref[s]) <= FP32_REL * abs(ref[s]) for s in range(STEPS)), (losses, ref)
+    assert_snapshots_equal_live(job)
