@@ -103,10 +103,12 @@ class CoreLink:
         self._beat_now = True
         self._wakeup.set()
 
-    async def leave(self, reason: str, finished: bool = False) -> bool:
+    async def leave(self, reason: str, finished: bool = False, checkpoint: str = "") -> bool:
         """Send Leave after everything queued, close the stream; True when it was written in time.
-        ``finished``: the worker completed its work (see ``agent_pb2.Leave.finished``)."""
-        self._leave = agent_pb2.ConnectRequest(leave=agent_pb2.Leave(reason=reason, finished=finished))
+        ``finished``: the worker completed its work (see ``agent_pb2.Leave.finished``);
+        ``checkpoint``: the job's final checkpoint it named (``Leave.checkpoint``)."""
+        leave = agent_pb2.Leave(reason=reason, finished=finished, checkpoint=checkpoint)
+        self._leave = agent_pb2.ConnectRequest(leave=leave)
         self._wakeup.set()
         try:
             await asyncio.wait_for(self._left.wait(), self._config.leave_timeout_s)

@@ -60,6 +60,7 @@ from elaswave.local_protocol import (
     ControlFile,
     DrainNotice,
     FrequencyState,
+    finished_checkpoint,
     finished_path,
 )
 from elaswave.v1 import agent_pb2
@@ -360,7 +361,8 @@ class Agent:
         # SIGINT or an internal error: the launched worker goes first, gracefully (no-op once it exited).
         await self._stop_launched_worker(time.time() + self.config.grace_s)
         self.metrics.close()
-        await self.link.leave(reason, finished=self._worker_finished)
+        checkpoint = finished_checkpoint(finished_path(self.control.path)) if self._worker_finished else ""
+        await self.link.leave(reason, finished=self._worker_finished, checkpoint=checkpoint)
         if self.lease is not None:
             await self.lease.revoke()
 

@@ -31,6 +31,7 @@ TRIGGER_KINDS = frozenset(
         "replan_after_takeover",
         "resources_offered",
         "spare_registered",
+        "spare_ready",
         "joiner_lost",
     }
 )

@@ -43,6 +43,7 @@ from typing import Any, Literal, Protocol
 from core_service.jobs import Job, JobTable
 from core_service.metrics import CoreMetrics
 from core_service.model import (
+    SPARE_READY_EVENT,
     Ack,
     AckPhase,
     Event,
@@ -150,7 +151,11 @@ def _worker_view(
 
 def snapshot_of(job: Job) -> JobSnapshot:
     def view(m: MemberRecord) -> WorkerView:
-        step_time = m.last_step.step_time_s if m.last_step is not None else None
+        step = m.last_step
+        # its own compute (core_service.membership: the wall step time is every rank's slowest)
+        step_time = (
+            None if step is None else (step.compute_time_s if step.compute_time_s > 0 else step.step_time_s)
+        )
         return _worker_view(m.worker_id, m.host, m.stage, m.dp_rank, m.rank, m.state.value, step_time)
 
     live: list[WorkerView] = []
@@ -459,7 +464,11 @@ class ScheduleEngine:
         acks = job.acks.get(applying.epoch, {})
         if any(a.phase == AckPhase.RESUMED for a in acks.values()) and job.layout_json is not None:
             self.commit(job, applying.epoch, job.layout_json, now)
-        if job.pending_changes:
+        # A spare that became ready is no reason to supersede the plan in flight: a superseded
+        # plan abandons group builds its members may have entered (seconds lost to the group
+        # timeout), and the spare is taken in by the next plan, once this one is applied, with
+        # every other spare that became ready meanwhile. Any other change re-plans at once.
+        if any(e.kind != SPARE_READY_EVENT for e in job.pending_changes):
             self._enter(
                 job,
                 JobPhase.PLANNING,

@@ -126,6 +126,12 @@ class ExecutorServicer:
         self, request: executor_pb2.SubscribePlansRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[executor_pb2.SubscribePlansResponse]:
         self._authorise(request.job, request.worker_id, context)
+        job = self.core.table.jobs.get(request.job)
+        token = bearer_token(context)
+        if job is not None and token is not None and self._is_worker(request.job, request.worker_id, token):
+            # The spare's own worker, with its own credential, is ready to join: the policy may
+            # take it in now (the job token reads plans too, but speaks for no worker).
+            self.core.membership.mark_spare_ready(job, request.worker_id, time.time())
         sent = request.after_epoch
         while not context.done():
             latest = await registry_call(self.core.registry, self.core.plans.latest, request.job)

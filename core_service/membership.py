@@ -29,7 +29,14 @@ import grpc
 from core_service.grpc_util import RpcError
 from core_service.jobs import Job, JobTable, token_digest
 from core_service.metrics import CoreMetrics
-from core_service.model import DeviceInfo, JobPhase, MemberRecord, StepReport, WorkerState
+from core_service.model import (
+    SPARE_READY_EVENT,
+    DeviceInfo,
+    JobPhase,
+    MemberRecord,
+    StepReport,
+    WorkerState,
+)
 from core_service.persist import registry_call
 from core_service.registry import FenceLost, KVEvent, LeaseNotFound, Registry, RegistryError, WatchHandle
 from elaswave.v1 import agent_pb2
@@ -146,12 +153,13 @@ class Membership:
         member = job.members.get(reg.worker_id)
         rejoined = member is not None and member.state.is_gone
         reconnected = member is not None and not member.state.is_gone
-        # Rank -1 into a job with a layout: a spare, which a plan may take in (Plan.joiners).
+        # Rank -1 into a job with a layout: a spare, which a plan may take in (Plan.joiners). It
+        # stays JOINING until its worker subscribes to plans (`mark_spare_ready`): planned in
+        # before its process can join, it would hold every survivor at the group build while it
+        # starts (seconds of a Python process importing torch).
         spare = job.layout_json is not None and reg.rank < 0
         if member is None or rejoined:
             member = MemberRecord(reg.worker_id, reg.host, reg.pid, registered_unix=now)
-            if spare:
-                member.state = WorkerState.SPARE
             job.members[reg.worker_id] = member
         member.host, member.pid, member.devices = reg.host, reg.pid, reg.devices
         member.worker_token_sha256 = token_digest(worker_token)
@@ -174,17 +182,42 @@ class Membership:
         self.table.save_member(job, member)
         kind = "worker_reconnected" if reconnected else ("worker_rejoined" if rejoined else "worker_joined")
         if spare and not reconnected:
-            kind = "spare_registered"  # a change to plan for: the policy may take it in
+            kind = "spare_registered"  # a change to plan for once its worker is ready
         self.table.record(
             job,
             kind,
             worker_id=reg.worker_id,
             detail=f"host={reg.host} pid={reg.pid}",
             now=now,
-            membership_change=not reconnected,
+            membership_change=not reconnected and not spare,
         )
         self.metrics.agent_streams.set(len(self.sessions))
         return session
+
+    def mark_spare_ready(self, job: Job, worker_id: str, now: float) -> bool:
+        """A registered spare's worker subscribed to plans: it can join now, so it becomes a
+        SPARE and a change to plan for (the policy may take it in). False when `worker_id` is no
+        waiting spare (a member of the layout, a spare already ready, a worker gone)."""
+        member = job.members.get(worker_id)
+        if (
+            member is None
+            or member.state is not WorkerState.JOINING
+            or member.rank >= 0
+            or job.layout_json is None
+        ):
+            return False
+        member.state = WorkerState.SPARE
+        member.state_changed_unix = now
+        self.table.save_member(job, member)
+        self.table.record(
+            job,
+            SPARE_READY_EVENT,
+            worker_id=worker_id,
+            detail="its worker subscribed to plans",
+            now=now,
+            membership_change=True,
+        )
+        return True
 
     # ---- commands to agents --------------------------------------------------------------------
     def send(self, job: str, worker_id: str, command: agent_pb2.ConnectResponse) -> bool:
@@ -269,7 +302,10 @@ class Membership:
                 now=report.received_unix,
                 kind="worker_running",
             )
-        transition = job.failslow.observe(member.worker_id, report.stage, report.step_time_s)
+        # A rank's own compute, where its worker reports it: in a synchronous job every rank's
+        # wall step time is the slowest rank's, which would hide the straggler among its peers.
+        own = report.compute_time_s if report.compute_time_s > 0 else report.step_time_s
+        transition = job.failslow.observe(member.worker_id, report.stage, own)
         if transition is None or member.state.is_gone:
             return
         if transition.slow:

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+# The event that makes a registered spare's worker ready to join (its worker subscribed to plans
+# with its own credential, `Membership.mark_spare_ready`): a change the engine plans for.
+SPARE_READY_EVENT = "spare_ready"
+
 
 class WorkerState(StrEnum):
     JOINING = "JOINING"

@@ -50,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from core_service.config import JOB_NAME_PATTERN
 from core_service.http_guard import error_responses, field_error
 from core_service.job_store import JobStores, StoreError
+from core_service.model import JobPhase
 from elaswave.launcher_describe import model_difference, unit_costs
 from elaswave.worker_env import ModelDescription
 from planners.placement import Placement, PlacementError, plan_placement
@@ -131,6 +132,9 @@ class Formed:
 
     nnodes: int
     answers: dict[str, tuple[str, dict[str, Any]]]  # node id -> (session, answer)
+    common: dict[str, Any] = field(default_factory=dict)  # what every node's answer holds
+    description: ModelDescription | None = None  # the job's model, for nodes that come later
+    node_id: str = ""  # the node the description came from
 
 
 class Rendezvous:
@@ -164,6 +168,8 @@ class Rendezvous:
             ) from None
         if (formed := self.formed.get(job)) is not None:
             session, answer = formed.answers.get(body.node_id, ("", {}))
+            if body.node_id not in formed.answers and self._running(job):
+                return 200, self._spare_node(job, formed, body, desc)
             if session != body.session:
                 raise HTTPException(
                     409,
@@ -211,6 +217,51 @@ class Rendezvous:
                 "--nnodes), then this one again",
             )
         return 202, {"job": job, "joined": joined, "nnodes": g.nnodes, "missing": g.nnodes - len(joined)}
+
+    def _running(self, job: str) -> bool:
+        """Whether `job` still trains here (not COMPLETED, not deleted): a node may join it."""
+        found = self.core.table.jobs.get(job)
+        return found is not None and found.phase is not JobPhase.COMPLETED
+
+    def _spare_node(
+        self, job: str, formed: Formed, body: JoinRequest, desc: ModelDescription
+    ) -> dict[str, Any]:
+        """A node that comes after the job formed (a replacement, a node a scheduler gave back):
+        its workers join as spares (`elaswave agent` without a rank, `ELASWAVE_RANK=spare`), each
+        taken in by a plan when the Core's policy says so (growth, `Plan.joiners`). Same model and
+        same command as the job's nodes, or 409."""
+        if body.nproc_per_node != formed.common.get("nproc_per_node") or body.pp != formed.common.get("pp"):
+            raise HTTPException(
+                409,
+                detail=f"--nproc-per-node {body.nproc_per_node} / --pp {body.pp} here, but job {job!r} "
+                f"runs {formed.common.get('nproc_per_node')} / {formed.common.get('pp')}: a node joining "
+                "a running job must run the same command",
+            )
+        if formed.description is not None and (
+            diff := model_difference(desc, formed.description, formed.node_id)
+        ):
+            raise HTTPException(409, detail=f"this node's model differs from the job's: {diff}")
+        found = self.core.table.jobs[job]
+        live, limit = len(found.live_members()), self.core.membership.member_limit(found)
+        if live + body.nproc_per_node > limit:
+            raise HTTPException(
+                409,
+                detail=f"job {job!r} has {live} live workers of its limit {limit} (expected workers + "
+                f"spare_workers + workers admitted by offers): no room for this node's "
+                f"{body.nproc_per_node}; it is taken once the job has lost as many, or after an offer",
+            )
+        spares = [f"{body.node_id}-spare-{k}" for k in range(body.nproc_per_node)]
+        answer = {
+            **formed.common,
+            "role": "spare",
+            "node_index": -1,
+            "node_id": body.node_id,
+            "ranks": [],
+            "spare_worker_ids": spares,
+        }
+        formed.answers[body.node_id] = (body.session, answer)
+        log.info("rendezvous %s: node %s joins the running job with spares %s", job, body.node_id, spares)
+        return answer
 
     def _open(self, job: str, body: JoinRequest, desc: ModelDescription) -> Gathering:
         """The first node of a job: check the job is new and can be laid out (nothing stored yet)."""
@@ -359,6 +410,9 @@ class Rendezvous:
                     )
                     for i, n in enumerate(g.nodes)
                 },
+                {**common, "role": "rank"},
+                g.nodes[0].description,
+                g.nodes[0].node_id,
             )
             while len(self.formed) > REMEMBERED_JOBS:
                 self.formed.popitem(last=False)

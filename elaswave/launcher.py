@@ -239,11 +239,19 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
             print(f"elaswave run: error: {exc}", file=sys.stderr)
             return exc.exit_code
         placement = placement_of(joined)
-        print(
-            f"[elaswave] joined as node {joined.node_index} of {args.nnodes} ({joined.node_id}): ranks "
-            f"{list(joined.ranks)}; store at {joined.store_address}",
-            flush=True,
-        )
+        if joined.spare_worker_ids:
+            print(
+                f"[elaswave] job {name!r} is running: this node ({joined.node_id}) joins it with spare "
+                f"workers {list(joined.spare_worker_ids)}, each taken in by the Core's plan where the job "
+                f"needs it; store at {joined.store_address}",
+                flush=True,
+            )
+        else:
+            print(
+                f"[elaswave] joined as node {joined.node_index} of {args.nnodes} ({joined.node_id}): ranks "
+                f"{list(joined.ranks)}; store at {joined.store_address}",
+                flush=True,
+            )
     else:
         try:
             placement = plan_placement(
@@ -269,7 +277,9 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     # Several nodes of one job may share a working directory (simulated nodes, a shared home).
     default_dir = Path.cwd() / "elaswave-run" / name
     if joined is not None:
-        default_dir = default_dir / f"node-{joined.node_index}"
+        default_dir = default_dir / (
+            f"node-{joined.node_index}" if joined.node_index >= 0 else f"node-{joined.node_id}"
+        )
     run_dir = prepare_run_dir(args.run_dir or default_dir)
     (run_dir / "layout.json").write_text(placement.layout.to_json())
     (run_dir / "description.json").write_text(desc.to_json())

@@ -71,6 +71,9 @@ class Joined:
     node_id: str
     ranks: tuple[int, ...]
     answer: dict[str, Any]
+    # A node that came after the job formed: its workers join as spares, under these ids
+    # (`elaswave agent` without a rank, `ELASWAVE_RANK=spare`), taken in by the Core's plans.
+    spare_worker_ids: tuple[str, ...] = ()
 
     @property
     def nodes(self) -> list[dict[str, Any]]:
@@ -139,6 +142,7 @@ def join_job(args: argparse.Namespace, job: str, description_json: str, schedule
         node_id=str(answer["node_id"]),
         ranks=tuple(answer["ranks"]),
         answer=answer,
+        spare_worker_ids=tuple(str(w) for w in answer.get("spare_worker_ids", ())),
     )
 
 

@@ -206,10 +206,15 @@ class LocalStore:
 
 @dataclass(frozen=True)
 class RankSpec:
-    rank: int
+    rank: int  # < 0 for a spare: its rank comes with the plan that takes it in
     stage: int
     dp_rank: int
     node: int
+    worker_id: str = ""  # default rank-R; a spare's is the Core's (its node's id and an index)
+
+    @property
+    def name(self) -> str:
+        return self.worker_id or f"rank-{self.rank}"
 
 
 @dataclass
@@ -237,17 +242,14 @@ class Agents:
             "--job",
             job,
             "--worker-id",
-            f"rank-{spec.rank}",
-            "--rank",
-            str(spec.rank),
-            "--stage",
-            str(spec.stage),
-            "--dp-rank",
-            str(spec.dp_rank),
+            spec.name,
+            # a spare registers without a rank: the Core takes it in by a plan
+            *(() if spec.rank < 0 else ("--rank", str(spec.rank))),
+            *(() if spec.rank < 0 else ("--stage", str(spec.stage), "--dp-rank", str(spec.dp_rank))),
             "--core",
             core,
             "--metrics-socket",
-            str(socket_dir / f"rank-{spec.rank}.sock"),
+            str(socket_dir / f"{spec.name}.sock"),
             "--log-level",
             "WARNING",
             "--",

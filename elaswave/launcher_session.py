@@ -100,18 +100,19 @@ class Session:
             return set(self.placement.layout.ranks())
         return set(self.joined.ranks)
 
-    def worker_env(self, token: str, rank: int) -> dict[str, str]:
-        """The worker contract (`elaswave.worker_env`) for `rank`; the agent adds its worker id."""
+    def worker_env(self, token: str, rank: int, name: str = "") -> dict[str, str]:
+        """The worker contract (`elaswave.worker_env`) for `rank` (< 0: a spare named `name`);
+        the agent adds its worker id."""
         args = self.args
         env = clean_env() | {
             we.TOKEN_ENV: token,
             we.JOB_ENV: self.job,
-            we.RANK_ENV: str(rank),
+            we.RANK_ENV: we.SPARE if rank < 0 else str(rank),
             we.CORE_ENV: self.core_address,
             we.STORE_ENV: self.store_address,
             we.LAYOUT_ENV: str(self.run_dir / "layout.json"),
             we.DESCRIPTION_ENV: str(self.run_dir / "description.json"),
-            we.RESULTS_ENV: str(self.run_dir / f"rank-{rank}.json"),
+            we.RESULTS_ENV: str(self.run_dir / f"{name or f'rank-{rank}'}.json"),
             we.TIMEOUT_ENV: f"{args.timeout:g}",
             we.STOP_FILE_ENV: str(self.stop_file),
             "PYTHONUNBUFFERED": "1",
@@ -127,6 +128,12 @@ class Session:
     def _start_agents(self, token: str) -> None:
         worker_cmd = [sys.executable, str(self.args.script), *self.args.script_args]
         mine = self.node_ranks()
+        spares = self.joined.spare_worker_ids if self.joined is not None else ()
+        for k, worker_id in enumerate(spares):  # a node that came after the job formed
+            spec = RankSpec(-1 - k, -1, -1, -1, worker_id)
+            log = None if self.args.tee else self.run_dir / f"{worker_id}.log"
+            env = self.worker_env(token, spec.rank, worker_id)
+            self.agents.start(spec, self.job, self.core_address, self.socket_dir, worker_cmd, env, log)
         for stage in self.placement.layout.stages:
             for dp_rank, rank in enumerate(stage.ranks):
                 if rank not in mine:
@@ -268,11 +275,12 @@ class Session:
         return None
 
     def _show_log(self, rank: int) -> None:
-        log = self.run_dir / f"rank-{rank}.log"
+        name = self.agents.specs[rank].name
+        log = self.run_dir / f"{name}.log"
         if log.exists() and log.stat().st_size:
             text = log.read_text(errors="replace")
             print(
-                f"[elaswave] rank {rank} exited with status {self.agents.procs[rank].poll()}; {log} ends with:\n"
+                f"[elaswave] {name} exited with status {self.agents.procs[rank].poll()}; {log} ends with:\n"
                 + tail(text, LOG_TAIL_LINES),
                 file=sys.stderr,
                 flush=True,

@@ -83,13 +83,26 @@ def finished_path(control: Path) -> Path:
     return control.with_name(control.name + ".finished")
 
 
-def mark_finished() -> bool:
-    """Worker side: say "my work is complete" to the agent; False when no agent asked for it."""
+def mark_finished(checkpoint: str = "") -> bool:
+    """Worker side: say "my work is complete" to the agent, with the job's final checkpoint when
+    this worker wrote its share of one (the agent reports it in `Leave.checkpoint`, the Core
+    shows it on the COMPLETED job); False when no agent asked for it."""
     path = os.environ.get(FINISHED_ENV)
     if not path:
         return False
-    Path(path).write_text(f"{time.time():.6f}\n")
+    Path(path).write_text(json.dumps({"finished_unix": time.time(), "checkpoint": checkpoint}) + "\n")
     return True
+
+
+def finished_checkpoint(path: Path) -> str:
+    """Agent side: the final checkpoint the worker named in its finished file ("" when none, or
+    the file is from a worker that wrote only a time)."""
+    try:
+        said = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ""
+    checkpoint = said.get("checkpoint", "") if isinstance(said, dict) else ""
+    return checkpoint if isinstance(checkpoint, str) else ""
 
 
 VERSION = 1

@@ -54,6 +54,8 @@ DESCRIPTION_ENV = "ELASWAVE_DESCRIPTION_FILE"  # the describe run's ModelDescrip
 # at step STEP fail as a collective would with every process alive (the Core then replays the
 # step on the same layout). Never set by the launcher.
 INJECT_FAULT_ENV = "ELASWAVE_INJECT_FAULT"
+# A file that, once it holds {"slowdown": S}, makes this rank a straggler (`executor.slow_injection`).
+INJECT_SLOW_FILE_ENV = "ELASWAVE_INJECT_SLOW_FILE"
 
 EXIT_OK = 0
 EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a SIGTERM'd process
@@ -134,6 +136,7 @@ class WorkerPlace:
     results_file: Path | None = None
     collective_fault_at: int | None = None  # INJECT_FAULT_ENV: the step whose first attempt fails here
     spare_wait_s: float = 86400.0  # a spare's bound on waiting for the plan that takes it in
+    slow_file: Path | None = None  # INJECT_SLOW_FILE_ENV: a slowdown to inject, once it exists
     # A spare (`ELASWAVE_RANK=spare`, rank -1 until then): its rank comes with the plan that takes
     # it in (`planners.layout.Plan.joiners`), found there by its worker id.
     joining: bool = False
@@ -179,5 +182,6 @@ def worker_place_from_env() -> WorkerPlace | None:
         results_file=Path(results) if results else None,
         collective_fault_at=int(at) if fault else None,
         spare_wait_s=spare_wait,
+        slow_file=Path(os.environ[INJECT_SLOW_FILE_ENV]) if os.environ.get(INJECT_SLOW_FILE_ENV) else None,
         joining=raw_rank == SPARE,
     )

@@ -14,6 +14,7 @@ for at most `rpc_timeout_s`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -142,7 +143,9 @@ class PlanClient:
             request = executor_pb2.SubscribePlansRequest(
                 job=self.job, worker_id=self.worker_id, after_epoch=self.newest_epoch()
             )
-            self._call = stub.SubscribePlans(request, metadata=self._metadata)
+            # Its own credential where the agent gave one: a spare's subscription with it tells the
+            # Core the worker is ready to join (the job token reads plans too, but speaks for no one).
+            self._call = stub.SubscribePlans(request, metadata=self._worker_metadata())
             for response in self._call:
                 self._publish(response.plan)
         finally:
@@ -231,6 +234,21 @@ class PlanClient:
                     if code != grpc.StatusCode.UNAVAILABLE:
                         return False
         return False
+
+    def wait_worker_credential(self, timeout_s: float) -> bool:
+        """Block (at most `timeout_s`, polling) until the agent has written this worker's own
+        credential; True at once when no agent hands one over (`ELASWAVE_WORKER_TOKEN_FILE` unset).
+        A spare subscribes with it: that is how the Core learns it is ready to join."""
+        if not self._worker_token_file:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(OSError):
+                if Path(self._worker_token_file).read_text().strip():
+                    return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
     def _worker_metadata(self) -> tuple[tuple[str, str], ...]:
         """`authorization` with the worker's credential when its agent has written it, else the

@@ -127,6 +127,7 @@ class CoreDrivenWorker(PlanFollowing):
         from executor.comm import Communicator, groups_for_stages  # noqa: PLC0415
         from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
         from executor.plan_client import PlanClient  # noqa: PLC0415
+        from executor.slow_injection import SlowInjection  # noqa: PLC0415
         from executor.step_protocol import StepProtocol  # noqa: PLC0415
         from executor.store_server import connect_store  # noqa: PLC0415
         from executor.trainer import Trainer, checkpoint_writer, load_checkpoint  # noqa: PLC0415
@@ -138,7 +139,13 @@ class CoreDrivenWorker(PlanFollowing):
             list(place.core), place.job, place.worker_id, place.token, on_plan=self._plan_arrived
         )
         if place.joining:
-            # A spare: its rank, layout and state come with the plan that takes it in (growth).
+            # A spare: its rank, layout and state come with the plan that takes it in (growth). It
+            # subscribes with its own credential, which tells the Core it is ready to join.
+            if not self.plans.wait_worker_credential(place.timeout_s):
+                raise RuntimeError(
+                    f"worker {place.worker_id}: its agent wrote no worker credential within "
+                    f"{place.timeout_s:g} s; a spare needs it to be taken in"
+                )
             self.plans.start(after_epoch=0)
             join_plan = self._await_join_plan(place)
             place = replace(place, rank=join_plan.rank_of_joiner(place.worker_id))
@@ -185,6 +192,8 @@ class CoreDrivenWorker(PlanFollowing):
         )
         self.metrics = StepMetricsClient.from_env()
         self.control = ControlReader.from_env()
+        self.slow = None if place.slow_file is None else SlowInjection(place.slow_file, self.control)
+        self._compute_s = 0.0  # the step in flight's own compute (wall time minus waiting on peers)
         self.writer = None
         if settings.checkpoint_dir is not None:
             # Every rank of this job holds the same job name and token; a resumed job is a new job.
@@ -203,6 +212,9 @@ class CoreDrivenWorker(PlanFollowing):
             "restores": [],
             "checkpoints": [],
             "start_step": self.start_step,
+            "compute_s": {},  # committed step -> this rank's own compute (seconds)
+            "slowed_s": {},  # committed step -> the injected stretch of it (ELASWAVE_INJECT_SLOW_FILE)
+            "clock_factor": {},  # committed step -> the clock factor the stretch used
         }
         self.exit_code = 0
         self._applying: int | None = None  # epoch of the plan being applied
@@ -302,7 +314,7 @@ class CoreDrivenWorker(PlanFollowing):
                         self.comm.signal_abort(f"plan epoch {self.plans.newest_epoch()} is waiting")
                     else:
                         self._maybe_inject_fault(step)
-                        result = self.trainer.train_step(step)
+                        result = self._train_step(step)
                         self._gather_checkpoint(step, stop_after, save_at)
                 except PeerFailure as exc:
                     self.proto.report_failure(exc)
@@ -366,6 +378,21 @@ class CoreDrivenWorker(PlanFollowing):
             verified_steps=list(self.participant.verified_steps),
         )
         return self.results
+
+    def _train_step(self, step: int) -> Any:
+        """One step; notes its own compute (its wall time minus the time blocked on peers: what
+        the Core's fail-slow detector compares across a stage) and stretches it where a
+        slowdown is injected (`executor.slow_injection`)."""
+        t0, blocked = time.perf_counter(), self.comm.blocked_s
+        result = self.trainer.train_step(step)
+        self._compute_s = time.perf_counter() - t0 - (self.comm.blocked_s - blocked)
+        if self.slow is not None:
+            extra, factor = self.slow.extra_s(self._compute_s)
+            if extra > 0:
+                time.sleep(extra)  # the slower device: its compute, stretched, before it votes
+            self._compute_s += extra
+            self.results["slowed_s"][step], self.results["clock_factor"][step] = extra, factor
+        return result
 
     def _join(self) -> int | None:
         """Apply the plan that takes this spare in (or a newer one): its groups are built with
@@ -490,6 +517,7 @@ class CoreDrivenWorker(PlanFollowing):
         self.results["samples"][step] = sorted(result.sample_ids)  # global ids the trainer actually fed
         self.results["stage_of_step"][step] = self.trainer.stage  # a restore may change the stage count
         self.results["committed_unix"][step] = time.time()  # recovery time is measured up to this
+        self.results["compute_s"][step] = self._compute_s
         if step % STORE_LIST_EVERY == 0:
             self._refresh_stores()  # a standby replaced since the last plan is known before it is needed
         if result is not None and result.loss is not None:
@@ -498,7 +526,7 @@ class CoreDrivenWorker(PlanFollowing):
             self.metrics.send(
                 step=step,
                 step_time_s=seconds,
-                compute_time_s=seconds,
+                compute_time_s=self._compute_s,
                 loss=None if result is None else result.loss,
                 samples=0 if result is None else result.samples_processed,
                 stage=self.trainer.stage,
@@ -529,6 +557,7 @@ def run_worker(spec: Any, settings: WorkerSettings) -> tuple[int, dict[str, Any]
 
         # The whole job is trained, or stopped where the launcher or an operator asked: the agent
         # reports a finished worker, not a departure for the Core to plan around.
-        mark_finished()
+        written = results.get("checkpoints_written") or []
+        mark_finished(checkpoint=written[-1] if written else "")
     sys.stdout.flush()
     return worker.exit_code, results

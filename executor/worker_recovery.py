@@ -246,6 +246,7 @@ class PlanFollowing:
             "reasons": list(plan.reasons),
             "resume_at": resume_at,
             "applied_unix": time.time(),
+            "state_bytes_received": self.participant.rebuilt_bytes,
         }
         restored = ""
         if plan.mode is PlanMode.RESTORE:

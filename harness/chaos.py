@@ -323,7 +323,8 @@ def judge(
         problems.append(f"killed workers {sorted(killed - lost)} were never marked LOST")
     if lost - killed:
         problems.append(f"workers {sorted(lost - killed)} were marked LOST but never killed")
-    if phase != "RUNNING":
+    # COMPLETED once every finished worker's Leave is stored; RUNNING if read just before that.
+    if phase not in ("COMPLETED", "RUNNING"):
         problems.append(f"the job ended in phase {phase}")
     attribute(records, results)
     itemise(records, results, events)

@@ -22,7 +22,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         p, t = e["phases"], rows.get(e["kind"], {})
         lines.append(
             f"{e['kind']:<10} {_f(e['step']):>4} {e['policy'] or '-':<9} {_f(e['mttr_s'], 1e3):>8} "
-            f"{_f(p.get('detect_s'), 1e3):>7} {_f(p.get('plan_s'), 1e3):>6} {_f(p.get('communicator_s'), 1e3):>6} "
+            f"{_f(p.get('detect_s', p.get('start_s')), 1e3):>7} {_f(p.get('plan_s'), 1e3):>6} {_f(p.get('communicator_s'), 1e3):>6} "
             f"{_f(p.get('state_s'), 1e3):>6} {_f(p.get('replay_s'), 1e3):>7} "
             f"{_f(e['predicted_step_s'], fmt='{:.3f}'):>7} {_f(e['measured_step_s'], fmt='{:.3f}'):>7} "
             f"{_f(t.get('before_samples_per_s')):>10} {_f(t.get('after_samples_per_s')):>9} "
@@ -41,7 +41,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         )
     lines += [
         f"healthy throughput {_f(report['throughput']['healthy_samples_per_s'])} samples/s; phases in ms "
-        "(detect, plan, communicator edit, state remap/migration, replay to the first commit); "
+        "(detect, or for a join the spares starting until ready; plan, communicator edit, state "
+        "remap/migration/transfer, replay to the first commit); "
         "clocks: simulated (CPU)",
         f"consistency vs the fault-free run: params equal {c['params_equal_after_recovery']} (max |diff| "
         f"{_f(c['max_param_abs_diff'], fmt='{:.1e}')}, max rel. state diff {_f(c['max_state_rel_diff'], fmt='{:.1e}')}); "

@@ -1,7 +1,7 @@
 """The demo's report: every figure measured from what the run left behind (README "The demo's report").
 
 Sources, and nothing else: the workers' results files (commit times, losses, samples, recovery
-records), the demo workers' traces (`harness.demo_worker`: when the straggler's slowdown took
+records, and per step their own compute and injected stretch: when the straggler's slowdown took
 effect), the Core's event log (detection, plans, departures) and the fault-free run of the same
 script and seed (its losses and its final checkpoint). `build_report` returns the JSON object;
 `problems` lists every check that failed (the demo exits non-zero on any).
@@ -73,6 +73,7 @@ _DETECTED_BY = {
     "node": "worker_lost",
     "straggler": "worker_slow",
     "preempt": "worker_preempting",
+    "join": "spare_ready",  # a spare's worker subscribed to plans: it can be taken in now
 }
 
 
@@ -88,6 +89,8 @@ def event_entry(
         None,
     )
     victims = {f"rank-{r}" for r in ev.ranks}
+    if ev.kind == "join":  # the spares, by the worker ids they registered with
+        victims = {e["worker_id"] for e in rec.core_events if e["kind"] == "spare_registered"}
     seen = [
         e["time_unix"]
         for e in rec.core_events
@@ -97,10 +100,13 @@ def event_entry(
     ]
     mttr = _mttr(ev, until, rec.results)
     phases: dict[str, float] = {}
+    # A join has nothing to detect: its first phase is the spares starting (process, agent
+    # registration, the worker subscribing to plans) until the last of them is ready.
+    first = "start_s" if ev.kind == "join" else "detect_s"
     if seen:
-        phases["detect_s"] = max(seen) - ev.fired_unix
+        phases[first] = max(seen) - ev.fired_unix
     if published is not None:
-        phases["plan_s"] = published["time_unix"] - ev.fired_unix - phases.get("detect_s", 0.0)
+        phases["plan_s"] = published["time_unix"] - ev.fired_unix - phases.get(first, 0.0)
     final_recs = [r for res in rec.results.values() for r in res["recoveries"] if r["epoch"] == final]
     if final_recs:
         phases["communicator_s"] = max(r["communicator_s"] for r in final_recs)
@@ -326,9 +332,14 @@ def timeline(rec: StoryRecord, times: dict[int, float], ref: list[float]) -> dic
     ]
     live, workers = 0, []
     for e in rec.core_events:
-        delta = {"worker_joined": 1, "worker_lost": -1, "worker_left": -1, "worker_finished": -1}.get(
-            e["kind"], 0
-        )
+        # a spare counts from the plan that takes it in (it trains from that plan on)
+        delta = {
+            "worker_joined": 1,
+            "spare_joining": 1,
+            "worker_lost": -1,
+            "worker_left": -1,
+            "worker_finished": -1,
+        }.get(e["kind"], 0)
         if delta:
             live += delta
             # Registrations before the first commit count from t = 0 (training starts there).

@@ -7,7 +7,8 @@ worker has committed its step and the previous chapter's plan has been applied:
 
 1. the job learns;
 2. `kill`: one worker is SIGKILLed; its agent reports the exit and the survivors recover in place;
-3. `straggler`: one worker's compute is stretched (`harness.demo_worker`; on CPU the clock is the
+3. `straggler`: one worker's compute is stretched (`ELASWAVE_INJECT_SLOW_FILE`,
+   `executor.slow_injection`; on CPU the clock is the
    agent's *simulated* frequency controller): the Core flags it from its step times against its
    stage peers, and the ElasWave policy migrates layers off its stage (Algorithm 1, §4.2) and
    up-clocks it (the DVFS planner, Algorithm 2, §4.3);
@@ -25,16 +26,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from elaswave.worker_env import INJECT_SLOW_FILE_ENV
 from harness.chaos import ChaosRun, ChaosScenario, Fault
 from harness.demo import states
-from harness.demo_worker import SLOW_FILE_ENV, TRACE_FILE_ENV
-from harness.training import GPT_SCRIPT, last_step, launch_job
+from harness.training import last_step, launch_job
 
 EventKind = Literal["kill", "straggler", "preempt", "node", "join"]
 
@@ -48,7 +48,7 @@ class StoryConfig:
     micro_batches: int = 2
     # Room after the node loss for the spares to start (a Python process importing torch on a
     # loaded machine takes seconds), be taken in and train: the join fires right after the node.
-    steps: int = 120
+    steps: int = 300
     # Ranks of each simulated node, as torchrun numbers a PP=2 x DP=3 job on three 2-rank nodes:
     # shard backups avoid a shard's own node (`Layout.rank_nodes`), so a node's loss is recovered
     # from memory.
@@ -60,6 +60,8 @@ class StoryConfig:
     preempt_deadline_s: float = 30.0
     node: int = 0  # index into `nodes`
     gap_steps: int = 6  # steps trained between the end of one chapter and the next event
+    # The chapters to run, in story order (`bench.join` runs ("kill", "join")).
+    chapters: tuple[EventKind, ...] = ("kill", "straggler", "preempt", "node", "join")
     timeout_s: float = 240.0
 
     def check(self) -> None:
@@ -134,23 +136,10 @@ class StoryRun(ChaosRun):
         # jitters a healthy rank's compute, the injected 3x does not hide in it.
         self.core_env.update(ELASWAVE_FAILSLOW__RATIO="2.0", ELASWAVE_FAILSLOW__TRIGGER_STEPS="3")
         for rank in range(cfg.pp * cfg.dp):
-            self.extra_env[rank][SLOW_FILE_ENV] = str(self.slow_file(rank))
-            self.extra_env[rank][TRACE_FILE_ENV] = str(self.trace_file(rank))
-
-    def extra_spare_env(self, index: int) -> None:
-        """A spare's trace goes to its own file (its rank is known only once it is taken in)."""
-        self.extra_env.setdefault(-1 - index, {})[TRACE_FILE_ENV] = str(
-            self.workdir / f"spare-{index}.trace.jsonl"
-        )
+            self.extra_env[rank][INJECT_SLOW_FILE_ENV] = str(self.slow_file(rank))
 
     def slow_file(self, rank: int) -> Path:
         return self.workdir / f"rank-{rank}.slow.json"
-
-    def trace_file(self, rank: int) -> Path:
-        return self.workdir / f"rank-{rank}.trace.jsonl"
-
-    def worker_command(self, rank: int) -> list[str]:
-        return [sys.executable, "-m", "harness.demo_worker", str(GPT_SCRIPT), *self.script_args()]
 
     def agent_args(self, rank: int) -> list[str]:
         # CPU: the clock is a number the agent publishes to its worker (agent.frequency), named so.
@@ -245,7 +234,6 @@ def join_spare(run: StoryRun, ev: StoryEvent) -> None:
     lost = sorted(m["rank"] for m in job["members"] if m["state"] in ("LOST", "LEFT") and m["rank"] >= 0)
     ev.fired_unix = time.time()
     for index in range(len(lost)):
-        run.extra_spare_env(index)
         run.start_spare(index)
     run.spares = len(lost)
     ev.detail = f"{len(lost)} spare workers started (agents without a rank, ELASWAVE_RANK=spare) for lost ranks {lost}"
@@ -262,13 +250,14 @@ FIRE = {
 
 
 def story_events(cfg: StoryConfig) -> list[StoryEvent]:
-    return [
+    events = [
         StoryEvent("kill", (cfg.kill_rank,)),
         StoryEvent("straggler", (cfg.straggler_rank,)),
         StoryEvent("preempt", (cfg.preempt_rank,)),
         StoryEvent("node", cfg.nodes[cfg.node]),
         StoryEvent("join", ()),
     ]
+    return [ev for ev in events if ev.kind in cfg.chapters]
 
 
 def wait_effect(run: StoryRun, ev: StoryEvent, seq: int) -> None:
@@ -298,7 +287,7 @@ def run_story(run: StoryRun) -> StoryRecord:
     job = run.live_committed(0)
     started = time.time()
     pids_before = {m["worker_id"]: m["pid"] for m in job["members"]}
-    say(f"{run.workers} workers training; the story: kill, straggler, preempt, node, join")
+    say(f"{run.workers} workers training; the story: {', '.join(cfg.chapters)}")
     events = story_events(cfg)
     for ev in events:
         ev.after_step = run.next_step() if ev.kind != "join" else run.next_step() - cfg.gap_steps + 3
@@ -335,14 +324,7 @@ def run_story(run: StoryRun) -> StoryRecord:
         states(job),
         pids_before,
         {m["worker_id"]: m["pid"] for m in job["members"]},
-        {
-            **{r: read_trace(run.trace_file(r)) for r in range(cfg.pp * cfg.dp)},
-            **{
-                rank: read_trace(run.workdir / f"{res['worker_id']}.trace.jsonl")
-                for rank, res in results.items()
-                if str(res.get("worker_id", "")).startswith("spare-")
-            },
-        },
+        {rank: step_trace(res) for rank, res in results.items()},
         started,
         job["phase"],
     )
@@ -356,10 +338,19 @@ def wait_departures(run: StoryRun, workers: list[str], timeout_s: float = 15.0) 
         time.sleep(0.05)
 
 
-def read_trace(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def step_trace(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per committed step of one worker: its own compute, the injected stretch and the clock
+    factor it used (the worker's results, `executor.worker`)."""
+    slowed, factor = results.get("slowed_s", {}), results.get("clock_factor", {})
+    return [
+        {
+            "step": int(step),
+            "compute_s": s,
+            "slowed_s": slowed.get(step, 0.0),
+            "factor": factor.get(step, 1.0),
+        }
+        for step, s in sorted(results.get("compute_s", {}).items(), key=lambda kv: int(kv[0]))
+    ]
 
 
 def describe_layout(layout: dict[str, Any] | None) -> str:

@@ -462,3 +462,22 @@ def layer_move_cost(zero_layout: str, layers_per_stage: int, dp: int, layer_nume
         StageLayout(1, s1.layer_start - 1, s1.layer_stop, s1.ranks),
     )
     return migration_cost(old, old.replace(stages=moved))
+
+
+def joiner_bytes(old: Layout, new: Layout, bytes_per_element: int = 4) -> dict[int, int]:
+    """What each rank that `new` adds to `old` receives when it joins in place (the growth issue:
+    ElasWave §5.2's live remap read in the other direction), in bytes: the full parameters of its
+    stage's layers (ZeRO-1 replicates them over the stage) and the two Adam moments of the
+    intervals it owns (fp32: 4 bytes an element). The executor's measured figure is
+    `executor.fabric.rebuild.RebuiltState.received_bytes`."""
+    joined = set(new.ranks()) - set(old.ranks())
+    out: dict[int, int] = {}
+    for stage in new.stages:
+        params = sum(new.layer_numel[layer] for layer in stage.layers)
+        owned = {rank: 0 for rank in stage.ranks}
+        for iv in stage_ownership(new, stage):
+            owned[iv.rank] += iv.size
+        for rank in stage.ranks:
+            if rank in joined:
+                out[rank] = bytes_per_element * (params + 2 * owned[rank])
+    return out

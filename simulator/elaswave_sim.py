@@ -3,9 +3,10 @@ simulated policy: `elaswave` and its ablations `elaswave-migrate`, `elaswave-res
 
 The plan is `planners.elaswave_policy.plan_elaswave` on the layout the job runs. It is applied in
 place only when `planners.applicability.judge` (the executor's rule) accepts it, otherwise as a
-RESTORE (reload the latest durable checkpoint, redo the steps since). The executor adds ranks only
-through RESTORE, so waiting nodes join when the Core's scale-up rule says it pays before the next
-likely change (FlexTrain eq. 15-16), re-planned from the healthy layout.
+RESTORE (reload the latest durable checkpoint, redo the steps since). Waiting nodes join (in
+place: the joiners read their state from the live owners, the growth issue) when the Core's
+scale-up rule says the join pays before the next likely change (FlexTrain eq. 15-16), re-planned
+from the healthy layout.
 """
 
 from __future__ import annotations
@@ -43,14 +44,16 @@ class ElasWavePolicy(SimPolicy):
             return Transition(self._candidate(old, "no change"), layout=old)
         c = self.costs
         shrink = self._shrink(old, going) if going else (old, "nothing lost")
-        if waiting and self._join_pays(shrink, healthy, dead):
-            # The executor adds ranks only through RESTORE: re-plan from the healthy layout.
+        if waiting and self._join_pays(old, shrink, healthy, dead):
+            # Re-planned from the healthy layout: the waiting nodes' ranks join (with a loss in
+            # the same plan, the lost ranks leave), in place where `judge` allows.
             new, why = self._plan(healthy, tuple(sorted(dead)))
             assert new is not None
             items = [("detection", c.detection_s)] if going else []
             items += [("planning", c.elaswave_planning_s), ("communicator", c.elaswave_communicator_s)]
-            items.append(("restore", c.restore_s(busiest_state_bytes(self.spec, new))))
-            return self._move(old, new, why, "restore", items)
+            in_place = judge(old, new).in_place
+            items += self._state_items(old, new, in_place, step_before_s if going else 0.0)
+            return self._move(old, new, why, "in place" if in_place else "restore", items)
         new, why = shrink
         if new is None:
             cand = Candidate(self.name, False, why)
@@ -61,20 +64,31 @@ class ElasWavePolicy(SimPolicy):
         in_place = judge(old, new).in_place
         items = [("detection", c.detection_s), ("planning", c.elaswave_planning_s)]
         items.append(("communicator", c.elaswave_communicator_s))
-        if in_place:
-            items.append(("state transfer", migration_bytes(self.spec, old, new) / c.link_bytes_per_s))
-            items.append(("replay", self.replay_s(step_before_s)))
-        else:
-            items.append(("restore", c.restore_s(busiest_state_bytes(self.spec, new))))
+        items += self._state_items(old, new, in_place, step_before_s)
         return self._move(old, new, why, "in place" if in_place else "restore", items)
+
+    def _state_items(
+        self, old: Layout, new: Layout, in_place: bool, step_before_s: float
+    ) -> list[tuple[str, float]]:
+        """In place: the state transfer into the busiest rank and the replayed step (none for a
+        join at a step boundary: `step_before_s` 0); else the RESTORE's reload and redone steps."""
+        if not in_place:
+            return [("restore", self.costs.restore_s(busiest_state_bytes(self.spec, new)))]
+        items = [("state transfer", migration_bytes(self.spec, old, new) / self.costs.link_bytes_per_s)]
+        if step_before_s > 0:
+            items.append(("replay", self.replay_s(step_before_s)))
+        return items
 
     def _shrink(self, old: Layout, going: tuple[int, ...]) -> tuple[Layout | None, str]:
         return self._plan(old, going)
 
-    def _join_pays(self, shrink: tuple[Layout | None, str], healthy: Layout, dead: frozenset[int]) -> bool:
-        """Take waiting nodes (a RESTORE) when the Core's scale-up rule says it pays before the
-        next change is likely (FlexTrain eq. 15-16, `planners.flextrain.poisson_benefit`, the
-        rule `core_service.policies.judge_offer` applies to offers)."""
+    def _join_pays(
+        self, old: Layout, shrink: tuple[Layout | None, str], healthy: Layout, dead: frozenset[int]
+    ) -> bool:
+        """Take waiting nodes when the Core's scale-up rule says it pays before the next change
+        is likely (FlexTrain eq. 15-16, `planners.flextrain.poisson_benefit`, the rule
+        `core_service.policies.judge_offer` applies to offers): the cost is the in-place state
+        transfer where `judge` allows it, else a RESTORE."""
         grown, why = self._plan(healthy, tuple(sorted(dead)))
         if grown is None:
             return False
@@ -84,7 +98,8 @@ class ElasWavePolicy(SimPolicy):
             return False
         if now <= 0:
             return True
-        cost = self.costs.restore_s(busiest_state_bytes(self.spec, grown))
+        cost = sum(s for _, s in self._state_items(old, grown, judge(old, grown).in_place, 0.0))
+        cost += self.costs.elaswave_planning_s + self.costs.elaswave_communicator_s
         return poisson_benefit(after / now, cost, self.event_rate_per_s).scale_up
 
     def _move(

@@ -188,8 +188,22 @@ def test_nodes_that_differ_are_refused_and_the_others_form_the_job(core: tuple[C
         assert {a["rank_node"][r] for r in stage["ranks"]} == {0, 1}
     job = proc.job("j")
     assert job["expected_workers"] == 4 and job["layout"]["stages"] == a["layout"]["stages"]
-    late = post_join(proc, token, "j", join_body("c"))
-    assert late.status_code == 409 and "all 2 nodes of job 'j' have joined already" in late.json()["detail"]
+    # A node that comes after the job formed joins the running job with spare workers (no agent
+    # registered here, so the job has room), if it runs the same command and model.
+    for message, body in {
+        "a node joining a running job must run the same command": join_body("c", pp=1),
+        "the initial weights of units ['embed'] differ": join_body(
+            "c", description=description(fingerprints={})
+        ),
+    }.items():
+        response = post_join(proc, token, "j", body)
+        assert response.status_code == 409 and message in response.json()["detail"], (message, response.text)
+    late = post_join(proc, token, "j", join_body("c")).json()
+    assert late["role"] == "spare" and late["ranks"] == [] and late["node_index"] == -1
+    assert late["spare_worker_ids"] == ["c-spare-0", "c-spare-1"] and late["token"] == a["token"]
+    assert late["store_port"] == a["store_port"] and late["layout"] == a["layout"]
+    again = post_join(proc, token, "j", join_body("c"))
+    assert again.json() == late  # the node's next poll gets the same answer
     create_job(proc, token, "taken")
     taken = post_join(proc, token, "taken", join_body("a"))
     assert taken.status_code == 409 and "already exists" in taken.json()["detail"]
@@ -378,3 +392,69 @@ def _runs(process: psutil.Process, module: str) -> bool:
         return process.status() != psutil.STATUS_ZOMBIE and module in process.cmdline()
     except psutil.Error:
         return False
+
+
+# Slow steps (a sleep in the script's on_step): the replacement node has time to start (its
+# describe run, the rendezvous, agents and workers importing torch) while the job still trains.
+TINY_SLOW = TINY.replace(
+    "steps=args.steps, optimizer=elaswave.AdamW(lr=1e-2))",
+    "steps=args.steps, optimizer=elaswave.AdamW(lr=1e-2),\n"
+    "                        on_step=lambda step, loss: __import__('time').sleep(0.03)\n"
+    "                        if __import__('os').environ.get('ELASWAVE_RANK') else None)",
+)  # (the single-process reference needs no sleep)
+SPARE_STEPS = 500
+
+
+@pytest.mark.timeout(300)
+def test_a_node_that_comes_back_joins_the_running_job_with_spares(
+    core: tuple[CoreProcess, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two nodes form a PP=2 x DP=2 job; node-b's launcher dies (its agents stop its workers) and
+    the job goes on with node-a's ranks. A third node, started with the same command, finds the
+    job running: its workers join as spares, the Core takes them in where node-b's ranks were
+    (fresh ranks 4 and 5), they receive their state in place, and the job finishes like the
+    single-process run with every worker LEFT and the job COMPLETED."""
+    proc, token = core
+    monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY_SLOW)
+    flags = ("--core", f"127.0.0.1:{proc.http_port}", "--nnodes", "2", "--nproc-per-node", "2", "--pp", "2")
+    a = Launcher(*flags, "--node-id", "node-a", script, "--steps", str(SPARE_STEPS), cwd=tmp_path)
+    wait_until_waiting(proc, "tiny", "node-a", timeout_s=60)
+    b = Launcher(*flags, "--node-id", "node-b", script, "--steps", str(SPARE_STEPS), cwd=tmp_path)
+    a.wait_for(
+        "every worker to commit step 3",
+        lambda: len(s := _member_steps_remote(proc)) == 4 and min(s.values()) >= 3,
+        timeout_s=150,
+    )
+    b.kill()  # its agents get SIGINT (they die with their launcher) and stop their workers
+    a.wait_for(
+        "the job to go on without node-b's ranks",
+        lambda: proc.job("tiny")["plan_epoch"] >= 1 and proc.job("tiny")["phase"] == "RUNNING",
+        timeout_s=120,
+    )
+    c = Launcher(*flags, "--node-id", "node-c", script, "--steps", str(SPARE_STEPS), cwd=tmp_path)
+    c.wait_for(
+        "the spares to be taken in",
+        lambda: sorted(m["rank"] for m in proc.job("tiny")["members"] if "spare" in m["worker_id"]) == [4, 5],
+        timeout_s=150,
+    )
+    codes = [a.wait(timeout_s=200), c.wait(timeout_s=60)]
+    assert "joins it with spare workers ['node-c-spare-0', 'node-c-spare-1']" in c.output, c.output[-3000:]
+    assert codes == [0, 0], a.output[-3000:] + c.output[-3000:]
+    job = proc.job("tiny")
+    assert job["phase"] == "COMPLETED"
+    node_a, node_c = (
+        tmp_path / "elaswave-run" / "tiny" / "node-0",
+        tmp_path / "elaswave-run" / "tiny" / "node-node-c",
+    )
+    spares = [json.loads((node_c / f"node-c-spare-{k}.json").read_text()) for k in range(2)]
+    assert sorted(s["rank"] for s in spares) == [4, 5] and all(s["joined"]["step"] > 3 for s in spares)
+    losses = _job_losses(node_a, [0, 1])
+    for spare in spares:
+        for step, loss in spare["losses"].items():
+            losses.setdefault(int(step), loss)
+    reference = _reference_losses(script, SPARE_STEPS)
+    assert sorted(losses) == list(range(SPARE_STEPS))
+    for step in range(SPARE_STEPS):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-4), (step, losses[step], reference[step])

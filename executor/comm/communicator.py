@@ -164,6 +164,11 @@ class Communicator:
         # worker sets it to "a newer plan exists", so no wait of a superseded recovery runs on.
         self.interrupt: Callable[[], str | None] | None = None
         self.store_generation = 0  # how many times `replace_store` moved this worker to a new store
+        # Seconds the thread that built this communicator (the training loop) spent blocked on
+        # ops: a step's own compute is its wall time minus this (what a straggler shows, while
+        # its peers wait for it at the collectives). Helper threads' waits block no compute.
+        self.blocked_s = 0.0
+        self._owner_thread = threading.get_ident()
         self._build(sorted(n for n, ws in self.physical.items() if worker in ws))
 
     # ----- introspection -------------------------------------------------------------------
@@ -527,6 +532,16 @@ class Communicator:
                 g.waiter = _Waiter()
             g.waiter.submit(work, done, errors)
         g.ledger.pending += 1
+        started = time.perf_counter()
+        try:
+            self._wait_done(g, work, has_future, done, errors)
+        finally:
+            if threading.get_ident() == self._owner_thread:
+                self.blocked_s += time.perf_counter() - started
+
+    def _wait_done(
+        self, g: _Group, work: object, has_future: bool, done: threading.Event, errors: list[BaseException]
+    ) -> None:
         deadline = time.monotonic() + self.timeout_s + 2 * ABORT_POLL_S
         while not done.wait(ABORT_POLL_S):
             reason = self.interrupt() if self.interrupt is not None else None

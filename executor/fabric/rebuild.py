@@ -95,6 +95,7 @@ class RebuiltState:
 
     params: dict[str, torch.Tensor]
     shard: ShardState
+    received_bytes: int = 0  # what this worker received from others (a joiner: everything it holds)
 
 
 def rebuild(
@@ -133,7 +134,8 @@ def rebuild(
             recvs.append((comm.group_with(t.src, me), buf, t.src, REBUILD_TAG + i))
             pieces.append((t, buf))
     comm.exchange_many(sends, recvs)
-    out = RebuiltState({}, ShardState(step))
+    received = sum(buf.numel() * buf.element_size() for _, buf, _, _ in recvs)
+    out = RebuiltState({}, ShardState(step), received)
     for unit, n in units.items():
         got = [(t, d) for t, d in pieces if t.unit == unit]
         full = (

@@ -137,6 +137,7 @@ class FabricParticipant:
         # after a rollback verifies again on every rank (a pairwise check needs both sides).
         self._verified_in_step: int | None = None
         self.migrations: list[MigrationReport] = []  # one per plan that moved layers
+        self.rebuilt_bytes = 0  # received by the last rebuild (a join: the joiner's whole state)
         self.restore_source = restore_source
         self.restored_from: list[tuple[int, str | None, int]] = []  # (plan epoch, checkpoint, its next step)
         self._committed: dict[str, Any] = trainer.get_state()
@@ -231,6 +232,7 @@ class FabricParticipant:
         the new layout (any stage count) and seeds a new ring. Either way the committed point
         stays until the next commit, so an attempt that fails part-way is retried from it."""
         steps = self.check_plan(plan, lost)
+        self.rebuilt_bytes = 0
         base = CommittedPoint(self._committed, None) if self.joining else self._enter_plan()
         self._seed_pending = False  # this plan seeds a ring of its own
         if steps is None:
@@ -363,6 +365,7 @@ class FabricParticipant:
         shards = {
             n: ZeroShard(sh.start, sh.stop, sh.exp_avg, sh.exp_avg_sq) for n, sh in state.shard.units.items()
         }
+        self.rebuilt_bytes = state.received_bytes
         next_step = committed_step + 1 if joining else self.trainer.next_step
         self.trainer.reset_layout(
             plan.new, self.comm, state.params, shards, step_count=state.shard.step, next_step=next_step

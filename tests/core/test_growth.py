@@ -32,7 +32,13 @@ def make_job(h: Harness, name: str = "g", **bounds: int) -> Job:
 
 
 async def spare(h: Harness, job: Job, worker: str, host: str = "spare-host") -> None:
+    """A spare registers (JOINING: its worker may still be starting), then its worker subscribes
+    to plans with its own credential (ExecutorService), which makes it a SPARE the policy may take."""
+    before = len(job.pending_changes)
     await h.membership.register(Registration(job.name, worker, host, 7, [], -1, -1, -1, False), now=0.0)
+    assert job.members[worker].state is WorkerState.JOINING and len(job.pending_changes) == before
+    assert h.membership.mark_spare_ready(job, worker, 0.0)
+    assert not h.membership.mark_spare_ready(job, worker, 0.0)  # once
 
 
 async def ticks(h: Harness, job: Job, until: JobPhase, now: float, most: int = 4) -> None:
@@ -97,7 +103,9 @@ def test_a_spare_after_a_loss_returns_the_job_to_its_fault_free_layout() -> None
 
 
 @pytest.mark.timeout(30)
-def test_a_join_during_a_recovery_and_a_loss_during_a_join_replan_from_the_cumulative_state() -> None:
+def test_a_join_waits_for_the_recovery_in_flight_and_a_loss_during_a_join_replans_from_the_cumulative_state() -> (
+    None
+):
     h = Harness(None, ElasWavePolicy(), default_job=False)
     job = make_job(h)
 
@@ -107,9 +115,15 @@ def test_a_join_during_a_recovery_and_a_loss_during_a_join_replan_from_the_cumul
         h.membership.mark_lost(job, "g-w1", "killed", "process_exit", 2.0)
         await ticks(h, job, JobPhase.APPLYING, 2.0)  # epoch 1 removes rank 1, not committed yet
         await spare(h, job, "s0")
-        await ticks(h, job, JobPhase.APPLYING, 2.5, most=2)  # re-planned while applying
+        # A spare ready while the recovery applies does not supersede it (a superseded plan
+        # abandons group builds its members entered): it is planned once epoch 1 is applied.
+        await ticks(h, job, JobPhase.APPLYING, 2.5, most=2)
+        assert job.plan_epoch == 1
+        commit(job)
+        await ticks(h, job, JobPhase.RUNNING, 2.6)
+        await ticks(h, job, JobPhase.APPLYING, 2.7)
         again = plan(h, job, 2)
-        assert again.old == FAULT_FREE and again.new == renamed(FAULT_FREE, 1, 4)
+        assert again.old == plan(h, job, 1).new and again.new == renamed(FAULT_FREE, 1, 4)
         assert again.joiners == ((4, "s0"),)
 
         # The joiner dies during its state transfer: the next plan takes its rank out again.
@@ -117,7 +131,7 @@ def test_a_join_during_a_recovery_and_a_loss_during_a_join_replan_from_the_cumul
         await ticks(h, job, JobPhase.APPLYING, 3.0, most=2)
         out = plan(h, job, 3)
         assert 4 not in out.new.ranks() and 1 not in out.new.ranks() and out.joiners == ()
-        assert out.new.dp_sizes == (1, 2)
+        assert out.new.dp_sizes == (1, 2) and out.old == plan(h, job, 1).new
 
     run(scenario())
 

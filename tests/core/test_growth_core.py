@@ -4,6 +4,7 @@ accepted or refused with their reason, and a job whose workers all finished is C
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -15,7 +16,14 @@ import httpx
 import pytest
 
 from core_service.config import load_settings
-from elaswave.v1 import agent_pb2, agent_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from elaswave.v1 import (
+    agent_pb2,
+    agent_pb2_grpc,
+    executor_pb2,
+    executor_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from planners.layout import Plan
 from tests.core.core_thread import CoreThread
 from tests.core.procs import wait_until
@@ -39,9 +47,24 @@ class FakeAgent:
         self.call = stub.Connect(
             iter(self.outgoing.get, None), metadata=[("authorization", f"Bearer {token}")]
         )
-        assert next(self.call).ack.session > 0
+        ack = next(self.call).ack
+        assert ack.session > 0
+        self.job, self.worker, self.worker_token = job, worker, ack.worker_token
         self._stop = threading.Event()
         threading.Thread(target=self._beat, daemon=True).start()
+
+    def subscribe(self) -> None:
+        """What a worker does first: subscribe to plans with its own credential (for a spare:
+        the Core takes it as ready to join)."""
+        stub = executor_pb2_grpc.ExecutorServiceStub(self.channel)
+        request = executor_pb2.SubscribePlansRequest(job=self.job, worker_id=self.worker)
+        self.plans = stub.SubscribePlans(request, metadata=[("authorization", f"Bearer {self.worker_token}")])
+        threading.Thread(target=self._drain_plans, daemon=True).start()
+
+    def _drain_plans(self) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            for _ in self.plans:
+                pass
 
     def _beat(self) -> None:
         seq = 0
@@ -89,6 +112,10 @@ def test_a_spare_replaces_a_lost_worker_and_the_finished_job_is_completed(core: 
         token = create(http, "g", layout=layout, expected_workers=4, spare_workers=1, max_workers=4)
         agents = {f"w{r}": FakeAgent(core.grpc_address, token, "g", f"w{r}", r) for r in FAULT_FREE.ranks()}
         agents["s0"] = FakeAgent(core.grpc_address, token, "g", "s0", -1)  # a spare
+        # Registered, but its worker has not subscribed to plans: not ready to join yet.
+        assert http.get("/api/v1/jobs/g").json()["spares"] == []
+        agents["s0"].subscribe()
+        wait_until(lambda: http.get("/api/v1/jobs/g").json()["spares"] != [], 10, "the spare to be ready")
         job = http.get("/api/v1/jobs/g").json()
         assert [s["worker_id"] for s in job["spares"]] == ["s0"] and job["max_workers"] == 4
         assert job["scale_table"] == {"rows": [], "why_empty": "the job was created without a model"}

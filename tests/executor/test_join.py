@@ -37,6 +37,7 @@ from executor.trainer import Trainer
 from planners.applicability import judge
 from planners.dataflow import resize_after_loss
 from planners.layout import Layout, Plan, StageLayout
+from planners.zero import joiner_bytes
 from tests.executor.ft_procs import collect, spawn
 from tests.executor.test_failstop import (
     BATCH,
@@ -163,6 +164,7 @@ def _worker(worker: int, port: int, kill: bool, dying: int | None = None) -> dic
             assert plan.rank_of_joiner("spare-0") == worker
             proto.apply_plan(plan)
         out["join_s"] = time.perf_counter() - started
+        out["received_bytes"] = participant.rebuilt_bytes
         out["edits"].append({"at_step": proto.committed_step + 1})
         out["after_join"] = _state_numpy(trainer.gather_full_state())
         out["start_step"] = proto.committed_step + 1
@@ -260,6 +262,8 @@ def test_a_new_worker_takes_a_lost_ranks_place_in_place_and_the_job_follows_the_
     job = _run(kill=True)
     joiner = job[JOINER]
     assert joiner["start_step"] == JOIN_STEP
+    # It received its blocks' parameters and its shard's moments, as the planner predicts.
+    assert joiner["received_bytes"] == joiner_bytes(after_loss(), with_joiner())[JOINER] > 0
     # Nothing but the joiner's state moved: the state after the join is the state before it.
     assert_states_bitwise(_merged(job, "before_join"), _merged(job, "after_join"))
     # ... and the fault-free state at that step, to fp32 round-off (DP = 2 steps in between).
