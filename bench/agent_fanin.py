@@ -29,6 +29,7 @@ import json
 import multiprocessing
 import os
 import platform
+import queue
 import random
 import re
 import statistics
@@ -86,6 +87,13 @@ def reports_total(http: httpx.Client) -> float:
     )
 
 
+def bench_register(job: str, worker_id: str) -> agent_pb2.Register:
+    """A simulated agent's registration: one worker, heartbeats at 1 Hz."""
+    return agent_pb2.Register(
+        job=job, worker_id=worker_id, host="bench", pid=1, stage=0, dp_rank=0, heartbeat_interval_ms=1000
+    )
+
+
 class SimAgent:
     def __init__(self, stub: agent_pb2_grpc.AgentServiceStub, job: str, token: str, worker_id: str) -> None:
         self.stub, self.job, self.token, self.worker_id = stub, job, token, worker_id
@@ -95,15 +103,7 @@ class SimAgent:
         self.sent = 0  # reports handed to the stream (after the register message)
 
     async def requests(self):  # noqa: ANN201 - async generator of ConnectRequest
-        reg = agent_pb2.Register(
-            job=self.job,
-            worker_id=self.worker_id,
-            host="bench",
-            pid=1,
-            stage=0,
-            dp_rank=0,
-            heartbeat_interval_ms=1000,
-        )
+        reg = bench_register(self.job, self.worker_id)
         yield agent_pb2.ConnectRequest(register=reg)
         while True:
             item = await self.queue.get()
@@ -165,15 +165,7 @@ class MuxAgent:
         self.sent = 0
 
     async def run(self, stop: asyncio.Event) -> None:
-        reg = agent_pb2.Register(
-            job=self.job,
-            worker_id=self.worker_id,
-            host="bench",
-            pid=1,
-            stage=0,
-            dp_rank=0,
-            heartbeat_interval_ms=1000,
-        )
+        reg = bench_register(self.job, self.worker_id)
         self.channel = self.link.open(reg, self.token)
         with contextlib.suppress(ChannelEnded):
             while True:
@@ -396,7 +388,36 @@ def run_one(
             return result
         finally:
             proc.terminate()
-            proc.wait(timeout=30)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # a Core still draining thousands of streams
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+def _row_child(results: Any, args: tuple[Any, ...]) -> None:
+    results.put(run_one(*args))
+
+
+def run_isolated(*args: Any) -> dict:
+    """`run_one` in a fresh process: a row's thousands of gRPC streams leave threads and sockets
+    behind in the process that ran them (still tearing down when the next row starts), which
+    would starve the next row's Core into false losses."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_row_child, args=(results, args))
+    child.start()
+    try:
+        while True:
+            with contextlib.suppress(queue.Empty):
+                return results.get(timeout=1.0)
+            if not child.is_alive():
+                raise RuntimeError(f"the row's process exited ({child.exitcode}) without a result")
+    finally:
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+            child.join(10)
 
 
 def main() -> int:
@@ -440,7 +461,9 @@ def main() -> int:
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, per_node in itertools.product(args.agents, args.per_node):
-        r = run_one(n, args.window, args.kills, args.warmup, args.register_timeout, per_node, args.linger)
+        r = run_isolated(
+            n, args.window, args.kills, args.warmup, args.register_timeout, per_node, args.linger
+        )
         print(
             f"| {r['agents']} | {per_node} | {r['registered']} | {r['register_s']:.1f} | {r['sent_per_s']:.0f} | "
             f"{r['handled_per_s']:.0f} | {r['core_cpu_s'] / r['wall_s']:.2f} | {r['load_cpu_s'] / r['wall_s']:.2f} | "

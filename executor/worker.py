@@ -18,6 +18,11 @@ does here:
   a whole stage or the store lost, a collective that fails with everyone alive) goes through the
   same loop: how a worker follows plans, restarts an interrupted recovery from the last committed
   state and moves to a standby store is `executor.worker_recovery`;
+- a spare (`ELASWAVE_RANK=spare`, its agent registered without a rank) subscribes to plans with
+  its own credential (the Core then knows it is ready), waits for a plan whose `joiners` names it,
+  builds its rank for that plan's layout and applies the plan with everyone else: its groups are
+  built at the plan's epoch and its state comes from the live owners (`executor.fabric.rebuild`);
+  it then trains from the job's next step;
 - a planned departure (scheduler preemption through the Core, or SIGTERM of the agent, which
   reports a PreemptionNotice) is the same plan: the leaving worker rolls back with everyone at
   the boundary, sees that its rank is gone and exits 0 (its agent then says Leave: LEFT, not
@@ -260,9 +265,10 @@ class CoreDrivenWorker(PlanFollowing):
 
     def _plan_arrived(self, plan: Any) -> None:
         # Runs on the subscription thread: a plan without some rank of the layout this worker
-        # trains on aborts the step in flight everywhere (the plan is the abort signal: it also frees workers blocked on a hung
-        # peer). One that loses none (a join, a pipeline-only move) lets the step finish: every
-        # worker takes it at the next boundary, so the survivors lose no work to it.
+        # trains on aborts the step in flight everywhere (the plan is the abort signal: it also
+        # frees workers blocked on a hung peer). One that loses none (a join, a pipeline-only
+        # move) lets the step finish: every worker takes it at the next boundary, so the
+        # survivors lose no work to it.
         proto = getattr(self, "proto", None)
         if proto is None or plan.epoch <= proto.plan_epoch or proto.step is None:
             return

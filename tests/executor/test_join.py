@@ -24,6 +24,7 @@ import contextlib
 import os
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,7 @@ from tests.executor.test_failstop import (
     assert_states_bitwise,
     base_layout,
 )
+from tests.executor.test_whole_stage import stage_one_lost, three_stages
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -63,20 +65,50 @@ READY = "test/committed-before-join"  # worker 0 sets it once step JOIN_STEP - 1
 FP32_REL = 1e-5  # a relative difference fp32 round-off explains (different summation order)
 
 
+def renamed(layout: Layout, old: int, new: int) -> Layout:
+    """`layout` with rank `new` in rank `old`'s place (same stage and DP index: same samples)."""
+    stages = tuple(
+        StageLayout(s.stage, s.layer_start, s.layer_stop, tuple(new if r == old else r for r in s.ranks))
+        for s in layout.stages
+    )
+    return layout.replace(stages=stages)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A job, the rank it loses, the layout it recovers to and the one the join brings back."""
+
+    name: str
+    base: Layout
+    victim: int
+    after_loss: Layout
+    kill_at_op: int
+
+    @property
+    def joined(self) -> Layout:
+        return renamed(self.base, self.victim, JOINER)
+
+
+# PP=2 x DP=3, rank 4 of stage 1 lost: its stage's survivors take its samples, the joiner takes
+# its place back.
+LOSE_A_RANK = Case(
+    "a rank", base_layout(RNG), VICTIM, resize_after_loss(base_layout(RNG), {VICTIM}).layout, kill_at_op=5
+)
+# PP=3 x DP=(3, 1, 2), stage 1 (rank 3 alone) lost: its blocks go to its neighbours (two stages,
+# rebuilt from the backup in stage 2), and the joiner re-creates stage 1: the stage count returns.
+LOSE_A_STAGE = Case("a whole stage", three_stages(), 3, stage_one_lost(), kill_at_op=3)
+
+
 def after_loss() -> Layout:
-    return resize_after_loss(base_layout(RNG), {VICTIM}).layout
+    return LOSE_A_RANK.after_loss
 
 
 def with_joiner() -> Layout:
-    """The fault-free layout, rank JOINER in VICTIM's place (same DP index: same samples)."""
-    base = base_layout(RNG)
-    s1 = base.stages[1]
-    ranks = tuple(JOINER if r == VICTIM else r for r in s1.ranks)
-    return base.replace(stages=(base.stages[0], StageLayout(1, s1.layer_start, s1.layer_stop, ranks)))
+    return LOSE_A_RANK.joined
 
 
-def join_plan() -> Plan:
-    return Plan(2, after_loss(), with_joiner(), ("spare taken in",), 0.0, joiners=((JOINER, "spare-0"),))
+def join_plan(case: Case = LOSE_A_RANK) -> Plan:
+    return Plan(2, case.after_loss, case.joined, ("spare taken in",), 0.0, joiners=((JOINER, "spare-0"),))
 
 
 def replan(dying: int) -> Plan:
@@ -143,8 +175,8 @@ def _loop(
             out["edits"].append({"at_step": step})
 
 
-def _worker(worker: int, port: int, kill: bool, dying: int | None = None) -> dict[str, Any]:
-    layout = base_layout(RNG)
+def _worker(worker: int, port: int, kill: bool, dying: int | None, case: Case) -> dict[str, Any]:
+    layout = case.base
     store = connect_store("127.0.0.1", port)
     out: dict[str, Any] = {"worker": worker, "losses": {}, "samples": {}, "stage_of": {}, "edits": []}
     if worker == JOINER:
@@ -169,10 +201,10 @@ def _worker(worker: int, port: int, kill: bool, dying: int | None = None) -> dic
         out["after_join"] = _state_numpy(trainer.gather_full_state())
         out["start_step"] = proto.committed_step + 1
     else:
-        cls = KillingCommunicator if kill and worker == VICTIM else DiesInJoin
+        cls = KillingCommunicator if kill and worker == case.victim else DiesInJoin
         comm = cls(store, worker, groups_for_stages([s.ranks for s in layout.stages]), timeout_s=TIMEOUT_S)
         if isinstance(comm, KillingCommunicator):
-            comm.kill_at_op = 5  # the gradient reduce-scatter of FAIL_STEP
+            comm.kill_at_op = case.kill_at_op
         trainer = Trainer(CFG, layout, worker, comm)
         participant = FabricParticipant(trainer, comm, verify_every=2)
         proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
@@ -193,25 +225,25 @@ class _NoState:
     """A participant for `await_plan` alone (it reads the store and nothing else)."""
 
 
-def _run(kill: bool, dying: int | None = None) -> dict[int, dict[str, Any]]:
+def _run(kill: bool, dying: int | None = None, case: Case = LOSE_A_RANK) -> dict[int, dict[str, Any]]:
     server = StoreServer.start()
     try:
         store = connect_store("127.0.0.1", server.port)
         workers = [*WORKERS, JOINER] if kill else WORKERS
-        procs, results = spawn(_worker, workers, server.port, kill, dying)
+        procs, results = spawn(_worker, workers, server.port, kill, dying, case)
         if kill:
-            procs[VICTIM].join(timeout=120)
-            assert procs[VICTIM].exitcode == -signal.SIGKILL, "the victim was not killed"
-            store.set("ew/e0/abort", f"core: worker {VICTIM} exited")
-            plan1 = Plan(1, base_layout(RNG), after_loss(), (f"lost worker {VICTIM}",), 0.0)
+            procs[case.victim].join(timeout=120)
+            assert procs[case.victim].exitcode == -signal.SIGKILL, "the victim was not killed"
+            store.set("ew/e0/abort", f"core: worker {case.victim} exited")
+            plan1 = Plan(1, case.base, case.after_loss, (f"lost worker {case.victim}",), 0.0)
             store.set(plan_key("ew", 1), plan1.to_json())
             store.wait([READY])  # plan 2 only once plan 1 is applied and the job moved on
-            store.set(plan_key("ew", 2), join_plan().to_json())
+            store.set(plan_key("ew", 2), join_plan(case).to_json())
             if dying is not None:
                 procs[dying].join(timeout=120)
                 assert procs[dying].exitcode == -signal.SIGKILL, f"worker {dying} was not killed"
                 store.set(plan_key("ew", 3), replan(dying).to_json())
-        expect = [w for w in workers if w not in (VICTIM, dying)] if kill else workers
+        expect = [w for w in workers if w not in (case.victim, dying)] if kill else workers
         return collect(procs, results, expect, timeout_s=240)
     finally:
         server.stop()
@@ -229,6 +261,17 @@ def _merged(results: dict[int, dict[str, Any]], key: str) -> dict[str, Any]:
             counts.add(r[key]["step_count"])
     assert len(counts) == 1, counts
     return {"step_count": counts.pop(), "units": units}
+
+
+def assert_once_per_stage(job: dict[int, dict[str, Any]], steps: range) -> None:
+    """Each of `steps` fed its global batch exactly once per stage, whoever held the stage."""
+    for step in steps:
+        per_stage: dict[int, list[int]] = {}
+        for r in job.values():
+            if step in r["samples"]:
+                per_stage.setdefault(r["stage_of"][step], []).extend(r["samples"][step])
+        for stage, got in per_stage.items():
+            assert sorted(got) == list(range(step * BATCH, (step + 1) * BATCH)), (step, stage)
 
 
 def _max_rel(ref: dict[str, Any], got: dict[str, Any]) -> float:
@@ -250,11 +293,11 @@ def test_the_join_plan_is_in_place() -> None:
 _CLEAN: dict[str, dict[int, dict[str, Any]]] = {}
 
 
-def _clean_run() -> dict[int, dict[str, Any]]:
-    """The fault-free run of the same seed (once per pytest process)."""
-    if "clean" not in _CLEAN:
-        _CLEAN["clean"] = _run(kill=False)
-    return _CLEAN["clean"]
+def _clean_run(case: Case = LOSE_A_RANK) -> dict[int, dict[str, Any]]:
+    """The fault-free run of the same seed (once per case and pytest process)."""
+    if case.name not in _CLEAN:
+        _CLEAN[case.name] = _run(kill=False, case=case)
+    return _CLEAN[case.name]
 
 
 def test_a_new_worker_takes_a_lost_ranks_place_in_place_and_the_job_follows_the_fault_free_run() -> None:
@@ -282,13 +325,7 @@ def test_a_new_worker_takes_a_lost_ranks_place_in_place_and_the_job_follows_the_
     assert (joiner["stage_after"], joiner["dp_index_after"]) == (1, 1)
     # Every sample of every step from the loss on (the victim's results died with it), once per
     # stage; the joiner fed rank 4's share.
-    for step in range(FAIL_STEP, STEPS):
-        per_stage: dict[int, list[int]] = {0: [], 1: []}
-        for r in job.values():
-            if step in r["samples"]:
-                per_stage[r["stage_of"][step]].extend(r["samples"][step])
-        for stage, got in per_stage.items():
-            assert sorted(got) == list(range(step * BATCH, (step + 1) * BATCH)), (step, stage)
+    assert_once_per_stage(job, range(FAIL_STEP, STEPS))
     for step in range(JOIN_STEP, STEPS):
         assert joiner["samples"][step] == clean[VICTIM]["samples"][step]
     losses = {s: v for r in job.values() for s, v in r["losses"].items() if v is not None}
@@ -313,13 +350,28 @@ def test_a_death_during_the_join_is_replanned_from_the_cumulative_state(dying: i
     stage1 = sorted(w for w, r in job.items() if r["stage_after"] == 1)
     assert stage1 == ([3, 5] if dying == JOINER else [5, JOINER])
     # from the loss on; a dead survivor's own record of the steps before the join died with it
-    for step in range(FAIL_STEP if dying == JOINER else JOIN_STEP, STEPS):
-        per_stage: dict[int, list[int]] = {0: [], 1: []}
-        for r in job.values():
-            if step in r["samples"]:
-                per_stage[r["stage_of"][step]].extend(r["samples"][step])
-        for stage, got in per_stage.items():
-            assert sorted(got) == list(range(step * BATCH, (step + 1) * BATCH)), (step, stage)
+    assert_once_per_stage(job, range(FAIL_STEP if dying == JOINER else JOIN_STEP, STEPS))
+    losses = {s: v for r in job.values() for s, v in r["losses"].items() if v is not None}
+    ref = {s: v for r in clean.values() for s, v in r["losses"].items() if v is not None}
+    assert sorted(losses) == list(range(STEPS))
+    assert all(abs(losses[s] - ref[s]) <= FP32_REL * abs(ref[s]) for s in range(STEPS)), (losses, ref)
+    assert_snapshots_equal_live(job)
+
+
+def test_a_join_after_a_whole_stage_loss_brings_the_stage_count_back() -> None:
+    """PP=3: stage 1 (one rank) is lost and its blocks go to its neighbours (two stages); the
+    joiner re-creates stage 1 with its blocks: three stages again, state bitwise the job's before
+    the join, losses to fp32 round-off of the fault-free run, samples once per stage."""
+    case = LOSE_A_STAGE
+    assert judge(case.after_loss, case.joined).in_place and case.joined.num_stages == 3
+    clean = _clean_run(case)
+    job = _run(kill=True, case=case)
+    assert_states_bitwise(_merged(job, "before_join"), _merged(job, "after_join"))
+    assert (
+        job[JOINER]["stage_after"] == 1
+        and job[JOINER]["received_bytes"] == (joiner_bytes(case.after_loss, case.joined)[JOINER])
+    )
+    assert_once_per_stage(job, range(JOIN_STEP, STEPS))
     losses = {s: v for r in job.values() for s, v in r["losses"].items() if v is not None}
     ref = {s: v for r in clean.values() for s, v in r["losses"].items() if v is not None}
     assert sorted(losses) == list(range(STEPS))
