@@ -37,8 +37,8 @@ from planners.zero import joiner_bytes
 
 def layouts(record: StoryRecord) -> tuple[Layout, Layout]:
     """The layout before the join (after the loss) and after it, as the demo recorded them."""
-    kill, join = (next(e for e in record.events if e.kind == k) for k in ("kill", "join"))
-    return tuple(Layout.from_json(json.dumps(e.data["layout_after"])) for e in (kill, join))  # type: ignore[return-value]
+    after = {e.kind: Layout.from_json(json.dumps(e.data["layout_after"])) for e in record.events}
+    return after["kill"], after["join"]
 
 
 def measure(record: StoryRecord, report: dict[str, Any]) -> dict[str, Any]:

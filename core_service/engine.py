@@ -151,11 +151,7 @@ def _worker_view(
 
 def snapshot_of(job: Job) -> JobSnapshot:
     def view(m: MemberRecord) -> WorkerView:
-        step = m.last_step
-        # its own compute (core_service.membership: the wall step time is every rank's slowest)
-        step_time = (
-            None if step is None else (step.compute_time_s if step.compute_time_s > 0 else step.step_time_s)
-        )
+        step_time = None if m.last_step is None else m.last_step.own_time_s
         return _worker_view(m.worker_id, m.host, m.stage, m.dp_rank, m.rank, m.state.value, step_time)
 
     live: list[WorkerView] = []

@@ -302,10 +302,7 @@ class Membership:
                 now=report.received_unix,
                 kind="worker_running",
             )
-        # A rank's own compute, where its worker reports it: in a synchronous job every rank's
-        # wall step time is the slowest rank's, which would hide the straggler among its peers.
-        own = report.compute_time_s if report.compute_time_s > 0 else report.step_time_s
-        transition = job.failslow.observe(member.worker_id, report.stage, own)
+        transition = job.failslow.observe(member.worker_id, report.stage, report.own_time_s)
         if transition is None or member.state.is_gone:
             return
         if transition.slow:

@@ -106,6 +106,13 @@ class StepReport:
     dp_rank: int
     received_unix: float
 
+    @property
+    def own_time_s(self) -> float:
+        """The rank's own compute, where its worker reports it, else its wall step time: in a
+        synchronous job every rank's wall step time is the slowest rank's, which would hide a
+        straggler among its stage peers (fail-slow detection, the policy's slowdown sizing)."""
+        return self.compute_time_s if self.compute_time_s > 0 else self.step_time_s
+
 
 @dataclass
 class MemberRecord:
