@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PROTOS := $(wildcard proto/elaswave/v1/*.proto)
+PROTOS := $(wildcard proto/wire/v1/*.proto)
 
 .PHONY: install system-deps demo test test-fast proto proto-check lint bench chaos clean
 
@@ -12,8 +12,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch is pinned to the local CPU wheel first so nothing pulls a CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c requirements/constraints.txt torch
+	$(BIN)/pip install -q -c requirements/constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

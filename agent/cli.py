@@ -11,7 +11,7 @@ from typing import Any
 
 from agent.config import TOKEN_ENV, AgentConfig, TlsFiles, parse_address, parse_address_list
 from agent.frequency import CHOICES, DEFAULT_CLOCK_RANGE, parse_clock_range
-from elaswave.local_protocol import CONTROL_ENV
+from wire.local_protocol import CONTROL_ENV
 
 DESCRIPTION = f"""\
 Run the ElasWave agent beside one training worker. The agent watches the worker process (its

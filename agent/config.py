@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.frequency import CHOICES, DEFAULT_CLOCK_RANGE, ClockRange, parse_clock_range
-from elaswave.local_protocol import TOKEN_ENV  # noqa: E402 - the one definition of the contract
+from wire.local_protocol import TOKEN_ENV  # noqa: E402 - the one definition of the contract
 
 # sun_path of struct sockaddr_un is 108 bytes on Linux, including the terminating NUL.
 _MAX_UNIX_PATH_BYTES = 107
@@ -175,7 +175,7 @@ class AgentConfig:
 
     @property
     def control_path(self) -> Path:
-        """The worker's control file (``elaswave.local_protocol``): ``--control-file``, else beside the socket."""
+        """The worker's control file (``wire.local_protocol``): ``--control-file``, else beside the socket."""
         if self.control_file is not None:
             return self.control_file
         name = self.socket_path.name

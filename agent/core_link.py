@@ -25,7 +25,7 @@ import grpc.aio
 from agent.backoff import AddressRotation, Backoff, parse_leader_hint
 from agent.config import Address, AgentConfig, load_job_token
 from agent.logs import log_event
-from elaswave.v1 import agent_pb2, agent_pb2_grpc
+from wire.v1 import agent_pb2, agent_pb2_grpc
 
 OUTBOX_LIMIT = 1000
 

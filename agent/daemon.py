@@ -19,7 +19,7 @@ Core commands:
   outcome (applied, or refused/failed with the reason, clock unchanged) goes into a device probe
   sent at once, and every device probe names the controller and the clock, so the Core always
   shows the applied frequency. The clock is also published in the worker's control file.
-- Drain: the drain notice goes into the worker's control file (``elaswave.local_protocol``) so the worker
+- Drain: the drain notice goes into the worker's control file (``wire.local_protocol``) so the worker
   stops at its next step boundary; a worker still running after ``--drain-grace`` (or at the
   Drain deadline, if sooner) gets SIGTERM, and SIGKILL ``--grace`` later. The agent reports
   "draining" at once and, once the worker is gone, leaves with a Leave that says how it ended:
@@ -51,7 +51,7 @@ from agent.local_metrics import MetricsReceiver
 from agent.logs import log_event
 from agent.preemption import notice, watch_notice_file
 from agent.worker import ExitStatus, ForeignWorker, LaunchedWorker, Worker
-from elaswave.local_protocol import (
+from wire.local_protocol import (
     CONTROL_ENV,
     EXIT_CODE_UNKNOWN,
     FINISHED_ENV,
@@ -63,8 +63,8 @@ from elaswave.local_protocol import (
     finished_checkpoint,
     finished_path,
 )
-from elaswave.v1 import agent_pb2
-from elaswave.worker_env import WORKER_TOKEN_FILE_ENV
+from wire.v1 import agent_pb2
+from wire.worker_env import WORKER_TOKEN_FILE_ENV
 
 
 def agent_exit_code(status: ExitStatus | None) -> int:
@@ -165,7 +165,7 @@ class Agent:
 
     def _store_worker_token(self, token: str) -> None:
         """The worker's own credential from the Core, for its executor's acks and failure reports
-        (elaswave.worker_env.WORKER_TOKEN_FILE_ENV): written atomically, readable by this user only."""
+        (wire.worker_env.WORKER_TOKEN_FILE_ENV): written atomically, readable by this user only."""
         tmp = self.worker_token_file.with_name(self.worker_token_file.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:

@@ -21,7 +21,7 @@ from types import ModuleType
 
 import psutil
 
-from elaswave.v1 import agent_pb2, common_pb2
+from wire.v1 import agent_pb2, common_pb2
 
 _NVIDIA_NODES = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
 

@@ -14,7 +14,7 @@ Algorithm 2 of the paper up-clocks only the residual straggler stage; the Core's
   refused with that reason. The range comes from ``--clock-range``.
 - ``simulated``: CPU runs. The "clock" is a number in ``--clock-range`` (default 800:1400:1650
   MHz, the 910B figures of ElasWave §5: 1,400 MHz initial, 1,650 MHz maximum); the agent
-  publishes ``factor = mhz / nominal`` in the worker's control file (``elaswave.local_protocol``) and the
+  publishes ``factor = mhz / nominal`` in the worker's control file (``wire.local_protocol``) and the
   worker scales its injected compute delay by it.
 
 Every controller refuses a clock outside its range with the reason and changes nothing
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
 
-from elaswave.local_protocol import FrequencyState
+from wire.local_protocol import FrequencyState
 
 CHOICES = ("auto", "nvml", "npu-smi", "simulated", "none")
 DEFAULT_CLOCK_RANGE = "800:1400:1650"

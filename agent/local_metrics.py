@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.logs import log_event
-from elaswave.local_protocol import _MAX_DATAGRAM, BadMetrics, validate_step_metrics
-from elaswave.v1 import agent_pb2
+from wire.local_protocol import _MAX_DATAGRAM, BadMetrics, validate_step_metrics
+from wire.v1 import agent_pb2
 
 
 def parse_step_metrics(record: object) -> agent_pb2.StepMetrics:
-    """Validate one decoded JSON record (elaswave.local_protocol's rules) and build its proto."""
+    """Validate one decoded JSON record (wire.local_protocol's rules) and build its proto."""
     return agent_pb2.StepMetrics(**validate_step_metrics(record))  # type: ignore[arg-type]  # validated fields
 
 

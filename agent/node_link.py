@@ -16,7 +16,7 @@ import itertools
 import grpc
 import grpc.aio
 
-from elaswave.v1 import agent_pb2, agent_pb2_grpc
+from wire.v1 import agent_pb2, agent_pb2_grpc
 
 # The Core refuses more per message (core_service.node_stream.MAX_FRAMES_PER_MESSAGE).
 MAX_FRAMES_PER_MESSAGE = 4_096

@@ -30,7 +30,7 @@ from agent.backoff import AddressRotation, parse_leader_hint
 from agent.config import Address, parse_address
 from agent.core_link import WORKER_TOKEN_METADATA
 from agent.node_link import DEFAULT_LINGER_S, ChannelEnded, NodeChannel, NodeLink
-from elaswave.v1 import agent_pb2_grpc
+from wire.v1 import agent_pb2_grpc
 
 log = logging.getLogger("elaswave.agent.node_mux")
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agent.logs import log_event
-from elaswave.v1 import agent_pb2
+from wire.v1 import agent_pb2
 
 
 def notice(source: str, deadline_unix: float) -> agent_pb2.ConnectRequest:

@@ -14,7 +14,7 @@ import psutil
 from agent.config import Address
 from agent.devices import DeviceSet
 from agent.worker import Worker
-from elaswave.v1 import agent_pb2
+from wire.v1 import agent_pb2
 
 # Host is under memory pressure (unhealthy) when less than this fraction of memory is available.
 MIN_AVAILABLE_MEMORY_FRACTION = 0.05

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from elaswave.local_protocol import EXIT_CODE_UNKNOWN
+from wire.local_protocol import EXIT_CODE_UNKNOWN
 
 _FOREIGN_POLL_S = 0.05
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>

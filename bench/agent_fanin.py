@@ -45,7 +45,7 @@ import httpx
 import psutil
 
 from agent.node_link import ChannelEnded, NodeChannel, NodeLink
-from elaswave.v1 import agent_pb2, agent_pb2_grpc
+from wire.v1 import agent_pb2, agent_pb2_grpc
 
 STREAMS_PER_CHANNEL = 200
 

@@ -27,8 +27,8 @@ from core_service.limits import MAX_DETAIL_CHARS, MAX_HOST_CHARS, MAX_OPERATION_
 from core_service.membership import WORKER_TOKEN_METADATA, AgentSession, Registration
 from core_service.model import DeviceInfo, StepReport, WorkerState
 from core_service.node_stream import NodeStream
-from elaswave.local_protocol import EXIT_CODE_UNKNOWN
-from elaswave.v1 import agent_pb2
+from wire.local_protocol import EXIT_CODE_UNKNOWN
+from wire.v1 import agent_pb2
 
 if TYPE_CHECKING:
     from core_service.core import Core

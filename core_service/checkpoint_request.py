@@ -2,9 +2,9 @@
 
 The Core cannot reach into the workers' memory; it relays the request on every live agent's
 stream (`Checkpoint` command), and each agent writes it into its worker's control file
-(elaswave.local_protocol). The step to save is chosen so that every worker sees the request
+(wire.local_protocol). The step to save is chosen so that every worker sees the request
 before it gets there: about two seconds of steps past the furthest step any worker has reported
-(`elaswave.worker_env.steps_ahead`; workers of one synchronous job are never more than one step
+(`wire.worker_env.steps_ahead`; workers of one synchronous job are never more than one step
 apart). With `stop`, every worker leaves the job
 after that step: the operator's clean stop, ending with a checkpoint from which
 `elaswave run --resume DIR` continues on any layout. Workers started without a checkpoint
@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from core_service.agent_service import HTTP_STATUS
 from core_service.grpc_util import RpcError
 from core_service.http_guard import error_responses, field_error
-from elaswave.v1 import agent_pb2
-from elaswave.worker_env import steps_ahead
+from wire.v1 import agent_pb2
+from wire.worker_env import steps_ahead
 
 if TYPE_CHECKING:
     from core_service.core import Core

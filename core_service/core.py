@@ -63,7 +63,7 @@ from core_service.registry import (
 )
 from core_service.rest import build_app
 from core_service.scheduler_service import SchedulerServicer
-from elaswave.v1 import agent_pb2, executor_pb2, scheduler_pb2
+from wire.v1 import agent_pb2, executor_pb2, scheduler_pb2
 
 log = logging.getLogger("elaswave.core")
 

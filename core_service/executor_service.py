@@ -17,8 +17,8 @@ from core_service.limits import MAX_DETAIL_CHARS, MAX_OPERATION_CHARS
 from core_service.model import Ack, AckPhase, PlanFailure
 from core_service.persist import registry_call
 from core_service.recovery import NO_PEER, CollectiveFailure, PeerAction
-from elaswave.v1 import common_pb2, executor_pb2
 from planners.layout import Plan
+from wire.v1 import common_pb2, executor_pb2
 
 if TYPE_CHECKING:
     from core_service.core import Core

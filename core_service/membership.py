@@ -39,8 +39,8 @@ from core_service.model import (
 )
 from core_service.persist import registry_call
 from core_service.registry import FenceLost, KVEvent, LeaseNotFound, Registry, RegistryError, WatchHandle
-from elaswave.v1 import agent_pb2
 from planners.layout import Plan
+from wire.v1 import agent_pb2
 
 log = logging.getLogger("elaswave.core.membership")
 # gRPC metadata key an agent presents its worker's credential under when it registers again.

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from core_service.grpc_util import Malformed, RpcError, invalid
-from elaswave.v1 import agent_pb2
+from wire.v1 import agent_pb2
 
 if TYPE_CHECKING:
     from core_service.agent_service import AgentServicer

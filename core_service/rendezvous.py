@@ -51,9 +51,9 @@ from core_service.config import JOB_NAME_PATTERN
 from core_service.http_guard import error_responses, field_error
 from core_service.job_store import JobStores, StoreError
 from core_service.model import JobPhase
-from elaswave.launcher_describe import model_difference, unit_costs
-from elaswave.worker_env import ModelDescription
+from planners.described_model import model_difference, unit_costs
 from planners.placement import Placement, PlacementError, plan_placement
+from wire.worker_env import ModelDescription
 
 if TYPE_CHECKING:
     from core_service.core import Core

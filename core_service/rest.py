@@ -338,7 +338,7 @@ def build_app(core: Core) -> FastAPI:
         responses=write_errors,
     )
     async def preempt(job: JobName, body: PreemptRequest) -> dict[str, Any]:
-        from elaswave.v1 import scheduler_pb2
+        from wire.v1 import scheduler_pb2
 
         job_or_404(job)
         grpc_request = scheduler_pb2.SignalPreemptionRequest(

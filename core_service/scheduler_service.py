@@ -24,10 +24,10 @@ from core_service.policies import (
     scale_table,
 )
 from core_service.recovery import RESTORE, choose_mode
-from elaswave.v1 import agent_pb2, common_pb2, scheduler_pb2
 from planners.chameleon.schema import state_from_dict
 from planners.flextrain import build_scale_table, choose_scale_up, predict_configs
 from planners.layout import Layout, Plan, PlanMode, make_uniform_layout
+from wire.v1 import agent_pb2, common_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
     from core_service.core import Core

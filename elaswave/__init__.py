@@ -2,7 +2,7 @@
 
 The public API is this package (docs/api.md): describe the model as units, give a per-sample
 loss, a dataset and an optimizer, and call `elaswave.train(...)` in every process; launch with
-`elaswave run`. Names are loaded on first use, so `import elaswave.worker_env` (the launcher's and
+`elaswave run`. Names are loaded on first use, so `import wire.worker_env` (the launcher's and
 agent's side) never pays for torch.
 
 - `Units(names, build_unit, init_seed=0, state_dict=None)`, `Units.from_modules(...)`

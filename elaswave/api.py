@@ -1,6 +1,6 @@
 """`elaswave.train`: the one call a training script makes (docs/api.md).
 
-The same script runs three ways, chosen by the environment (elaswave.worker_env):
+The same script runs three ways, chosen by the environment (wire.worker_env):
 
 - `python script.py`: the whole model in this process (PP=1, DP=1), the reference every layout
   matches to fp32 round-off;
@@ -25,12 +25,12 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from elaswave import worker_env
 from executor.checkpoint import load_model_state, scheduled
 from executor.optim import OptimizerConfig
 from executor.sampler import Collate
 from executor.trainer import LossFn, TrainSpec, checkpoint_payload, checkpoint_writer, load_checkpoint
 from executor.units import UnitModel
+from wire import worker_env
 
 ModelLike = UnitModel | nn.Sequential | Sequence[nn.Module] | Mapping[str, nn.Module]
 

@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from elaswave.worker_env import ModelDescription, UnitDescription
 from executor.trainer import TrainSpec
 from executor.units import Activation, ActivationSpec, as_tuple, call_unit, fingerprint
+from wire.worker_env import ModelDescription, UnitDescription
 
 PROFILE_ROWS = 4  # samples per timed micro-batch: enough to dilute the per-call overhead
 REPEATS = 3  # timed runs per unit after one untimed warm-up; the fastest counts (others were disturbed)

@@ -12,7 +12,7 @@ On one machine (no --core) it
    each stage's ranks spread over the (simulated) nodes;
 3. starts an embedded Core, creates the job with that layout over REST, starts the rendezvous
    store and one agent per rank, each launching `python script.py args` as that rank
-   (`launcher_procs`), with the worker contract of `elaswave.worker_env` in its environment;
+   (`launcher_procs`), with the worker contract of `wire.worker_env` in its environment;
 4. prints progress from the Core about once a second and exits when every worker has
    (`launcher_monitor`), 0 when the job completed;
 5. on Ctrl-C or SIGTERM asks the workers to stop about two seconds of steps on (`ELASWAVE_STOP_FILE`), waits for
@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 from types import FrameType
 
-from elaswave import worker_env as we
+from wire import worker_env as we
 
 DEFAULT_WORKER_TIMEOUT_S = 20.0
 
@@ -211,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, stop: StopRequest) -> int:
-    from elaswave.launcher_describe import DescribeError, describe, unit_costs  # noqa: PLC0415
+    from elaswave.launcher_describe import DescribeError, describe  # noqa: PLC0415
+    from planners.described_model import unit_costs  # noqa: PLC0415
     from planners.placement import PlacementError, plan_placement  # noqa: PLC0415
 
     name = job_name(args)

@@ -2,7 +2,7 @@
 
 The script runs as `python script.py args` with `ELASWAVE_DESCRIBE_FILE` set; its
 `elaswave.train(...)` writes a `ModelDescription` there and exits 0 without training
-(`elaswave.worker_env`). Everything else about the run (the units' costs, the batch, the steps)
+(`wire.worker_env`). Everything else about the run (the units' costs, the batch, the steps)
 comes from that file, so the launcher never imports torch or the script.
 """
 
@@ -16,9 +16,8 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
-from elaswave.worker_env import (
+from wire.worker_env import (
     CHECKPOINT_DIR_ENV,
     CHECKPOINT_EVERY_ENV,
     CORE_ENV,
@@ -36,7 +35,6 @@ from elaswave.worker_env import (
     WORKER_ID_ENV,
     ModelDescription,
 )
-from planners.placement import UnitCost
 
 # What a launcher or agent sets for a worker. A launcher started from inside another job's
 # worker (a test, a notebook) must not pass its own place on, or the child would think it is
@@ -126,59 +124,6 @@ def describe(
                 f"{script.name} wrote a model description the launcher cannot read ({exc}); "
                 "are the launcher and the script's elaswave the same version?"
             ) from None
-
-
-def unit_costs(description: ModelDescription) -> tuple[UnitCost, ...]:
-    return tuple(
-        UnitCost(
-            u.name,
-            u.numel,
-            u.param_bytes,
-            u.forward_s_per_sample + u.backward_s_per_sample,
-            u.activation_bytes_per_sample,
-        )
-        for u in description.units
-    )
-
-
-def model_identity(desc: ModelDescription) -> dict[str, Any]:
-    """What must be the same on every node of a multi-node job (core_service.rendezvous): the units (not their measured times), the batch, the
-    data, the steps and the initial weights' fingerprints."""
-    return {
-        "units": [(u.name, u.numel, u.param_bytes, u.activation_bytes_per_sample) for u in desc.units],
-        "global_batch": desc.global_batch,
-        "micro_batches": desc.micro_batches,
-        "dataset_len": desc.dataset_len,
-        "steps": desc.steps,
-        "fingerprints": desc.fingerprints,
-    }
-
-
-def model_difference(mine: ModelDescription, first: ModelDescription, first_id: str) -> str | None:
-    """The first difference between two descriptions, in words (None: the same model)."""
-    a, b = model_identity(mine), model_identity(first)
-    if len(a["units"]) != len(b["units"]):
-        return f"this node's model has {len(a['units'])} units, node {first_id!r}'s has {len(b['units'])}"
-    for i, (u, v) in enumerate(zip(a["units"], b["units"], strict=True)):
-        if u != v:
-            return (
-                f"unit {i} is {u[0]!r} with {u[1]} parameters here but {v[0]!r} with {v[1]} parameters on node "
-                f"{first_id!r} (name, parameters, bytes, activation bytes: {list(u)} vs {list(v)})"
-            )
-    for key in ("global_batch", "micro_batches", "dataset_len", "steps"):
-        if a[key] != b[key]:
-            return f"{key} is {a[key]} here but {b[key]} on node {first_id!r}"
-    if a["fingerprints"] != b["fingerprints"]:
-        units = sorted(
-            k
-            for k in a["fingerprints"].keys() | b["fingerprints"].keys()
-            if a["fingerprints"].get(k) != b["fingerprints"].get(k)
-        )
-        return (
-            f"the initial weights of units {units[:5]} differ from node {first_id!r}'s: every node must build "
-            "the same model (seed it the same way)"
-        )
-    return None
 
 
 def tail(text: str, lines: int) -> str:

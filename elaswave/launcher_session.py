@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from elaswave import worker_env as we
 from elaswave.launcher_describe import clean_env, tail
 from elaswave.launcher_join import SCHEDULER_TOKEN_ENV, stop_job, stopped_by_the_core
 from elaswave.launcher_monitor import Monitor, outcome, write_stop_file
 from elaswave.launcher_procs import LOOPBACK, Agents, LaunchError, LocalCore, RankSpec
 from elaswave.store_keeper import StoreKeeper
+from wire import worker_env as we
 
 if TYPE_CHECKING:
     from elaswave.launcher import StopRequest
@@ -101,7 +101,7 @@ class Session:
         return set(self.joined.ranks)
 
     def worker_env(self, token: str, rank: int, name: str = "") -> dict[str, str]:
-        """The worker contract (`elaswave.worker_env`) for `rank` (< 0: a spare named `name`);
+        """The worker contract (`wire.worker_env`) for `rank` (< 0: a spare named `name`);
         the agent adds its worker id."""
         args = self.args
         env = clean_env() | {

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import grpc
 
-from elaswave.v1 import executor_pb2, executor_pb2_grpc
-from elaswave.worker_env import WORKER_TOKEN_FILE_ENV
 from planners.layout import Plan
+from wire.v1 import executor_pb2, executor_pb2_grpc
+from wire.worker_env import WORKER_TOKEN_FILE_ENV
 
 log = logging.getLogger("elaswave.executor.plans")
 

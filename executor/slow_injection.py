@@ -3,7 +3,7 @@
 Once the file holds `{"slowdown": S}` (S >= 1), every later step's own compute on this rank is
 stretched to `S / f` times its measured length by a sleep before the commit vote, where `f` is the
 clock factor the agent's frequency controller publishes in the control file (mhz / nominal,
-`elaswave.local_protocol`; 1.0 without one). So an up-clock from the Core's DVFS plan (ElasWave
+`wire.local_protocol`; 1.0 without one). So an up-clock from the Core's DVFS plan (ElasWave
 §4.3) shortens the straggler's steps as a faster clock would on a device, and migrating layers off
 its stage (§4.2) shortens them because there is less compute to stretch. On CPU, where no clock can
 be lowered, this is how a slow device is simulated; the file is re-read only when it changes.
@@ -20,7 +20,7 @@ class SlowInjection:
     """Reads the slowdown file and the clock factor; says how long to stretch a step."""
 
     def __init__(self, path: Path, control: Any = None) -> None:
-        """`control`: an `elaswave.local_protocol.ControlReader` (its `factor`), or None."""
+        """`control`: an `wire.local_protocol.ControlReader` (its `factor`), or None."""
         self.path, self.control = path, control
         self.slowdown = 1.0
         self._stamp: tuple[int, int] | None = None

@@ -28,7 +28,7 @@ does here:
   the boundary, sees that its rank is gone and exits 0 (its agent then says Leave: LEFT, not
   LOST). SIGTERM of the worker itself (the agent forwards it; Slurm signals every process) never
   kills it mid-step: if its agent reported the preemption (a drain notice in the control file,
-  elaswave.local_protocol) it keeps training until the Core's plan lets it go, so the survivors never see
+  wire.local_protocol) it keeps training until the Core's plan lets it go, so the survivors never see
   it vanish; otherwise (a plain stop), or with no such plan within `--timeout`, it stops at the
   next step boundary and exits 143, which the survivors handle as a fail-stop.
 
@@ -52,8 +52,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from elaswave.worker_env import EXIT_NO_PLAN, EXIT_PLAN_NOT_APPLICABLE, EXIT_TERMINATED, WorkerPlace
 from executor.worker_recovery import PlanFollowing, PlanNotApplicable
+from wire.worker_env import EXIT_NO_PLAN, EXIT_PLAN_NOT_APPLICABLE, EXIT_TERMINATED, WorkerPlace
 
 # Re-read the job's store list every this many committed steps (one store round trip).
 STORE_LIST_EVERY = 8
@@ -71,7 +71,7 @@ class WorkerSettings:
     resume: Path | None = None
     stop_file: Path | None = None
     # unit -> fingerprint of its initial weights in the launcher's describe run: every process must
-    # build the same model (elaswave.worker_env.ModelDescription.fingerprints)
+    # build the same model (wire.worker_env.ModelDescription.fingerprints)
     fingerprints: dict[str, str] | None = None
     # Called after every committed step with (step, loss or None), on every rank (the script's
     # `on_step`); `log_every`: the first rank of the last stage prints a progress line this often.
@@ -125,10 +125,6 @@ class CoreDrivenWorker(PlanFollowing):
     def __init__(self, spec: Any, settings: WorkerSettings) -> None:
         import torch  # noqa: PLC0415 - keep imports of the light modules light
 
-        from elaswave.local_protocol import (
-            ControlReader,  # noqa: PLC0415
-            StepMetricsClient,  # noqa: PLC0415
-        )
         from executor.comm import Communicator, groups_for_stages  # noqa: PLC0415
         from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
         from executor.plan_client import PlanClient  # noqa: PLC0415
@@ -137,6 +133,10 @@ class CoreDrivenWorker(PlanFollowing):
         from executor.store_server import connect_store  # noqa: PLC0415
         from executor.trainer import Trainer, checkpoint_writer, load_checkpoint  # noqa: PLC0415
         from planners.layout import Layout  # noqa: PLC0415
+        from wire.local_protocol import (
+            ControlReader,  # noqa: PLC0415
+            StepMetricsClient,  # noqa: PLC0415
+        )
 
         torch.set_num_threads(1)
         place = settings.place
@@ -559,7 +559,7 @@ def run_worker(spec: Any, settings: WorkerSettings) -> tuple[int, dict[str, Any]
     if worker.exit_code == 0 and (
         results["committed_steps"] == settings.steps or "stopped_after_step" in results
     ):
-        from elaswave.local_protocol import mark_finished  # noqa: PLC0415
+        from wire.local_protocol import mark_finished  # noqa: PLC0415
 
         # The whole job is trained, or stopped where the launcher or an operator asked: the agent
         # reports a finished worker, not a departure for the Core to plan around.

@@ -39,7 +39,7 @@ class PlanNotApplicable(RuntimeError):
 class PlanFollowing:
     """Mixed into CoreDrivenWorker, whose constructor sets every attribute annotated here."""
 
-    args: Any  # elaswave.worker_env.WorkerPlace
+    args: Any  # wire.worker_env.WorkerPlace
     settings: Any  # executor.worker.WorkerSettings
     comm: Any  # executor.comm.Communicator
     proto: Any  # executor.step_protocol.StepProtocol

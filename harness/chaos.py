@@ -37,9 +37,9 @@ from typing import Any, Literal
 
 import httpx
 
-from elaswave.worker_env import CHECKPOINT_EVERY_ENV, INJECT_FAULT_ENV
 from harness.demo import states
 from harness.training import TrainDemo, TrainDemoConfig, fault_free_losses, job_losses, last_step, launch_job
+from wire.worker_env import CHECKPOINT_EVERY_ENV, INJECT_FAULT_ENV
 
 FaultKind = Literal["kill", "node", "collective", "store", "core"]
 

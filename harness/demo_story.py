@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from elaswave.worker_env import INJECT_SLOW_FILE_ENV
 from harness.chaos import ChaosRun, ChaosScenario, Fault
 from harness.demo import states
 from harness.training import last_step, launch_job
+from wire.worker_env import INJECT_SLOW_FILE_ENV
 
 EventKind = Literal["kill", "straggler", "preempt", "node", "join"]
 

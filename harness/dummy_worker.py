@@ -1,7 +1,7 @@
 """A stand-in training process for the control-plane demo: it 'steps' at a fixed rate and reports
 each step to its agent over the local metrics socket, exactly as the executor does.
 
-It is also the reference reader of the agent's control file (``elaswave.local_protocol``): at every step
+It is also the reference reader of the agent's control file (``wire.local_protocol``): at every step
 boundary it reads the simulated clock factor (a step takes ``--step-time / factor``: a lower
 clock is a slower step, as the simulated DVFS controller intends) and the drain notice (it stops
 there and exits 0). SIGTERM likewise stops it at the next step boundary with exit 0."""
@@ -15,7 +15,7 @@ import signal
 import time
 from types import FrameType
 
-from elaswave.local_protocol import ControlReader, StepMetricsClient
+from wire.local_protocol import ControlReader, StepMetricsClient
 
 
 class _StopFlag:

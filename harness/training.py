@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elaswave.worker_env import (
+from harness.demo import Demo, states
+from wire.worker_env import (
     CHECKPOINT_DIR_ENV,
     CORE_ENV,
     JOB_ENV,
@@ -34,7 +35,6 @@ from elaswave.worker_env import (
     TIMEOUT_ENV,
     TOKEN_ENV,
 )
-from harness.demo import Demo, states
 
 GPT_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
 
@@ -122,7 +122,7 @@ class TrainDemo(Demo):
         return self.store.port
 
     def _worker_env(self, rank: str, results: Path) -> dict[str, str]:
-        """The worker contract (`elaswave.worker_env`) for `rank` (a number, or "spare")."""
+        """The worker contract (`wire.worker_env`) for `rank` (a number, or "spare")."""
         grpc_port, store_port, job_token = self._launched
         env = dict(
             os.environ,

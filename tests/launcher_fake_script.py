@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from elaswave import worker_env as we
-from elaswave.local_protocol import StepMetricsClient, mark_finished
+from wire import worker_env as we
+from wire.local_protocol import StepMetricsClient, mark_finished
 
 STEPS = 6
 GLOBAL_BATCH = 8

@@ -24,10 +24,10 @@ import psutil
 import pytest
 
 from core_service.rendezvous import LEASE_S
-from elaswave import worker_env as we
 from elaswave.launcher import next_job_name, resume_command
 from tests.core.procs import CoreProcess, create_job, new_token
 from tests.test_launcher import FAKE, TINY, Launcher, _env, _job_losses, _reference_losses
+from wire import worker_env as we
 
 pytestmark = pytest.mark.multiproc
 UNITS = [("embed", 4096, 1e-5), ("block0", 1024, 1e-4), ("block1", 1024, 1e-4), ("head", 4096, 2e-5)]

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
-from elaswave.v1 import agent_pb2, agent_pb2_grpc
+from wire.v1 import agent_pb2, agent_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

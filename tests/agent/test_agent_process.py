@@ -19,9 +19,9 @@ import psutil
 import pytest
 
 from agent.devices import DeviceSet
-from elaswave.local_protocol import EXIT_CODE_UNKNOWN, StepMetricsClient
-from elaswave.v1 import agent_pb2
 from tests.agent.harness import RecordingCore, base_args, sleeper_command, wait_worker_ready
+from wire.local_protocol import EXIT_CODE_UNKNOWN, StepMetricsClient
+from wire.v1 import agent_pb2
 
 pytestmark = pytest.mark.multiproc
 
@@ -105,11 +105,9 @@ def test_worker_that_finishes_or_leaves_departs_and_one_that_fails_reports_its_e
     core, run_agent, tmp_path: Path, how: str
 ):
     ready = tmp_path / "go"
-    # "finished": the worker says its work is complete (elaswave.local_protocol.mark_finished), then exits 0.
+    # "finished": the worker says its work is complete (wire.local_protocol.mark_finished), then exits 0.
     say_done = (
-        "from elaswave.local_protocol import mark_finished; assert mark_finished()\n"
-        if how == "finished"
-        else ""
+        "from wire.local_protocol import mark_finished; assert mark_finished()\n" if how == "finished" else ""
     )
     code = 3 if how == "failed" else 0
     worker = [

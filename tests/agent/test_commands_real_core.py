@@ -14,9 +14,9 @@ import httpx
 import psutil
 import pytest
 
-from elaswave.local_protocol import ControlReader
 from tests.agent.harness import AgentProcess
 from tests.core.procs import CoreProcess, create_job, new_token, wait_until
+from wire.local_protocol import ControlReader
 
 pytestmark = pytest.mark.multiproc
 

@@ -18,7 +18,7 @@ from agent.frequency import (
     parse_npu_smi_common,
     select_controller,
 )
-from elaswave.local_protocol import (
+from wire.local_protocol import (
     BadControlFile,
     ControlFile,
     ControlReader,

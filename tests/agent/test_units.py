@@ -17,7 +17,7 @@ from agent.local_metrics import _remove_stale_socket, parse_line
 from agent.logs import format_event
 from agent.preemption import parse_notice_deadline
 from agent.worker import ExitStatus, describe_exit
-from elaswave.local_protocol import EXIT_CODE_UNKNOWN, BadMetrics, StepMetricsClient
+from wire.local_protocol import EXIT_CODE_UNKNOWN, BadMetrics, StepMetricsClient
 
 GOOD = {
     "step": 3,
@@ -250,7 +250,7 @@ class _StandInCuda:
 
 def test_device_read_reports_a_failing_accelerator_as_unhealthy():
     from agent.devices import DeviceSet
-    from elaswave.v1 import agent_pb2, common_pb2
+    from wire.v1 import agent_pb2, common_pb2
 
     devices = [common_pb2.Device(kind="cuda", index=i, name="GPU", memory_bytes=80 * 2**30) for i in range(2)]
     reading = DeviceSet("cuda", _StandInCuda, devices).read(worker_rss_bytes=123)  # type: ignore[arg-type]

@@ -16,9 +16,9 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from elaswave.v1 import agent_pb2, agent_pb2_grpc
 from planners.layout import make_uniform_layout
 from tests.core.procs import CoreProcess, create_job, new_token, wait_until
+from wire.v1 import agent_pb2, agent_pb2_grpc
 
 pytestmark = pytest.mark.multiproc
 

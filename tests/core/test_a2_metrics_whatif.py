@@ -11,7 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from elaswave.v1 import (
+from planners.layout import Layout
+from tests.core.procs import CoreProcess, create_job, new_token
+from wire.v1 import (
     agent_pb2,
     agent_pb2_grpc,
     executor_pb2,
@@ -19,8 +21,6 @@ from elaswave.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from planners.layout import Layout
-from tests.core.procs import CoreProcess, create_job, new_token
 
 pytestmark = pytest.mark.multiproc
 

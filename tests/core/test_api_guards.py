@@ -13,8 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from elaswave.v1 import agent_pb2, executor_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.core.procs import AgentProcess, CoreProcess, create_job, new_token, wait_until
+from wire.v1 import agent_pb2, executor_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 pytestmark = pytest.mark.multiproc
 

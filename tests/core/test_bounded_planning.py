@@ -19,8 +19,8 @@ import psutil
 import pytest
 
 from core_service.limits import MAX_DEVICES
-from elaswave.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.core.procs import CoreProcess, create_job, new_token, wait_until
+from wire.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 pytestmark = pytest.mark.multiproc
 

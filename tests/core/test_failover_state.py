@@ -27,7 +27,12 @@ from core_service.jobs import Job
 from core_service.membership import Registration
 from core_service.model import JobPhase
 from core_service.registry import MemoryRegistry, PlanStore, Registry
-from elaswave.v1 import (
+from planners.layout import Layout, Plan, make_uniform_layout
+from tests.core.procs import CoreProcess, create_job, new_token, wait_until
+from tests.core.test_engine import FailingFor
+from tests.core.test_plan_flow import RawAgent
+from tests.etcd_server import EtcdServer
+from wire.v1 import (
     agent_pb2,
     agent_pb2_grpc,
     executor_pb2,
@@ -35,11 +40,6 @@ from elaswave.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from planners.layout import Layout, Plan, make_uniform_layout
-from tests.core.procs import CoreProcess, create_job, new_token, wait_until
-from tests.core.test_engine import FailingFor
-from tests.core.test_plan_flow import RawAgent
-from tests.etcd_server import EtcdServer
 
 SCHEDULER_TOKEN = "scheduler-token-0123456789"
 ADMIN = {"Authorization": f"Bearer {SCHEDULER_TOKEN}"}

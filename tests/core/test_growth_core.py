@@ -16,7 +16,11 @@ import httpx
 import pytest
 
 from core_service.config import load_settings
-from elaswave.v1 import (
+from planners.layout import Plan
+from tests.core.core_thread import CoreThread
+from tests.core.procs import wait_until
+from tests.core.test_growth import FAULT_FREE, renamed
+from wire.v1 import (
     agent_pb2,
     agent_pb2_grpc,
     executor_pb2,
@@ -24,10 +28,6 @@ from elaswave.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from planners.layout import Plan
-from tests.core.core_thread import CoreThread
-from tests.core.procs import wait_until
-from tests.core.test_growth import FAULT_FREE, renamed
 
 SCHEDULER = "s" * 24
 pytestmark = pytest.mark.multiproc  # a Core's servers and, for the offers, its planning process

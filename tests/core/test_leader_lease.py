@@ -39,7 +39,7 @@ from core_service.registry import (
     holder_of,
 )
 from core_service.registry.base import KVEvent
-from elaswave.v1 import scheduler_pb2, scheduler_pb2_grpc
+from wire.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 SCHEDULER_TOKEN = "scheduler-token-0123456789"
 ADMIN = {"Authorization": f"Bearer {SCHEDULER_TOKEN}"}

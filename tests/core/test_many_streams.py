@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from elaswave.v1 import agent_pb2, agent_pb2_grpc
 from tests.core.procs import CoreProcess, create_job, new_token, wait_until
+from wire.v1 import agent_pb2, agent_pb2_grpc
 
 pytestmark = pytest.mark.multiproc
 

@@ -11,8 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from elaswave.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.core.procs import CoreProcess, new_token
+from wire.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 pytestmark = pytest.mark.multiproc
 

@@ -21,8 +21,8 @@ import pytest
 from agent.config import parse_address
 from agent.node_link import ChannelEnded, NodeChannel, NodeLink
 from agent.node_mux import NodeMux
-from elaswave.v1 import agent_pb2, agent_pb2_grpc
 from tests.core.procs import CoreProcess, create_job, new_token, wait_until
+from wire.v1 import agent_pb2, agent_pb2_grpc
 
 pytestmark = pytest.mark.multiproc
 

@@ -13,7 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from elaswave.v1 import (
+from planners.layout import Layout, Plan, PlanMode, make_uniform_layout
+from tests.core.procs import CoreProcess, create_job, new_token, wait_until
+from wire.v1 import (
     agent_pb2,
     agent_pb2_grpc,
     executor_pb2,
@@ -21,8 +23,6 @@ from elaswave.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from planners.layout import Layout, Plan, PlanMode, make_uniform_layout
-from tests.core.procs import CoreProcess, create_job, new_token, wait_until
 
 pytestmark = pytest.mark.multiproc
 

@@ -26,9 +26,9 @@ from core_service.config import load_settings
 from core_service.limits import MAX_BODY_BYTES
 from core_service.logfmt import EscapingFormatter
 from core_service.metrics import HTTP_METHODS
-from elaswave.v1 import agent_pb2, agent_pb2_grpc
 from tests.core.core_thread import CoreThread
 from tests.core.procs import CoreProcess, create_job, new_token
+from wire.v1 import agent_pb2, agent_pb2_grpc
 
 pytestmark = pytest.mark.multiproc
 

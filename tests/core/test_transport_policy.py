@@ -18,9 +18,9 @@ import pytest
 
 from core_service.config import load_settings
 from core_service.registry import MemoryRegistry
-from elaswave.v1 import agent_pb2, agent_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.core.core_thread import CoreThread
 from tests.core.test_mtls import make_pki
+from wire.v1 import agent_pb2, agent_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 pytestmark = pytest.mark.multiproc
 

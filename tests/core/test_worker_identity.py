@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from elaswave.v1 import agent_pb2, agent_pb2_grpc, executor_pb2, executor_pb2_grpc
 from planners.layout import make_uniform_layout
 from tests.core.procs import CoreProcess, create_job, new_token, wait_until
 from tests.core.test_plan_flow import RawAgent
+from wire.v1 import agent_pb2, agent_pb2_grpc, executor_pb2, executor_pb2_grpc
 
 pytestmark = pytest.mark.multiproc
 

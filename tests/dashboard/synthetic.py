@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from elaswave.v1 import agent_pb2, agent_pb2_grpc
+from wire.v1 import agent_pb2, agent_pb2_grpc
 
 CONNECTIONS = 10
 

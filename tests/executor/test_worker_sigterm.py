@@ -11,9 +11,9 @@ import signal
 import time
 from pathlib import Path
 
-from elaswave.local_protocol import ControlFile, ControlReader, DrainNotice
-from elaswave.worker_env import EXIT_TERMINATED, WorkerPlace
 from executor.worker import CoreDrivenWorker, link_peer
+from wire.local_protocol import ControlFile, ControlReader, DrainNotice
+from wire.worker_env import EXIT_TERMINATED, WorkerPlace
 
 
 def _worker(control: Path | None, timeout_s: float = 20.0) -> CoreDrivenWorker:

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from elaswave.v1 import agent_pb2 as elaswave_dot_v1_dot_agent__pb2
+from wire.v1 import agent_pb2 as wire_dot_v1_dot_agent__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in elaswave/v1/agent_pb2_grpc.py depends on'
+        + ' but the generated code in wire/v1/agent_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class AgentServiceStub:
         """
         self.Connect = channel.stream_stream(
                 '/elaswave.v1.AgentService/Connect',
-                request_serializer=elaswave_dot_v1_dot_agent__pb2.ConnectRequest.SerializeToString,
-                response_deserializer=elaswave_dot_v1_dot_agent__pb2.ConnectResponse.FromString,
+                request_serializer=wire_dot_v1_dot_agent__pb2.ConnectRequest.SerializeToString,
+                response_deserializer=wire_dot_v1_dot_agent__pb2.ConnectResponse.FromString,
                 _registered_method=True)
         self.ConnectNode = channel.stream_stream(
                 '/elaswave.v1.AgentService/ConnectNode',
-                request_serializer=elaswave_dot_v1_dot_agent__pb2.NodeRequest.SerializeToString,
-                response_deserializer=elaswave_dot_v1_dot_agent__pb2.NodeResponse.FromString,
+                request_serializer=wire_dot_v1_dot_agent__pb2.NodeRequest.SerializeToString,
+                response_deserializer=wire_dot_v1_dot_agent__pb2.NodeResponse.FromString,
                 _registered_method=True)
 
 
@@ -83,13 +83,13 @@ def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
-                    request_deserializer=elaswave_dot_v1_dot_agent__pb2.ConnectRequest.FromString,
-                    response_serializer=elaswave_dot_v1_dot_agent__pb2.ConnectResponse.SerializeToString,
+                    request_deserializer=wire_dot_v1_dot_agent__pb2.ConnectRequest.FromString,
+                    response_serializer=wire_dot_v1_dot_agent__pb2.ConnectResponse.SerializeToString,
             ),
             'ConnectNode': grpc.stream_stream_rpc_method_handler(
                     servicer.ConnectNode,
-                    request_deserializer=elaswave_dot_v1_dot_agent__pb2.NodeRequest.FromString,
-                    response_serializer=elaswave_dot_v1_dot_agent__pb2.NodeResponse.SerializeToString,
+                    request_deserializer=wire_dot_v1_dot_agent__pb2.NodeRequest.FromString,
+                    response_serializer=wire_dot_v1_dot_agent__pb2.NodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -117,8 +117,8 @@ class AgentService:
             request_iterator,
             target,
             '/elaswave.v1.AgentService/Connect',
-            elaswave_dot_v1_dot_agent__pb2.ConnectRequest.SerializeToString,
-            elaswave_dot_v1_dot_agent__pb2.ConnectResponse.FromString,
+            wire_dot_v1_dot_agent__pb2.ConnectRequest.SerializeToString,
+            wire_dot_v1_dot_agent__pb2.ConnectResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -144,8 +144,8 @@ class AgentService:
             request_iterator,
             target,
             '/elaswave.v1.AgentService/ConnectNode',
-            elaswave_dot_v1_dot_agent__pb2.NodeRequest.SerializeToString,
-            elaswave_dot_v1_dot_agent__pb2.NodeResponse.FromString,
+            wire_dot_v1_dot_agent__pb2.NodeRequest.SerializeToString,
+            wire_dot_v1_dot_agent__pb2.NodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -64,7 +64,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from elaswave.worker_env import EXIT_NO_PLAN, EXIT_OK, EXIT_TERMINATED, EXIT_USAGE, TOKEN_ENV
+from wire.worker_env import EXIT_NO_PLAN, EXIT_OK, EXIT_TERMINATED, EXIT_USAGE, TOKEN_ENV
 
 # WorkerExit.exit_code when the status cannot be known: a foreign pid whose parent reaped it
 # before we looked. Not a valid signal number (1..64) nor an exit code (0..255).

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from elaswave.v1 import scheduler_pb2 as elaswave_dot_v1_dot_scheduler__pb2
+from wire.v1 import scheduler_pb2 as wire_dot_v1_dot_scheduler__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in elaswave/v1/scheduler_pb2_grpc.py depends on'
+        + ' but the generated code in wire/v1/scheduler_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,33 +36,33 @@ class SchedulerServiceStub:
         """
         self.SignalPreemption = channel.unary_unary(
                 '/elaswave.v1.SchedulerService/SignalPreemption',
-                request_serializer=elaswave_dot_v1_dot_scheduler__pb2.SignalPreemptionRequest.SerializeToString,
-                response_deserializer=elaswave_dot_v1_dot_scheduler__pb2.SignalPreemptionResponse.FromString,
+                request_serializer=wire_dot_v1_dot_scheduler__pb2.SignalPreemptionRequest.SerializeToString,
+                response_deserializer=wire_dot_v1_dot_scheduler__pb2.SignalPreemptionResponse.FromString,
                 _registered_method=True)
         self.OfferResources = channel.unary_unary(
                 '/elaswave.v1.SchedulerService/OfferResources',
-                request_serializer=elaswave_dot_v1_dot_scheduler__pb2.OfferResourcesRequest.SerializeToString,
-                response_deserializer=elaswave_dot_v1_dot_scheduler__pb2.OfferResourcesResponse.FromString,
+                request_serializer=wire_dot_v1_dot_scheduler__pb2.OfferResourcesRequest.SerializeToString,
+                response_deserializer=wire_dot_v1_dot_scheduler__pb2.OfferResourcesResponse.FromString,
                 _registered_method=True)
         self.ReclaimResources = channel.unary_unary(
                 '/elaswave.v1.SchedulerService/ReclaimResources',
-                request_serializer=elaswave_dot_v1_dot_scheduler__pb2.ReclaimResourcesRequest.SerializeToString,
-                response_deserializer=elaswave_dot_v1_dot_scheduler__pb2.ReclaimResourcesResponse.FromString,
+                request_serializer=wire_dot_v1_dot_scheduler__pb2.ReclaimResourcesRequest.SerializeToString,
+                response_deserializer=wire_dot_v1_dot_scheduler__pb2.ReclaimResourcesResponse.FromString,
                 _registered_method=True)
         self.GetJobState = channel.unary_unary(
                 '/elaswave.v1.SchedulerService/GetJobState',
-                request_serializer=elaswave_dot_v1_dot_scheduler__pb2.GetJobStateRequest.SerializeToString,
-                response_deserializer=elaswave_dot_v1_dot_scheduler__pb2.GetJobStateResponse.FromString,
+                request_serializer=wire_dot_v1_dot_scheduler__pb2.GetJobStateRequest.SerializeToString,
+                response_deserializer=wire_dot_v1_dot_scheduler__pb2.GetJobStateResponse.FromString,
                 _registered_method=True)
         self.GetScaleTable = channel.unary_unary(
                 '/elaswave.v1.SchedulerService/GetScaleTable',
-                request_serializer=elaswave_dot_v1_dot_scheduler__pb2.GetScaleTableRequest.SerializeToString,
-                response_deserializer=elaswave_dot_v1_dot_scheduler__pb2.GetScaleTableResponse.FromString,
+                request_serializer=wire_dot_v1_dot_scheduler__pb2.GetScaleTableRequest.SerializeToString,
+                response_deserializer=wire_dot_v1_dot_scheduler__pb2.GetScaleTableResponse.FromString,
                 _registered_method=True)
         self.PlanWhatIf = channel.unary_unary(
                 '/elaswave.v1.SchedulerService/PlanWhatIf',
-                request_serializer=elaswave_dot_v1_dot_scheduler__pb2.PlanWhatIfRequest.SerializeToString,
-                response_deserializer=elaswave_dot_v1_dot_scheduler__pb2.PlanWhatIfResponse.FromString,
+                request_serializer=wire_dot_v1_dot_scheduler__pb2.PlanWhatIfRequest.SerializeToString,
+                response_deserializer=wire_dot_v1_dot_scheduler__pb2.PlanWhatIfResponse.FromString,
                 _registered_method=True)
 
 
@@ -110,33 +110,33 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'SignalPreemption': grpc.unary_unary_rpc_method_handler(
                     servicer.SignalPreemption,
-                    request_deserializer=elaswave_dot_v1_dot_scheduler__pb2.SignalPreemptionRequest.FromString,
-                    response_serializer=elaswave_dot_v1_dot_scheduler__pb2.SignalPreemptionResponse.SerializeToString,
+                    request_deserializer=wire_dot_v1_dot_scheduler__pb2.SignalPreemptionRequest.FromString,
+                    response_serializer=wire_dot_v1_dot_scheduler__pb2.SignalPreemptionResponse.SerializeToString,
             ),
             'OfferResources': grpc.unary_unary_rpc_method_handler(
                     servicer.OfferResources,
-                    request_deserializer=elaswave_dot_v1_dot_scheduler__pb2.OfferResourcesRequest.FromString,
-                    response_serializer=elaswave_dot_v1_dot_scheduler__pb2.OfferResourcesResponse.SerializeToString,
+                    request_deserializer=wire_dot_v1_dot_scheduler__pb2.OfferResourcesRequest.FromString,
+                    response_serializer=wire_dot_v1_dot_scheduler__pb2.OfferResourcesResponse.SerializeToString,
             ),
             'ReclaimResources': grpc.unary_unary_rpc_method_handler(
                     servicer.ReclaimResources,
-                    request_deserializer=elaswave_dot_v1_dot_scheduler__pb2.ReclaimResourcesRequest.FromString,
-                    response_serializer=elaswave_dot_v1_dot_scheduler__pb2.ReclaimResourcesResponse.SerializeToString,
+                    request_deserializer=wire_dot_v1_dot_scheduler__pb2.ReclaimResourcesRequest.FromString,
+                    response_serializer=wire_dot_v1_dot_scheduler__pb2.ReclaimResourcesResponse.SerializeToString,
             ),
             'GetJobState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJobState,
-                    request_deserializer=elaswave_dot_v1_dot_scheduler__pb2.GetJobStateRequest.FromString,
-                    response_serializer=elaswave_dot_v1_dot_scheduler__pb2.GetJobStateResponse.SerializeToString,
+                    request_deserializer=wire_dot_v1_dot_scheduler__pb2.GetJobStateRequest.FromString,
+                    response_serializer=wire_dot_v1_dot_scheduler__pb2.GetJobStateResponse.SerializeToString,
             ),
             'GetScaleTable': grpc.unary_unary_rpc_method_handler(
                     servicer.GetScaleTable,
-                    request_deserializer=elaswave_dot_v1_dot_scheduler__pb2.GetScaleTableRequest.FromString,
-                    response_serializer=elaswave_dot_v1_dot_scheduler__pb2.GetScaleTableResponse.SerializeToString,
+                    request_deserializer=wire_dot_v1_dot_scheduler__pb2.GetScaleTableRequest.FromString,
+                    response_serializer=wire_dot_v1_dot_scheduler__pb2.GetScaleTableResponse.SerializeToString,
             ),
             'PlanWhatIf': grpc.unary_unary_rpc_method_handler(
                     servicer.PlanWhatIf,
-                    request_deserializer=elaswave_dot_v1_dot_scheduler__pb2.PlanWhatIfRequest.FromString,
-                    response_serializer=elaswave_dot_v1_dot_scheduler__pb2.PlanWhatIfResponse.SerializeToString,
+                    request_deserializer=wire_dot_v1_dot_scheduler__pb2.PlanWhatIfRequest.FromString,
+                    response_serializer=wire_dot_v1_dot_scheduler__pb2.PlanWhatIfResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -164,8 +164,8 @@ class SchedulerService:
             request,
             target,
             '/elaswave.v1.SchedulerService/SignalPreemption',
-            elaswave_dot_v1_dot_scheduler__pb2.SignalPreemptionRequest.SerializeToString,
-            elaswave_dot_v1_dot_scheduler__pb2.SignalPreemptionResponse.FromString,
+            wire_dot_v1_dot_scheduler__pb2.SignalPreemptionRequest.SerializeToString,
+            wire_dot_v1_dot_scheduler__pb2.SignalPreemptionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -191,8 +191,8 @@ class SchedulerService:
             request,
             target,
             '/elaswave.v1.SchedulerService/OfferResources',
-            elaswave_dot_v1_dot_scheduler__pb2.OfferResourcesRequest.SerializeToString,
-            elaswave_dot_v1_dot_scheduler__pb2.OfferResourcesResponse.FromString,
+            wire_dot_v1_dot_scheduler__pb2.OfferResourcesRequest.SerializeToString,
+            wire_dot_v1_dot_scheduler__pb2.OfferResourcesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -218,8 +218,8 @@ class SchedulerService:
             request,
             target,
             '/elaswave.v1.SchedulerService/ReclaimResources',
-            elaswave_dot_v1_dot_scheduler__pb2.ReclaimResourcesRequest.SerializeToString,
-            elaswave_dot_v1_dot_scheduler__pb2.ReclaimResourcesResponse.FromString,
+            wire_dot_v1_dot_scheduler__pb2.ReclaimResourcesRequest.SerializeToString,
+            wire_dot_v1_dot_scheduler__pb2.ReclaimResourcesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -245,8 +245,8 @@ class SchedulerService:
             request,
             target,
             '/elaswave.v1.SchedulerService/GetJobState',
-            elaswave_dot_v1_dot_scheduler__pb2.GetJobStateRequest.SerializeToString,
-            elaswave_dot_v1_dot_scheduler__pb2.GetJobStateResponse.FromString,
+            wire_dot_v1_dot_scheduler__pb2.GetJobStateRequest.SerializeToString,
+            wire_dot_v1_dot_scheduler__pb2.GetJobStateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -272,8 +272,8 @@ class SchedulerService:
             request,
             target,
             '/elaswave.v1.SchedulerService/GetScaleTable',
-            elaswave_dot_v1_dot_scheduler__pb2.GetScaleTableRequest.SerializeToString,
-            elaswave_dot_v1_dot_scheduler__pb2.GetScaleTableResponse.FromString,
+            wire_dot_v1_dot_scheduler__pb2.GetScaleTableRequest.SerializeToString,
+            wire_dot_v1_dot_scheduler__pb2.GetScaleTableResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -299,8 +299,8 @@ class SchedulerService:
             request,
             target,
             '/elaswave.v1.SchedulerService/PlanWhatIf',
-            elaswave_dot_v1_dot_scheduler__pb2.PlanWhatIfRequest.SerializeToString,
-            elaswave_dot_v1_dot_scheduler__pb2.PlanWhatIfResponse.FromString,
+            wire_dot_v1_dot_scheduler__pb2.PlanWhatIfRequest.SerializeToString,
+            wire_dot_v1_dot_scheduler__pb2.PlanWhatIfResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from elaswave.v1 import executor_pb2 as elaswave_dot_v1_dot_executor__pb2
+from wire.v1 import executor_pb2 as wire_dot_v1_dot_executor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in elaswave/v1/executor_pb2_grpc.py depends on'
+        + ' but the generated code in wire/v1/executor_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class ExecutorServiceStub:
         """
         self.SubscribePlans = channel.unary_stream(
                 '/elaswave.v1.ExecutorService/SubscribePlans',
-                request_serializer=elaswave_dot_v1_dot_executor__pb2.SubscribePlansRequest.SerializeToString,
-                response_deserializer=elaswave_dot_v1_dot_executor__pb2.SubscribePlansResponse.FromString,
+                request_serializer=wire_dot_v1_dot_executor__pb2.SubscribePlansRequest.SerializeToString,
+                response_deserializer=wire_dot_v1_dot_executor__pb2.SubscribePlansResponse.FromString,
                 _registered_method=True)
         self.AckPlanPhase = channel.unary_unary(
                 '/elaswave.v1.ExecutorService/AckPlanPhase',
-                request_serializer=elaswave_dot_v1_dot_executor__pb2.AckPlanPhaseRequest.SerializeToString,
-                response_deserializer=elaswave_dot_v1_dot_executor__pb2.AckPlanPhaseResponse.FromString,
+                request_serializer=wire_dot_v1_dot_executor__pb2.AckPlanPhaseRequest.SerializeToString,
+                response_deserializer=wire_dot_v1_dot_executor__pb2.AckPlanPhaseResponse.FromString,
                 _registered_method=True)
         self.ReportPeerFailure = channel.unary_unary(
                 '/elaswave.v1.ExecutorService/ReportPeerFailure',
-                request_serializer=elaswave_dot_v1_dot_executor__pb2.ReportPeerFailureRequest.SerializeToString,
-                response_deserializer=elaswave_dot_v1_dot_executor__pb2.ReportPeerFailureResponse.FromString,
+                request_serializer=wire_dot_v1_dot_executor__pb2.ReportPeerFailureRequest.SerializeToString,
+                response_deserializer=wire_dot_v1_dot_executor__pb2.ReportPeerFailureResponse.FromString,
                 _registered_method=True)
 
 
@@ -87,18 +87,18 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'SubscribePlans': grpc.unary_stream_rpc_method_handler(
                     servicer.SubscribePlans,
-                    request_deserializer=elaswave_dot_v1_dot_executor__pb2.SubscribePlansRequest.FromString,
-                    response_serializer=elaswave_dot_v1_dot_executor__pb2.SubscribePlansResponse.SerializeToString,
+                    request_deserializer=wire_dot_v1_dot_executor__pb2.SubscribePlansRequest.FromString,
+                    response_serializer=wire_dot_v1_dot_executor__pb2.SubscribePlansResponse.SerializeToString,
             ),
             'AckPlanPhase': grpc.unary_unary_rpc_method_handler(
                     servicer.AckPlanPhase,
-                    request_deserializer=elaswave_dot_v1_dot_executor__pb2.AckPlanPhaseRequest.FromString,
-                    response_serializer=elaswave_dot_v1_dot_executor__pb2.AckPlanPhaseResponse.SerializeToString,
+                    request_deserializer=wire_dot_v1_dot_executor__pb2.AckPlanPhaseRequest.FromString,
+                    response_serializer=wire_dot_v1_dot_executor__pb2.AckPlanPhaseResponse.SerializeToString,
             ),
             'ReportPeerFailure': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportPeerFailure,
-                    request_deserializer=elaswave_dot_v1_dot_executor__pb2.ReportPeerFailureRequest.FromString,
-                    response_serializer=elaswave_dot_v1_dot_executor__pb2.ReportPeerFailureResponse.SerializeToString,
+                    request_deserializer=wire_dot_v1_dot_executor__pb2.ReportPeerFailureRequest.FromString,
+                    response_serializer=wire_dot_v1_dot_executor__pb2.ReportPeerFailureResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -126,8 +126,8 @@ class ExecutorService:
             request,
             target,
             '/elaswave.v1.ExecutorService/SubscribePlans',
-            elaswave_dot_v1_dot_executor__pb2.SubscribePlansRequest.SerializeToString,
-            elaswave_dot_v1_dot_executor__pb2.SubscribePlansResponse.FromString,
+            wire_dot_v1_dot_executor__pb2.SubscribePlansRequest.SerializeToString,
+            wire_dot_v1_dot_executor__pb2.SubscribePlansResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -153,8 +153,8 @@ class ExecutorService:
             request,
             target,
             '/elaswave.v1.ExecutorService/AckPlanPhase',
-            elaswave_dot_v1_dot_executor__pb2.AckPlanPhaseRequest.SerializeToString,
-            elaswave_dot_v1_dot_executor__pb2.AckPlanPhaseResponse.FromString,
+            wire_dot_v1_dot_executor__pb2.AckPlanPhaseRequest.SerializeToString,
+            wire_dot_v1_dot_executor__pb2.AckPlanPhaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -180,8 +180,8 @@ class ExecutorService:
             request,
             target,
             '/elaswave.v1.ExecutorService/ReportPeerFailure',
-            elaswave_dot_v1_dot_executor__pb2.ReportPeerFailureRequest.SerializeToString,
-            elaswave_dot_v1_dot_executor__pb2.ReportPeerFailureResponse.FromString,
+            wire_dot_v1_dot_executor__pb2.ReportPeerFailureRequest.SerializeToString,
+            wire_dot_v1_dot_executor__pb2.ReportPeerFailureResponse.FromString,
             options,
             channel_credentials,
             insecure,
