@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import httpx
 
-from harness.demo import states
+from harness.control_plane import states
 from harness.training import TrainDemo, TrainDemoConfig, fault_free_losses, job_losses, last_step, launch_job
 from wire.worker_env import CHECKPOINT_EVERY_ENV, INJECT_FAULT_ENV
 

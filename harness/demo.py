@@ -14,16 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-import httpx
+from harness.control_plane import Demo, states
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -60,126 +57,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--timeout", type=float, default=240.0, help="give up after this many seconds")
     parser.set_defaults(func=run)
-
-
-class Demo:
-    def __init__(self, workdir: Path, workers: int, timeout_s: float) -> None:
-        self.workdir = workdir
-        self.workers = workers
-        self.timeout_s = timeout_s
-        self.deadline = time.monotonic() + timeout_s
-        self.scheduler_token = secrets.token_urlsafe(24)
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.http: httpx.Client | None = None
-        self.core_env: dict[str, str] = {}  # settings for the Core (ELASWAVE_* variables)
-
-    def start_core(self) -> dict[str, Any]:
-        ready = self.workdir / "core.json"
-        env = dict(os.environ, ELASWAVE_SCHEDULER_TOKEN=self.scheduler_token, **self.core_env)
-        cmd = [
-            sys.executable,
-            "-m",
-            "elaswave.cli",
-            "core",
-            "--grpc-port",
-            "0",
-            "--http-port",
-            "0",
-            "--ready-file",
-            str(ready),
-            "--log-level",
-            "WARNING",
-        ]
-        core = subprocess.Popen(cmd, env=env)
-        self.procs.append(core)
-        while not ready.exists():
-            if core.poll() is not None:
-                raise RuntimeError(f"the Core exited with status {core.returncode} before it was ready")
-            self._check_time("the Core to start")
-            time.sleep(0.05)
-        info = json.loads(ready.read_text())
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{info['http_port']}", timeout=5.0)
-        while self.http.get("/healthz").json()["role"] != "leader":
-            self._check_time("the Core to lead")
-            time.sleep(0.05)
-        return info
-
-    def create_job(self) -> str:
-        assert self.http is not None
-        response = self.http.post(
-            "/api/v1/jobs",
-            json={"name": "demo", "expected_workers": self.workers},
-            headers={"Authorization": f"Bearer {self.scheduler_token}"},
-        )
-        response.raise_for_status()
-        return response.json()["token"]
-
-    def start_agents(self, grpc_port: int, job_token: str) -> None:
-        env = dict(os.environ, ELASWAVE_JOB_TOKEN=job_token)
-        for i in range(self.workers):
-            cmd = [
-                sys.executable,
-                "-m",
-                "elaswave.cli",
-                "agent",
-                "--job",
-                "demo",
-                "--worker-id",
-                f"worker-{i}",
-                "--stage",
-                "0",
-                "--dp-rank",
-                str(i),
-                "--core",
-                f"127.0.0.1:{grpc_port}",
-                "--metrics-socket",
-                str(self.workdir / f"worker-{i}.sock"),
-                "--log-level",
-                "WARNING",
-                "--",
-                sys.executable,
-                "-m",
-                "harness.dummy_worker",
-                "--stage",
-                "0",
-                "--dp-rank",
-                str(i),
-            ]
-            self.procs.append(subprocess.Popen(cmd, env=env))
-
-    def job(self) -> dict[str, Any]:
-        assert self.http is not None
-        return self.http.get("/api/v1/jobs/demo").json()
-
-    def wait_for(self, what: str, predicate: Any) -> dict[str, Any]:
-        while True:
-            job = self.job()
-            if predicate(job):
-                return job
-            self._check_time(what)
-            time.sleep(0.02)
-
-    def _check_time(self, what: str) -> None:
-        if time.monotonic() > self.deadline:
-            raise TimeoutError(f"demo timed out waiting for {what}")
-
-    def stop(self) -> None:
-        # Agents first, the Core (started first) last: an agent stopping must still reach the
-        # Core to say Leave, or its shutdown reads as a failure and it retries until it gives up.
-        agents, core = self.procs[1:], self.procs[:1]
-        for group in (agents, core):
-            for proc in group:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGINT)
-            for proc in group:
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-
-
-def states(job: dict[str, Any]) -> dict[str, str]:
-    return {m["worker_id"]: m["state"] for m in job["members"]}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from harness.chaos import ChaosRun, ChaosScenario, Fault
-from harness.demo import states
+from harness.control_plane import states
 from harness.training import last_step, launch_job
 from wire.worker_env import INJECT_SLOW_FILE_ENV
 

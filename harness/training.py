@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.demo import Demo, states
+from harness.control_plane import Demo, states
 from wire.worker_env import (
     CHECKPOINT_DIR_ENV,
     CORE_ENV,

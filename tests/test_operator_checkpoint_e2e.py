@@ -88,7 +88,7 @@ def test_operator_checkpoint_and_stop_then_resume_elsewhere(tmp_path: Path) -> N
 
 
 def test_checkpoint_request_is_refused_clearly_without_training_workers(tmp_path: Path) -> None:
-    from harness.demo import Demo
+    from harness.control_plane import Demo
 
     demo = Demo(tmp_path, 1, timeout_s=30)
     try:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from harness.demo import states
+from harness.control_plane import states
 from harness.training import (
     MAX_MEAN_REL_DEV,
     MAX_REL_DEV_BEFORE,
