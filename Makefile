@@ -11,7 +11,7 @@ PROTOS := $(wildcard proto/wire/v1/*.proto)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch is pinned to the local CPU wheel first so nothing pulls a CUDA build.
+	# torch comes from the constraints file (the CPU wheel) first, so nothing pulls a CUDA build.
 	$(BIN)/pip install -q -c requirements/constraints.txt torch
 	$(BIN)/pip install -q -c requirements/constraints.txt -e '.[dev]'
 	touch $(STAMP)
