@@ -145,6 +145,22 @@ class _Source:
                 self._model = _instantiate(self._given, self._seed)
             return self._model
 
+    def __getstate__(self) -> dict[str, Any]:  # rank processes receive the recipe, not the model
+        return {"_given": self._given, "_seed": self._seed}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["_given"], state["_seed"])  # type: ignore[misc]
+
+
+class _Builder:
+    """`build_unit` of `causal_lm` units (a class, not a closure: it is pickled to rank processes)."""
+
+    def __init__(self, source: _Source, config: Any) -> None:
+        self.source, self.config = source, config
+
+    def __call__(self, name: str) -> nn.Module:
+        return _build(self.source, self.config, name)
+
 
 def _instantiate(given: Any, seed: int) -> nn.Module:
     import transformers  # noqa: PLC0415 - the optional extra elaswave[hf]
@@ -229,7 +245,7 @@ def causal_lm(
     source = _Source(model_or_config, init_seed)
     units = UnitModel(
         unit_names(config),
-        lambda name: _build(source, config, name),
+        _Builder(source, config),
         init_seed,
         state_dict,
         tied=tied_keys(config),
