@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
 class TokenFileError(ValueError):
@@ -40,7 +40,9 @@ class TokenFile(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     beyond it mean the file was written with another dtype or tokenizer. Errors (TokenFileError,
     a ValueError) say what does not fit, before any training."""
 
-    def __init__(self, path: str | Path, seq_len: int, dtype: Any = "uint16", vocab_size: int | None = None) -> None:
+    def __init__(
+        self, path: str | Path, seq_len: int, dtype: Any = "uint16", vocab_size: int | None = None
+    ) -> None:
         self.path, self.seq_len, self.dtype = Path(path), int(seq_len), _dtype(dtype)
         if self.seq_len < 1:
             raise TokenFileError(f"seq_len must be >= 1, got {seq_len}")
@@ -97,7 +99,9 @@ def write_tokens(ids: Iterable[int], path: str | Path, dtype: Any = "uint16") ->
         for chunk in _chunks(ids, 1 << 16):
             arr = np.asarray(chunk, dtype=np.int64)
             if arr.size and (arr.min() < 0 or arr.max() > limit):
-                raise TokenFileError(f"token id {int(arr.max())} does not fit {dt.name} (max {limit}): use uint32")
+                raise TokenFileError(
+                    f"token id {int(arr.max())} does not fit {dt.name} (max {limit}): use uint32"
+                )
             f.write(arr.astype(dt).tobytes())
             count += arr.size
     part.replace(path)
@@ -125,7 +129,9 @@ def load_tokenizer(path: str | Path) -> Any:
 
         return Tokenizer.from_file(str(file))
     if not path.is_dir():
-        raise FileNotFoundError(f"no tokenizer at {path}: give a tokenizer.json or a local tokenizer directory")
+        raise FileNotFoundError(
+            f"no tokenizer at {path}: give a tokenizer.json or a local tokenizer directory"
+        )
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -142,7 +148,11 @@ def _vocab_size(tokenizer: Any) -> int:
 
 
 def tokenize_files(
-    tokenizer_path: str | Path, texts: Iterable[str | Path], out: str | Path, dtype: str = "auto", eos: str | None = None
+    tokenizer_path: str | Path,
+    texts: Iterable[str | Path],
+    out: str | Path,
+    dtype: str = "auto",
+    eos: str | None = None,
 ) -> tuple[int, str]:
     """Tokenize text files (one document each) into one flat token file; `eos` (a token string)
     is appended after each document. Returns (tokens written, dtype)."""
@@ -151,7 +161,11 @@ def tokenize_files(
     chosen = ("uint16" if vocab <= 65536 else "uint32") if dtype == "auto" else dtype
     eos_id = None
     if eos is not None:
-        eos_id = tokenizer.token_to_id(eos) if hasattr(tokenizer, "token_to_id") else tokenizer.convert_tokens_to_ids(eos)
+        eos_id = (
+            tokenizer.token_to_id(eos)
+            if hasattr(tokenizer, "token_to_id")
+            else tokenizer.convert_tokens_to_ids(eos)
+        )
         if eos_id is None:
             raise ValueError(f"the tokenizer has no token {eos!r}")
 

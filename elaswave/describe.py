@@ -32,7 +32,9 @@ def describe(spec: TrainSpec, global_batch: int, micro_batches: int, steps: int)
     for i, (name, probe) in enumerate(zip(spec.model.names, probes, strict=True)):
         unit = spec.model.build(i)
         prints[name] = fingerprint(unit)
-        timings = [_time_unit(unit, x, spec.model.tuple_rule) for _ in range(REPEATS + 1)][1:]  # the first call warms caches up
+        timings = [_time_unit(unit, x, spec.model.tuple_rule) for _ in range(REPEATS + 1)][
+            1:
+        ]  # the first call warms caches up
         fwd, bwd = min(t[0] for t in timings), min(t[1] for t in timings)
         out = timings[-1][2]
         units.append(

@@ -49,7 +49,10 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = 
         )
     rows, t, vocab = logits.shape
     ce = F.cross_entropy(
-        logits.reshape(rows * t, vocab).float(), targets.reshape(-1), ignore_index=ignore_index, reduction="none"
+        logits.reshape(rows * t, vocab).float(),
+        targets.reshape(-1),
+        ignore_index=ignore_index,
+        reduction="none",
     ).view(rows, t)
     counted = (targets != ignore_index).sum(dim=1).clamp(min=1)
     return ce.sum(dim=1) / counted
@@ -78,11 +81,10 @@ def check_splittable(config: Any) -> None:
     kinds = set(getattr(config, "layer_types", None) or ()) - KNOWN_ATTENTION
     if kinds:
         problems.append(f"layer_types {sorted(kinds)} (known: {sorted(KNOWN_ATTENTION)})")
-    if getattr(config, "tie_word_embeddings", False) and _family(config) == "rotary":
-        if getattr(config, "hidden_size", None) is None:
-            problems.append("a tied LM head needs hidden_size")
     if problems:
-        raise UnsupportedModel(f"{config.model_type} config cannot be split into units: " + "; ".join(problems))
+        raise UnsupportedModel(
+            f"{config.model_type} config cannot be split into units: " + "; ".join(problems)
+        )
 
 
 def unit_names(config: Any) -> tuple[str, ...]:
@@ -240,8 +242,10 @@ def causal_lm(
     config = load_config(model_or_config)
     check_splittable(config)
     if state_dict is not None:
-        state_dict = {(k if k.split(".", 1)[0] in unit_names(config) else from_hf_key(config, k)): v
-                      for k, v in state_dict.items()}
+        state_dict = {
+            (k if k.split(".", 1)[0] in unit_names(config) else from_hf_key(config, k)): v
+            for k, v in state_dict.items()
+        }
     source = _Source(model_or_config, init_seed)
     units = UnitModel(
         unit_names(config),
@@ -308,5 +312,7 @@ def export_hf(
     if tokenizer is not None:
         tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
         tok.save_pretrained(str(out))
-    (out / "elaswave.json").write_text(json.dumps({"checkpoint": str(checkpoint), "step": meta.next_step}) + "\n")
+    (out / "elaswave.json").write_text(
+        json.dumps({"checkpoint": str(checkpoint), "step": meta.next_step}) + "\n"
+    )
     return out

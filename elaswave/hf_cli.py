@@ -24,7 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     e.add_argument("checkpoint", help="a checkpoint root (its latest) or one step-NNNNNNNN directory")
     e.add_argument("out", help="the directory to write")
-    e.add_argument("--config", default=None, help="a directory with config.json, when the checkpoint has none")
+    e.add_argument(
+        "--config", default=None, help="a directory with config.json, when the checkpoint has none"
+    )
     e.add_argument("--tokenizer", default=None, help="a local tokenizer directory to copy along")
     e.set_defaults(func=_export)
 

@@ -33,7 +33,7 @@ def _carry(hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | N
 
 
 def attention_kind(config: Any, index: int) -> str:
-    """"full_attention" or "sliding_attention" for decoder layer `index`, as the model decides."""
+    """ "full_attention" or "sliding_attention" for decoder layer `index`, as the model decides."""
     types = getattr(config, "layer_types", None)
     if types is not None:
         return str(types[index])
@@ -42,7 +42,9 @@ def attention_kind(config: Any, index: int) -> str:
     return "full_attention"
 
 
-def _mask(config: Any, index: int, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> Any:
+def _mask(
+    config: Any, index: int, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
+) -> Any:
     from transformers import masking_utils  # noqa: PLC0415 - the optional extra elaswave[hf]
 
     fn = (
@@ -62,6 +64,8 @@ def _hidden(out: Any) -> torch.Tensor:
 class _Adopting(nn.Module):
     """Registers the children of a `transformers` module as its own (same names, same order) and
     keeps the module itself, unregistered, to call its forward."""
+
+    inner: nn.Module
 
     def _adopt(self, module: nn.Module) -> None:
         for name, child in module.named_children():
@@ -92,7 +96,9 @@ class RotaryLayer(_Adopting):
         object.__setattr__(self, "config", config)
         self.index = index
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None) -> Carry:
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> Carry:
         row = positions[:1]  # the model's own (1, T) position ids, broadcast over the samples
         out = self.inner(
             hidden,
@@ -110,7 +116,9 @@ class RotaryHead(nn.Module):
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         logits: torch.Tensor = self.lm_head(self.norm(hidden))
         return logits
 
@@ -137,7 +145,9 @@ class Gpt2Layer(_Adopting):
         object.__setattr__(self, "config", config)
         self.index = index
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None) -> Carry:
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> Carry:
         causal = _mask(self.config, self.index, hidden, positions, mask)
         out = self.inner(hidden, None, causal, position_ids=positions[:1])
         return _carry(_hidden(out), positions, mask)
@@ -150,6 +160,8 @@ class Gpt2Head(nn.Module):
         super().__init__()
         self.ln_f, self.lm_head = ln_f, lm_head
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         logits: torch.Tensor = self.lm_head(self.ln_f(hidden))
         return logits

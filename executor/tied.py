@@ -61,7 +61,9 @@ def parse_ties(tied: Iterable[tuple[str, str]], names: Sequence[str]) -> tuple[T
         ends = [tuple(k.split(".", 1)) for k in item]
         for key, end in zip(item, ends, strict=True):
             if len(end) != 2 or end[0] not in names:
-                raise ValueError(f"tied key {key!r} must be '<unit>.<parameter>' with a unit of {list(names)}")
+                raise ValueError(
+                    f"tied key {key!r} must be '<unit>.<parameter>' with a unit of {list(names)}"
+                )
         a, b = (ends[0][0], ends[0][1]), (ends[1][0], ends[1][1])
         if a[0] == b[0]:
             raise ValueError(f"tied pair {item!r} is inside one unit: share the module there, no tie needed")

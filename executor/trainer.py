@@ -14,6 +14,7 @@ The reported loss is assembled per sample and summed exactly (`math.fsum`) in sa
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,9 +38,9 @@ from executor.checkpoint import (
 from executor.engine_comm import EngineComm, dp_group_name
 from executor.optim import OptimizerConfig
 from executor.pipeline import PipelineRunner
+from executor.recompute import run_unit
 from executor.rng import DropoutRng, UnitCall, mix64, unit_call
 from executor.sampler import Collate, GlobalBatchSampler, Prefetcher
-from executor.recompute import run_unit
 from executor.tied import TiedGradSync, follower_ranges, tie_stage
 from executor.units import Activation, ActivationSpec, UnitModel, UnitProbe, discover_boundaries
 from executor.zero import (
@@ -329,9 +330,8 @@ class Trainer:
             index = model.index(name)
             seed = mix64(self.spec.rng_seed, step, index, samples[0] if samples else 0)
             call = UnitCall(step, index, samples, self.rng)
-            x = run_unit(
-                unit, x, model.tuple_rule, name in model.recompute, lambda c=call, s=seed: unit_call(c, s)
-            )
+            context = functools.partial(unit_call, call, seed)
+            x = run_unit(unit, x, model.tuple_rule, name in model.recompute, context)
         return x
 
     def _per_sample_loss(self, output: Activation, targets: Any, rows: int) -> torch.Tensor:

@@ -261,7 +261,9 @@ class UnitModel:
             lead, follow = pair.keys
             if pair.follower[0] == name and lead in self._state:
                 if follow in self._state and not torch.equal(self._state[follow], self._state[lead]):
-                    raise UnitBuildError(f"state_dict holds different values for the tied weights {pair.keys}")
+                    raise UnitBuildError(
+                        f"state_dict holds different values for the tied weights {pair.keys}"
+                    )
                 mine.setdefault(pair.follower[1], self._state[lead])
         try:
             unit.load_state_dict(mine, strict=True)
@@ -357,7 +359,9 @@ def discover_boundaries(model: UnitModel, sample_input: Activation) -> tuple[Uni
         a = get_param(built[pair.leader[0]], pair.leader[1])
         b = get_param(built[pair.follower[0]], pair.follower[1])
         if a.requires_grad != b.requires_grad:
-            raise UnitBuildError(f"tied parameters {pair.keys}: one is frozen, the other trains; freeze both or neither")
+            raise UnitBuildError(
+                f"tied parameters {pair.keys}: one is frozen, the other trains; freeze both or neither"
+            )
     return tuple(probes)
 
 

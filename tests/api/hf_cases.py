@@ -101,7 +101,9 @@ def unit_state(units: Any, flat: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
-def assert_states_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 2e-5) -> None:
+def assert_states_close(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 2e-5
+) -> None:
     assert set(got) == set(want), sorted(set(got) ^ set(want))
     worst = {k: float((got[k] - want[k]).abs().max()) for k in want}
     assert max(worst.values()) <= atol, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
