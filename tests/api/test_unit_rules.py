@@ -48,7 +48,7 @@ def plain_sgd(model: nn.Module, steps: int) -> list[float]:
         loss = mse(model(x), y).mean()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
