@@ -38,7 +38,9 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_tokenize_writes_what_token_file_serves(prepared: Path, tmp_path: Path) -> None:
     text = prepared / "corpus" / "val.txt"
     out = tmp_path / "val.bin"
-    assert cli_main(["tokenize", "--tokenizer", str(prepared / "tokenizer"), "--out", str(out), str(text)]) == 0
+    assert (
+        cli_main(["tokenize", "--tokenizer", str(prepared / "tokenizer"), "--out", str(out), str(text)]) == 0
+    )
     assert out.read_bytes() == (prepared / "val.bin").read_bytes()  # what prepare.py wrote too
     tok = load_tokenizer(prepared / "tokenizer")
     ids = np.fromfile(out, dtype="<u2")
@@ -62,7 +64,10 @@ def test_the_llama_example_trains_and_exports_with_its_tokenizer(prepared: Path,
     )  # fmt: skip
     assert "held-out loss" in run.stdout
     out = tmp_path / "hf"
-    assert cli_main(["export-hf", str(tmp_path / "ck"), str(out), "--tokenizer", str(prepared / "tokenizer")]) == 0
+    assert (
+        cli_main(["export-hf", str(tmp_path / "ck"), str(out), "--tokenizer", str(prepared / "tokenizer")])
+        == 0
+    )
     model = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
     ids = tok("Ada had a small cat.", return_tensors="pt").input_ids
