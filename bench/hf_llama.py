@@ -1,4 +1,4 @@
-"""Tokens/s of examples/llama (10.6 M parameters, tied embeddings) against what a user would
+"""Tokens/s of examples/llama (10.8 M parameters, tied embeddings) against what a user would
 otherwise run, side by side in one invocation (ratios: the machine is shared, absolute numbers drift).
 
 - `plain` vs `elaswave-1p`: one process. `plain` is a plain `transformers` loop: the same

@@ -45,7 +45,7 @@ def main() -> None:
             label=f"worker SIGKILLed after step {args.kill_at}",
         )
     ax.set(xlabel="step", ylabel="training loss (mean token cross-entropy)", yscale="log")
-    ax.set_title("examples/llama: 10.6 M-parameter Llama, tied embeddings")
+    ax.set_title("examples/llama: 10.8 M-parameter Llama, tied embeddings")
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)

@@ -1,4 +1,4 @@
-"""A Llama with tied embeddings (10.6 M parameters) trained on the corpus `prepare.py` makes.
+"""A Llama with tied embeddings (10.8 M parameters) trained on the corpus `prepare.py` makes.
 
     python examples/llama/prepare.py --out llama-data                    # once: corpus, tokenizer, tokens
     python examples/llama/train.py --data llama-data                     # one process
