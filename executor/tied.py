@@ -143,6 +143,8 @@ class TiedGradSync:
             if self.unit_stage[pair.follower[0]] == self.stage:
                 mine, other = other, mine
             param = get_param(units[mine[0]], mine[1])
+            if not param.requires_grad:  # frozen together (checked by the dry run): nothing to add
+                continue
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             total = self._stage_sum(grad.detach())
             theirs = self._swap(total, checksum(param), self.unit_stage[other[0]])

@@ -62,7 +62,9 @@ def hf_spec(config: Any, data: Path, recompute: bool = False) -> TrainSpec:
     return TrainSpec(causal_lm(config, recompute=recompute), token_loss, TokenFile(data, SEQ), adamw())
 
 
-def reference(config: Any, data: Path, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(
+    config: Any, data: Path, steps: int, max_grad_norm: float | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The plain loop: `AutoModelForCausalLM.from_config` drawn as `causal_lm` draws it (seed 0),
     `torch.optim.AdamW`, the global batches in the engine's sample order. Returns the losses and
     the final state with units keys."""
@@ -78,6 +80,8 @@ def reference(config: Any, data: Path, steps: int) -> tuple[list[float], dict[st
         opt.zero_grad()
         loss = token_loss(model(rows.inputs).logits, rows.targets).mean()
         loss.backward()
+        if max_grad_norm is not None:  # parameters(): the tied weight counted once
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         losses.append(float(loss.detach()))
     state = {from_hf_key(config, k): v.detach().clone() for k, v in model.state_dict().items()}

@@ -78,6 +78,23 @@ def test_one_process_matches_the_transformers_loop(kind: str, data: Path) -> Non
     assert torch.equal(result.state_dict[embed], result.state_dict[head])
 
 
+def test_clipping_counts_the_tied_weight_once(data: Path) -> None:
+    config = tiny_config("qwen2")
+    want_losses, want_state = reference(config, data, STEPS, max_grad_norm=0.05)  # clips every step
+    result = elaswave.train(
+        causal_lm(config),
+        token_loss,
+        TokenFile(data, SEQ),
+        global_batch=BATCH,
+        micro_batches=SLOTS,
+        steps=STEPS,
+        optimizer=elaswave.AdamW(lr=LR, weight_decay=WD, max_grad_norm=0.05),
+    )
+    assert [result.losses[s] for s in range(STEPS)] == pytest.approx(want_losses, rel=REL)
+    assert result.state_dict is not None
+    assert_states_close(result.state_dict, want_state)
+
+
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gpt2"])
 def test_units_compute_what_the_model_computes_and_keys_map_one_to_one(kind: str) -> None:
     config = tiny_config(kind)
