@@ -117,11 +117,12 @@ def test_sequential_trains_and_returns_a_plain_state_dict() -> None:
     fresh.load_state_dict(result.state_dict)  # "<unit>.<param>" keys are nn.Sequential's own
 
 
-def test_a_sequential_with_a_tied_weight_is_refused_not_untied() -> None:
+def test_a_sequential_with_a_tied_weight_stays_tied_not_untied() -> None:
     emb, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
-    head.weight = emb.weight  # the usual tied LM head
-    with pytest.raises(UnitBuildError, match="units '0' and '1' share a parameter"):
-        elaswave.Units.from_modules(nn.Sequential(emb, head))
+    head.weight = emb.weight  # the usual tied LM head: a declared pair, not two weights
+    units = elaswave.Units.from_modules(nn.Sequential(emb, head))
+    assert [p.keys for p in units.tied] == [("0.weight", "1.weight")]
+    assert torch.equal(units.build(0).weight, units.build(1).weight)
 
 
 def test_loader_processes_feed_the_same_batches_as_the_prefetch_thread() -> None:
