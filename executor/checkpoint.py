@@ -9,10 +9,12 @@ A checkpoint is a directory `<root>/step-<NNNNNNNN>/` holding, per unit of the m
   vector (its `parameters()` concatenated in order): full tensors, never shards, so any layout can
   slice them;
 
-A tied weight (executor.tied) is stored once, in its leader's unit file; meta.json lists the
-pairs, and loading fills the follower's key from the leader's file. Then `meta.json` holds the step to train next (the data position: the sampler is a pure function
+and `meta.json` with the step to train next (the data position: the sampler is a pure function
 of the step), the optimizer's update count, the units and their sizes, the global batch, the
-data and RNG seeds (all randomness is counter-based on (seed, step), so this *is* the RNG state).
+data and RNG seeds (all randomness is counter-based on (seed, step), so this *is* the RNG state),
+the tied pairs and the model's `extra` facts (`elaswave.hf`: its `transformers` config). A tied
+weight (executor.tied) is stored once, in its leader's unit file; loading fills the follower's
+key from there.
 
 Writing is collective per stage and asynchronous: at a committed step boundary the ranks of each
 stage gather their units' full state into host memory (one exchange in the stage's DP group, the
