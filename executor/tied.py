@@ -186,17 +186,45 @@ class TiedGradSync:
         return got, got_sum
 
 
+def flat_range(unit: nn.Module, name: str) -> tuple[int, int]:
+    """`[lo, hi)` of parameter `name` in the unit's flat vector (`parameters()` order)."""
+    pos = 0
+    for pname, p in unit.named_parameters():
+        if pname == name:
+            return pos, pos + p.numel()
+        pos += p.numel()
+    raise ValueError(f"tied parameter {name!r} does not exist")
+
+
+def align_tied_flats(
+    params: Mapping[str, torch.Tensor],
+    units: Mapping[str, nn.Module],
+    pairs: Sequence[TiedPair],
+    held: set[str],
+) -> dict[str, torch.Tensor]:
+    """Flat parameters to adopt on a stage where a pair is one shared parameter: both members
+    are written into it, so the member this rank already held gives the value (a unit still
+    arriving, as in a non-blocking migration, has a placeholder until its payload lands, and that
+    payload is the same bits)."""
+    out = dict(params)
+    for pair in pairs:
+        (lu, lp), (fu, fp) = pair.leader, pair.follower
+        if lu not in out or fu not in out or (lu in held) == (fu in held):
+            continue
+        (src, sp), (dst, dp) = ((lu, lp), (fu, fp)) if lu in held else ((fu, fp), (lu, lp))
+        a, b = flat_range(units[src], sp)
+        c, d = flat_range(units[dst], dp)
+        out[dst] = out[dst].clone()
+        out[dst][c:d] = out[src][a:b]
+    return out
+
+
 def follower_ranges(units: Mapping[str, nn.Module], pairs: Sequence[TiedPair]) -> dict[str, tuple[int, int]]:
     """Flat `[lo, hi)` of each follower copy held here: left out of the global gradient norm,
     which counts a tied weight once (as `clip_grad_norm_` on the `transformers` model does)."""
     out: dict[str, tuple[int, int]] = {}
     for pair in pairs:
         unit = units.get(pair.follower[0])
-        if unit is None:
-            continue
-        pos = 0
-        for name, p in unit.named_parameters():
-            if name == pair.follower[1]:
-                out[pair.follower[0]] = (pos, pos + p.numel())
-            pos += p.numel()
+        if unit is not None:
+            out[pair.follower[0]] = flat_range(unit, pair.follower[1])
     return out

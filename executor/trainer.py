@@ -41,7 +41,7 @@ from executor.pipeline import PipelineRunner
 from executor.recompute import run_unit
 from executor.rng import DropoutRng, UnitCall, mix64, unit_call
 from executor.sampler import Collate, GlobalBatchSampler, Prefetcher
-from executor.tied import TiedGradSync, follower_ranges, tie_stage
+from executor.tied import TiedGradSync, align_tied_flats, follower_ranges, tie_stage
 from executor.units import Activation, ActivationSpec, UnitModel, UnitProbe, discover_boundaries
 from executor.zero import (
     GradHook,
@@ -451,7 +451,9 @@ class Trainer:
             raise ValueError(
                 f"parameter sizes { {n: f.numel() for n, f in params.items()} } != units {numel}"
             )
-        for name, flat in params.items():
+        held = set(self.model.units.keys())
+        aligned = align_tied_flats(params, dict(model.units.items()), self.spec.model.tied, held)
+        for name, flat in aligned.items():
             assign_flat(model.units[name], flat)
         self.model, self.comm = model, comm
         self._install_layout(layout, step_count)

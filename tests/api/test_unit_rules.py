@@ -132,3 +132,20 @@ def test_declared_ties_are_checked() -> None:
         elaswave.Units(["a", "c"], build, tied=[("a.weight", "c.weight")]).build(1)
     with pytest.raises(UnitBuildError, match="tied parameter 'nope' does not exist"):
         elaswave.Units(["a", "b"], build, tied=[("a.weight", "b.nope")]).build(1)
+
+
+def test_a_placeholder_for_an_arriving_tied_unit_takes_the_held_copy() -> None:
+    """A non-blocking migration adopts a layout whose arriving unit is a zero placeholder until its
+    payload lands; on a stage where the pair is one parameter the held copy's value must win."""
+    from executor.tied import TiedPair, align_tied_flats
+
+    emb, head = nn.Linear(3, 2, bias=False), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 3, bias=False))
+    pair = TiedPair(("emb", "weight"), ("head", "1.weight"))
+    held = torch.arange(6, dtype=torch.float32)
+    params = {"emb": held, "head": torch.zeros(12)}
+    out = align_tied_flats(params, {"emb": emb, "head": head}, [pair], held={"emb"})
+    assert torch.equal(out["head"][6:], held) and torch.equal(out["head"][:6], torch.zeros(6))
+    back = align_tied_flats(
+        {"emb": torch.zeros(6), "head": out["head"]}, {"emb": emb, "head": head}, [pair], {"head"}
+    )
+    assert torch.equal(back["emb"], held)
