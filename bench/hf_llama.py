@@ -12,7 +12,9 @@ otherwise run, side by side in one invocation (ratios: the machine is shared, ab
 
 Every process uses one thread. A configuration's rate is the tokens of the steps after `--warmup`
 over their wall time (per-step commit times of the last rank to commit, for `elaswave run`);
-configurations alternate over `--repeats`, and the ratio is the median of per-repeat ratios.
+configurations alternate over `--repeats`, and the ratio is the median of per-repeat ratios. The
+one-process pair also reports tokens per CPU-second of the process (all its threads), which
+other jobs competing for the cores barely change.
 
     python -m bench.hf_llama --data llama-data          # prepare it first: examples/llama/prepare.py
 """
@@ -45,8 +47,10 @@ def _config(data: Path):  # noqa: ANN202
     return model_config(load_tokenizer(data / "tokenizer").get_vocab_size(), SEQ)
 
 
-def one_process(kind: str, data: Path, steps: int, warmup: int, world: int = 1, rank: int = 0) -> float:
-    """Tokens/s of `plain`, `elaswave-1p` or one rank of `ddp` (run in a fresh process)."""
+def one_process(
+    kind: str, data: Path, steps: int, warmup: int, world: int = 1, rank: int = 0
+) -> tuple[float, float]:
+    """(tokens per wall second, per CPU second) of `plain`, `elaswave-1p` or one rank of `ddp`."""
     import torch
 
     import elaswave
@@ -56,12 +60,12 @@ def one_process(kind: str, data: Path, steps: int, warmup: int, world: int = 1, 
 
     torch.set_num_threads(1)
     config, tokens = _config(data), TokenFile(data / "train.bin", SEQ)
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []
     if kind == "elaswave-1p":
         elaswave.train(
             causal_lm(config), token_loss, tokens, global_batch=BATCH, steps=steps,
             optimizer=elaswave.AdamW(lr=1e-3, weight_decay=0.1),
-            on_step=lambda _s, _l: stamps.append(time.perf_counter()),
+            on_step=lambda _s, _l: stamps.append((time.perf_counter(), time.process_time())),
         )  # fmt: skip
     else:
         import transformers
@@ -77,15 +81,16 @@ def one_process(kind: str, data: Path, steps: int, warmup: int, world: int = 1, 
             opt.zero_grad()
             token_loss(model(rows.inputs).logits, rows.targets).mean().backward()
             opt.step()
-            stamps.append(time.perf_counter())
-    return (steps - 1 - warmup) * BATCH * SEQ / (stamps[-1] - stamps[warmup])
+            stamps.append((time.perf_counter(), time.process_time()))
+    tokens = (steps - 1 - warmup) * BATCH * SEQ
+    return tokens / (stamps[-1][0] - stamps[warmup][0]), tokens / (stamps[-1][1] - stamps[warmup][1])
 
 
 def _ddp_rank(rank: int, data: str, steps: int, warmup: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    rate = one_process("ddp", Path(data), steps, warmup, world=2, rank=rank)
+    rate = one_process("ddp", Path(data), steps, warmup, world=2, rank=rank)[0]
     if rank == 0:
         Path(out).write_text(json.dumps(rate))
     dist.destroy_process_group()
@@ -119,16 +124,18 @@ def elaswave_run(data: Path, steps: int, warmup: int, pp: int) -> float:
         return (steps - 1 - warmup) * BATCH * SEQ / (done[-1] - done[warmup])
 
 
-def _in_fresh_process(kind: str, args: argparse.Namespace) -> float:
+def _in_fresh_process(kind: str, args: argparse.Namespace) -> tuple[float, float]:
+    """(tokens/s, tokens per CPU-second or NaN) of one configuration in a fresh process."""
     code = (
         "import json, sys; from pathlib import Path; from bench.hf_llama import one_process, ddp, elaswave_run; "
         f"k = {kind!r}; d = Path({str(args.data)!r}); "
-        f"r = ddp(d, {args.steps}, {args.warmup}) if k == 'ddp' else "
-        f"elaswave_run(d, {args.steps}, {args.warmup}, 2 if k.endswith('pp2') else 1) if k.startswith('elaswave-run') "
-        f"else one_process(k, d, {args.steps}, {args.warmup}); print(json.dumps(r))"
+        f"r = (ddp(d, {args.steps}, {args.warmup}), float('nan')) if k == 'ddp' else "
+        f"(elaswave_run(d, {args.steps}, {args.warmup}, 2 if k.endswith('pp2') else 1), float('nan')) "
+        f"if k.startswith('elaswave-run') else one_process(k, d, {args.steps}, {args.warmup}); print(json.dumps(r))"
     )
     out = subprocess.run([sys.executable, "-c", code], env=_env(), check=True, capture_output=True, text=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    wall, cpu = json.loads(out.stdout.strip().splitlines()[-1])
+    return float(wall), float(cpu)
 
 
 def main() -> None:
@@ -141,15 +148,24 @@ def main() -> None:
     pairs = [("plain", "elaswave-1p"), ("ddp", "elaswave-run"), ("ddp", "elaswave-run-pp2")]
     kinds = sorted({k for pair in pairs for k in pair})
     rates: dict[str, list[float]] = {k: [] for k in kinds}
+    cpu: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(args.repeats):
         for kind in kinds if r % 2 == 0 else kinds[::-1]:
-            rates[kind].append(_in_fresh_process(kind, args))
-            print(f"repeat {r} {kind:>17}: {rates[kind][-1]:8.0f} tokens/s", flush=True)
-    print(f"\n{'configuration':>17} {'tokens/s':>9} {'vs':>6} {'ratio':>6}")
+            wall, per_cpu = _in_fresh_process(kind, args)
+            rates[kind].append(wall)
+            cpu[kind].append(per_cpu)
+            print(f"repeat {r} {kind:>17}: {wall:8.0f} tokens/s {per_cpu:8.0f} tokens/CPU-s", flush=True)
+    print(f"\n{'configuration':>17} {'tokens/s':>9} {'vs':>6} {'ratio':>6} {'tokens/CPU-s':>13} {'ratio':>6}")
     for base, ours in pairs:
         ratio = statistics.median(o / b for o, b in zip(rates[ours], rates[base], strict=True))
-        print(f"{base:>17} {statistics.median(rates[base]):9.0f}")
-        print(f"{ours:>17} {statistics.median(rates[ours]):9.0f} {base:>6} {ratio:6.2f}")
+        cpu_ratio = statistics.median(o / b for o, b in zip(cpu[ours], cpu[base], strict=True))
+        print(
+            f"{base:>17} {statistics.median(rates[base]):9.0f} {'':>13} {statistics.median(cpu[base]):13.0f}"
+        )
+        print(
+            f"{ours:>17} {statistics.median(rates[ours]):9.0f} {base:>6} {ratio:6.2f} "
+            f"{statistics.median(cpu[ours]):13.0f} {cpu_ratio:6.2f}"
+        )
 
 
 if __name__ == "__main__":
