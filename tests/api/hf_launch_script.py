@@ -11,7 +11,7 @@ from tests.api.hf_cases import BATCH, LR, SEQ, SLOTS, WD, tiny_config
 
 p = argparse.ArgumentParser()
 p.add_argument("--data", required=True)
-p.add_argument("--steps", type=int, default=12)
+p.add_argument("--steps", type=int, default=60)
 p.add_argument("--losses-out")
 args = p.parse_args()
 result = elaswave.train(

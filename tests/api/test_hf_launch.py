@@ -19,7 +19,7 @@ from tests.test_launcher import Launcher, _job_losses, _member_steps, core_job
 
 pytestmark = pytest.mark.multiproc
 SCRIPT = Path(__file__).with_name("hf_launch_script.py")
-STEPS = 12
+STEPS = 30  # long enough that the kill lands mid-run (a tiny model steps in milliseconds)
 
 
 @pytest.mark.timeout(240)
