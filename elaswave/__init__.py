@@ -10,6 +10,7 @@ agent's side) never pays for torch.
 - `AdamW(...)`, `Adam(...)`, `SGD(...)`, `warmup_cosine(...)`, `no_decay_norms_and_biases`
 - `dropout(x, p, site=0, training=True)`: placement-invariant dropout for units
 - `load_model_state(checkpoint_dir)`: the whole model's state dict from a checkpoint
+- `elaswave.hf`: `transformers` causal LMs as units; `elaswave.data`: token files
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ if TYPE_CHECKING:
     from executor.units import unit_seed
 
 
+_SUBMODULES = ("data", "hf")  # elaswave.hf / elaswave.data: the optional extra elaswave[hf]
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"elaswave.{name}")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'elaswave' has no attribute {name!r}")
     module, attr = _EXPORTS[name]

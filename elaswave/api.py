@@ -57,11 +57,8 @@ def as_units(
 ) -> UnitModel:
     """A `UnitModel` from what a script may hand over (see `elaswave.Units`)."""
     if isinstance(model, UnitModel):
-        if state_dict is not None:
-            return UnitModel(model.names, model._build, model.init_seed, state_dict)
-        return model
-    units = UnitModel.from_modules(model)
-    return UnitModel(units.names, units._build, init_seed, state_dict)
+        return model if state_dict is None else model.replace(state_dict=state_dict)
+    return UnitModel.from_modules(model).replace(init_seed=init_seed, state_dict=state_dict)
 
 
 def train(

@@ -16,6 +16,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "planners.cli",
     "simulator.cli",
     "elaswave.launcher",
+    "elaswave.hf_cli",
 )
 
 

@@ -13,7 +13,7 @@ import time
 import torch
 
 from executor.trainer import TrainSpec
-from executor.units import Activation, ActivationSpec, as_tuple, call_unit, fingerprint
+from executor.units import Activation, ActivationSpec, TupleRule, as_tuple, call_unit, fingerprint
 from wire.worker_env import ModelDescription, UnitDescription
 
 PROFILE_ROWS = 4  # samples per timed micro-batch: enough to dilute the per-call overhead
@@ -32,7 +32,9 @@ def describe(spec: TrainSpec, global_batch: int, micro_batches: int, steps: int)
     for i, (name, probe) in enumerate(zip(spec.model.names, probes, strict=True)):
         unit = spec.model.build(i)
         prints[name] = fingerprint(unit)
-        timings = [_time_unit(unit, x) for _ in range(REPEATS + 1)][1:]  # the first call warms caches up
+        timings = [_time_unit(unit, x, spec.model.tuple_rule) for _ in range(REPEATS + 1)][
+            1:
+        ]  # the first call warms caches up
         fwd, bwd = min(t[0] for t in timings), min(t[1] for t in timings)
         out = timings[-1][2]
         units.append(
@@ -49,11 +51,13 @@ def describe(spec: TrainSpec, global_batch: int, micro_batches: int, steps: int)
     return ModelDescription(tuple(units), global_batch, micro_batches, sampler.num_samples, steps, prints)
 
 
-def _time_unit(unit: torch.nn.Module, x: Activation) -> tuple[float, float, Activation]:
+def _time_unit(
+    unit: torch.nn.Module, x: Activation, rule: TupleRule = "unpack"
+) -> tuple[float, float, Activation]:
     """(forward seconds, backward seconds, output) of one call on `x`."""
     x_in = _leaf(x)
     t0 = time.perf_counter()
-    out = call_unit(unit, x_in)
+    out = call_unit(unit, x_in, rule)
     t1 = time.perf_counter()
     floats = [t for t in as_tuple(out) if t.requires_grad]
     if floats:

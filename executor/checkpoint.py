@@ -11,7 +11,10 @@ A checkpoint is a directory `<root>/step-<NNNNNNNN>/` holding, per unit of the m
 
 and `meta.json` with the step to train next (the data position: the sampler is a pure function
 of the step), the optimizer's update count, the units and their sizes, the global batch, the
-data and RNG seeds (all randomness is counter-based on (seed, step), so this *is* the RNG state).
+data and RNG seeds (all randomness is counter-based on (seed, step), so this *is* the RNG state),
+the tied pairs and the model's `extra` facts (`elaswave.hf`: its `transformers` config). A tied
+weight (executor.tied) is stored once, in its leader's unit file; loading fills the follower's
+key from there.
 
 Writing is collective per stage and asynchronous: at a committed step boundary the ranks of each
 stage gather their units' full state into host memory (one exchange in the stage's DP group, the
@@ -34,7 +37,7 @@ import shutil
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +67,8 @@ class CheckpointMeta:
     optimizer: str
     written_unix: float
     version: int = FORMAT_VERSION
+    tied: tuple[tuple[str, str], ...] = ()  # ("unit.param" leader, "unit.param" follower)
+    extra: dict[str, Any] = field(default_factory=dict)  # UnitModel.extra (elaswave.hf: the config)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -77,6 +82,7 @@ class CheckpointMeta:
                     f"{where}: checkpoint format {raw.get('version')!r}, expected {FORMAT_VERSION}"
                 )
             raw["units"], raw["unit_numel"] = tuple(raw["units"]), tuple(raw["unit_numel"])
+            raw["tied"] = tuple((str(a), str(b)) for a, b in raw.get("tied", ()))
             return CheckpointMeta(**raw)
         except (json.JSONDecodeError, TypeError, KeyError) as exc:
             raise CheckpointError(
@@ -128,6 +134,8 @@ def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     for unit in meta.units:
         for key, value in torch.load(ckpt / "model" / f"{unit}.pt", weights_only=True).items():
             out[f"{unit}.{key}"] = value
+    for leader, follower in meta.tied:
+        out[follower] = out[leader]
     return out
 
 
@@ -136,6 +144,12 @@ def load_unit_state(ckpt: Path, unit: str) -> tuple[dict[str, torch.Tensor], tor
     try:
         params = torch.load(ckpt / "model" / f"{unit}.pt", weights_only=True)
         optim = torch.load(ckpt / "optim" / f"{unit}.pt", weights_only=True)
+        for leader, follower in read_meta(ckpt).tied:
+            if follower.split(".", 1)[0] == unit:
+                lunit, lkey = leader.split(".", 1)
+                params[follower.split(".", 1)[1]] = torch.load(
+                    ckpt / "model" / f"{lunit}.pt", weights_only=True
+                )[lkey]
     except FileNotFoundError as exc:
         raise CheckpointError(f"{ckpt}: unit {unit!r} is missing ({exc.filename})") from exc
     return params, optim["exp_avg"], optim["exp_avg_sq"]
@@ -250,8 +264,12 @@ class CheckpointWriter:
         tmp = self._tmp_dir(payload.next_step)
         (tmp / "model").mkdir(parents=True, exist_ok=True)
         (tmp / "optim").mkdir(parents=True, exist_ok=True)
+        followers = [b.split(".", 1) for _a, b in self.meta.get("tied", ())]
         for name, unit in payload.units.items():
-            _save(unit.state_dict(), tmp / "model" / f"{name}.pt")
+            state = unit.state_dict()
+            for key in [k for u, k in followers if u == name]:
+                del state[key]  # stored once, under the leader (module docstring)
+            _save(state, tmp / "model" / f"{name}.pt")
             m, v = payload.moments[name]
             _save({"exp_avg": m, "exp_avg_sq": v}, tmp / "optim" / f"{name}.pt")
         (tmp / STAGE_DONE.format(stage=payload.stage)).write_text(f"{time.time():.6f}\n")

@@ -75,7 +75,8 @@ def _membership(spec: JobSpec) -> dict[str, tuple[int, ...]]:
     for lay in layouts[1:]:
         if [s.ranks for s in lay.stages] != stage_ranks:
             raise ValueError("relayouts must keep every stage's ranks (pipeline-only changes)")
-    return groups_for_stage_ranks(stage_ranks, world=spec.cfg.optimizer.max_grad_norm is not None)
+    world = spec.cfg.optimizer.max_grad_norm is not None or bool(spec.cfg.model.tied)
+    return groups_for_stage_ranks(stage_ranks, world=world)
 
 
 def _checkpoint_writer(spec: JobSpec) -> CheckpointWriter | None:

@@ -14,6 +14,7 @@ The reported loss is assembled per sample and summed exactly (`math.fsum`) in sa
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,9 +38,11 @@ from executor.checkpoint import (
 from executor.engine_comm import EngineComm, dp_group_name
 from executor.optim import OptimizerConfig
 from executor.pipeline import PipelineRunner
+from executor.recompute import run_unit
 from executor.rng import DropoutRng, UnitCall, mix64, unit_call
 from executor.sampler import Collate, GlobalBatchSampler, Prefetcher
-from executor.units import Activation, ActivationSpec, UnitModel, UnitProbe, call_unit, discover_boundaries
+from executor.tied import TiedGradSync, align_tied_flats, follower_ranges, tie_stage
+from executor.units import Activation, ActivationSpec, UnitModel, UnitProbe, discover_boundaries
 from executor.zero import (
     GradHook,
     ShardedOptimizer,
@@ -148,7 +151,8 @@ class StageModel(nn.Module):
         for i in range(layer_start, layer_stop):
             name = model.names[i]
             self.units[name] = reuse[name] if name in reuse else model.build(i, device)
-        model.check_untied(dict(self.units.items()))
+        tie_stage(dict(self.units.items()), model.tied)  # a tied pair on one stage: one parameter
+        model.check_sharing(dict(self.units.items()))
 
     def unit_names(self) -> list[str]:
         return list(self.units.keys())
@@ -206,6 +210,10 @@ class Trainer:
             self.device,
         )
         units = dict(self.model.units.items())
+        unit_stage = {self.unit_names[i]: s.stage for s in layout.stages for i in s.layers}
+        self.tied = TiedGradSync(
+            self.comm, self.spec.model.tied, unit_stage, [s.ranks for s in layout.stages], self.rank
+        )
         self.optimizer = ShardedOptimizer(
             self.comm,
             dp_group_name(self.stage),
@@ -218,6 +226,7 @@ class Trainer:
             self.device,
             self.segments,
         )
+        self.optimizer.norm_skip = follower_ranges(units, self.spec.model.tied)
         self.model.train()
 
     def update_slice(
@@ -289,6 +298,8 @@ class Trainer:
         self.runner.run(forward, overlay.after_backward if overlay is not None else None)
         if overlay is not None:
             overlay.before_optimizer()
+        if self.tied.active:  # Megatron-style: both copies of a cross-stage tie get the whole grad
+            self.tied.sync(dict(self.model.units.items()))
         self.optimizer.step()
         if overlay is not None:
             overlay.finish()
@@ -314,13 +325,13 @@ class Trainer:
     ) -> Activation:
         """Run `units` in order on rows `samples` (a stage's own units, or that list with a
         migrating unit's shadow), each under its unit-call context (executor.rng)."""
+        model = self.spec.model
         for name, unit in units:
-            index = self.spec.model.index(name)
+            index = model.index(name)
             seed = mix64(self.spec.rng_seed, step, index, samples[0] if samples else 0)
-            with unit_call(UnitCall(step, index, samples, self.rng), seed):
-                x = call_unit(unit, x)
-            if isinstance(x, list):
-                x = tuple(x)
+            call = UnitCall(step, index, samples, self.rng)
+            context = functools.partial(unit_call, call, seed)
+            x = run_unit(unit, x, model.tuple_rule, name in model.recompute, context)
         return x
 
     def _per_sample_loss(self, output: Activation, targets: Any, rows: int) -> torch.Tensor:
@@ -440,7 +451,9 @@ class Trainer:
             raise ValueError(
                 f"parameter sizes { {n: f.numel() for n, f in params.items()} } != units {numel}"
             )
-        for name, flat in params.items():
+        held = set(self.model.units.keys())
+        aligned = align_tied_flats(params, dict(model.units.items()), self.spec.model.tied, held)
+        for name, flat in aligned.items():
             assign_flat(model.units[name], flat)
         self.model, self.comm = model, comm
         self._install_layout(layout, step_count)
@@ -545,6 +558,8 @@ def checkpoint_writer(spec: TrainSpec, root: Path, global_batch: int, run_id: st
             "rng_seed": spec.rng_seed,
             "init_seed": spec.model.init_seed,
             "optimizer": spec.optimizer.kind,
+            "tied": [list(p.keys) for p in spec.model.tied],
+            "extra": spec.model.extra,
         },
         run_id,
     )

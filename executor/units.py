@@ -8,9 +8,12 @@ unit's name (and the job's `init_seed`), or the unit is loaded from the user's o
 so unit `i` is the same tensor on every rank that builds it. The engine never re-initialises it.
 
 The activation between units is a tensor or a tuple of tensors whose first dimension is the
-sample; a unit is called `unit(x)` with a tensor, `unit(*x)` with a tuple. Per-sample shapes and
-dtypes at every unit boundary are discovered by a dry run (`discover_boundaries`: the units are
-built one at a time and run on one sample on the CPU).
+sample. How a unit receives a tuple is one rule per way of building the model (`TupleRule`):
+`Units(...)`, a list or a dict unpack it, `unit(*x)`; an `nn.Sequential` passes it whole,
+`unit(x)`, as `nn.Sequential.forward` does. Per-sample shapes and dtypes at every unit boundary
+are discovered by a dry run (`discover_boundaries`: the units are built one at a time and run on
+one sample on the CPU). Declared tied parameters are kept equal by executor.tied; `recompute`
+names units whose forward is recomputed in the backward (executor.recompute).
 """
 
 from __future__ import annotations
@@ -19,14 +22,22 @@ import copy
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from executor.rng import mix64
+from executor.tied import TiedPair, get_param, parse_ties
 
 Activation = torch.Tensor | tuple[torch.Tensor, ...]
+# "unpack": a tuple activation is passed as arguments, unit(*x) (Units(...), a list, a dict);
+# "whole": it is passed as one argument, unit(x), as nn.Sequential passes it.
+TupleRule = Literal["unpack", "whole"]
+RULE_TEXT = {
+    "unpack": "units given as Units(...), a list or a dict receive a tuple activation unpacked, unit(*x)",
+    "whole": "units given as an nn.Sequential receive a tuple activation whole, unit(x), as nn.Sequential does",
+}
 
 
 @dataclass(frozen=True)
@@ -82,9 +93,9 @@ def as_tuple(x: Activation) -> tuple[torch.Tensor, ...]:
     return x if isinstance(x, tuple) else (x,)
 
 
-def call_unit(unit: nn.Module, x: Activation) -> Activation:
-    """Run one unit: `unit(*x)` for a tuple activation, `unit(x)` for a tensor."""
-    return unit(*x) if isinstance(x, tuple) else unit(x)
+def call_unit(unit: nn.Module, x: Activation, rule: TupleRule = "unpack") -> Activation:
+    """Run one unit: `unit(*x)` for a tuple activation under the "unpack" rule, else `unit(x)`."""
+    return unit(*x) if isinstance(x, tuple) and rule == "unpack" else unit(x)
 
 
 class UnitBuildError(ValueError):
@@ -111,7 +122,10 @@ class UnitModel:
 
     `build_unit(name)` is called under `torch.manual_seed(unit_seed(init_seed, name))` (the
     caller's RNG state is restored afterwards); `state_dict`, when given, holds each unit's
-    weights under `"<unit name>.<parameter>"` and overrides what the constructor drew."""
+    weights under `"<unit name>.<parameter>"` and overrides what the constructor drew.
+    `tied`: `("unit.param", "unit.param")` pairs that are one weight (executor.tied); the later
+    unit's copy starts as the earlier one's. `recompute`: True (every unit) or the names of the
+    units whose forward is recomputed in the backward. `tuple_rule`: see the module docstring."""
 
     def __init__(
         self,
@@ -119,6 +133,10 @@ class UnitModel:
         build_unit: Callable[[str], nn.Module],
         init_seed: int = 0,
         state_dict: Mapping[str, torch.Tensor] | None = None,
+        *,
+        tied: Sequence[tuple[str, str]] = (),
+        recompute: bool | Sequence[str] = False,
+        tuple_rule: TupleRule = "unpack",
     ) -> None:
         names = tuple(names)
         if not names:
@@ -134,6 +152,40 @@ class UnitModel:
             unknown = sorted({k.split(".", 1)[0] for k in self._state} - set(names))
             if unknown:
                 raise UnitBuildError(f"state_dict has keys for units {unknown} that the model does not have")
+        try:
+            self.tied: tuple[TiedPair, ...] = parse_ties(tied, names)
+        except ValueError as exc:
+            raise UnitBuildError(str(exc)) from exc
+        if isinstance(recompute, bool):
+            self.recompute = frozenset(names) if recompute else frozenset()
+        elif isinstance(recompute, str) or not set(recompute) <= set(names):
+            raise UnitBuildError(
+                f"recompute must be True, False or a list of unit names of {list(names)}, got {recompute!r}"
+            )
+        else:
+            self.recompute = frozenset(recompute)
+        if tuple_rule not in RULE_TEXT:
+            raise UnitBuildError(f"tuple_rule must be 'unpack' or 'whole', got {tuple_rule!r}")
+        self.tuple_rule: TupleRule = tuple_rule
+        self._tied_init: dict[tuple[str, str], torch.Tensor] = {}
+        # JSON-able facts about the model that checkpoints record (elaswave.hf: the config).
+        self.extra: dict[str, Any] = {}
+
+    def replace(
+        self, init_seed: int | None = None, state_dict: Mapping[str, torch.Tensor] | None = None
+    ) -> UnitModel:
+        """The same model with another `init_seed` and/or starting `state_dict`."""
+        out = UnitModel(
+            self.names,
+            self._build,
+            self.init_seed if init_seed is None else init_seed,
+            self._state if state_dict is None else state_dict,
+            tied=[p.keys for p in self.tied],
+            recompute=sorted(self.recompute),
+            tuple_rule=self.tuple_rule,
+        )
+        out.extra = dict(self.extra)
+        return out
 
     @staticmethod
     def from_modules(modules: nn.Sequential | Sequence[nn.Module] | Mapping[str, nn.Module]) -> UnitModel:
@@ -141,7 +193,9 @@ class UnitModel:
 
         Their weights are whatever the script drew, so the script must draw them the same way in
         every process (seed before building: `torch.manual_seed(0)`); the launcher compares the
-        units' fingerprints across processes and refuses a job whose processes disagree."""
+        units' fingerprints across processes and refuses a job whose processes disagree. A
+        parameter shared by exactly two of the modules becomes a tied pair (executor.tied). An
+        `nn.Sequential` keeps its own calling rule: a tuple activation is passed whole."""
         if isinstance(modules, nn.Sequential | nn.ModuleDict | Mapping):
             named = dict(modules.named_children() if isinstance(modules, nn.Module) else modules.items())
         else:
@@ -149,9 +203,10 @@ class UnitModel:
         for name, m in named.items():
             if not isinstance(m, nn.Module):
                 raise UnitBuildError(f"unit {name!r} is a {type(m).__name__}, not an nn.Module")
-        # Checked before the deep copies below, which would silently untie a shared weight.
-        UnitModel.check_untied(named)
-        return UnitModel(tuple(named), lambda name: copy.deepcopy(named[name]))
+        # Found before the deep copies below, which untie a shared weight (the tie re-links it).
+        tied = shared_parameters(named)
+        rule: TupleRule = "whole" if isinstance(modules, nn.Sequential) else "unpack"
+        return UnitModel(tuple(named), lambda name: copy.deepcopy(named[name]), tied=tied, tuple_rule=rule)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -160,7 +215,7 @@ class UnitModel:
         return self.names.index(name)
 
     def build(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
-        """Unit `index`, built as the module docstring says, on `device`."""
+        """Unit `index`, built as the class docstring says, on `device`."""
         name = self.names[index]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(unit_seed(self.init_seed, name))
@@ -171,31 +226,88 @@ class UnitModel:
         if not isinstance(unit, nn.Module):
             raise UnitBuildError(f"build_unit({name!r}) returned {type(unit).__name__}, not an nn.Module")
         self._load_user_state(name, unit)
+        for pair in self.tied:
+            if pair.follower[0] == name:
+                self._copy_leader(pair, unit)
         return unit.to(device)
+
+    def _copy_leader(self, pair: TiedPair, unit: nn.Module) -> None:
+        """The follower's copy starts as the leader's initial value (built once, then kept)."""
+        if pair.leader not in self._tied_init:
+            leader = self.build(self.index(pair.leader[0]))
+            try:
+                self._tied_init[pair.leader] = get_param(leader, pair.leader[1]).detach().clone()
+            except ValueError as exc:
+                raise UnitBuildError(f"tied pair {pair.keys}: unit {pair.leader[0]!r}: {exc}") from exc
+        value = self._tied_init[pair.leader]
+        try:
+            mine = get_param(unit, pair.follower[1])
+        except ValueError as exc:
+            raise UnitBuildError(f"tied pair {pair.keys}: unit {pair.follower[0]!r}: {exc}") from exc
+        if mine.shape != value.shape or mine.dtype != value.dtype:
+            raise UnitBuildError(
+                f"tied parameters {pair.keys} differ in shape or dtype: {tuple(value.shape)} "
+                f"{value.dtype} vs {tuple(mine.shape)} {mine.dtype}"
+            )
+        with torch.no_grad():
+            mine.copy_(value)
 
     def _load_user_state(self, name: str, unit: nn.Module) -> None:
         if self._state is None:
             return
         prefix = f"{name}."
         mine = {k[len(prefix) :]: v for k, v in self._state.items() if k.startswith(prefix)}
+        for pair in self.tied:  # a state dict may hold a tied weight once, under the leader's key
+            lead, follow = pair.keys
+            if pair.follower[0] == name and lead in self._state:
+                if follow in self._state and not torch.equal(self._state[follow], self._state[lead]):
+                    raise UnitBuildError(
+                        f"state_dict holds different values for the tied weights {pair.keys}"
+                    )
+                mine.setdefault(pair.follower[1], self._state[lead])
         try:
             unit.load_state_dict(mine, strict=True)
         except RuntimeError as exc:
             raise UnitBuildError(f"state_dict does not fit unit {name!r}: {exc}") from exc
 
-    @staticmethod
-    def check_untied(units: Mapping[str, nn.Module]) -> None:
-        """Refuse parameters shared between units: a tied weight (an embedding reused by the head)
-        would be updated twice, once on each stage that holds a copy."""
-        owner: dict[int, str] = {}
-        for name, unit in units.items():
-            for p in unit.parameters():
-                other = owner.setdefault(id(p), name)
-                if other != name:
-                    raise UnitBuildError(
-                        f"units {other!r} and {name!r} share a parameter: tied weights across units "
-                        "are not supported; give each unit its own copy (untie them)"
-                    )
+    def check_sharing(self, units: Mapping[str, nn.Module]) -> None:
+        """Refuse parameters shared between units unless they are a declared tied pair."""
+        declared = {frozenset((p.leader, p.follower)) for p in self.tied}
+        check_shared(units, declared)
+
+
+def shared_parameters(units: Mapping[str, nn.Module]) -> list[tuple[str, str]]:
+    """`("unit.param", "unit.param")` of every parameter object held by exactly two units;
+    UnitBuildError for one held by more (a tie is a pair)."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for uname, unit in units.items():
+        for pname, p in unit.named_parameters():
+            holders.setdefault(id(p), []).append((uname, pname))
+    pairs = []
+    for where in holders.values():
+        if len({u for u, _ in where}) > 2:
+            keys = [f"{u}.{n}" for u, n in where]
+            raise UnitBuildError(
+                f"parameter {keys[0]} is shared by {len(keys)} units ({keys}): ElasWave ties pairs of "
+                "units only (an embedding and its LM head); give the others their own copy"
+            )
+        if len(where) == 2:
+            pairs.append((f"{where[0][0]}.{where[0][1]}", f"{where[1][0]}.{where[1][1]}"))
+    return pairs
+
+
+def check_shared(units: Mapping[str, nn.Module], declared: set[frozenset[tuple[str, str]]]) -> None:
+    owner: dict[int, tuple[str, str]] = {}
+    for uname, unit in units.items():
+        for pname, p in unit.named_parameters():
+            other = owner.setdefault(id(p), (uname, pname))
+            if other[0] != uname and frozenset((other, (uname, pname))) not in declared:
+                raise UnitBuildError(
+                    f"units {other[0]!r} and {uname!r} share a parameter ({other[0]}.{other[1]} is "
+                    f"{uname}.{pname}) that is not declared tied: declare it with Units(..., "
+                    f"tied=[({other[0] + '.' + other[1]!r}, {uname + '.' + pname!r})]) and ElasWave keeps "
+                    "the two copies equal (Megatron-style), or give each unit its own copy"
+                )
 
 
 @dataclass(frozen=True)
@@ -220,24 +332,20 @@ class UnitProbe:
 def discover_boundaries(model: UnitModel, sample_input: Activation) -> tuple[UnitProbe, ...]:
     """Run one sample through every unit on the CPU, one unit built at a time, and record each
     unit's parameters and output spec. The parameters stay referenced until the end, so a build
-    function that hands two units the same tensor is refused even when the two would sit on
-    different stages (a tied weight would be updated once per stage holding it)."""
+    function that hands two units the same tensor is refused (unless the pair is declared tied)
+    even when the two would sit on different stages."""
     probes: list[UnitProbe] = []
     ActivationSpec.of(sample_input)  # a clear TypeError before slicing what is not a batch
     x: Activation = (
         tuple(t[:1] for t in sample_input) if isinstance(sample_input, tuple) else sample_input[:1]
     )
-    owners: dict[int, tuple[str, nn.Parameter]] = {}
+    declared = {frozenset((p.leader, p.follower)) for p in model.tied}
+    built: dict[str, nn.Module] = {}
     for i, name in enumerate(model.names):
         unit = model.build(i)
-        for p in unit.parameters():
-            other = owners.setdefault(id(p), (name, p))[0]
-            if other != name:
-                raise UnitBuildError(
-                    f"units {other!r} and {name!r} share a parameter: tied weights across units "
-                    "are not supported; give each unit its own copy (untie them)"
-                )
-        x = _real_forward(unit, name, x)
+        built[name] = unit
+        check_shared(built, declared)
+        x = _real_forward(unit, name, x, model.tuple_rule)
         probes.append(
             UnitProbe(
                 sum(p.numel() for p in unit.parameters()),
@@ -247,17 +355,31 @@ def discover_boundaries(model: UnitModel, sample_input: Activation) -> tuple[Uni
                 tuple(n for n, p in unit.named_parameters() if not p.requires_grad),
             )
         )
-        del unit
+    for pair in model.tied:
+        a = get_param(built[pair.leader[0]], pair.leader[1])
+        b = get_param(built[pair.follower[0]], pair.follower[1])
+        if a.requires_grad != b.requires_grad:
+            raise UnitBuildError(
+                f"tied parameters {pair.keys}: one is frozen, the other trains; freeze both or neither"
+            )
     return tuple(probes)
 
 
-def _real_forward(unit: nn.Module, name: str, x: Activation) -> Activation:
+def _real_forward(unit: nn.Module, name: str, x: Activation, rule: TupleRule = "unpack") -> Activation:
     try:
         with torch.no_grad():
-            out = call_unit(unit, x)
+            out = call_unit(unit, x, rule)
     except Exception as exc:
+        hint = ""
+        if isinstance(x, tuple) and isinstance(exc, TypeError):
+            other = "an nn.Sequential" if rule == "unpack" else "Units(...), a list or a dict"
+            hint = (
+                f" (rule applied: {RULE_TEXT[rule]}; make forward take "
+                f"{'the tuple as one argument' if rule == 'whole' else f'{len(x)} tensor arguments'}, "
+                f"or give the units as {other})"
+            )
         raise UnitBuildError(
-            f"unit {name!r} failed on one sample of input {_describe(x)}: {type(exc).__name__}: {exc}"
+            f"unit {name!r} failed on one sample of input {_describe(x)}: {type(exc).__name__}: {exc}{hint}"
         ) from exc
     if isinstance(out, list):
         out = tuple(out)

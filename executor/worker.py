@@ -164,7 +164,7 @@ class CoreDrivenWorker(PlanFollowing):
         self._store_index = 0
         host, port = self.store_addresses[0].rsplit(":", 1)
         store = connect_store(host, int(port), timeout_s=place.timeout_s)
-        world = spec.optimizer.max_grad_norm is not None
+        world = spec.optimizer.max_grad_norm is not None or bool(spec.model.tied)  # executor.tied too
         if place.joining:
             self.comm = Communicator.for_joiner(store, place.rank, timeout_s=place.timeout_s)
         else:

@@ -143,6 +143,8 @@ class ShardedOptimizer:
         }
         self._numel = {n: sum(p.numel() for p in u.parameters()) for n, u in self.units.items()}
         self.last_grad_norm: float | None = None
+        # unit -> flat [lo, hi) left out of the global norm (a tied weight's second copy, executor.tied)
+        self.norm_skip: dict[str, tuple[int, int]] = {}
         self.ownership = {n: list(ownership[n]) for n in self.units}
         self.dp_index, self.dp_size = dp_index, len(next(iter(self.ownership.values())))
         self.step_count = step_count
@@ -193,13 +195,20 @@ class ShardedOptimizer:
 
     def _clip(self, grads: dict[str, torch.Tensor], max_norm: float) -> None:
         """Scale the reduced slices by torch's `clip_grad_norm_` coefficient of the global norm."""
-        sum_sq = math.fsum(float(g.double().pow(2).sum()) for g in grads.values())
+        sum_sq = math.fsum(float(self._counted(n, g).double().pow(2).sum()) for n, g in grads.items())
         norm = global_grad_norm(self.comm, sum_sq)
         self.last_grad_norm = norm
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             for g in grads.values():
                 g.mul_(coef)
+
+    def _counted(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """My reduced slice of `name` without the elements `norm_skip` leaves out."""
+        lo, hi = self.norm_skip.get(name, (0, 0))
+        sh = self.shards[name]
+        a, b = max(lo, sh.lo) - sh.lo, min(hi, sh.hi) - sh.lo
+        return torch.cat([grad[:a], grad[b:]]) if a < b else grad
 
     def _all_gather_params(self, my_slices: torch.Tensor) -> None:
         sizes = [self._size_owned_by(k) for k in range(self.dp_size)]

@@ -57,28 +57,21 @@ def test_a_loss_that_is_not_per_sample() -> None:
         elaswave.train(small_units(), lambda out, y: ((out - y) ** 2).mean(), DATA, global_batch=4, steps=1)
 
 
-def test_tied_weights_across_units_are_refused() -> None:
+def test_undeclared_weight_sharing_is_refused_with_what_to_do() -> None:
     shared = nn.Linear(4, 4)
-
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = shared
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.lin(x)
-
-    model = nn.Sequential(nn.Linear(4, 4), shared, Tied(), nn.Linear(4, 1))
-    # from_modules deep-copies each unit, which unties them; a build function that hands out the
-    # same module object twice is what ties units, and that is refused.
+    # A build function that hands out the same module twice shares its parameters without
+    # declaring the tie: refused, and the message gives the declaration to write.
     units = elaswave.Units(["x", "y"], lambda n: shared)
-    with pytest.raises(
-        UnitBuildError, match="share a parameter: tied weights across units are not supported"
-    ):
+    with pytest.raises(UnitBuildError, match=r"not declared tied: declare it with Units\(\.\.\., tied="):
         elaswave.train(
             units, mse, TensorDataset(torch.randn(8, 4), torch.randn(8, 4)), global_batch=4, steps=1
         )
-    assert len(model) == 4
+
+
+def test_a_weight_shared_by_three_units_is_refused() -> None:
+    shared = nn.Linear(4, 4)
+    with pytest.raises(UnitBuildError, match="shared by 3 units .* ties pairs of units only"):
+        elaswave.Units.from_modules([shared, shared, shared])
 
 
 def test_resume_from_something_that_is_not_a_checkpoint(tmp_path: Path) -> None:
@@ -124,11 +117,12 @@ def test_sequential_trains_and_returns_a_plain_state_dict() -> None:
     fresh.load_state_dict(result.state_dict)  # "<unit>.<param>" keys are nn.Sequential's own
 
 
-def test_a_sequential_with_a_tied_weight_is_refused_not_untied() -> None:
+def test_a_sequential_with_a_tied_weight_stays_tied_not_untied() -> None:
     emb, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
-    head.weight = emb.weight  # the usual tied LM head
-    with pytest.raises(UnitBuildError, match="units '0' and '1' share a parameter"):
-        elaswave.Units.from_modules(nn.Sequential(emb, head))
+    head.weight = emb.weight  # the usual tied LM head: a declared pair, not two weights
+    units = elaswave.Units.from_modules(nn.Sequential(emb, head))
+    assert [p.keys for p in units.tied] == [("0.weight", "1.weight")]
+    assert torch.equal(units.build(0).weight, units.build(1).weight)
 
 
 def test_loader_processes_feed_the_same_batches_as_the_prefetch_thread() -> None:
