@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 
 from executor.checkpoint import CheckpointWriter
+from executor.devices import device_count, rank_device
 from executor.engine_comm import BACKENDS, EngineComm, StaticComm, groups_for_stage_ranks
 from executor.migration import migrate
 from executor.nonblocking_migration import NonBlockingMigration
@@ -75,7 +76,7 @@ def _membership(spec: JobSpec) -> dict[str, tuple[int, ...]]:
     for lay in layouts[1:]:
         if [s.ranks for s in lay.stages] != stage_ranks:
             raise ValueError("relayouts must keep every stage's ranks (pipeline-only changes)")
-    return groups_for_stage_ranks(stage_ranks, world=spec.cfg.optimizer.max_grad_norm is not None)
+    return groups_for_stage_ranks(stage_ranks, world=spec.cfg.needs_world_group)
 
 
 def _checkpoint_writer(spec: JobSpec) -> CheckpointWriter | None:
@@ -134,13 +135,12 @@ def _make_comm(spec: JobSpec, store: TCPStore, rank: int) -> EngineComm:
 
 
 def _device(spec: JobSpec, rank: int) -> torch.device:
-    if spec.backend == "nccl":
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    if spec.backend == "hccl":
-        import torch_npu  # noqa: F401, PLC0415 - registers the "npu" device
-
-        return torch.device("npu", rank % torch.npu.device_count())  # type: ignore[attr-defined]
-    return torch.device("cpu")
+    """Rank r's device: cuda/npu r mod count under nccl/hccl; under gloo the spec's device kind
+    (ranks sharing one accelerator, their collectives over gloo: staged through host memory)."""
+    kind = {"nccl": "cuda", "hccl": "npu"}.get(spec.backend, spec.cfg.device_kind)
+    if kind == "cpu":
+        return torch.device("cpu")
+    return rank_device(kind, rank % max(1, device_count(kind)))
 
 
 def _worker(rank: int, spec: JobSpec, port: int, results: Any) -> None:

@@ -217,8 +217,10 @@ class UnitProbe:
         ]
 
 
-def discover_boundaries(model: UnitModel, sample_input: Activation) -> tuple[UnitProbe, ...]:
-    """Run one sample through every unit on the CPU, one unit built at a time, and record each
+def discover_boundaries(
+    model: UnitModel, sample_input: Activation, device: torch.device | str = "cpu"
+) -> tuple[UnitProbe, ...]:
+    """Run one sample through every unit on `device`, one unit built at a time, and record each
     unit's parameters and output spec. The parameters stay referenced until the end, so a build
     function that hands two units the same tensor is refused even when the two would sit on
     different stages (a tied weight would be updated once per stage holding it)."""
@@ -229,7 +231,7 @@ def discover_boundaries(model: UnitModel, sample_input: Activation) -> tuple[Uni
     )
     owners: dict[int, tuple[str, nn.Parameter]] = {}
     for i, name in enumerate(model.names):
-        unit = model.build(i)
+        unit = model.build(i, device)
         for p in unit.parameters():
             other = owners.setdefault(id(p), (name, p))[0]
             if other != name:

@@ -184,6 +184,8 @@ class ShardBackups:
         An exchange still posted is finished first (the step protocol has already done that
         before its vote, so there this only enqueues)."""
         self.finish_exchange()
+        if self._pending is None and step == self._committed:
+            return  # the step applied no update (fp16 overflow skip): the backups stay as they are
         if self._pending is None or self._pending[0] != step:
             raise SnapshotError(f"commit({step}) without the gradients of step {step}")
         self._queue.put(self._pending)
