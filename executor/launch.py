@@ -68,6 +68,8 @@ class RankResult:
     full_state: dict[str, Any] | None  # gather_full_state() at the end, from DP index 0 of each stage
     migrations: list[dict[str, Any]] = field(default_factory=list)
     replayed_losses: dict[int, float | None] = field(default_factory=dict)  # loss of the first run
+    skipped: list[int] = field(default_factory=list)  # fp16: steps whose update an overflow skipped
+    loss_scale: dict[str, float] | None = None  # fp16: the loss scaler at the end
 
 
 def _membership(spec: JobSpec) -> dict[str, tuple[int, ...]]:
@@ -87,7 +89,7 @@ def _checkpoint_writer(spec: JobSpec) -> CheckpointWriter | None:
 
 def _run_rank(spec: JobSpec, rank: int, trainer: Trainer) -> RankResult:
     relayouts = dict(spec.relayouts)
-    losses, processed, reports, replayed = [], [], [], {}
+    losses, processed, reports, replayed, skipped = [], [], [], {}, []
     start = load_checkpoint(trainer, spec.resume_dir).next_step if spec.resume_dir is not None else 0
     writer = _checkpoint_writer(spec)
     for step in range(start, spec.steps):
@@ -105,6 +107,8 @@ def _run_rank(spec: JobSpec, rank: int, trainer: Trainer) -> RankResult:
             reports.append(overlay.report().as_dict())
         losses.append(result.loss)
         processed.append(result.samples_processed)
+        if result.skipped:
+            skipped.append(step)
         if writer is not None and step in spec.checkpoint_steps:
             payload = checkpoint_payload(trainer)
             if payload is not None:
@@ -120,10 +124,20 @@ def _run_rank(spec: JobSpec, rank: int, trainer: Trainer) -> RankResult:
         trainer.dp_index,
         losses,
         processed,
-        state if trainer.dp_index == 0 else None,
+        _host(state) if trainer.dp_index == 0 else None,
         reports,
         replayed,
+        skipped,
+        None if trainer.scaler is None else trainer.scaler.state_dict(),
     )
+
+
+def _host(state: dict[str, Any]) -> dict[str, Any]:
+    """`gather_full_state()` in host memory (a device rank's result crosses to the parent)."""
+    return {
+        "step_count": state["step_count"],
+        "units": {n: {k: t.cpu() for k, t in d.items()} for n, d in state["units"].items()},
+    }
 
 
 def _make_comm(spec: JobSpec, store: TCPStore, rank: int) -> EngineComm:
