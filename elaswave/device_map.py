@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from executor.devices import DEVICE_INDEX_ENV, DEVICE_SHARED_ENV, VISIBLE_ENV
+
 
 class DeviceMapError(ValueError):
     """The node cannot give every one of its ranks a device; the message says which and why."""
@@ -90,3 +92,29 @@ def map_devices(
             physical = ids[index] if ids is not None else str(index)
             out[rank] = DeviceSlot(rank, node, local, index, physical, shared)
     return out
+
+
+def visibility_variable(environ: Mapping[str, str]) -> str:
+    """The variable that lists this node's devices: Ascend's when only it is set, else CUDA's."""
+    cuda, npu = VISIBLE_ENV["cuda"], VISIBLE_ENV["npu"]
+    return npu if environ.get(npu) is not None and environ.get(cuda) is None else cuda
+
+
+def worker_device_env(
+    nodes: Mapping[int, Sequence[int]],
+    devices_per_node: int | None,
+    environ: Mapping[str, str],
+    share: bool = False,
+) -> dict[int, dict[str, str]]:
+    """rank -> the variables that put its worker on its device ($ELASWAVE_DEVICE_INDEX, and
+    $ELASWAVE_DEVICE_SHARED when ranks share one). Empty when nothing says the node has devices
+    (no --devices-per-node, no visibility variable): a CPU job."""
+    var = visibility_variable(environ)
+    visible = environ.get(var)
+    if devices_per_node is None and visible is None and not share:
+        return {}
+    slots = map_devices(nodes, devices_per_node, visible, var, share)
+    return {
+        rank: {DEVICE_INDEX_ENV: str(slot.index)} | ({DEVICE_SHARED_ENV: "1"} if slot.shared else {})
+        for rank, slot in slots.items()
+    }
