@@ -55,6 +55,7 @@ from executor.comm.groups import (
 )
 from executor.comm.ledger import GroupLedger
 from executor.engine_comm import BACKENDS, make_group
+from executor.staging import Staging, backend_device
 
 ABORT_POLL_S = 0.02
 # Polling of store keys during recovery: fast at first (the keys are usually there within ms),
@@ -116,6 +117,7 @@ class PendingOps:
     """Point-to-point ops issued by `Communicator.post_exchange` and not completed yet."""
 
     works: list[tuple[_Group, object]]
+    staging: Staging | None = None  # receives staged through host/device memory (executor.staging)
 
     @property
     def done(self) -> bool:
@@ -300,8 +302,9 @@ class Communicator:
         untouched until `complete`. Ops never completed count as pending in the group's ledger,
         so an edit rebuilds that group instead of reusing it half-matched."""
         works: list[tuple[_Group, object]] = []
-        ops = [(name, tensor, peer, tag, True) for name, tensor, peer, tag in sends]
-        ops += [(name, tensor, peer, tag, False) for name, tensor, peer, tag in recvs]
+        staging = Staging(self.backend)  # a no-op for tensors already where the backend wants them
+        ops = [(name, staging.send(tensor), peer, tag, True) for name, tensor, peer, tag in sends]
+        ops += [(name, staging.recv(tensor), peer, tag, False) for name, tensor, peer, tag in recvs]
         for name, tensor, peer, tag, is_send in ops:
             g = self._route(name, peer)
             try:
@@ -317,7 +320,7 @@ class Communicator:
                 self._fail(g, str(exc).splitlines()[0][:300])
         for g, _work in works:
             g.ledger.pending += 1
-        return PendingOps(works)
+        return PendingOps(works, staging if staging.copy_back else None)
 
     def complete(self, ops: PendingOps) -> None:
         """Block until every op of `ops` has completed: bounded like any op, PeerFailure on a
@@ -327,6 +330,8 @@ class Communicator:
             g.ledger.pending -= 1  # `_wait` counts it again while it waits
             self._wait(g, work, has_future=False)
             ops.works.pop(0)
+        if ops.staging is not None:
+            ops.staging.finish()
 
     def group_with(self, a: int, b: int) -> str:
         """The first logical group (by name) that holds both workers; both pick the same one."""
@@ -586,8 +591,4 @@ def _store_errors() -> Iterator[None]:
 
 def _op_device(backend: str) -> torch.device:
     """Where this communicator's own small tensors live (gloo: host; NCCL/HCCL: the current device)."""
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend == "hccl":
-        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
-    return torch.device("cpu")
+    return backend_device(backend)
