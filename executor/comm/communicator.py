@@ -41,6 +41,7 @@ from torch.distributed import (
 )
 
 from executor.comm import ledger as ledger_mod
+from executor.comm.device_groups import abort_group, apply_error_handling_env
 from executor.comm.errors import Interrupted, MembershipError, PeerFailure, StoreLost
 from executor.comm.groups import (
     EditDecision,
@@ -158,6 +159,7 @@ class Communicator:
         self.epoch = 0
         self.pp_links = pp_links
         self.backend = backend
+        apply_error_handling_env(backend)  # before the first device group (comm.device_groups)
         self.membership: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in membership.items()}
         self.physical = physical_groups(self.membership, pp_links)
         self._groups: dict[str, _Group] = {}
@@ -379,7 +381,9 @@ class Communicator:
         self._groups = {n: old_groups[n] for n in decision.reuse}
         for name in decision.drop:
             g = old_groups[name]
-            if g.ledger.pending or g.ledger.failed:
+            if self.backend != "gloo":
+                abort_group(g.pg)  # free its device communicator first (comm.device_groups)
+            elif g.ledger.pending or g.ledger.failed:
                 self._graveyard.append(g.pg)
         with _store_errors():
             self._build(list(decision.rebuild), shrink={n: old_groups[n] for n in decision.shrink})
