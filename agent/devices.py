@@ -112,9 +112,10 @@ class DeviceSet:
             f"{self.kind}:{d.index} used {u / 2**30:.2f}/{t / 2**30:.2f} GiB"
             for d, u, t in zip(self.devices, used, total, strict=True)
         )
-        errors += self._nvml_problems()
-        if len(errors) > 0 and not detail.startswith(errors[0]):
-            detail = "; ".join([*errors, detail])
+        nvml = self._nvml_problems()
+        if nvml:
+            errors += nvml
+            detail = "; ".join([*nvml, detail])
         probe = agent_pb2.HealthProbe(
             kind=agent_pb2.PROBE_KIND_DEVICE,
             healthy=not errors,
