@@ -53,9 +53,10 @@ chaos: install system-deps
 	$(BIN)/python -m bench.chaos_long --kills 100
 
 # On a GPU machine (not in CI): checks (a)-(e) of docs/accelerators.md, bounded to 8 minutes, one
-# line per check and PASS/FAIL last. Uses the torch already installed there.
+# line per check and PASS/FAIL last. Runs with the python (PY=...) whose torch is installed there,
+# not the CPU venv; without a CUDA device it says so and exits 2.
 gpu-check:
-	$(BIN)/python scripts/gpu_check.py --budget-s 480
+	$(PY) scripts/gpu_check.py --budget-s 480
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -115,4 +115,6 @@ class ShardState:
 
     def to_numpy(self) -> dict[str, tuple[int, int, np.ndarray]]:
         """Picklable copy for tests and reports: unit -> (start, stop, 3 x n array)."""
-        return {k: (s.start, s.stop, s.slice(s.start, s.stop).numpy().copy()) for k, s in self.units.items()}
+        return {
+            k: (s.start, s.stop, s.slice(s.start, s.stop).cpu().numpy().copy()) for k, s in self.units.items()
+        }

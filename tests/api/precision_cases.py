@@ -22,7 +22,7 @@ from torch import nn
 from executor.precision import PrecisionConfig
 from executor.rng import current_unit_call
 from executor.sampler import GlobalBatchSampler
-from executor.trainer import TrainSpec
+from executor.trainer import TrainSpec, _to_device
 from executor.units import UnitModel
 
 reference_step = -1  # the step the plain reference loop is running (no engine context there)
@@ -97,6 +97,7 @@ def torch_reference(
     clip: float | None = None,
     dp: int = 1,
     wire: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> TorchRun:
     """The plain-PyTorch loop: fp32 modules (master weights), forward and per-sample loss under
     torch.autocast in the spec's precision, loss summed in fp32 / batch, fp32 gradients,
@@ -107,15 +108,16 @@ def torch_reference(
     chunk's weight gradients come out of autocast's 16-bit matmuls rounded on their own before
     they are added in fp32 (the sum of roundings is not the rounding of the sum). `wire`: the
     dtype the summed gradient is rounded to once before the update (a one-rank reduce-scatter
-    in that `reduce_dtype`)."""
+    in that `reduce_dtype`). `device`: where the loop runs (make gpu-check runs it on CUDA)."""
     global reference_step
     cfg = spec.precision
-    model = nn.ModuleList([spec.model.build(i) for i in range(len(spec.model))])
+    dev = torch.device(device)
+    model = nn.ModuleList([spec.model.build(i, dev) for i in range(len(spec.model))])
     opt = make_optimizer(model)
     sched = (
         torch.optim.lr_scheduler.LambdaLR(opt, spec.optimizer.schedule) if spec.optimizer.schedule else None
     )
-    scaler = torch.amp.GradScaler("cpu", init_scale=cfg.init_scale) if cfg.scales_loss else None
+    scaler = torch.amp.GradScaler(dev.type, init_scale=cfg.init_scale) if cfg.scales_loss else None
     sampler = GlobalBatchSampler(spec.dataset, batch)
     losses, updates = [], 0
     for step in range(steps):
@@ -125,11 +127,11 @@ def torch_reference(
         for slot, k in itertools.product(range(slots), range(dp)):
             lo, hi = slot * batch // slots, (slot + 1) * batch // slots
             rows = sampler.rows(step, lo + k * (hi - lo) // dp, lo + (k + 1) * (hi - lo) // dp)
-            x = rows.inputs
-            with cfg.autocast(torch.device("cpu")):
+            x = _to_device(rows.inputs, dev)
+            with cfg.autocast(dev):
                 for unit in model:
                     x = unit(*x) if isinstance(x, tuple) else unit(x)
-                per_sample = spec.loss_fn(x, rows.targets)
+                per_sample = spec.loss_fn(x, _to_device(rows.targets, dev))
             loss = per_sample.float().sum() / batch
             (loss if scaler is None else scaler.scale(loss)).backward()
             total += float(loss.detach())
@@ -156,7 +158,7 @@ def torch_reference(
                 sched.step()
     reference_step = -1
     params = {
-        name: torch.cat([p.detach().reshape(-1) for p in unit.parameters()])
+        name: torch.cat([p.detach().reshape(-1) for p in unit.parameters()]).cpu()
         for name, unit in zip(spec.model.names, model, strict=True)
     }
     return TorchRun(losses, params, updates, None if scaler is None else scaler.get_scale())

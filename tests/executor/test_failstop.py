@@ -14,6 +14,7 @@ The job driver (`Scenario`, `_run`) and the assertions are shared with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -85,12 +86,14 @@ class Scenario:
     layout: Layout | None = None  # the job's layout over WORKERS (default: base_layout)
     precision: str = "fp32"  # "bf16"/"fp16": the job computes under autocast (executor.precision)
     overflow_steps: tuple[int, ...] = ()  # fp16: block_1 overflows at these steps (precision_cases)
+    # "cuda": every worker on cuda:0 of this machine, collectives over gloo (make gpu-check (c))
+    device_kind: str = "cpu"
 
     def spec(self) -> TrainSpec:
         base = CLIP_CFG if self.clip else CFG
-        if self.precision == "fp32" and not self.overflow_steps:
-            return base
-        return _precision_spec(self.clip, self.precision, self.overflow_steps)
+        if self.precision != "fp32" or self.overflow_steps:
+            base = _precision_spec(self.clip, self.precision, self.overflow_steps)
+        return base if self.device_kind == "cpu" else dataclasses.replace(base, device_kind=self.device_kind)
 
     def base(self) -> Layout:
         return self.layout or base_layout(self.rng_mode)
@@ -143,7 +146,7 @@ class KillingCommunicator(Communicator):
 def _state_numpy(state: dict[str, Any]) -> dict[str, Any]:
     return {
         "step_count": state["step_count"],
-        "units": {u: {f: t.numpy().copy() for f, t in d.items()} for u, d in state["units"].items()},
+        "units": {u: {f: t.cpu().numpy().copy() for f, t in d.items()} for u, d in state["units"].items()},
     }
 
 
@@ -160,7 +163,7 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
     )
     if isinstance(comm, KillingCommunicator):
         comm.kill_at_op = sc.kill_at_op
-    trainer = Trainer(spec, layout, worker, comm)
+    trainer = Trainer(spec, layout, worker, comm, spec.local_device())
     participant = FabricParticipant(trainer, comm, verify_every=2, migration=sc.migration)
     proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
     losses: dict[int, float | None] = {}
@@ -305,6 +308,7 @@ def _clean(
         layout=layout,
         precision=like.precision if like else "fp32",
         overflow_steps=like.overflow_steps if like else (),
+        device_kind=like.device_kind if like else "cpu",
     )
     if key not in _CLEAN:
         _CLEAN[key] = _run(key)
