@@ -386,9 +386,11 @@ def assert_exact_edit(
     return dirty
 
 
-def assert_snapshots_equal_live(results: dict[int, dict[str, Any]]) -> None:
+def assert_snapshots_equal_live(results: dict[int, dict[str, Any]], verified_after_edit: bool = True) -> None:
     """At the end every shard backup equals its owner's live shard bitwise, and the periodic
-    checksum verification ran after the last re-layout and found nothing."""
+    checksum verification found nothing (and, unless `verified_after_edit` is False, ran after
+    the last re-layout: it runs every `verify_every` optimizer *updates*, which fp16's skipped
+    steps leave behind the step count)."""
     protected = {}
     for w, r in results.items():
         assert r["snapshot"] is not None, w
@@ -405,7 +407,7 @@ def assert_snapshots_equal_live(results: dict[int, dict[str, Any]]) -> None:
                 )
         assert r["checksum_mismatches"] == 0
         last_edit = max((e["at_step"] for e in r["edits"]), default=0)
-        assert any(s >= last_edit for s in r["verified"]), (w, r["verified"])
+        assert not verified_after_edit or any(s >= last_edit for s in r["verified"]), (w, r["verified"])
     assert sorted(protected) == sorted(results)  # every worker is backed up exactly once
 
 
