@@ -139,3 +139,17 @@ def test_train_on_auto_says_cpu_and_on_cuda_fails_before_the_first_step(tmp_path
     assert cuda.returncode != 0
     assert "DeviceUnavailable: asked to run on cuda:0, but this process sees 0 cuda device" in cuda.stderr
     assert "steps" not in cuda.stdout
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_elaswave_run_refuses_a_node_without_a_device_per_worker(tmp_path: Path) -> None:
+    """`elaswave run` maps devices after the describe run and before starting anything: two workers
+    on a node that lists one device are refused (exit 64) naming the rank left without one."""
+    from tests.test_launcher import _tiny, elaswave_run
+
+    script = _tiny(tmp_path)
+    run = elaswave_run("--nproc-per-node", "2", "--devices-per-node", "1", script, cwd=tmp_path, timeout_s=150)
+    assert run.returncode == 64, run.stderr
+    assert "node 0: ranks 1 have no device: 2 workers, 1 device(s)" in run.stderr
+    assert "Core up" not in run.stdout  # refused before the Core, store or any worker started
