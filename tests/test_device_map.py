@@ -149,7 +149,9 @@ def test_elaswave_run_refuses_a_node_without_a_device_per_worker(tmp_path: Path)
     from tests.test_launcher import _tiny, elaswave_run
 
     script = _tiny(tmp_path)
-    run = elaswave_run("--nproc-per-node", "2", "--devices-per-node", "1", script, cwd=tmp_path, timeout_s=150)
+    run = elaswave_run(
+        "--nproc-per-node", "2", "--devices-per-node", "1", script, cwd=tmp_path, timeout_s=150
+    )
     assert run.returncode == 64, run.stderr
     assert "node 0: ranks 1 have no device: 2 workers, 1 device(s)" in run.stderr
     assert "Core up" not in run.stdout  # refused before the Core, store or any worker started
