@@ -198,3 +198,25 @@ def test_fp16_scaler_survives_a_resume_on_another_layout(tmp_path: object) -> No
     # fp16 weight gradients round per chunk, docstring): close, not round-off close.
     for name in UNITS:
         assert float((a["units"][name]["param"] - b["units"][name]["param"]).abs().max()) <= 5e-2
+
+
+def test_bad_precision_settings_are_refused_and_the_scaler_follows_grad_scalers_rule() -> None:
+    from executor.precision import LossScaler, PrecisionConfig
+
+    with pytest.raises(ValueError, match="precision must be one of"):
+        PrecisionConfig("fp8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reduce_dtype must be one of"):
+        PrecisionConfig("bf16", "int8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="growth_factor > 1"):
+        PrecisionConfig("fp16", growth_factor=1.0)
+    cfg = PrecisionConfig("fp16", init_scale=8.0, growth_interval=2)
+    scaler = LossScaler.initial(cfg)
+    for overflow, scale in ((False, 8.0), (False, 16.0), (True, 8.0), (False, 8.0), (False, 16.0)):
+        scaler.update(overflow, cfg)
+        assert scaler.scale == scale
+    assert scaler.skipped == 1
+    copy = LossScaler()
+    copy.load_state_dict(scaler.state_dict())
+    assert copy == scaler
+    with pytest.raises(ValueError, match="loss scale must be a positive number"):
+        copy.load_state_dict({"scale": float("inf"), "growth_tracker": 0})
