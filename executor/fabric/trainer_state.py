@@ -346,6 +346,7 @@ class FabricParticipant:
             old_own=engine_ownership(plan.old, names),
             new_own=engine_ownership(target, names),
             params=params,
+            device=self.trainer.device,
         )
         shards = {name: ZeroShard(0, 0, torch.zeros(0), torch.zeros(0)) for name in params}
         for name, sh in remapped.units.items():
@@ -376,7 +377,16 @@ class FabricParticipant:
         mine = ShardState(-1) if joining else shard_state_of(self.trainer)
         params = {} if joining else self.trainer.unit_params()
         state = rebuild(
-            self.comm, plan.new, transfers, mine, base.snapshot, params, units, new_own, joining=joining
+            self.comm,
+            plan.new,
+            transfers,
+            mine,
+            base.snapshot,
+            params,
+            units,
+            new_own,
+            joining=joining,
+            device=self.trainer.device,
         )
         shards = {
             n: ZeroShard(sh.start, sh.stop, sh.exp_avg, sh.exp_avg_sq) for n, sh in state.shard.units.items()
