@@ -48,7 +48,11 @@ def _worker(worker: int, port: int, n: int) -> dict[str, Any]:
     store.set(f"ready/{worker}", "1")
     if worker == n - 1:
         time.sleep(600)  # the victim: killed here
-    out: dict[str, Any] = {"used_before": _used(device), "allocated_before": torch.cuda.memory_allocated()}
+    out: dict[str, Any] = {
+        "used_before": _used(device),
+        "allocated_before": torch.cuda.memory_allocated(),
+        "reserved_before": torch.cuda.memory_reserved(),
+    }
     try:
         comm.all_reduce(name, torch.ones(4, device=device))  # the victim never joins
         out["failure"] = None
@@ -74,6 +78,7 @@ def _worker(worker: int, port: int, n: int) -> dict[str, Any]:
     torch.cuda.synchronize(device)
     out["used_after_20"] = _used(device)
     out["allocated_after_20"] = torch.cuda.memory_allocated()
+    out["reserved_after_20"] = torch.cuda.memory_reserved()
     out["sums_ok"] = all(s == n - 1 for s in sums)
     return out
 
@@ -102,6 +107,8 @@ def nccl_edit_after_kill(n: int) -> dict[str, Any]:
         "used_after_20": max(r["used_after_20"] for r in got.values()),
         "allocated_before": max(r["allocated_before"] for r in got.values()),
         "allocated_after_20": max(r["allocated_after_20"] for r in got.values()),
+        "reserved_before": max(r["reserved_before"] for r in got.values()),
+        "reserved_after_20": max(r["reserved_after_20"] for r in got.values()),
         "sums_ok": all(r["sums_ok"] for r in got.values()),
     }
 

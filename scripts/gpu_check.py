@@ -168,7 +168,8 @@ def check_e() -> Outcome:
     detail = (
         f"{r['workers']} GPUs, edit after kill {r['edit_s']:.2f} s; device used before/after edit/after 20 "
         f"more: {r['used_before'] / 2**20:.0f}/{r['used_after_edit'] / 2**20:.0f}/{r['used_after_20'] / 2**20:.0f}"
-        f" MiB; allocated {r['allocated_before']}->{r['allocated_after_20']} B"
+        f" MiB; allocated {r['allocated_before']}->{r['allocated_after_20']} B, reserved "
+        f"{r['reserved_before']}->{r['reserved_after_20']} B"
     )
     return Outcome("PASS" if r["sums_ok"] and growth <= 128 * 2**20 else "FAIL", detail)
 
