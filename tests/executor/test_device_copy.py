@@ -60,3 +60,13 @@ def test_staging_per_backend() -> None:
     assert needs_staging(meta, "gloo") and not needs_staging(meta, "nccl")
     staging = Staging("gloo")
     assert staging.send(cpu) is cpu and staging.recv(cpu) is cpu and not staging.copy_back
+
+
+def test_device_backends_turn_async_error_handling_on_and_keep_what_the_user_set() -> None:
+    from executor.comm.device_groups import apply_error_handling_env
+
+    env: dict[str, str] = {}
+    assert apply_error_handling_env("gloo", env) == {} and env == {}
+    assert apply_error_handling_env("nccl", env) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    mine = {"HCCL_ASYNC_ERROR_HANDLING": "0"}
+    assert apply_error_handling_env("hccl", mine) == {} and mine == {"HCCL_ASYNC_ERROR_HANDLING": "0"}
