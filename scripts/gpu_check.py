@@ -17,7 +17,9 @@ CUDA device it says so on every line and ends with FAIL (exit 2): nothing was ch
     20 more edits); skipped with the reason on one GPU.
 
 Each check runs in its own child process bounded by what is left of the budget, so a hang in one
-is reported as that check's FAIL and the others still run. A live NVML reading goes to
+is reported as that check's FAIL and the others still run. It runs from a checkout: (b), (c) and
+(e) reuse the test suite's reference loop and fault harness (tests/), so the `dev` extra (pytest)
+must be installed next to the machine's own torch. A live NVML reading goes to
 <out>/nvml_reading.json (tests/agent/recorded/README.md says what to do with it).
 """
 
