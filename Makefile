@@ -6,14 +6,17 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/wire/v1/*.proto)
 
-.PHONY: install system-deps demo test test-fast proto proto-check lint bench chaos clean
+.PHONY: install system-deps demo test test-fast proto proto-check lint bench chaos gpu-check clean
 
-$(STAMP): pyproject.toml
+CONSTRAINTS := requirements/constraints.txt
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch comes from the constraints file (the CPU wheel) first, so nothing pulls a CUDA build.
-	$(BIN)/pip install -q -c requirements/constraints.txt torch
-	$(BIN)/pip install -q -c requirements/constraints.txt -e '.[dev]'
+	# torch first, at the CPU build the constraints pin, so nothing pulls a CUDA build; the
+	# project then installs under the same constraints (pyproject only declares a torch range).
+	$(BIN)/pip install -q -c $(CONSTRAINTS) torch
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -48,6 +51,12 @@ bench: install system-deps
 # The long chaos run (not in CI): seeded random kills until 100 ranks died, every run checked.
 chaos: install system-deps
 	$(BIN)/python -m bench.chaos_long --kills 100
+
+# On a GPU machine (not in CI): checks (a)-(e) of docs/accelerators.md, bounded to 8 minutes, one
+# line per check and PASS/FAIL last. Runs with the python (PY=...) whose torch is installed there,
+# not the CPU venv; without a CUDA device it says so and exits 2.
+gpu-check:
+	$(PY) scripts/gpu_check.py --budget-s 480
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -21,6 +21,7 @@ from types import ModuleType
 
 import psutil
 
+from agent.nvml import NvmlReader
 from wire.v1 import agent_pb2, common_pb2
 
 _NVIDIA_NODES = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
@@ -65,6 +66,8 @@ class DeviceSet:
         self.kind = kind
         self._module = module
         self.devices = devices
+        # NVML health (ECC, XID, throttling; agent.nvml) of the host's GPUs, where pynvml works
+        self._nvml = NvmlReader.open() if kind == "cuda" else None
 
     @classmethod
     def discover(cls) -> DeviceSet:
@@ -109,6 +112,10 @@ class DeviceSet:
             f"{self.kind}:{d.index} used {u / 2**30:.2f}/{t / 2**30:.2f} GiB"
             for d, u, t in zip(self.devices, used, total, strict=True)
         )
+        nvml = self._nvml_problems()
+        if nvml:
+            errors += nvml
+            detail = "; ".join([*nvml, detail])
         probe = agent_pb2.HealthProbe(
             kind=agent_pb2.PROBE_KIND_DEVICE,
             healthy=not errors,
@@ -116,6 +123,15 @@ class DeviceSet:
             latency_ms=(time.perf_counter() - started) * 1000,
         )
         return DeviceReading(used, total, probe)
+
+    def _nvml_problems(self) -> list[str]:
+        """NVML's health findings (uncorrectable ECC, critical XIDs, hardware throttling)."""
+        if self._nvml is None:
+            return []
+        try:
+            return [f"gpu{r.index}: {p}" for r in self._nvml.read() for p in r.problems]
+        except Exception as exc:  # a driver error is exactly what this probe reports
+            return [f"NVML {type(exc).__name__}: {exc}"]
 
     def _memory(self, index: int) -> tuple[int, int]:
         """(used, total) bytes. CUDA prefers NVML (no CUDA context in the agent), else the runtime."""

@@ -3,10 +3,14 @@
 Algorithm 2 of the paper up-clocks only the residual straggler stage; the Core's DVFS planner
 (``planners.dvfs``) picks the clock and the agent beside each worker applies it through one of:
 
-- ``nvml``: NVIDIA locked GPU clocks through NVML (``pynvml``, from the ``nvidia-ml-py`` package;
-  optional, used only when importable). ``mhz`` locks min = max = mhz on every GPU of the worker
-  (``CUDA_VISIBLE_DEVICES`` order, else all); 0 resets the lock. Range: the supported graphics
-  clocks at the current memory clock. Setting clocks usually needs root.
+- ``nvml``: NVIDIA GPU clocks through NVML (``pynvml``, from the ``nvidia-ml-py`` package;
+  optional, used only when importable): application clocks (graphics = mhz at the current memory
+  clock) on every GPU of the worker (``CUDA_VISIBLE_DEVICES`` order, else all), or locked clocks
+  (min = max = mhz) where the GPU does not support application clocks; 0 resets. Range: the
+  supported graphics clocks at the current memory clock. Where NVML says the application-clock
+  API is restricted to root, the controller is unavailable and says "not permitted" (the agent
+  then applies no clock, and the Core plans without DVFS on it); a set the driver refuses is
+  refused as "not permitted", never reported as applied.
 - ``npu-smi``: Ascend, used only when the ``npu-smi`` binary is on PATH. The current clock is read
   from ``npu-smi info -t common -i ID`` ("Aicore curFreq(MHZ)", rated "Aicore Freq(MHZ)"). npu-smi
   has no command to set the AI core clock common to all Ascend products, so setting it needs
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
 
+from agent.nvml import application_clocks_permitted
 from wire.local_protocol import FrequencyState
 
 CHOICES = ("auto", "nvml", "npu-smi", "simulated", "none")
@@ -154,6 +159,10 @@ class NvmlController:
             handles = [_nvml_handle(nvml, ref) for ref in _visible_gpus(nvml.nvmlDeviceGetCount())]
             if not handles:
                 raise ControllerUnavailable("NVML sees no GPU")
+            for handle in handles:
+                permitted, why = application_clocks_permitted(nvml, handle)
+                if not permitted:
+                    raise ControllerUnavailable(why)
             return cls(nvml, handles, _nvml_range(nvml, handles))
         except nvml.NVMLError as exc:
             raise ControllerUnavailable(f"NVML: {exc}") from exc
@@ -168,18 +177,35 @@ class NvmlController:
 
     def apply(self, mhz: int) -> FrequencyState:
         target = self._clock.resolve(mhz, self.name)
+        nvml = self._nvml
         try:
             for handle in self._handles:
-                if mhz == 0:
-                    self._nvml.nvmlDeviceResetGpuLockedClocks(handle)
-                else:
-                    self._nvml.nvmlDeviceSetGpuLockedClocks(handle, target, target)
-        except self._nvml.NVMLError as exc:
+                self._set_one(handle, mhz, target)
+        except nvml.NVMLError as exc:
+            if getattr(exc, "value", None) == getattr(nvml, "NVML_ERROR_NO_PERMISSION", object()):
+                raise FrequencyRefused(f"not permitted: NVML refused to set the GPU clock ({exc})") from exc
             raise FrequencyFailed(
-                f"NVML could not {'reset' if mhz == 0 else 'lock'} the GPU clock: {exc}"
+                f"NVML could not {'reset' if mhz == 0 else 'set'} the GPU clock: {exc}"
             ) from exc
         c = self._clock
         return FrequencyState(self.name, target, c.nominal_mhz, c.min_mhz, c.max_mhz)
+
+    def _set_one(self, handle: object, mhz: int, target: int) -> None:
+        """Application clocks; locked clocks on a GPU that does not support them."""
+        nvml = self._nvml
+        try:
+            if mhz == 0:
+                nvml.nvmlDeviceResetApplicationsClocks(handle)
+            else:
+                memory = nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_MEM)
+                nvml.nvmlDeviceSetApplicationsClocks(handle, memory, target)
+        except nvml.NVMLError as exc:
+            if getattr(exc, "value", None) != getattr(nvml, "NVML_ERROR_NOT_SUPPORTED", object()):
+                raise
+            if mhz == 0:
+                nvml.nvmlDeviceResetGpuLockedClocks(handle)
+            else:
+                nvml.nvmlDeviceSetGpuLockedClocks(handle, target, target)
 
 
 def _visible_gpus(count: int) -> list[int | str]:
@@ -308,7 +334,7 @@ def select_controller(
         explicit = True
     try:
         if choice == "nvml":
-            return NvmlController.open(), "NVIDIA locked clocks through NVML"
+            return NvmlController.open(), "NVIDIA application (or locked) clocks through NVML"
         if choice == "npu-smi":
             return NpuSmiController.open(npu_ids, clock, npu_smi_set), "Ascend AI core clock through npu-smi"
     except ControllerUnavailable as exc:

@@ -11,6 +11,7 @@ agent's side) never pays for torch.
 - `dropout(x, p, site=0, training=True)`: placement-invariant dropout for units
 - `load_model_state(checkpoint_dir)`: the whole model's state dict from a checkpoint
 - `elaswave.hf`: `transformers` causal LMs as units; `elaswave.data`: token files
+- `DeviceUnavailable`: `train(device=...)` names a device this process cannot see
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ _EXPORTS = {
     "dropout": ("executor.rng", "placement_invariant_dropout"),
     "load_model_state": ("executor.checkpoint", "load_model_state"),
     "CheckpointError": ("executor.checkpoint", "CheckpointError"),
+    "DeviceUnavailable": ("executor.devices", "DeviceUnavailable"),
 }
 
 if TYPE_CHECKING:
     from elaswave.api import TrainResult, train
     from elaswave.optimizers import SGD, Adam, AdamW
     from executor.checkpoint import CheckpointError, load_model_state
+    from executor.devices import DeviceUnavailable
     from executor.optim import OptimizerConfig, no_decay_norms_and_biases, warmup_cosine
     from executor.rng import placement_invariant_dropout as dropout
     from executor.units import UnitModel as Units
@@ -69,6 +72,7 @@ __all__ = [
     "Adam",
     "AdamW",
     "CheckpointError",
+    "DeviceUnavailable",
     "OptimizerConfig",
     "TrainResult",
     "Units",

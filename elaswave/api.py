@@ -26,7 +26,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from executor.checkpoint import load_model_state, scheduled
+from executor.devices import describe_device, resolve_kind
 from executor.optim import OptimizerConfig
+from executor.precision import PrecisionConfig
 from executor.sampler import Collate
 from executor.trainer import LossFn, TrainSpec, checkpoint_payload, checkpoint_writer, load_checkpoint
 from executor.units import UnitModel
@@ -81,6 +83,9 @@ def train(
     resume: str | Path | None = None,
     log_every: int = 0,
     on_step: Callable[[int, float | None], None] | None = None,
+    device: str = "cpu",
+    precision: str = "fp32",
+    reduce_dtype: str = "fp32",
 ) -> TrainResult:
     """Train `model` on `dataset` for `steps` global batches; call it once in every process.
 
@@ -98,6 +103,11 @@ def train(
     - `checkpoint_dir`, `checkpoint_every`: layout-independent checkpoints every N steps and at
       the end (the launcher's `--checkpoint-dir` / `--checkpoint-every` override them);
       `resume`: a checkpoint directory to continue from (any layout wrote it).
+    - `device`: "auto" (CUDA, else Ascend when torch_npu is installed, else the CPU), "cuda",
+      "npu" or "cpu"; each rank uses the device the launcher gave it (`--devices-per-node`).
+    - `precision`: "fp32", "bf16" (autocast, fp32 master weights and optimizer state) or "fp16"
+      (the same with a dynamic loss scale); `reduce_dtype`: the gradient slices' dtype on the
+      wire ("fp32" by default; the owner always adds them in fp32). See docs/accelerators.md.
 
     Blocks until the job is trained (or this rank leaves the job, or the launcher stops it): one
     step at a time, each collective bounded by the launcher's timeout. Under a launcher, a
@@ -117,6 +127,8 @@ def train(
             f"steps={steps}, global_batch={global_batch}, micro_batches={micro_batches}, "
             f"checkpoint_every={checkpoint_every}"
         )
+    kind = resolve_kind(device)  # ValueError on an unknown name
+    mixed = PrecisionConfig(precision, reduce_dtype)  # type: ignore[arg-type]  # checked in __post_init__
     spec = TrainSpec(
         as_units(model, seed, state_dict),
         loss_fn,
@@ -127,6 +139,15 @@ def train(
         shuffle,
         rng_seed=seed,
         loader_workers=loader_workers,
+        precision=mixed,
+        device_kind=kind,
+    )
+    here = spec.local_device()  # DeviceUnavailable (naming the device) before anything runs
+    print(
+        f"elaswave: {'rank ' + os.environ[worker_env.RANK_ENV] if os.environ.get(worker_env.RANK_ENV) else 'training'}"
+        f" on {describe_device(here)}, {precision}"
+        + (f" (device='auto' picked {kind})" if device == "auto" else ""),
+        flush=True,
     )
     if loader_workers < 0:
         raise ValueError(f"loader_workers must be >= 0, got {loader_workers}")
@@ -202,8 +223,8 @@ def _train_single_process(
         if writer.errors:
             raise RuntimeError(f"writing a checkpoint failed: {writer.errors[0]!r}")
         written = [str(p) for p in writer.written]
-    state = {
-        f"{n}.{k}": v.detach().clone()
+    state = {  # host copies: loadable by plain torch anywhere
+        f"{n}.{k}": v.detach().to("cpu", copy=True)
         for n, u in trainer.model.units.items()
         for k, v in u.state_dict().items()
     }

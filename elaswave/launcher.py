@@ -119,6 +119,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--tee", action="store_true", help="workers print to this terminal (default: to <run dir>/rank-R.log)"
     )
+    parser.add_argument(
+        "--devices-per-node",
+        type=int,
+        metavar="N",
+        help="accelerators per node: local rank i runs on device i (of $CUDA_VISIBLE_DEVICES or "
+        "$ASCEND_RT_VISIBLE_DEVICES when set); default: the visible list's length",
+    )
+    parser.add_argument(
+        "--share-devices",
+        action="store_true",
+        help="let a node run more workers than devices (rank i on device i mod N); collectives over gloo",
+    )
     parser.add_argument("script", type=Path, help="the training script (calls elaswave.train)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     parser.set_defaults(func=run)
@@ -275,6 +287,19 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     print(f"[elaswave] layout: {placement.reason}", flush=True)
     for warning in placement.warnings:
         print(f"[elaswave] WARNING: {warning}", file=sys.stderr, flush=True)
+    from elaswave.device_map import DeviceMapError, worker_device_env  # noqa: PLC0415
+
+    try:  # one device per local rank (docs/accelerators.md); refused before anything starts
+        nodes_ranks = {n: placement.ranks_on_node(n) for n in range(args.nnodes)}
+        args.device_env = worker_device_env(
+            nodes_ranks,
+            getattr(args, "devices_per_node", None),
+            os.environ,
+            getattr(args, "share_devices", False),
+        )
+    except DeviceMapError as exc:
+        print(f"elaswave run: error: {exc}", file=sys.stderr)
+        return we.EXIT_USAGE
     # Several nodes of one job may share a working directory (simulated nodes, a shared home).
     default_dir = Path.cwd() / "elaswave-run" / name
     if joined is not None:
@@ -362,4 +387,8 @@ def resume_command(args: argparse.Namespace, checkpoint_dir: Path) -> str:
         cmd += ["--checkpoint-every", str(args.checkpoint_every)]
     if args.timeout != DEFAULT_WORKER_TIMEOUT_S:
         cmd += ["--timeout", f"{args.timeout:g}"]
+    if getattr(args, "devices_per_node", None):
+        cmd += ["--devices-per-node", str(args.devices_per_node)]
+    if getattr(args, "share_devices", False):
+        cmd += ["--share-devices"]
     return shlex.join([*cmd, str(args.script), *args.script_args])

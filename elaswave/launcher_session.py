@@ -123,6 +123,8 @@ class Session:
             env[we.CHECKPOINT_EVERY_ENV] = str(args.checkpoint_every)
         if args.resume is not None:
             env[we.RESUME_ENV] = str(args.resume.resolve())
+        # the launcher's device mapping (elaswave.device_map): this rank's device ordinal
+        env |= getattr(args, "device_env", {}).get(rank, {})
         return env
 
     def _start_agents(self, token: str) -> None:

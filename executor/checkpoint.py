@@ -69,6 +69,10 @@ class CheckpointMeta:
     version: int = FORMAT_VERSION
     tied: tuple[tuple[str, str], ...] = ()  # ("unit.param" leader, "unit.param" follower)
     extra: dict[str, Any] = field(default_factory=dict)  # UnitModel.extra (elaswave.hf: the config)
+    # The precision that wrote it (informational: the tensors are fp32 whatever it was) and fp16's
+    # loss-scaler state at this step (None otherwise); older checkpoints have neither.
+    precision: str = "fp32"
+    loss_scale: dict[str, float] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -192,6 +196,7 @@ class StagePayload:
     num_stages: int
     units: dict[str, nn.Module]  # host copies, for state_dict()
     moments: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    loss_scale: dict[str, float] | None = None  # fp16: the committed loss-scaler state
 
 
 class CheckpointWriter:
@@ -292,6 +297,7 @@ class CheckpointWriter:
             next_step=payload.next_step,
             step_count=payload.step_count,
             num_stages=payload.num_stages,
+            loss_scale=payload.loss_scale,
             written_unix=time.time(),
             **self.meta,
         )

@@ -20,6 +20,8 @@ from typing import Any, Protocol, cast
 import torch
 from torch.distributed import AllToAllOptions, PrefixStore, ProcessGroup, ProcessGroupGloo, Store
 
+from executor.staging import Staging
+
 
 def dp_group_name(stage: int) -> str:
     return f"dp/{stage}"
@@ -133,7 +135,7 @@ class StaticComm:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self.worker = worker
+        self.worker, self.backend = worker, backend
         self.timeout = timedelta(seconds=timeout_s)
         self._members = {name: tuple(ws) for name, ws in membership.items() if worker in ws}
         if not self._members:
@@ -163,10 +165,10 @@ class StaticComm:
         return ws.index(w)
 
     def send(self, name: str, tensor: torch.Tensor, dst_worker: int, tag: int = 0) -> None:
-        self.group(name).send([tensor], self.group_rank(name, dst_worker), tag).wait(self.timeout)
+        self.complete(self.post_exchange([(name, tensor, dst_worker, tag)], []))
 
     def recv(self, name: str, tensor: torch.Tensor, src_worker: int, tag: int = 0) -> None:
-        self.group(name).recv([tensor], self.group_rank(name, src_worker), tag).wait(self.timeout)
+        self.complete(self.post_exchange([], [(name, tensor, src_worker, tag)]))
 
     def all_gather(self, name: str, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> None:
         self.group(name).allgather([list(outputs)], [tensor]).wait(self.timeout)
@@ -179,10 +181,14 @@ class StaticComm:
         sends: Sequence[tuple[str, torch.Tensor, int, int]],
         recvs: Sequence[tuple[str, torch.Tensor, int, int]],
     ) -> list[object]:
+        staging = Staging(self.backend)  # executor.staging: a no-op for CPU tensors on gloo
         works: list[object] = [
-            self.group(n).send([t], self.group_rank(n, peer), tag) for n, t, peer, tag in sends
+            self.group(n).send([staging.send(t)], self.group_rank(n, peer), tag) for n, t, peer, tag in sends
         ]
-        return works + [self.group(n).recv([t], self.group_rank(n, peer), tag) for n, t, peer, tag in recvs]
+        works += [
+            self.group(n).recv([staging.recv(t)], self.group_rank(n, peer), tag) for n, t, peer, tag in recvs
+        ]
+        return works + [staging] if staging.copy_back else works
 
     def complete(self, ops: list[object]) -> None:
         for work in ops:

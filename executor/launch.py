@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 
 from executor.checkpoint import CheckpointWriter
+from executor.devices import device_count, rank_device
 from executor.engine_comm import BACKENDS, EngineComm, StaticComm, groups_for_stage_ranks
 from executor.migration import migrate
 from executor.nonblocking_migration import NonBlockingMigration
@@ -67,6 +68,8 @@ class RankResult:
     full_state: dict[str, Any] | None  # gather_full_state() at the end, from DP index 0 of each stage
     migrations: list[dict[str, Any]] = field(default_factory=list)
     replayed_losses: dict[int, float | None] = field(default_factory=dict)  # loss of the first run
+    skipped: list[int] = field(default_factory=list)  # fp16: steps whose update an overflow skipped
+    loss_scale: dict[str, float] | None = None  # fp16: the loss scaler at the end
 
 
 def _membership(spec: JobSpec) -> dict[str, tuple[int, ...]]:
@@ -75,8 +78,7 @@ def _membership(spec: JobSpec) -> dict[str, tuple[int, ...]]:
     for lay in layouts[1:]:
         if [s.ranks for s in lay.stages] != stage_ranks:
             raise ValueError("relayouts must keep every stage's ranks (pipeline-only changes)")
-    world = spec.cfg.optimizer.max_grad_norm is not None or bool(spec.cfg.model.tied)
-    return groups_for_stage_ranks(stage_ranks, world=world)
+    return groups_for_stage_ranks(stage_ranks, world=spec.cfg.needs_world_group)
 
 
 def _checkpoint_writer(spec: JobSpec) -> CheckpointWriter | None:
@@ -87,7 +89,7 @@ def _checkpoint_writer(spec: JobSpec) -> CheckpointWriter | None:
 
 def _run_rank(spec: JobSpec, rank: int, trainer: Trainer) -> RankResult:
     relayouts = dict(spec.relayouts)
-    losses, processed, reports, replayed = [], [], [], {}
+    losses, processed, reports, replayed, skipped = [], [], [], {}, []
     start = load_checkpoint(trainer, spec.resume_dir).next_step if spec.resume_dir is not None else 0
     writer = _checkpoint_writer(spec)
     for step in range(start, spec.steps):
@@ -105,6 +107,8 @@ def _run_rank(spec: JobSpec, rank: int, trainer: Trainer) -> RankResult:
             reports.append(overlay.report().as_dict())
         losses.append(result.loss)
         processed.append(result.samples_processed)
+        if result.skipped:
+            skipped.append(step)
         if writer is not None and step in spec.checkpoint_steps:
             payload = checkpoint_payload(trainer)
             if payload is not None:
@@ -120,10 +124,20 @@ def _run_rank(spec: JobSpec, rank: int, trainer: Trainer) -> RankResult:
         trainer.dp_index,
         losses,
         processed,
-        state if trainer.dp_index == 0 else None,
+        _host(state) if trainer.dp_index == 0 else None,
         reports,
         replayed,
+        skipped,
+        None if trainer.scaler is None else trainer.scaler.state_dict(),
     )
+
+
+def _host(state: dict[str, Any]) -> dict[str, Any]:
+    """`gather_full_state()` in host memory (a device rank's result crosses to the parent)."""
+    return {
+        "step_count": state["step_count"],
+        "units": {n: {k: t.cpu() for k, t in d.items()} for n, d in state["units"].items()},
+    }
 
 
 def _make_comm(spec: JobSpec, store: TCPStore, rank: int) -> EngineComm:
@@ -135,13 +149,12 @@ def _make_comm(spec: JobSpec, store: TCPStore, rank: int) -> EngineComm:
 
 
 def _device(spec: JobSpec, rank: int) -> torch.device:
-    if spec.backend == "nccl":
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    if spec.backend == "hccl":
-        import torch_npu  # noqa: F401, PLC0415 - registers the "npu" device
-
-        return torch.device("npu", rank % torch.npu.device_count())  # type: ignore[attr-defined]
-    return torch.device("cpu")
+    """Rank r's device: cuda/npu r mod count under nccl/hccl; under gloo the spec's device kind
+    (ranks sharing one accelerator, their collectives over gloo: staged through host memory)."""
+    kind = {"nccl": "cuda", "hccl": "npu"}.get(spec.backend, spec.cfg.device_kind)
+    if kind == "cpu":
+        return torch.device("cpu")
+    return rank_device(kind, rank % max(1, device_count(kind)))
 
 
 def _worker(rank: int, spec: JobSpec, port: int, results: Any) -> None:

@@ -33,7 +33,7 @@ def single_rank_layout(spec: TrainSpec, global_batch: int, num_micro_batches: in
 def single_rank_trainer(spec: TrainSpec, global_batch: int, num_micro_batches: int) -> Trainer:
     layout = single_rank_layout(spec, global_batch, num_micro_batches)
     comm = StaticComm(HashStore(), 0, groups_for_stage_ranks([(0,)], world=True), timeout_s=60.0)
-    return Trainer(spec, layout, 0, comm)
+    return Trainer(spec, layout, 0, comm, spec.local_device())
 
 
 def run_reference(spec: TrainSpec, global_batch: int, num_micro_batches: int, steps: int) -> ReferenceRun:

@@ -35,9 +35,11 @@ from executor.checkpoint import (
     load_unit_state,
     read_meta,
 )
+from executor.devices import rank_device
 from executor.engine_comm import EngineComm, dp_group_name
 from executor.optim import OptimizerConfig
 from executor.pipeline import PipelineRunner
+from executor.precision import LossScaler, PrecisionConfig
 from executor.recompute import run_unit
 from executor.rng import DropoutRng, UnitCall, mix64, unit_call
 from executor.sampler import Collate, GlobalBatchSampler, Prefetcher
@@ -72,6 +74,14 @@ class TrainSpec:
     loader_workers: int = 0  # loader processes per rank (0: one prefetch thread); executor.sampler
     # One probe per unit (parameters, output activation); discovered by a dry run if not given.
     probes: tuple[UnitProbe, ...] | None = None
+    # Compute precision (executor.precision) and the device kind every rank runs on ("cpu",
+    # "cuda", "npu"; executor.devices): each process uses its launcher-assigned device of it.
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    device_kind: str = "cpu"
+
+    def local_device(self) -> torch.device:
+        """This process's device of `device_kind` (DeviceUnavailable if it cannot see it)."""
+        return rank_device(self.device_kind)
 
     def sampler(self, global_batch: int) -> GlobalBatchSampler:
         return GlobalBatchSampler(self.dataset, global_batch, self.data_seed, self.shuffle, self.collate_fn)
@@ -81,8 +91,17 @@ class TrainSpec:
         if self.probes is None:
             first = self.sampler(1).rows(0, 0, 1)
             assert first.inputs is not None
-            self.probes = discover_boundaries(self.model, first.inputs)
+            device = self.local_device()
+            # Under the job's autocast: the boundary dtypes are the ones the steps will send.
+            with self.precision.autocast(device):
+                self.probes = discover_boundaries(self.model, _to_device(first.inputs, device), device)
         return self.probes
+
+    @property
+    def needs_world_group(self) -> bool:
+        """Whether every step has a job-wide collective (clipping's norm, fp16's overflow vote, the
+        tied pairs' gradient exchange and check of executor.tied)."""
+        return self.optimizer.max_grad_norm is not None or self.precision.scales_loss or bool(self.model.tied)
 
     def unit_numels(self) -> tuple[int, ...]:
         return tuple(p.numel for p in self.unit_probes())
@@ -97,6 +116,7 @@ class StepResult:
     # Global sample ids of the batches this rank fed through its stage, in the order it ran
     # them (from the sampler's batches, not recomputed from the layout).
     sample_ids: tuple[int, ...] = ()
+    skipped: bool = False  # fp16: the agreed overflow check skipped this step's update
 
 
 class StepOverlay(Protocol):
@@ -181,6 +201,8 @@ class Trainer:
         # An overlay armed for the next train_step (a non-blocking migration adopted between steps
         # through a plan): the loop that drives the trainer need not know a migration is in flight.
         self.armed_overlay: StepOverlay | None = None
+        # fp16's loss scale: replicated, kept across layout changes like the hook (executor.precision)
+        self.scaler = LossScaler.initial(spec.precision) if spec.precision.scales_loss else None
         self._install_layout(layout, step_count=0)
 
     @property
@@ -225,6 +247,8 @@ class Trainer:
             self.grad_hook,
             self.device,
             self.segments,
+            self.spec.precision,
+            self.scaler,
         )
         self.optimizer.norm_skip = follower_ranges(units, self.spec.model.tied)
         self.model.train()
@@ -287,20 +311,23 @@ class Trainer:
                 overlay.before_forward(slot)
                 units = overlay.units_for_slot(slot, units)
             x = _to_device(batch.inputs, self.device) if received is None else received
-            x = self.forward_units(units, x, step, ids)
-            if not self.is_last:
-                return x
-            per_sample = self._per_sample_loss(x, _to_device(batch.targets, self.device), len(ids))
+            with self.spec.precision.autocast(self.device):
+                x = self.forward_units(units, x, step, ids)
+                if not self.is_last:
+                    return x
+                per_sample = self._per_sample_loss(x, _to_device(batch.targets, self.device), len(ids))
+            per_sample = per_sample.float()  # the loss adds up in fp32 whatever the compute dtype
             for row, value in zip(range(rows.start, rows.stop), per_sample.detach(), strict=True):
                 sample_losses[row] = value
-            return per_sample.sum() / B
+            loss = per_sample.sum() / B
+            return loss if self.scaler is None else loss * self.scaler.scale
 
         self.runner.run(forward, overlay.after_backward if overlay is not None else None)
         if overlay is not None:
             overlay.before_optimizer()
         if self.tied.active:  # Megatron-style: both copies of a cross-stage tie get the whole grad
             self.tied.sync(dict(self.model.units.items()))
-        self.optimizer.step()
+        applied = self.optimizer.step()
         if overlay is not None:
             overlay.finish()
         self.next_step = step + 1
@@ -318,7 +345,7 @@ class Trainer:
             len(self.layout.samples_of(self.rank, m)) for m in range(self.layout.num_micro_batches)
         )
         loss = self._global_loss(sample_losses) if self.is_last else None
-        return StepResult(step, loss, processed, B, tuple(fed))
+        return StepResult(step, loss, processed, B, tuple(fed), skipped=not applied)
 
     def forward_units(
         self, units: list[tuple[str, nn.Module]], x: Activation, step: int, samples: tuple[int, ...]
@@ -389,6 +416,7 @@ class Trainer:
             "next_step": self.next_step,
             "params": self.unit_params(),
             "optimizer": self.optimizer.state(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
         }
 
     def load_rollback_state(self, state: Mapping[str, Any]) -> None:
@@ -404,6 +432,12 @@ class Trainer:
         for name, flat in params.items():
             assign_flat(self.model.units[name], flat)
         self.next_step = int(state["next_step"])
+        self.load_scaler_state(state.get("scaler"))
+
+    def load_scaler_state(self, state: Mapping[str, Any] | None) -> None:
+        """Adopt a committed loss-scaler state (fp16; None: keep, or start a fresh scaler)."""
+        if self.scaler is not None and state is not None:
+            self.scaler.load_state_dict(state)
 
     get_state = state_dict_for_rollback
     set_state = load_rollback_state
@@ -509,6 +543,9 @@ class Trainer:
         self.reset_layout(layout, comm, params, shards, step_count, next_step)
         for name, state in states.items():  # buffers (and parameters again, identical)
             self.model.units[name].load_state_dict(state, strict=True)
+        if self.scaler is not None:  # the checkpoint's scale, or a fresh one (step 0)
+            fresh = LossScaler.initial(self.spec.precision).state_dict()
+            self.scaler.load_state_dict(meta.loss_scale if meta and meta.loss_scale else fresh)
         return meta
 
     def _spare_units(self, layer_start: int, layer_stop: int) -> dict[str, nn.Module]:
@@ -560,6 +597,7 @@ def checkpoint_writer(spec: TrainSpec, root: Path, global_batch: int, run_id: st
             "optimizer": spec.optimizer.kind,
             "tied": [list(p.keys) for p in spec.model.tied],
             "extra": spec.model.extra,
+            "precision": spec.precision.precision,
         },
         run_id,
     )
@@ -578,6 +616,7 @@ def checkpoint_payload(trainer: Trainer) -> StagePayload | None:
         trainer.layout.num_stages,
         {n: _unit_host_copy(u) for n, u in trainer.model.units.items()},
         {n: (m.cpu(), v.cpu()) for n, (m, v) in moments.items()},
+        None if trainer.scaler is None else trainer.scaler.state_dict(),
     )
 
 
@@ -606,4 +645,5 @@ def load_checkpoint(trainer: Trainer, path: str | Path) -> CheckpointMeta:
         sh.exp_avg_sq.copy_(v[sh.lo : sh.hi])
     trainer.optimizer.step_count = meta.step_count
     trainer.next_step = meta.next_step
+    trainer.load_scaler_state(meta.loss_scale)
     return meta

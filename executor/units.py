@@ -329,8 +329,10 @@ class UnitProbe:
         ]
 
 
-def discover_boundaries(model: UnitModel, sample_input: Activation) -> tuple[UnitProbe, ...]:
-    """Run one sample through every unit on the CPU, one unit built at a time, and record each
+def discover_boundaries(
+    model: UnitModel, sample_input: Activation, device: torch.device | str = "cpu"
+) -> tuple[UnitProbe, ...]:
+    """Run one sample through every unit on `device`, one unit built at a time, and record each
     unit's parameters and output spec. The parameters stay referenced until the end, so a build
     function that hands two units the same tensor is refused (unless the pair is declared tied)
     even when the two would sit on different stages."""
@@ -342,7 +344,7 @@ def discover_boundaries(model: UnitModel, sample_input: Activation) -> tuple[Uni
     declared = {frozenset((p.leader, p.follower)) for p in model.tied}
     built: dict[str, nn.Module] = {}
     for i, name in enumerate(model.names):
-        unit = model.build(i)
+        unit = model.build(i, device)
         built[name] = unit
         check_shared(built, declared)
         x = _real_forward(unit, name, x, model.tuple_rule)

@@ -126,6 +126,7 @@ class CoreDrivenWorker(PlanFollowing):
         import torch  # noqa: PLC0415 - keep imports of the light modules light
 
         from executor.comm import Communicator, groups_for_stages  # noqa: PLC0415
+        from executor.devices import backend_for, shares_device  # noqa: PLC0415
         from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
         from executor.plan_client import PlanClient  # noqa: PLC0415
         from executor.slow_injection import SlowInjection  # noqa: PLC0415
@@ -164,17 +165,22 @@ class CoreDrivenWorker(PlanFollowing):
         self._store_index = 0
         host, port = self.store_addresses[0].rsplit(":", 1)
         store = connect_store(host, int(port), timeout_s=place.timeout_s)
-        world = spec.optimizer.max_grad_norm is not None or bool(spec.model.tied)  # executor.tied too
+        world = spec.needs_world_group
+        # This rank's device (the launcher's mapping; DeviceUnavailable before any step if the
+        # process cannot see it) and the backend that goes with it.
+        device = spec.local_device()
+        backend = backend_for(device.type, shares_device())
         if place.joining:
-            self.comm = Communicator.for_joiner(store, place.rank, timeout_s=place.timeout_s)
+            self.comm = Communicator.for_joiner(store, place.rank, timeout_s=place.timeout_s, backend=backend)
         else:
             self.comm = Communicator(
                 store,
                 place.rank,
                 groups_for_stages([s.ranks for s in layout.stages], world=world),
                 timeout_s=place.timeout_s,
+                backend=backend,
             )
-        self.trainer = Trainer(spec, layout, place.rank, self.comm)
+        self.trainer = Trainer(spec, layout, place.rank, self.comm, device)
         check_fingerprints(dict(self.trainer.model.units.items()), settings.fingerprints)
         self.start_step = 0
         if settings.resume is not None and not place.joining:  # a joiner's state is the job's

@@ -34,6 +34,7 @@ from torch import nn
 from executor.comm.groups import WORLD_GROUP
 from executor.engine_comm import EngineComm, all_to_all_v
 from executor.optim import OptimizerConfig, Segments
+from executor.precision import LossScaler, PrecisionConfig, has_overflow, unscale_
 from planners.layout import Layout, StageLayout
 from planners.zero import stage_ownership
 
@@ -94,17 +95,28 @@ def unit_ownership(layout: Layout, stage: StageLayout, names: Sequence[str]) -> 
     return owned
 
 
-def global_grad_norm(comm: EngineComm, sum_sq: float) -> float:
-    """The norm of the whole model's gradient from every rank's sum of squares over the slices it
-    owns: gathered over the world group and added in rank order (the same bits on every rank)."""
-    mine = torch.tensor([sum_sq], dtype=torch.float64)
+def gather_world(comm: EngineComm, value: float, device: torch.device | str = "cpu") -> list[float]:
+    """Every rank's `value`, in world-group rank order (the same list on every rank). The
+    tensors live on `device`: an NCCL/HCCL group only moves device memory."""
+    mine = torch.tensor([value], dtype=torch.float64, device=device)
     ranks = comm.workers(WORLD_GROUP)
-    parts = [torch.empty(1, dtype=torch.float64) for _ in ranks]
+    parts = [torch.empty(1, dtype=torch.float64, device=device) for _ in ranks]
     if len(ranks) == 1:
         parts[0] = mine
     else:
         comm.all_gather(WORLD_GROUP, parts, mine)
-    return math.sqrt(math.fsum(float(p) for p in parts))
+    return [float(p) for p in parts]
+
+
+def global_grad_norm(comm: EngineComm, sum_sq: float, device: torch.device | str = "cpu") -> float:
+    """The norm of the whole model's gradient from every rank's sum of squares over the slices it
+    owns: gathered over the world group and added in rank order (the same bits on every rank)."""
+    return math.sqrt(math.fsum(gather_world(comm, sum_sq, device)))
+
+
+def agree_overflow(comm: EngineComm, mine: bool, device: torch.device | str = "cpu") -> bool:
+    """Whether any rank found inf/NaN in its reduced gradient slices: one verdict, every rank."""
+    return any(flag != 0.0 for flag in gather_world(comm, 1.0 if mine else 0.0, device))
 
 
 @dataclass
@@ -132,8 +144,15 @@ class ShardedOptimizer:
         grad_hook: GradHook | None = None,
         device: torch.device | str = "cpu",
         segments: Mapping[str, Segments] | None = None,
+        precision: PrecisionConfig | None = None,
+        scaler: LossScaler | None = None,
     ) -> None:
+        """`precision` sets the gradients' wire dtype; `scaler` (fp16) turns on the overflow
+        check and the unscaling of the reduced slices (executor.precision)."""
         self.comm, self.group, self.cfg, self.grad_hook = comm, group, cfg, grad_hook
+        self.precision = precision or PrecisionConfig()
+        self.scaler = scaler
+        self.last_overflow = False  # the last step's agreed verdict (fp16): its update was skipped
         self.device = torch.device(device)
         self.units = dict(units)
         segments = segments or {}
@@ -166,8 +185,11 @@ class ShardedOptimizer:
             for k in range(self.dp_size)
         ]
         mine = self._size_owned_by(self.dp_index)
+        wire = self.precision.wire_dtype
+        if wire != torch.float32:  # fewer bytes on the wire; the sum below stays fp32
+            to_rank = [t.to(wire) for t in to_rank]
         pieces = all_to_all_v(self.comm, self.group, to_rank, [mine] * self.dp_size)
-        total = pieces[0].clone()
+        total = pieces[0].clone() if wire == torch.float32 else pieces[0].float()
         for piece in pieces[1:]:
             total += piece
         out, pos = {}, 0
@@ -176,9 +198,12 @@ class ShardedOptimizer:
             pos += sh.hi - sh.lo
         return out
 
-    def step(self) -> None:
-        """reduce-scatter -> update my slices -> all-gather the parameters."""
+    def step(self) -> bool:
+        """reduce-scatter -> update my slices -> all-gather the parameters. Returns False when
+        fp16's agreed overflow check skipped the update (every rank returns the same)."""
         grads = self.reduce_scatter_grads()
+        if self.scaler is not None and not self._unscale(grads):
+            return False
         if self.cfg.max_grad_norm is not None:
             self._clip(grads, self.cfg.max_grad_norm)
         if self.grad_hook is not None:
@@ -192,11 +217,24 @@ class ShardedOptimizer:
             )
             updated.append(param)
         self._all_gather_params(torch.cat(updated) if updated else torch.empty(0, device=self.device))
+        return True
+
+    def _unscale(self, grads: dict[str, torch.Tensor]) -> bool:
+        """fp16: agree on overflow over the world group, update the scale; on a finite step
+        unscale my slices (before clipping, hooks and snapshots see them) and return True."""
+        assert self.scaler is not None
+        self.last_overflow = agree_overflow(self.comm, has_overflow(grads.values()), self.device)
+        scale = self.scaler.scale
+        self.scaler.update(self.last_overflow, self.precision)
+        if self.last_overflow:
+            return False
+        unscale_(grads.values(), scale)
+        return True
 
     def _clip(self, grads: dict[str, torch.Tensor], max_norm: float) -> None:
         """Scale the reduced slices by torch's `clip_grad_norm_` coefficient of the global norm."""
         sum_sq = math.fsum(float(self._counted(n, g).double().pow(2).sum()) for n, g in grads.items())
-        norm = global_grad_norm(self.comm, sum_sq)
+        norm = global_grad_norm(self.comm, sum_sq, self.device)
         self.last_grad_norm = norm
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:

@@ -41,6 +41,7 @@ from torch.distributed import (
 )
 
 from executor.comm import ledger as ledger_mod
+from executor.comm.device_groups import abort_group, apply_error_handling_env
 from executor.comm.errors import Interrupted, MembershipError, PeerFailure, StoreLost
 from executor.comm.groups import (
     EditDecision,
@@ -55,6 +56,7 @@ from executor.comm.groups import (
 )
 from executor.comm.ledger import GroupLedger
 from executor.engine_comm import BACKENDS, make_group
+from executor.staging import Staging, backend_device
 
 ABORT_POLL_S = 0.02
 # Polling of store keys during recovery: fast at first (the keys are usually there within ms),
@@ -116,6 +118,7 @@ class PendingOps:
     """Point-to-point ops issued by `Communicator.post_exchange` and not completed yet."""
 
     works: list[tuple[_Group, object]]
+    staging: Staging | None = None  # receives staged through host/device memory (executor.staging)
 
     @property
     def done(self) -> bool:
@@ -156,6 +159,7 @@ class Communicator:
         self.epoch = 0
         self.pp_links = pp_links
         self.backend = backend
+        apply_error_handling_env(backend)  # before the first device group (comm.device_groups)
         self.membership: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in membership.items()}
         self.physical = physical_groups(self.membership, pp_links)
         self._groups: dict[str, _Group] = {}
@@ -300,8 +304,9 @@ class Communicator:
         untouched until `complete`. Ops never completed count as pending in the group's ledger,
         so an edit rebuilds that group instead of reusing it half-matched."""
         works: list[tuple[_Group, object]] = []
-        ops = [(name, tensor, peer, tag, True) for name, tensor, peer, tag in sends]
-        ops += [(name, tensor, peer, tag, False) for name, tensor, peer, tag in recvs]
+        staging = Staging(self.backend)  # a no-op for tensors already where the backend wants them
+        ops = [(name, staging.send(tensor), peer, tag, True) for name, tensor, peer, tag in sends]
+        ops += [(name, staging.recv(tensor), peer, tag, False) for name, tensor, peer, tag in recvs]
         for name, tensor, peer, tag, is_send in ops:
             g = self._route(name, peer)
             try:
@@ -317,7 +322,7 @@ class Communicator:
                 self._fail(g, str(exc).splitlines()[0][:300])
         for g, _work in works:
             g.ledger.pending += 1
-        return PendingOps(works)
+        return PendingOps(works, staging if staging.copy_back else None)
 
     def complete(self, ops: PendingOps) -> None:
         """Block until every op of `ops` has completed: bounded like any op, PeerFailure on a
@@ -327,6 +332,8 @@ class Communicator:
             g.ledger.pending -= 1  # `_wait` counts it again while it waits
             self._wait(g, work, has_future=False)
             ops.works.pop(0)
+        if ops.staging is not None:
+            ops.staging.finish()
 
     def group_with(self, a: int, b: int) -> str:
         """The first logical group (by name) that holds both workers; both pick the same one."""
@@ -374,7 +381,9 @@ class Communicator:
         self._groups = {n: old_groups[n] for n in decision.reuse}
         for name in decision.drop:
             g = old_groups[name]
-            if g.ledger.pending or g.ledger.failed:
+            if self.backend != "gloo":
+                abort_group(g.pg)  # free its device communicator first (comm.device_groups)
+            elif g.ledger.pending or g.ledger.failed:
                 self._graveyard.append(g.pg)
         with _store_errors():
             self._build(list(decision.rebuild), shrink={n: old_groups[n] for n in decision.shrink})
@@ -586,8 +595,4 @@ def _store_errors() -> Iterator[None]:
 
 def _op_device(backend: str) -> torch.device:
     """Where this communicator's own small tensors live (gloo: host; NCCL/HCCL: the current device)."""
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend == "hccl":
-        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
-    return torch.device("cpu")
+    return backend_device(backend)

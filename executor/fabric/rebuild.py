@@ -109,6 +109,7 @@ def rebuild(
     new_own: Ownership,
     timeout_s: float = 30.0,
     joining: bool = False,
+    device: torch.device | str = "cpu",
 ) -> RebuiltState:
     """Run `plan` (every worker of `new` calls this after `comm.apply_edit`): `mine` is my live
     shard at the committed step, `backups` the shards I keep for others, `params` my committed
@@ -116,7 +117,8 @@ def rebuild(
     `joining`: I join in this plan and hold nothing (`mine` empty, `params` empty): every
     element I need is read from its live owner, and the committed step is the others'.
     Blocks on the store and on p2p transfers, bounded by `timeout_s` / the communicator
-    timeout (PeerFailure)."""
+    timeout (PeerFailure). The state is received into and assembled on `device` (the trainer's:
+    on NCCL/HCCL nothing the live shards send passes through host memory)."""
     step = check_integrity(comm, new, plan, mine, backups, mine.step, timeout_s, "rebuild", adopt=joining)
     me = comm.worker
     sends: list[tuple[str, torch.Tensor, int, int]] = []
@@ -130,7 +132,7 @@ def rebuild(
             else:
                 sends.append((comm.group_with(me, t.dst), data, t.dst, REBUILD_TAG + i))
         elif t.dst == me:
-            buf = torch.empty(t.size if t.rows == "param" else 2 * t.size)
+            buf = torch.empty(t.size if t.rows == "param" else 2 * t.size, device=device)
             recvs.append((comm.group_with(t.src, me), buf, t.src, REBUILD_TAG + i))
             pieces.append((t, buf))
     comm.exchange_many(sends, recvs)
@@ -141,16 +143,16 @@ def rebuild(
         full = (
             params[unit]
             if unit in params
-            else _filled(unit, 0, n, 1, [p for p in got if p[0].rows == "param"])
+            else _filled(unit, 0, n, 1, [p for p in got if p[0].rows == "param"], device)
         )
-        out.params[unit] = full.detach().to("cpu", torch.float32).reshape(-1).clone()
+        out.params[unit] = full.detach().to(device, torch.float32).reshape(-1).clone()
         lo, hi = next(((a, b) for w, a, b in new_own.get(unit, ()) if w == me), (0, 0))
         moments = [p for p in got if p[0].rows == "moments"]
         kept = mine.units.get(unit)
         if kept is not None and max(lo, kept.start) < min(hi, kept.stop):
             a, b = max(lo, kept.start), min(hi, kept.stop)
             moments.append((StateTransfer(unit, a, b, me, me, me, "moments"), kept.slice(a, b)[1:]))
-        m = _filled(unit, lo, hi, 2, moments)
+        m = _filled(unit, lo, hi, 2, moments, device)
         out.shard.units[unit] = UnitShard(lo, hi, out.params[unit][lo:hi].clone(), m[0].clone(), m[1].clone())
     return out
 
@@ -166,10 +168,15 @@ def _rows(shard: ShardState | None, t: StateTransfer) -> torch.Tensor:
 
 
 def _filled(
-    unit: str, lo: int, hi: int, rows: int, pieces: list[tuple[StateTransfer, torch.Tensor]]
+    unit: str,
+    lo: int,
+    hi: int,
+    rows: int,
+    pieces: list[tuple[StateTransfer, torch.Tensor]],
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """`rows` x [lo, hi) assembled from pieces that must cover it exactly."""
-    out = torch.empty(rows, hi - lo)
+    """`rows` x [lo, hi) assembled on `device` from pieces that must cover it exactly."""
+    out = torch.empty(rows, hi - lo, device=device)
     covered = 0
     for t, data in pieces:
         out[:, t.lo - lo : t.hi - lo] = data.reshape(rows, t.size)

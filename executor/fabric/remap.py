@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from executor.comm.communicator import Communicator
+from executor.fabric.device_copy import tensor_digest
 from executor.fabric.overlap import Ownership, RemapTransfer, block_ownership, owned_by, remap_plan
 from executor.fabric.state import ShardState, UnitShard
 from planners.layout import Layout
@@ -70,6 +71,7 @@ def live_remap(
     old_own: Ownership | None = None,
     new_own: Ownership | None = None,
     params: Mapping[str, torch.Tensor] | None = None,
+    device: torch.device | str = "cpu",
 ) -> ShardState:
     """Return this worker's state under `new` (all workers of `new` call this after
     `comm.apply_edit`). `mine` is its live state at committed step `step` (None for a joining
@@ -77,7 +79,8 @@ def live_remap(
     snapshot, of the one worker it protects), `params` the full
     replicated parameters of its units under `new` (moments-only mode, see the module
     docstring). Blocks on the store and on p2p transfers, each bounded by `timeout_s` / the
-    communicator timeout (PeerFailure). Ownership maps default to the planners' block ownership."""
+    communicator timeout (PeerFailure). Ownership maps default to the planners' block ownership.
+    What arrives is received into and assembled on `device` (the trainer's)."""
     old_own = block_ownership(old) if old_own is None else old_own
     new_own = block_ownership(new) if new_own is None else new_own
     plan = remap_plan(old, new, lost, old_own, new_own)
@@ -104,7 +107,7 @@ def live_remap(
                 sends.append((group, _digest(data[0]), t.dst, tag + 1))
         elif t.dst == comm.worker:
             group = comm.group_with(t.src, t.dst)
-            buf, digest = torch.empty(rows * t.size), torch.zeros(32, dtype=torch.uint8)
+            buf, digest = torch.empty(rows * t.size, device=device), torch.zeros(32, dtype=torch.uint8)
             recvs.append((group, buf, t.src, tag))
             if params is not None:
                 recvs.append((group, digest, t.src, tag + 1))
@@ -123,12 +126,13 @@ def live_remap(
             if kept is not None and max(lo, kept.start) < min(hi, kept.stop):
                 a, b = max(lo, kept.start), min(hi, kept.stop)
                 pieces.append((unit, a, kept.slice(a, b)))
-    return _assemble(new_own, comm.worker, step, pieces)
+    return _assemble(new_own, comm.worker, step, pieces, device)
 
 
 def _digest(values: torch.Tensor) -> torch.Tensor:
-    """SHA-256 of the raw float32 bytes (bitwise identity, not approximate)."""
-    raw = values.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    """SHA-256 of the float32 values' bit digest, computed where they live (device_copy
+    .tensor_digest: bitwise identity, not approximate; only 16 bytes leave a device)."""
+    raw = tensor_digest(values.detach().to(dtype=torch.float32))
     return torch.frombuffer(bytearray(hashlib.sha256(raw).digest()), dtype=torch.uint8)
 
 
@@ -202,11 +206,15 @@ def check_integrity(
 
 
 def _assemble(
-    new_own: Ownership, worker: int, step: int, pieces: list[tuple[str, int, torch.Tensor]]
+    new_own: Ownership,
+    worker: int,
+    step: int,
+    pieces: list[tuple[str, int, torch.Tensor]],
+    device: torch.device | str = "cpu",
 ) -> ShardState:
     state = ShardState(step=step)
     for unit, lo, hi in owned_by(new_own, worker):
-        rows = torch.empty(3, hi - lo)
+        rows = torch.empty(3, hi - lo, device=device)
         covered = 0
         for name, start, data in pieces:
             if name == unit and lo <= start and start + data.shape[1] <= hi:

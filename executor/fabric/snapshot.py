@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from executor.comm.communicator import Communicator, PendingOps
+from executor.fabric.device_copy import HostStager
 from executor.fabric.state import ShardState
 
 SNAPSHOT_TAG = 7100
@@ -98,6 +99,7 @@ class ShardBackups:
         self._errors: list[BaseException] = []
         self._closed = False
         self._lock = threading.Lock()
+        self._stager = HostStager()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -147,8 +149,9 @@ class ShardBackups:
             )
         t0 = time.perf_counter()
         out = torch.cat([mine[k].reshape(-1) for k in sorted(mine)]) if mine else torch.empty(0)
-        incoming = {
-            p: torch.empty(sum(s.stop - s.start for s in st.units.values())) for p, st in self._states.items()
+        incoming = {  # received where the sent gradients live (device memory on NCCL/HCCL)
+            p: torch.empty(sum(s.stop - s.start for s in st.units.values()), device=out.device)
+            for p, st in self._states.items()
         }
         sends = (
             [] if self.holder is None else [(self._group(self.holder), out, self.holder, SNAPSHOT_TAG + 3)]
@@ -169,7 +172,9 @@ class ShardBackups:
         self.comm.complete(ops)
         self._inflight = None
         grads: dict[int, dict[str, torch.Tensor]] = {}
-        for p, buf in incoming.items():
+        for p, device_buf in incoming.items():
+            # to pinned host memory on a side stream; `commit` waits for the copy (device_copy)
+            buf = self._stager.stage(device_buf)
             units, pos = self._states[p].units, 0
             grads[p] = {}
             for k in sorted(units):
@@ -184,6 +189,9 @@ class ShardBackups:
         An exchange still posted is finished first (the step protocol has already done that
         before its vote, so there this only enqueues)."""
         self.finish_exchange()
+        self._stager.wait()  # the backups are host copies: the staged gradients must have landed
+        if self._pending is None and step == self._committed:
+            return  # the step applied no update (fp16 overflow skip): the backups stay as they are
         if self._pending is None or self._pending[0] != step:
             raise SnapshotError(f"commit({step}) without the gradients of step {step}")
         self._queue.put(self._pending)

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from executor.fabric.device_copy import tensor_digest
+
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
 
 
@@ -71,13 +73,15 @@ class ShardState:
         return True
 
     def checksum(self) -> str:
-        """SHA-256 over the step, the intervals and the raw bytes (bitwise, not approximate)."""
+        """SHA-256 over the step, the intervals and each tensor's bit digest, which is computed
+        on the device the tensor lives on (`device_copy.tensor_digest`): a live shard in device
+        memory and its backup in host memory compare without copying the shard."""
         h = hashlib.sha256(str(self.step).encode())
         for k in sorted(self.units):
             s = self.units[k]
             h.update(f"|{k}:{s.start}:{s.stop}".encode())
             for f in FIELDS:
-                h.update(getattr(s, f).contiguous().numpy().tobytes())
+                h.update(tensor_digest(getattr(s, f)))
         return h.hexdigest()
 
     # ----- wire format: a JSON header (uint8 tensor) and one float32 payload tensor -------------
@@ -111,4 +115,6 @@ class ShardState:
 
     def to_numpy(self) -> dict[str, tuple[int, int, np.ndarray]]:
         """Picklable copy for tests and reports: unit -> (start, stop, 3 x n array)."""
-        return {k: (s.start, s.stop, s.slice(s.start, s.stop).numpy().copy()) for k, s in self.units.items()}
+        return {
+            k: (s.start, s.stop, s.slice(s.start, s.stop).cpu().numpy().copy()) for k, s in self.units.items()
+        }

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from executor.comm.communicator import Communicator
+from executor.comm.groups import WORLD_GROUP
 from executor.fabric.rebuild import rebuild, rebuild_plan
 from executor.fabric.relayout import Relayout, RelayoutError, plan_relayout
 from executor.fabric.remap import live_remap
@@ -43,6 +44,7 @@ from executor.fabric.snapshot import ShardBackups, SnapshotError
 from executor.fabric.state import ShardState, UnitShard
 from executor.migration import MigrationReport, migrate
 from executor.nonblocking_migration import NonBlockingMigration, check_nonblocking
+from executor.precision import LossScaler
 from executor.trainer import Trainer
 from executor.zero import ShardState as ZeroShard
 from executor.zero import flat_params, unit_ownership
@@ -95,6 +97,19 @@ def shard_state_of(trainer: Trainer) -> ShardState:
         param = flat_params(trainer.model.units[name])[sh.lo : sh.hi].clone()
         state.units[name] = UnitShard(sh.lo, sh.hi, param, sh.exp_avg.clone(), sh.exp_avg_sq.clone())
     return state
+
+
+def share_scaler(comm: Communicator, scaler: LossScaler, joining: bool, device: torch.device) -> None:
+    """Give every rank of the new layout the committed loss scale of the first rank that was
+    already in the job (collective over the world group: a joiner has none of its own)."""
+    row = torch.cat([torch.tensor([1.0 if joining else 0.0], dtype=torch.float64), scaler.as_tensor()])
+    ranks = comm.workers(WORLD_GROUP)
+    rows = [torch.empty_like(row, device=device) for _ in ranks]
+    comm.all_gather(WORLD_GROUP, rows, row.to(device))
+    source = next((r.cpu() for r in rows if float(r[0]) == 0.0), None)
+    if source is None:
+        raise RuntimeError("no rank of the new layout was in the job before: nobody holds the loss scale")
+    scaler.load_state_dict(LossScaler.from_tensor(source[1:]).state_dict())
 
 
 MIGRATION_MODES = ("blocking", "nonblocking")
@@ -278,6 +293,7 @@ class FabricParticipant:
         self.trainer.reset_layout(
             base.layout, self.comm, params, shards, optim["step_count"], int(state["next_step"])
         )
+        self.trainer.load_scaler_state(state.get("scaler"))
         self._committed = self.trainer.get_state()
 
     def _restore(self, plan: Plan) -> int:
@@ -330,6 +346,7 @@ class FabricParticipant:
             old_own=engine_ownership(plan.old, names),
             new_own=engine_ownership(target, names),
             params=params,
+            device=self.trainer.device,
         )
         shards = {name: ZeroShard(0, 0, torch.zeros(0), torch.zeros(0)) for name in params}
         for name, sh in remapped.units.items():
@@ -360,7 +377,16 @@ class FabricParticipant:
         mine = ShardState(-1) if joining else shard_state_of(self.trainer)
         params = {} if joining else self.trainer.unit_params()
         state = rebuild(
-            self.comm, plan.new, transfers, mine, base.snapshot, params, units, new_own, joining=joining
+            self.comm,
+            plan.new,
+            transfers,
+            mine,
+            base.snapshot,
+            params,
+            units,
+            new_own,
+            joining=joining,
+            device=self.trainer.device,
         )
         shards = {
             n: ZeroShard(sh.start, sh.stop, sh.exp_avg, sh.exp_avg_sq) for n, sh in state.shard.units.items()
@@ -370,6 +396,8 @@ class FabricParticipant:
         self.trainer.reset_layout(
             plan.new, self.comm, state.params, shards, step_count=state.shard.step, next_step=next_step
         )
+        if self.trainer.scaler is not None:  # fp16: a joiner takes the survivors' loss scale
+            share_scaler(self.comm, self.trainer.scaler, joining, self.trainer.device)
 
     # ----- shard backups -------------------------------------------------------------------
     def _install_snapshot(self) -> None:

@@ -14,6 +14,8 @@ The job driver (`Scenario`, `_run`) and the assertions are shared with
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import signal
 from dataclasses import dataclass
@@ -30,7 +32,7 @@ from executor.fabric.trainer_state import FabricParticipant, shard_state_of
 from executor.optim import OptimizerConfig
 from executor.step_protocol import StepProtocol, plan_key
 from executor.store_server import StoreServer, connect_store
-from executor.trainer import Trainer
+from executor.trainer import Trainer, TrainSpec
 from planners.dataflow import resize_after_loss
 from planners.layout import Layout, Plan, make_uniform_layout
 from tests.executor.engine_cases import NUM_UNITS, gpt_spec
@@ -46,6 +48,15 @@ CLIP_CFG = gpt_spec(
     dropout=0.1, optimizer=OptimizerConfig("adamw", lr=3e-3, weight_decay=0.01, max_grad_norm=1.0)
 )
 TIMEOUT_S = 20.0
+
+
+@functools.cache
+def _precision_spec(clip: bool, precision: str, overflow_steps: tuple[int, ...]) -> TrainSpec:
+    """CFG (CLIP_CFG) in `precision`, block_1 overflowing fp16 at `overflow_steps`."""
+    from tests.api.precision_cases import with_precision  # noqa: PLC0415
+
+    base = CLIP_CFG if clip else CFG
+    return with_precision(base, precision, "block_1" if overflow_steps else None, overflow_steps)
 
 
 def base_layout(rng_mode: str) -> Layout:
@@ -73,6 +84,16 @@ class Scenario:
     migration: str = "blocking"  # FabricParticipant's migration mode on the plan path
     clip: bool = False  # CLIP_CFG (and its world group) instead of CFG
     layout: Layout | None = None  # the job's layout over WORKERS (default: base_layout)
+    precision: str = "fp32"  # "bf16"/"fp16": the job computes under autocast (executor.precision)
+    overflow_steps: tuple[int, ...] = ()  # fp16: block_1 overflows at these steps (precision_cases)
+    # "cuda": every worker on cuda:0 of this machine, collectives over gloo (make gpu-check (c))
+    device_kind: str = "cpu"
+
+    def spec(self) -> TrainSpec:
+        base = CLIP_CFG if self.clip else CFG
+        if self.precision != "fp32" or self.overflow_steps:
+            base = _precision_spec(self.clip, self.precision, self.overflow_steps)
+        return base if self.device_kind == "cpu" else dataclasses.replace(base, device_kind=self.device_kind)
 
     def base(self) -> Layout:
         return self.layout or base_layout(self.rng_mode)
@@ -125,7 +146,7 @@ class KillingCommunicator(Communicator):
 def _state_numpy(state: dict[str, Any]) -> dict[str, Any]:
     return {
         "step_count": state["step_count"],
-        "units": {u: {f: t.numpy().copy() for f, t in d.items()} for u, d in state["units"].items()},
+        "units": {u: {f: t.cpu().numpy().copy() for f, t in d.items()} for u, d in state["units"].items()},
     }
 
 
@@ -135,17 +156,20 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
     layout = sc.base()
     store = connect_store("127.0.0.1", port)
     cls = KillingCommunicator if inject and worker == sc.victim else Communicator
+    spec = sc.spec()
+    world = spec.needs_world_group
     comm = cls(
-        store, worker, groups_for_stages([s.ranks for s in layout.stages], world=sc.clip), timeout_s=TIMEOUT_S
+        store, worker, groups_for_stages([s.ranks for s in layout.stages], world=world), timeout_s=TIMEOUT_S
     )
     if isinstance(comm, KillingCommunicator):
         comm.kill_at_op = sc.kill_at_op
-    trainer = Trainer(CLIP_CFG if sc.clip else CFG, layout, worker, comm)
+    trainer = Trainer(spec, layout, worker, comm, spec.local_device())
     participant = FabricParticipant(trainer, comm, verify_every=2, migration=sc.migration)
     proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
     losses: dict[int, float | None] = {}
     samples: dict[int, list[int]] = {}
     out: dict[str, Any] = {
+        "skipped": [],  # fp16: committed steps whose update an overflow skipped
         "worker": worker,
         "stage": trainer.stage,
         "dp_index": trainer.dp_index,
@@ -178,6 +202,8 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
             proto.commit()
             assert result is not None
             losses[step] = result.loss
+            if result.skipped:
+                out["skipped"].append(step)
             samples[step] = list(result.sample_ids)  # what the trainer actually fed
             assert len(samples[step]) == result.samples_processed
             if not inject and step == FAIL_STEP - 1:
@@ -197,6 +223,7 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
         migrations=[m.as_dict() for m in participant.migrations],
         final_state=_state_numpy(trainer.gather_full_state()),
         live_shard=shard_state_of(trainer).to_numpy(),
+        loss_scale=None if trainer.scaler is None else trainer.scaler.state_dict(),
         snapshot=None if snap is None else {p: st.to_numpy() for p, st in snap.states().items()},
     )
     return out
@@ -267,15 +294,24 @@ def _mean_rel_dev(a: dict[int, float], b: dict[int, float], steps: range) -> flo
     return float(np.mean([abs(a[s] - b[s]) / abs(b[s]) for s in steps]))
 
 
-_CLEAN: dict[tuple[str, bool, Layout | None], dict[int, dict[str, Any]]] = {}
+_CLEAN: dict[Scenario, dict[int, dict[str, Any]]] = {}
 
 
-def _clean(rng_mode: str, clip: bool = False, layout: Layout | None = None) -> dict[int, dict[str, Any]]:
+def _clean(
+    rng_mode: str, clip: bool = False, layout: Layout | None = None, like: Scenario | None = None
+) -> dict[int, dict[str, Any]]:
     """The fault-free run of the same seed (computed once per RNG mode, clipping on or off,
-    layout, and pytest process)."""
-    key = (rng_mode, clip, layout)
+    layout, precision of `like`, and pytest process)."""
+    key = Scenario(
+        rng_mode,
+        clip=clip,
+        layout=layout,
+        precision=like.precision if like else "fp32",
+        overflow_steps=like.overflow_steps if like else (),
+        device_kind=like.device_kind if like else "cpu",
+    )
     if key not in _CLEAN:
-        _CLEAN[key] = _run(Scenario(rng_mode, clip=clip, layout=layout))
+        _CLEAN[key] = _run(key)
     return _CLEAN[key]
 
 
@@ -350,9 +386,11 @@ def assert_exact_edit(
     return dirty
 
 
-def assert_snapshots_equal_live(results: dict[int, dict[str, Any]]) -> None:
+def assert_snapshots_equal_live(results: dict[int, dict[str, Any]], verified_after_edit: bool = True) -> None:
     """At the end every shard backup equals its owner's live shard bitwise, and the periodic
-    checksum verification ran after the last re-layout and found nothing."""
+    checksum verification found nothing (and, unless `verified_after_edit` is False, ran after
+    the last re-layout: it runs every `verify_every` optimizer *updates*, which fp16's skipped
+    steps leave behind the step count)."""
     protected = {}
     for w, r in results.items():
         assert r["snapshot"] is not None, w
@@ -369,7 +407,7 @@ def assert_snapshots_equal_live(results: dict[int, dict[str, Any]]) -> None:
                 )
         assert r["checksum_mismatches"] == 0
         last_edit = max((e["at_step"] for e in r["edits"]), default=0)
-        assert any(s >= last_edit for s in r["verified"]), (w, r["verified"])
+        assert not verified_after_edit or any(s >= last_edit for s in r["verified"]), (w, r["verified"])
     assert sorted(protected) == sorted(results)  # every worker is backed up exactly once
 
 
@@ -391,8 +429,11 @@ def test_kill9_mid_step_recovers_in_place(victim: int, kill_at_op: int) -> None:
     _check_kill_recovery(Scenario(kill_at_op=kill_at_op, victim=victim))
 
 
-def _check_kill_recovery(sc: Scenario) -> dict[int, dict[str, Any]]:
-    clean, faulty = _clean(sc.rng_mode, sc.clip), _run(sc)
+def _check_kill_recovery(sc: Scenario, loss_rel: float = 1e-4) -> dict[int, dict[str, Any]]:
+    """`loss_rel`: the bound on the mean relative loss deviation after the recovery, whose
+    smaller DP group adds the gradient contributions in another order (fp32: round-off; bf16's
+    per-rank rounding of autocast gradients is larger, tests/api/test_precision.py)."""
+    clean, faulty = _clean(sc.rng_mode, sc.clip, like=sc), _run(sc)
     ref_losses, got_losses = _last_stage_losses(clean), _last_stage_losses(faulty)
     assert sorted(got_losses) == sorted(ref_losses) == list(range(STEPS))
     for s in range(FAIL_STEP):  # same layout before the failure: identical bits
@@ -402,14 +443,14 @@ def _check_kill_recovery(sc: Scenario) -> dict[int, dict[str, Any]]:
         f"\nvictim {sc.victim}, kill at op {sc.kill_at_op}{' (clipping)' if sc.clip else ''}: mean relative loss "
         f"deviation vs fault-free over steps {FAIL_STEP}..{STEPS - 1}: {deviation:.3e} (placement-invariant RNG)"
     )
-    assert deviation <= 1e-4
+    assert deviation <= loss_rel
     assert_recovered_bitwise(clean, faulty)
     assert_same_samples(clean, faulty, FAIL_STEP)
     for r in faulty.values():  # one recovery, in place, in the same processes
         assert [e["at_step"] for e in r["edits"]] == [FAIL_STEP]
     plan = sc.plan()
     assert plan is not None
-    dirty = assert_exact_edit(faulty, plan, world=sc.clip)
+    dirty = assert_exact_edit(faulty, plan, world=sc.spec().needs_world_group)
     print(
         f"half-matched groups rebuilt besides dp/{plan.old.stage_of_rank(sc.victim) if plan.old else '?'}: "
         f"{ {w: sorted(d) for w, d in dirty.items() if d} }"

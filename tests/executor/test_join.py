@@ -34,7 +34,7 @@ from executor.comm import Communicator, PeerFailure, groups_for_stages
 from executor.fabric.trainer_state import FabricParticipant, shard_state_of
 from executor.step_protocol import PlanInterrupted, StepProtocol, plan_key
 from executor.store_server import StoreServer, connect_store
-from executor.trainer import Trainer
+from executor.trainer import Trainer, TrainSpec
 from planners.applicability import judge
 from planners.dataflow import resize_after_loss
 from planners.layout import Layout, Plan, StageLayout
@@ -49,6 +49,7 @@ from tests.executor.test_failstop import (
     VICTIM,
     WORKERS,
     KillingCommunicator,
+    _precision_spec,
     _state_numpy,
     assert_snapshots_equal_live,
     assert_states_bitwise,
@@ -63,6 +64,7 @@ JOIN_STEP = 6  # the joiner trains from this step on
 JOINER = 6
 READY = "test/committed-before-join"  # worker 0 sets it once step JOIN_STEP - 1 committed
 FP32_REL = 1e-5  # a relative difference fp32 round-off explains (different summation order)
+FP16_OVERFLOWS = (2, JOIN_STEP)  # fp16 case: one overflow before the join, one in the joiner's first step
 
 
 def renamed(layout: Layout, old: int, new: int) -> Layout:
@@ -165,6 +167,8 @@ def _loop(
             proto.commit()
             assert result is not None
             out["losses"][step], out["samples"][step] = result.loss, list(result.sample_ids)
+            if result.skipped:
+                out["skipped"].append(step)
             out["stage_of"][step] = trainer.stage
             if step == JOIN_STEP - 1 and worker == 0:
                 comm.store.set(READY, "1")
@@ -175,18 +179,28 @@ def _loop(
             out["edits"].append({"at_step": step})
 
 
-def _worker(worker: int, port: int, kill: bool, dying: int | None, case: Case) -> dict[str, Any]:
+def _spec(precision: str) -> TrainSpec:
+    """CFG, or CFG in fp16 with block_1 (stage 0) overflowing at FP16_OVERFLOWS."""
+    return CFG if precision == "fp32" else _precision_spec(False, precision, FP16_OVERFLOWS)
+
+
+def _worker(
+    worker: int, port: int, kill: bool, dying: int | None, case: Case, precision: str = "fp32"
+) -> dict[str, Any]:
     layout = case.base
+    spec = _spec(precision)
+    world = spec.needs_world_group
     store = connect_store("127.0.0.1", port)
     out: dict[str, Any] = {"worker": worker, "losses": {}, "samples": {}, "stage_of": {}, "edits": []}
+    out["skipped"] = []
     if worker == JOINER:
         comm = DiesInJoin.for_joiner(store, worker, timeout_s=TIMEOUT_S)
         # Plans come from the Core in a real job; here from the store (plan 1 is not for it).
         plan = StepProtocol(comm, _NoState(), timeout_s=120).await_plan(after_epoch=1)
         assert plan.rank_of_joiner("spare-0") == worker
-        trainer = Trainer(CFG, plan.new, worker, comm)
+        trainer = Trainer(spec, plan.new, worker, comm)
         participant = FabricParticipant(trainer, comm, verify_every=2, joining=True)
-        proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S, joining=True, world=False)
+        proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S, joining=True, world=world)
         started = time.perf_counter()
         comm.armed = dying == JOINER
         try:
@@ -202,10 +216,11 @@ def _worker(worker: int, port: int, kill: bool, dying: int | None, case: Case) -
         out["start_step"] = proto.committed_step + 1
     else:
         cls = KillingCommunicator if kill and worker == case.victim else DiesInJoin
-        comm = cls(store, worker, groups_for_stages([s.ranks for s in layout.stages]), timeout_s=TIMEOUT_S)
+        groups = groups_for_stages([s.ranks for s in layout.stages], world=world)
+        comm = cls(store, worker, groups, timeout_s=TIMEOUT_S)
         if isinstance(comm, KillingCommunicator):
             comm.kill_at_op = case.kill_at_op
-        trainer = Trainer(CFG, layout, worker, comm)
+        trainer = Trainer(spec, layout, worker, comm)
         participant = FabricParticipant(trainer, comm, verify_every=2)
         proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
     _loop(worker, trainer, proto, comm, out.get("start_step", 0), out, kill, dying)
@@ -217,6 +232,7 @@ def _worker(worker: int, port: int, kill: bool, dying: int | None, case: Case) -
         verified=list(participant.verified_steps),
         live_shard=shard_state_of(trainer).to_numpy(),
         snapshot=None if snap is None else {p: st.to_numpy() for p, st in snap.states().items()},
+        loss_scale=None if trainer.scaler is None else trainer.scaler.state_dict(),
     )
     return out
 
@@ -225,12 +241,14 @@ class _NoState:
     """A participant for `await_plan` alone (it reads the store and nothing else)."""
 
 
-def _run(kill: bool, dying: int | None = None, case: Case = LOSE_A_RANK) -> dict[int, dict[str, Any]]:
+def _run(
+    kill: bool, dying: int | None = None, case: Case = LOSE_A_RANK, precision: str = "fp32"
+) -> dict[int, dict[str, Any]]:
     server = StoreServer.start()
     try:
         store = connect_store("127.0.0.1", server.port)
         workers = [*WORKERS, JOINER] if kill else WORKERS
-        procs, results = spawn(_worker, workers, server.port, kill, dying, case)
+        procs, results = spawn(_worker, workers, server.port, kill, dying, case, precision)
         if kill:
             procs[case.victim].join(timeout=120)
             assert procs[case.victim].exitcode == -signal.SIGKILL, "the victim was not killed"
@@ -377,3 +395,18 @@ def test_a_join_after_a_whole_stage_loss_brings_the_stage_count_back() -> None:
     assert sorted(losses) == list(range(STEPS))
     assert all(abs(losses[s] - ref[s]) <= FP32_REL * abs(ref[s]) for s in range(STEPS)), (losses, ref)
     assert_snapshots_equal_live(job)
+
+
+def test_a_joiner_takes_the_fp16_loss_scale_of_the_survivors() -> None:
+    """fp16, one overflow skipped before the join (the scale halved once), one in the joiner's
+    first step: the joiner starts with the survivors' scale, not a fresh one (executor.fabric
+    .trainer_state.share_scaler), and skips that step with everyone; every worker ends with the
+    same scaler state, and the backups still equal the live shards."""
+    job = _run(kill=True, precision="fp16")
+    assert job[JOINER]["start_step"] == JOIN_STEP
+    for w, r in job.items():
+        expected = [s for s in FP16_OVERFLOWS if s >= r.get("start_step", 0)]
+        assert r["skipped"] == expected, (w, r["skipped"])
+        assert r["loss_scale"] == {"scale": 2.0**14, "growth_tracker": STEPS - 1 - JOIN_STEP, "skipped": 2}, w
+    assert all(r["checksum_mismatches"] == 0 for r in job.values())
+    assert_snapshots_equal_live(job, verified_after_edit=False)  # 1 update after the join: none due

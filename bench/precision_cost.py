@@ -1,0 +1,159 @@
+"""What mixed precision costs or saves per step, measured side by side (docs/accelerators.md).
+
+CPU (the default): the GPT example trained in one process by the engine in fp32, bf16 and fp16,
+the three interleaved round by round so machine noise hits them alike; prints seconds per step
+and each precision's ratio to fp32. On a CPU, bf16 autocast adds casts around every matmul and
+the kernels gain little, so the ratio says what the bf16 *path* costs, not what a GPU gains.
+
+`bench_300m()` (used by `make gpu-check` (d)): a >= 300 M parameter GPT in bf16 on CUDA, the
+engine's step time against a plain torch loop on the same model, batches and precision (autocast,
+fp32 AdamW), and the per-step cost of staging each step's reduced gradient shard to pinned host
+memory on a side stream (`executor.fabric.device_copy.HostStager`, what a ring snapshot copies
+off the device), awaited at the end of the step as the commit does.
+
+    python -m bench.precision_cost [--hidden 128] [--layers 4] [--steps 6] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from examples.gpt.data import MarkovWindows
+from examples.gpt.model import ModelConfig, gpt_units, per_sample_loss
+from executor.devices import synchronize
+from executor.fabric.device_copy import HostStager
+from executor.optim import OptimizerConfig
+from executor.precision import PrecisionConfig
+from executor.reference import single_rank_trainer
+from executor.trainer import Trainer, TrainSpec
+
+
+def gpt_train_spec(
+    cfg: ModelConfig, precision: str, device_kind: str = "cpu", tokens: int = 1 << 16
+) -> TrainSpec:
+    return TrainSpec(
+        gpt_units(cfg),
+        per_sample_loss,
+        MarkovWindows(cfg.vocab_size, cfg.seq_len, num_tokens=tokens, seed=0),
+        OptimizerConfig("adamw", lr=3e-4, weight_decay=0.01),
+        precision=PrecisionConfig(precision),  # type: ignore[arg-type]
+        device_kind=device_kind,
+    )
+
+
+def timed_steps(trainer: Trainer, first: int, steps: int) -> float:
+    """Seconds per step of `steps` steps from `first` (device work included)."""
+    synchronize(trainer.device)
+    t0 = time.perf_counter()
+    for step in range(first, first + steps):
+        trainer.train_step(step)
+    synchronize(trainer.device)
+    return (time.perf_counter() - t0) / steps
+
+
+def cpu_ratios(cfg: ModelConfig, batch: int, slots: int, steps: int, rounds: int) -> dict[str, float]:
+    """Median seconds per step of each precision, measured in interleaved rounds."""
+    trainers = {
+        p: single_rank_trainer(gpt_train_spec(cfg, p), batch, slots) for p in ("fp32", "bf16", "fp16")
+    }
+    for t in trainers.values():
+        timed_steps(t, 0, 1)  # warm-up: allocator, autocast caches
+    times: dict[str, list[float]] = {p: [] for p in trainers}
+    for r in range(rounds):
+        for p, t in trainers.items():
+            times[p].append(timed_steps(t, 1 + r * steps, steps))
+    for t in trainers.values():
+        t.data.close()
+    return {p: statistics.median(v) for p, v in times.items()}
+
+
+def _plain_torch_step_s(spec: TrainSpec, batch: int, steps: int) -> float:
+    """The same model, batches and precision as a plain torch loop (the baseline of (d))."""
+    dev = torch.device("cuda")
+    model = torch.nn.ModuleList([spec.model.build(i, dev) for i in range(len(spec.model))])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
+    sampler = spec.sampler(batch)
+
+    def step(s: int) -> None:
+        rows = sampler.rows(s, 0, batch)
+        x, y = rows.inputs.to(dev, non_blocking=True), rows.targets.to(dev, non_blocking=True)
+        with spec.precision.autocast(dev):
+            for unit in model:
+                x = unit(x)
+            loss = per_sample_loss(x, y).float().sum() / batch
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for s in range(1, steps + 1):
+        step(s)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def bench_300m(steps: int = 6, batch: int = 16) -> dict[str, Any]:
+    """(d) of `make gpu-check`; see the module docstring. 16 x 512 tokens a step keeps the GPU
+    busy long enough that per-step host work does not dominate either loop."""
+    cfg = ModelConfig(vocab_size=32000, seq_len=512, hidden=1024, num_heads=16, num_layers=24)
+    spec = gpt_train_spec(cfg, "bf16", "cuda", tokens=1 << 20)
+    params = sum(p.numel for p in spec.unit_probes())
+    plain = _plain_torch_step_s(spec, batch, steps)
+    torch.cuda.empty_cache()
+    trainer = single_rank_trainer(spec, batch, 1)
+    timed_steps(trainer, 0, 2)
+    engine = timed_steps(trainer, 2, steps)
+    stager = HostStager()
+    trainer.set_grad_hook(lambda _step, grads: [stager.stage(g) for g in grads.values()])
+    first = 2 + steps
+    synchronize(trainer.device)
+    t0 = time.perf_counter()
+    for s in range(first, first + steps):
+        trainer.train_step(s)
+        stager.wait()  # the commit waits for the copies
+    synchronize(trainer.device)
+    staged = (time.perf_counter() - t0) / steps
+    trainer.data.close()
+    return {
+        "params": params,
+        "plain_step_s": plain,
+        "engine_step_s": engine,
+        "engine_vs_torch": plain / engine,
+        "snapshot_staging_overhead": max(0.0, staged - engine) / engine,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--slots", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4, help="steps per timed round")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(1)  # as a launched worker runs
+    cfg = ModelConfig(
+        vocab_size=256, seq_len=args.seq, hidden=args.hidden, num_heads=4, num_layers=args.layers
+    )
+    params = sum(p.numel for p in gpt_train_spec(cfg, "fp32").unit_probes())
+    med = cpu_ratios(cfg, args.batch, args.slots, args.steps, args.rounds)
+    print(
+        f"GPT {params / 1e6:.2f} M params, batch {args.batch} x seq {args.seq}, {args.slots} micro-batches, "
+        f"1 thread, median of {args.rounds} interleaved rounds of {args.steps} steps"
+    )
+    print("| precision | s/step | vs fp32 |\n|---|---|---|")
+    for prec, s in med.items():
+        print(f"| {prec} | {s:.4f} | {s / med['fp32']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""`make gpu-check` on a machine without CUDA (CI): it must say so on every check line, end with
+FAIL and exit non-zero, having checked nothing; its arguments are validated; a check's child
+process reports its failure as a result line. The checks themselves need a GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: run make gpu-check")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+
+
+def test_without_cuda_every_line_says_so_and_it_fails(tmp_path: Path) -> None:
+    run = _run("--out", str(tmp_path))
+    lines = run.stdout.strip().splitlines()
+    assert run.returncode == 2
+    assert [line[:3] for line in lines[1:6]] == ["(a)", "(b)", "(c)", "(d)", "(e)"]
+    assert all(": SKIP - no CUDA device visible to torch" in line for line in lines[1:6])
+    assert lines[-1].startswith("FAIL: nothing checked: no CUDA device")
+
+
+def test_arguments_are_checked() -> None:
+    assert "--only takes some of a,b,c,d,e" in _run("--only", "a,x").stderr
+    assert "--budget-s must be positive" in _run("--budget-s", "0").stderr
+
+
+def test_a_check_that_cannot_run_reports_a_fail_result() -> None:
+    run = _run("--child", "a")
+    assert run.returncode == 0
+    assert run.stdout.strip().splitlines()[-1].startswith('GPU-CHECK-RESULT {"status": "FAIL"')
