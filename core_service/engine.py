@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from bisect import bisect_right
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
@@ -104,6 +105,9 @@ class JobSnapshot:
     next_rank: int = 0  # the first rank id the job never used: where new ranks start
     min_ranks: int = 1  # no plan may have fewer ranks (min_workers) ...
     max_ranks: int = 0  # ... or more (max_workers, or the creation layout's plus accepted offers)
+    step: int = -1  # the newest step any live worker reported
+    unit_moved_at: tuple[tuple[int, int], ...] = ()  # (unit, step it last moved at)
+    plan_pause_s: float | None = None  # how long the last applied plan took (None: none yet)
 
     @property
     def spares(self) -> tuple[WorkerView, ...]:
@@ -157,11 +161,13 @@ def snapshot_of(job: Job) -> JobSnapshot:
     live: list[WorkerView] = []
     gone: list[WorkerView] = []
     lost, left = WorkerState.LOST, WorkerState.LEFT
-    used = -1
+    used = step = -1
     # One pass over the members (10,000 of them in a large job), in worker-id order.
     for m in sorted(job.members.values(), key=lambda m: m.worker_id):
         (gone if m.state is lost or m.state is left else live).append(view(m))
         used = max(used, m.rank)
+        if m.last_step is not None:
+            step = max(step, m.last_step.step)
     layout, original = _current_layout(job), job.original_layout()
     for known in (layout, original, job.last_plan.old if job.last_plan is not None else None):
         if known is not None:
@@ -179,6 +185,9 @@ def snapshot_of(job: Job) -> JobSnapshot:
         next_rank=used + 1,
         min_ranks=fewest,
         max_ranks=most,
+        step=step,
+        unit_moved_at=tuple(sorted(job.unit_moved_at.items())),
+        plan_pause_s=job.plan_pause_s,
     )
 
 
@@ -373,6 +382,7 @@ class ScheduleEngine:
             for rank in request.peers:
                 recovery.collective_retries[rank] = recovery.collective_retries.get(rank, 0) + 1
         recovery.request = None
+        _note_unit_moves(job, Layout.from_json(job.layout_json) if job.layout_json else None, new, snapshot.step)
         job.plan_epoch, job.layout_json, job.last_plan = epoch, new.to_json(), plan
         job.acks.setdefault(epoch, {})  # watched from now on (recovery.answered)
         self.metrics.plans_published.labels(policy=decision.policy).inc()
@@ -486,6 +496,7 @@ class ScheduleEngine:
         }
         if live and all(w in acks and acks[w].phase == AckPhase.RESUMED for w in live):
             self.metrics.apply_seconds.observe(now - applying.started)
+            job.plan_pause_s = now - applying.started  # what the next optional plan must pay back
             self._enter(job, JobPhase.RUNNING, now, f"epoch {applying.epoch} applied by {len(live)} workers")
         elif now >= applying.deadline:
             self._enter(
@@ -647,6 +658,17 @@ class ScheduleEngine:
             self._enter(
                 job, JobPhase.APPLYING, now, f"watching the apply of epoch {epoch} again after a takeover"
             )
+
+
+def _note_unit_moves(job: Job, old: Layout | None, new: Layout, step: int) -> None:
+    """Every unit `new` puts on another stage than `old` moved at `step` (the per-unit cool-down,
+    planners.elaswave_payback)."""
+    if old is None or old.num_layers != new.num_layers:
+        return
+    edges_old, edges_new = (0, *old.boundaries), (0, *new.boundaries)
+    for unit in range(new.num_layers):
+        if bisect_right(edges_old, unit) != bisect_right(edges_new, unit):
+            job.unit_moved_at[unit] = max(step, 0)
 
 
 def _outside_bounds(snapshot: JobSnapshot, new: Layout) -> str:

@@ -97,6 +97,10 @@ class Job:
     # Set by membership changes; the schedule engine clears it when it plans.
     pending_changes: list[Event] = field(default_factory=list)
     acks: dict[int, dict[str, Ack]] = field(default_factory=dict)  # epoch -> worker -> last ack
+    # What settles optional plans (planners.elaswave_payback): the step each unit last moved at,
+    # and how long the last applied plan paused the job (None before one was applied).
+    unit_moved_at: dict[int, int] = field(default_factory=dict)
+    plan_pause_s: float | None = None
     _parsed: ParsedLayout | None = field(default=None, repr=False, compare=False)
 
     def check_token(self, presented: str) -> bool:

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from elaswave.worker_env import EXIT_NO_PLAN, EXIT_PLAN_NOT_APPLICABLE, EXIT_TERMINATED, WorkerPlace
+from executor.compute_clock import ComputeClock
 from executor.worker_recovery import PlanFollowing, PlanNotApplicable
 
 # Re-read the job's store list every this many committed steps (one store round trip).
@@ -386,12 +387,13 @@ class CoreDrivenWorker(PlanFollowing):
         return self.results
 
     def _train_step(self, step: int) -> Any:
-        """One step; notes its own compute (its wall time minus the time blocked on peers: what
-        the Core's fail-slow detector compares across a stage) and stretches it where a
+        """One step; notes its own compute (`executor.compute_clock`: what the Core's fail-slow
+        detector compares across a stage) and stretches it where a
         slowdown is injected (`executor.slow_injection`)."""
-        t0, blocked = time.perf_counter(), self.comm.blocked_s
+        clock, blocked = ComputeClock(cpu=self.trainer.device.type == "cpu"), self.comm.blocked_s
+        clock.start()
         result = self.trainer.train_step(step)
-        self._compute_s = time.perf_counter() - t0 - (self.comm.blocked_s - blocked)
+        self._compute_s = clock.stop(self.comm.blocked_s - blocked)
         if self.slow is not None:
             extra, factor = self.slow.extra_s(self._compute_s)
             if extra > 0:

@@ -28,6 +28,7 @@ from planners.dataflow import drop_stage, micro_batch_sizes, resize_after_loss
 from planners.elaswave_clocks import plan_clocks
 from planners.elaswave_graph import repartition
 from planners.elaswave_model import DEFAULT_SLOWDOWN, JobModel, RankReport, Slowdown, costing, slowdowns
+from planners.elaswave_payback import PaybackSettings, judge_optional
 from planners.elaswave_policy_join import Joins, add_spares
 from planners.elaswave_reasons import Outcome, Reason, Step, headlines
 from planners.layout import Layout
@@ -43,6 +44,9 @@ class ElasWaveSettings:
     default_slowdown: float = DEFAULT_SLOWDOWN
     migrate: bool = True  # False: the resize-only ablation (no re-partition, no DVFS)
     dvfs: bool = True
+    # Optional plans (for slow or recovered ranks only) must pay back and respect the cool-down
+    # (`planners.elaswave_payback`); None: every plan is adopted (the simulator's ablations).
+    payback: PaybackSettings | None = PaybackSettings()
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class ElasWaveInput:
     reports: tuple[RankReport, ...] = ()
     recovered: frozenset[int] = frozenset()
     joins: Joins | None = None
+    cooling: frozenset[int] = frozenset()  # units that moved within the cool-down
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,8 @@ def plan_elaswave(inp: ElasWaveInput, settings: ElasWaveSettings = ElasWaveSetti
         factors = {r: s.factor for r, s in slow.items()}
         added = add_spares(resized.layout, inp.joins, model, factors, settings.min_gain)
         grown, joiners, reasons = added.layout, added.joiners, (*reasons, *added.reasons)
-    plan = _plan(layout, grown, reasons, model, slow, recovered, settings)
+    optional = not going and not spares  # only slow or recovered ranks: the plan may wait
+    plan = _plan(layout, grown, reasons, model, slow, recovered, settings, inp.cooling if optional else None)
     if plan.action != "publish" or not joiners:
         return plan
     kept = set(plan.layout.ranks()) if plan.layout is not None else set()
@@ -114,7 +120,10 @@ def _plan(
     slow: dict[int, Slowdown],
     recovered: Set[int],
     settings: ElasWaveSettings,
+    cooling: frozenset[int] | None = None,
 ) -> ElasWavePlan:
+    """`cooling`: None for a plan that is needed (a loss, a join); else the plan is optional and the
+    payback rule and cool-down apply (the units still cooling down)."""
     factors = {r: s.factor for r, s in slow.items()}
     before = costing(old, factors, model.nominal_mhz, current_clocks=True)
     graph, graph_reasons = resized, []
@@ -150,6 +159,11 @@ def _plan(
     if new == old:
         summary = "nothing to change: " + "; ".join(r.text for r in reasons[1:])
         return ElasWavePlan("none", None, reasons, summary, t_after)
+    if cooling is not None and settings.payback is not None:
+        declined = judge_optional(old, new, t_before, t_after, model.unit, cooling, settings.payback)
+        if declined is not None:
+            reasons = (*reasons, declined)
+            return ElasWavePlan("none", None, reasons, declined.text, t_before)
     summary = "; ".join([*headlines(reasons), predicted.text])
     return ElasWavePlan("publish", new, reasons, summary, t_after)
 
