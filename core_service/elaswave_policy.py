@@ -40,7 +40,7 @@ class ElasWavePolicy:
     # for `cooldown_steps`. The pause is the job's last measured one, `default_pause_s` before any.
     payback_steps: int = 100
     cooldown_steps: int = 200
-    default_pause_s: float = 0.5
+    default_pause_s: float = 0.2
 
     def decide(self, snapshot: JobSnapshot) -> Decision:
         layout = snapshot.layout

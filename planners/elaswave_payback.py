@@ -29,7 +29,7 @@ STATE_BYTES_PER_ELEMENT = 12
 class PaybackSettings:
     payback_steps: int = 100  # an optional plan must pay back its cost within this many steps
     cooldown_steps: int = 200  # a unit that moved stays put this many steps (optional plans)
-    plan_pause_s: float = 0.5  # what one plan pauses the job for (the Core passes its measurement)
+    plan_pause_s: float = 0.2  # what one plan pauses the job for (the Core passes its measurement)
     state_bytes_per_s: float = 1e9  # how fast moved state travels
 
     def __post_init__(self) -> None:
