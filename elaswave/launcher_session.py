@@ -208,6 +208,7 @@ class Session:
             self.desc.steps,
             stop_signal,
             world=monitor.world,
+            local_workers=frozenset(spec.name for spec in self.agents.specs.values()),
         )
         for rank in result.failed_ranks[:MAX_FAILED_LOGS]:
             self._show_log(rank)

@@ -458,3 +458,42 @@ def test_a_node_that_comes_back_joins_the_running_job_with_spares(
     assert sorted(losses) == list(range(SPARE_STEPS))
     for step in range(SPARE_STEPS):
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), (step, losses[step], reference[step])
+
+
+@pytest.mark.timeout(240)
+def test_a_node_whose_workers_are_preempted_exits_3_and_the_job_goes_on(
+    core: tuple[CoreProcess, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both of node-a's workers are preempted through the scheduler API: node-a's launcher says
+    its workers left a job that goes on and exits EXIT_LEFT_RUNNING_JOB (3), never 0 ("done");
+    node-b trains to the end and exits 0 (issue 27, item 2)."""
+    from elaswave.launcher_monitor import EXIT_COMPLETED, EXIT_LEFT_RUNNING_JOB  # noqa: PLC0415
+
+    proc, token = core
+    monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY_SLOW)
+    flags = ("--core", f"127.0.0.1:{proc.http_port}", "--nnodes", "2", "--nproc-per-node", "2", "--pp", "2")
+    first = Launcher(*flags, "--node-id", "node-a", script, "--steps", "200", cwd=tmp_path)
+    wait_until_waiting(proc, "tiny", "node-a", timeout_s=60)
+    second = Launcher(*flags, "--node-id", "node-b", script, "--steps", "200", cwd=tmp_path)
+    first.wait_for(
+        "every worker to commit step 3",
+        lambda: len(s := _member_steps_remote(proc)) == 4 and min(s.values()) >= 3,
+        timeout_s=150,
+    )
+    record = json.loads((tmp_path / "elaswave-run" / "tiny" / "node-0" / "nodes.json").read_text())
+    node_a = [f"rank-{r}" for r in record["nodes"]["0"]]
+    response = httpx.post(
+        f"http://127.0.0.1:{proc.http_port}/api/v1/jobs/tiny/preempt",
+        json={"worker_ids": node_a, "deadline_unix": time.time() + 30, "reason": "spot reclaim (test)"},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=10,
+    )
+    assert response.status_code == 202, response.text
+    code_a = first.wait(timeout_s=120)
+    assert code_a == EXIT_LEFT_RUNNING_JOB, first.output[-3000:]
+    assert "this node's workers left job 'tiny'" in first.output and "goes on with 2 worker(s)" in first.output
+    assert "finished:" not in first.output
+    assert second.wait(timeout_s=180) == EXIT_COMPLETED, second.output[-3000:]
+    assert "job 'tiny' finished: 200/200 steps, 2 of 4 workers finished" in second.output
