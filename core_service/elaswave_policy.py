@@ -74,7 +74,9 @@ class ElasWavePolicy:
                 joins,
                 cooling,
             ),
-            ElasWaveSettings(self.min_gain, self.clock_hysteresis_mhz, self.default_slowdown, payback=payback),
+            ElasWaveSettings(
+                self.min_gain, self.clock_hysteresis_mhz, self.default_slowdown, payback=payback
+            ),
         )
         return Decision(
             plan.action,

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from bisect import bisect_right
 import time
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -382,7 +382,9 @@ class ScheduleEngine:
             for rank in request.peers:
                 recovery.collective_retries[rank] = recovery.collective_retries.get(rank, 0) + 1
         recovery.request = None
-        _note_unit_moves(job, Layout.from_json(job.layout_json) if job.layout_json else None, new, snapshot.step)
+        _note_unit_moves(
+            job, Layout.from_json(job.layout_json) if job.layout_json else None, new, snapshot.step
+        )
         job.plan_epoch, job.layout_json, job.last_plan = epoch, new.to_json(), plan
         job.acks.setdefault(epoch, {})  # watched from now on (recovery.answered)
         self.metrics.plans_published.labels(policy=decision.policy).inc()

@@ -71,6 +71,9 @@ class Job:
     min_workers: int = 0
     max_workers: int = 0
     offered_workers: int = 0
+    # Per host ("" for offers naming none): devices accepted offers admitted that no worker from
+    # that host has used yet (registered as a spare). Another offer for such a host is refused.
+    offered_hosts: dict[str, int] = field(default_factory=dict)
     # The layout the job was created with: the fault-free shape joins return to.
     original_layout_json: str | None = None
     # Set once every worker of the layout finished (JobPhase.COMPLETED), with the final
@@ -165,6 +168,7 @@ class Job:
                 "min_workers": self.min_workers,
                 "max_workers": self.max_workers,
                 "offered_workers": self.offered_workers,
+                "offered_hosts": self.offered_hosts,
                 "created_unix": self.created_unix,
                 # The creation layout: a new leader starts from it until it restores the plans.
                 "layout_json": self.original_layout_json or self.layout_json,
@@ -320,6 +324,7 @@ class JobTable:
                 job.min_workers = int(spec.get("min_workers", 0))
                 job.max_workers = int(spec.get("max_workers", 0))
                 job.offered_workers = int(spec.get("offered_workers", 0))
+                job.offered_hosts = {str(h): int(n) for h, n in spec.get("offered_hosts", {}).items()}
                 job.original_layout_json = job.layout_json
                 job.completed_unix = spec.get("completed_unix")
                 job.final_checkpoint = str(spec.get("final_checkpoint", ""))

@@ -183,6 +183,7 @@ class Membership:
         kind = "worker_reconnected" if reconnected else ("worker_rejoined" if rejoined else "worker_joined")
         if spare and not reconnected:
             kind = "spare_registered"  # a change to plan for once its worker is ready
+            self._use_offer(job, reg.host)
         self.table.record(
             job,
             kind,
@@ -193,6 +194,16 @@ class Membership:
         )
         self.metrics.agent_streams.set(len(self.sessions))
         return session
+
+    def _use_offer(self, job: Job, host: str) -> None:
+        """A spare registered from `host`: one device an accepted offer admitted there is used."""
+        key = host if job.offered_hosts.get(host, 0) > 0 else ""
+        if job.offered_hosts.get(key, 0) <= 0:
+            return
+        job.offered_hosts[key] -= 1
+        if not job.offered_hosts[key]:
+            del job.offered_hosts[key]
+        self.table.save_spec(job)
 
     def mark_spare_ready(self, job: Job, worker_id: str, now: float) -> bool:
         """A registered spare's worker subscribed to plans: it can join now, so it becomes a

@@ -37,6 +37,13 @@ class JobPhase(StrEnum):
     APPLYING = "APPLYING"
     # Every worker of the layout finished its work (terminal: nothing is planned any more).
     COMPLETED = "COMPLETED"
+    # Terminal too: every worker is gone and no plan is possible, or an operator ended the job
+    # (DELETE /api/v1/jobs/{job}); the job keeps its reason and latest checkpoint.
+    FAILED = "FAILED"
+
+    @property
+    def terminal(self) -> bool:
+        return self is JobPhase.COMPLETED or self is JobPhase.FAILED
 
 
 class AckPhase(StrEnum):

@@ -52,6 +52,7 @@ from core_service.http_guard import error_responses, field_error
 from core_service.job_store import JobStores, StoreError
 from core_service.model import JobPhase
 from elaswave.launcher_describe import model_difference, unit_costs
+from elaswave.launcher_model import job_model
 from elaswave.worker_env import ModelDescription
 from planners.placement import Placement, PlacementError, plan_placement
 
@@ -369,6 +370,8 @@ class Rendezvous:
                         name=g.job,
                         expected_workers=len(placement.rank_node),
                         layout=json.loads(placement.layout.to_json()),
+                        # The first node's describe run as the job's model: offers are judged.
+                        model=job_model(g.nodes[0].description, placement.layout, g.mem_per_worker_bytes),
                     ),
                 )
             except BaseException:

@@ -113,12 +113,22 @@ def offer_room(job: Job) -> int:
     return max(0, job.max_workers - ranks - spares)
 
 
-def offer_refusal(job: Job) -> str:
-    """Why an offer is refused before FlexTrain's test is asked ("" when it is not)."""
-    if job.phase == JobPhase.COMPLETED:
-        return f"job {job.name!r} is COMPLETED: it needs no more devices"
+def offer_refusal(job: Job, hosts: list[str] | None = None) -> str:
+    """Why an offer (of devices on `hosts`; "" for an offer naming none) is refused before
+    FlexTrain's test is asked ("" when it is not): a terminal job, a full one, or a host that
+    still has devices an earlier accepted offer admitted and no worker has used."""
+    if job.phase in (JobPhase.COMPLETED, JobPhase.FAILED):
+        return f"job {job.name!r} is {job.phase.value}: it needs no more devices"
     if offer_room(job) <= 0:
         return f"job {job.name!r} is at its max_workers {job.max_workers}: no plan may add a rank"
+    for host in hosts or []:
+        waiting = job.offered_hosts.get(host, 0)
+        if waiting:
+            where = f"host {host!r}" if host else "offers naming no host"
+            return (
+                f"{where} already has {waiting} offered device(s) that no worker has registered from "
+                "yet: another offer for it is refused until those are used"
+            )
     return ""
 
 
@@ -209,25 +219,33 @@ class SchedulerServicer:
             all(0 < len(h) <= MAX_HOST_CHARS for h in request.hosts), "hosts must be 1-255 characters each"
         )
         finite(request.expected_duration_s, "expected_duration_s")
-        refusal = offer_refusal(job)
+        hosts = sorted(set(request.hosts)) or [""]
+        refusal = offer_refusal(job, hosts)
+        usable = 0
         if refusal:
             accepted, reason = False, refusal
         else:
-            accepted, reason = await self._plan(
+            accepted, reason, usable = await self._plan(
                 context, judge_offer, planning_copy(job), request.devices, request.expected_duration_s
             )
             job = self.core.job_or_not_found(request.job)  # the loop turned: it may be gone
-            refusal = offer_refusal(job)  # ... or have completed, or filled up
+            refusal = offer_refusal(job, hosts)  # ... or have completed, or filled up
             if refusal:
                 accepted, reason = False, refusal
-        admitted = min(request.devices, offer_room(job)) if accepted else 0
+        admitted = min(usable, offer_room(job)) if accepted else 0
         if accepted:
             # The devices' workers register as spares (rank -1); the engine plans them in.
             job.offered_workers += admitted
+            for i, host in enumerate(hosts):  # outstanding per host until its workers register
+                share = admitted // len(hosts) + (1 if i < admitted % len(hosts) else 0)
+                if share:
+                    job.offered_hosts[host] = job.offered_hosts.get(host, 0) + share
             self.core.table.save_spec(job)
             if admitted < request.devices:
-                reason += (
-                    f"; {admitted} of the {request.devices} devices fit under max_workers {job.max_workers}"
+                reason += f"; {admitted} of the {request.devices} devices admitted" + (
+                    f" (max_workers {job.max_workers})"
+                    if admitted < usable
+                    else " (what that configuration uses)"
                 )
         event = self.core.table.record(
             job,

@@ -25,6 +25,7 @@ import httpx
 from elaswave import worker_env as we
 from elaswave.launcher_describe import clean_env, tail
 from elaswave.launcher_join import SCHEDULER_TOKEN_ENV, stop_job, stopped_by_the_core
+from elaswave.launcher_model import job_model
 from elaswave.launcher_monitor import Monitor, outcome, write_stop_file
 from elaswave.launcher_procs import LOOPBACK, Agents, LaunchError, LocalCore, RankSpec
 from elaswave.store_keeper import StoreKeeper
@@ -80,7 +81,9 @@ class Session:
         env = clean_env()
         self.core = LocalCore.start(self.run_dir, env)
         layout = self.placement.layout
-        token = self.core.create_job(self.job, len(layout.ranks()), layout.to_json())
+        cap = None if self.args.mem_per_worker is None else float(self.args.mem_per_worker) * 2**30
+        model = job_model(self.desc, layout, cap)  # the describe run: offers to this job are judged
+        token = self.core.create_job(self.job, len(layout.ranks()), layout.to_json(), model)
         self.stores = StoreKeeper(env, self.run_dir)
         self.http = self.core.http
         self.core_address = f"{LOOPBACK}:{self.core.grpc_port}"
