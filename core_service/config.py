@@ -133,6 +133,12 @@ class CoreSettings(BaseSettings):
     allow_job_creation: bool = Field(default=True, description="POST /api/v1/jobs may create jobs")
     heartbeat_timeout_s: float = Field(default=2.0, gt=0.0, le=600.0)
     lease_ttl_s: float = Field(default=3.0, ge=1.0, le=600.0, description="liveness lease the Core holds")
+    progress_persist_s: float = Field(
+        default=5.0,
+        gt=0.0,
+        le=3600.0,
+        description="a member's last step is stored at most this often (a new leader shows it)",
+    )
     reconnect_grace_s: float = Field(default=5.0, gt=0.0, le=600.0, description="after a takeover")
     leader_ttl_s: float = Field(default=2.0, ge=1.0, le=60.0)
     apply_timeout_s: float = Field(default=30.0, gt=0.0, description="APPLYING -> RUNNING at the latest")

@@ -6,6 +6,8 @@
                                                                                                | (collective failure) -> PLANNING
                                                                                                | (deadline) -> RUNNING
     any phase --(every worker of the layout finished)--> COMPLETED (terminal)
+    PLANNING --(every worker gone, no plan possible)--> FAILED (terminal, with the reason)
+    any phase --(ended on request: REST DELETE, SchedulerService.EndJob)--> STOPPED (terminal)
 
 A spare (a worker registered with rank -1, `WorkerState.SPARE`) is a pending change like a loss:
 the policy may take it in, and the plan names it in `Plan.joiners` with a fresh rank (the
@@ -242,7 +244,7 @@ class ScheduleEngine:
 
     async def tick(self, job: Job, now: float) -> JobPhase:
         """Makes at most one transition of `job`'s state machine and returns the new phase."""
-        if job.phase == JobPhase.COMPLETED:
+        if job.phase.terminal:
             return job.phase
         if job.check_completion:
             job.check_completion = False
@@ -279,6 +281,31 @@ class ScheduleEngine:
             job, "job_completed", detail=f"all {len(finished)} workers finished; {where}", now=now, data=data
         )
         self._enter(job, JobPhase.COMPLETED, now, f"every worker finished its work; {where}")
+
+    def end(self, job: Job, phase: JobPhase, reason: str, now: float) -> Event:
+        """Ends `job` in the terminal `phase` (FAILED or STOPPED) with `reason`; persisted in its
+        spec (a new leader keeps it). Returns the event recorded."""
+        if phase not in (JobPhase.FAILED, JobPhase.STOPPED):
+            raise ValueError(f"a job ends FAILED or STOPPED, not {phase.value}")
+        if not job.latest_checkpoint:
+            reported = [m.checkpoint for m in job.members.values() if m.checkpoint]
+            job.latest_checkpoint = job.final_checkpoint or (reported[-1] if reported else "")
+        job.ended_unix, job.end_phase, job.end_reason = now, phase.value, reason
+        job.pending_changes.clear()
+        job.recovery.request = None
+        self._applying.pop(job.name, None)
+        self._retry.pop(job.name, None)
+        self.table.save_spec(job)
+        where = job.latest_checkpoint or "no checkpoint reported"
+        event = self.table.record(
+            job,
+            f"job_{phase.value.lower()}",
+            detail=f"{reason}; latest checkpoint: {where}",
+            now=now,
+            data={"reason": reason, "latest_checkpoint": job.latest_checkpoint},
+        )
+        self._enter(job, phase, now, reason)
+        return event
 
     def _enter(self, job: Job, phase: JobPhase, now: float, detail: str) -> None:
         job.phase = phase
@@ -332,6 +359,14 @@ class ScheduleEngine:
             )
             return
         target = _target(job, decision, request)
+        if target is None and decision.action == "refuse" and not job.live_members():
+            # Nobody is left to apply any plan, and the policy can make none: the job cannot go
+            # on. FAILED (terminal) with the reason and where to resume from, not RUNNING forever.
+            self.table.record(job, "decision_refuse", detail=decision.reason, now=now, data=data)
+            self.end(
+                job, JobPhase.FAILED, f"every worker is gone and no plan is possible: {decision.reason}", now
+            )
+            return
         if target is None:
             recovery.restore_failures = restore_failures
             self._settle(job, decision.action, decision.reason, now, data)
@@ -627,12 +662,14 @@ class ScheduleEngine:
         """
         job.plan_epoch = epoch
         job.phase = JobPhase.RUNNING if job.completed_unix is None else JobPhase.COMPLETED
+        if job.end_phase:
+            job.phase = JobPhase(job.end_phase)
         job.pending_changes.clear()
         latest = None
         if latest_plan is not None:
             latest = Plan.from_json(latest_plan[1])
             job.layout_json, job.last_plan = latest.new.to_json(), latest
-        if job.phase == JobPhase.COMPLETED:
+        if job.phase.terminal:
             return
         job.check_completion = True  # workers may have finished while no Core led
         if latest is not None:

@@ -80,6 +80,13 @@ class Job:
     # checkpoint they reported ("" when none); persisted in the spec so a new leader keeps it.
     completed_unix: float | None = None
     final_checkpoint: str = ""
+    # FAILED (no plan possible with every worker gone) or STOPPED (ended on request): when, and
+    # why; persisted in the spec like COMPLETED. `latest_checkpoint`: the newest checkpoint the
+    # workers reported writing ("" when none), where a new job resumes from.
+    ended_unix: float | None = None
+    end_phase: str = ""
+    end_reason: str = ""
+    latest_checkpoint: str = ""
     # A member went (finished, left, lost): the engine checks whether the job is complete.
     check_completion: bool = False
     members: dict[str, MemberRecord] = field(default_factory=dict)
@@ -175,6 +182,10 @@ class Job:
                 "model_json": self.model_json,
                 "completed_unix": self.completed_unix,
                 "final_checkpoint": self.final_checkpoint,
+                "ended_unix": self.ended_unix,
+                "end_phase": self.end_phase,
+                "end_reason": self.end_reason,
+                "latest_checkpoint": self.latest_checkpoint,
             },
             sort_keys=True,
         ).encode()
@@ -330,6 +341,12 @@ class JobTable:
                 job.final_checkpoint = str(spec.get("final_checkpoint", ""))
                 if job.completed_unix is not None:
                     job.phase = JobPhase.COMPLETED
+                job.ended_unix = spec.get("ended_unix")
+                job.end_phase = str(spec.get("end_phase", ""))
+                job.end_reason = str(spec.get("end_reason", ""))
+                job.latest_checkpoint = str(spec.get("latest_checkpoint", ""))
+                if job.end_phase:
+                    job.phase = JobPhase(job.end_phase)
                 job.committed_layout_json = job.layout_json  # until the engine restores the job
                 jobs[job.name] = job
         for name, job in jobs.items():

@@ -61,6 +61,7 @@ class AgentSession:
     # The member's last_heartbeat_unix when ReportNow was last sent: one nudge per silence.
     nudged_for_heartbeat: float | None = None
     rejected_reports: int = 0
+    progress_saved_unix: float = 0.0  # when the member's last step was last stored
     worker_token: str = field(default="", repr=False)  # the worker's credential, sent in the RegisterAck
 
 
@@ -122,10 +123,11 @@ class Membership:
                 f"{member.host!r}); registering it again needs its own credential "
                 f"('{WORKER_TOKEN_METADATA}' metadata from its RegisterAck)",
             )
-        if job.phase is JobPhase.COMPLETED:
+        if job.phase.terminal:
+            why = "every worker finished" if job.phase is JobPhase.COMPLETED else job.end_reason
             raise RpcError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"job {job.name!r} is COMPLETED (every worker finished): worker {reg.worker_id!r} refused",
+                f"job {job.name!r} is {job.phase.value} ({why}): worker {reg.worker_id!r} refused",
             )
         limit = self.member_limit(job)
         # Counting live members is O(members): only needed once there could be too many.
@@ -303,6 +305,11 @@ class Membership:
         member = job.member(session.worker_id)
         first_step = member.last_step is None
         member.last_step = report
+        # Progress survives a takeover: the member (with its last step) is stored at most every
+        # progress_persist_s; state changes store it too (issue 27: members read 0 after one).
+        if report.received_unix - session.progress_saved_unix >= self.settings.progress_persist_s:
+            session.progress_saved_unix = report.received_unix
+            self.table.save_member(job, member)
         member.stage, member.dp_rank = report.stage, report.dp_rank
         if member.state == WorkerState.JOINING and first_step:
             self.table.set_state(

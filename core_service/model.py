@@ -40,10 +40,12 @@ class JobPhase(StrEnum):
     # Terminal too: every worker is gone and no plan is possible, or an operator ended the job
     # (DELETE /api/v1/jobs/{job}); the job keeps its reason and latest checkpoint.
     FAILED = "FAILED"
+    # Terminal: ended on request (REST DELETE /api/v1/jobs/{job}, SchedulerService.EndJob).
+    STOPPED = "STOPPED"
 
     @property
     def terminal(self) -> bool:
-        return self is JobPhase.COMPLETED or self is JobPhase.FAILED
+        return self is JobPhase.COMPLETED or self is JobPhase.FAILED or self is JobPhase.STOPPED
 
 
 class AckPhase(StrEnum):

@@ -50,7 +50,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from core_service.config import JOB_NAME_PATTERN
 from core_service.http_guard import error_responses, field_error
 from core_service.job_store import JobStores, StoreError
-from core_service.model import JobPhase
 from elaswave.launcher_describe import model_difference, unit_costs
 from elaswave.launcher_model import job_model
 from elaswave.worker_env import ModelDescription
@@ -222,7 +221,7 @@ class Rendezvous:
     def _running(self, job: str) -> bool:
         """Whether `job` still trains here (not COMPLETED, not deleted): a node may join it."""
         found = self.core.table.jobs.get(job)
-        return found is not None and found.phase is not JobPhase.COMPLETED
+        return found is not None and not found.phase.terminal
 
     def _spare_node(
         self, job: str, formed: Formed, body: JoinRequest, desc: ModelDescription

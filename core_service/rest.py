@@ -119,6 +119,10 @@ def job_summary(job: Job) -> dict[str, Any]:
         # COMPLETED: every worker finished; where the final checkpoint is, as they reported it.
         "completed_unix": job.completed_unix,
         "final_checkpoint": job.final_checkpoint or None,
+        # FAILED or STOPPED: when and why it ended; the newest checkpoint the workers reported.
+        "ended_unix": job.ended_unix,
+        "end_reason": job.end_reason or None,
+        "latest_checkpoint": job.latest_checkpoint or None,
         "has_layout": job.layout_json is not None,
         "last_event_seq": job.next_seq - 1,
     }
@@ -330,6 +334,33 @@ def build_app(core: Core) -> FastAPI:
         start = bisect.bisect_right(record.events, since, key=lambda e: e.seq)
         events = list(itertools.islice(record.events, start, start + limit))
         return {"job": job, "events": [e.__dict__ for e in events]}
+
+    @app.delete(
+        "/api/v1/jobs/{job}",
+        dependencies=[Depends(leader_only), Depends(admin)],
+        responses=error_responses(401, 403, 404, 422, 503),
+    )
+    async def delete_job(
+        job: JobName,
+        reason: Annotated[str, Query(max_length=MAX_REASON_CHARS, description="recorded with the end")] = "",
+    ) -> dict[str, Any]:
+        """Ends the job whatever its phase: its live workers checkpoint and leave at one step
+        boundary, the job is STOPPED (terminal; the record stays). An ended job is answered as
+        it is. The twin of SchedulerService.EndJob (core_service.job_end)."""
+        from core_service.job_end import end_job
+
+        job_or_404(job)
+        ended = end_job(core, job, reason, time.time())
+        try:
+            await core.wait_durable()
+        except RpcError as err:
+            raise HTTPException(503, detail=err.message) from None
+        return {
+            "job": job,
+            "phase": ended.phase.value,
+            "event_seq": ended.event_seq,
+            "stopping_worker_ids": list(ended.stopping),
+        }
 
     @app.post(
         "/api/v1/jobs/{job}/preempt",

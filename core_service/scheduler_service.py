@@ -13,9 +13,10 @@ import grpc
 from core_service.engine import snapshot_of
 from core_service.executor_service import plan_message
 from core_service.grpc_util import RpcError, bearer_token, finite, invalid, require
+from core_service.job_end import end_job
 from core_service.jobs import Job
 from core_service.limits import MAX_DEVICES, MAX_HOST_CHARS, MAX_IDS_PER_REQUEST, MAX_REASON_CHARS
-from core_service.model import JobPhase, MemberRecord, WorkerState
+from core_service.model import MemberRecord, WorkerState
 from core_service.offload import PlanningFailed, PlanningTimeout
 from core_service.policies import (
     DEFAULT_RECLAIM_RATE_PER_S,
@@ -117,7 +118,7 @@ def offer_refusal(job: Job, hosts: list[str] | None = None) -> str:
     """Why an offer (of devices on `hosts`; "" for an offer naming none) is refused before
     FlexTrain's test is asked ("" when it is not): a terminal job, a full one, or a host that
     still has devices an earlier accepted offer admitted and no worker has used."""
-    if job.phase in (JobPhase.COMPLETED, JobPhase.FAILED):
+    if job.phase.terminal:
         return f"job {job.name!r} is {job.phase.value}: it needs no more devices"
     if offer_room(job) <= 0:
         return f"job {job.name!r} is at its max_workers {job.max_workers}: no plan may add a rank"
@@ -315,6 +316,24 @@ class SchedulerServicer:
             plan_epoch=job.plan_epoch,
             last_event_seq=job.next_seq - 1,
             final_checkpoint=job.final_checkpoint,
+            end_reason=job.end_reason,
+            latest_checkpoint=job.latest_checkpoint,
+        )
+
+    async def EndJob(
+        self, request: scheduler_pb2.EndJobRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.EndJobResponse:
+        """The twin of REST DELETE /api/v1/jobs/{job} (core_service.job_end)."""
+        self._authorise(context)
+        require(
+            len(request.reason) <= MAX_REASON_CHARS, f"reason must be at most {MAX_REASON_CHARS} characters"
+        )
+        ended = end_job(self.core, request.job, request.reason, time.time())
+        await self.core.wait_durable()  # answer only once the end is stored
+        return scheduler_pb2.EndJobResponse(
+            phase=common_pb2.JobPhase.Value(f"JOB_PHASE_{ended.phase.value}"),
+            event_seq=ended.event_seq,
+            stopping_worker_ids=list(ended.stopping),
         )
 
     async def GetScaleTable(

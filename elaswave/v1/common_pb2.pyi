@@ -26,6 +26,8 @@ class JobPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_PHASE_PLANNING: _ClassVar[JobPhase]
     JOB_PHASE_APPLYING: _ClassVar[JobPhase]
     JOB_PHASE_COMPLETED: _ClassVar[JobPhase]
+    JOB_PHASE_FAILED: _ClassVar[JobPhase]
+    JOB_PHASE_STOPPED: _ClassVar[JobPhase]
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_JOINING: WorkerState
 WORKER_STATE_RUNNING: WorkerState
@@ -40,6 +42,8 @@ JOB_PHASE_RUNNING: JobPhase
 JOB_PHASE_PLANNING: JobPhase
 JOB_PHASE_APPLYING: JobPhase
 JOB_PHASE_COMPLETED: JobPhase
+JOB_PHASE_FAILED: JobPhase
+JOB_PHASE_STOPPED: JobPhase
 
 class Device(_message.Message):
     __slots__ = ("kind", "index", "name", "memory_bytes")
