@@ -60,7 +60,7 @@ def _registration(msg: agent_pb2.Register, heartbeat_timeout_s: float) -> Regist
     require(
         len(msg.devices) <= MAX_DEVICES_PER_WORKER, f"register has more than {MAX_DEVICES_PER_WORKER} devices"
     )
-    require(msg.pid >= 0, f"register.pid must be >= 0, got {msg.pid}")
+    require(msg.pid >= 0, "register.pid must be >= 0")
     require(
         msg.stage >= -1 and msg.dp_rank >= -1 and msg.rank >= -1,
         "register.stage, dp_rank and rank must be >= -1",
@@ -78,7 +78,7 @@ def _registration(msg: agent_pb2.Register, heartbeat_timeout_s: float) -> Regist
     devices = []
     for d in msg.devices:
         require(d.kind in ("cuda", "npu", "cpu"), f"device kind {d.kind!r} is not cuda, npu or cpu")
-        require(d.index >= 0, f"device index must be >= 0, got {d.index}")
+        require(d.index >= 0, "device index must be >= 0")
         require(
             len(d.name) <= MAX_HOST_CHARS and d.name.isprintable(),
             "device name must be <= 255 printable characters",
@@ -98,7 +98,7 @@ def _registration(msg: agent_pb2.Register, heartbeat_timeout_s: float) -> Regist
 
 
 def _step_report(msg: agent_pb2.StepMetrics, now: float) -> StepReport:
-    require(msg.step >= 0, f"step.step must be >= 0, got {msg.step}")
+    require(msg.step >= 0, "step.step must be >= 0")
     finite(msg.step_time_s, "step.step_time_s")
     finite(msg.compute_time_s, "step.compute_time_s")
     require(msg.stage >= -1 and msg.dp_rank >= -1, "step.stage and step.dp_rank must be >= -1")
@@ -373,7 +373,7 @@ def worker_command(
         detail = f"set_frequency {body.frequency_mhz} MHz"
     elif body.command == "drain":
         deadline = body.deadline_unix if body.deadline_unix is not None else now + DEFAULT_DRAIN_S
-        require(deadline > now, f"deadline_unix {deadline:.3f} is not in the future (now {now:.3f})")
+        require(deadline > now, f"deadline_unix is not in the future (the Core's clock reads {now:.3f})")
         require(deadline <= now + MAX_DEADLINE_AHEAD_S, "deadline_unix is more than 7 days ahead")
         reason = body.reason or "drained by the operator"
         command = agent_pb2.ConnectResponse(drain=agent_pb2.Drain(reason=reason, deadline_unix=deadline))
@@ -383,6 +383,8 @@ def worker_command(
         detail = "report_now"
     if body.command == "drain":
         # The worker is leaving on the Core's word: the planner sees it go (docs/architecture.md ("The Core's decisions")).
+        if member.state is not WorkerState.DRAINING:
+            core.metrics.departures.labels(kind="drained").inc()
         core.table.set_state(job, member, WorkerState.DRAINING, detail, now=now, kind="worker_draining")
     core.membership.send(job_name, worker_id, command)
     event = core.table.record(

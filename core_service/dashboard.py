@@ -229,7 +229,7 @@ def _finite(value: Any) -> Any:
 
 async def _payload(core: Core, data: DashboardData, job: str | None, history_since: float) -> dict[str, Any]:
     if not core.leads:
-        return {"leader": False, "message": core.not_leader_message()}
+        return {"leader": False, "message": core.not_leader_message("http")}
     payload: dict[str, Any] = {"leader": True, "core_id": core.settings.core_id, "jobs": data.jobs()}
     if job is not None and job in core.table.jobs:
         record = core.table.jobs[job]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from core_service.config import PolicyName
 from core_service.engine import Decision, JobSnapshot, Policy
-from core_service.policies import NO_LAYOUT, LayoutPolicy, going_ranks
+from core_service.policies import NO_LAYOUT, LayoutPolicy, departed_ranks, going_ranks
 from planners.chameleon.schema import state_from_dict
 from planners.chameleon.state import JobProfile
 from planners.elaswave_model import DEFAULT_SLOWDOWN, JobModel, RankReport, job_model
@@ -73,6 +73,7 @@ class ElasWavePolicy:
                 recovered,
                 joins,
                 cooling,
+                departed_ranks(snapshot, layout),
             ),
             ElasWaveSettings(
                 self.min_gain, self.clock_hysteresis_mhz, self.default_slowdown, payback=payback

@@ -335,6 +335,10 @@ class ScheduleEngine:
             "epoch": job.plan_epoch,
             **_request_data(request),
         }
+        if taken:
+            # What caused this plan: its earliest change (the dashboard's MTTR counts from it,
+            # never from an older event a previous decision already answered).
+            data.update(cause_seq=taken[0].seq, cause_kind=taken[0].kind, cause_unix=taken[0].time_unix)
         recovery = job.recovery
         # A RESTORE plan whose apply failed: the failure counts once, when it is answered.
         restore_failed = bool(

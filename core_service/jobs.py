@@ -299,10 +299,9 @@ class JobTable:
         was_spare = member.state is WorkerState.SPARE
         member.state = state
         member.state_changed_unix = now
-        if state in (WorkerState.LOST, WorkerState.SLOW, WorkerState.PREEMPTING, WorkerState.LEFT):
-            member.lost_reason = reason
-        elif state == WorkerState.RUNNING:
-            member.lost_reason = ""
+        # A departure (preempted, drained, left) is no loss: only LOST carries a lost_reason.
+        member.lost_reason = reason if state is WorkerState.LOST else ""
+        member.state_reason = "" if state is WorkerState.RUNNING else reason
         if state.is_gone:
             job.failslow.forget(member.worker_id)
             job.check_completion = True

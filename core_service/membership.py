@@ -339,6 +339,8 @@ class Membership:
             )
 
     def preemption(self, job: Job, member: MemberRecord, deadline: float, source: str, now: float) -> None:
+        if member.state is not WorkerState.PREEMPTING:
+            self.metrics.departures.labels(kind="preempted").inc()
         member.preemption_deadline_unix = deadline
         self.table.set_state(
             job,
@@ -369,6 +371,8 @@ class Membership:
         member = job.member(session.worker_id)
         if finished and not member.state.is_gone:
             member.finished, member.checkpoint = True, checkpoint
+        if not member.state.is_gone and member.state not in (WorkerState.PREEMPTING, WorkerState.DRAINING):
+            self.metrics.departures.labels(kind="finished" if finished else "left").inc()
         # A worker that completed its work takes nothing from the job: the others finish theirs too,
         # so re-planning for it would only reshuffle a job that is ending.
         self.table.set_state(

@@ -132,7 +132,8 @@ class MemberRecord:
     pid: int
     devices: list[DeviceInfo] = field(default_factory=list)
     state: WorkerState = WorkerState.JOINING
-    lost_reason: str = ""
+    lost_reason: str = ""  # why the worker was declared LOST ("" in any other state)
+    state_reason: str = ""  # why the worker is in its current state (slow, preempting, left, lost)
     stage: int = -1
     dp_rank: int = -1
     rank: int = -1

@@ -26,6 +26,7 @@ from planners.flextrain import build_scale_table, choose_scale_up, predict_confi
 from planners.layout import Layout
 
 GOING_STATES = frozenset({"LOST", "LEFT", "PREEMPTING", "DRAINING"})
+DEPARTED_STATES = frozenset({"LEFT", "PREEMPTING", "DRAINING"})  # leaving on purpose, not failed
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,15 @@ def going_ranks(snapshot: JobSnapshot, layout: Layout) -> list[int]:
     in_layout = set(layout.ranks())
     return sorted(
         {w.rank for w in snapshot.gone + snapshot.live if w.state in GOING_STATES and w.rank in in_layout}
+    )
+
+
+def departed_ranks(snapshot: JobSnapshot, layout: Layout) -> frozenset[int]:
+    """Ranks of `layout` whose worker leaves on purpose (preempted, draining, left): departures,
+    never failures, in a plan's headline."""
+    in_layout = set(layout.ranks())
+    return frozenset(
+        w.rank for w in snapshot.gone + snapshot.live if w.state in DEPARTED_STATES and w.rank in in_layout
     )
 
 

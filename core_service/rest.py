@@ -44,9 +44,9 @@ if TYPE_CHECKING:
     from core_service.core import Core
 
 bearer = HTTPBearer(auto_error=False)
-# A job name in a path: longer names cannot exist (config.JOB_NAME_PATTERN), so they are refused
-# with 422 before any lookup.
-JobName = Annotated[str, Path(max_length=63, description="job name")]
+# A job name in a path: a name that cannot exist (config.JOB_NAME_PATTERN: too long, or other
+# characters) is refused with 422 before any lookup; a well-formed name nobody created is 404.
+JobName = Annotated[str, Path(max_length=63, pattern=JOB_NAME_PATTERN.pattern, description="job name")]
 
 
 class CreateJobRequest(BaseModel):
@@ -208,7 +208,7 @@ def build_app(core: Core) -> FastAPI:
 
     def leader_only() -> None:
         if not core.leads:
-            raise HTTPException(503, detail=core.not_leader_message())
+            raise HTTPException(503, detail=core.not_leader_message("http"))
 
     def job_or_404(name: str) -> Job:
         try:
@@ -259,7 +259,7 @@ def build_app(core: Core) -> FastAPI:
             "status": "ok",
             "role": "leader" if core.leads else "standby",
             "core_id": core.settings.core_id,
-            "leader": core.not_leader_message().split("is ")[-1],
+            "leader": core.not_leader_message("http").split("is ")[-1],
             "uptime_s": time.time() - core.started_unix,
         }
 
@@ -270,7 +270,7 @@ def build_app(core: Core) -> FastAPI:
         ready = core.leads
         body = {"ready": ready, "role": "leader" if ready else "standby", "core_id": core.settings.core_id}
         if not ready:
-            body["detail"] = core.not_leader_message()
+            body["detail"] = core.not_leader_message("http")
         return Response(json.dumps(body), status_code=200 if ready else 503, media_type="application/json")
 
     @app.get(
@@ -378,7 +378,9 @@ def build_app(core: Core) -> FastAPI:
         try:
             response = await core.scheduler.preempt(grpc_request)
         except RpcError as err:
-            status = {"FAILED_PRECONDITION": 409, "UNAVAILABLE": 503}.get(err.code.name, 422)
+            status = {"NOT_FOUND": 404, "FAILED_PRECONDITION": 409, "UNAVAILABLE": 503}.get(
+                err.code.name, 422
+            )
             detail: Any = field_error("", err.message) if status == 422 else err.message
             raise HTTPException(status, detail=detail) from None
         return {"event_seq": response.event_seq}

@@ -46,7 +46,7 @@ def planning_copy(job: Job) -> Job:
 
 
 def check_devices(devices: int, name: str) -> None:
-    require(1 <= devices <= MAX_DEVICES, f"{name} must be >= 1 and <= {MAX_DEVICES}, got {devices}")
+    require(1 <= devices <= MAX_DEVICES, f"{name} must be >= 1 and <= {MAX_DEVICES}")
 
 
 def check_ids(ids: Any, name: str) -> None:
@@ -65,6 +65,7 @@ def member_message(member: MemberRecord) -> common_pb2.Member:
         ],
         state=common_pb2.WorkerState.Value(f"WORKER_STATE_{member.state.value}"),
         lost_reason=member.lost_reason,
+        state_reason=member.state_reason,
         last_heartbeat_unix=member.last_heartbeat_unix,
         last_step=step.step if step else -1,
         last_step_time_s=step.step_time_s if step else 0.0,
@@ -159,9 +160,7 @@ class SchedulerServicer:
 
     def _deadline(self, deadline_unix: float, now: float) -> None:
         finite(deadline_unix, "deadline_unix")
-        require(
-            deadline_unix > now, f"deadline_unix {deadline_unix:.3f} is not in the future (now {now:.3f})"
-        )
+        require(deadline_unix > now, f"deadline_unix is not in the future (the Core's clock reads {now:.3f})")
         require(deadline_unix <= now + MAX_DEADLINE_AHEAD_S, "deadline_unix is more than 7 days ahead")
 
     async def SignalPreemption(
@@ -186,8 +185,8 @@ class SchedulerServicer:
         members = []
         for worker_id in request.worker_ids:
             member = job.members.get(worker_id)
-            require(member is not None, f"job {job.name!r} has no worker {worker_id!r}")
-            assert member is not None
+            if member is None:
+                raise RpcError(grpc.StatusCode.NOT_FOUND, f"job {job.name!r} has no worker {worker_id!r}")
             require(not member.state.is_gone, f"worker {worker_id!r} is already {member.state.value}")
             members.append(member)
         survivors = [

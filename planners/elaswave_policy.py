@@ -62,6 +62,8 @@ class ElasWaveInput:
     recovered: frozenset[int] = frozenset()
     joins: Joins | None = None
     cooling: frozenset[int] = frozenset()  # units that moved within the cool-down
+    # Going ranks that leave on purpose (preempted, drained, left): "departed", never "lost".
+    departed: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ def plan_elaswave(inp: ElasWaveInput, settings: ElasWaveSettings = ElasWaveSetti
     if not going and not slow and not recovered and not spares:
         text = "no rank of the current layout is leaving, slow or recovered, and no spare waits"
         return ElasWavePlan("none", None, (), text)
-    resized = resize_for_going(layout, going) if going else Resized(layout, ())
+    resized = resize_for_going(layout, going, inp.departed) if going else Resized(layout, ())
     if resized.layout is None:
         return ElasWavePlan("refuse", None, resized.reasons, resized.refusal)
     grown, reasons = resized.layout, resized.reasons
@@ -168,19 +170,20 @@ def _plan(
     return ElasWavePlan("publish", new, reasons, summary, t_after)
 
 
-def resize_for_going(layout: Layout, going: Sequence[int]) -> Resized:
+def resize_for_going(layout: Layout, going: Sequence[int], departed: Set[int] = frozenset()) -> Resized:
     """Stages that lose every rank hand their layers to a neighbour; the survivors of the others
     take the going ranks' samples (micro-batch resizing, ElasWave §4.1); the result validates.
-    The last two reasons are the resize's own and the micro-batch sizes."""
+    The last two reasons are the resize's own and the micro-batch sizes. `departed`: going ranks
+    that leave on purpose (a preemption, a drain), named "departed" in the headline, not "lost"."""
     remaining, dropped, emptied = _drop_emptied_stages(layout, set(going))
     if remaining is None:
         return Resized(None, dropped, "every stage would lose all of its ranks", emptied)
     left = [r for r in going if r in set(remaining.ranks())]
     result = resize_after_loss(remaining, left)
-    headline = f"lost ranks {sorted(left)}"
-    text = result.reason
+    headline = going_headline(left, departed)
+    text = result.reason.replace(f"lost ranks {sorted(left)}", headline, 1)
     if not left:  # every going rank went with a dropped stage: no survivor's share changes
-        headline = text = f"lost ranks {sorted(going)} (with their stages)"
+        headline = text = f"{going_headline(going, departed)} (with their stages)"
     report = validate(result.layout)
     if not report.ok:
         return Resized(
@@ -219,3 +222,11 @@ def _drop_emptied_stages(
         reasons.append(Reason(Step.RESIZE, Outcome.CHANGED, text))
         emptied_ids.append(stage.stage)
         layout = drop_stage(layout, stage.stage)
+
+
+def going_headline(going: Sequence[int], departed: Set[int]) -> str:
+    """ "lost ranks [..]" for failures, "departed ranks [..]" for ranks that leave on purpose."""
+    lost = sorted(r for r in going if r not in departed)
+    left = sorted(r for r in going if r in departed)
+    parts = ([f"lost ranks {lost}"] if lost else []) + ([f"departed ranks {left}"] if left else [])
+    return "; ".join(parts) or "lost ranks []"
