@@ -105,8 +105,20 @@ def _step_report(msg: agent_pb2.StepMetrics, now: float) -> StepReport:
     loss = None if math.isnan(msg.loss) else msg.loss
     if loss is not None:
         finite(loss, "step.loss", minimum=float("-inf"))
+    require(
+        len(msg.checkpoint) <= MAX_DETAIL_CHARS,
+        f"step.checkpoint is longer than {MAX_DETAIL_CHARS} characters",
+    )
     return StepReport(
-        msg.step, msg.step_time_s, msg.compute_time_s, loss, msg.samples, msg.stage, msg.dp_rank, now
+        msg.step,
+        msg.step_time_s,
+        msg.compute_time_s,
+        loss,
+        msg.samples,
+        msg.stage,
+        msg.dp_rank,
+        now,
+        msg.checkpoint,
     )
 
 

@@ -310,6 +310,8 @@ class Membership:
         if report.received_unix - session.progress_saved_unix >= self.settings.progress_persist_s:
             session.progress_saved_unix = report.received_unix
             self.table.save_member(job, member)
+        if report.checkpoint:
+            self.checkpoint_written(job, member.worker_id, report.checkpoint, report.received_unix)
         member.stage, member.dp_rank = report.stage, report.dp_rank
         if member.state == WorkerState.JOINING and first_step:
             self.table.set_state(
@@ -337,6 +339,17 @@ class Membership:
                 now=report.received_unix,
                 kind="worker_recovered",
             )
+
+    def checkpoint_written(self, job: Job, worker_id: str, path: str, now: float) -> None:
+        """A worker completed checkpoint `path` (a requested one, a periodic one, the final one):
+        the job's latest checkpoint, recorded once per checkpoint (`checkpoint_written`)."""
+        if path == job.latest_checkpoint:
+            return
+        job.latest_checkpoint = path
+        self.table.save_spec(job)  # a new leader, and a job that ends FAILED, know where to resume
+        self.table.record(
+            job, "checkpoint_written", worker_id=worker_id, detail=path, now=now, data={"checkpoint": path}
+        )
 
     def preemption(self, job: Job, member: MemberRecord, deadline: float, source: str, now: float) -> None:
         if member.state is not WorkerState.PREEMPTING:
@@ -371,6 +384,8 @@ class Membership:
         member = job.member(session.worker_id)
         if finished and not member.state.is_gone:
             member.finished, member.checkpoint = True, checkpoint
+        if checkpoint:  # a stop on request: its checkpoint is reported with the Leave
+            self.checkpoint_written(job, member.worker_id, checkpoint, now)
         if not member.state.is_gone and member.state not in (WorkerState.PREEMPTING, WorkerState.DRAINING):
             self.metrics.departures.labels(kind="finished" if finished else "left").inc()
         # A worker that completed its work takes nothing from the job: the others finish theirs too,

@@ -114,6 +114,7 @@ class StepReport:
     stage: int
     dp_rank: int
     received_unix: float
+    checkpoint: str = ""  # a checkpoint the worker completed since its previous report
 
     @property
     def own_time_s(self) -> float:

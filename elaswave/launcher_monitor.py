@@ -31,6 +31,9 @@ NOTABLE_EVENTS = frozenset(
         "decision_refuse",
         "worker_draining",
         "checkpoint_requested",
+        "checkpoint_written",
+        "job_failed",
+        "job_stopped",
     }
 )
 RATE_WINDOW_S = 10.0

@@ -199,6 +199,7 @@ class CoreDrivenWorker(PlanFollowing):
         self.metrics = StepMetricsClient.from_env()
         self.control = ControlReader.from_env()
         self.slow = None if place.slow_file is None else SlowInjection(place.slow_file, self.control)
+        self._checkpoints_reported = 0  # checkpoints written and told to the Core (step metrics)
         self._compute_s = 0.0  # the step in flight's own compute (wall time minus waiting on peers)
         self.writer = None
         if settings.checkpoint_dir is not None:
@@ -519,6 +520,15 @@ class CoreDrivenWorker(PlanFollowing):
             )
         self.results["checkpoints_written"] = [str(p) for p in self.writer.written]
 
+    def _new_checkpoint(self) -> str:
+        """The newest checkpoint this worker committed since its previous step report ("" for
+        none): the Core reports it as written (`checkpoint_written`, the job's latest)."""
+        written = self.writer.written if self.writer is not None else []
+        if len(written) <= self._checkpoints_reported:
+            return ""
+        self._checkpoints_reported = len(written)
+        return str(written[-1])
+
     def _committed(self, step: int, result: Any, seconds: float) -> None:
         if result is None:
             raise RuntimeError(f"step {step} committed on rank {self.args.rank} without having run")
@@ -535,6 +545,7 @@ class CoreDrivenWorker(PlanFollowing):
                 step=step,
                 step_time_s=seconds,
                 compute_time_s=self._compute_s,
+                checkpoint=self._new_checkpoint(),
                 loss=None if result is None else result.loss,
                 samples=0 if result is None else result.samples_processed,
                 stage=self.trainer.stage,
