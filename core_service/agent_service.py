@@ -21,7 +21,7 @@ from fastapi.params import Depends
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core_service.grpc_util import Malformed, RpcError, bearer_token, finite, invalid, metadata_value, require
-from core_service.http_guard import error_responses, field_error
+from core_service.http_guard import JobName, error_responses, field_error
 from core_service.jobs import UnknownJob
 from core_service.limits import MAX_DETAIL_CHARS, MAX_HOST_CHARS, MAX_OPERATION_CHARS, MAX_REASON_CHARS
 from core_service.membership import WORKER_TOKEN_METADATA, AgentSession, Registration
@@ -423,7 +423,7 @@ def worker_command_router(core: Core, dependencies: list[Depends]) -> APIRouter:
         responses=error_responses(400, 401, 403, 404, 409, 413, 422, 503),
     )
     async def send_worker_command(
-        job: Annotated[str, Path(max_length=63)],
+        job: JobName,
         worker: Annotated[str, Path(max_length=128)],
         body: WorkerCommandRequest,
     ) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from fastapi.params import Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 from core_service.config import JOB_NAME_PATTERN
-from core_service.http_guard import error_responses, field_error
+from core_service.http_guard import JobName, error_responses, field_error
 from core_service.job_store import JobStores, StoreError
 from elaswave.launcher_describe import model_difference, unit_costs
 from elaswave.launcher_model import job_model
@@ -449,7 +449,7 @@ def rendezvous_router(core: Core, dependencies: list[Depends]) -> APIRouter:
             **error_responses(400, 401, 403, 408, 409, 413, 422, 500, 503),
         },
     )
-    async def post_rendezvous(job: str, body: JoinRequest, response: Response) -> dict[str, Any]:
+    async def post_rendezvous(job: JobName, body: JoinRequest, response: Response) -> dict[str, Any]:
         # async: the gatherings and the job table are only touched on the event loop.
         response.status_code, answer = await rendezvous.join(job, body)
         return answer

@@ -14,7 +14,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Path, Query, Response
+from fastapi import Depends, FastAPI, HTTPException, Query, Response
 from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from core_service.config import JOB_NAME_PATTERN, MIN_TOKEN_LENGTH, JobSpec, check_worker_bounds
 from core_service.grpc_util import RpcError
-from core_service.http_guard import error_responses, field_error
+from core_service.http_guard import JobName, error_responses, field_error
 from core_service.http_guard import install as install_guards
 from core_service.jobs import Job, JobExists, UnknownJob
 from core_service.limits import (
@@ -44,9 +44,6 @@ if TYPE_CHECKING:
     from core_service.core import Core
 
 bearer = HTTPBearer(auto_error=False)
-# A job name in a path: a name that cannot exist (config.JOB_NAME_PATTERN: too long, or other
-# characters) is refused with 422 before any lookup; a well-formed name nobody created is 404.
-JobName = Annotated[str, Path(max_length=63, pattern=JOB_NAME_PATTERN.pattern, description="job name")]
 
 
 class CreateJobRequest(BaseModel):
