@@ -190,7 +190,7 @@ def format_event(event: dict[str, Any], most: int | None = None) -> str:
 EXIT_COMPLETED = 0  # the job completed: every worker finished, or finished with others planned around
 EXIT_FAILED = 1  # the job failed (no worker finished; or the Core's phase is FAILED)
 EXIT_LEFT_RUNNING_JOB = 3  # this node's workers left (preempted, drained, lost); the job goes on elsewhere
-TERMINAL_PHASES = frozenset({"COMPLETED", "FAILED"})
+TERMINAL_PHASES = frozenset({"COMPLETED", "FAILED", "STOPPED"})
 
 
 @dataclass(frozen=True)
