@@ -214,12 +214,12 @@ def outcome(
 
     - stopped on request (Ctrl-C, SIGTERM, another node's or an operator's stop): the shell's
       128 + signal when the workers left cleanly, else `EXIT_FAILED`;
-    - the Core's phase is FAILED: `EXIT_FAILED`, with the Core's reason;
     - `local_workers` (this node's) all left while the job, not terminal, goes on with workers
       elsewhere: `EXIT_LEFT_RUNNING_JOB` (the job is not done; this node is);
-    - completed: every agent exited 0, or some worker finished its work (it commits its last
-      step only with the whole job) and the others were lost on the way and planned around;
-    - otherwise `EXIT_FAILED`.
+    - completed, unless the Core's phase is FAILED: every agent exited 0, or some worker finished
+      its work (it commits its last step only with the whole job) and the others were lost on
+      the way and planned around;
+    - otherwise `EXIT_FAILED`, with the ranks that exited non-zero and the Core's reason.
     `world`: the job's workers, where this launcher runs only some (one node of several)."""
     finished = sorted({e["worker_id"] for e in events if e["kind"] == "worker_finished"})
     failed = tuple(sorted(r for r, c in exit_codes.items() if c != 0))
@@ -235,9 +235,6 @@ def outcome(
                 failed,
             )
         return Outcome(128 + stop_signal, f"job {job!r} stopped on request after step {step}{lost_note}", ())
-    if snapshot.phase == "FAILED":
-        why = next((e["detail"] for e in reversed(events) if e["kind"] == "job_failed"), "see its events")
-        return Outcome(EXIT_FAILED, f"job {job!r} failed after step {step}: {why}", failed)
     elsewhere = [m for m in snapshot.live if m["worker_id"] not in local_workers]
     # A worker of this node that finished committed the job's last step with everyone: done.
     local_finished = local_workers.intersection(finished)
@@ -248,7 +245,8 @@ def outcome(
             f"{len(elsewhere)} worker(s) elsewhere and is not finished (exit {EXIT_LEFT_RUNNING_JOB})",
             failed,
         )
-    if not failed or finished:
+    core_failed = snapshot.phase == "FAILED"
+    if not core_failed and (not failed or finished):
         return Outcome(
             EXIT_COMPLETED,
             f"job {job!r} finished: {step + 1}/{total_steps} steps, {len(finished)} of "
@@ -256,10 +254,11 @@ def outcome(
             failed,
         )
     where = f"after step {step}" if step >= 0 else "before its first step"
-    codes = ", ".join(f"rank {r}: {exit_codes[r]}" for r in failed)
-    return Outcome(
-        EXIT_FAILED,
-        f"job {job!r} failed {where}: no worker finished; ranks {list(failed)} exited non-zero "
-        f"({codes}); see their logs in the run directory",
-        failed,
-    )
+    parts = [] if finished else ["no worker finished"]
+    if failed:
+        codes = ", ".join(f"rank {r}: {exit_codes[r]}" for r in failed)
+        parts.append(f"ranks {list(failed)} exited non-zero ({codes}); see their logs in the run directory")
+    if core_failed:
+        why = next((e["detail"] for e in reversed(events) if e["kind"] == "job_failed"), "see its events")
+        parts.append(f"the Core ended the job FAILED: {why}")
+    return Outcome(EXIT_FAILED, f"job {job!r} failed {where}: {'; '.join(parts)}", failed)
