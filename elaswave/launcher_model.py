@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 MAX_DEVICES = 65_536
 # Memory cap per device when the launcher was given none (--mem-per-worker): 1 TiB, no bound.
 UNBOUNDED_MEM_BYTES = float(2**40)
+MAX_LAYERS = 4_096  # core_service.limits.MAX_LAYERS: a larger model is not registered
 
 
 def model_state(
@@ -55,7 +56,15 @@ def model_state(
 def job_model(desc: ModelDescription, layout: Layout, mem_cap_bytes: float | None) -> dict[str, Any] | None:
     """The job's model for `layout` when every stage has the same DP (FlexTrain's shape), else
     None (the job is then membership-only: offers are admitted without a scale table)."""
+    from planners.chameleon.schema import state_from_dict  # noqa: PLC0415 - planners only here
+
     sizes = {len(stage.ranks) for stage in layout.stages}
-    if len(sizes) != 1:
+    if len(sizes) != 1 or len(desc.units) > MAX_LAYERS:
         return None
-    return model_state(desc, layout.num_stages, sizes.pop(), mem_cap_bytes)
+    model = model_state(desc, layout.num_stages, sizes.pop(), mem_cap_bytes)
+    try:
+        if model is not None:
+            state_from_dict(model)  # what the Core checks: a model it would refuse is not sent
+    except ValueError:
+        return None  # the job is created membership-only rather than not at all
+    return model
