@@ -87,6 +87,7 @@ class ElasWavePolicy:
             predicted_step_time_s=plan.predicted_step_time_s,
             reasons=texts(plan.reasons),
             joiners=plan.joiners,
+            optional=not going and joins is None,
         )
 
 

@@ -126,6 +126,9 @@ class Decision:
     reasons: tuple[str, ...] = ()
     alternatives: tuple[dict, ...] = field(default_factory=tuple)
     joiners: tuple[tuple[int, str], ...] = ()  # (new rank, spare's worker id) the layout takes in
+    # A plan nobody needs (only slow or recovered ranks): the units it moves start their
+    # cool-down (planners.elaswave_payback). Moves forced by a loss or a join start none.
+    optional: bool = False
 
 
 class Policy(Protocol):
@@ -421,9 +424,9 @@ class ScheduleEngine:
             for rank in request.peers:
                 recovery.collective_retries[rank] = recovery.collective_retries.get(rank, 0) + 1
         recovery.request = None
-        _note_unit_moves(
-            job, Layout.from_json(job.layout_json) if job.layout_json else None, new, snapshot.step
-        )
+        if decision.optional:
+            old_layout = Layout.from_json(job.layout_json) if job.layout_json else None
+            _note_unit_moves(job, old_layout, new, snapshot.step)
         job.plan_epoch, job.layout_json, job.last_plan = epoch, new.to_json(), plan
         job.acks.setdefault(epoch, {})  # watched from now on (recovery.answered)
         self.metrics.plans_published.labels(policy=decision.policy).inc()

@@ -9,7 +9,9 @@ settle them:
 
 - payback: an optional plan is adopted only when its predicted gain per step, over
   `payback_steps` steps, is at least its cost (`plan_pause_s` + moved bytes / `state_bytes_per_s`);
-- cool-down: an optional plan may not move a unit that moved in the last `cooldown_steps` steps.
+- cool-down: an optional plan may not move a unit that another optional plan moved in the last
+  `cooldown_steps` steps (moves forced by a loss or a join start no cool-down: they answer a
+  new condition, not noise).
 """
 
 from __future__ import annotations
