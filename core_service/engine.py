@@ -201,6 +201,7 @@ class _Applying:
     epoch: int
     started: float
     deadline: float
+    optional: bool = False  # a plan nobody needed: its pause prices the next one (payback rule)
 
 
 @dataclass
@@ -445,7 +446,7 @@ class ScheduleEngine:
             data["joiners"] = [[rank, worker] for rank, worker in joiners]
         self.table.record(job, "plan_published", detail=detail, now=now, data=data)
         self._place_joiners(job, new, decision.joiners, epoch, now)
-        self._applying[job.name] = _Applying(epoch, now, now + self.apply_timeout_s)
+        self._applying[job.name] = _Applying(epoch, now, now + self.apply_timeout_s, decision.optional)
         self._enter(job, JobPhase.APPLYING, now, f"waiting for executors to apply epoch {epoch}")
 
     def _place_joiners(
@@ -540,7 +541,8 @@ class ScheduleEngine:
         }
         if live and all(w in acks and acks[w].phase == AckPhase.RESUMED for w in live):
             self.metrics.apply_seconds.observe(now - applying.started)
-            job.plan_pause_s = now - applying.started  # what the next optional plan must pay back
+            if applying.optional:  # a loss's plan also replays a step: not what an optional one costs
+                job.plan_pause_s = now - applying.started  # what the next optional plan must pay back
             self._enter(job, JobPhase.RUNNING, now, f"epoch {applying.epoch} applied by {len(live)} workers")
         elif now >= applying.deadline:
             self._enter(
