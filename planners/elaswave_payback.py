@@ -67,7 +67,7 @@ def judge_optional(
     hot = [m for m in moves if m[0] in cooling]
     if hot:
         return Reason(
-            Step.GRAPH,
+            Step.PAYBACK,
             Outcome.DECLINED,
             f"plan not adopted: it would move {describe(hot)}, which moved less than "
             f"{settings.cooldown_steps} steps ago (cool-down per unit)",
@@ -83,7 +83,7 @@ def judge_optional(
         return None
     pays = f"in {cost / gain:.0f} steps" if gain > 0 else "never"
     return Reason(
-        Step.PREDICTION,
+        Step.PAYBACK,
         Outcome.DECLINED,
         f"plan not adopted: its predicted gain {gain:.4g} s per step pays back its cost {cost:.3g} s "
         f"(a {settings.plan_pause_s:.3g} s pause, {state:,} bytes of state moved) {pays}, "

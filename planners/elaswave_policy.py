@@ -108,6 +108,13 @@ def plan_elaswave(inp: ElasWaveInput, settings: ElasWaveSettings = ElasWaveSetti
         grown, joiners, reasons = added.layout, added.joiners, (*reasons, *added.reasons)
     optional = not going and not spares  # only slow or recovered ranks: the plan may wait
     plan = _plan(layout, grown, reasons, model, slow, recovered, settings, inp.cooling if optional else None)
+    if optional and settings.migrate and _declined_by_payback(plan):
+        # Moving units does not pay (or a unit cools down): the clocks alone may (DVFS, §4.3),
+        # and giving an up-clock back always does.
+        clocks_only = replace(settings, migrate=False)
+        fallback = _plan(layout, grown, reasons, model, slow, recovered, clocks_only, inp.cooling)
+        if fallback.action == "publish":
+            return replace(fallback, reasons=(*fallback.reasons, plan.reasons[-1]))
     if plan.action != "publish" or not joiners:
         return plan
     kept = set(plan.layout.ranks()) if plan.layout is not None else set()
@@ -168,6 +175,10 @@ def _plan(
             return ElasWavePlan("none", None, reasons, declined.text, t_before)
     summary = "; ".join([*headlines(reasons), predicted.text])
     return ElasWavePlan("publish", new, reasons, summary, t_after)
+
+
+def _declined_by_payback(plan: ElasWavePlan) -> bool:
+    return plan.action == "none" and bool(plan.reasons) and plan.reasons[-1].step is Step.PAYBACK
 
 
 def resize_for_going(layout: Layout, going: Sequence[int], departed: Set[int] = frozenset()) -> Resized:
