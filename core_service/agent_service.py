@@ -21,7 +21,7 @@ from fastapi.params import Depends
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core_service.grpc_util import Malformed, RpcError, bearer_token, finite, invalid, metadata_value, require
-from core_service.http_guard import error_responses, field_error
+from core_service.http_guard import JobName, error_responses, field_error
 from core_service.jobs import UnknownJob
 from core_service.limits import MAX_DETAIL_CHARS, MAX_HOST_CHARS, MAX_OPERATION_CHARS, MAX_REASON_CHARS
 from core_service.membership import WORKER_TOKEN_METADATA, AgentSession, Registration
@@ -60,7 +60,7 @@ def _registration(msg: agent_pb2.Register, heartbeat_timeout_s: float) -> Regist
     require(
         len(msg.devices) <= MAX_DEVICES_PER_WORKER, f"register has more than {MAX_DEVICES_PER_WORKER} devices"
     )
-    require(msg.pid >= 0, f"register.pid must be >= 0, got {msg.pid}")
+    require(msg.pid >= 0, "register.pid must be >= 0")
     require(
         msg.stage >= -1 and msg.dp_rank >= -1 and msg.rank >= -1,
         "register.stage, dp_rank and rank must be >= -1",
@@ -78,7 +78,7 @@ def _registration(msg: agent_pb2.Register, heartbeat_timeout_s: float) -> Regist
     devices = []
     for d in msg.devices:
         require(d.kind in ("cuda", "npu", "cpu"), f"device kind {d.kind!r} is not cuda, npu or cpu")
-        require(d.index >= 0, f"device index must be >= 0, got {d.index}")
+        require(d.index >= 0, "device index must be >= 0")
         require(
             len(d.name) <= MAX_HOST_CHARS and d.name.isprintable(),
             "device name must be <= 255 printable characters",
@@ -98,15 +98,27 @@ def _registration(msg: agent_pb2.Register, heartbeat_timeout_s: float) -> Regist
 
 
 def _step_report(msg: agent_pb2.StepMetrics, now: float) -> StepReport:
-    require(msg.step >= 0, f"step.step must be >= 0, got {msg.step}")
+    require(msg.step >= 0, "step.step must be >= 0")
     finite(msg.step_time_s, "step.step_time_s")
     finite(msg.compute_time_s, "step.compute_time_s")
     require(msg.stage >= -1 and msg.dp_rank >= -1, "step.stage and step.dp_rank must be >= -1")
     loss = None if math.isnan(msg.loss) else msg.loss
     if loss is not None:
         finite(loss, "step.loss", minimum=float("-inf"))
+    require(
+        len(msg.checkpoint) <= MAX_DETAIL_CHARS,
+        f"step.checkpoint is longer than {MAX_DETAIL_CHARS} characters",
+    )
     return StepReport(
-        msg.step, msg.step_time_s, msg.compute_time_s, loss, msg.samples, msg.stage, msg.dp_rank, now
+        msg.step,
+        msg.step_time_s,
+        msg.compute_time_s,
+        loss,
+        msg.samples,
+        msg.stage,
+        msg.dp_rank,
+        now,
+        msg.checkpoint,
     )
 
 
@@ -373,7 +385,7 @@ def worker_command(
         detail = f"set_frequency {body.frequency_mhz} MHz"
     elif body.command == "drain":
         deadline = body.deadline_unix if body.deadline_unix is not None else now + DEFAULT_DRAIN_S
-        require(deadline > now, f"deadline_unix {deadline:.3f} is not in the future (now {now:.3f})")
+        require(deadline > now, f"deadline_unix is not in the future (the Core's clock reads {now:.3f})")
         require(deadline <= now + MAX_DEADLINE_AHEAD_S, "deadline_unix is more than 7 days ahead")
         reason = body.reason or "drained by the operator"
         command = agent_pb2.ConnectResponse(drain=agent_pb2.Drain(reason=reason, deadline_unix=deadline))
@@ -383,6 +395,8 @@ def worker_command(
         detail = "report_now"
     if body.command == "drain":
         # The worker is leaving on the Core's word: the planner sees it go (docs/architecture.md ("The Core's decisions")).
+        if member.state is not WorkerState.DRAINING:
+            core.metrics.departures.labels(kind="drained").inc()
         core.table.set_state(job, member, WorkerState.DRAINING, detail, now=now, kind="worker_draining")
     core.membership.send(job_name, worker_id, command)
     event = core.table.record(
@@ -409,7 +423,7 @@ def worker_command_router(core: Core, dependencies: list[Depends]) -> APIRouter:
         responses=error_responses(400, 401, 403, 404, 409, 413, 422, 503),
     )
     async def send_worker_command(
-        job: Annotated[str, Path(max_length=63)],
+        job: JobName,
         worker: Annotated[str, Path(max_length=128)],
         body: WorkerCommandRequest,
     ) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core_service.agent_service import HTTP_STATUS
 from core_service.grpc_util import RpcError
-from core_service.http_guard import error_responses, field_error
+from core_service.http_guard import JobName, error_responses, field_error
 from wire.v1 import agent_pb2
 from wire.worker_env import steps_ahead
 
@@ -96,7 +96,7 @@ def checkpoint_router(core: Core, dependencies: list[Depends]) -> APIRouter:
         status_code=202,
         responses=error_responses(400, 401, 403, 404, 409, 413, 422, 503),
     )
-    async def post_checkpoint(job: str, body: CheckpointRequestBody | None = None) -> dict[str, Any]:
+    async def post_checkpoint(job: JobName, body: CheckpointRequestBody | None = None) -> dict[str, Any]:
         # async: the commands go into asyncio.Queues, which only the event loop may touch.
         try:
             return request_checkpoint(core, job, body or CheckpointRequestBody(), time.time(), pending)

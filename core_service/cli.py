@@ -129,10 +129,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(settings: CoreSettings, ready_file: Path | None) -> int:
-    from core_service.core import Core
+    from core_service.core import Core, PortTaken
 
     core = Core(settings)
-    await core.start()
+    try:
+        await core.start()
+    except PortTaken as exc:
+        # One line naming the setting and the port, exit status 1; nothing is left running.
+        print(f"elaswave core: {exc}", file=sys.stderr)
+        await core.stop()
+        return 1
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, core.request_stop)

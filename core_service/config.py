@@ -90,12 +90,23 @@ class JobSpec(BaseModel):
 
 
 class FailSlowSettings(BaseModel):
-    """Fail-slow detection: a worker is slow when its step time is an outlier among its stage peers."""
+    """Fail-slow detection: a worker is slow when its step time is an outlier among its stage peers
+    for `trigger_steps` steps in a row, and counts as slow until it is within `clear_ratio` of them
+    for `clear_steps` steps in a row (hysteresis: the two thresholds differ by a margin)."""
 
     ratio: float = Field(default=1.5, gt=1.0, description="step time / peer median that counts as slow")
     mad_k: float = Field(default=3.0, ge=0.0, description="also require time > median + k * MAD")
-    trigger_steps: int = Field(default=3, ge=1, description="consecutive slow steps before flagging")
-    clear_steps: int = Field(default=3, ge=1, description="consecutive normal steps before clearing")
+    trigger_steps: int = Field(default=5, ge=1, description="consecutive slow steps before flagging")
+    clear_steps: int = Field(default=5, ge=1, description="consecutive normal steps before clearing")
+    clear_ratio: float = Field(
+        default=1.2,
+        gt=1.0,
+        description="a flagged worker's step time / peer median must fall to this to count as normal "
+        "(capped at ratio: the clearing margin)",
+    )
+    window_steps: int = Field(
+        default=8, ge=1, le=1024, description="a peer's reference time is its median over this many steps"
+    )
     min_peers: int = Field(default=2, ge=2, description="peers (self included) needed to judge")
 
 
@@ -122,6 +133,12 @@ class CoreSettings(BaseSettings):
     allow_job_creation: bool = Field(default=True, description="POST /api/v1/jobs may create jobs")
     heartbeat_timeout_s: float = Field(default=2.0, gt=0.0, le=600.0)
     lease_ttl_s: float = Field(default=3.0, ge=1.0, le=600.0, description="liveness lease the Core holds")
+    progress_persist_s: float = Field(
+        default=5.0,
+        gt=0.0,
+        le=3600.0,
+        description="a member's last step is stored at most this often (a new leader shows it)",
+    )
     reconnect_grace_s: float = Field(default=5.0, gt=0.0, le=600.0, description="after a takeover")
     leader_ttl_s: float = Field(default=2.0, ge=1.0, le=60.0)
     apply_timeout_s: float = Field(default=30.0, gt=0.0, description="APPLYING -> RUNNING at the latest")

@@ -131,6 +131,19 @@ def advertised_host(settings: CoreSettings) -> str:
     return settings.grpc_host
 
 
+class PortTaken(OSError):
+    """A port this Core is configured to listen on cannot be bound; says which setting and port."""
+
+    def __init__(self, setting: str, host: str, port: int, why: str | None) -> None:
+        env = "ELASWAVE_" + setting.upper()
+        flag = "--" + setting.replace("_", "-")
+        super().__init__(
+            f"cannot listen on {host}:{port} ({setting}: {flag} or ${env}): {why or 'address in use'}; "
+            "choose a free port (0 picks one)"
+        )
+        self.setting, self.port = setting, port
+
+
 class Core:
     def __init__(
         self,
@@ -184,12 +197,18 @@ class Core:
             self.table, self.metrics, self.policy, self._publish_plan, self.settings.apply_timeout_s
         )
         await self._start_grpc()
-        await self._start_http()
+        try:
+            await self._start_http()
+        except PortTaken:
+            if self._grpc is not None:  # nothing may outlive a Core that did not start
+                await self._grpc.stop(None)
+                self._grpc = None
+            raise
         self.identity = json.dumps(
             {
                 "core_id": self.settings.core_id,
                 "grpc": self.advertised_grpc(),
-                "http": f"{self.http_scheme}://{self.settings.http_host}:{self.http_port}",
+                "http": self.advertised_http(),
             },
             sort_keys=True,
         )
@@ -218,6 +237,18 @@ class Core:
             self.settings.http_host,
             self.http_port,
         )
+
+    def advertised_http(self) -> str:
+        """scheme://host:port of this Core's REST API as clients reach it (the REST leader hint):
+        the advertised host (without a port it may carry for gRPC) and the bound HTTP port."""
+        host = advertised_host(self.settings)
+        if host.startswith("["):
+            host = host[: host.index("]") + 1]
+        elif host.count(":") == 1:
+            host = host.split(":")[0]
+        elif host.count(":") > 1:
+            host = f"[{host}]"  # a bare IPv6 address
+        return f"{self.http_scheme}://{host}:{self.http_port}"
 
     def advertised_grpc(self) -> str:
         """host:port of this Core's gRPC API as clients reach it (the leader hint)."""
@@ -320,12 +351,20 @@ class Core:
         reflection.enable_server_reflection(names, server)
         address = f"{self.settings.grpc_host}:{self.settings.grpc_port}"
         credentials = self._server_credentials()
-        if credentials is None:
-            self.grpc_port = server.add_insecure_port(address)
-        else:
-            self.grpc_port = server.add_secure_port(address, credentials)
+        try:
+            if credentials is None:
+                self.grpc_port = server.add_insecure_port(address)
+            else:
+                self.grpc_port = server.add_secure_port(address, credentials)
+        except RuntimeError:  # grpcio: "Failed to bind to address ..." (its own log line says why)
+            raise PortTaken(
+                "grpc_port",
+                self.settings.grpc_host,
+                self.settings.grpc_port,
+                "address in use or not available",
+            ) from None
         if self.grpc_port == 0:
-            raise OSError(f"cannot bind gRPC to {address}")
+            raise PortTaken("grpc_port", self.settings.grpc_host, self.settings.grpc_port, "cannot bind")
         await server.start()
         self._grpc = server
 
@@ -343,7 +382,13 @@ class Core:
     async def _start_http(self) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.settings.http_host, self.settings.http_port))
+        try:
+            sock.bind((self.settings.http_host, self.settings.http_port))
+        except OSError as exc:
+            sock.close()
+            raise PortTaken(
+                "http_port", self.settings.http_host, self.settings.http_port, exc.strerror
+            ) from None
         self.http_port = sock.getsockname()[1]
         tls = self.settings
         config = uvicorn.Config(
@@ -567,9 +612,11 @@ class Core:
                 self._leader_holder = await asyncio.to_thread(self._election.leader_id)
 
     # ---- helpers for the services ----------------------------------------------------------------
-    def not_leader_message(self) -> str:
+    def not_leader_message(self, api: str = "grpc") -> str:
+        """What a standby answers: the leader's address for the client's own API, "grpc" (its
+        gRPC host:port, which agents follow) or "http" (its REST URL)."""
         holder = self._leader_holder
-        where = json.loads(holder)["grpc"] if holder else "unknown"
+        where = json.loads(holder).get(api, "unknown") if holder else "unknown"
         return f"not leader; leader is {where}"
 
     async def wait_durable(self) -> None:

@@ -33,6 +33,7 @@ from core_service.dashboard_view import (
     stage_rows,
 )
 from core_service.grpc_util import RpcError
+from core_service.http_guard import JobName
 from core_service.job_metrics import JobGauges
 from core_service.jobs import Job, UnknownJob
 from core_service.registry import RegistryError
@@ -164,7 +165,7 @@ def dashboard_router(core: Core, reads: Sequence[params.Depends]) -> APIRouter:
         return FileResponse(STATIC_DIR / name, media_type=media_type)
 
     @router.get("/api/v1/dashboard/jobs/{job}", dependencies=list(reads), tags=["dashboard"])
-    async def job_view(job: str) -> dict[str, Any]:
+    async def job_view(job: JobName) -> dict[str, Any]:
         """Everything the dashboard shows of one job (members aggregated per stage)."""
         record = data.job(job)
         await data.load_predictions(record)
@@ -176,7 +177,7 @@ def dashboard_router(core: Core, reads: Sequence[params.Depends]) -> APIRouter:
         dependencies=list(reads),
         tags=["dashboard"],
     )
-    def stage_members(job: str, stage: int) -> dict[str, Any]:
+    def stage_members(job: JobName, stage: int) -> dict[str, Any]:
         """One stage's members (state, health, memory, last step), in DP order."""
         return {"job": job, "stage": stage, "members": members_of_stage(data.job(job), stage, time.time())}
 
@@ -229,7 +230,7 @@ def _finite(value: Any) -> Any:
 
 async def _payload(core: Core, data: DashboardData, job: str | None, history_since: float) -> dict[str, Any]:
     if not core.leads:
-        return {"leader": False, "message": core.not_leader_message()}
+        return {"leader": False, "message": core.not_leader_message("http")}
     payload: dict[str, Any] = {"leader": True, "core_id": core.settings.core_id, "jobs": data.jobs()}
     if job is not None and job in core.table.jobs:
         record = core.table.jobs[job]

@@ -58,7 +58,7 @@ def member_row(member: MemberRecord, now: float) -> dict[str, Any]:
         "rank": member.rank,
         "state": member.state.value,
         "health": _health(member),
-        "reason": member.lost_reason,
+        "reason": member.state_reason,
         "device_used_bytes": sum(memory.get("device_used_bytes", [])) or None,
         "device_total_bytes": sum(memory.get("device_total_bytes", [])) or None,
         "rss_bytes": memory.get("worker_rss_bytes"),
@@ -238,6 +238,9 @@ def plans(
         )
         next_publish = published[index + 1].time_unix if index + 1 < len(published) else float("inf")
         mine = [e for e in triggers if previous_seq < e.seq < event.seq]
+        cause = event.data.get("cause_seq")
+        if cause is not None:  # the engine says which change this plan answered: MTTR counts from it
+            mine = [e for e in triggers if int(cause) <= e.seq < event.seq] or mine
         its_acks = acks.get(epoch, [])
         phases = _plan_phases(event, its_acks, mine[0] if mine else None)
         before_start = published[index - 1].time_unix if index > 0 else 0.0

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 from core_service.config import PolicyName
 from core_service.engine import Decision, JobSnapshot, Policy
-from core_service.policies import NO_LAYOUT, LayoutPolicy, going_ranks
+from core_service.policies import NO_LAYOUT, LayoutPolicy, departed_ranks, going_ranks
 from planners.chameleon.schema import state_from_dict
 from planners.chameleon.state import JobProfile
 from planners.elaswave_model import DEFAULT_SLOWDOWN, JobModel, RankReport, job_model
+from planners.elaswave_payback import PaybackSettings
 from planners.elaswave_policy import ElasWaveInput, ElasWaveSettings, plan_elaswave
 from planners.elaswave_policy_join import Joins, Spare
 from planners.elaswave_reasons import texts
@@ -34,6 +35,12 @@ class ElasWavePolicy:
     min_gain: float = 0.02  # relative step-time gain a layer migration must buy
     clock_hysteresis_mhz: int = 20
     default_slowdown: float = DEFAULT_SLOWDOWN
+    # Optional plans (slow or recovered ranks only) settle (planners.elaswave_payback): each must
+    # pay back its pause and moved state within `payback_steps`, and a unit that moved stays put
+    # for `cooldown_steps`. The pause is the job's last measured one, `default_pause_s` before any.
+    payback_steps: int = 100
+    cooldown_steps: int = 200
+    default_pause_s: float = 0.2
 
     def decide(self, snapshot: JobSnapshot) -> Decision:
         layout = snapshot.layout
@@ -49,11 +56,28 @@ class ElasWavePolicy:
                 self.name,
             )
         reports = rank_reports(snapshot, layout)
+        payback = PaybackSettings(
+            self.payback_steps,
+            self.cooldown_steps,
+            self.default_pause_s if snapshot.plan_pause_s is None else snapshot.plan_pause_s,
+        )
+        cooling = frozenset(
+            unit for unit, at in snapshot.unit_moved_at if snapshot.step - at < self.cooldown_steps
+        )
         plan = plan_elaswave(
             ElasWaveInput(
-                layout, tuple(going), snapshot_model(snapshot, layout, reports), reports, recovered, joins
+                layout,
+                tuple(going),
+                snapshot_model(snapshot, layout, reports),
+                reports,
+                recovered,
+                joins,
+                cooling,
+                departed_ranks(snapshot, layout),
             ),
-            ElasWaveSettings(self.min_gain, self.clock_hysteresis_mhz, self.default_slowdown),
+            ElasWaveSettings(
+                self.min_gain, self.clock_hysteresis_mhz, self.default_slowdown, payback=payback
+            ),
         )
         return Decision(
             plan.action,
@@ -63,6 +87,7 @@ class ElasWavePolicy:
             predicted_step_time_s=plan.predicted_step_time_s,
             reasons=texts(plan.reasons),
             joiners=plan.joiners,
+            optional=not going and joins is None,
         )
 
 

@@ -6,6 +6,8 @@
                                                                                                | (collective failure) -> PLANNING
                                                                                                | (deadline) -> RUNNING
     any phase --(every worker of the layout finished)--> COMPLETED (terminal)
+    PLANNING --(every worker gone, no plan possible)--> FAILED (terminal, with the reason)
+    any phase --(ended on request: REST DELETE, SchedulerService.EndJob)--> STOPPED (terminal)
 
 A spare (a worker registered with rank -1, `WorkerState.SPARE`) is a pending change like a loss:
 the policy may take it in, and the plan names it in `Plan.joiners` with a fresh rank (the
@@ -35,6 +37,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -104,6 +107,9 @@ class JobSnapshot:
     next_rank: int = 0  # the first rank id the job never used: where new ranks start
     min_ranks: int = 1  # no plan may have fewer ranks (min_workers) ...
     max_ranks: int = 0  # ... or more (max_workers, or the creation layout's plus accepted offers)
+    step: int = -1  # the newest step any live worker reported
+    unit_moved_at: tuple[tuple[int, int], ...] = ()  # (unit, step it last moved at)
+    plan_pause_s: float | None = None  # how long the last applied plan took (None: none yet)
 
     @property
     def spares(self) -> tuple[WorkerView, ...]:
@@ -120,6 +126,9 @@ class Decision:
     reasons: tuple[str, ...] = ()
     alternatives: tuple[dict, ...] = field(default_factory=tuple)
     joiners: tuple[tuple[int, str], ...] = ()  # (new rank, spare's worker id) the layout takes in
+    # A plan nobody needs (only slow or recovered ranks): the units it moves start their
+    # cool-down (planners.elaswave_payback). Moves forced by a loss or a join start none.
+    optional: bool = False
 
 
 class Policy(Protocol):
@@ -157,11 +166,13 @@ def snapshot_of(job: Job) -> JobSnapshot:
     live: list[WorkerView] = []
     gone: list[WorkerView] = []
     lost, left = WorkerState.LOST, WorkerState.LEFT
-    used = -1
+    used = step = -1
     # One pass over the members (10,000 of them in a large job), in worker-id order.
     for m in sorted(job.members.values(), key=lambda m: m.worker_id):
         (gone if m.state is lost or m.state is left else live).append(view(m))
         used = max(used, m.rank)
+        if m.last_step is not None:
+            step = max(step, m.last_step.step)
     layout, original = _current_layout(job), job.original_layout()
     for known in (layout, original, job.last_plan.old if job.last_plan is not None else None):
         if known is not None:
@@ -179,6 +190,9 @@ def snapshot_of(job: Job) -> JobSnapshot:
         next_rank=used + 1,
         min_ranks=fewest,
         max_ranks=most,
+        step=step,
+        unit_moved_at=tuple(sorted(job.unit_moved_at.items())),
+        plan_pause_s=job.plan_pause_s,
     )
 
 
@@ -187,6 +201,7 @@ class _Applying:
     epoch: int
     started: float
     deadline: float
+    optional: bool = False  # a plan nobody needed: its pause prices the next one (payback rule)
 
 
 @dataclass
@@ -233,7 +248,7 @@ class ScheduleEngine:
 
     async def tick(self, job: Job, now: float) -> JobPhase:
         """Makes at most one transition of `job`'s state machine and returns the new phase."""
-        if job.phase == JobPhase.COMPLETED:
+        if job.phase.terminal:
             return job.phase
         if job.check_completion:
             job.check_completion = False
@@ -271,6 +286,31 @@ class ScheduleEngine:
         )
         self._enter(job, JobPhase.COMPLETED, now, f"every worker finished its work; {where}")
 
+    def end(self, job: Job, phase: JobPhase, reason: str, now: float) -> Event:
+        """Ends `job` in the terminal `phase` (FAILED or STOPPED) with `reason`; persisted in its
+        spec (a new leader keeps it). Returns the event recorded."""
+        if phase not in (JobPhase.FAILED, JobPhase.STOPPED):
+            raise ValueError(f"a job ends FAILED or STOPPED, not {phase.value}")
+        if not job.latest_checkpoint:
+            reported = [m.checkpoint for m in job.members.values() if m.checkpoint]
+            job.latest_checkpoint = job.final_checkpoint or (reported[-1] if reported else "")
+        job.ended_unix, job.end_phase, job.end_reason = now, phase.value, reason
+        job.pending_changes.clear()
+        job.recovery.request = None
+        self._applying.pop(job.name, None)
+        self._retry.pop(job.name, None)
+        self.table.save_spec(job)
+        where = job.latest_checkpoint or "no checkpoint reported"
+        event = self.table.record(
+            job,
+            f"job_{phase.value.lower()}",
+            detail=f"{reason}; latest checkpoint: {where}",
+            now=now,
+            data={"reason": reason, "latest_checkpoint": job.latest_checkpoint},
+        )
+        self._enter(job, phase, now, reason)
+        return event
+
     def _enter(self, job: Job, phase: JobPhase, now: float, detail: str) -> None:
         job.phase = phase
         self.table.record(job, f"phase_{phase.value.lower()}", detail=detail, now=now)
@@ -299,6 +339,10 @@ class ScheduleEngine:
             "epoch": job.plan_epoch,
             **_request_data(request),
         }
+        if taken:
+            # What caused this plan: its earliest change (the dashboard's MTTR counts from it,
+            # never from an older event a previous decision already answered).
+            data.update(cause_seq=taken[0].seq, cause_kind=taken[0].kind, cause_unix=taken[0].time_unix)
         recovery = job.recovery
         # A RESTORE plan whose apply failed: the failure counts once, when it is answered.
         restore_failed = bool(
@@ -323,6 +367,14 @@ class ScheduleEngine:
             )
             return
         target = _target(job, decision, request)
+        if target is None and decision.action == "refuse" and not job.live_members():
+            # Nobody is left to apply any plan, and the policy can make none: the job cannot go
+            # on. FAILED (terminal) with the reason and where to resume from, not RUNNING forever.
+            self.table.record(job, "decision_refuse", detail=decision.reason, now=now, data=data)
+            self.end(
+                job, JobPhase.FAILED, f"every worker is gone and no plan is possible: {decision.reason}", now
+            )
+            return
         if target is None:
             recovery.restore_failures = restore_failures
             self._settle(job, decision.action, decision.reason, now, data)
@@ -373,6 +425,9 @@ class ScheduleEngine:
             for rank in request.peers:
                 recovery.collective_retries[rank] = recovery.collective_retries.get(rank, 0) + 1
         recovery.request = None
+        if decision.optional:
+            old_layout = Layout.from_json(job.layout_json) if job.layout_json else None
+            _note_unit_moves(job, old_layout, new, snapshot.step)
         job.plan_epoch, job.layout_json, job.last_plan = epoch, new.to_json(), plan
         job.acks.setdefault(epoch, {})  # watched from now on (recovery.answered)
         self.metrics.plans_published.labels(policy=decision.policy).inc()
@@ -391,7 +446,7 @@ class ScheduleEngine:
             data["joiners"] = [[rank, worker] for rank, worker in joiners]
         self.table.record(job, "plan_published", detail=detail, now=now, data=data)
         self._place_joiners(job, new, decision.joiners, epoch, now)
-        self._applying[job.name] = _Applying(epoch, now, now + self.apply_timeout_s)
+        self._applying[job.name] = _Applying(epoch, now, now + self.apply_timeout_s, decision.optional)
         self._enter(job, JobPhase.APPLYING, now, f"waiting for executors to apply epoch {epoch}")
 
     def _place_joiners(
@@ -486,6 +541,8 @@ class ScheduleEngine:
         }
         if live and all(w in acks and acks[w].phase == AckPhase.RESUMED for w in live):
             self.metrics.apply_seconds.observe(now - applying.started)
+            if applying.optional:  # a loss's plan also replays a step: not what an optional one costs
+                job.plan_pause_s = now - applying.started  # what the next optional plan must pay back
             self._enter(job, JobPhase.RUNNING, now, f"epoch {applying.epoch} applied by {len(live)} workers")
         elif now >= applying.deadline:
             self._enter(
@@ -614,12 +671,14 @@ class ScheduleEngine:
         """
         job.plan_epoch = epoch
         job.phase = JobPhase.RUNNING if job.completed_unix is None else JobPhase.COMPLETED
+        if job.end_phase:
+            job.phase = JobPhase(job.end_phase)
         job.pending_changes.clear()
         latest = None
         if latest_plan is not None:
             latest = Plan.from_json(latest_plan[1])
             job.layout_json, job.last_plan = latest.new.to_json(), latest
-        if job.phase == JobPhase.COMPLETED:
+        if job.phase.terminal:
             return
         job.check_completion = True  # workers may have finished while no Core led
         if latest is not None:
@@ -647,6 +706,17 @@ class ScheduleEngine:
             self._enter(
                 job, JobPhase.APPLYING, now, f"watching the apply of epoch {epoch} again after a takeover"
             )
+
+
+def _note_unit_moves(job: Job, old: Layout | None, new: Layout, step: int) -> None:
+    """Every unit `new` puts on another stage than `old` moved at `step` (the per-unit cool-down,
+    planners.elaswave_payback)."""
+    if old is None or old.num_layers != new.num_layers:
+        return
+    edges_old, edges_new = (0, *old.boundaries), (0, *new.boundaries)
+    for unit in range(new.num_layers):
+        if bisect_right(edges_old, unit) != bisect_right(edges_new, unit):
+            job.unit_moved_at[unit] = max(step, 0)
 
 
 def _outside_bounds(snapshot: JobSnapshot, new: Layout) -> str:

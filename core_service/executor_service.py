@@ -172,7 +172,7 @@ class ExecutorServicer:
             )
         require(
             request.steps_replayed >= 0 and (request.steps_replayed == 0 or phase == AckPhase.RESUMED),
-            f"steps_replayed must be >= 0 and given only with RESUMED, got {request.steps_replayed}",
+            "steps_replayed must be >= 0 and given only with RESUMED",
         )
         if request.epoch > job.plan_epoch:
             raise RpcError(
@@ -217,7 +217,7 @@ class ExecutorServicer:
         require(request.worker_id in job.members, f"job {job.name!r} has no worker {request.worker_id!r}")
         require(
             request.peer_rank >= NO_PEER,
-            f"peer_rank must be >= 0, or {NO_PEER} when no peer can be named, got {request.peer_rank}",
+            f"peer_rank must be >= 0, or {NO_PEER} when no peer can be named",
         )
         require(
             request.peer_rank == NO_PEER or any(m.rank == request.peer_rank for m in job.members.values()),

@@ -1,10 +1,14 @@
 """Fail-slow detection: step-time outliers against stage peers, with hysteresis (docs/architecture.md ("The Core's decisions")).
 
 A worker is *suspect* on a step when its step time exceeds both `ratio x median` and
-`median + mad_k x MAD` of its stage peers' latest step times (the peers exclude the worker itself,
-so one straggler cannot drag the reference up). It is flagged slow only after `trigger_steps`
-consecutive suspect steps and cleared only after `clear_steps` consecutive normal ones, so a single
-slow step (a GC pause, a checkpoint) never triggers a plan.
+`median + mad_k x MAD` of its stage peers' reference times (the peers exclude the worker itself,
+so one straggler cannot drag the reference up). A peer's reference time is its median over its
+last `window_steps` steps, so one peer's noisy step does not make everyone else look slow. A
+worker is flagged slow only after `trigger_steps` consecutive suspect steps; once flagged it counts
+as slow until its step time is back within `clear_ratio x median` (a margin below the trigger
+ratio) for `clear_steps` consecutive steps. So a single slow step (a GC pause, a checkpoint) never
+triggers a plan, and a worker hovering around the threshold does not flip back and forth (issue 27:
+40 plans in 600 fault-free steps without this margin and window).
 
 Cost: a report is O(1) amortised, whatever the stage size. Stages of up to `EXACT_PEERS` workers
 get the exact reference on every report; larger ones (a stage's DP group can hold thousands)
@@ -17,6 +21,7 @@ of a step, both far below the ratio and MAD margins.
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +42,7 @@ class SlowTransition:
 class _WorkerTrack:
     stage: int
     last_time_s: float
+    recent: deque[float] = field(default_factory=deque)  # the last window_steps step times
     suspect_streak: int = 0
     normal_streak: int = 0
     slow: bool = False
@@ -80,15 +86,21 @@ class FailSlowDetector:
             track = self._tracks[worker_id] = _WorkerTrack(stage=stage, last_time_s=step_time_s)
         elif track.stage != stage:
             self._stage_times.get(track.stage, {}).pop(worker_id, None)
+            track.recent.clear()  # another stage, other work: its old times say nothing now
         track.stage, track.last_time_s = stage, step_time_s
+        track.recent.append(step_time_s)
+        while len(track.recent) > self.settings.window_steps:
+            track.recent.popleft()
         times = self._stage_times.setdefault(stage, {})
-        times[worker_id] = step_time_s
+        times[worker_id] = statistics.median(track.recent) if len(track.recent) > 1 else step_time_s
         if len(times) < self.settings.min_peers:
             return None
         median, mad = self._reference(stage, times, worker_id)
         threshold = max(self.settings.ratio * median, median + self.settings.mad_k * mad)
-        suspect = step_time_s > threshold
-        return self._update_streaks(worker_id, track, suspect, median, threshold)
+        if track.slow:  # the margin: back to normal only well below the trigger threshold
+            normal = step_time_s <= min(self.settings.clear_ratio, self.settings.ratio) * median
+            return self._update_streaks(worker_id, track, not normal, median, threshold)
+        return self._update_streaks(worker_id, track, step_time_s > threshold, median, threshold)
 
     def _reference(self, stage: int, times: dict[str, float], worker_id: str) -> tuple[float, float]:
         """(median, MAD) of the stage's latest step times: exact and without the worker itself in
@@ -122,6 +134,7 @@ class FailSlowDetector:
             return SlowTransition(worker_id, True, track.last_time_s, median, reason)
         if track.slow and track.normal_streak >= self.settings.clear_steps:
             track.slow = False
-            reason = f"step time back within {threshold:.3f}s for {track.normal_streak} consecutive steps"
+            back = min(self.settings.clear_ratio, self.settings.ratio) * median
+            reason = f"step time back within {back:.3f}s for {track.normal_streak} consecutive steps"
             return SlowTransition(worker_id, False, track.last_time_s, median, reason)
         return None

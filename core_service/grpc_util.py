@@ -217,6 +217,6 @@ def require(condition: bool, message: str) -> None:
 
 def finite(value: float, name: str, *, minimum: float = 0.0) -> None:
     if not (value == value and value not in (float("inf"), float("-inf"))):
-        raise invalid(f"{name} must be a finite number, got {value!r}")
+        raise invalid(f"{name} must be a finite number")
     if value < minimum:
-        raise invalid(f"{name} must be >= {minimum}, got {value!r}")
+        raise invalid(f"{name} must be >= {minimum}")

@@ -13,9 +13,9 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Path, Request, Response
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -25,7 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from core_service.config import JOB_NAME_PATTERN
 from core_service.limits import MAX_BODY_BYTES
+
+# A job name in a REST path: a name that cannot exist (config.JOB_NAME_PATTERN: too long, or other
+# characters) is refused with 422 before any lookup; a well-formed name nobody created is 404.
+JobName = Annotated[str, Path(max_length=63, pattern=JOB_NAME_PATTERN.pattern, description="job name")]
 
 MAX_JSON_DEPTH = 64
 MAX_ERRORS_SHOWN = 20

@@ -71,12 +71,22 @@ class Job:
     min_workers: int = 0
     max_workers: int = 0
     offered_workers: int = 0
+    # Per host ("" for offers naming none): devices accepted offers admitted that no worker from
+    # that host has used yet (registered as a spare). Another offer for such a host is refused.
+    offered_hosts: dict[str, int] = field(default_factory=dict)
     # The layout the job was created with: the fault-free shape joins return to.
     original_layout_json: str | None = None
     # Set once every worker of the layout finished (JobPhase.COMPLETED), with the final
     # checkpoint they reported ("" when none); persisted in the spec so a new leader keeps it.
     completed_unix: float | None = None
     final_checkpoint: str = ""
+    # FAILED (no plan possible with every worker gone) or STOPPED (ended on request): when, and
+    # why; persisted in the spec like COMPLETED. `latest_checkpoint`: the newest checkpoint the
+    # workers reported writing ("" when none), where a new job resumes from.
+    ended_unix: float | None = None
+    end_phase: str = ""
+    end_reason: str = ""
+    latest_checkpoint: str = ""
     # A member went (finished, left, lost): the engine checks whether the job is complete.
     check_completion: bool = False
     members: dict[str, MemberRecord] = field(default_factory=dict)
@@ -97,6 +107,10 @@ class Job:
     # Set by membership changes; the schedule engine clears it when it plans.
     pending_changes: list[Event] = field(default_factory=list)
     acks: dict[int, dict[str, Ack]] = field(default_factory=dict)  # epoch -> worker -> last ack
+    # What settles optional plans (planners.elaswave_payback): the step each unit last moved at,
+    # and how long the last applied plan paused the job (None before one was applied).
+    unit_moved_at: dict[int, int] = field(default_factory=dict)
+    plan_pause_s: float | None = None
     _parsed: ParsedLayout | None = field(default=None, repr=False, compare=False)
 
     def check_token(self, presented: str) -> bool:
@@ -161,12 +175,17 @@ class Job:
                 "min_workers": self.min_workers,
                 "max_workers": self.max_workers,
                 "offered_workers": self.offered_workers,
+                "offered_hosts": self.offered_hosts,
                 "created_unix": self.created_unix,
                 # The creation layout: a new leader starts from it until it restores the plans.
                 "layout_json": self.original_layout_json or self.layout_json,
                 "model_json": self.model_json,
                 "completed_unix": self.completed_unix,
                 "final_checkpoint": self.final_checkpoint,
+                "ended_unix": self.ended_unix,
+                "end_phase": self.end_phase,
+                "end_reason": self.end_reason,
+                "latest_checkpoint": self.latest_checkpoint,
             },
             sort_keys=True,
         ).encode()
@@ -280,10 +299,9 @@ class JobTable:
         was_spare = member.state is WorkerState.SPARE
         member.state = state
         member.state_changed_unix = now
-        if state in (WorkerState.LOST, WorkerState.SLOW, WorkerState.PREEMPTING, WorkerState.LEFT):
-            member.lost_reason = reason
-        elif state == WorkerState.RUNNING:
-            member.lost_reason = ""
+        # A departure (preempted, drained, left) is no loss: only LOST carries a lost_reason.
+        member.lost_reason = reason if state is WorkerState.LOST else ""
+        member.state_reason = "" if state is WorkerState.RUNNING else reason
         if state.is_gone:
             job.failslow.forget(member.worker_id)
             job.check_completion = True
@@ -316,11 +334,18 @@ class JobTable:
                 job.min_workers = int(spec.get("min_workers", 0))
                 job.max_workers = int(spec.get("max_workers", 0))
                 job.offered_workers = int(spec.get("offered_workers", 0))
+                job.offered_hosts = {str(h): int(n) for h, n in spec.get("offered_hosts", {}).items()}
                 job.original_layout_json = job.layout_json
                 job.completed_unix = spec.get("completed_unix")
                 job.final_checkpoint = str(spec.get("final_checkpoint", ""))
                 if job.completed_unix is not None:
                     job.phase = JobPhase.COMPLETED
+                job.ended_unix = spec.get("ended_unix")
+                job.end_phase = str(spec.get("end_phase", ""))
+                job.end_reason = str(spec.get("end_reason", ""))
+                job.latest_checkpoint = str(spec.get("latest_checkpoint", ""))
+                if job.end_phase:
+                    job.phase = JobPhase(job.end_phase)
                 job.committed_layout_json = job.layout_json  # until the engine restores the job
                 jobs[job.name] = job
         for name, job in jobs.items():

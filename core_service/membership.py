@@ -61,6 +61,7 @@ class AgentSession:
     # The member's last_heartbeat_unix when ReportNow was last sent: one nudge per silence.
     nudged_for_heartbeat: float | None = None
     rejected_reports: int = 0
+    progress_saved_unix: float = 0.0  # when the member's last step was last stored
     worker_token: str = field(default="", repr=False)  # the worker's credential, sent in the RegisterAck
 
 
@@ -122,10 +123,11 @@ class Membership:
                 f"{member.host!r}); registering it again needs its own credential "
                 f"('{WORKER_TOKEN_METADATA}' metadata from its RegisterAck)",
             )
-        if job.phase is JobPhase.COMPLETED:
+        if job.phase.terminal:
+            why = "every worker finished" if job.phase is JobPhase.COMPLETED else job.end_reason
             raise RpcError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"job {job.name!r} is COMPLETED (every worker finished): worker {reg.worker_id!r} refused",
+                f"job {job.name!r} is {job.phase.value} ({why}): worker {reg.worker_id!r} refused",
             )
         limit = self.member_limit(job)
         # Counting live members is O(members): only needed once there could be too many.
@@ -183,6 +185,7 @@ class Membership:
         kind = "worker_reconnected" if reconnected else ("worker_rejoined" if rejoined else "worker_joined")
         if spare and not reconnected:
             kind = "spare_registered"  # a change to plan for once its worker is ready
+            self._use_offer(job, reg.host)
         self.table.record(
             job,
             kind,
@@ -193,6 +196,16 @@ class Membership:
         )
         self.metrics.agent_streams.set(len(self.sessions))
         return session
+
+    def _use_offer(self, job: Job, host: str) -> None:
+        """A spare registered from `host`: one device an accepted offer admitted there is used."""
+        key = host if job.offered_hosts.get(host, 0) > 0 else ""
+        if job.offered_hosts.get(key, 0) <= 0:
+            return
+        job.offered_hosts[key] -= 1
+        if not job.offered_hosts[key]:
+            del job.offered_hosts[key]
+        self.table.save_spec(job)
 
     def mark_spare_ready(self, job: Job, worker_id: str, now: float) -> bool:
         """A registered spare's worker subscribed to plans: it can join now, so it becomes a
@@ -292,6 +305,13 @@ class Membership:
         member = job.member(session.worker_id)
         first_step = member.last_step is None
         member.last_step = report
+        # Progress survives a takeover: the member (with its last step) is stored at most every
+        # progress_persist_s; state changes store it too (issue 27: members read 0 after one).
+        if report.received_unix - session.progress_saved_unix >= self.settings.progress_persist_s:
+            session.progress_saved_unix = report.received_unix
+            self.table.save_member(job, member)
+        if report.checkpoint:
+            self.checkpoint_written(job, member.worker_id, report.checkpoint, report.received_unix)
         member.stage, member.dp_rank = report.stage, report.dp_rank
         if member.state == WorkerState.JOINING and first_step:
             self.table.set_state(
@@ -320,7 +340,20 @@ class Membership:
                 kind="worker_recovered",
             )
 
+    def checkpoint_written(self, job: Job, worker_id: str, path: str, now: float) -> None:
+        """A worker completed checkpoint `path` (a requested one, a periodic one, the final one):
+        the job's latest checkpoint, recorded once per checkpoint (`checkpoint_written`)."""
+        if path == job.latest_checkpoint:
+            return
+        job.latest_checkpoint = path
+        self.table.save_spec(job)  # a new leader, and a job that ends FAILED, know where to resume
+        self.table.record(
+            job, "checkpoint_written", worker_id=worker_id, detail=path, now=now, data={"checkpoint": path}
+        )
+
     def preemption(self, job: Job, member: MemberRecord, deadline: float, source: str, now: float) -> None:
+        if member.state is not WorkerState.PREEMPTING:
+            self.metrics.departures.labels(kind="preempted").inc()
         member.preemption_deadline_unix = deadline
         self.table.set_state(
             job,
@@ -351,6 +384,10 @@ class Membership:
         member = job.member(session.worker_id)
         if finished and not member.state.is_gone:
             member.finished, member.checkpoint = True, checkpoint
+        if checkpoint:  # a stop on request: its checkpoint is reported with the Leave
+            self.checkpoint_written(job, member.worker_id, checkpoint, now)
+        if not member.state.is_gone and member.state not in (WorkerState.PREEMPTING, WorkerState.DRAINING):
+            self.metrics.departures.labels(kind="finished" if finished else "left").inc()
         # A worker that completed its work takes nothing from the job: the others finish theirs too,
         # so re-planning for it would only reshuffle a job that is ending.
         self.table.set_state(

@@ -27,6 +27,8 @@ REST_REJECTIONS = {
 }
 
 
+SERVER_ERROR_APIS = ("rest", "agent", "executor", "scheduler")
+DEPARTURE_KINDS = ("preempted", "drained", "finished", "left")
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
@@ -117,6 +119,18 @@ class CoreMetrics:
             ["api"],
             registry=registry,
         )
+        self.departures = Counter(
+            "elaswave_departures_total",
+            "Workers that left on purpose (preempted, drained, finished, left cleanly), by kind: "
+            "departures, never failures (elaswave_failures_detected_total).",
+            ["kind"],
+            registry=registry,
+        )
+        # Every label a dashboard or alert reads starts at 0: a series exists before its first event.
+        for api in SERVER_ERROR_APIS:
+            self.server_errors.labels(api=api)
+        for kind in DEPARTURE_KINDS:
+            self.departures.labels(kind=kind)
         self.agent_commands = Counter(
             "elaswave_agent_commands_total",
             "Commands queued on agent streams, by command.",

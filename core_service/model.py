@@ -37,6 +37,15 @@ class JobPhase(StrEnum):
     APPLYING = "APPLYING"
     # Every worker of the layout finished its work (terminal: nothing is planned any more).
     COMPLETED = "COMPLETED"
+    # Terminal too: every worker is gone and no plan is possible, or an operator ended the job
+    # (DELETE /api/v1/jobs/{job}); the job keeps its reason and latest checkpoint.
+    FAILED = "FAILED"
+    # Terminal: ended on request (REST DELETE /api/v1/jobs/{job}, SchedulerService.EndJob).
+    STOPPED = "STOPPED"
+
+    @property
+    def terminal(self) -> bool:
+        return self is JobPhase.COMPLETED or self is JobPhase.FAILED or self is JobPhase.STOPPED
 
 
 class AckPhase(StrEnum):
@@ -105,6 +114,7 @@ class StepReport:
     stage: int
     dp_rank: int
     received_unix: float
+    checkpoint: str = ""  # a checkpoint the worker completed since its previous report
 
     @property
     def own_time_s(self) -> float:
@@ -123,7 +133,8 @@ class MemberRecord:
     pid: int
     devices: list[DeviceInfo] = field(default_factory=list)
     state: WorkerState = WorkerState.JOINING
-    lost_reason: str = ""
+    lost_reason: str = ""  # why the worker was declared LOST ("" in any other state)
+    state_reason: str = ""  # why the worker is in its current state (slow, preempting, left, lost)
     stage: int = -1
     dp_rank: int = -1
     rank: int = -1

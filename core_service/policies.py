@@ -26,6 +26,7 @@ from planners.flextrain import build_scale_table, choose_scale_up, predict_confi
 from planners.layout import Layout
 
 GOING_STATES = frozenset({"LOST", "LEFT", "PREEMPTING", "DRAINING"})
+DEPARTED_STATES = frozenset({"LEFT", "PREEMPTING", "DRAINING"})  # leaving on purpose, not failed
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,15 @@ def going_ranks(snapshot: JobSnapshot, layout: Layout) -> list[int]:
     in_layout = set(layout.ranks())
     return sorted(
         {w.rank for w in snapshot.gone + snapshot.live if w.state in GOING_STATES and w.rank in in_layout}
+    )
+
+
+def departed_ranks(snapshot: JobSnapshot, layout: Layout) -> frozenset[int]:
+    """Ranks of `layout` whose worker leaves on purpose (preempted, draining, left): departures,
+    never failures, in a plan's headline."""
+    in_layout = set(layout.ranks())
+    return frozenset(
+        w.rank for w in snapshot.gone + snapshot.live if w.state in DEPARTED_STATES and w.rank in in_layout
     )
 
 
@@ -120,11 +130,14 @@ def scale_table(job: Job) -> list[dict[str, Any]]:
     return rows
 
 
-def judge_offer(job: Job, devices: int, expected_duration_s: float) -> tuple[bool, str]:
-    """Accept a scale-up offer when the faster configuration pays for its reconfiguration before
-    the devices are likely reclaimed (FlexTrain eq. 16); membership-only jobs always accept."""
+def judge_offer(job: Job, devices: int, expected_duration_s: float) -> tuple[bool, str, int]:
+    """(accepted, reason, devices it can use): accept a scale-up offer when the faster
+    configuration pays for its reconfiguration before the devices are likely reclaimed
+    (FlexTrain eq. 16); it uses only the devices that configuration adds, however many were
+    offered. A job registered without a model has no scale table: it accepts, and may use every
+    device (bounded by the caller: max_workers, outstanding offers per host)."""
     if job.model_json is None:
-        return True, "membership-only job: offered workers join as they register"
+        return True, "membership-only job: offered workers join as they register", devices
     state, request = _model_state(job)
     max_devices = int(request.get("max_devices", state.shape.num_devices + devices))
     table = build_scale_table(predict_configs(state, max_devices // state.shape.tp))
@@ -134,5 +147,7 @@ def judge_offer(job: Job, devices: int, expected_duration_s: float) -> tuple[boo
         table, state.shape.num_devices, devices, max_devices, RECONFIGURATION_OVERHEAD_S, rate
     )
     if target is None:
-        return False, decision.reason
-    return True, f"scale to {target.gpus} devices (DP={target.dp}, PP={target.pp}): {decision.reason}"
+        return False, decision.reason, 0
+    used = min(devices, target.gpus - state.shape.num_devices)
+    reason = f"scale to {target.gpus} devices (DP={target.dp}, PP={target.pp}): {decision.reason}"
+    return True, reason, used

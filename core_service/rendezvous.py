@@ -48,10 +48,9 @@ from fastapi.params import Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 from core_service.config import JOB_NAME_PATTERN
-from core_service.http_guard import error_responses, field_error
+from core_service.http_guard import JobName, error_responses, field_error
 from core_service.job_store import JobStores, StoreError
-from core_service.model import JobPhase
-from planners.described_model import model_difference, unit_costs
+from planners.described_model import job_model, model_difference, unit_costs
 from planners.placement import Placement, PlacementError, plan_placement
 from wire.worker_env import ModelDescription
 
@@ -221,7 +220,7 @@ class Rendezvous:
     def _running(self, job: str) -> bool:
         """Whether `job` still trains here (not COMPLETED, not deleted): a node may join it."""
         found = self.core.table.jobs.get(job)
-        return found is not None and found.phase is not JobPhase.COMPLETED
+        return found is not None and not found.phase.terminal
 
     def _spare_node(
         self, job: str, formed: Formed, body: JoinRequest, desc: ModelDescription
@@ -369,6 +368,8 @@ class Rendezvous:
                         name=g.job,
                         expected_workers=len(placement.rank_node),
                         layout=json.loads(placement.layout.to_json()),
+                        # The first node's describe run as the job's model: offers are judged.
+                        model=job_model(g.nodes[0].description, placement.layout, g.mem_per_worker_bytes),
                     ),
                 )
             except BaseException:
@@ -447,7 +448,7 @@ def rendezvous_router(core: Core, dependencies: list[Depends]) -> APIRouter:
             **error_responses(400, 401, 403, 408, 409, 413, 422, 500, 503),
         },
     )
-    async def post_rendezvous(job: str, body: JoinRequest, response: Response) -> dict[str, Any]:
+    async def post_rendezvous(job: JobName, body: JoinRequest, response: Response) -> dict[str, Any]:
         # async: the gatherings and the job table are only touched on the event loop.
         response.status_code, answer = await rendezvous.join(job, body)
         return answer

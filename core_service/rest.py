@@ -14,7 +14,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Path, Query, Response
+from fastapi import Depends, FastAPI, HTTPException, Query, Response
 from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from core_service.config import JOB_NAME_PATTERN, MIN_TOKEN_LENGTH, JobSpec, check_worker_bounds
 from core_service.grpc_util import RpcError
-from core_service.http_guard import error_responses, field_error
+from core_service.http_guard import JobName, error_responses, field_error
 from core_service.http_guard import install as install_guards
 from core_service.jobs import Job, JobExists, UnknownJob
 from core_service.limits import (
@@ -44,9 +44,6 @@ if TYPE_CHECKING:
     from core_service.core import Core
 
 bearer = HTTPBearer(auto_error=False)
-# A job name in a path: longer names cannot exist (config.JOB_NAME_PATTERN), so they are refused
-# with 422 before any lookup.
-JobName = Annotated[str, Path(max_length=63, description="job name")]
 
 
 class CreateJobRequest(BaseModel):
@@ -119,6 +116,10 @@ def job_summary(job: Job) -> dict[str, Any]:
         # COMPLETED: every worker finished; where the final checkpoint is, as they reported it.
         "completed_unix": job.completed_unix,
         "final_checkpoint": job.final_checkpoint or None,
+        # FAILED or STOPPED: when and why it ended; the newest checkpoint the workers reported.
+        "ended_unix": job.ended_unix,
+        "end_reason": job.end_reason or None,
+        "latest_checkpoint": job.latest_checkpoint or None,
         "has_layout": job.layout_json is not None,
         "last_event_seq": job.next_seq - 1,
     }
@@ -204,7 +205,7 @@ def build_app(core: Core) -> FastAPI:
 
     def leader_only() -> None:
         if not core.leads:
-            raise HTTPException(503, detail=core.not_leader_message())
+            raise HTTPException(503, detail=core.not_leader_message("http"))
 
     def job_or_404(name: str) -> Job:
         try:
@@ -255,7 +256,7 @@ def build_app(core: Core) -> FastAPI:
             "status": "ok",
             "role": "leader" if core.leads else "standby",
             "core_id": core.settings.core_id,
-            "leader": core.not_leader_message().split("is ")[-1],
+            "leader": core.not_leader_message("http").split("is ")[-1],
             "uptime_s": time.time() - core.started_unix,
         }
 
@@ -266,7 +267,7 @@ def build_app(core: Core) -> FastAPI:
         ready = core.leads
         body = {"ready": ready, "role": "leader" if ready else "standby", "core_id": core.settings.core_id}
         if not ready:
-            body["detail"] = core.not_leader_message()
+            body["detail"] = core.not_leader_message("http")
         return Response(json.dumps(body), status_code=200 if ready else 503, media_type="application/json")
 
     @app.get(
@@ -331,6 +332,33 @@ def build_app(core: Core) -> FastAPI:
         events = list(itertools.islice(record.events, start, start + limit))
         return {"job": job, "events": [e.__dict__ for e in events]}
 
+    @app.delete(
+        "/api/v1/jobs/{job}",
+        dependencies=[Depends(leader_only), Depends(admin)],
+        responses=error_responses(401, 403, 404, 422, 503),
+    )
+    async def delete_job(
+        job: JobName,
+        reason: Annotated[str, Query(max_length=MAX_REASON_CHARS, description="recorded with the end")] = "",
+    ) -> dict[str, Any]:
+        """Ends the job whatever its phase: its live workers checkpoint and leave at one step
+        boundary, the job is STOPPED (terminal; the record stays). An ended job is answered as
+        it is. The twin of SchedulerService.EndJob (core_service.job_end)."""
+        from core_service.job_end import end_job
+
+        job_or_404(job)
+        ended = end_job(core, job, reason, time.time())
+        try:
+            await core.wait_durable()
+        except RpcError as err:
+            raise HTTPException(503, detail=err.message) from None
+        return {
+            "job": job,
+            "phase": ended.phase.value,
+            "event_seq": ended.event_seq,
+            "stopping_worker_ids": list(ended.stopping),
+        }
+
     @app.post(
         "/api/v1/jobs/{job}/preempt",
         status_code=202,
@@ -347,7 +375,9 @@ def build_app(core: Core) -> FastAPI:
         try:
             response = await core.scheduler.preempt(grpc_request)
         except RpcError as err:
-            status = {"FAILED_PRECONDITION": 409, "UNAVAILABLE": 503}.get(err.code.name, 422)
+            status = {"NOT_FOUND": 404, "FAILED_PRECONDITION": 409, "UNAVAILABLE": 503}.get(
+                err.code.name, 422
+            )
             detail: Any = field_error("", err.message) if status == 422 else err.message
             raise HTTPException(status, detail=detail) from None
         return {"event_seq": response.event_seq}

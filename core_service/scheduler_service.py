@@ -13,9 +13,10 @@ import grpc
 from core_service.engine import snapshot_of
 from core_service.executor_service import plan_message
 from core_service.grpc_util import RpcError, bearer_token, finite, invalid, require
+from core_service.job_end import end_job
 from core_service.jobs import Job
 from core_service.limits import MAX_DEVICES, MAX_HOST_CHARS, MAX_IDS_PER_REQUEST, MAX_REASON_CHARS
-from core_service.model import JobPhase, MemberRecord, WorkerState
+from core_service.model import MemberRecord, WorkerState
 from core_service.offload import PlanningFailed, PlanningTimeout
 from core_service.policies import (
     DEFAULT_RECLAIM_RATE_PER_S,
@@ -45,7 +46,7 @@ def planning_copy(job: Job) -> Job:
 
 
 def check_devices(devices: int, name: str) -> None:
-    require(1 <= devices <= MAX_DEVICES, f"{name} must be >= 1 and <= {MAX_DEVICES}, got {devices}")
+    require(1 <= devices <= MAX_DEVICES, f"{name} must be >= 1 and <= {MAX_DEVICES}")
 
 
 def check_ids(ids: Any, name: str) -> None:
@@ -64,6 +65,7 @@ def member_message(member: MemberRecord) -> common_pb2.Member:
         ],
         state=common_pb2.WorkerState.Value(f"WORKER_STATE_{member.state.value}"),
         lost_reason=member.lost_reason,
+        state_reason=member.state_reason,
         last_heartbeat_unix=member.last_heartbeat_unix,
         last_step=step.step if step else -1,
         last_step_time_s=step.step_time_s if step else 0.0,
@@ -113,12 +115,22 @@ def offer_room(job: Job) -> int:
     return max(0, job.max_workers - ranks - spares)
 
 
-def offer_refusal(job: Job) -> str:
-    """Why an offer is refused before FlexTrain's test is asked ("" when it is not)."""
-    if job.phase == JobPhase.COMPLETED:
-        return f"job {job.name!r} is COMPLETED: it needs no more devices"
+def offer_refusal(job: Job, hosts: list[str] | None = None) -> str:
+    """Why an offer (of devices on `hosts`; "" for an offer naming none) is refused before
+    FlexTrain's test is asked ("" when it is not): a terminal job, a full one, or a host that
+    still has devices an earlier accepted offer admitted and no worker has used."""
+    if job.phase.terminal:
+        return f"job {job.name!r} is {job.phase.value}: it needs no more devices"
     if offer_room(job) <= 0:
         return f"job {job.name!r} is at its max_workers {job.max_workers}: no plan may add a rank"
+    for host in hosts or []:
+        waiting = job.offered_hosts.get(host, 0)
+        if waiting:
+            where = f"host {host!r}" if host else "offers naming no host"
+            return (
+                f"{where} already has {waiting} offered device(s) that no worker has registered from "
+                "yet: another offer for it is refused until those are used"
+            )
     return ""
 
 
@@ -148,9 +160,7 @@ class SchedulerServicer:
 
     def _deadline(self, deadline_unix: float, now: float) -> None:
         finite(deadline_unix, "deadline_unix")
-        require(
-            deadline_unix > now, f"deadline_unix {deadline_unix:.3f} is not in the future (now {now:.3f})"
-        )
+        require(deadline_unix > now, f"deadline_unix is not in the future (the Core's clock reads {now:.3f})")
         require(deadline_unix <= now + MAX_DEADLINE_AHEAD_S, "deadline_unix is more than 7 days ahead")
 
     async def SignalPreemption(
@@ -175,8 +185,8 @@ class SchedulerServicer:
         members = []
         for worker_id in request.worker_ids:
             member = job.members.get(worker_id)
-            require(member is not None, f"job {job.name!r} has no worker {worker_id!r}")
-            assert member is not None
+            if member is None:
+                raise RpcError(grpc.StatusCode.NOT_FOUND, f"job {job.name!r} has no worker {worker_id!r}")
             require(not member.state.is_gone, f"worker {worker_id!r} is already {member.state.value}")
             members.append(member)
         survivors = [
@@ -209,25 +219,33 @@ class SchedulerServicer:
             all(0 < len(h) <= MAX_HOST_CHARS for h in request.hosts), "hosts must be 1-255 characters each"
         )
         finite(request.expected_duration_s, "expected_duration_s")
-        refusal = offer_refusal(job)
+        hosts = sorted(set(request.hosts)) or [""]
+        refusal = offer_refusal(job, hosts)
+        usable = 0
         if refusal:
             accepted, reason = False, refusal
         else:
-            accepted, reason = await self._plan(
+            accepted, reason, usable = await self._plan(
                 context, judge_offer, planning_copy(job), request.devices, request.expected_duration_s
             )
             job = self.core.job_or_not_found(request.job)  # the loop turned: it may be gone
-            refusal = offer_refusal(job)  # ... or have completed, or filled up
+            refusal = offer_refusal(job, hosts)  # ... or have completed, or filled up
             if refusal:
                 accepted, reason = False, refusal
-        admitted = min(request.devices, offer_room(job)) if accepted else 0
+        admitted = min(usable, offer_room(job)) if accepted else 0
         if accepted:
             # The devices' workers register as spares (rank -1); the engine plans them in.
             job.offered_workers += admitted
+            for i, host in enumerate(hosts):  # outstanding per host until its workers register
+                share = admitted // len(hosts) + (1 if i < admitted % len(hosts) else 0)
+                if share:
+                    job.offered_hosts[host] = job.offered_hosts.get(host, 0) + share
             self.core.table.save_spec(job)
             if admitted < request.devices:
-                reason += (
-                    f"; {admitted} of the {request.devices} devices fit under max_workers {job.max_workers}"
+                reason += f"; {admitted} of the {request.devices} devices admitted" + (
+                    f" (max_workers {job.max_workers})"
+                    if admitted < usable
+                    else " (what that configuration uses)"
                 )
         event = self.core.table.record(
             job,
@@ -297,6 +315,24 @@ class SchedulerServicer:
             plan_epoch=job.plan_epoch,
             last_event_seq=job.next_seq - 1,
             final_checkpoint=job.final_checkpoint,
+            end_reason=job.end_reason,
+            latest_checkpoint=job.latest_checkpoint,
+        )
+
+    async def EndJob(
+        self, request: scheduler_pb2.EndJobRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.EndJobResponse:
+        """The twin of REST DELETE /api/v1/jobs/{job} (core_service.job_end)."""
+        self._authorise(context)
+        require(
+            len(request.reason) <= MAX_REASON_CHARS, f"reason must be at most {MAX_REASON_CHARS} characters"
+        )
+        ended = end_job(self.core, request.job, request.reason, time.time())
+        await self.core.wait_durable()  # answer only once the end is stored
+        return scheduler_pb2.EndJobResponse(
+            phase=common_pb2.JobPhase.Value(f"JOB_PHASE_{ended.phase.value}"),
+            event_seq=ended.event_seq,
+            stopping_worker_ids=list(ended.stopping),
         )
 
     async def GetScaleTable(

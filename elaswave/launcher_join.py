@@ -184,4 +184,8 @@ def stop_job(http: Any, job: str, scheduler_token: str) -> tuple[bool, str]:
 
 def stopped_by_the_core(events: list[dict[str, Any]]) -> bool:
     """Whether someone (another node's launcher, an operator) asked the Core to stop the job."""
-    return any(e["kind"] == "checkpoint_requested" and (e.get("data") or {}).get("stop") for e in events)
+    return any(
+        e["kind"] == "job_stopped"
+        or (e["kind"] == "checkpoint_requested" and (e.get("data") or {}).get("stop"))
+        for e in events
+    )

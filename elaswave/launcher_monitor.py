@@ -31,9 +31,13 @@ NOTABLE_EVENTS = frozenset(
         "decision_refuse",
         "worker_draining",
         "checkpoint_requested",
+        "checkpoint_written",
+        "job_failed",
+        "job_stopped",
     }
 )
 RATE_WINDOW_S = 10.0
+PROGRESS_DETAIL_CHARS = 120  # the progress line's last event: cut at a word, never mid-number
 
 
 def last_step(member: dict[str, Any]) -> int:
@@ -148,7 +152,7 @@ class Monitor:
             parts.append(f"phase {snap.phase}")
         last = next((e for e in reversed(self.events) if e["kind"] in NOTABLE_EVENTS), None)
         if last is not None:
-            parts.append(f"last event: {format_event(last)}")
+            parts.append(f"last event: {format_event(last, most=PROGRESS_DETAIL_CHARS)}")
         if snap.error:
             parts.append(snap.error)
         return "  ".join(parts)
@@ -170,10 +174,23 @@ class Monitor:
         print(f"[elaswave] {text}", file=self.out, flush=True)
 
 
-def format_event(event: dict[str, Any]) -> str:
+def format_event(event: dict[str, Any], most: int | None = None) -> str:
+    """`kind worker (detail)`; with `most`, a longer detail is cut at a word boundary and marked
+    with an ellipsis, never inside a number or a name (issue 27: lines cut mid-number)."""
     who = f" {event['worker_id']}" if event.get("worker_id") else ""
-    detail = f" ({event['detail'][:160]})" if event.get("detail") else ""
-    return f"{event['kind']}{who}{detail}"
+    detail = str(event.get("detail") or "")
+    if most is not None and len(detail) > most:
+        cut = detail.rfind(" ", 0, most)
+        detail = detail[: cut if cut > 0 else most].rstrip(" ;,") + " ..."
+    return f"{event['kind']}{who}{f' ({detail})' if detail else ''}"
+
+
+# What `elaswave run` exits with (docs/api.md, "Exit codes of elaswave run"); a scheduler reads
+# these, so each means one thing. A stop on request exits with the shell's 128 + signal.
+EXIT_COMPLETED = 0  # the job completed: every worker finished, or finished with others planned around
+EXIT_FAILED = 1  # the job failed (no worker finished; or the Core's phase is FAILED)
+EXIT_LEFT_RUNNING_JOB = 3  # this node's workers left (preempted, drained, lost); the job goes on elsewhere
+TERMINAL_PHASES = frozenset({"COMPLETED", "FAILED", "STOPPED"})
 
 
 @dataclass(frozen=True)
@@ -191,13 +208,19 @@ def outcome(
     total_steps: int,
     stop_signal: int | None,
     world: int | None = None,
+    local_workers: frozenset[str] = frozenset(),
 ) -> Outcome:
-    """How the job ended, from the agents' exit statuses and the Core's events.
+    """How the job ended for this launcher, from its agents' exit statuses and the Core's view.
 
-    0 when the job completed: every agent exited 0, or some worker finished its work (it commits
-    its last step only with the whole job) and the others were lost on the way and planned around.
-    After a stop request (Ctrl-C, SIGTERM) the shell's 128 + signal when the workers left cleanly.
-    Otherwise 1. `world`: the job's workers, where this launcher runs only some (one node of several)."""
+    - stopped on request (Ctrl-C, SIGTERM, another node's or an operator's stop): the shell's
+      128 + signal when the workers left cleanly, else `EXIT_FAILED`;
+    - `local_workers` (this node's) all left while the job, not terminal, goes on with workers
+      elsewhere: `EXIT_LEFT_RUNNING_JOB` (the job is not done; this node is);
+    - completed, unless the Core's phase is FAILED: every agent exited 0, or some worker finished
+      its work (it commits its last step only with the whole job) and the others were lost on
+      the way and planned around;
+    - otherwise `EXIT_FAILED`, with the ranks that exited non-zero and the Core's reason.
+    `world`: the job's workers, where this launcher runs only some (one node of several)."""
     finished = sorted({e["worker_id"] for e in events if e["kind"] == "worker_finished"})
     failed = tuple(sorted(r for r, c in exit_codes.items() if c != 0))
     lost = [f"{e['worker_id']} ({e['detail']})" for e in events if e["kind"] == "worker_lost"]
@@ -206,24 +229,36 @@ def outcome(
     if stop_signal is not None:
         if failed:
             return Outcome(
-                1,
+                EXIT_FAILED,
                 f"job {job!r} stopped on request, but ranks {list(failed)} did not exit cleanly "
                 f"(last committed step {step})",
                 failed,
             )
         return Outcome(128 + stop_signal, f"job {job!r} stopped on request after step {step}{lost_note}", ())
-    if not failed or finished:
+    elsewhere = [m for m in snapshot.live if m["worker_id"] not in local_workers]
+    # A worker of this node that finished committed the job's last step with everyone: done.
+    local_finished = local_workers.intersection(finished)
+    if local_workers and elsewhere and not local_finished and snapshot.phase not in TERMINAL_PHASES:
         return Outcome(
-            0,
+            EXIT_LEFT_RUNNING_JOB,
+            f"this node's workers left job {job!r} after step {step}; the job goes on with "
+            f"{len(elsewhere)} worker(s) elsewhere and is not finished (exit {EXIT_LEFT_RUNNING_JOB})",
+            failed,
+        )
+    core_failed = snapshot.phase == "FAILED"
+    if not core_failed and (not failed or finished):
+        return Outcome(
+            EXIT_COMPLETED,
             f"job {job!r} finished: {step + 1}/{total_steps} steps, {len(finished)} of "
             f"{world or len(exit_codes)} workers finished{lost_note}",
             failed,
         )
     where = f"after step {step}" if step >= 0 else "before its first step"
-    codes = ", ".join(f"rank {r}: {exit_codes[r]}" for r in failed)
-    return Outcome(
-        1,
-        f"job {job!r} failed {where}: no worker finished; ranks {list(failed)} exited non-zero "
-        f"({codes}); see their logs in the run directory",
-        failed,
-    )
+    parts = [] if finished else ["no worker finished"]
+    if failed:
+        codes = ", ".join(f"rank {r}: {exit_codes[r]}" for r in failed)
+        parts.append(f"ranks {list(failed)} exited non-zero ({codes}); see their logs in the run directory")
+    if core_failed:
+        why = next((e["detail"] for e in reversed(events) if e["kind"] == "job_failed"), "see its events")
+        parts.append(f"the Core ended the job FAILED: {why}")
+    return Outcome(EXIT_FAILED, f"job {job!r} failed {where}: {'; '.join(parts)}", failed)

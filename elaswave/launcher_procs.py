@@ -139,9 +139,14 @@ class LocalCore:
             raise
         return cls(proc, int(info["grpc_port"]), http, token)
 
-    def create_job(self, name: str, expected_workers: int, layout_json: str) -> str:
-        """POST /api/v1/jobs with the layout; returns the job token."""
+    def create_job(
+        self, name: str, expected_workers: int, layout_json: str, model: dict[str, Any] | None = None
+    ) -> str:
+        """POST /api/v1/jobs with the layout and the model (planners.described_model); returns the
+        job token."""
         body = {"name": name, "expected_workers": expected_workers, "layout": json.loads(layout_json)}
+        if model is not None:
+            body["model"] = model
         response = self.http.post(
             "/api/v1/jobs", json=body, headers={"Authorization": f"Bearer {self.scheduler_token}"}
         )

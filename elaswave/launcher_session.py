@@ -27,6 +27,7 @@ from elaswave.launcher_join import SCHEDULER_TOKEN_ENV, stop_job, stopped_by_the
 from elaswave.launcher_monitor import Monitor, outcome, write_stop_file
 from elaswave.launcher_procs import LOOPBACK, Agents, LaunchError, LocalCore, RankSpec
 from elaswave.store_keeper import StoreKeeper
+from planners.described_model import job_model
 from wire import worker_env as we
 
 if TYPE_CHECKING:
@@ -80,7 +81,9 @@ class Session:
         env = clean_env()
         self.core = LocalCore.start(self.run_dir, env)
         layout = self.placement.layout
-        token = self.core.create_job(self.job, len(layout.ranks()), layout.to_json())
+        cap = None if self.args.mem_per_worker is None else float(self.args.mem_per_worker) * 2**30
+        model = job_model(self.desc, layout, cap)  # the describe run: offers to this job are judged
+        token = self.core.create_job(self.job, len(layout.ranks()), layout.to_json(), model)
         self.stores = StoreKeeper(env, self.run_dir)
         self.http = self.core.http
         self.core_address = f"{LOOPBACK}:{self.core.grpc_port}"
@@ -210,6 +213,7 @@ class Session:
             self.desc.steps,
             stop_signal,
             world=monitor.world,
+            local_workers=frozenset(spec.name for spec in self.agents.specs.values()),
         )
         for rank in result.failed_ranks[:MAX_FAILED_LOGS]:
             self._show_log(rank)

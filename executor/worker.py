@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from executor.compute_clock import ComputeClock
 from executor.worker_recovery import PlanFollowing, PlanNotApplicable
 from wire.worker_env import EXIT_NO_PLAN, EXIT_PLAN_NOT_APPLICABLE, EXIT_TERMINATED, WorkerPlace
 
@@ -204,6 +205,7 @@ class CoreDrivenWorker(PlanFollowing):
         self.metrics = StepMetricsClient.from_env()
         self.control = ControlReader.from_env()
         self.slow = None if place.slow_file is None else SlowInjection(place.slow_file, self.control)
+        self._checkpoints_reported = 0  # checkpoints written and told to the Core (step metrics)
         self._compute_s = 0.0  # the step in flight's own compute (wall time minus waiting on peers)
         self.writer = None
         if settings.checkpoint_dir is not None:
@@ -392,12 +394,13 @@ class CoreDrivenWorker(PlanFollowing):
         return self.results
 
     def _train_step(self, step: int) -> Any:
-        """One step; notes its own compute (its wall time minus the time blocked on peers: what
-        the Core's fail-slow detector compares across a stage) and stretches it where a
+        """One step; notes its own compute (`executor.compute_clock`: what the Core's fail-slow
+        detector compares across a stage) and stretches it where a
         slowdown is injected (`executor.slow_injection`)."""
-        t0, blocked = time.perf_counter(), self.comm.blocked_s
+        clock, blocked = ComputeClock(cpu=self.trainer.device.type == "cpu"), self.comm.blocked_s
+        clock.start()
         result = self.trainer.train_step(step)
-        self._compute_s = time.perf_counter() - t0 - (self.comm.blocked_s - blocked)
+        self._compute_s = clock.stop(self.comm.blocked_s - blocked)
         if self.slow is not None:
             extra, factor = self.slow.extra_s(self._compute_s)
             if extra > 0:
@@ -523,6 +526,15 @@ class CoreDrivenWorker(PlanFollowing):
             )
         self.results["checkpoints_written"] = [str(p) for p in self.writer.written]
 
+    def _new_checkpoint(self) -> str:
+        """The newest checkpoint this worker committed since its previous step report ("" for
+        none): the Core reports it as written (`checkpoint_written`, the job's latest)."""
+        written = self.writer.written if self.writer is not None else []
+        if len(written) <= self._checkpoints_reported:
+            return ""
+        self._checkpoints_reported = len(written)
+        return str(written[-1])
+
     def _committed(self, step: int, result: Any, seconds: float) -> None:
         if result is None:
             raise RuntimeError(f"step {step} committed on rank {self.args.rank} without having run")
@@ -539,6 +551,7 @@ class CoreDrivenWorker(PlanFollowing):
                 step=step,
                 step_time_s=seconds,
                 compute_time_s=self._compute_s,
+                checkpoint=self._new_checkpoint(),
                 loss=None if result is None else result.loss,
                 samples=0 if result is None else result.samples_processed,
                 stage=self.trainer.stage,

@@ -28,6 +28,7 @@ from planners.dataflow import drop_stage, micro_batch_sizes, resize_after_loss
 from planners.elaswave_clocks import plan_clocks
 from planners.elaswave_graph import repartition
 from planners.elaswave_model import DEFAULT_SLOWDOWN, JobModel, RankReport, Slowdown, costing, slowdowns
+from planners.elaswave_payback import PaybackSettings, judge_optional
 from planners.elaswave_policy_join import Joins, add_spares
 from planners.elaswave_reasons import Outcome, Reason, Step, headlines
 from planners.layout import Layout
@@ -43,6 +44,9 @@ class ElasWaveSettings:
     default_slowdown: float = DEFAULT_SLOWDOWN
     migrate: bool = True  # False: the resize-only ablation (no re-partition, no DVFS)
     dvfs: bool = True
+    # Optional plans (for slow or recovered ranks only) must pay back and respect the cool-down
+    # (`planners.elaswave_payback`); None: every plan is adopted (the simulator's ablations).
+    payback: PaybackSettings | None = PaybackSettings()
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,9 @@ class ElasWaveInput:
     reports: tuple[RankReport, ...] = ()
     recovered: frozenset[int] = frozenset()
     joins: Joins | None = None
+    cooling: frozenset[int] = frozenset()  # units that moved within the cool-down
+    # Going ranks that leave on purpose (preempted, drained, left): "departed", never "lost".
+    departed: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -90,7 +97,7 @@ def plan_elaswave(inp: ElasWaveInput, settings: ElasWaveSettings = ElasWaveSetti
     if not going and not slow and not recovered and not spares:
         text = "no rank of the current layout is leaving, slow or recovered, and no spare waits"
         return ElasWavePlan("none", None, (), text)
-    resized = resize_for_going(layout, going) if going else Resized(layout, ())
+    resized = resize_for_going(layout, going, inp.departed) if going else Resized(layout, ())
     if resized.layout is None:
         return ElasWavePlan("refuse", None, resized.reasons, resized.refusal)
     grown, reasons = resized.layout, resized.reasons
@@ -99,7 +106,15 @@ def plan_elaswave(inp: ElasWaveInput, settings: ElasWaveSettings = ElasWaveSetti
         factors = {r: s.factor for r, s in slow.items()}
         added = add_spares(resized.layout, inp.joins, model, factors, settings.min_gain)
         grown, joiners, reasons = added.layout, added.joiners, (*reasons, *added.reasons)
-    plan = _plan(layout, grown, reasons, model, slow, recovered, settings)
+    optional = not going and not spares  # only slow or recovered ranks: the plan may wait
+    plan = _plan(layout, grown, reasons, model, slow, recovered, settings, inp.cooling if optional else None)
+    if optional and settings.migrate and _declined_by_payback(plan):
+        # Moving units does not pay (or a unit cools down): the clocks alone may (DVFS, §4.3),
+        # and giving an up-clock back always does.
+        clocks_only = replace(settings, migrate=False)
+        fallback = _plan(layout, grown, reasons, model, slow, recovered, clocks_only, inp.cooling)
+        if fallback.action == "publish":
+            return replace(fallback, reasons=(*fallback.reasons, plan.reasons[-1]))
     if plan.action != "publish" or not joiners:
         return plan
     kept = set(plan.layout.ranks()) if plan.layout is not None else set()
@@ -114,7 +129,10 @@ def _plan(
     slow: dict[int, Slowdown],
     recovered: Set[int],
     settings: ElasWaveSettings,
+    cooling: frozenset[int] | None = None,
 ) -> ElasWavePlan:
+    """`cooling`: None for a plan that is needed (a loss, a join); else the plan is optional and the
+    payback rule and cool-down apply (the units still cooling down)."""
     factors = {r: s.factor for r, s in slow.items()}
     before = costing(old, factors, model.nominal_mhz, current_clocks=True)
     graph, graph_reasons = resized, []
@@ -150,23 +168,33 @@ def _plan(
     if new == old:
         summary = "nothing to change: " + "; ".join(r.text for r in reasons[1:])
         return ElasWavePlan("none", None, reasons, summary, t_after)
+    if cooling is not None and settings.payback is not None:
+        declined = judge_optional(old, new, t_before, t_after, model.unit, cooling, settings.payback)
+        if declined is not None:
+            reasons = (*reasons, declined)
+            return ElasWavePlan("none", None, reasons, declined.text, t_before)
     summary = "; ".join([*headlines(reasons), predicted.text])
     return ElasWavePlan("publish", new, reasons, summary, t_after)
 
 
-def resize_for_going(layout: Layout, going: Sequence[int]) -> Resized:
+def _declined_by_payback(plan: ElasWavePlan) -> bool:
+    return plan.action == "none" and bool(plan.reasons) and plan.reasons[-1].step is Step.PAYBACK
+
+
+def resize_for_going(layout: Layout, going: Sequence[int], departed: Set[int] = frozenset()) -> Resized:
     """Stages that lose every rank hand their layers to a neighbour; the survivors of the others
     take the going ranks' samples (micro-batch resizing, ElasWave §4.1); the result validates.
-    The last two reasons are the resize's own and the micro-batch sizes."""
+    The last two reasons are the resize's own and the micro-batch sizes. `departed`: going ranks
+    that leave on purpose (a preemption, a drain), named "departed" in the headline, not "lost"."""
     remaining, dropped, emptied = _drop_emptied_stages(layout, set(going))
     if remaining is None:
         return Resized(None, dropped, "every stage would lose all of its ranks", emptied)
     left = [r for r in going if r in set(remaining.ranks())]
     result = resize_after_loss(remaining, left)
-    headline = f"lost ranks {sorted(left)}"
-    text = result.reason
+    headline = going_headline(left, departed)
+    text = result.reason.replace(f"lost ranks {sorted(left)}", headline, 1)
     if not left:  # every going rank went with a dropped stage: no survivor's share changes
-        headline = text = f"lost ranks {sorted(going)} (with their stages)"
+        headline = text = f"{going_headline(going, departed)} (with their stages)"
     report = validate(result.layout)
     if not report.ok:
         return Resized(
@@ -205,3 +233,11 @@ def _drop_emptied_stages(
         reasons.append(Reason(Step.RESIZE, Outcome.CHANGED, text))
         emptied_ids.append(stage.stage)
         layout = drop_stage(layout, stage.stage)
+
+
+def going_headline(going: Sequence[int], departed: Set[int]) -> str:
+    """ "lost ranks [..]" for failures, "departed ranks [..]" for ranks that leave on purpose."""
+    lost = sorted(r for r in going if r not in departed)
+    left = sorted(r for r in going if r in departed)
+    parts = ([f"lost ranks {lost}"] if lost else []) + ([f"departed ranks {left}"] if left else [])
+    return "; ".join(parts) or "lost ranks []"

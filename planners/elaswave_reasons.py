@@ -20,6 +20,7 @@ class Step(StrEnum):
     GRAPH = "graph"  # Algorithm 1 re-partition under the executor's adjacency rule (§4.2)
     CLOCK = "clock"  # DVFS (§4.3)
     PREDICTION = "prediction"  # predicted step time after the change
+    PAYBACK = "payback"  # an optional plan declined: it does not pay back, or moves a cooling unit
 
 
 class Outcome(StrEnum):

@@ -27,7 +27,7 @@ import torch
 
 import elaswave
 from elaswave.launcher import job_name, resume_command
-from elaswave.launcher_monitor import Snapshot, outcome
+from elaswave.launcher_monitor import EXIT_FAILED, EXIT_LEFT_RUNNING_JOB, Snapshot, format_event, outcome
 
 pytestmark = pytest.mark.multiproc
 FAKE = Path(__file__).with_name("launcher_fake_script.py")
@@ -371,6 +371,29 @@ def test_outcome_rules() -> None:
     assert failed.exit_code == 1 and failed.failed_ranks == (0, 1)
     assert outcome("j", {0: 0, 1: 0}, [], snap, 10, signal.SIGTERM).exit_code == 128 + signal.SIGTERM
     assert outcome("j", {0: 0, 1: 1}, [], snap, 10, signal.SIGINT).exit_code == 1
+    # One node of two: its workers left (preempted) while the other node's still train.
+    going_on = Snapshot(
+        members=[
+            {"worker_id": "rank-0", "state": "LEFT", "last_step": {"step": 9}},
+            {"worker_id": "rank-2", "state": "RUNNING", "last_step": {"step": 9}},
+        ],
+        phase="RUNNING",
+    )
+    left = outcome("j", {0: 0}, [], going_on, 100, None, world=4, local_workers=frozenset({"rank-0"}))
+    assert left.exit_code == EXIT_LEFT_RUNNING_JOB and "goes on with 1 worker(s)" in left.summary
+    mine = [{"kind": "worker_finished", "worker_id": "rank-0"}]  # it finished: the job is done
+    assert outcome("j", {0: 0}, mine, going_on, 100, None, 4, frozenset({"rank-0"})).exit_code == 0
+    ended = Snapshot(members=snap.members, phase="FAILED")
+    why = [{"kind": "job_failed", "worker_id": "", "detail": "every worker is lost"}]
+    failed_job = outcome("j", {0: 0}, why, ended, 10, None)
+    assert failed_job.exit_code == EXIT_FAILED and "every worker is lost" in failed_job.summary
+
+
+def test_progress_lines_cut_event_details_at_a_word() -> None:
+    event = {"kind": "plan_published", "worker_id": "", "detail": "predicted step time 0.01266 s " * 10}
+    short = format_event(event, most=40)
+    assert short == "plan_published (predicted step time 0.01266 s predicted ...)"
+    assert format_event(event) == f"plan_published ({event['detail']})"  # event lines are whole
 
 
 # ------------------------------------------------------------------ end to end, through elaswave.train

@@ -458,3 +458,115 @@ def test_a_node_that_comes_back_joins_the_running_job_with_spares(
     assert sorted(losses) == list(range(SPARE_STEPS))
     for step in range(SPARE_STEPS):
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), (step, losses[step], reference[step])
+
+
+@pytest.mark.timeout(240)
+def test_a_node_whose_workers_are_preempted_exits_3_and_the_job_goes_on(
+    core: tuple[CoreProcess, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both of node-a's workers are preempted through the scheduler API: node-a's launcher says
+    its workers left a job that goes on and exits EXIT_LEFT_RUNNING_JOB (3), never 0 ("done");
+    node-b trains to the end and exits 0 (issue 27, item 2)."""
+    from elaswave.launcher_monitor import EXIT_COMPLETED, EXIT_LEFT_RUNNING_JOB  # noqa: PLC0415
+
+    proc, token = core
+    monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY_SLOW)
+    flags = ("--core", f"127.0.0.1:{proc.http_port}", "--nnodes", "2", "--nproc-per-node", "2", "--pp", "2")
+    first = Launcher(*flags, "--node-id", "node-a", script, "--steps", "200", cwd=tmp_path)
+    wait_until_waiting(proc, "tiny", "node-a", timeout_s=60)
+    second = Launcher(*flags, "--node-id", "node-b", script, "--steps", "200", cwd=tmp_path)
+    first.wait_for(
+        "every worker to commit step 3",
+        lambda: len(s := _member_steps_remote(proc)) == 4 and min(s.values()) >= 3,
+        timeout_s=150,
+    )
+    record = json.loads((tmp_path / "elaswave-run" / "tiny" / "node-0" / "nodes.json").read_text())
+    node_a = [f"rank-{r}" for r in record["nodes"]["0"]]
+    response = httpx.post(
+        f"http://127.0.0.1:{proc.http_port}/api/v1/jobs/tiny/preempt",
+        json={"worker_ids": node_a, "deadline_unix": time.time() + 30, "reason": "spot reclaim (test)"},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=10,
+    )
+    assert response.status_code == 202, response.text
+    code_a = first.wait(timeout_s=120)
+    assert code_a == EXIT_LEFT_RUNNING_JOB, first.output[-3000:]
+    assert (
+        "this node's workers left job 'tiny'" in first.output and "goes on with 2 worker(s)" in first.output
+    )
+    assert "finished:" not in first.output
+    assert second.wait(timeout_s=180) == EXIT_COMPLETED, second.output[-3000:]
+    assert "job 'tiny' finished: 200/200 steps, 2 of 4 workers finished" in second.output
+
+
+@pytest.mark.timeout(90)
+def test_offers_to_a_rendezvous_job_are_judged_and_bounded_per_host(core: tuple[CoreProcess, str]) -> None:
+    """A job formed by the rendezvous (what `elaswave run --core` does) carries its nodes' model
+    description as its model: its scale table answers, an offer is judged by FlexTrain (eq. 16)
+    and admits only what the chosen configuration uses, and an offer for a host whose offered
+    devices are not used yet is refused with the reason (issue 27, item 3)."""
+    import grpc  # noqa: PLC0415
+
+    from wire.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: PLC0415
+
+    proc, token = core
+    # A global batch of 64 in 8 micro-batches (micro-batches of 4 on DP=2): DP can grow to 16.
+    model = description(global_batch=64, micro_batches=8)
+    first = Waiting(proc, token, "j", join_body("a", description=model))
+    wait_until_waiting(proc, "j", "a")
+    assert post_join(proc, token, "j", join_body("b", description=model)).status_code == 200
+    assert first.result().status_code == 200
+    job = proc.job("j")
+    assert job["scale_table"]["rows"], job["scale_table"]  # the model is registered
+    auth = [("authorization", f"Bearer {token}")]
+    with grpc.insecure_channel(proc.grpc_address) as channel:
+        scheduler = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        table = scheduler.GetScaleTable(
+            scheduler_pb2.GetScaleTableRequest(job="j"), metadata=auth, timeout=20
+        )
+        largest = max(row.devices for row in table.rows)
+
+        def offer(devices: int, host: str) -> scheduler_pb2.OfferResourcesResponse:
+            request = scheduler_pb2.OfferResourcesRequest(
+                job="j", devices=devices, hosts=[host], expected_duration_s=24 * 3600
+            )
+            return scheduler.OfferResources(request, metadata=auth, timeout=30)
+
+        huge = offer(65_536, "h1")
+        assert "membership-only" not in huge.reason
+        assert huge.accepted and "scale to" in huge.reason, huge.reason
+        assert 0 < huge.admitted_workers <= largest - 4  # what the chosen configuration adds
+        again = offer(2, "h1")
+        assert not again.accepted and again.admitted_workers == 0
+        assert f"host 'h1' already has {huge.admitted_workers} offered device(s)" in again.reason
+        short = offer(2, "h2")  # judged on its own: another host, the same rule
+        assert "membership-only" not in short.reason
+    assert proc.job("j")["offered_workers"] == huge.admitted_workers + short.admitted_workers
+
+
+@pytest.mark.timeout(60)
+def test_an_offer_to_a_job_that_cannot_use_more_devices_is_refused_with_why(
+    core: tuple[CoreProcess, str],
+) -> None:
+    """A global batch of 8 in micro-batches of 2 allows DP 4 at most: FlexTrain's scale table has
+    nothing above the current 4 devices, so even 65,536 offered devices are refused."""
+    import grpc  # noqa: PLC0415
+
+    from wire.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: PLC0415
+
+    proc, token = core
+    first = Waiting(proc, token, "j", join_body("a"))
+    wait_until_waiting(proc, "j", "a")
+    assert post_join(proc, token, "j", join_body("b")).status_code == 200
+    assert first.result().status_code == 200
+    with grpc.insecure_channel(proc.grpc_address) as channel:
+        scheduler = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        request = scheduler_pb2.OfferResourcesRequest(job="j", devices=65_536, hosts=["h1"])
+        answer = scheduler.OfferResources(
+            request, metadata=[("authorization", f"Bearer {token}")], timeout=30
+        )
+    assert not answer.accepted and answer.admitted_workers == 0
+    assert answer.reason == "no scale-table entry above the current allocation fits"
+    assert proc.job("j")["offered_workers"] == 0

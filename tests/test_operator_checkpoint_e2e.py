@@ -108,3 +108,38 @@ def test_checkpoint_request_is_refused_clearly_without_training_workers(tmp_path
         assert bad.status_code == 422
     finally:
         demo.stop()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_a_requested_checkpoint_reports_its_completion_and_delete_ends_the_job(tmp_path: Path) -> None:
+    """The operator's checkpoint (no stop) is reported once written: a `checkpoint_written` event
+    and the job view's `latest_checkpoint`; then DELETE ends the job: every worker leaves at one
+    step boundary and the job is STOPPED (issue 27, items 4 and 7)."""
+    root = tmp_path / "ckpt"
+    cfg = TrainDemoConfig(**{**CFG.__dict__, "checkpoint_dir": str(root)})
+    demo = TrainDemo(tmp_path, cfg, timeout_s=150)
+    try:
+        launch_job(demo)
+        wait_committed(demo, 2)
+        assert demo.http is not None
+        token = {"Authorization": f"Bearer {demo.scheduler_token}"}
+        asked = demo.http.post("/api/v1/jobs/demo/checkpoint", json={}, headers=token)
+        assert asked.status_code == 202, asked.text
+        expected = str(root / f"step-{asked.json()['after_step'] + 1:08d}")
+
+        def written() -> list[dict]:
+            events = demo.http.get("/api/v1/jobs/demo/events", params={"limit": 10_000}).json()["events"]
+            return [e for e in events if e["kind"] == "checkpoint_written"]
+
+        job = demo.wait_for("the checkpoint to be reported written", lambda j: written())
+        reported = written()
+        assert [e["detail"] for e in reported] == [expected]
+        assert demo.job()["latest_checkpoint"] == expected and job["phase"] != "STOPPED"
+        ended = demo.http.delete("/api/v1/jobs/demo", params={"reason": "test over"}, headers=token)
+        assert ended.status_code == 200 and ended.json()["phase"] == "STOPPED", ended.text
+        results = demo.wait_results(list(range(cfg.pp * cfg.dp)))
+    finally:
+        demo.stop()
+    stops = {res.get("stopped_after_step") for res in results.values()}
+    assert len(stops) == 1 and None not in stops, stops  # every worker left at the same boundary

@@ -291,18 +291,20 @@ _MAX_DATAGRAM = 65536
 
 _INT_FIELDS = {"step": 0, "samples": 0, "stage": -1, "dp_rank": -1}  # name -> minimum value
 _SECONDS_FIELDS = ("step_time_s", "compute_time_s")
-FIELDS = frozenset({*_INT_FIELDS, *_SECONDS_FIELDS, "loss"})
+FIELDS = frozenset({*_INT_FIELDS, *_SECONDS_FIELDS, "loss", "checkpoint"})
+MAX_CHECKPOINT_CHARS = 4096  # a checkpoint path in a record (AgentService limits: details)
 
 
 class BadMetrics(ValueError):
     """A step-metrics record that does not follow the schema; the message says why."""
 
 
-def validate_step_metrics(record: object) -> dict[str, float | int]:
-    """Validate one decoded JSON record; the fields as numbers, ``loss`` NaN when unknown.
-    ``BadMetrics`` says what is wrong.
+def validate_step_metrics(record: object) -> dict[str, float | int | str]:
+    """Validate one decoded JSON record; the fields as numbers, ``loss`` NaN when unknown,
+    ``checkpoint`` a path or "". ``BadMetrics`` says what is wrong.
 
-    Every field is required except ``loss`` (absent or null = NaN, "not known on this worker").
+    Every field is required except ``loss`` (absent or null = NaN, "not known on this worker")
+    and ``checkpoint`` (absent = "": no checkpoint completed since the previous record).
     """
     if not isinstance(record, dict):
         raise BadMetrics(f"expected a JSON object, got {type(record).__name__}")
@@ -335,7 +337,10 @@ def validate_step_metrics(record: object) -> dict[str, float | int]:
         loss = math.nan
     elif isinstance(loss, bool) or not isinstance(loss, int | float):
         raise BadMetrics(f"loss must be a number or null, got {loss!r}")
-    return {"loss": float(loss), **values}
+    checkpoint = record.get("checkpoint", "")
+    if not isinstance(checkpoint, str) or len(checkpoint) > MAX_CHECKPOINT_CHARS:
+        raise BadMetrics(f"checkpoint must be a path of at most {MAX_CHECKPOINT_CHARS} characters")
+    return {"loss": float(loss), **values, "checkpoint": checkpoint}
 
 
 class StepMetricsClient:
@@ -368,9 +373,11 @@ class StepMetricsClient:
         samples: int,
         stage: int,
         dp_rank: int,
+        checkpoint: str = "",
     ) -> bool:
-        """Send one step's metrics; True when the agent's socket took it."""
-        record = {
+        """Send one step's metrics (with `checkpoint`: one this worker completed since the
+        previous record); True when the agent's socket took it."""
+        record: dict[str, object] = {
             "step": step,
             "step_time_s": step_time_s,
             "compute_time_s": compute_time_s,
@@ -379,6 +386,8 @@ class StepMetricsClient:
             "stage": stage,
             "dp_rank": dp_rank,
         }
+        if checkpoint:
+            record["checkpoint"] = checkpoint
         validate_step_metrics(record)
         data = (json.dumps(record) + "\n").encode()
         try:

@@ -129,8 +129,8 @@ def test_drain_stops_worker_at_a_step_boundary_and_leaves_cleanly(real_core, age
     assert "stopped by drain (maintenance)" in log  # the worker read the notice, no signal needed
     assert " agent drain_sigterm " not in log and log.count(" agent drain_repeated ") == 1
     member = _member(core, "drainjob")
-    assert member["lost_reason"].startswith("drained (maintenance): worker ")
-    assert "exited with code 0" in member["lost_reason"]
+    assert member["state_reason"].startswith("drained (maintenance): worker ")
+    assert "exited with code 0" in member["state_reason"]
     assert "draining: maintenance" in member["probes"]["process"]["detail"]
     events = _events(core, "drainjob")
     kinds = [e["kind"] for e in events]

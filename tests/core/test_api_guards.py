@@ -103,7 +103,7 @@ def test_scheduler_rejects_bad_values_with_reasons(core: tuple) -> None:
             scheduler_pb2.SignalPreemptionRequest(
                 job="train", worker_ids=["ghost"], deadline_unix=time.time() + 9
             ),
-            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.NOT_FOUND,  # an unknown worker, like an unknown job
             "no worker 'ghost'",
         ),
         (

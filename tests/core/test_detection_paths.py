@@ -43,7 +43,7 @@ def test_straggler_is_flagged_slow_and_sigterm_becomes_preemption(tmp_path: Path
             )
         wait_until(lambda: core.states("train").get("w2") == "SLOW", 30, "w2 flagged SLOW")
         slow = next(m for m in core.job("train")["members"] if m["worker_id"] == "w2")
-        assert "peer median" in slow["lost_reason"]
+        assert "peer median" in slow["state_reason"]
         assert core.states("train")["w0"] == "RUNNING" and core.states("train")["w1"] == "RUNNING"
 
         agents[0].signal(signal.SIGTERM)

@@ -229,3 +229,46 @@ def test_memory_caps_keep_a_block_where_it_is() -> None:
     assert new is not None
     assert new.boundaries == (2,) and new.stages[1].ranks == (3, 5)
     assert any(r.startswith("no unit moves") for r in decision.reasons), decision.reasons
+
+
+@pytest.mark.timeout(60)
+def test_a_unit_moved_for_a_straggler_does_not_move_back_in_its_cool_down() -> None:
+    """A 3x straggler's plan moves a unit off its stage (optional: only a slow rank); when it
+    recovers within the cool-down, the unit stays put and only its up-clock is given back: no
+    ping-pong (issue 27)."""
+    layout = make_uniform_layout(num_layers=8, num_stages=2, dp=2, global_batch=8, num_micro_batches=2)
+    h = Harness(layout, ElasWavePolicy())
+    h.job.failslow.settings = FailSlowSettings(ratio=1.5, trigger_steps=2, clear_steps=2)
+
+    def step_all(step: int, slow_s: float) -> None:
+        for worker in sorted(h.job.members):
+            _report(h, worker, step, slow_s if worker == "j-w0" else 1.0)
+
+    async def scenario() -> None:
+        await h.join_layout("j", layout)
+        await settle(h, 1.0)
+        for step in range(3):  # its first step has no peer report yet to be judged against
+            step_all(step, 3.0)
+        assert [e.kind for e in h.job.pending_changes] == ["worker_slow"]
+        assert await h.engine.tick(h.job, 5.0) == JobPhase.PLANNING
+        assert await h.engine.tick(h.job, 5.1) == JobPhase.APPLYING
+        _, first, new = published(h)
+        moved = moves(layout, new)
+        assert moved and all(src == 0 for _, src, _ in moved), first.reasons  # off the straggler's stage
+        assert set(h.job.unit_moved_at) == {b for b, _, _ in moved}
+        await apply_all(h, 1, 5.2)
+        for step in range(3, 5):  # recovered (its reported time back at the peers')
+            step_all(step, 1.0)
+        assert [e.kind for e in h.job.pending_changes] == ["worker_recovered"]
+        assert await h.engine.tick(h.job, 9.0) == JobPhase.PLANNING
+        phase = await h.engine.tick(h.job, 9.1)
+        if phase == JobPhase.APPLYING:  # the up-clock given back, the units kept where they are
+            epoch, plan, back = published(h)
+            assert epoch == 2 and back.boundaries == new.boundaries, plan.reasons
+            assert any("cool-down" in r for r in plan.reasons), plan.reasons
+        else:
+            assert phase == JobPhase.RUNNING and h.job.plan_epoch == 1
+            decision = [e for e in h.job.events if e.kind.startswith("decision_")][-1]
+            assert "cool-down" in decision.detail, decision.detail
+
+    run(scenario())

@@ -153,10 +153,13 @@ def test_emptied_stage_hands_its_layers_on_and_losing_everything_is_refused() ->
         assert (merged.stages[0].layer_start, merged.stages[0].layer_stop) == (0, 2)
         h.membership.mark_lost(h.job, f"w{layout.stages[0].ranks[0]}", "gone", "process_exit", 3.0)
         await h.engine.tick(h.job, 3.0)
-        assert await h.engine.tick(h.job, 3.0) == JobPhase.RUNNING
+        # Nobody is left and no plan is possible: the job ends FAILED (terminal), not RUNNING.
+        assert await h.engine.tick(h.job, 3.0) == JobPhase.FAILED
         refusal = [e for e in h.job.events if e.kind == "decision_refuse"]
         assert refusal and "every stage would lose all of its ranks" in refusal[-1].detail
+        assert "every stage would lose all of its ranks" in h.job.end_reason
         assert h.job.plan_epoch == 1  # nothing more was published
+        assert await h.engine.tick(h.job, 4.0) == JobPhase.FAILED
 
     run(scenario())
 

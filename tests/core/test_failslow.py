@@ -68,3 +68,28 @@ def test_large_stage_shared_reference_flags_the_straggler_and_nobody_else() -> N
     assert d.observe("w17", 1, 1.6) is None and "w17" not in d._stage_times[0]  # noqa: SLF001
     d.forget("w18")
     assert "w18" not in d._stage_times[0] and len(d._stage_times[0]) == 1998  # noqa: SLF001
+
+
+def test_a_flagged_worker_stays_slow_until_it_is_faster_by_the_margin() -> None:
+    """Hysteresis: flagged above ratio x median; it counts as normal again only at or below
+    clear_ratio x median, so a worker hovering between the two never flips back and forth."""
+    d = FailSlowDetector(FailSlowSettings(ratio=1.5, clear_ratio=1.2, trigger_steps=2, clear_steps=2))
+    peers = {"a": 1.0, "b": 1.0, "c": 1.0}
+    flips = []
+    for _ in range(2):
+        flips += feed(d, {**peers, "d": 2.0})
+    assert [(t.worker_id, t.slow) for t in flips] == [("d", True)]
+    for _ in range(10):  # 1.3x: below the trigger, above the clearing margin
+        assert feed(d, {**peers, "d": 1.3}) == []
+    assert d.is_slow("d")
+    back = feed(d, {**peers, "d": 1.1}) + feed(d, {**peers, "d": 1.1})
+    assert [(t.worker_id, t.slow) for t in back] == [("d", False)]
+
+
+def test_a_peers_noisy_step_does_not_make_the_others_look_slow() -> None:
+    """A peer's reference time is its median over window_steps: one fast outlier step of a peer
+    does not lower the stage's reference below everyone else."""
+    d = FailSlowDetector(FailSlowSettings(ratio=1.5, trigger_steps=1, clear_steps=1, window_steps=5))
+    for _ in range(5):
+        assert feed(d, {"a": 1.0, "b": 1.0}) == []
+    assert feed(d, {"a": 0.3, "b": 1.0}) == []  # a's one fast step: b is not 1.5x its median

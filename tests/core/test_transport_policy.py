@@ -54,7 +54,8 @@ def test_standbys_point_at_the_advertised_address_never_a_wildcard() -> None:
         hint = standby.core.advertised_grpc()
         assert not hint.startswith("0.0.0.0") and hint.endswith(f":{standby.core.grpc_port}")
         with httpx.Client(base_url=standby.http_url, timeout=5) as http:
-            assert http.get("/healthz").json()["leader"] == "core-a.example:7000"
+            # REST clients are told the leader's REST address (its advertised host, its HTTP port).
+            assert http.get("/healthz").json()["leader"] == f"http://core-a.example:{leader.core.http_port}"
     finally:
         standby.stop()
         leader.stop()

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from wire.v1 import common_pb2 as wire_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13wire/v1/agent.proto\x12\x0b\x65laswave.v1\x1a\x14wire/v1/common.proto\"\xd1\x01\n\x08Register\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12$\n\x07\x64\x65vices\x18\x05 \x03(\x0b\x32\x13.elaswave.v1.Device\x12\r\n\x05stage\x18\x06 \x01(\x05\x12\x0f\n\x07\x64p_rank\x18\x07 \x01(\x05\x12\x1d\n\x15heartbeat_interval_ms\x18\x08 \x01(\r\x12\x17\n\x0fholds_own_lease\x18\t \x01(\x08\x12\x0c\n\x04rank\x18\n \x01(\x05\"9\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x11\n\tsent_unix\x18\x02 \x01(\x01\x12\x0c\n\x04\x65\x63ho\x18\x03 \x01(\x08\"h\n\x0bHealthProbe\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.elaswave.v1.ProbeKind\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x12\n\nlatency_ms\x18\x04 \x01(\x01\"\xa6\x01\n\x0bMemoryUsage\x12\x17\n\x0fhost_used_bytes\x18\x01 \x01(\x04\x12\x18\n\x10host_total_bytes\x18\x02 \x01(\x04\x12\x18\n\x10worker_rss_bytes\x18\x03 \x01(\x04\x12\x19\n\x11\x64\x65vice_used_bytes\x18\x04 \x03(\x04\x12\x1a\n\x12\x64\x65vice_total_bytes\x18\x05 \x03(\x04\x12\x13\n\x0b\x63pu_percent\x18\x06 \x01(\x01\"\x87\x01\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0bstep_time_s\x18\x02 \x01(\x01\x12\x16\n\x0e\x63ompute_time_s\x18\x03 \x01(\x01\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x0f\n\x07samples\x18\x05 \x01(\x04\x12\r\n\x05stage\x18\x06 \x01(\x05\x12\x0f\n\x07\x64p_rank\x18\x07 \x01(\x05\"9\n\x10PreemptionNotice\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x15\n\rdeadline_unix\x18\x02 \x01(\x01\"/\n\nWorkerExit\x12\x11\n\texit_code\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"=\n\x05Leave\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x12\n\ncheckpoint\x18\x03 \x01(\t\"\xfb\x02\n\x0e\x43onnectRequest\x12)\n\x08register\x18\x01 \x01(\x0b\x32\x15.elaswave.v1.RegisterH\x00\x12+\n\theartbeat\x18\x02 \x01(\x0b\x32\x16.elaswave.v1.HeartbeatH\x00\x12)\n\x05probe\x18\x03 \x01(\x0b\x32\x18.elaswave.v1.HealthProbeH\x00\x12*\n\x06memory\x18\x04 \x01(\x0b\x32\x18.elaswave.v1.MemoryUsageH\x00\x12(\n\x04step\x18\x05 \x01(\x0b\x32\x18.elaswave.v1.StepMetricsH\x00\x12\x33\n\npreemption\x18\x06 \x01(\x0b\x32\x1d.elaswave.v1.PreemptionNoticeH\x00\x12.\n\x0bworker_exit\x18\x07 \x01(\x0b\x32\x17.elaswave.v1.WorkerExitH\x00\x12#\n\x05leave\x18\x08 \x01(\x0b\x32\x12.elaswave.v1.LeaveH\x00\x42\x06\n\x04\x62ody\"c\n\x0bRegisterAck\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x1c\n\x14heartbeat_timeout_ms\x18\x02 \x01(\r\x12\x0f\n\x07\x63ore_id\x18\x03 \x01(\t\x12\x14\n\x0cworker_token\x18\x04 \x01(\t\"\x1c\n\rHeartbeatEcho\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x1b\n\x0cSetFrequency\x12\x0b\n\x03mhz\x18\x01 \x01(\r\".\n\x05\x44rain\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x15\n\rdeadline_unix\x18\x02 \x01(\x01\"\x0b\n\tReportNow\".\n\nCheckpoint\x12\x12\n\nafter_step\x18\x01 \x01(\x04\x12\x0c\n\x04stop\x18\x02 \x01(\x08\"0\n\x0eReportRejected\x12\x0e\n\x06report\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xd5\x02\n\x0f\x43onnectResponse\x12\'\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x18.elaswave.v1.RegisterAckH\x00\x12\x32\n\rset_frequency\x18\x02 \x01(\x0b\x32\x19.elaswave.v1.SetFrequencyH\x00\x12#\n\x05\x64rain\x18\x03 \x01(\x0b\x32\x12.elaswave.v1.DrainH\x00\x12,\n\nreport_now\x18\x04 \x01(\x0b\x32\x16.elaswave.v1.ReportNowH\x00\x12/\n\x08rejected\x18\x05 \x01(\x0b\x32\x1b.elaswave.v1.ReportRejectedH\x00\x12-\n\ncheckpoint\x18\x06 \x01(\x0b\x32\x17.elaswave.v1.CheckpointH\x00\x12*\n\x04\x65\x63ho\x18\x07 \x01(\x0b\x32\x1a.elaswave.v1.HeartbeatEchoH\x00\x42\x06\n\x04\x62ody\"\x84\x01\n\tNodeFrame\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\r\x12,\n\x07request\x18\x02 \x01(\x0b\x32\x1b.elaswave.v1.ConnectRequest\x12\x15\n\rauthorization\x18\x03 \x01(\t\x12\x14\n\x0cworker_token\x18\x04 \x01(\t\x12\x0b\n\x03\x65nd\x18\x05 \x01(\x08\"5\n\x0bNodeRequest\x12&\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x16.elaswave.v1.NodeFrame\"x\n\tNodeReply\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\r\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1c.elaswave.v1.ConnectResponse\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x04 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x05 \x01(\t\"7\n\x0cNodeResponse\x12\'\n\x07replies\x18\x01 \x03(\x0b\x32\x16.elaswave.v1.NodeReply*\x88\x01\n\tProbeKind\x12\x1a\n\x16PROBE_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12PROBE_KIND_PROCESS\x10\x01\x12\x15\n\x11PROBE_KIND_DEVICE\x10\x02\x12\x13\n\x0fPROBE_KIND_HOST\x10\x03\x12\x1b\n\x17PROBE_KIND_INTERCONNECT\x10\x04\x32\xa0\x01\n\x0c\x41gentService\x12H\n\x07\x43onnect\x12\x1b.elaswave.v1.ConnectRequest\x1a\x1c.elaswave.v1.ConnectResponse(\x01\x30\x01\x12\x46\n\x0b\x43onnectNode\x12\x18.elaswave.v1.NodeRequest\x1a\x19.elaswave.v1.NodeResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13wire/v1/agent.proto\x12\x0b\x65laswave.v1\x1a\x14wire/v1/common.proto\"\xd1\x01\n\x08Register\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12$\n\x07\x64\x65vices\x18\x05 \x03(\x0b\x32\x13.elaswave.v1.Device\x12\r\n\x05stage\x18\x06 \x01(\x05\x12\x0f\n\x07\x64p_rank\x18\x07 \x01(\x05\x12\x1d\n\x15heartbeat_interval_ms\x18\x08 \x01(\r\x12\x17\n\x0fholds_own_lease\x18\t \x01(\x08\x12\x0c\n\x04rank\x18\n \x01(\x05\"9\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x11\n\tsent_unix\x18\x02 \x01(\x01\x12\x0c\n\x04\x65\x63ho\x18\x03 \x01(\x08\"h\n\x0bHealthProbe\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.elaswave.v1.ProbeKind\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x12\n\nlatency_ms\x18\x04 \x01(\x01\"\xa6\x01\n\x0bMemoryUsage\x12\x17\n\x0fhost_used_bytes\x18\x01 \x01(\x04\x12\x18\n\x10host_total_bytes\x18\x02 \x01(\x04\x12\x18\n\x10worker_rss_bytes\x18\x03 \x01(\x04\x12\x19\n\x11\x64\x65vice_used_bytes\x18\x04 \x03(\x04\x12\x1a\n\x12\x64\x65vice_total_bytes\x18\x05 \x03(\x04\x12\x13\n\x0b\x63pu_percent\x18\x06 \x01(\x01\"\x9b\x01\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0bstep_time_s\x18\x02 \x01(\x01\x12\x16\n\x0e\x63ompute_time_s\x18\x03 \x01(\x01\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x0f\n\x07samples\x18\x05 \x01(\x04\x12\r\n\x05stage\x18\x06 \x01(\x05\x12\x0f\n\x07\x64p_rank\x18\x07 \x01(\x05\x12\x12\n\ncheckpoint\x18\x08 \x01(\t\"9\n\x10PreemptionNotice\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x15\n\rdeadline_unix\x18\x02 \x01(\x01\"/\n\nWorkerExit\x12\x11\n\texit_code\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"=\n\x05Leave\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x12\n\ncheckpoint\x18\x03 \x01(\t\"\xfb\x02\n\x0e\x43onnectRequest\x12)\n\x08register\x18\x01 \x01(\x0b\x32\x15.elaswave.v1.RegisterH\x00\x12+\n\theartbeat\x18\x02 \x01(\x0b\x32\x16.elaswave.v1.HeartbeatH\x00\x12)\n\x05probe\x18\x03 \x01(\x0b\x32\x18.elaswave.v1.HealthProbeH\x00\x12*\n\x06memory\x18\x04 \x01(\x0b\x32\x18.elaswave.v1.MemoryUsageH\x00\x12(\n\x04step\x18\x05 \x01(\x0b\x32\x18.elaswave.v1.StepMetricsH\x00\x12\x33\n\npreemption\x18\x06 \x01(\x0b\x32\x1d.elaswave.v1.PreemptionNoticeH\x00\x12.\n\x0bworker_exit\x18\x07 \x01(\x0b\x32\x17.elaswave.v1.WorkerExitH\x00\x12#\n\x05leave\x18\x08 \x01(\x0b\x32\x12.elaswave.v1.LeaveH\x00\x42\x06\n\x04\x62ody\"c\n\x0bRegisterAck\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x1c\n\x14heartbeat_timeout_ms\x18\x02 \x01(\r\x12\x0f\n\x07\x63ore_id\x18\x03 \x01(\t\x12\x14\n\x0cworker_token\x18\x04 \x01(\t\"\x1c\n\rHeartbeatEcho\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x1b\n\x0cSetFrequency\x12\x0b\n\x03mhz\x18\x01 \x01(\r\".\n\x05\x44rain\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x15\n\rdeadline_unix\x18\x02 \x01(\x01\"\x0b\n\tReportNow\".\n\nCheckpoint\x12\x12\n\nafter_step\x18\x01 \x01(\x04\x12\x0c\n\x04stop\x18\x02 \x01(\x08\"0\n\x0eReportRejected\x12\x0e\n\x06report\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xd5\x02\n\x0f\x43onnectResponse\x12\'\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x18.elaswave.v1.RegisterAckH\x00\x12\x32\n\rset_frequency\x18\x02 \x01(\x0b\x32\x19.elaswave.v1.SetFrequencyH\x00\x12#\n\x05\x64rain\x18\x03 \x01(\x0b\x32\x12.elaswave.v1.DrainH\x00\x12,\n\nreport_now\x18\x04 \x01(\x0b\x32\x16.elaswave.v1.ReportNowH\x00\x12/\n\x08rejected\x18\x05 \x01(\x0b\x32\x1b.elaswave.v1.ReportRejectedH\x00\x12-\n\ncheckpoint\x18\x06 \x01(\x0b\x32\x17.elaswave.v1.CheckpointH\x00\x12*\n\x04\x65\x63ho\x18\x07 \x01(\x0b\x32\x1a.elaswave.v1.HeartbeatEchoH\x00\x42\x06\n\x04\x62ody\"\x84\x01\n\tNodeFrame\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\r\x12,\n\x07request\x18\x02 \x01(\x0b\x32\x1b.elaswave.v1.ConnectRequest\x12\x15\n\rauthorization\x18\x03 \x01(\t\x12\x14\n\x0cworker_token\x18\x04 \x01(\t\x12\x0b\n\x03\x65nd\x18\x05 \x01(\x08\"5\n\x0bNodeRequest\x12&\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x16.elaswave.v1.NodeFrame\"x\n\tNodeReply\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\r\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1c.elaswave.v1.ConnectResponse\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x04 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x05 \x01(\t\"7\n\x0cNodeResponse\x12\'\n\x07replies\x18\x01 \x03(\x0b\x32\x16.elaswave.v1.NodeReply*\x88\x01\n\tProbeKind\x12\x1a\n\x16PROBE_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12PROBE_KIND_PROCESS\x10\x01\x12\x15\n\x11PROBE_KIND_DEVICE\x10\x02\x12\x13\n\x0fPROBE_KIND_HOST\x10\x03\x12\x1b\n\x17PROBE_KIND_INTERCONNECT\x10\x04\x32\xa0\x01\n\x0c\x41gentService\x12H\n\x07\x43onnect\x12\x1b.elaswave.v1.ConnectRequest\x1a\x1c.elaswave.v1.ConnectResponse(\x01\x30\x01\x12\x46\n\x0b\x43onnectNode\x12\x18.elaswave.v1.NodeRequest\x1a\x19.elaswave.v1.NodeResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'wire.v1.agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROBEKIND']._serialized_start=2328
-  _globals['_PROBEKIND']._serialized_end=2464
+  _globals['_PROBEKIND']._serialized_start=2348
+  _globals['_PROBEKIND']._serialized_end=2484
   _globals['_REGISTER']._serialized_start=59
   _globals['_REGISTER']._serialized_end=268
   _globals['_HEARTBEAT']._serialized_start=270
@@ -43,39 +43,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MEMORYUSAGE']._serialized_start=436
   _globals['_MEMORYUSAGE']._serialized_end=602
   _globals['_STEPMETRICS']._serialized_start=605
-  _globals['_STEPMETRICS']._serialized_end=740
-  _globals['_PREEMPTIONNOTICE']._serialized_start=742
-  _globals['_PREEMPTIONNOTICE']._serialized_end=799
-  _globals['_WORKEREXIT']._serialized_start=801
-  _globals['_WORKEREXIT']._serialized_end=848
-  _globals['_LEAVE']._serialized_start=850
-  _globals['_LEAVE']._serialized_end=911
-  _globals['_CONNECTREQUEST']._serialized_start=914
-  _globals['_CONNECTREQUEST']._serialized_end=1293
-  _globals['_REGISTERACK']._serialized_start=1295
-  _globals['_REGISTERACK']._serialized_end=1394
-  _globals['_HEARTBEATECHO']._serialized_start=1396
-  _globals['_HEARTBEATECHO']._serialized_end=1424
-  _globals['_SETFREQUENCY']._serialized_start=1426
-  _globals['_SETFREQUENCY']._serialized_end=1453
-  _globals['_DRAIN']._serialized_start=1455
-  _globals['_DRAIN']._serialized_end=1501
-  _globals['_REPORTNOW']._serialized_start=1503
-  _globals['_REPORTNOW']._serialized_end=1514
-  _globals['_CHECKPOINT']._serialized_start=1516
-  _globals['_CHECKPOINT']._serialized_end=1562
-  _globals['_REPORTREJECTED']._serialized_start=1564
-  _globals['_REPORTREJECTED']._serialized_end=1612
-  _globals['_CONNECTRESPONSE']._serialized_start=1615
-  _globals['_CONNECTRESPONSE']._serialized_end=1956
-  _globals['_NODEFRAME']._serialized_start=1959
-  _globals['_NODEFRAME']._serialized_end=2091
-  _globals['_NODEREQUEST']._serialized_start=2093
-  _globals['_NODEREQUEST']._serialized_end=2146
-  _globals['_NODEREPLY']._serialized_start=2148
-  _globals['_NODEREPLY']._serialized_end=2268
-  _globals['_NODERESPONSE']._serialized_start=2270
-  _globals['_NODERESPONSE']._serialized_end=2325
-  _globals['_AGENTSERVICE']._serialized_start=2467
-  _globals['_AGENTSERVICE']._serialized_end=2627
+  _globals['_STEPMETRICS']._serialized_end=760
+  _globals['_PREEMPTIONNOTICE']._serialized_start=762
+  _globals['_PREEMPTIONNOTICE']._serialized_end=819
+  _globals['_WORKEREXIT']._serialized_start=821
+  _globals['_WORKEREXIT']._serialized_end=868
+  _globals['_LEAVE']._serialized_start=870
+  _globals['_LEAVE']._serialized_end=931
+  _globals['_CONNECTREQUEST']._serialized_start=934
+  _globals['_CONNECTREQUEST']._serialized_end=1313
+  _globals['_REGISTERACK']._serialized_start=1315
+  _globals['_REGISTERACK']._serialized_end=1414
+  _globals['_HEARTBEATECHO']._serialized_start=1416
+  _globals['_HEARTBEATECHO']._serialized_end=1444
+  _globals['_SETFREQUENCY']._serialized_start=1446
+  _globals['_SETFREQUENCY']._serialized_end=1473
+  _globals['_DRAIN']._serialized_start=1475
+  _globals['_DRAIN']._serialized_end=1521
+  _globals['_REPORTNOW']._serialized_start=1523
+  _globals['_REPORTNOW']._serialized_end=1534
+  _globals['_CHECKPOINT']._serialized_start=1536
+  _globals['_CHECKPOINT']._serialized_end=1582
+  _globals['_REPORTREJECTED']._serialized_start=1584
+  _globals['_REPORTREJECTED']._serialized_end=1632
+  _globals['_CONNECTRESPONSE']._serialized_start=1635
+  _globals['_CONNECTRESPONSE']._serialized_end=1976
+  _globals['_NODEFRAME']._serialized_start=1979
+  _globals['_NODEFRAME']._serialized_end=2111
+  _globals['_NODEREQUEST']._serialized_start=2113
+  _globals['_NODEREQUEST']._serialized_end=2166
+  _globals['_NODEREPLY']._serialized_start=2168
+  _globals['_NODEREPLY']._serialized_end=2288
+  _globals['_NODERESPONSE']._serialized_start=2290
+  _globals['_NODERESPONSE']._serialized_end=2345
+  _globals['_AGENTSERVICE']._serialized_start=2487
+  _globals['_AGENTSERVICE']._serialized_end=2647
 # @@protoc_insertion_point(module_scope)

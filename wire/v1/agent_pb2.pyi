@@ -84,7 +84,7 @@ class MemoryUsage(_message.Message):
     def __init__(self, host_used_bytes: _Optional[int] = ..., host_total_bytes: _Optional[int] = ..., worker_rss_bytes: _Optional[int] = ..., device_used_bytes: _Optional[_Iterable[int]] = ..., device_total_bytes: _Optional[_Iterable[int]] = ..., cpu_percent: _Optional[float] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("step", "step_time_s", "compute_time_s", "loss", "samples", "stage", "dp_rank")
+    __slots__ = ("step", "step_time_s", "compute_time_s", "loss", "samples", "stage", "dp_rank", "checkpoint")
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_TIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class StepMetrics(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     step: int
     step_time_s: float
     compute_time_s: float
@@ -99,7 +100,8 @@ class StepMetrics(_message.Message):
     samples: int
     stage: int
     dp_rank: int
-    def __init__(self, step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., compute_time_s: _Optional[float] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., stage: _Optional[int] = ..., dp_rank: _Optional[int] = ...) -> None: ...
+    checkpoint: str
+    def __init__(self, step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., compute_time_s: _Optional[float] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., stage: _Optional[int] = ..., dp_rank: _Optional[int] = ..., checkpoint: _Optional[str] = ...) -> None: ...
 
 class PreemptionNotice(_message.Message):
     __slots__ = ("source", "deadline_unix")

@@ -26,6 +26,8 @@ class JobPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_PHASE_PLANNING: _ClassVar[JobPhase]
     JOB_PHASE_APPLYING: _ClassVar[JobPhase]
     JOB_PHASE_COMPLETED: _ClassVar[JobPhase]
+    JOB_PHASE_FAILED: _ClassVar[JobPhase]
+    JOB_PHASE_STOPPED: _ClassVar[JobPhase]
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_JOINING: WorkerState
 WORKER_STATE_RUNNING: WorkerState
@@ -40,6 +42,8 @@ JOB_PHASE_RUNNING: JobPhase
 JOB_PHASE_PLANNING: JobPhase
 JOB_PHASE_APPLYING: JobPhase
 JOB_PHASE_COMPLETED: JobPhase
+JOB_PHASE_FAILED: JobPhase
+JOB_PHASE_STOPPED: JobPhase
 
 class Device(_message.Message):
     __slots__ = ("kind", "index", "name", "memory_bytes")
@@ -54,7 +58,7 @@ class Device(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., index: _Optional[int] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("worker_id", "host", "pid", "devices", "state", "lost_reason", "last_heartbeat_unix", "last_step", "last_step_time_s", "stage", "dp_rank", "rank")
+    __slots__ = ("worker_id", "host", "pid", "devices", "state", "lost_reason", "last_heartbeat_unix", "last_step", "last_step_time_s", "stage", "dp_rank", "rank", "state_reason")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +71,7 @@ class Member(_message.Message):
     STAGE_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    STATE_REASON_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     host: str
     pid: int
@@ -79,7 +84,8 @@ class Member(_message.Message):
     stage: int
     dp_rank: int
     rank: int
-    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., lost_reason: _Optional[str] = ..., last_heartbeat_unix: _Optional[float] = ..., last_step: _Optional[int] = ..., last_step_time_s: _Optional[float] = ..., stage: _Optional[int] = ..., dp_rank: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    state_reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., lost_reason: _Optional[str] = ..., last_heartbeat_unix: _Optional[float] = ..., last_step: _Optional[int] = ..., last_step_time_s: _Optional[float] = ..., stage: _Optional[int] = ..., dp_rank: _Optional[int] = ..., rank: _Optional[int] = ..., state_reason: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("job", "epoch", "layout_json", "reasons", "predicted_step_time_s", "created_unix", "plan_json")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from wire.v1 import common_pb2 as wire_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17wire/v1/scheduler.proto\x12\x0b\x65laswave.v1\x1a\x14wire/v1/common.proto\"a\n\x17SignalPreemptionRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworker_ids\x18\x02 \x03(\t\x12\x15\n\rdeadline_unix\x18\x03 \x01(\x01\x12\x0e\n\x06reason\x18\x04 \x01(\t\"-\n\x18SignalPreemptionResponse\x12\x11\n\tevent_seq\x18\x01 \x01(\x04\"a\n\x15OfferResourcesRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x02 \x01(\r\x12\r\n\x05hosts\x18\x03 \x03(\t\x12\x1b\n\x13\x65xpected_duration_s\x18\x04 \x01(\x01\"g\n\x16OfferResourcesResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tevent_seq\x18\x03 \x01(\x04\x12\x18\n\x10\x61\x64mitted_workers\x18\x04 \x01(\r\"N\n\x17ReclaimResourcesRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x02 \x01(\r\x12\x15\n\rdeadline_unix\x18\x03 \x01(\x01\"A\n\x18ReclaimResourcesResponse\x12\x12\n\nworker_ids\x18\x01 \x03(\t\x12\x11\n\tevent_seq\x18\x02 \x01(\x04\"!\n\x12GetJobStateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\xb4\x01\n\x13GetJobStateResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12$\n\x05phase\x18\x02 \x01(\x0e\x32\x15.elaswave.v1.JobPhase\x12$\n\x07members\x18\x03 \x03(\x0b\x32\x13.elaswave.v1.Member\x12\x12\n\nplan_epoch\x18\x04 \x01(\x04\x12\x16\n\x0elast_event_seq\x18\x05 \x01(\x04\x12\x18\n\x10\x66inal_checkpoint\x18\x06 \x01(\t\"#\n\x14GetScaleTableRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"{\n\rScaleTableRow\x12\x0f\n\x07\x64\x65vices\x18\x01 \x01(\r\x12\n\n\x02\x64p\x18\x02 \x01(\r\x12\n\n\x02pp\x18\x03 \x01(\r\x12\n\n\x02tp\x18\x04 \x01(\r\x12 \n\x18throughput_samples_per_s\x18\x05 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x06 \x01(\x01\"A\n\x15GetScaleTableResponse\x12(\n\x04rows\x18\x01 \x03(\x0b\x32\x1a.elaswave.v1.ScaleTableRow\"P\n\x11PlanWhatIfRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x19\n\x11remove_worker_ids\x18\x02 \x03(\t\x12\x13\n\x0b\x61\x64\x64_devices\x18\x03 \x01(\r\"W\n\x12PlanWhatIfResponse\x12\x1f\n\x04plan\x18\x01 \x01(\x0b\x32\x11.elaswave.v1.Plan\x12\x10\n\x08runnable\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t2\xa8\x04\n\x10SchedulerService\x12_\n\x10SignalPreemption\x12$.elaswave.v1.SignalPreemptionRequest\x1a%.elaswave.v1.SignalPreemptionResponse\x12Y\n\x0eOfferResources\x12\".elaswave.v1.OfferResourcesRequest\x1a#.elaswave.v1.OfferResourcesResponse\x12_\n\x10ReclaimResources\x12$.elaswave.v1.ReclaimResourcesRequest\x1a%.elaswave.v1.ReclaimResourcesResponse\x12P\n\x0bGetJobState\x12\x1f.elaswave.v1.GetJobStateRequest\x1a .elaswave.v1.GetJobStateResponse\x12V\n\rGetScaleTable\x12!.elaswave.v1.GetScaleTableRequest\x1a\".elaswave.v1.GetScaleTableResponse\x12M\n\nPlanWhatIf\x12\x1e.elaswave.v1.PlanWhatIfRequest\x1a\x1f.elaswave.v1.PlanWhatIfResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17wire/v1/scheduler.proto\x12\x0b\x65laswave.v1\x1a\x14wire/v1/common.proto\"a\n\x17SignalPreemptionRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworker_ids\x18\x02 \x03(\t\x12\x15\n\rdeadline_unix\x18\x03 \x01(\x01\x12\x0e\n\x06reason\x18\x04 \x01(\t\"-\n\x18SignalPreemptionResponse\x12\x11\n\tevent_seq\x18\x01 \x01(\x04\"a\n\x15OfferResourcesRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x02 \x01(\r\x12\r\n\x05hosts\x18\x03 \x03(\t\x12\x1b\n\x13\x65xpected_duration_s\x18\x04 \x01(\x01\"g\n\x16OfferResourcesResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tevent_seq\x18\x03 \x01(\x04\x12\x18\n\x10\x61\x64mitted_workers\x18\x04 \x01(\r\"N\n\x17ReclaimResourcesRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x02 \x01(\r\x12\x15\n\rdeadline_unix\x18\x03 \x01(\x01\"A\n\x18ReclaimResourcesResponse\x12\x12\n\nworker_ids\x18\x01 \x03(\t\x12\x11\n\tevent_seq\x18\x02 \x01(\x04\"!\n\x12GetJobStateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\xe3\x01\n\x13GetJobStateResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12$\n\x05phase\x18\x02 \x01(\x0e\x32\x15.elaswave.v1.JobPhase\x12$\n\x07members\x18\x03 \x03(\x0b\x32\x13.elaswave.v1.Member\x12\x12\n\nplan_epoch\x18\x04 \x01(\x04\x12\x16\n\x0elast_event_seq\x18\x05 \x01(\x04\x12\x18\n\x10\x66inal_checkpoint\x18\x06 \x01(\t\x12\x12\n\nend_reason\x18\x07 \x01(\t\x12\x19\n\x11latest_checkpoint\x18\x08 \x01(\t\",\n\rEndJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"f\n\x0e\x45ndJobResponse\x12$\n\x05phase\x18\x01 \x01(\x0e\x32\x15.elaswave.v1.JobPhase\x12\x11\n\tevent_seq\x18\x02 \x01(\x04\x12\x1b\n\x13stopping_worker_ids\x18\x03 \x03(\t\"#\n\x14GetScaleTableRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"{\n\rScaleTableRow\x12\x0f\n\x07\x64\x65vices\x18\x01 \x01(\r\x12\n\n\x02\x64p\x18\x02 \x01(\r\x12\n\n\x02pp\x18\x03 \x01(\r\x12\n\n\x02tp\x18\x04 \x01(\r\x12 \n\x18throughput_samples_per_s\x18\x05 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x06 \x01(\x01\"A\n\x15GetScaleTableResponse\x12(\n\x04rows\x18\x01 \x03(\x0b\x32\x1a.elaswave.v1.ScaleTableRow\"P\n\x11PlanWhatIfRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x19\n\x11remove_worker_ids\x18\x02 \x03(\t\x12\x13\n\x0b\x61\x64\x64_devices\x18\x03 \x01(\r\"W\n\x12PlanWhatIfResponse\x12\x1f\n\x04plan\x18\x01 \x01(\x0b\x32\x11.elaswave.v1.Plan\x12\x10\n\x08runnable\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t2\xeb\x04\n\x10SchedulerService\x12_\n\x10SignalPreemption\x12$.elaswave.v1.SignalPreemptionRequest\x1a%.elaswave.v1.SignalPreemptionResponse\x12Y\n\x0eOfferResources\x12\".elaswave.v1.OfferResourcesRequest\x1a#.elaswave.v1.OfferResourcesResponse\x12_\n\x10ReclaimResources\x12$.elaswave.v1.ReclaimResourcesRequest\x1a%.elaswave.v1.ReclaimResourcesResponse\x12P\n\x0bGetJobState\x12\x1f.elaswave.v1.GetJobStateRequest\x1a .elaswave.v1.GetJobStateResponse\x12V\n\rGetScaleTable\x12!.elaswave.v1.GetScaleTableRequest\x1a\".elaswave.v1.GetScaleTableResponse\x12M\n\nPlanWhatIf\x12\x1e.elaswave.v1.PlanWhatIfRequest\x1a\x1f.elaswave.v1.PlanWhatIfResponse\x12\x41\n\x06\x45ndJob\x12\x1a.elaswave.v1.EndJobRequest\x1a\x1b.elaswave.v1.EndJobResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,17 +47,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETJOBSTATEREQUEST']._serialized_start=559
   _globals['_GETJOBSTATEREQUEST']._serialized_end=592
   _globals['_GETJOBSTATERESPONSE']._serialized_start=595
-  _globals['_GETJOBSTATERESPONSE']._serialized_end=775
-  _globals['_GETSCALETABLEREQUEST']._serialized_start=777
-  _globals['_GETSCALETABLEREQUEST']._serialized_end=812
-  _globals['_SCALETABLEROW']._serialized_start=814
-  _globals['_SCALETABLEROW']._serialized_end=937
-  _globals['_GETSCALETABLERESPONSE']._serialized_start=939
-  _globals['_GETSCALETABLERESPONSE']._serialized_end=1004
-  _globals['_PLANWHATIFREQUEST']._serialized_start=1006
-  _globals['_PLANWHATIFREQUEST']._serialized_end=1086
-  _globals['_PLANWHATIFRESPONSE']._serialized_start=1088
-  _globals['_PLANWHATIFRESPONSE']._serialized_end=1175
-  _globals['_SCHEDULERSERVICE']._serialized_start=1178
-  _globals['_SCHEDULERSERVICE']._serialized_end=1730
+  _globals['_GETJOBSTATERESPONSE']._serialized_end=822
+  _globals['_ENDJOBREQUEST']._serialized_start=824
+  _globals['_ENDJOBREQUEST']._serialized_end=868
+  _globals['_ENDJOBRESPONSE']._serialized_start=870
+  _globals['_ENDJOBRESPONSE']._serialized_end=972
+  _globals['_GETSCALETABLEREQUEST']._serialized_start=974
+  _globals['_GETSCALETABLEREQUEST']._serialized_end=1009
+  _globals['_SCALETABLEROW']._serialized_start=1011
+  _globals['_SCALETABLEROW']._serialized_end=1134
+  _globals['_GETSCALETABLERESPONSE']._serialized_start=1136
+  _globals['_GETSCALETABLERESPONSE']._serialized_end=1201
+  _globals['_PLANWHATIFREQUEST']._serialized_start=1203
+  _globals['_PLANWHATIFREQUEST']._serialized_end=1283
+  _globals['_PLANWHATIFRESPONSE']._serialized_start=1285
+  _globals['_PLANWHATIFRESPONSE']._serialized_end=1372
+  _globals['_SCHEDULERSERVICE']._serialized_start=1375
+  _globals['_SCHEDULERSERVICE']._serialized_end=1994
 # @@protoc_insertion_point(module_scope)

@@ -74,20 +74,42 @@ class GetJobStateRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class GetJobStateResponse(_message.Message):
-    __slots__ = ("job", "phase", "members", "plan_epoch", "last_event_seq", "final_checkpoint")
+    __slots__ = ("job", "phase", "members", "plan_epoch", "last_event_seq", "final_checkpoint", "end_reason", "latest_checkpoint")
     JOB_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAST_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
     FINAL_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    END_REASON_FIELD_NUMBER: _ClassVar[int]
+    LATEST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     job: str
     phase: _common_pb2.JobPhase
     members: _containers.RepeatedCompositeFieldContainer[_common_pb2.Member]
     plan_epoch: int
     last_event_seq: int
     final_checkpoint: str
-    def __init__(self, job: _Optional[str] = ..., phase: _Optional[_Union[_common_pb2.JobPhase, str]] = ..., members: _Optional[_Iterable[_Union[_common_pb2.Member, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., last_event_seq: _Optional[int] = ..., final_checkpoint: _Optional[str] = ...) -> None: ...
+    end_reason: str
+    latest_checkpoint: str
+    def __init__(self, job: _Optional[str] = ..., phase: _Optional[_Union[_common_pb2.JobPhase, str]] = ..., members: _Optional[_Iterable[_Union[_common_pb2.Member, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., last_event_seq: _Optional[int] = ..., final_checkpoint: _Optional[str] = ..., end_reason: _Optional[str] = ..., latest_checkpoint: _Optional[str] = ...) -> None: ...
+
+class EndJobRequest(_message.Message):
+    __slots__ = ("job", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class EndJobResponse(_message.Message):
+    __slots__ = ("phase", "event_seq", "stopping_worker_ids")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    phase: _common_pb2.JobPhase
+    event_seq: int
+    stopping_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, phase: _Optional[_Union[_common_pb2.JobPhase, str]] = ..., event_seq: _Optional[int] = ..., stopping_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetScaleTableRequest(_message.Message):
     __slots__ = ("job",)

@@ -64,6 +64,11 @@ class SchedulerServiceStub:
                 request_serializer=wire_dot_v1_dot_scheduler__pb2.PlanWhatIfRequest.SerializeToString,
                 response_deserializer=wire_dot_v1_dot_scheduler__pb2.PlanWhatIfResponse.FromString,
                 _registered_method=True)
+        self.EndJob = channel.unary_unary(
+                '/elaswave.v1.SchedulerService/EndJob',
+                request_serializer=wire_dot_v1_dot_scheduler__pb2.EndJobRequest.SerializeToString,
+                response_deserializer=wire_dot_v1_dot_scheduler__pb2.EndJobResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -105,6 +110,16 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndJob(self, request, context):
+        """Ends the job whatever its phase (the twin of REST DELETE /api/v1/jobs/{job}): its live
+        workers are asked to checkpoint and leave at one step boundary, and the job is STOPPED
+        (terminal; its record and name stay). A job already COMPLETED, FAILED or STOPPED is answered
+        as it is. NOT_FOUND for an unknown job.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +152,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.PlanWhatIf,
                     request_deserializer=wire_dot_v1_dot_scheduler__pb2.PlanWhatIfRequest.FromString,
                     response_serializer=wire_dot_v1_dot_scheduler__pb2.PlanWhatIfResponse.SerializeToString,
+            ),
+            'EndJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndJob,
+                    request_deserializer=wire_dot_v1_dot_scheduler__pb2.EndJobRequest.FromString,
+                    response_serializer=wire_dot_v1_dot_scheduler__pb2.EndJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +321,33 @@ class SchedulerService:
             '/elaswave.v1.SchedulerService/PlanWhatIf',
             wire_dot_v1_dot_scheduler__pb2.PlanWhatIfRequest.SerializeToString,
             wire_dot_v1_dot_scheduler__pb2.PlanWhatIfResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elaswave.v1.SchedulerService/EndJob',
+            wire_dot_v1_dot_scheduler__pb2.EndJobRequest.SerializeToString,
+            wire_dot_v1_dot_scheduler__pb2.EndJobResponse.FromString,
             options,
             channel_credentials,
             insecure,
