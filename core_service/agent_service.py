@@ -13,25 +13,32 @@ import logging
 import math
 import re
 import time
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import grpc
 from fastapi import APIRouter, HTTPException, Path
 from fastapi.params import Depends
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from core_service.grpc_util import Malformed, RpcError, bearer_token, finite, invalid, metadata_value, require
+from core_service.grpc_util import (
+    HTTP_STATUS,
+    Malformed,
+    RpcError,
+    bearer_token,
+    finite,
+    invalid,
+    metadata_value,
+    require,
+)
 from core_service.http_guard import JobName, error_responses, field_error
 from core_service.jobs import UnknownJob
 from core_service.limits import MAX_DETAIL_CHARS, MAX_HOST_CHARS, MAX_OPERATION_CHARS, MAX_REASON_CHARS
 from core_service.membership import WORKER_TOKEN_METADATA, AgentSession, Registration
 from core_service.model import DeviceInfo, StepReport, WorkerState
 from core_service.node_stream import NodeStream
+from core_service.seams import ServicerCore
 from wire.local_protocol import EXIT_CODE_UNKNOWN
 from wire.v1 import agent_pb2
-
-if TYPE_CHECKING:
-    from core_service.core import Core
 
 log = logging.getLogger("elaswave.core.agents")
 
@@ -123,7 +130,7 @@ def _step_report(msg: agent_pb2.StepMetrics, now: float) -> StepReport:
 
 
 class AgentServicer:
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: ServicerCore) -> None:
         self.core = core
         self.metrics = core.metrics  # grpc_util.generic_handler times and counts through this
         self._report_counters: dict[str, Any] = {}
@@ -198,10 +205,10 @@ class AgentServicer:
             msg = await context.read()
             if msg is grpc.aio.EOF:
                 return False
-            if await self._dispatch(session, msg):
+            if await self.dispatch(session, msg):
                 return True
 
-    async def _dispatch(self, session: AgentSession, msg: object) -> bool:
+    async def dispatch(self, session: AgentSession, msg: object) -> bool:
         if isinstance(msg, Malformed):
             self._reject(session, "malformed", msg.message)
             return False
@@ -366,7 +373,7 @@ class WorkerCommandRequest(BaseModel):
 
 
 def worker_command(
-    core: Core, job_name: str, worker_id: str, body: WorkerCommandRequest, now: float
+    core: ServicerCore, job_name: str, worker_id: str, body: WorkerCommandRequest, now: float
 ) -> dict[str, Any]:
     """Validates and queues one command on the worker's live agent stream; records an event."""
     job = core.job_or_not_found(job_name)
@@ -405,15 +412,7 @@ def worker_command(
     return {"job": job_name, "worker_id": worker_id, "command": body.command, "event_seq": event.seq}
 
 
-HTTP_STATUS = {
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.INVALID_ARGUMENT: 422,
-    grpc.StatusCode.FAILED_PRECONDITION: 409,
-    grpc.StatusCode.UNAVAILABLE: 503,
-}
-
-
-def worker_command_router(core: Core, dependencies: list[Depends]) -> APIRouter:
+def worker_command_router(core: ServicerCore, dependencies: list[Depends]) -> APIRouter:
     """The REST route; `dependencies` are the app's leader and scheduler-token checks."""
     router = APIRouter(dependencies=dependencies)
 

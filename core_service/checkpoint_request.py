@@ -14,21 +14,18 @@ directory cannot save and say so in their results.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from fastapi import APIRouter, HTTPException
 from fastapi.params import Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from core_service.agent_service import HTTP_STATUS
-from core_service.grpc_util import RpcError
+from core_service.grpc_util import HTTP_STATUS, RpcError
 from core_service.http_guard import JobName, error_responses, field_error
+from core_service.seams import ServicerCore
 from wire.v1 import agent_pb2
 from wire.worker_env import steps_ahead
-
-if TYPE_CHECKING:
-    from core_service.core import Core
 
 
 class CheckpointRequestBody(BaseModel):
@@ -44,7 +41,7 @@ Pending = dict[str, tuple[int, bool]]
 
 
 def request_checkpoint(
-    core: Core, job_name: str, body: CheckpointRequestBody, now: float, pending: Pending | None = None
+    core: ServicerCore, job_name: str, body: CheckpointRequestBody, now: float, pending: Pending | None = None
 ) -> dict[str, Any]:
     """Queue the Checkpoint command on every live agent stream of the job; records an event."""
     job = core.job_or_not_found(job_name)
@@ -86,7 +83,7 @@ def request_checkpoint(
     }
 
 
-def checkpoint_router(core: Core, dependencies: list[Depends]) -> APIRouter:
+def checkpoint_router(core: ServicerCore, dependencies: list[Depends]) -> APIRouter:
     """The REST route; `dependencies` are the app's leader and scheduler-token checks."""
     router = APIRouter(dependencies=dependencies)
     pending: Pending = {}

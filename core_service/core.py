@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import grpc
@@ -612,6 +613,10 @@ class Core:
                 self._leader_holder = await asyncio.to_thread(self._election.leader_id)
 
     # ---- helpers for the services ----------------------------------------------------------------
+    def run_in_background(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run `work` as one of this Core's tasks: cancelled when the Core stops (seams.Background)."""
+        self._tasks.append(asyncio.get_running_loop().create_task(work))
+
     def not_leader_message(self, api: str = "grpc") -> str:
         """What a standby answers: the leader's address for the client's own API, "grpc" (its
         gRPC host:port, which agents follow) or "http" (its REST URL)."""

@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 from fastapi import APIRouter, HTTPException, Query, Request, params
 from fastapi.responses import FileResponse, StreamingResponse
@@ -35,12 +35,14 @@ from core_service.dashboard_view import (
 from core_service.grpc_util import RpcError
 from core_service.http_guard import JobName
 from core_service.job_metrics import JobGauges
+from core_service.job_view import job_summary
 from core_service.jobs import Job, UnknownJob
 from core_service.registry import RegistryError
+from core_service.seams import Background, ServicerCore
 from planners.layout import Plan
 
 if TYPE_CHECKING:
-    from core_service.core import Core
+    from core_service.registry.plans import PlanStore
 
 log = logging.getLogger("elaswave.core.dashboard")
 
@@ -52,10 +54,18 @@ STREAM_MAX_S = 300.0
 STREAM_INTERVAL_S = 1.0
 
 
+class DashboardCore(ServicerCore, Background, Protocol):
+    """What the dashboard reads from the Core beyond the guards and the job state."""
+
+    plans: PlanStore
+
+    def scale_table(self, job: Job) -> list[dict[str, Any]]: ...
+
+
 class DashboardData:
     """What the dashboard routes read: the job table, the sampled history, plans' predictions."""
 
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: DashboardCore) -> None:
         self.core = core
         self.history = JobHistory()
         self.gauges = JobGauges(core.metrics.registry)
@@ -122,7 +132,6 @@ class DashboardData:
         return dict(cached[1])
 
     def view(self, job: Job, history_since: float) -> dict[str, Any]:
-        from core_service.rest import job_summary
 
         now = time.time()
         return {
@@ -138,19 +147,18 @@ class DashboardData:
         }
 
     def jobs(self) -> list[dict[str, Any]]:
-        from core_service.rest import job_summary
 
         return [job_summary(j) for j in sorted(self.core.table.jobs.values(), key=lambda j: j.name)]
 
 
-def dashboard_router(core: Core, reads: Sequence[params.Depends]) -> APIRouter:
+def dashboard_router(core: DashboardCore, reads: Sequence[params.Depends]) -> APIRouter:
     """The page, its assets, its data routes and the event stream; starts the history sampler
     (on the running loop, cancelled with the Core's other tasks when it stops). `reads`: the
     REST API's read checks (the leader only; the scheduler token too with read_access "token"),
     applied to every data route and the stream. The page and its assets are public."""
     data = DashboardData(core)
     with contextlib.suppress(RuntimeError):  # no running loop: an app built for inspection only
-        core._tasks.append(asyncio.get_running_loop().create_task(data.sample_forever()))
+        core.run_in_background(data.sample_forever())
     router = APIRouter()
 
     @router.get("/", include_in_schema=False)
@@ -196,7 +204,9 @@ def dashboard_router(core: Core, reads: Sequence[params.Depends]) -> APIRouter:
     return router
 
 
-async def _events(core: Core, data: DashboardData, request: Request, job: str | None) -> AsyncIterator[str]:
+async def _events(
+    core: DashboardCore, data: DashboardData, request: Request, job: str | None
+) -> AsyncIterator[str]:
     """One `update` a second (the history gains a point a second anyway); each history point is
     sent once, so an update stays small however long the page has been open."""
     started = time.monotonic()
@@ -228,7 +238,9 @@ def _finite(value: Any) -> Any:
     return value
 
 
-async def _payload(core: Core, data: DashboardData, job: str | None, history_since: float) -> dict[str, Any]:
+async def _payload(
+    core: DashboardCore, data: DashboardData, job: str | None, history_since: float
+) -> dict[str, Any]:
     if not core.leads:
         return {"leader": False, "message": core.not_leader_message("http")}
     payload: dict[str, Any] = {"leader": True, "core_id": core.settings.core_id, "jobs": data.jobs()}

@@ -7,7 +7,7 @@ import contextlib
 import hmac
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
@@ -17,14 +17,16 @@ from core_service.limits import MAX_DETAIL_CHARS, MAX_OPERATION_CHARS
 from core_service.model import Ack, AckPhase, PlanFailure
 from core_service.persist import registry_call
 from core_service.recovery import NO_PEER, CollectiveFailure, PeerAction
+from core_service.seams import ServicerCore
 from planners.layout import Plan
 from wire.v1 import common_pb2, executor_pb2
 
 if TYPE_CHECKING:
-    from core_service.core import Core
     from core_service.engine import ScheduleEngine
     from core_service.jobs import Job
     from core_service.membership import Membership
+    from core_service.registry import Registry
+    from core_service.registry.plans import PlanStore
 
 PHASES = {
     executor_pb2.PLAN_PHASE_RECEIVED: AckPhase.RECEIVED,
@@ -37,6 +39,15 @@ FAILURES = {
     executor_pb2.PLAN_FAILURE_NOT_APPLICABLE: PlanFailure.NOT_APPLICABLE,
     executor_pb2.PLAN_FAILURE_INTERRUPTED: PlanFailure.INTERRUPTED,
 }
+
+
+class ExecutorCore(ServicerCore, Protocol):
+    """What the ExecutorService needs of the Core beyond the guards and the job state."""
+
+    engine: ScheduleEngine
+    plans: PlanStore
+    plan_feed: PlanFeed
+    registry: Registry
 
 
 def plan_message(plan: Plan, plan_json: bytes | None = None) -> common_pb2.Plan:
@@ -83,7 +94,7 @@ class PlanFeed:
 
 
 class ExecutorServicer:
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: ExecutorCore) -> None:
         self.core = core
         self.metrics = core.metrics  # grpc_util.generic_handler times and counts through this
 

@@ -220,3 +220,12 @@ def finite(value: float, name: str, *, minimum: float = 0.0) -> None:
         raise invalid(f"{name} must be a finite number")
     if value < minimum:
         raise invalid(f"{name} must be >= {minimum}")
+
+
+# How a refusal raised as an RpcError answers REST clients (routes that share a gRPC handler).
+HTTP_STATUS = {
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.INVALID_ARGUMENT: 422,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}

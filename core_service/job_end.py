@@ -13,17 +13,24 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from core_service.checkpoint_request import CheckpointRequestBody, request_checkpoint
 from core_service.grpc_util import RpcError
 from core_service.limits import MAX_REASON_CHARS
 from core_service.model import JobPhase
+from core_service.seams import ServicerCore
 
 if TYPE_CHECKING:
-    from core_service.core import Core
+    from core_service.engine import ScheduleEngine
 
 log = logging.getLogger("elaswave.core.job_end")
+
+
+class JobEndCore(ServicerCore, Protocol):
+    """Ending a job: the guards, the job state and the schedule engine."""
+
+    engine: ScheduleEngine
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,7 @@ class Ended:
     stopping: tuple[str, ...]  # live workers asked to checkpoint and leave
 
 
-def end_job(core: Core, name: str, reason: str, now: float) -> Ended:
+def end_job(core: JobEndCore, name: str, reason: str, now: float) -> Ended:
     """Ends job `name` (STOPPED) unless it already ended; UnknownJob (NOT_FOUND) for no such job."""
     job = core.job_or_not_found(name)
     if job.phase.terminal:

@@ -32,10 +32,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from core_service.core import Core
+from core_service.seams import CoreState
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +56,7 @@ class JobStores:
     (`executor.worker_recovery`), and re-read the list that a replacement writes into the
     stores still alive (`executor.store_server.STORES_KEY`)."""
 
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: CoreState) -> None:
         self.core = core
         self.procs: dict[str, list[asyncio.subprocess.Process]] = {}
         self.ports: dict[str, list[int]] = {}  # job -> the ports of procs[job], in the workers' order

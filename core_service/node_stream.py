@@ -8,7 +8,7 @@ with a plain function call.
 
 Each channel keeps Connect's semantics exactly: its first frame is a Register checked with that
 agent's own credentials (`AgentServicer.accept`, as for Connect's metadata); reports go through
-the same `_dispatch` (validation, refusals, counters); commands for the worker come back as
+the same `dispatch` (validation, refusals, counters); commands for the worker come back as
 replies on its channel; a channel that ends without a Leave, or is still open when the stream
 ends, is a fail-stop signal for its worker ("agent stream closed without leave").
 """
@@ -19,15 +19,15 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 from core_service.grpc_util import Malformed, RpcError, invalid
+from core_service.seams import ServicerCore
 from wire.v1 import agent_pb2
 
 if TYPE_CHECKING:
-    from core_service.agent_service import AgentServicer
     from core_service.membership import AgentSession
 
 # A node runs a few dozen workers; the bound keeps one stream from holding a job's worth of
@@ -35,6 +35,20 @@ if TYPE_CHECKING:
 MAX_NODE_CHANNELS = 1_024
 MAX_FRAMES_PER_MESSAGE = 4_096
 MAX_REPLIES_PER_MESSAGE = 1_024
+
+
+class AgentEndpoint(Protocol):
+    """What a node stream needs of the AgentService (core_service.agent_service.AgentServicer):
+    one channel is handled exactly as one Connect stream."""
+
+    core: ServicerCore
+
+    async def accept(
+        self, first: agent_pb2.ConnectRequest, job_token: str | None, worker_token: str | None
+    ) -> tuple[AgentSession, agent_pb2.ConnectResponse]: ...
+
+    async def dispatch(self, session: AgentSession, msg: object) -> bool:
+        """Handle one message of an accepted session; True when the session ended (Leave)."""
 
 
 @dataclass
@@ -50,7 +64,7 @@ def _bearer(authorization: str) -> str | None:
 class NodeStream:
     """Serves one ConnectNode call: frames in, one handler step each; replies out, batched."""
 
-    def __init__(self, servicer: AgentServicer, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, servicer: AgentEndpoint, context: grpc.aio.ServicerContext) -> None:
         self.servicer, self.core, self.context = servicer, servicer.core, context
         self.channels: dict[int, _Channel] = {}
         self.replies: asyncio.Queue[agent_pb2.NodeReply] = asyncio.Queue()
@@ -96,7 +110,7 @@ class NodeStream:
             await self._open(number, frame)
             return
         try:
-            left = await self.servicer._dispatch(channel.session, frame.request)
+            left = await self.servicer.dispatch(channel.session, frame.request)
         except RpcError as err:  # not a refusal of one report: the channel cannot go on
             self._count_refusal(err)
             self._drop(number, channel)

@@ -41,7 +41,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, HTTPException, Response
 from fastapi.params import Depends
@@ -49,13 +49,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core_service.config import JOB_NAME_PATTERN
 from core_service.http_guard import JobName, error_responses, field_error
+from core_service.job_create import CreateJobRequest, store_new_job
 from core_service.job_store import JobStores, StoreError
+from core_service.seams import ServicerCore
 from planners.described_model import job_model, model_difference, unit_costs
 from planners.placement import Placement, PlacementError, plan_placement
 from wire.worker_env import ModelDescription
-
-if TYPE_CHECKING:
-    from core_service.core import Core
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +64,12 @@ LEASE_S = 5.0  # a node that has not polled again this long after its last answe
 POLL_STEP_S = 0.5
 MAX_PENDING_JOBS = 64
 REMEMBERED_JOBS = 1024  # formed jobs kept to answer their nodes' next poll and refuse latecomers
+
+
+class RendezvousCore(ServicerCore, Protocol):
+    """What the rendezvous needs of the Core beyond the guards and the job state."""
+
+    grpc_port: int
 
 
 class JoinRequest(BaseModel):
@@ -139,7 +144,7 @@ class Formed:
 class Rendezvous:
     """The joining nodes of every job, on the event loop (asyncio only, no locks)."""
 
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: RendezvousCore) -> None:
         self.core = core
         self.stores = JobStores(core)
         self.gatherings: dict[str, Gathering] = {}
@@ -356,7 +361,6 @@ class Rendezvous:
 
     async def _complete(self, g: Gathering) -> None:
         """Start the job's store, create the job, answer every node (errors go to every node)."""
-        from core_service.rest import CreateJobRequest, store_new_job  # noqa: PLC0415 - rest imports us
 
         placement = g.placement
         try:
@@ -436,7 +440,7 @@ class Rendezvous:
             g.ready.set()
 
 
-def rendezvous_router(core: Core, dependencies: list[Depends]) -> APIRouter:
+def rendezvous_router(core: RendezvousCore, dependencies: list[Depends]) -> APIRouter:
     """The REST route; `dependencies` are the app's leader and scheduler-token checks."""
     router = APIRouter(dependencies=dependencies)
     rendezvous = Rendezvous(core)

@@ -10,71 +10,44 @@ import asyncio
 import bisect
 import itertools
 import json
-import secrets
 import time
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Response
 from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field
 
-from core_service.config import JOB_NAME_PATTERN, MIN_TOKEN_LENGTH, JobSpec, check_worker_bounds
+from core_service.dashboard import DashboardCore
 from core_service.grpc_util import RpcError
 from core_service.http_guard import JobName, error_responses, field_error
 from core_service.http_guard import install as install_guards
-from core_service.jobs import Job, JobExists, UnknownJob
+from core_service.job_create import CreateJobRequest, CreateJobResponse, store_new_job
+from core_service.job_end import JobEndCore
+from core_service.job_view import job_summary, spare_view
+from core_service.jobs import Job, UnknownJob
 from core_service.limits import (
-    MAX_DEVICES,
     MAX_IDS_PER_REQUEST,
-    MAX_LAYERS,
     MAX_REASON_CHARS,
-    MAX_SPARE_WORKERS,
-    MAX_TOKEN_CHARS,
-    MAX_WORKERS_PER_JOB,
 )
-from core_service.model import MemberRecord, WorkerState
-from core_service.scale_cache import ScaleTables
-from planners.chameleon.schema import state_from_dict
-from planners.layout import Layout
-from planners.validation import validate
+from core_service.model import WorkerState
+from core_service.rendezvous import RendezvousCore
+from core_service.scale_cache import Planning, ScaleTables
 
 if TYPE_CHECKING:
-    from core_service.core import Core
+    from core_service.scheduler_service import SchedulerServicer
+
+
+class RestCore(DashboardCore, RendezvousCore, Planning, JobEndCore, Protocol):
+    """What the REST app needs of the Core: every router's interface, the scheduler servicer its
+    scheduler routes share handlers with, and when this Core started."""
+
+    scheduler: SchedulerServicer
+    started_unix: float
+
 
 bearer = HTTPBearer(auto_error=False)
-
-
-class CreateJobRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # no "1" for 1, no false for 0
-    name: str = Field(pattern=JOB_NAME_PATTERN.pattern, description="job name")
-    expected_workers: int = Field(default=0, ge=0, le=MAX_WORKERS_PER_JOB)
-    spare_workers: int = Field(
-        default=0, ge=0, le=MAX_SPARE_WORKERS, description="workers that may register beyond expected_workers"
-    )
-    min_workers: int = Field(
-        default=0, ge=0, le=MAX_WORKERS_PER_JOB, description="fewest ranks a plan may leave (0: no bound)"
-    )
-    max_workers: int = Field(
-        default=0,
-        ge=0,
-        le=MAX_WORKERS_PER_JOB,
-        description="most ranks a plan may have (0: the creation layout's ranks plus accepted offers)",
-    )
-    token: str | None = Field(
-        default=None, min_length=MIN_TOKEN_LENGTH, max_length=MAX_TOKEN_CHARS, description="omit to generate"
-    )
-    layout: dict[str, Any] | None = Field(default=None, description="planners.Layout as JSON")
-    model: dict[str, Any] | None = Field(
-        default=None,
-        description="model, profile and shape as the `elaswave plan` state.json; enables the scale table",
-    )
-
-
-class CreateJobResponse(BaseModel):
-    name: str
-    token: str = Field(description="per-job token for agents and executors; shown only once")
 
 
 class PreemptRequest(BaseModel):
@@ -86,114 +59,7 @@ class PreemptRequest(BaseModel):
     reason: str = Field(default="", max_length=MAX_REASON_CHARS)
 
 
-def spare_view(member: MemberRecord) -> dict[str, Any]:
-    return {
-        "worker_id": member.worker_id,
-        "host": member.host,
-        "devices": len(member.devices),
-        "registered_unix": member.registered_unix,
-        "last_heartbeat_unix": member.last_heartbeat_unix,
-    }
-
-
-def job_summary(job: Job) -> dict[str, Any]:
-    counts: dict[str, int] = {}
-    for member in job.members.values():
-        counts[member.state.value] = counts.get(member.state.value, 0) + 1
-    return {
-        "name": job.name,
-        "phase": job.phase.value,
-        "plan_epoch": job.plan_epoch,
-        # The newest epoch a step committed on, and how the newest plan is applied (in_place or
-        # restore): a plan's apply restarts from the committed layout (docs/architecture.md).
-        "committed_epoch": job.committed_epoch,
-        "plan_mode": None if job.last_plan is None else job.last_plan.mode.value,
-        "expected_workers": job.expected_workers,
-        "min_workers": job.min_workers,
-        "max_workers": job.max_workers,
-        "offered_workers": job.offered_workers,  # admitted by accepted offers (OfferResources)
-        "members_by_state": counts,
-        # COMPLETED: every worker finished; where the final checkpoint is, as they reported it.
-        "completed_unix": job.completed_unix,
-        "final_checkpoint": job.final_checkpoint or None,
-        # FAILED or STOPPED: when and why it ended; the newest checkpoint the workers reported.
-        "ended_unix": job.ended_unix,
-        "end_reason": job.end_reason or None,
-        "latest_checkpoint": job.latest_checkpoint or None,
-        "has_layout": job.layout_json is not None,
-        "last_event_seq": job.next_seq - 1,
-    }
-
-
-async def store_new_job(core: Core, body: CreateJobRequest) -> CreateJobResponse:
-    """Create the job (POST /api/v1/jobs, and the rendezvous of `elaswave run --core`); raises
-    HTTPException with what is wrong. Async: the job table is only ever changed on the event loop
-    (a sync handler would run in a worker thread), and it returns once the job is stored."""
-    if not core.settings.allow_job_creation:
-        raise HTTPException(403, detail="job creation through the API is disabled (allow_job_creation)")
-    layout_json = None
-    if body.layout is not None:
-        try:
-            layout = Layout.from_json(json.dumps(body.layout))
-        except (ValueError, TypeError, KeyError) as exc:
-            raise HTTPException(422, detail=field_error("layout", f"layout: {exc}")) from None
-        report = validate(layout)
-        if not report.ok:
-            problems = "; ".join(report.problems)
-            raise HTTPException(422, detail=field_error("layout", f"layout does not validate: {problems}"))
-        layout_json = layout.to_json()
-    model_json = None
-    if body.model is not None:
-        try:
-            state_from_dict(body.model)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise HTTPException(422, detail=field_error("model", f"model: {exc}")) from None
-        problem = model_too_large(body.model)
-        if problem is not None:
-            raise HTTPException(422, detail=field_error("model", f"model: {problem}"))
-        model_json = json.dumps(body.model, sort_keys=True)
-    token = body.token or secrets.token_urlsafe(24)
-    try:
-        check_worker_bounds(body.min_workers, body.max_workers)
-    except ValueError as exc:
-        raise HTTPException(422, detail=field_error("min_workers", str(exc))) from None
-    spec = JobSpec(
-        name=body.name,
-        token=SecretStr(token),
-        expected_workers=body.expected_workers,
-        spare_workers=body.spare_workers,
-        min_workers=body.min_workers,
-        max_workers=body.max_workers,
-    )
-    try:
-        core.table.create_job(spec, layout_json, now=time.time(), model_json=model_json)
-    except JobExists as exc:
-        raise HTTPException(409, detail=str(exc)) from None
-    try:
-        await core.wait_durable()
-    except RpcError as err:
-        raise HTTPException(503, detail=err.message) from None
-    return CreateJobResponse(name=body.name, token=token)
-
-
-def model_too_large(model: dict[str, Any]) -> str | None:
-    """Why a registered model would make planning unbounded (limits.MAX_DEVICES, MAX_LAYERS)."""
-    state = state_from_dict(model)[0]
-    devices = [("the cluster's device count", state.shape.num_devices)]
-    if "max_devices" in model:
-        try:
-            devices.append(("max_devices", int(model["max_devices"])))
-        except (TypeError, ValueError):
-            return f"max_devices {str(model['max_devices'])[:40]!r} is not a whole number"
-    for name, value in devices:
-        if not 1 <= value <= MAX_DEVICES:
-            return f"{name} is {value}; it must be 1..{MAX_DEVICES}"
-    if state.profile.num_layers > MAX_LAYERS:
-        return f"{state.profile.num_layers} layers; at most {MAX_LAYERS}"
-    return None
-
-
-def build_app(core: Core) -> FastAPI:
+def build_app(core: RestCore) -> FastAPI:
     app = FastAPI(
         title="ElasWave Core",
         version="v1",

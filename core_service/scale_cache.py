@@ -9,22 +9,28 @@ out of time is not cached and is tried again by the next request.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from core_service.offload import PlanningFailed, PlanningTimeout
 from core_service.policies import scale_table
 from core_service.scheduler_service import planning_copy
 
 if TYPE_CHECKING:
-    from core_service.core import Core
     from core_service.jobs import Job
+    from core_service.offload import PlanningWorker
 
 # How long a read waits for a table it has to compute (the planning process may be busy).
 SCALE_TABLE_S = 10.0
 
 
+class Planning(Protocol):
+    """Where scale tables are computed: the Core's planning process."""
+
+    planning: PlanningWorker
+
+
 class ScaleTables:
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: Planning) -> None:
         self.core = core
         self._cache: dict[str, tuple[str | None, dict[str, Any]]] = {}
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from elaswave.launcher_control import resume_command
 from elaswave.launcher_describe import clean_env, tail
 from elaswave.launcher_join import SCHEDULER_TOKEN_ENV, stop_job, stopped_by_the_core
 from elaswave.launcher_monitor import Monitor, outcome, write_stop_file
@@ -31,7 +32,7 @@ from planners.described_model import job_model
 from wire import worker_env as we
 
 if TYPE_CHECKING:
-    from elaswave.launcher import StopRequest
+    from elaswave.launcher_control import StopRequest
     from elaswave.launcher_join import Joined
     from planners.placement import Placement
 
@@ -293,7 +294,6 @@ class Session:
             )
 
     def _print_resume(self) -> None:
-        from elaswave.launcher import resume_command  # noqa: PLC0415 - no import cycle at module load
 
         if self.args.checkpoint_dir is not None:
             print(

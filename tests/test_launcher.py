@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import elaswave
-from elaswave.launcher import job_name, resume_command
+from elaswave.launcher_control import job_name, resume_command
 from elaswave.launcher_monitor import EXIT_FAILED, EXIT_LEFT_RUNNING_JOB, Snapshot, format_event, outcome
 
 pytestmark = pytest.mark.multiproc

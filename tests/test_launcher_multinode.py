@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from core_service.rendezvous import LEASE_S
-from elaswave.launcher import next_job_name, resume_command
+from elaswave.launcher_control import next_job_name, resume_command
 from tests.core.procs import CoreProcess, create_job, new_token
 from tests.test_launcher import FAKE, TINY, Launcher, _env, _job_losses, _reference_losses
 from wire import worker_env as we
