@@ -35,6 +35,7 @@ from tests.deploy.engine import (
     exit_code,
     health_check,
     host_pid,
+    last_health_output,
     inspect,
     podman,
     wait_for,
@@ -43,7 +44,7 @@ from tests.deploy.engine import (
 
 VERSION = os.environ.get("ELASWAVE_VERSION", "0.1.0")
 WORKER_IMAGE = f"localhost/elaswave-worker:{VERSION}"
-WORKERS, STEPS, CHECKPOINT_EVERY = 3, int(os.environ.get("ELASWAVE_COMPOSE_STEPS", "60")), 10
+WORKERS, STEPS, CHECKPOINT_EVERY = 3, int(os.environ.get("ELASWAVE_COMPOSE_STEPS", "1000")), 10
 SCRIPT = "/opt/elaswave-examples/examples/gpt/train.py"
 UID = 10001  # every image's user
 
@@ -173,7 +174,7 @@ def test_the_job_survives_a_preemption_and_a_lost_node_and_ends_like_one_process
     ranks = {index: node_ranks for index, node_ranks in nodes.values()}
     members = {int(m["rank"]): m["worker_id"] for m in job(deployment)["members"]}
     for name in workers:
-        assert health_check(name) == "healthy", name  # its launcher runs agents
+        assert health_check(name) == "healthy", last_health_output(name)  # its launcher runs agents
     pids = {m["worker_id"]: m["pid"] for m in job(deployment)["members"]}
 
     preempted, lost, survivor = by_node[2], by_node[1], by_node[0]

@@ -51,6 +51,12 @@ def health_check(container: str) -> str:
     return str(inspect(container)["State"]["Health"]["Status"])
 
 
+def last_health_output(container: str) -> str:
+    """What the container's last HEALTHCHECK printed (its reason when it failed)."""
+    log = inspect(container)["State"]["Health"].get("Log") or [{}]
+    return f"exit {log[-1].get('ExitCode')}: {log[-1].get('Output', '')}"
+
+
 def wait_for(what: str, condition: Callable[[], Any], timeout_s: float, every_s: float = 1.0) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -124,6 +130,6 @@ def host_pid(container: str, command_part: str) -> int:
     rows = podman("top", container, "hpid", "args").stdout.splitlines()[1:]
     for row in rows:
         pid, _, args = row.strip().partition(" ")
-        if command_part in args:
+        if command_part in args and not args.startswith("/run/podman-init"):  # not the init
             return int(pid)
     raise AssertionError(f"no process running {command_part!r} in {container}: {rows}")
