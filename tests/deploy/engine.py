@@ -130,6 +130,7 @@ def host_pid(container: str, command_part: str) -> int:
     rows = podman("top", container, "hpid", "args").stdout.splitlines()[1:]
     for row in rows:
         pid, _, args = row.strip().partition(" ")
+        args = args.strip()
         if command_part in args and not args.startswith("/run/podman-init"):  # not the init
             return int(pid)
     raise AssertionError(f"no process running {command_part!r} in {container}: {rows}")

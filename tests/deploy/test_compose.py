@@ -84,7 +84,9 @@ def test_etcd_two_electing_cores_and_n_worker_nodes_joining_one_job() -> None:
         env = core["environment"]
         assert env["ELASWAVE_REGISTRY_URL"] == "etcd://127.0.0.1:23790"  # shared: one leader elected
         assert env["ELASWAVE_SCHEDULER_TOKEN"] == TOKEN
-        assert env["ELASWAVE_HTTP_HOST"] == env["ELASWAVE_GRPC_HOST"] == env["ELASWAVE_ADVERTISE"] == "127.0.0.1"
+        assert (
+            env["ELASWAVE_HTTP_HOST"] == env["ELASWAVE_GRPC_HOST"] == env["ELASWAVE_ADVERTISE"] == "127.0.0.1"
+        )
         assert core["depends_on"]["etcd"]["condition"] == "service_healthy"
         assert core["build"]["target"] in dockerfile_targets(core["build"]["dockerfile"])
         assert core["read_only"] is True and core["cap_drop"] == ["ALL"]
