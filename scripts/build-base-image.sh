@@ -41,7 +41,12 @@ if [ ! -s "$tarball" ]; then
   echo "base: no registry; building $tarball with mmdebstrap (Debian $SUITE)" >&2
   started=$SECONDS
   rm -f "$ELASWAVE_IMAGE_CACHE"/base-"$SUITE"-*.tar  # older keys: one cached base at a time
+  # No manuals, translations or docs (copyrights kept), as Debian's slim images: about 45 MiB less.
+  # The rules stay in the base's dpkg configuration, so packages installed on it skip them too.
   nice -n 10 mmdebstrap --quiet --variant=minbase --mode=root --format=tar --include="$PACKAGES" \
+    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/info/*' \
+    --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-include=/usr/share/locale/locale.alias' \
+    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
     "$SUITE" "$tarball.partial" "${sources[@]}" >&2
   mv "$tarball.partial" "$tarball"
   echo "base: mmdebstrap took $((SECONDS - started)) s, $(du -m "$tarball" | cut -f1) MiB" >&2

@@ -9,6 +9,8 @@ set -euo pipefail
 source "$(dirname "$0")/containers/env.sh"
 cd "$REPO_ROOT"
 export ELASWAVE_COMPOSE_PROJECT="elaswave-ci-$$"
+# Every container's log is kept here (compose-logs/), pass or fail.
+export ELASWAVE_ARTIFACT_DIR="${ELASWAVE_ARTIFACT_DIR:-$REPO_ROOT/build/compose-test}"
 
 cleanup() {
   local status=$? ids
@@ -30,5 +32,8 @@ trap 'exit 130' INT TERM
 started=$SECONDS
 bash scripts/build-images.sh
 built=$SECONDS
-.venv/bin/pytest -q -p no:cacheprovider --timeout 1500 -s tests/deploy/compose_scenario.py
-echo "compose-test: images built in $((built - started)) s, the compose scenario took $((SECONDS - built)) s" >&2
+status=0
+.venv/bin/pytest -q -p no:cacheprovider --timeout 1500 -s tests/deploy/compose_scenario.py || status=$?
+echo "compose-test: images built in $((built - started)) s, the compose scenario took $((SECONDS - built)) s;" \
+  "containers' logs in $ELASWAVE_ARTIFACT_DIR/compose-logs" >&2
+exit "$status"
