@@ -33,7 +33,8 @@ started=$SECONDS
 bash scripts/build-images.sh
 built=$SECONDS
 status=0
-.venv/bin/pytest -q -p no:cacheprovider --timeout 1500 -s tests/deploy/compose_scenario.py || status=$?
+.venv/bin/pytest -q -p no:cacheprovider --timeout 1500 -s --basetemp "$ELASWAVE_ARTIFACT_DIR/tmp" \
+  tests/deploy/compose_scenario.py || status=$?
 echo "compose-test: images built in $((built - started)) s, the compose scenario took $((SECONDS - built)) s;" \
   "containers' logs in $ELASWAVE_ARTIFACT_DIR/compose-logs" >&2
 exit "$status"

@@ -19,7 +19,6 @@ import os
 import secrets
 import signal
 import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -151,19 +150,29 @@ def node_of(container: str) -> tuple[int, list[int]]:
     return this, [r for r, n in enumerate(record["rank_node"]) if n == this]
 
 
-def test_the_job_survives_a_preemption_and_a_lost_node_and_ends_like_one_process(
-    deployment: Deployment,
-) -> None:
+@pytest.fixture
+def one_process(deployment: Deployment) -> Iterator[tuple[str, Path]]:
+    """The fault-free run of the same script in one process, in the worker image, started now
+    (it trains while the job does): its container and its checkpoint directory."""
     reference = deployment.workdir / "reference"
     reference.mkdir()
     os.chown(reference, UID, UID)
-    one_process = subprocess.Popen(  # the fault-free run of the same script, meanwhile
-        ["podman", "run", "--rm", "--init", "--network", "none", "-v", f"{reference}:/ref",
-         "--label", f"com.docker.compose.project={deployment.compose.project}",
-         "--entrypoint", "/opt/elaswave/bin/python", WORKER_IMAGE, SCRIPT, "--steps", str(STEPS),
-         "--checkpoint-dir", "/ref", "--checkpoint-every", str(CHECKPOINT_EVERY)],
-        env=deployment.compose.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    name = f"{deployment.compose.project}-one-process"
+    podman(
+        "run", "--detach", "--name", name, "--init", "--network", "none", "-v", f"{reference}:/ref",
+        "--label", f"com.docker.compose.project={deployment.compose.project}",
+        "--entrypoint", "/opt/elaswave/bin/python", WORKER_IMAGE, SCRIPT, "--steps", str(STEPS),
+        "--checkpoint-dir", "/ref", "--checkpoint-every", str(CHECKPOINT_EVERY),
     )  # fmt: skip
+    try:
+        yield name, reference
+    finally:
+        podman("rm", "--force", "--time", "0", name, check=False)
+
+
+def test_the_job_survives_a_preemption_and_a_lost_node_and_ends_like_one_process(
+    deployment: Deployment, one_process: tuple[str, Path]
+) -> None:
     workers = deployment.compose.containers("worker")
     wait_for(
         "all six workers to commit step 2",
@@ -216,8 +225,9 @@ def test_the_job_survives_a_preemption_and_a_lost_node_and_ends_like_one_process
         w: pids[w] for w in survivors
     }
 
-    assert one_process.wait(timeout=900) == 0, one_process.stderr.read() if one_process.stderr else ""
-    diff, why = compare_final_state(deployment.checkpoints, reference)
+    reference, reference_dir = one_process
+    assert exit_code(reference, 900) == 0, podman("logs", reference, check=False).stderr[-3000:]
+    diff, why = compare_final_state(deployment.checkpoints, reference_dir)
     assert not why, why
     assert diff <= MAX_FINAL_STATE_REL_DIFF, f"final state differs from the one-process run's by {diff:.2e}"
     print(f"compose: job of {STEPS} steps, final state vs one process: max relative difference {diff:.2e}")
