@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -72,6 +73,14 @@ def wait_healthy(container: str, timeout_s: float = 120) -> None:
     wait_for(f"{container} to be healthy", lambda: health_check(container) == "healthy", timeout_s, 2.0)
 
 
+def podman_compose() -> str:
+    """The venv's podman-compose (the dev extra), else one on the PATH."""
+    beside = Path(sys.executable).with_name("podman-compose")
+    found = str(beside) if beside.is_file() else shutil.which("podman-compose")
+    assert found, "podman-compose is missing: `make install` installs it (the dev extra)"
+    return found
+
+
 class Compose:
     """One project of deploy/compose/compose.yaml under podman-compose, with its environment."""
 
@@ -81,7 +90,7 @@ class Compose:
 
     def run(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
         command = [
-            str(Path(sys.executable).with_name("podman-compose")),
+            podman_compose(),
             "--project-name",
             self.project,
             "--file",
