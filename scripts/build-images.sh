@@ -13,6 +13,7 @@ set -euo pipefail
 # shellcheck source=scripts/containers/env.sh
 source "$(dirname "$0")/containers/env.sh"
 cd "$REPO_ROOT"
+lock_images
 TORCH_VERSION=$(sed -n 's/^ *"torch==\([^"]*\)",*$/\1/p' pyproject.toml | head -n1)
 [ -n "$TORCH_VERSION" ] || { echo "build-images: no torch==X pin in pyproject.toml" >&2; exit 1; }
 

@@ -8,6 +8,7 @@ set -euo pipefail
 # shellcheck source=scripts/containers/env.sh
 source "$(dirname "$0")/containers/env.sh"
 cd "$REPO_ROOT"
+lock_images
 export ELASWAVE_COMPOSE_PROJECT="elaswave-ci-$$"
 # Every container's log is kept here (compose-logs/), pass or fail.
 export ELASWAVE_ARTIFACT_DIR="${ELASWAVE_ARTIFACT_DIR:-$REPO_ROOT/build/compose-test}"

@@ -19,3 +19,15 @@ ELASWAVE_IMAGES=(
 # pip inside a build reaches the package index only with the host's CA bundle (an intercepting
 # proxy's CA may be in it); mounted read-only, never copied into an image.
 CA_BUNDLE="${CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}"
+
+# One image build or compose test at a time on a machine: they share podman's storage, and one
+# run's cleanup (image removal, pruning) must not pull layers from under another's build.
+lock_images() {
+  if [ -z "${ELASWAVE_IMAGES_LOCK_HELD:-}" ]; then
+    mkdir -p "$ELASWAVE_IMAGE_CACHE"
+    exec 9>"$ELASWAVE_IMAGE_CACHE/.lock"
+    flock -n 9 || echo "waiting for the image lock ($ELASWAVE_IMAGE_CACHE/.lock) ..." >&2
+    flock 9
+    export ELASWAVE_IMAGES_LOCK_HELD=1  # children (build-images.sh) inherit the held lock
+  fi
+}
