@@ -16,6 +16,7 @@ export ELASWAVE_ARTIFACT_DIR="${ELASWAVE_ARTIFACT_DIR:-$REPO_ROOT/build/compose-
 cleanup() {
   local status=$? ids
   set +e
+  # shellcheck disable=SC2086 # $ids: one word per container or volume
   ids=$(podman ps --all --quiet --filter "label=com.docker.compose.project=$ELASWAVE_COMPOSE_PROJECT")
   [ -n "$ids" ] && podman rm --force --volumes --time 0 $ids >/dev/null
   ids=$(podman volume ls --quiet --filter "label=com.docker.compose.project=$ELASWAVE_COMPOSE_PROJECT")
