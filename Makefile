@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/wire/v1/*.proto)
 
-.PHONY: install system-deps demo test test-fast proto proto-check lint bench chaos gpu-check clean
+.PHONY: install system-deps container-deps images compose-test demo test test-fast proto proto-check lint bench chaos gpu-check clean
 
 CONSTRAINTS := requirements/constraints.txt
 
@@ -24,6 +24,20 @@ install: $(STAMP)
 # Debian packages the tests need (a real etcd server). Needs root, as on CI.
 system-deps:
 	bash scripts/install-system-deps.sh
+
+# podman and mmdebstrap from Debian's packages (`make images`, `make compose-test`). Needs root.
+container-deps:
+	bash scripts/install-container-deps.sh
+
+# The Core, Core-with-torch, worker and etcd images, built with podman on the official Python base
+# where a registry serves it, else on a Debian base made locally (cached in /var/cache/elaswave-images).
+images: install container-deps
+	bash scripts/build-images.sh
+
+# Builds the images, runs deploy/compose with them (a job through a preemption, a lost node and a
+# Core failover, checked against the one-process run), then removes every container and image.
+compose-test: install container-deps
+	bash scripts/compose-test.sh
 
 demo: install
 	$(BIN)/elaswave demo

@@ -23,6 +23,7 @@ import re
 import secrets
 import socket
 import time
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +57,9 @@ def parse_core(text: str) -> tuple[str, int]:
 
 
 def default_node_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"[:128]
+    # The host name and pid alone repeat across containers that share the host's network (and
+    # so its host name) and number their processes alike: the nodes of deploy/compose.
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"[:128]
 
 
 @dataclass(frozen=True)

@@ -68,15 +68,25 @@ def test_the_scheduler_token_is_required() -> None:
 
 
 def test_etcd_two_electing_cores_and_n_worker_nodes_joining_one_job() -> None:
-    spec = load({"ELASWAVE_SCHEDULER_TOKEN": TOKEN, "WORKERS": "3"})
+    ports = {"ETCD_CLIENT_PORT": "23790", "CORE_A_HTTP_PORT": "18080", "CORE_B_HTTP_PORT": "18081"}
+    spec = load({"ELASWAVE_SCHEDULER_TOKEN": TOKEN, "WORKERS": "3", **ports})
     services = spec["services"]
     assert set(services) == {"etcd", "core-a", "core-b", "worker"}
     assert services["etcd"]["healthcheck"]["test"][1] == "etcdctl"
+    assert "--listen-client-urls=http://127.0.0.1:23790" in services["etcd"]["command"]
+    # One host's loopback is the network: nothing listens on any other address.
+    for name, service in services.items():
+        assert service["network_mode"] == "host" and "ports" not in service, name
+        assert service["init"] is True, name  # SIGTERM reaches the entrypoint; zombies are reaped
+    assert "0.0.0.0" not in COMPOSE.read_text()
     cores = [services["core-a"], services["core-b"]]
     for core in cores:
         env = core["environment"]
-        assert env["ELASWAVE_REGISTRY_URL"] == "etcd://etcd:2379"  # shared: one leader elected
+        assert env["ELASWAVE_REGISTRY_URL"] == "etcd://127.0.0.1:23790"  # shared: one leader elected
         assert env["ELASWAVE_SCHEDULER_TOKEN"] == TOKEN
+        assert (
+            env["ELASWAVE_HTTP_HOST"] == env["ELASWAVE_GRPC_HOST"] == env["ELASWAVE_ADVERTISE"] == "127.0.0.1"
+        )
         assert core["depends_on"]["etcd"]["condition"] == "service_healthy"
         assert core["build"]["target"] in dockerfile_targets(core["build"]["dockerfile"])
         assert core["read_only"] is True and core["cap_drop"] == ["ALL"]
@@ -86,15 +96,23 @@ def test_etcd_two_electing_cores_and_n_worker_nodes_joining_one_job() -> None:
             n.removeprefix("ELASWAVE_").lower() for n in core["environment"] if n.startswith("ELASWAVE_")
         ]
         assert len(names) >= 6 and [n for n in names if n not in CoreSettings.model_fields] == []
-    assert [c["environment"]["ELASWAVE_ADVERTISE"] for c in cores] == ["core-a", "core-b"]
+    assert [c["environment"]["ELASWAVE_HTTP_PORT"] for c in cores] == ["18080", "18081"]
+    grpc = {c["environment"]["ELASWAVE_GRPC_PORT"] for c in cores}
+    assert len(grpc) == 2  # two Cores on one host's loopback: distinct ports
 
     worker = services["worker"]
     args = [str(a) for a in worker["command"]]
-    assert args[:3] == ["run", "--core", "core-a:8080"]
+    assert args[:3] == ["run", "--core", "127.0.0.1:18080"]
     assert args[args.index("--nnodes") + 1] == str(worker["deploy"]["replicas"]) == "3"
-    script = args[-1]
+    assert worker["deploy"]["mode"] == "replicated"  # podman-compose scales only with it said
+    script = next(a for a in args if a.endswith(".py"))
     assert (ROOT / script.removeprefix("/opt/elaswave-examples/")).is_file(), script
+    assert args[args.index(script) + 1 :] == ["--steps", "40"]
     assert worker["environment"]["ELASWAVE_SCHEDULER_TOKEN"] == TOKEN
+    assert worker["environment"]["GLOO_SOCKET_IFNAME"] == "lo"
+    # Checkpoints on storage every node sees: one volume (or host directory) for all of them.
+    checkpoint_dir = args[args.index("--checkpoint-dir") + 1]
+    assert worker["volumes"] == [f"checkpoints:{checkpoint_dir}"] and "checkpoints" in spec["volumes"]
     assert (ROOT / worker["build"]["dockerfile"]).is_file()
     # SIGTERM preempts the node's agents, whose workers get the agent's 30 s grace.
     assert int(worker["stop_grace_period"].removesuffix("s")) > AGENT_GRACE_S

@@ -81,7 +81,7 @@ def test_readiness_and_grpc_health_follow_leadership_and_liveness_does_not() -> 
             assert await probes(standby) == (200, 503, "standby", NOT_SERVING)
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{standby.http_port}", timeout=5) as http:
                 detail = (await http.get("/readyz")).json()["detail"]
-            assert detail == leader.not_leader_message()  # names the leader, as every standby refusal does
+            assert detail == leader.not_leader_message("http")  # REST clients get the leader's REST URL
             # The images' HEALTHCHECK: both Cores are alive (a standby too); the workers' helper
             # finds the leader's own address through either Core.
             assert await script("healthcheck.py", ["core"], leader) == (0, "")

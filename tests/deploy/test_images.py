@@ -154,3 +154,29 @@ def test_everything_the_core_imports_is_in_the_core_lock_and_torch_is_not() -> N
     assert needed <= set(locked("core")), (
         f"imported by the Core, missing from requirements/core.txt: {sorted(needed - set(locked('core')))}"
     )
+
+
+@pytest.mark.parametrize("image", sorted(DOCKERFILES))
+def test_the_base_is_a_build_argument_and_nothing_depends_on_where_python_lives(image: str) -> None:
+    """Users keep the official base; CI builds on a Debian one whose Python is /usr/bin/python3."""
+    path = DOCKERFILES[image]
+    assert arg_defaults(path)["BASE_IMAGE"] == "python:3.11.14-slim-bookworm"
+    by_stage = stages(path)
+    final = "core" if image == "core" else "worker"
+    assert by_stage[final][0] == ("FROM", f"${{BASE_IMAGE}} AS {final}")
+    runs = " ".join(a for w, a in instructions(path) if w in ("RUN", "ENTRYPOINT", "CMD", "HEALTHCHECK"))
+    # Interpreters named by the venv's path, or created with whatever python3 the PATH finds.
+    assert not re.search(r"/usr/(local/)?bin/python", runs)
+    assert re.search(r"python3(\.11)? -m venv /opt/elaswave", runs)
+    # torch from a mounted directory of wheels (TORCH_WHEELS) when one is given, else its index.
+    assert "install-torch.sh" in runs and '"${TORCH_WHEELS}"' in runs
+
+
+def test_the_etcd_image_of_hosts_without_a_registry_passes_hadolint() -> None:
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    assert hadolint
+    dockerfile = ROOT / "docker/etcd.Dockerfile"
+    result = subprocess.run([hadolint, str(dockerfile)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    user = dict(instructions(dockerfile))["USER"]
+    assert user.split(":")[0] not in ("0", "root")
