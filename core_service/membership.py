@@ -338,15 +338,18 @@ class Membership:
             return
         await self._refresh_lease(job, session, now)
 
-    async def _refresh_lease(self, job: Job, session: AgentSession, now: float) -> None:
-        """Keeps the Core-held liveness lease alive (at most every third of its TTL)."""
-        if session.lease_id is None or now - session.lease_refreshed < self.settings.lease_ttl_s / 3:
+    async def _refresh_lease(self, job: Job, session: AgentSession, now: float, force: bool = False) -> None:
+        """Keeps the Core-held liveness lease alive (at most every third of its TTL, unless `force`)."""
+        if session.lease_id is None:
+            return
+        if not force and now - session.lease_refreshed < self.settings.lease_ttl_s / 3:
             return
         session.lease_refreshed = now
         try:
             await registry_call(self.registry, self.registry.refresh_lease, session.lease_id)
         except LeaseNotFound:
-            await self._grant_lease(job, session, now)
+            if self.sessions.get((session.job, session.worker_id)) is session:  # not closed meanwhile
+                await self._grant_lease(job, session, now)
         except RegistryError as exc:
             log.warning("refreshing the liveness lease of %s/%s: %s", job.name, session.worker_id, exc)
 
@@ -509,12 +512,14 @@ class Membership:
         ceiling = self.settings.heartbeat_ceiling
         last = member.last_heartbeat_unix
         silent = now - last
+        if session is not None and silent > deadline / 2 and silent <= ceiling:
+            self._keep_lease(job, session, now)
         if silent <= deadline / 2:
-            return last + deadline / 2
-        if silent <= deadline:
+            due = last + deadline / 2
+        elif silent <= deadline:
             self._nudge(job, member)
-            return last + deadline
-        if session is None or silent > ceiling:
+            due = last + deadline
+        elif session is None or silent > ceiling:
             # No stream on this Core (a takeover's reconnect window ran out), or a stream open but
             # silent past the ceiling (a hung agent): nothing says this worker is alive.
             where = "no agent stream on this Core" if session is None else f"past the {ceiling:g}s ceiling"
@@ -522,12 +527,21 @@ class Membership:
                 job, member.worker_id, f"no heartbeat for {silent:.2f}s ({where})", "heartbeat", now
             )
             return now + deadline
-        self._nudge(job, member)
-        self._mark_late(job, member, session, silent, deadline, now)
-        refresh = (
-            session.lease_refreshed + self.settings.lease_ttl_s / 3 if session.lease_id else now + ceiling
-        )
-        return min(last + ceiling, refresh)
+        else:
+            self._nudge(job, member)
+            self._mark_late(job, member, session, silent, deadline, now)
+            due = last + ceiling
+        if session is not None and session.lease_id is not None and silent > deadline / 2:
+            due = min(due, session.lease_refreshed + self.settings.lease_ttl_s / 3)
+        return due
+
+    def _keep_lease(self, job: Job, session: AgentSession, now: float) -> None:
+        """Heartbeats are overdue but the stream is open: the Core-held lease is kept alive
+        meanwhile (heartbeats refresh it otherwise), so that its expiry only ever means that this
+        Core is gone, never that a loaded agent was slow."""
+        if session.lease_id is not None and now - session.lease_refreshed >= self.settings.lease_ttl_s / 3:
+            session.lease_refreshed = now  # one refresh in flight at a time
+            asyncio.ensure_future(self._refresh_lease(job, session, now, force=True))
 
     def _mark_late(
         self,
@@ -538,11 +552,9 @@ class Membership:
         deadline: float,
         now: float,
     ) -> None:
-        """Heartbeats are late but the stream is open (and the lease alive, or its expiry will
-        say otherwise): a slow agent, not a dead one. Noted once per episode; the Core-held
-        lease is kept alive meanwhile, so that its expiry only ever means this Core is gone."""
-        if session.lease_id is not None and now - session.lease_refreshed >= self.settings.lease_ttl_s / 3:
-            asyncio.ensure_future(self._refresh_lease(job, session, now))
+        """Heartbeats are past the deadline but the stream is open (and an agent's own lease is
+        alive, or its expiry would have said otherwise): a slow agent, not a dead one. Noted once
+        per episode, with an event and elaswave_heartbeats_late_total."""
         if member.heartbeat_late_since_unix is not None:
             return
         member.heartbeat_late_since_unix = now
