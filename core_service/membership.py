@@ -157,12 +157,15 @@ class Membership:
     def _take_registration(self, job: Job, worker_id: str, now: float) -> None:
         """A new (or returning) worker id passes the job token's rate limit, or RpcError
         (RESOURCE_EXHAUSTED saying when to retry). Reconnects of live members never get here."""
+        # A job may always register the workers it declared at once (a start, a restart of them
+        # all): only registrations beyond that, or beyond the Core's burst, wait for the rate.
+        declared = self.member_limit(job) if job.expected_workers > 0 else 0
+        burst = max(self.settings.registration_burst, declared)
         bucket = job.registrations
         if bucket is None:
-            bucket = RegistrationBucket(
-                self.settings.registrations_per_s, self.settings.registration_burst, now
-            )
+            bucket = RegistrationBucket(self.settings.registrations_per_s, burst, now)
             job.registrations = bucket
+        bucket.burst = burst
         retry_s = bucket.take(now)
         if retry_s > 0.0:
             self.metrics.registrations_refused.inc()
