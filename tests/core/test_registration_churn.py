@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.etcd, pytest.mark.multiproc]
 CHURN_S = float(os.environ.get("ELASWAVE_CHURN_TEST_S", "25"))
 KEPT = 64
 EVENTS_KEPT = 500
-RATE_PER_S, BURST = 100, 300
+RATE_PER_S, BURST = 20, 200
 BOUNDS = {
     "ELASWAVE_GONE_MEMBERS_KEPT": str(KEPT),
     "ELASWAVE_EVENTS_KEPT": str(EVENTS_KEPT),
