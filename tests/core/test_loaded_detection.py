@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.etcd, pytest.mark.multiproc]
 
 LOAD_S = float(os.environ.get("ELASWAVE_LOAD_TEST_S", "60"))
 BURNERS = 8
-HEARTBEAT_FLOOR_S = 0.8  # the agents beat every 0.25 s: a fixed 0.8 s timeout is what loses them
+HEARTBEAT_FLOOR_S = 0.4  # the agents beat every 0.25 s; loaded, gaps reach 0.6 s (tests/core/recorded)
 
 
 @contextlib.contextmanager
