@@ -106,6 +106,7 @@ class Membership:
         # `sweep_heartbeats`); the leader tick skips the job's scan until then.
         self._sweep_due: dict[str, float] = {}
         self._last_sweep: float | None = None
+        self._gone_scanned: dict[str, int] = {}  # per job: gone members left by the last compaction
 
     # ---- registration -------------------------------------------------------------------------
     def member_limit(self, job: Job) -> int:
@@ -589,7 +590,9 @@ class Membership:
         (the one the layout references; older holders of the rank, such as ghosts claiming it,
         are not, so they cannot grow the job either)."""
         keep = self.settings.gone_members_kept
-        if len(job.gone) <= keep:
+        # Protected members may hold the count above the bound: rescan only once more have gone
+        # (this runs on every leader tick, and a scan parses the layouts' ranks).
+        if len(job.gone) <= max(keep, self._gone_scanned.get(job.name, 0)):
             return 0
         ranks = self._referenced_ranks(job)
         newest: dict[int, str] = {}
@@ -608,6 +611,7 @@ class Membership:
             if job.members.pop(worker_id, None) is not None:
                 self.table.persister.delete(self.table.job_key(job.name, "members", worker_id))
         self.metrics.members_compacted.inc(len(removed))
+        self._gone_scanned[job.name] = len(job.gone)
         return len(removed)
 
     @staticmethod
@@ -629,6 +633,7 @@ class Membership:
         self.closing_streams = False  # a new term: a stream that closes now is a signal again
         self._sweep_due.clear()  # members were reloaded with heartbeats of their own
         self._last_sweep = None
+        self._gone_scanned.clear()  # and their gone members in a new order
         prefix = self.settings.key_prefix + "/jobs/"
         self._watches.append(self.registry.watch_prefix(prefix, self._on_registry_event))
 
