@@ -63,7 +63,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--heartbeat-timeout",
         dest="heartbeat_timeout_s",
         type=float,
-        help="seconds without a heartbeat before a worker is lost (default 2.0)",
+        help="seconds; floor of each stream's adaptive heartbeat deadline: a worker silent this long "
+        "is late, and lost if no stream of it is open (default 2.0)",
+    )
+    parser.add_argument(
+        "--heartbeat-ceiling",
+        dest="heartbeat_ceiling_s",
+        type=float,
+        help="seconds; a worker silent this long is lost even with its stream open (default max(30, "
+        "--heartbeat-timeout))",
     )
     parser.add_argument(
         "--lease-ttl",
@@ -106,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
             "registry_url",
             "core_id",
             "heartbeat_timeout_s",
+            "heartbeat_ceiling_s",
             "lease_ttl_s",
             "leader_ttl_s",
             "dev_mode",

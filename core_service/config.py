@@ -110,6 +110,10 @@ class FailSlowSettings(BaseModel):
     min_peers: int = Field(default=2, ge=2, description="peers (self included) needed to judge")
 
 
+# Silence after which a worker is LOST even with its stream open, unless configured.
+DEFAULT_HEARTBEAT_CEILING_S = 30.0
+
+
 class CoreSettings(BaseSettings):
     """Settings of one Core process."""
 
@@ -131,7 +135,45 @@ class CoreSettings(BaseSettings):
     dev_mode: bool = Field(default=False, description="allow a generated token; never in production")
     jobs: list[JobSpec] = Field(default_factory=list)
     allow_job_creation: bool = Field(default=True, description="POST /api/v1/jobs may create jobs")
-    heartbeat_timeout_s: float = Field(default=2.0, gt=0.0, le=600.0)
+    heartbeat_timeout_s: float = Field(
+        default=2.0,
+        gt=0.0,
+        le=600.0,
+        description="floor of each stream's adaptive heartbeat deadline (docs/failures.md): a worker "
+        "silent this long is late; without a live stream on this Core it is LOST",
+    )
+    heartbeat_ceiling_s: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=3600.0,
+        description="ceiling of the adaptive deadline; a worker silent this long is LOST even with "
+        "its stream open (a hung agent whose lease someone else keeps); default: the larger of "
+        "30 s and heartbeat_timeout_s",
+    )
+    heartbeat_phi: float = Field(
+        default=8.0,
+        gt=0.0,
+        le=30.0,
+        description="phi-accrual threshold: a stream is late once P(a gap this long) < 10^-phi",
+    )
+    heartbeat_window: int = Field(
+        default=100, ge=4, le=10_000, description="inter-arrival gaps per stream the detector models"
+    )
+    gone_members_kept: int = Field(
+        default=256,
+        ge=1,
+        le=MAX_WORKERS_PER_JOB,
+        description="LOST and LEFT members a job keeps; older ones are compacted (their events stay)",
+    )
+    registrations_per_s: float = Field(
+        default=50.0,
+        gt=0.0,
+        le=1e6,
+        description="sustained rate of new worker registrations per job token (reconnects are free)",
+    )
+    registration_burst: int = Field(
+        default=1_000, ge=1, le=MAX_WORKERS_PER_JOB, description="registrations a job token may make at once"
+    )
     lease_ttl_s: float = Field(default=3.0, ge=1.0, le=600.0, description="liveness lease the Core holds")
     progress_persist_s: float = Field(
         default=5.0,
@@ -215,6 +257,12 @@ class CoreSettings(BaseSettings):
             raise ValueError(f"{value!r} must start with '/' and not end with '/'")
         return value
 
+    @property
+    def heartbeat_ceiling(self) -> float:
+        """heartbeat_ceiling_s as resolved by validation (never None on a validated instance)."""
+        ceiling = self.heartbeat_ceiling_s
+        return max(DEFAULT_HEARTBEAT_CEILING_S, self.heartbeat_timeout_s) if ceiling is None else ceiling
+
     @model_validator(mode="after")
     def _security(self) -> CoreSettings:
         if self.scheduler_token is None and not self.dev_mode:
@@ -264,6 +312,13 @@ class CoreSettings(BaseSettings):
             raise ValueError(
                 f"lease_ttl_s ({self.lease_ttl_s}) must be >= heartbeat_timeout_s "
                 f"({self.heartbeat_timeout_s})"
+            )
+        if self.heartbeat_ceiling_s is None:
+            self.heartbeat_ceiling_s = max(DEFAULT_HEARTBEAT_CEILING_S, self.heartbeat_timeout_s)
+        if self.heartbeat_ceiling_s < self.heartbeat_timeout_s:
+            raise ValueError(
+                f"heartbeat_ceiling_s ({self.heartbeat_ceiling_s}) must be >= heartbeat_timeout_s "
+                f"({self.heartbeat_timeout_s}), the floor of the adaptive deadline"
             )
         names = [job.name for job in self.jobs]
         duplicates = sorted({n for n in names if names.count(n) > 1})

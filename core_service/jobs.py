@@ -21,6 +21,7 @@ from typing import Any
 
 from core_service.config import JOB_NAME_PATTERN, CoreSettings, JobSpec
 from core_service.failslow import FailSlowDetector
+from core_service.member_bounds import GoneMembers, RegistrationBucket
 from core_service.model import Ack, Event, JobPhase, MemberRecord, Recovery, WorkerState
 from core_service.persist import Persister
 from core_service.registry import Registry
@@ -90,6 +91,10 @@ class Job:
     # A member went (finished, left, lost): the engine checks whether the job is complete.
     check_completion: bool = False
     members: dict[str, MemberRecord] = field(default_factory=dict)
+    # The LOST and LEFT members, oldest first (compacted beyond gone_members_kept), and the job
+    # token's registration rate limit (created on the first registration).
+    gone: GoneMembers = field(default_factory=GoneMembers)
+    registrations: RegistrationBucket | None = None
     phase: JobPhase = JobPhase.RUNNING
     plan_epoch: int = 0
     next_seq: int = 1
@@ -163,7 +168,7 @@ class Job:
         return max(1, self.min_workers), most
 
     def original_layout(self) -> Layout | None:
-        return None if self.original_layout_json is None else _parse_layout(self.original_layout_json)
+        return None if self.original_layout_json is None else parse_layout(self.original_layout_json)
 
     def spec_json(self) -> bytes:
         return json.dumps(
@@ -305,6 +310,7 @@ class JobTable:
         if state.is_gone:
             job.failslow.forget(member.worker_id)
             job.check_completion = True
+            job.gone.went(member.worker_id)
         self.save_member(job, member)
         # A worker starting to step changes nothing the planner cares about; every other move does,
         # except a departure the current layout already planned for (a preempted or drained rank
@@ -365,6 +371,11 @@ class JobTable:
                 # Give every survivor time to reconnect to this Core before heartbeats count.
                 member.last_heartbeat_unix = now + self.settings.reconnect_grace_s
             job.members[member.worker_id] = member
+        gone = sorted(
+            (m for m in job.members.values() if m.state.is_gone), key=lambda m: m.state_changed_unix
+        )
+        for member in gone:
+            job.gone.went(member.worker_id)
         for _, raw in self.registry.get_prefix(self.job_key(job.name, "events") + "/"):
             event = Event.from_json(raw)
             job.events.append(event)
@@ -372,7 +383,7 @@ class JobTable:
 
 
 @functools.lru_cache(maxsize=16)
-def _parse_layout(raw: str) -> Layout:
+def parse_layout(raw: str) -> Layout:
     return Layout.from_json(raw)
 
 

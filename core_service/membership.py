@@ -3,10 +3,14 @@
 Paths, fastest first: the agent reports the worker's exit; the agent's stream closes without a
 Leave; the liveness lease expires (node loss, partition, an agent that hangs); heartbeats stop.
 Whichever fires first marks the worker LOST with its reason; the others then find it gone.
+Heartbeats are judged against each stream's own adaptive deadline (core_service.liveness): a
+worker past it whose stream is open on this Core is *late* (noted, its Core-held lease kept
+alive), never LOST, unless its silence reaches the ceiling; only a worker with no stream here is
+LOST at its deadline. Gone members beyond a bound are compacted (core_service.member_bounds).
 A liveness lease the Core holds for an agent only counts while this Core holds it: after a
 failover, the dead leader's leases expire on their own, and the agents they stood for get the
 reconnect grace instead.
-A worker whose heartbeat is late (half the timeout) is sent one ReportNow first, so a merely slow
+A worker whose heartbeat is late (half its deadline) is sent one ReportNow first, so a merely slow
 agent answers before it is declared lost.
 
 The Core also tells agents the device frequency their rank should run at (SetFrequency) when a
@@ -27,7 +31,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from core_service.grpc_util import RpcError
-from core_service.jobs import Job, JobTable, token_digest
+from core_service.jobs import Job, JobTable, parse_layout, token_digest
+from core_service.liveness import ArrivalWindow
+from core_service.member_bounds import RegistrationBucket, rate_limited
 from core_service.metrics import CoreMetrics
 from core_service.model import (
     SPARE_READY_EVENT,
@@ -43,6 +49,9 @@ from planners.layout import Plan
 from wire.v1 import agent_pb2
 
 log = logging.getLogger("elaswave.core.membership")
+# Sweeps further apart than this mean the Core's own loop stalled (a loaded machine, a long GC):
+# heartbeats that arrived meanwhile wait in it uncounted, so that sweep judges nobody.
+SWEEP_STALL_S = 1.0
 # gRPC metadata key an agent presents its worker's credential under when it registers again.
 WORKER_TOKEN_METADATA = "x-elaswave-worker-token"
 
@@ -63,6 +72,7 @@ class AgentSession:
     rejected_reports: int = 0
     progress_saved_unix: float = 0.0  # when the member's last step was last stored
     worker_token: str = field(default="", repr=False)  # the worker's credential, sent in the RegisterAck
+    arrivals: ArrivalWindow | None = None  # this stream's heartbeat gaps (its adaptive deadline)
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,8 @@ class Membership:
         # Per job: no live member can be due for a nudge or a loss before this time (see
         # `sweep_heartbeats`); the leader tick skips the job's scan until then.
         self._sweep_due: dict[str, float] = {}
+        self._last_sweep: float | None = None
+        self._gone_scanned: dict[str, int] = {}  # per job: gone members left by the last compaction
 
     # ---- registration -------------------------------------------------------------------------
     def member_limit(self, job: Job) -> int:
@@ -104,7 +116,7 @@ class Membership:
             return job.expected_workers + job.spare_workers + job.offered_workers
         return self.settings.max_workers_per_job
 
-    def admit(self, job: Job, reg: Registration, presented: str | None) -> str:
+    def admit(self, job: Job, reg: Registration, presented: str | None, now: float) -> str:
         """The worker's credential for this registration, or RpcError. A live member's id is
         registered again only with its own credential (a reconnect, a new leader): from anyone
         else it is refused, never a takeover. A new (or returning) worker gets a new credential,
@@ -140,16 +152,36 @@ class Membership:
                 f"{job.offered_workers}, or the Core's "
                 f"max_workers_per_job) is {limit}: worker {reg.worker_id!r} refused",
             )
+        self._take_registration(job, reg.worker_id, now)
         return secrets.token_urlsafe(24)
+
+    def _take_registration(self, job: Job, worker_id: str, now: float) -> None:
+        """A new (or returning) worker id passes the job token's rate limit, or RpcError
+        (RESOURCE_EXHAUSTED saying when to retry). Reconnects of live members never get here."""
+        # A job may always register the workers it declared at once (a start, a restart of them
+        # all): only registrations beyond that, or beyond the Core's burst, wait for the rate.
+        declared = self.member_limit(job) if job.expected_workers > 0 else 0
+        burst = max(self.settings.registration_burst, declared)
+        bucket = job.registrations
+        if bucket is None:
+            bucket = RegistrationBucket(self.settings.registrations_per_s, burst, now)
+            job.registrations = bucket
+        bucket.burst = burst
+        retry_s = bucket.take(now)
+        if retry_s > 0.0:
+            self.metrics.registrations_refused.inc()
+            raise rate_limited(job.name, worker_id, bucket, retry_s)
 
     async def register(self, reg: Registration, now: float, presented: str | None = None) -> AgentSession:
         """Registers the worker (see `admit`); the session carries the worker's credential."""
         job = self.table.get(reg.job)
-        worker_token = self.admit(job, reg, presented)
+        worker_token = self.admit(job, reg, presented, now)
         old = self.sessions.get((reg.job, reg.worker_id))
         if old is not None:
             await self._drop_lease(old)
-        session = AgentSession(reg.job, reg.worker_id, self._next_session, worker_token=worker_token)
+        session = AgentSession(
+            reg.job, reg.worker_id, self._next_session, worker_token=worker_token, arrivals=self._window(now)
+        )
         self._next_session += 1
         self.sessions[(reg.job, reg.worker_id)] = session
         member = job.members.get(reg.worker_id)
@@ -163,6 +195,7 @@ class Membership:
         if member is None or rejoined:
             member = MemberRecord(reg.worker_id, reg.host, reg.pid, registered_unix=now)
             job.members[reg.worker_id] = member
+            job.gone.returned(reg.worker_id)
         member.host, member.pid, member.devices = reg.host, reg.pid, reg.devices
         member.worker_token_sha256 = token_digest(worker_token)
         member.holds_own_lease = reg.holds_own_lease
@@ -170,6 +203,7 @@ class Membership:
         if not (reconnected and reg.rank < 0 and member.rank >= 0):
             member.stage, member.dp_rank, member.rank = reg.stage, reg.dp_rank, reg.rank
         member.last_heartbeat_unix = now
+        member.heartbeat_late_since_unix = None
         if not reg.holds_own_lease:
             try:
                 await self._grant_lease(job, session, now)
@@ -196,6 +230,15 @@ class Membership:
         )
         self.metrics.agent_streams.set(len(self.sessions))
         return session
+
+    def _window(self, now: float) -> ArrivalWindow:
+        return ArrivalWindow(
+            floor_s=self.settings.heartbeat_timeout_s,
+            ceiling_s=self.settings.heartbeat_ceiling,
+            phi=self.settings.heartbeat_phi,
+            window=self.settings.heartbeat_window,
+            start=now,
+        )
 
     def _use_offer(self, job: Job, host: str) -> None:
         """A spare registered from `host`: one device an accepted offer admitted there is used."""
@@ -291,14 +334,40 @@ class Membership:
         job = self.table.get(session.job) if job is None else job
         member = job.member(session.worker_id)
         member.last_heartbeat_unix = now
+        if session.arrivals is not None:
+            session.arrivals.record(now)
+        if member.heartbeat_late_since_unix is not None:
+            self._on_time(job, member, now)
         if member.state.is_gone or session.lease_id is None:
             return
-        if now - session.lease_refreshed >= self.settings.lease_ttl_s / 3:
-            session.lease_refreshed = now
-            try:
-                await registry_call(self.registry, self.registry.refresh_lease, session.lease_id)
-            except LeaseNotFound:
+        await self._refresh_lease(job, session, now)
+
+    async def _refresh_lease(self, job: Job, session: AgentSession, now: float, force: bool = False) -> None:
+        """Keeps the Core-held liveness lease alive (at most every third of its TTL, unless `force`)."""
+        if session.lease_id is None:
+            return
+        if not force and now - session.lease_refreshed < self.settings.lease_ttl_s / 3:
+            return
+        session.lease_refreshed = now
+        try:
+            await registry_call(self.registry, self.registry.refresh_lease, session.lease_id)
+        except LeaseNotFound:
+            if self.sessions.get((session.job, session.worker_id)) is session:  # not closed meanwhile
                 await self._grant_lease(job, session, now)
+        except RegistryError as exc:
+            log.warning("refreshing the liveness lease of %s/%s: %s", job.name, session.worker_id, exc)
+
+    def _on_time(self, job: Job, member: MemberRecord, now: float) -> None:
+        """A late worker's heartbeat arrived: the note is cleared and the episode recorded."""
+        since, member.heartbeat_late_since_unix = member.heartbeat_late_since_unix, None
+        late_s = now - (since if since is not None else now)
+        self.table.record(
+            job,
+            "heartbeat_on_time",
+            worker_id=member.worker_id,
+            detail=f"heartbeat after {late_s:.2f}s late",
+            now=now,
+        )
 
     def step(self, session: AgentSession, report: StepReport) -> None:
         job = self.table.get(session.job)
@@ -413,7 +482,8 @@ class Membership:
         await self._drop_lease(session)
 
     def sweep_heartbeats(self, now: float) -> None:
-        """Nudges members silent for half the timeout, marks those silent for all of it lost.
+        """Compacts gone members beyond the bound, nudges members silent for half their
+        deadline, notes late ones and marks lost those that nothing else keeps alive.
 
         The leader ticks up to a few hundred times a second while events stream in, and scanning
         10,000 members each time took a fifth of the Core's loop. A heartbeat only moves a
@@ -421,36 +491,149 @@ class Membership:
         no member can become due before the earliest due time the previous scan saw: until
         then the job is skipped, and a job with members beating at 1 Hz is scanned about once
         a second (one heap entry per heartbeat would cost every report instead)."""
-        timeout = self.settings.heartbeat_timeout_s
+        last, self._last_sweep = self._last_sweep, now
+        if last is not None and now - last > SWEEP_STALL_S:
+            # This Core's loop stalled: heartbeats that arrived meanwhile are still queued in it.
+            # Judging silences now would blame the workers for the Core's own pause.
+            log.warning("heartbeat sweep %.2fs after the last one: judging nobody this time", now - last)
+            self._sweep_due.clear()
+            return
+        floor = self.settings.heartbeat_timeout_s
         for job in self.table.jobs.values():
+            self.compact(job)
             if now < self._sweep_due.get(job.name, 0.0):
                 continue
-            due = now + timeout / 2  # the earliest a member registering from now on can be due
+            due = now + floor / 2  # the earliest a member registering from now on can be due
             for member in job.live_members():
-                silent = now - member.last_heartbeat_unix
-                if silent > timeout:
-                    self.mark_lost(job, member.worker_id, f"no heartbeat for {silent:.2f}s", "heartbeat", now)
-                    continue
-                if silent > timeout / 2:
-                    self._nudge(job, member)
-                    due = min(due, member.last_heartbeat_unix + timeout)
-                else:
-                    due = min(due, member.last_heartbeat_unix + timeout / 2)
+                due = min(due, self._judge(job, member, now))
             self._sweep_due[job.name] = due
 
+    def _judge(self, job: Job, member: MemberRecord, now: float) -> float:
+        """Acts on one live member's silence; returns when it next needs looking at."""
+        session = self.sessions.get((job.name, member.worker_id))
+        arrivals = session.arrivals if session is not None else None
+        deadline = arrivals.deadline_s() if arrivals is not None else self.settings.heartbeat_timeout_s
+        ceiling = self.settings.heartbeat_ceiling
+        last = member.last_heartbeat_unix
+        silent = now - last
+        if session is not None and silent > deadline / 2 and silent <= ceiling:
+            self._keep_lease(job, session, now)
+        if silent <= deadline / 2:
+            due = last + deadline / 2
+        elif silent <= deadline:
+            self._nudge(job, member)
+            due = last + deadline
+        elif session is None or silent > ceiling:
+            # No stream on this Core (a takeover's reconnect window ran out), or a stream open but
+            # silent past the ceiling (a hung agent): nothing says this worker is alive.
+            where = "no agent stream on this Core" if session is None else f"past the {ceiling:g}s ceiling"
+            self.mark_lost(
+                job, member.worker_id, f"no heartbeat for {silent:.2f}s ({where})", "heartbeat", now
+            )
+            return now + deadline
+        else:
+            self._nudge(job, member)
+            self._mark_late(job, member, session, silent, deadline, now)
+            due = last + ceiling
+        if session is not None and session.lease_id is not None and silent > deadline / 2:
+            due = min(due, session.lease_refreshed + self.settings.lease_ttl_s / 3)
+        return due
+
+    def _keep_lease(self, job: Job, session: AgentSession, now: float) -> None:
+        """Heartbeats are overdue but the stream is open: the Core-held lease is kept alive
+        meanwhile (heartbeats refresh it otherwise), so that its expiry only ever means that this
+        Core is gone, never that a loaded agent was slow."""
+        if session.lease_id is not None and now - session.lease_refreshed >= self.settings.lease_ttl_s / 3:
+            session.lease_refreshed = now  # one refresh in flight at a time
+            asyncio.ensure_future(self._refresh_lease(job, session, now, force=True))
+
+    def _mark_late(
+        self,
+        job: Job,
+        member: MemberRecord,
+        session: AgentSession,
+        silent: float,
+        deadline: float,
+        now: float,
+    ) -> None:
+        """Heartbeats are past the deadline but the stream is open (and an agent's own lease is
+        alive, or its expiry would have said otherwise): a slow agent, not a dead one. Noted once
+        per episode, with an event and elaswave_heartbeats_late_total."""
+        if member.heartbeat_late_since_unix is not None:
+            return
+        member.heartbeat_late_since_unix = now
+        self.metrics.heartbeats_late.inc()
+        phi = session.arrivals.suspicion(silent) if session.arrivals is not None else 0.0
+        self.table.record(
+            job,
+            "heartbeat_late",
+            worker_id=member.worker_id,
+            detail=f"no heartbeat for {silent:.2f}s (deadline {deadline:.2f}s, phi {phi:.1f}); stream "
+            "open: late, not lost",
+            now=now,
+        )
+
     def _nudge(self, job: Job, member: MemberRecord) -> None:
-        """Half the timeout without a heartbeat: ask the agent to report now, once per silence."""
+        """Half the deadline without a heartbeat: ask the agent to report now, once per silence."""
         session = self.sessions.get((job.name, member.worker_id))
         if session is None or session.nudged_for_heartbeat == member.last_heartbeat_unix:
             return
         session.nudged_for_heartbeat = member.last_heartbeat_unix
         self.send(job.name, member.worker_id, agent_pb2.ConnectResponse(report_now=agent_pb2.ReportNow()))
 
+    # ---- bounded state ------------------------------------------------------------------------
+    def compact(self, job: Job) -> int:
+        """Removes the oldest gone members beyond `gone_members_kept` from the job and the
+        registry (their events stay in the bounded event log); returns how many. Never removed:
+        a member with a stream still open on this Core (its agent may still report on it), and
+        for each rank of the current or committed layout the newest gone member that held it
+        (the one the layout references; older holders of the rank, such as ghosts claiming it,
+        are not, so they cannot grow the job either)."""
+        keep = self.settings.gone_members_kept
+        # Protected members may hold the count above the bound: rescan only once more have gone
+        # (this runs on every leader tick, and a scan parses the layouts' ranks).
+        if len(job.gone) <= max(keep, self._gone_scanned.get(job.name, 0)):
+            return 0
+        ranks = self._referenced_ranks(job)
+        newest: dict[int, str] = {}
+        for worker_id in job.gone:  # oldest first: the last one seen per rank is the newest
+            member = job.members.get(worker_id)
+            if member is not None and member.rank in ranks:
+                newest[member.rank] = worker_id
+        referenced = set(newest.values())
+
+        def protected(worker_id: str) -> bool:
+            return worker_id in referenced or (job.name, worker_id) in self.sessions
+
+        removed = job.gone.overflow(keep, protected)
+        for worker_id in removed:
+            job.gone.returned(worker_id)
+            if job.members.pop(worker_id, None) is not None:
+                self.table.persister.delete(self.table.job_key(job.name, "members", worker_id))
+        self.metrics.members_compacted.inc(len(removed))
+        self._gone_scanned[job.name] = len(job.gone)
+        return len(removed)
+
+    @staticmethod
+    def _referenced_ranks(job: Job) -> frozenset[int]:
+        """Ranks of the job's current and committed layouts (empty for a job without one)."""
+        ranks: set[int] = set()
+        for raw in (job.layout_json, job.committed_layout_json):
+            if raw is None:
+                continue
+            try:
+                ranks.update(parse_layout(raw).ranks())
+            except (ValueError, KeyError, TypeError):
+                continue
+        return frozenset(ranks)
+
     # ---- liveness keys ------------------------------------------------------------------------
     def start_watching(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self.closing_streams = False  # a new term: a stream that closes now is a signal again
         self._sweep_due.clear()  # members were reloaded with heartbeats of their own
+        self._last_sweep = None
+        self._gone_scanned.clear()  # and their gone members in a new order
         prefix = self.settings.key_prefix + "/jobs/"
         self._watches.append(self.registry.watch_prefix(prefix, self._on_registry_event))
 

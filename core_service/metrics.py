@@ -137,6 +137,22 @@ class CoreMetrics:
             ["command"],
             registry=registry,
         )
+        self.heartbeats_late = Counter(
+            "elaswave_heartbeats_late_total",
+            "Times a worker's heartbeats went past its adaptive deadline while its stream and lease "
+            "were alive: marked late, not lost (docs/failures.md).",
+            registry=registry,
+        )
+        self.members_compacted = Counter(
+            "elaswave_members_compacted_total",
+            "LOST and LEFT members removed beyond gone_members_kept (their events stay).",
+            registry=registry,
+        )
+        self.registrations_refused = Counter(
+            "elaswave_registrations_refused_total",
+            "Worker registrations refused because the job token went over its rate limit.",
+            registry=registry,
+        )
 
 
 def observe_http(app: FastAPI, metrics: CoreMetrics) -> None:

@@ -153,6 +153,9 @@ class MemberRecord:
     # is where it says the job's final checkpoint is ("" when it reported none).
     finished: bool = False
     checkpoint: str = ""
+    # Set while its heartbeats are past their adaptive deadline with its stream and lease alive
+    # (core_service.liveness): a slow agent, noted, never LOST for it (docs/failures.md).
+    heartbeat_late_since_unix: float | None = None
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()

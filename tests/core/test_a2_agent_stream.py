@@ -22,7 +22,8 @@ from wire.v1 import agent_pb2, agent_pb2_grpc
 
 pytestmark = pytest.mark.multiproc
 
-HEARTBEAT_TIMEOUT_S = 4.0
+HEARTBEAT_TIMEOUT_S = 4.0  # the floor of each stream's adaptive deadline
+HEARTBEAT_CEILING_S = 2 * HEARTBEAT_TIMEOUT_S
 
 
 class RawStream:
@@ -124,14 +125,16 @@ class RawStream:
 def core(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CoreProcess, str]]:
     tmp = tmp_path_factory.mktemp("a2core")
     token = new_token()
-    # The Core-held liveness lease outlives the heartbeat timeout, so heartbeats decide here.
+    # A Core-held liveness lease (TTL = the floor): the Core keeps it alive while a worker is only
+    # late, so heartbeats and the ceiling decide here, not its expiry.
     proc = CoreProcess(
         tmp,
         "a2",
         "memory://",
         token,
+        extra_env={"ELASWAVE_HEARTBEAT_CEILING_S": str(HEARTBEAT_CEILING_S)},
         heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
-        lease_ttl_s=2 * HEARTBEAT_TIMEOUT_S,
+        lease_ttl_s=HEARTBEAT_TIMEOUT_S,
     )
     proc.wait_leader()
     yield proc, token
@@ -309,25 +312,71 @@ def test_rest_commands_reach_the_agent_stream_and_bad_ones_change_nothing(
 
 
 @pytest.mark.timeout(60)
-def test_late_heartbeat_gets_one_report_now_before_the_worker_is_lost(core: tuple[CoreProcess, str]) -> None:
+def test_late_heartbeat_gets_one_report_now_then_is_late_not_lost_until_the_ceiling(
+    core: tuple[CoreProcess, str],
+) -> None:
     proc, token = core
     job_token = create_job(proc, token, "late")
     stream = RawStream(proc.grpc_address, job_token, "late", "w0", beat=False)
     registered = time.monotonic()
-    # Silence 1: past half the timeout the Core asks for a report; answering keeps the worker.
+    # Silence 1: past half the deadline the Core asks for a report; answering keeps the worker.
     nudge = stream.next(HEARTBEAT_TIMEOUT_S)
     waited = time.monotonic() - registered
     assert nudge.WhichOneof("body") == "report_now"
     assert HEARTBEAT_TIMEOUT_S / 2 - 0.2 <= waited < HEARTBEAT_TIMEOUT_S, waited
     stream.heartbeat()
+    answered = time.monotonic()
     time.sleep(max(0.0, HEARTBEAT_TIMEOUT_S + 0.5 - (time.monotonic() - registered)))
-    assert proc.states("late") == {"w0": "JOINING"}  # the first timeout has passed: the answer counted
-    # Silence 2: one more ReportNow, left unanswered, then the heartbeat path declares it lost.
+    assert proc.states("late") == {"w0": "JOINING"}  # the first deadline has passed: the answer counted
+    # Silence 2: one more ReportNow, left unanswered. Past the deadline the worker is late (its
+    # stream is open and its Core-held lease kept alive), and it stays a member, not LOST.
     assert stream.next(HEARTBEAT_TIMEOUT_S).WhichOneof("body") == "report_now"
-    wait_until(lambda: proc.states("late") == {"w0": "LOST"}, HEARTBEAT_TIMEOUT_S + 2, "w0 LOST")
-    assert member(proc, "late", "w0")["lost_reason"].startswith("no heartbeat for")
+    wait_until(
+        lambda: member(proc, "late", "w0")["heartbeat_late_since_unix"] is not None,
+        HEARTBEAT_TIMEOUT_S,
+        "w0 noted late",
+    )
+    assert proc.states("late") == {"w0": "JOINING"}
+    late_event = next(e for e in events(proc, "late") if e["kind"] == "heartbeat_late")
+    assert "stream open: late, not lost" in late_event["detail"]
+    assert proc.metric("elaswave_heartbeats_late_total") >= 1
+    # The lease TTL (= the floor) has long passed: the Core kept the lease, no lease loss.
+    time.sleep(max(0.0, answered + HEARTBEAT_TIMEOUT_S * 1.5 - time.monotonic()))
+    assert proc.states("late") == {"w0": "JOINING"}
+    # Past the ceiling: a hung agent, whatever keeps its stream open.
+    wait_until(lambda: proc.states("late") == {"w0": "LOST"}, HEARTBEAT_CEILING_S, "w0 LOST at the ceiling")
+    lost = time.monotonic() - answered
+    assert lost >= HEARTBEAT_CEILING_S - 0.5, lost
+    reason = member(proc, "late", "w0")["lost_reason"]
+    assert reason.startswith("no heartbeat for") and f"past the {HEARTBEAT_CEILING_S:g}s ceiling" in reason
     assert stream.nothing_within(0.3), "more than one ReportNow per silence"
     stream.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_late_worker_that_beats_again_is_on_time(core: tuple[CoreProcess, str]) -> None:
+    proc, token = core
+    job_token = create_job(proc, token, "ontime")
+    stream = RawStream(proc.grpc_address, job_token, "ontime", "w0", beat=False)
+    wait_until(
+        lambda: member(proc, "ontime", "w0")["heartbeat_late_since_unix"] is not None,
+        HEARTBEAT_TIMEOUT_S + 2,
+        "w0 noted late",
+    )
+    stream.heartbeat()
+    wait_until(
+        lambda: member(proc, "ontime", "w0")["heartbeat_late_since_unix"] is None,
+        5,
+        "the late note cleared by a heartbeat",
+    )
+    kinds = [e["kind"] for e in events(proc, "ontime") if e["worker_id"] == "w0"]
+    assert kinds[-2:] == ["heartbeat_late", "heartbeat_on_time"]
+    assert proc.states("ontime") == {"w0": "JOINING"}
+    stream.leave()
+
+
+def events(proc: CoreProcess, job: str) -> list[dict]:
+    return proc.http.get(f"/api/v1/jobs/{job}/events").json()["events"]
 
 
 @pytest.mark.timeout(60)

@@ -71,6 +71,18 @@ def test_lease_shorter_than_the_heartbeat_timeout_is_refused(monkeypatch: pytest
     assert "metrics_persist_interval_s: Extra inputs are not permitted" in str(err.value)
 
 
+def test_heartbeat_ceiling_defaults_above_the_floor_and_below_it_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("ELASWAVE_CONFIG", raising=False)
+    assert load_settings(scheduler_token="x" * 20).heartbeat_ceiling == 30.0
+    long_floor = load_settings(scheduler_token="x" * 20, heartbeat_timeout_s=600, lease_ttl_s=600)
+    assert long_floor.heartbeat_ceiling_s == long_floor.heartbeat_ceiling == 600.0
+    with pytest.raises(ConfigError) as err:
+        load_settings(scheduler_token="x" * 20, heartbeat_timeout_s=3, heartbeat_ceiling_s=2)
+    assert "heartbeat_ceiling_s (2.0) must be >= heartbeat_timeout_s (3.0)" in str(err.value)
+
+
 def _config_error(monkeypatch: pytest.MonkeyPatch, **env: str) -> str:
     monkeypatch.delenv("ELASWAVE_CONFIG", raising=False)
     for name, value in env.items():

@@ -61,8 +61,14 @@ async def _burst(address: str, job_token: str, streams: int, connections: int, c
 def test_stream_bursts_register_and_are_declared_lost(tmp_path: Path, streams: int, connections: int) -> None:
     token = new_token()
     # Streams send no heartbeats here: long timeouts, so only a vanished stream makes a member LOST.
+    # The job declares no size, so the Core's registration burst must cover the whole burst.
     core = CoreProcess(
-        tmp_path, "fan", "memory://", token, extra_args=["--heartbeat-timeout", "120", "--lease-ttl", "120"]
+        tmp_path,
+        "fan",
+        "memory://",
+        token,
+        extra_env={"ELASWAVE_REGISTRATION_BURST": str(streams)},
+        extra_args=["--heartbeat-timeout", "120", "--lease-ttl", "120"],
     )
     try:
         core.wait_leader()
