@@ -162,6 +162,7 @@ class ShardedOptimizer:
         }
         self._numel = {n: sum(p.numel() for p in u.parameters()) for n, u in self.units.items()}
         self.last_grad_norm: float | None = None
+        self.piggybacked: list[torch.Tensor] | None = None  # see step()
         # unit -> flat [lo, hi) left out of the global norm (a tied weight's second copy, executor.tied)
         self.norm_skip: dict[str, tuple[int, int]] = {}
         self.ownership = {n: list(ownership[n]) for n in self.units}
@@ -198,9 +199,15 @@ class ShardedOptimizer:
             pos += sh.hi - sh.lo
         return out
 
-    def step(self) -> bool:
+    def step(self, piggyback: torch.Tensor | None = None) -> bool:
         """reduce-scatter -> update my slices -> all-gather the parameters. Returns False when
-        fp16's agreed overflow check skipped the update (every rank returns the same)."""
+        fp16's agreed overflow check skipped the update (every rank returns the same).
+
+        `piggyback` (every rank of the group passes one of the same size and dtype, or none
+        does): a small 1-D tensor that travels with the parameter all-gather, so a per-step
+        all-gather of its own (the step's per-sample losses) costs no extra round. Every rank's,
+        in DP order, is in `piggybacked` afterwards (None when the update was skipped)."""
+        self.piggybacked = None
         grads = self.reduce_scatter_grads()
         if self.scaler is not None and not self._unscale(grads):
             return False
@@ -216,7 +223,8 @@ class ShardedOptimizer:
                 param, grads[name], sh.exp_avg, sh.exp_avg_sq, self.step_count, self.segments[name], sh.lo
             )
             updated.append(param)
-        self._all_gather_params(torch.cat(updated) if updated else torch.empty(0, device=self.device))
+        mine = torch.cat(updated) if updated else torch.empty(0, device=self.device)
+        self._all_gather_params(mine, piggyback)
         return True
 
     def _unscale(self, grads: dict[str, torch.Tensor]) -> bool:
@@ -248,9 +256,17 @@ class ShardedOptimizer:
         a, b = max(lo, sh.lo) - sh.lo, min(hi, sh.hi) - sh.lo
         return torch.cat([grad[:a], grad[b:]]) if a < b else grad
 
-    def _all_gather_params(self, my_slices: torch.Tensor) -> None:
+    def _all_gather_params(self, my_slices: torch.Tensor, extra: torch.Tensor | None = None) -> None:
         sizes = [self._size_owned_by(k) for k in range(self.dp_size)]
+        if extra is not None and (extra.dim() != 1 or extra.dtype != my_slices.dtype):
+            extra = None  # not the wire's dtype (same on every rank): the caller gathers it itself
+        if extra is not None:
+            my_slices = torch.cat([my_slices, extra.to(my_slices.device)])
+            sizes = [n + extra.numel() for n in sizes]
         pieces = all_to_all_v(self.comm, self.group, [my_slices] * self.dp_size, sizes)
+        if extra is not None:
+            self.piggybacked = [piece[n - extra.numel() :] for piece, n in zip(pieces, sizes, strict=True)]
+            pieces = [piece[: n - extra.numel()] for piece, n in zip(pieces, sizes, strict=True)]
         # Every element is overwritten below (ownership covers each unit exactly once).
         flats = {n: torch.empty(self._numel[n], device=self.device) for n in self.units}
         for k, piece in enumerate(pieces):
@@ -286,12 +302,22 @@ class ShardedOptimizer:
 
     def state(self) -> dict[str, Any]:
         """Copy of my shards and the step count (for rollback)."""
-        return {
-            "step_count": self.step_count,
-            "shards": {
-                n: (sh.lo, sh.hi, sh.exp_avg.clone(), sh.exp_avg_sq.clone()) for n, sh in self.shards.items()
-            },
-        }
+        return self.state_copier()()
+
+    def state_copier(self) -> Callable[[], dict[str, Any]]:
+        """`state()` with the step count read now and the moments copied when the returned
+        function runs (before the next update writes them; see Trainer.rollback_state_copier)."""
+        step_count, shards = self.step_count, dict(self.shards)
+
+        def copy_moments() -> dict[str, Any]:
+            return {
+                "step_count": step_count,
+                "shards": {
+                    n: (sh.lo, sh.hi, sh.exp_avg.clone(), sh.exp_avg_sq.clone()) for n, sh in shards.items()
+                },
+            }
+
+        return copy_moments
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore `state()`; raises ValueError (changing nothing) if it describes other slices."""
