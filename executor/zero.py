@@ -53,15 +53,25 @@ def flat_params(unit: nn.Module) -> torch.Tensor:
     return torch.cat(params) if params else torch.empty(0)
 
 
-def flat_slice(unit: nn.Module, lo: int, hi: int) -> torch.Tensor:
-    """A copy of elements `[lo, hi)` of the unit's flat parameters, without flattening the rest."""
+def range_views(tensors: Sequence[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
+    """Elements `[lo, hi)` of the tensors' flat concatenation, as pieces of the tensors
+    themselves (views where a tensor is contiguous), in order: what the ZeRO glue reads and
+    writes instead of flattening a whole unit first."""
     pieces, pos = [], 0
-    for p in unit.parameters():
-        n = p.numel()
+    for t in tensors:
+        n = t.numel()
         a, b = max(lo, pos), min(hi, pos + n)
         if a < b:
-            pieces.append(p.detach().reshape(-1)[a - pos : b - pos])
+            pieces.append(t.reshape(-1)[a - pos : b - pos])
         pos += n
+        if pos >= hi:
+            break
+    return pieces
+
+
+def flat_slice(unit: nn.Module, lo: int, hi: int) -> torch.Tensor:
+    """A copy of elements `[lo, hi)` of the unit's flat parameters, without flattening the rest."""
+    pieces = range_views([p.detach() for p in unit.parameters()], lo, hi)
     return torch.cat(pieces) if pieces else torch.empty(0)
 
 
@@ -180,9 +190,17 @@ class ShardedOptimizer:
 
     def reduce_scatter_grads(self) -> dict[str, torch.Tensor]:
         """Sum of every DP rank's gradient over my owned slices, added in DP-rank order."""
-        grads = {n: flat_grads(u) for n, u in self.units.items()}
+        # Each owner's slices cut straight from the parameters' gradients: one copy (the cat per
+        # owner), not a flattened copy of every unit first.
+        grads = {
+            n: [p.grad if p.grad is not None else torch.zeros_like(p) for p in u.parameters()]
+            for n, u in self.units.items()
+        }
         to_rank = [
-            torch.cat([grads[n][iv[k][0] : iv[k][1]] for n, iv in self.ownership.items()])
+            torch.cat(
+                [piece for n, iv in self.ownership.items() for piece in range_views(grads[n], *iv[k])]
+                or [torch.empty(0, device=self.device)]
+            )
             for k in range(self.dp_size)
         ]
         mine = self._size_owned_by(self.dp_index)
@@ -267,7 +285,22 @@ class ShardedOptimizer:
         if extra is not None:
             self.piggybacked = [piece[n - extra.numel() :] for piece, n in zip(pieces, sizes, strict=True)]
             pieces = [piece[: n - extra.numel()] for piece, n in zip(pieces, sizes, strict=True)]
-        # Every element is overwritten below (ownership covers each unit exactly once).
+        # Every element is overwritten below (ownership covers each unit exactly once), straight
+        # into the parameters where they are contiguous (reshape(-1) is then a view of them).
+        params = {n: [p.detach() for p in u.parameters()] for n, u in self.units.items()}
+        if not all(p.is_contiguous() for ps in params.values() for p in ps):
+            self._all_gather_via_flats(pieces)
+            return
+        for k, piece in enumerate(pieces):
+            pos = 0
+            for name, iv in self.ownership.items():
+                lo, hi = iv[k]
+                for view in range_views(params[name], lo, hi):
+                    view.copy_(piece[pos : pos + view.numel()])
+                    pos += view.numel()
+
+    def _all_gather_via_flats(self, pieces: list[torch.Tensor]) -> None:
+        """The received slices assembled per unit, then copied in (non-contiguous parameters)."""
         flats = {n: torch.empty(self._numel[n], device=self.device) for n in self.units}
         for k, piece in enumerate(pieces):
             pos = 0
