@@ -335,21 +335,21 @@ class Trainer:
         if overlay is not None:
             overlay.finish()
         self.next_step = step + 1
-        if loads_data:
-            self.data.prefetch(
-                step + 1,
-                [
-                    (r.start, r.stop)
-                    for r in (
-                        self.layout.samples_of(self.rank, m) for m in range(self.layout.num_micro_batches)
-                    )
-                ],
-            )
+        self.prefetch(step + 1)
         processed = sum(
             len(self.layout.samples_of(self.rank, m)) for m in range(self.layout.num_micro_batches)
         )
         loss = None if local_losses is None else self._global_loss(local_losses, self.optimizer.piggybacked)
         return StepResult(step, loss, processed, B, tuple(fed), skipped=not applied)
+
+    def prefetch(self, step: int) -> None:
+        """Start loading this rank's rows of `step` under the current layout (first and last
+        stages; the others load nothing). After a layout change the rows differ from those
+        prefetched under the old one: calling it during the edit keeps the first step's load
+        off its critical path."""
+        if self.is_first or self.is_last:
+            slots = (self.layout.samples_of(self.rank, m) for m in range(self.layout.num_micro_batches))
+            self.data.prefetch(step, [(r.start, r.stop) for r in slots])
 
     def forward_units(
         self, units: list[tuple[str, nn.Module]], x: Activation, step: int, samples: tuple[int, ...]

@@ -273,6 +273,14 @@ class FabricParticipant:
         return steps
 
     def on_plan(self, plan: Plan, lost: frozenset[int], committed_step: int) -> int:
+        """Adopt `plan.new` (see `_adopt`), then warm what the first step on it would otherwise
+        start cold: the load of its rows under the new layout (the step the failed attempt
+        prefetched was for the old one)."""
+        committed = self._adopt(plan, lost, committed_step)
+        self.trainer.prefetch(committed + 1)
+        return committed
+
+    def _adopt(self, plan: Plan, lost: frozenset[int], committed_step: int) -> int:
         """Adopt `plan.new` from the last committed state (collective over the new layout's
         workers, after the communicator's edit); returns the last committed step afterwards.
 
