@@ -82,9 +82,17 @@ def first_step(outcome: ChaosOutcome, workdir: Path) -> tuple[float | None, floa
     (latest commit of step s - latest of step s - 1) over the later steps on the same layout, so
     the ratio is what the first step's cold start costs."""
     record = outcome.faults[0]
-    results = [json.loads(f.read_text()) for f in sorted(workdir.glob("rank-*.json"))]
+    # Survivors' files only: a killed rank wrote none, or a partial one (a node's agent).
+    results = [
+        res
+        for res in (json.loads(f.read_text()) for f in sorted(workdir.glob("rank-*.json")))
+        if "committed_unix" in res
+    ]
     applied = [
-        r["applied_unix"] for res in results for r in res.get("recoveries", []) if r["epoch"] in record.epochs
+        r["applied_unix"]
+        for res in results
+        for r in res.get("recoveries", [])
+        if r.get("epoch") in record.epochs
     ]
     if not applied or not results:
         return None, None
