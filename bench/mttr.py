@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -74,9 +75,49 @@ def cases(pp: int, dp: int) -> list[tuple[str, ChaosScenario]]:
     ]
 
 
-def row(case: str, outcome: ChaosOutcome) -> dict[str, Any]:
+def first_step(outcome: ChaosOutcome, workdir: Path) -> tuple[float | None, float | None]:
+    """(first step after the recovery, median fault-free step) in seconds, from the survivors'
+    result files: the first step runs from the slowest survivor's end of the plan's apply to the
+    last survivor's commit after it; a fault-free step is the job's commit-to-commit interval
+    (latest commit of step s - latest of step s - 1) over the later steps on the same layout, so
+    the ratio is what the first step's cold start costs."""
     record = outcome.faults[0]
+    # Survivors' files only: a killed rank wrote none, or a partial one (a node's agent).
+    results = [
+        res
+        for res in (json.loads(f.read_text()) for f in sorted(workdir.glob("rank-*.json")))
+        if "committed_unix" in res
+    ]
+    applied = [
+        r["applied_unix"]
+        for res in results
+        for r in res.get("recoveries", [])
+        if r.get("epoch") in record.epochs
+    ]
+    if not applied or not results:
+        return None, None
+    ready = max(applied)
+    firsts = [min((t for t in res["committed_unix"].values() if t > ready), default=None) for res in results]
+    done = [t for t in firsts if t is not None]
+    first = max(done) - ready if done else None
+    per_step: dict[int, float] = {}
+    for res in results:
+        for s, t in res["committed_unix"].items():
+            per_step[int(s)] = max(per_step.get(int(s), 0.0), t)
+    later = [
+        per_step[s] - per_step[s - 1]
+        for s in sorted(per_step)
+        if s - 1 in per_step and done and per_step[s - 1] >= max(done)
+    ]
+    return first, statistics.median(later) if later else None
+
+
+def row(case: str, outcome: ChaosOutcome, workdir: Path) -> dict[str, Any]:
+    record = outcome.faults[0]
+    first, fault_free = first_step(outcome, workdir)
     return {
+        "first_step_s": first,
+        "fault_free_step_s": fault_free,
         "case": case,
         "config": f"PP={outcome.scenario.pp} x DP={outcome.scenario.dp}",
         "mttr_s": record.mttr_s,
@@ -90,30 +131,45 @@ def row(case: str, outcome: ChaosOutcome) -> dict[str, Any]:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = f"{'config':<14} {'case':<22} {'MTTR':>7} " + " ".join(f"{p:>12}" for p in PHASES) + "  plan"
+    head = (
+        f"{'config':<14} {'case':<22} {'MTTR':>7} "
+        + " ".join(f"{p:>12}" for p in PHASES)
+        + f" {'1st step':>9} {'step':>7} {'ratio':>6}  plan"
+    )
     print(head)
     for r in rows:
         mttr = "-" if r["mttr_s"] is None else f"{r['mttr_s'] * 1e3:5.0f}ms"
         phases = " ".join(f"{r['phases'].get(p, 0.0) * 1e3:10.0f}ms" for p in PHASES)
         how = "/".join(r["modes"]) + (f", {r['steps_lost']} steps lost" if r["steps_lost"] else "")
         flag = "  CHECK FAILED: " + "; ".join(r["problems"]) if r["problems"] else ""
-        print(f"{r['config']:<14} {r['case']:<22} {mttr:>7} {phases}  {how}{flag}")
+        first, step = r["first_step_s"], r["fault_free_step_s"]
+        steps = (
+            f" {first * 1e3:7.0f}ms {step * 1e3:5.0f}ms {first / step:5.2f}x"
+            if first is not None and step
+            else f" {'-':>9} {'-':>7} {'-':>6}"
+        )
+        print(f"{r['config']:<14} {r['case']:<22} {mttr:>7} {phases}{steps}  {how}{flag}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="PP=2 x DP=4 only")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--case", nargs="+", default=None, metavar="CASE", help="only these cases (by name)")
     args = parser.parse_args(argv)
     configs = [(2, 4)] if args.quick else [(2, 4), (4, 2)]
     print(
-        f"machine: {platform.machine()}, {platform.processor() or 'cpu'}; python {platform.python_version()}"
+        f"machine: {platform.machine()}, {platform.processor() or 'cpu'}, {os.cpu_count()} cores, "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at start; "
+        f"python {platform.python_version()}"
     )
     rows = []
     for pp, dp in configs:
         for case, scenario in cases(pp, dp):
+            if args.case is not None and case not in args.case:
+                continue
             with tempfile.TemporaryDirectory() as tmp:
-                rows.append(row(case, run_scenario(scenario, Path(tmp))))
+                rows.append(row(case, run_scenario(scenario, Path(tmp)), Path(tmp)))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print_table(rows)
     done = [r["mttr_s"] for r in rows if r["mttr_s"] is not None]

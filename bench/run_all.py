@@ -52,6 +52,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
         ["--agents", "200", "--window", "5", "--warmup", "2", "--kills", "5"],
     ),
     "vs_ddp": ([], ["--configs", "ddp-dp2", "static-dp2", "ft-dp2", "--steps", "2", "--repeats", "1"]),
+    "mttr": (["--quick"], ["--quick", "--case", "one kill"]),
 }
 
 
@@ -107,6 +108,11 @@ def machine_header(quick: bool) -> list[str]:
     ]
 
 
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages (the benchmark's own processes count too)."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def kill_group(pid: int) -> None:
     """Kill the benchmark's process group (its session was started for it alone)."""
     with contextlib.suppress(ProcessLookupError):
@@ -117,6 +123,8 @@ def run_one(name: str, args: list[str], tee: Tee, timeout_s: float) -> int:
     """Run one benchmark, streaming its output; returns its exit status (-9 when timed out)."""
     cmd = [sys.executable, "-m", f"bench.{name}", *args]
     tee.line(f"\n## {name}\n\n`{shlex.join(['python', *cmd[1:]])}`\n")
+    # The machines are shared: the load says how much of them the figures below had.
+    tee.line(f"machine load average before: {load_average()}\n")
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd,
@@ -137,7 +145,9 @@ def run_one(name: str, args: list[str], tee: Tee, timeout_s: float) -> int:
     finally:
         timer.cancel()
     status = "ok" if rc == 0 else f"FAILED (exit {rc}{', timed out' if rc == -signal.SIGKILL else ''})"
-    tee.line(f"\n_{name}: {status} in {time.monotonic() - start:.1f} s_")
+    tee.line(
+        f"\n_{name}: {status} in {time.monotonic() - start:.1f} s; load average after: {load_average()}_"
+    )
     return rc
 
 

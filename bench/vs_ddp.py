@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import faulthandler
 import functools
 import importlib.metadata
@@ -73,7 +74,11 @@ GLOBAL_BATCH = 32
 MICRO_BATCHES = 2
 LR, WEIGHT_DECAY = 3e-3, 0.01
 TIMEOUT_S = 180.0
-CFG = ModelConfig(hidden=256, num_heads=4, num_layers=4, seq_len=32, dropout=0.0)
+# `--hidden` reaches the worker processes through the environment (they import this module afresh).
+HIDDEN_ENV = "VS_DDP_HIDDEN"
+CFG = ModelConfig(
+    hidden=int(os.environ.get(HIDDEN_ENV, "256")), num_heads=4, num_layers=4, seq_len=32, dropout=0.0
+)
 
 
 @dataclass(frozen=True)
@@ -653,6 +658,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1e-4,
         help="last-step loss agreement required (round-off of reduction orders grows with steps)",
     )
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=None,
+        help="model width (default 256; 64 is the small model, ~0.2 M parameters, of the fixed-cost profile)",
+    )
     parser.add_argument("--top", type=int, default=10, help="profile rows per configuration")
     parser.add_argument(
         "--profile",
@@ -664,6 +675,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.repeats < 1:
         parser.error("--steps and --repeats must be positive")
     chosen = [CONFIGS[n] for n in args.configs]
+    if args.hidden is not None:
+        if args.hidden < 4 or args.hidden % 4:
+            parser.error("--hidden must be a positive multiple of 4 (4 heads)")
+        global CFG
+        os.environ[HIDDEN_ENV] = str(args.hidden)  # before the forkserver starts: workers inherit it
+        CFG = dataclasses.replace(CFG, hidden=args.hidden)
 
     from executor.store_server import StoreServer  # noqa: PLC0415
 

@@ -40,7 +40,10 @@ from planners.applicability import far_pairs
 from planners.layout import Plan, PlanMode
 
 COMMIT, ABORT = b"commit", b"abort"
-POLL_S = 0.01
+# The vote is polled from POLL_FIRST_S, doubling to POLL_S: the workers of a fault-free step
+# vote within a few ms of each other, and a fixed 10 ms sleep cost ~5 ms of every step (the
+# fixed-cost profile in docs/benchmarks.md); a long wait (a straggler) still polls every 10 ms.
+POLL_FIRST_S, POLL_S = 0.0005, 0.01
 
 
 class StepProtocolError(RuntimeError):
@@ -189,6 +192,7 @@ class StepProtocol:
         store, workers = self.comm.store, sorted(all_workers(self.comm.membership))
         store.set(f"{base}/vote/{self.comm.worker}", "fail" if self.failure else "ok")
         vote_keys = [f"{base}/vote/{w}" for w in workers]
+        pause = POLL_FIRST_S
         while True:
             if store.check([f"{base}/decision"]):
                 return store.get(f"{base}/decision") == COMMIT
@@ -202,7 +206,8 @@ class StepProtocol:
                 outcome = ABORT
             if outcome is not None:
                 return store.compare_set(f"{base}/decision", "", outcome) == COMMIT  # type: ignore[arg-type]  # bytes are fine
-            time.sleep(POLL_S)
+            time.sleep(pause)
+            pause = min(POLL_S, pause * 2)
 
     def commit(self) -> None:
         """Make the current step the rollback point. Local; blocks only for the participant's copy."""

@@ -327,25 +327,29 @@ class Trainer:
             overlay.before_optimizer()
         if self.tied.active:  # Megatron-style: both copies of a cross-stage tie get the whole grad
             self.tied.sync(dict(self.model.units.items()))
-        applied = self.optimizer.step()
+        # The last stage's per-sample losses ride on the parameter all-gather of its DP group
+        # (one round fewer per step); a skipped update (fp16 overflow) gathers them on their own.
+        local_losses = self._local_losses(sample_losses) if self.is_last else None
+        share = local_losses is not None and len(self.stage_layout.ranks) > 1
+        applied = self.optimizer.step(local_losses if share else None)
         if overlay is not None:
             overlay.finish()
         self.next_step = step + 1
-        if loads_data:
-            self.data.prefetch(
-                step + 1,
-                [
-                    (r.start, r.stop)
-                    for r in (
-                        self.layout.samples_of(self.rank, m) for m in range(self.layout.num_micro_batches)
-                    )
-                ],
-            )
+        self.prefetch(step + 1)
         processed = sum(
             len(self.layout.samples_of(self.rank, m)) for m in range(self.layout.num_micro_batches)
         )
-        loss = self._global_loss(sample_losses) if self.is_last else None
+        loss = None if local_losses is None else self._global_loss(local_losses, self.optimizer.piggybacked)
         return StepResult(step, loss, processed, B, tuple(fed), skipped=not applied)
+
+    def prefetch(self, step: int) -> None:
+        """Start loading this rank's rows of `step` under the current layout (first and last
+        stages; the others load nothing). After a layout change the rows differ from those
+        prefetched under the old one: calling it during the edit keeps the first step's load
+        off its critical path."""
+        if self.is_first or self.is_last:
+            slots = (self.layout.samples_of(self.rank, m) for m in range(self.layout.num_micro_batches))
+            self.data.prefetch(step, [(r.start, r.stop) for r in slots])
 
     def forward_units(
         self, units: list[tuple[str, nn.Module]], x: Activation, step: int, samples: tuple[int, ...]
@@ -379,18 +383,24 @@ class Trainer:
             )
         return loss
 
-    def _global_loss(self, mine: Mapping[int, torch.Tensor]) -> float:
-        """Exact sum of all per-sample losses of the global batch / B, from the last stage's ranks."""
-        B = self.layout.global_batch
-        local = torch.zeros(B, device=self.device)
+    def _local_losses(self, mine: Mapping[int, torch.Tensor]) -> torch.Tensor:
+        """This rank's per-sample losses at their rows of the global batch (zeros elsewhere)."""
+        local = torch.zeros(self.layout.global_batch, device=self.device)
         for row, value in mine.items():
             local[row] = value
+        return local
+
+    def _global_loss(self, local: torch.Tensor, gathered: list[torch.Tensor] | None = None) -> float:
+        """Exact sum of all per-sample losses of the global batch / B, from the last stage's ranks:
+        every rank's `_local_losses`, as `gathered` already (DP order) or all-gathered here."""
+        B = self.layout.global_batch
         ranks = self.stage_layout.ranks
-        gathered = [torch.empty(B, device=self.device) for _ in ranks]
-        if len(ranks) == 1:
-            gathered[0] = local
-        else:
-            self.comm.all_gather(dp_group_name(self.stage), gathered, local)
+        if gathered is None:
+            gathered = [torch.empty(B, device=self.device) for _ in ranks]
+            if len(ranks) == 1:
+                gathered[0] = local
+            else:
+                self.comm.all_gather(dp_group_name(self.stage), gathered, local)
         owner = {}
         for m in range(self.layout.num_micro_batches):
             for j, rng in enumerate(self.stage_layout.split_slot(self.layout.slot_range(m))):
@@ -411,13 +421,27 @@ class Trainer:
 
     def state_dict_for_rollback(self) -> dict[str, Any]:
         """Everything a rollback needs on this rank: parameters, optimizer shards, step counters."""
-        return {
+        return self.rollback_state_copier()()
+
+    def rollback_state_copier(self) -> Callable[[], dict[str, Any]]:
+        """`state_dict_for_rollback` in two halves: the counters, layout and loss scale are read
+        now; the returned function copies the tensors (parameters, optimizer shards). It may run
+        later, on another thread, as long as nothing has written them in between: the next step
+        writes them only in its optimizer update (after the gradient hook), so the copy of a
+        committed step can overlap the next step's forward and backward."""
+        head = {
             "layout": self.layout,
             "next_step": self.next_step,
-            "params": self.unit_params(),
-            "optimizer": self.optimizer.state(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
         }
+        units = dict(self.model.units.items())
+        optimizer_copy = self.optimizer.state_copier()
+
+        def copy_tensors() -> dict[str, Any]:
+            params = {n: flat_params(u) for n, u in units.items()}  # torch.cat copies already
+            return {**head, "params": params, "optimizer": optimizer_copy()}
+
+        return copy_tensors
 
     def load_rollback_state(self, state: Mapping[str, Any]) -> None:
         """Restore a `state_dict_for_rollback()` taken under the current layout (local, no comms)."""

@@ -53,15 +53,25 @@ def flat_params(unit: nn.Module) -> torch.Tensor:
     return torch.cat(params) if params else torch.empty(0)
 
 
-def flat_slice(unit: nn.Module, lo: int, hi: int) -> torch.Tensor:
-    """A copy of elements `[lo, hi)` of the unit's flat parameters, without flattening the rest."""
+def range_views(tensors: Sequence[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
+    """Elements `[lo, hi)` of the tensors' flat concatenation, as pieces of the tensors
+    themselves (views where a tensor is contiguous), in order: what the ZeRO glue reads and
+    writes instead of flattening a whole unit first."""
     pieces, pos = [], 0
-    for p in unit.parameters():
-        n = p.numel()
+    for t in tensors:
+        n = t.numel()
         a, b = max(lo, pos), min(hi, pos + n)
         if a < b:
-            pieces.append(p.detach().reshape(-1)[a - pos : b - pos])
+            pieces.append(t.reshape(-1)[a - pos : b - pos])
         pos += n
+        if pos >= hi:
+            break
+    return pieces
+
+
+def flat_slice(unit: nn.Module, lo: int, hi: int) -> torch.Tensor:
+    """A copy of elements `[lo, hi)` of the unit's flat parameters, without flattening the rest."""
+    pieces = range_views([p.detach() for p in unit.parameters()], lo, hi)
     return torch.cat(pieces) if pieces else torch.empty(0)
 
 
@@ -162,6 +172,7 @@ class ShardedOptimizer:
         }
         self._numel = {n: sum(p.numel() for p in u.parameters()) for n, u in self.units.items()}
         self.last_grad_norm: float | None = None
+        self.piggybacked: list[torch.Tensor] | None = None  # see step()
         # unit -> flat [lo, hi) left out of the global norm (a tied weight's second copy, executor.tied)
         self.norm_skip: dict[str, tuple[int, int]] = {}
         self.ownership = {n: list(ownership[n]) for n in self.units}
@@ -179,9 +190,17 @@ class ShardedOptimizer:
 
     def reduce_scatter_grads(self) -> dict[str, torch.Tensor]:
         """Sum of every DP rank's gradient over my owned slices, added in DP-rank order."""
-        grads = {n: flat_grads(u) for n, u in self.units.items()}
+        # Each owner's slices cut straight from the parameters' gradients: one copy (the cat per
+        # owner), not a flattened copy of every unit first.
+        grads = {
+            n: [p.grad if p.grad is not None else torch.zeros_like(p) for p in u.parameters()]
+            for n, u in self.units.items()
+        }
         to_rank = [
-            torch.cat([grads[n][iv[k][0] : iv[k][1]] for n, iv in self.ownership.items()])
+            torch.cat(
+                [piece for n, iv in self.ownership.items() for piece in range_views(grads[n], *iv[k])]
+                or [torch.empty(0, device=self.device)]
+            )
             for k in range(self.dp_size)
         ]
         mine = self._size_owned_by(self.dp_index)
@@ -198,9 +217,15 @@ class ShardedOptimizer:
             pos += sh.hi - sh.lo
         return out
 
-    def step(self) -> bool:
+    def step(self, piggyback: torch.Tensor | None = None) -> bool:
         """reduce-scatter -> update my slices -> all-gather the parameters. Returns False when
-        fp16's agreed overflow check skipped the update (every rank returns the same)."""
+        fp16's agreed overflow check skipped the update (every rank returns the same).
+
+        `piggyback` (every rank of the group passes one of the same size and dtype, or none
+        does): a small 1-D tensor that travels with the parameter all-gather, so a per-step
+        all-gather of its own (the step's per-sample losses) costs no extra round. Every rank's,
+        in DP order, is in `piggybacked` afterwards (None when the update was skipped)."""
+        self.piggybacked = None
         grads = self.reduce_scatter_grads()
         if self.scaler is not None and not self._unscale(grads):
             return False
@@ -216,7 +241,8 @@ class ShardedOptimizer:
                 param, grads[name], sh.exp_avg, sh.exp_avg_sq, self.step_count, self.segments[name], sh.lo
             )
             updated.append(param)
-        self._all_gather_params(torch.cat(updated) if updated else torch.empty(0, device=self.device))
+        mine = torch.cat(updated) if updated else torch.empty(0, device=self.device)
+        self._all_gather_params(mine, piggyback)
         return True
 
     def _unscale(self, grads: dict[str, torch.Tensor]) -> bool:
@@ -248,10 +274,33 @@ class ShardedOptimizer:
         a, b = max(lo, sh.lo) - sh.lo, min(hi, sh.hi) - sh.lo
         return torch.cat([grad[:a], grad[b:]]) if a < b else grad
 
-    def _all_gather_params(self, my_slices: torch.Tensor) -> None:
+    def _all_gather_params(self, my_slices: torch.Tensor, extra: torch.Tensor | None = None) -> None:
         sizes = [self._size_owned_by(k) for k in range(self.dp_size)]
+        if extra is not None and (extra.dim() != 1 or extra.dtype != my_slices.dtype):
+            extra = None  # not the wire's dtype (same on every rank): the caller gathers it itself
+        if extra is not None:
+            my_slices = torch.cat([my_slices, extra.to(my_slices.device)])
+            sizes = [n + extra.numel() for n in sizes]
         pieces = all_to_all_v(self.comm, self.group, [my_slices] * self.dp_size, sizes)
-        # Every element is overwritten below (ownership covers each unit exactly once).
+        if extra is not None:
+            self.piggybacked = [piece[n - extra.numel() :] for piece, n in zip(pieces, sizes, strict=True)]
+            pieces = [piece[: n - extra.numel()] for piece, n in zip(pieces, sizes, strict=True)]
+        # Every element is overwritten below (ownership covers each unit exactly once), straight
+        # into the parameters where they are contiguous (reshape(-1) is then a view of them).
+        params = {n: [p.detach() for p in u.parameters()] for n, u in self.units.items()}
+        if not all(p.is_contiguous() for ps in params.values() for p in ps):
+            self._all_gather_via_flats(pieces)
+            return
+        for k, piece in enumerate(pieces):
+            pos = 0
+            for name, iv in self.ownership.items():
+                lo, hi = iv[k]
+                for view in range_views(params[name], lo, hi):
+                    view.copy_(piece[pos : pos + view.numel()])
+                    pos += view.numel()
+
+    def _all_gather_via_flats(self, pieces: list[torch.Tensor]) -> None:
+        """The received slices assembled per unit, then copied in (non-contiguous parameters)."""
         flats = {n: torch.empty(self._numel[n], device=self.device) for n in self.units}
         for k, piece in enumerate(pieces):
             pos = 0
@@ -286,12 +335,22 @@ class ShardedOptimizer:
 
     def state(self) -> dict[str, Any]:
         """Copy of my shards and the step count (for rollback)."""
-        return {
-            "step_count": self.step_count,
-            "shards": {
-                n: (sh.lo, sh.hi, sh.exp_avg.clone(), sh.exp_avg_sq.clone()) for n, sh in self.shards.items()
-            },
-        }
+        return self.state_copier()()
+
+    def state_copier(self) -> Callable[[], dict[str, Any]]:
+        """`state()` with the step count read now and the moments copied when the returned
+        function runs (before the next update writes them; see Trainer.rollback_state_copier)."""
+        step_count, shards = self.step_count, dict(self.shards)
+
+        def copy_moments() -> dict[str, Any]:
+            return {
+                "step_count": step_count,
+                "shards": {
+                    n: (sh.lo, sh.hi, sh.exp_avg.clone(), sh.exp_avg_sq.clone()) for n, sh in shards.items()
+                },
+            }
+
+        return copy_moments
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore `state()`; raises ValueError (changing nothing) if it describes other slices."""

@@ -29,6 +29,7 @@ following step re-seeds the ring.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,7 +156,12 @@ class FabricParticipant:
         self.rebuilt_bytes = 0  # received by the last rebuild (a join: the joiner's whole state)
         self.restore_source = restore_source
         self.restored_from: list[tuple[int, str | None, int]] = []  # (plan epoch, checkpoint, its next step)
-        self._committed: dict[str, Any] = trainer.get_state()
+        # The rollback copy of the last commit; on a host device copied by a helper thread while
+        # the next step runs forward and backward (`_committed` waits for it, and so does the
+        # gradient hook, before the update can write what is being copied).
+        self._committed_state: dict[str, Any] = trainer.get_state()
+        self._committing: Future[dict[str, Any]] | None = None
+        self._copier: ThreadPoolExecutor | None = None
         self._base: CommittedPoint | None = None  # set by the first plan after a commit
         # A joiner (growth) holds no group and no state until the plan that takes it in: its
         # trainer's fresh parameters are never used, and its backups are formed by that plan.
@@ -174,7 +180,7 @@ class FabricParticipant:
         if self._verified_in_step is not None:
             self.verified_steps.append(self._verified_in_step)
             self._verified_in_step = None
-        self._committed = self.trainer.get_state()
+        self._copy_committed_later()
         self._base = None  # the new layout is committed: later plans start from here
         self.joining = False
         if self._inflight is not None:  # the step that carried a non-blocking migration committed
@@ -200,6 +206,35 @@ class FabricParticipant:
         self._verified_in_step = None
         if self.snapshot is not None:
             self.snapshot.discard()
+
+    @property
+    def _committed(self) -> dict[str, Any]:
+        """The state of the last committed step (waits for its copy if still being taken)."""
+        if self._committing is not None:
+            self._committed_state = self._committing.result()
+            self._committing = None
+        return self._committed_state
+
+    @_committed.setter
+    def _committed(self, state: dict[str, Any]) -> None:
+        self._wait_committed_copy()
+        self._committed_state = state
+
+    def _wait_committed_copy(self) -> None:
+        _ = self._committed
+
+    def _copy_committed_later(self) -> None:
+        """Take the rollback copy of the step just committed off the critical path (ElasWave §5:
+        the commit waits only for what it must). Host memory only: on an accelerator the copy
+        stays on the main thread, whose stream orders it before the next update's writes."""
+        copier = self.trainer.rollback_state_copier()
+        self._wait_committed_copy()  # the previous copy (a step without an update never joined it)
+        if self.trainer.device.type != "cpu":
+            self._committed_state = copier()
+            return
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollback-copy")
+        self._committing = self._copier.submit(copier)
 
     @property
     def committed_layout(self) -> Layout:
@@ -238,6 +273,14 @@ class FabricParticipant:
         return steps
 
     def on_plan(self, plan: Plan, lost: frozenset[int], committed_step: int) -> int:
+        """Adopt `plan.new` (see `_adopt`), then warm what the first step on it would otherwise
+        start cold: the load of its rows under the new layout (the step the failed attempt
+        prefetched was for the old one)."""
+        committed = self._adopt(plan, lost, committed_step)
+        self.trainer.prefetch(committed + 1)
+        return committed
+
+    def _adopt(self, plan: Plan, lost: frozenset[int], committed_step: int) -> int:
         """Adopt `plan.new` from the last committed state (collective over the new layout's
         workers, after the communicator's edit); returns the last committed step afterwards.
 
@@ -422,6 +465,7 @@ class FabricParticipant:
         """Gradient hook (right after the reduce-scatter of step `step`): verify periodically,
         then post the snapshot exchange. Runs inside the step, so a peer failure here rolls the
         step back like any other."""
+        self._wait_committed_copy()  # the update that follows writes the tensors being copied
         if (
             self._seed_pending
         ):  # first step after a non-blocking migration; the shards are still the committed ones

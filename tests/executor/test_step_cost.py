@@ -1,0 +1,69 @@
+"""The per-step cost cuts of issue 23 keep their invariants (docs/engine.md, "What the
+fault-tolerant path costs per step"): the rollback copy may be taken as late as the gradient
+hook, and the ZeRO glue's slices of a unit's parameters are the flat vector's. (The step loss
+that rides on the parameter all-gather is checked against the reference at every step by
+test_equivalence.py.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed import HashStore
+
+from executor.engine_comm import StaticComm, groups_for_stage_ranks
+from executor.trainer import Trainer
+from executor.zero import flat_params, range_views
+from tests.executor.engine_cases import NUM_UNITS, gpt_spec, layout
+
+
+def _trainer() -> Trainer:
+    lay = layout([(0, NUM_UNITS)], [(0,)])
+    comm = StaticComm(HashStore(), 0, groups_for_stage_ranks([(0,)]), timeout_s=10)
+    return Trainer(gpt_spec(0.1), lay, 0, comm)
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    same_params = a["params"].keys() == b["params"].keys() and all(
+        torch.equal(a["params"][n], b["params"][n]) for n in a["params"]
+    )
+    sa, sb = a["optimizer"]["shards"], b["optimizer"]["shards"]
+    same_shards = all(
+        sa[n][:2] == sb[n][:2] and torch.equal(sa[n][2], sb[n][2]) and torch.equal(sa[n][3], sb[n][3])
+        for n in sa
+    )
+    return (
+        same_params
+        and same_shards
+        and a["optimizer"]["step_count"] == b["optimizer"]["step_count"]
+        and a["next_step"] == b["next_step"]
+    )
+
+
+def test_the_rollback_copy_taken_at_the_gradient_hook_is_the_committed_state() -> None:
+    trainer = _trainer()
+    trainer.train_step(0)
+    committed = trainer.state_dict_for_rollback()
+    copier = trainer.rollback_state_copier()
+    late: dict[str, Any] = {}
+    # The forward and backward of step 1 have run when the hook is called; the update has not.
+    trainer.set_grad_hook(lambda _step, _grads: late.update(copier()))
+    trainer.train_step(1)
+    assert late and _equal(late, committed)
+    # ... and the update that followed did change the state (the comparison can fail).
+    assert not _equal(trainer.state_dict_for_rollback(), committed)
+
+
+def test_range_views_are_the_flat_vectors_slices_and_write_through() -> None:
+    unit = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    flat = flat_params(unit)
+    params = [p.detach() for p in unit.parameters()]
+    for lo, hi in [(0, 0), (0, 5), (10, 17), (14, 16), (3, flat.numel()), (0, flat.numel())]:
+        pieces = range_views(params, lo, hi)
+        got = torch.cat(pieces) if pieces else torch.empty(0)
+        assert torch.equal(got, flat[lo:hi]), (lo, hi)
+    for view in range_views(params, 10, 17):
+        view.fill_(7.0)
+    after = flat_params(unit)
+    assert torch.equal(after[10:17], torch.full((7,), 7.0))
+    assert torch.equal(after[:10], flat[:10]) and torch.equal(after[17:], flat[17:])
