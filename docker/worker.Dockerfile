@@ -31,7 +31,7 @@ RUN ldconfig && python3.11 -m venv /opt/elaswave
 COPY requirements/worker.txt /src/requirements/worker.txt
 COPY docker/install-torch.sh /usr/local/lib/elaswave/install-torch.sh
 # torch first, from the accelerator's index (or TORCH_WHEELS), pinned like the project
-# (pyproject: torch==2.13.0); then everything else pinned and hash-checked from the lock file.
+# (requirements/constraints.txt: torch==2.13.0); then everything else pinned and hash-checked from the lock file.
 RUN /usr/local/lib/elaswave/install-torch.sh /opt/elaswave/bin/pip "${TORCH_VERSION}" "${TORCH_INDEX_URL}" "${TORCH_WHEELS}" \
  && /opt/elaswave/bin/pip install --require-hashes --no-deps -r /src/requirements/worker.txt \
  && if [ -n "${EXTRA_PACKAGES}" ]; then /opt/elaswave/bin/pip install ${EXTRA_PACKAGES}; fi

@@ -14,8 +14,9 @@ set -euo pipefail
 source "$(dirname "$0")/containers/env.sh"
 cd "$REPO_ROOT"
 lock_images
-TORCH_VERSION=$(sed -n 's/^ *"torch==\([^"]*\)",*$/\1/p' pyproject.toml | head -n1)
-[ -n "$TORCH_VERSION" ] || { echo "build-images: no torch==X pin in pyproject.toml" >&2; exit 1; }
+# The exact torch the tests run on: the pin of the constraints file (pyproject.toml only declares a range).
+TORCH_VERSION=$(sed -n 's/^torch==\([^ #]*\).*$/\1/p' requirements/constraints.txt | head -n1)
+[ -n "$TORCH_VERSION" ] || { echo "build-images: no torch==X pin in requirements/constraints.txt" >&2; exit 1; }
 
 torch_wheel() {
   if [ -n "${ELASWAVE_TORCH_WHEEL:-}" ]; then
