@@ -12,6 +12,7 @@ lock_images
 export ELASWAVE_COMPOSE_PROJECT="elaswave-ci-$$"
 # Every container's log is kept here (compose-logs/), pass or fail.
 export ELASWAVE_ARTIFACT_DIR="${ELASWAVE_ARTIFACT_DIR:-$REPO_ROOT/build/compose-test}"
+mkdir -p "$ELASWAVE_ARTIFACT_DIR"  # a fresh checkout has no build/
 
 cleanup() {
   local status=$? ids
