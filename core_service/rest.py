@@ -24,7 +24,7 @@ from core_service.grpc_util import RpcError
 from core_service.http_guard import JobName, error_responses, field_error
 from core_service.http_guard import install as install_guards
 from core_service.job_create import CreateJobRequest, CreateJobResponse, store_new_job
-from core_service.job_end import JobEndCore
+from core_service.job_end import JobEndCore, end_job
 from core_service.job_view import job_summary, spare_view
 from core_service.jobs import Job, UnknownJob
 from core_service.limits import (
@@ -210,8 +210,6 @@ def build_app(core: RestCore) -> FastAPI:
         """Ends the job whatever its phase: its live workers checkpoint and leave at one step
         boundary, the job is STOPPED (terminal; the record stays). An ended job is answered as
         it is. The twin of SchedulerService.EndJob (core_service.job_end)."""
-        from core_service.job_end import end_job
-
         job_or_404(job)
         ended = end_job(core, job, reason, time.time())
         try:
