@@ -185,6 +185,9 @@ class Layout:
     # (rank, node) pairs: which node (host index) runs a rank. Empty: unknown, every rank is taken
     # to be on a node of its own. Decides where shard backups go (`planners.backup`).
     rank_nodes: tuple[tuple[int, int], ...] = ()
+    # How many copies of every ZeRO shard are kept in other ranks' host memory (ElasWave §5.1
+    # keeps one; more survive bursts that take a shard and its first holder together).
+    backup_copies: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -377,29 +380,33 @@ def make_uniform_layout(
 
 
 def layout_to_dict(layout: Layout) -> dict[str, Any]:
-    return {
-        "version": LAYOUT_JSON_VERSION,
-        "num_layers": layout.num_layers,
-        "global_batch": layout.global_batch,
-        "num_micro_batches": layout.num_micro_batches,
-        "stages": [
-            {
-                "stage": s.stage,
-                "layer_start": s.layer_start,
-                "layer_stop": s.layer_stop,
-                "ranks": list(s.ranks),
-                "sample_weights": list(s.sample_weights),
-            }
-            for s in layout.stages
-        ],
-        "layer_numel": list(layout.layer_numel),
-        "zero_layout": layout.zero_layout,
-        "frequencies_mhz": list(map(list, layout.frequencies_mhz)),  # C-level: 25,000 pairs in ~1 ms
-        "rng_mode": layout.rng_mode,
-        "stage_mem_cap_bytes": None
-        if layout.stage_mem_cap_bytes is None
-        else list(layout.stage_mem_cap_bytes),
-    } | ({"rank_nodes": list(map(list, layout.rank_nodes))} if layout.rank_nodes else {})
+    return (
+        {
+            "version": LAYOUT_JSON_VERSION,
+            "num_layers": layout.num_layers,
+            "global_batch": layout.global_batch,
+            "num_micro_batches": layout.num_micro_batches,
+            "stages": [
+                {
+                    "stage": s.stage,
+                    "layer_start": s.layer_start,
+                    "layer_stop": s.layer_stop,
+                    "ranks": list(s.ranks),
+                    "sample_weights": list(s.sample_weights),
+                }
+                for s in layout.stages
+            ],
+            "layer_numel": list(layout.layer_numel),
+            "zero_layout": layout.zero_layout,
+            "frequencies_mhz": list(map(list, layout.frequencies_mhz)),  # C-level: 25,000 pairs in ~1 ms
+            "rng_mode": layout.rng_mode,
+            "stage_mem_cap_bytes": None
+            if layout.stage_mem_cap_bytes is None
+            else list(layout.stage_mem_cap_bytes),
+        }
+        | ({"rank_nodes": list(map(list, layout.rank_nodes))} if layout.rank_nodes else {})
+        | ({"backup_copies": layout.backup_copies} if layout.backup_copies != 1 else {})
+    )
 
 
 def layout_to_json(layout: Layout) -> str:
@@ -442,6 +449,7 @@ def layout_from_dict(d: Any) -> Layout:
         rank_nodes=tuple(
             int_pair(x, "rank_nodes") for x in as_list(d.get("rank_nodes", []), "layout.rank_nodes")
         ),
+        backup_copies=as_int(d.get("backup_copies", 1), "layout.backup_copies"),
     )
 
 

@@ -91,6 +91,8 @@ def _global_problems(layout: Layout) -> list[str]:
         out.append(f"stage_mem_cap_bytes has {len(caps)} entries for {layout.num_stages} stages")
     if caps is not None and any(c <= 0 for c in caps):
         out.append(f"stage_mem_cap_bytes must be positive, got {list(caps)}")
+    if layout.backup_copies < 1:
+        out.append(f"backup_copies must be >= 1, got {layout.backup_copies}")
     return out
 
 

@@ -259,3 +259,15 @@ def test_diff_reports_ranks_stages_layers_and_frequencies() -> None:
     assert d.samples_changed and not d.is_empty
     # Layer 2 moves to stage 0 whose only rank is 0: all ten elements land on rank 0.
     assert sum(t.size for t in d.zero_transfers if t.layer == 2 and t.dst_rank == 0) == 10
+
+
+def test_backup_copies_round_trips_and_defaults_to_one() -> None:
+    from planners import make_uniform_layout
+    from planners.validation import validate
+
+    base = make_uniform_layout(num_layers=4, num_stages=2, dp=2, global_batch=8, num_micro_batches=2)
+    assert base.backup_copies == 1 and "backup_copies" not in base.to_json()
+    two = base.replace(backup_copies=2)
+    assert Layout.from_json(two.to_json()) == two
+    report = validate(base.replace(backup_copies=0))
+    assert not report.ok and any("backup_copies must be >= 1" in p for p in report.problems)
