@@ -244,6 +244,8 @@ class ScheduleEngine:
             except Exception as exc:
                 log.exception("job=%s engine tick failed in phase %s", job.name, job.phase.value)
                 failures.append(TickFailure(job.name, exc))
+            finally:
+                self.table.save_recovery(job)  # a no-op unless the tick changed the retry bounds
         return failures
 
     async def tick(self, job: Job, now: float) -> JobPhase:
@@ -595,6 +597,7 @@ class ScheduleEngine:
             self.commit(job, epoch, job.layout_json, now)
         elif ack.failed and epoch == job.plan_epoch and epoch > job.committed_epoch:
             self._request_retry(job, epoch, failed={worker_id: ack})
+        self.table.save_recovery(job)  # queued before the caller waits for durability
 
     def commit(self, job: Job, epoch: int, layout_json: str, now: float) -> bool:
         """Epoch `epoch` (layout `layout_json`) committed a step: it is where executors restart an
@@ -603,6 +606,7 @@ class ScheduleEngine:
             return False
         job.committed_epoch, job.committed_layout_json = epoch, layout_json
         job.recovery.progress()
+        self.table.save_recovery(job)
         self.table.record(
             job,
             COMMITTED_EVENT,
@@ -644,6 +648,7 @@ class ScheduleEngine:
                 job, "decision_refuse", worker_id=failure.reporter, detail=outcome.reason, now=now, data=data
             )
         log.info("job=%s collective failure report %s: %s", job.name, outcome.action.value, outcome.reason)
+        self.table.save_recovery(job)
         return outcome
 
     # ---- takeover --------------------------------------------------------------------------------
@@ -699,6 +704,17 @@ class ScheduleEngine:
                 now=now,
                 membership_change=True,
                 detail=f"rank {rank} is in the layout of epoch {epoch} but its worker is {member.state.value}",
+            )
+        for spare in ready_spares(job):
+            # Its readiness is in its member record, but the change the previous leader had still
+            # to plan for was in that leader's memory: without it no plan would take it in.
+            self.table.record(
+                job,
+                SPARE_READY_EVENT,
+                worker_id=spare.worker_id,
+                now=now,
+                membership_change=True,
+                detail="ready before the takeover and not taken in yet: planned for again",
             )
         if latest_plan is not None and latest_plan[0] == epoch and _apply_unfinished(job, epoch):
             job.acks[epoch] = acks_from_events(job.events, epoch)
@@ -830,6 +846,12 @@ def leaving_ranks(job: Job) -> list[tuple[MemberRecord, int]]:
         return []
     members = sorted(job.members.values(), key=lambda m: m.worker_id)
     return [(m, m.rank) for m in members if m.state in LEAVING_STATES and m.rank in parsed.ranks]
+
+
+def ready_spares(job: Job) -> list[MemberRecord]:
+    """Spares whose worker subscribed to plans (SPARE) and that no plan has taken in yet."""
+    members = sorted(job.members.values(), key=lambda m: m.worker_id)
+    return [m for m in members if m.state is WorkerState.SPARE and m.rank < 0]
 
 
 def _apply_unfinished(job: Job, epoch: int) -> bool:

@@ -24,6 +24,7 @@ from core_service.failslow import FailSlowDetector
 from core_service.member_bounds import GoneMembers, RegistrationBucket
 from core_service.model import Ack, Event, JobPhase, MemberRecord, Recovery, WorkerState
 from core_service.persist import Persister
+from core_service.recovery_record import RecoveryRecords, parse_recovery
 from core_service.registry import Registry
 from planners.layout import Layout, Plan
 
@@ -205,6 +206,7 @@ class JobTable:
         self.persister = persister
         self.jobs: dict[str, Job] = {}
         self.changed = asyncio.Event()
+        self.recovery_records = RecoveryRecords()
 
     # ---- keys -------------------------------------------------------------------------------
     def job_key(self, job: str, *parts: str) -> str:
@@ -256,6 +258,13 @@ class JobTable:
 
     def save_spec(self, job: Job) -> None:
         self.persister.put(self.job_key(job.name, "spec"), job.spec_json())
+
+    def save_recovery(self, job: Job) -> None:
+        """Stores the job's retry bounds and committed epoch when they changed
+        (core_service.recovery_record): a new leader continues them."""
+        raw = self.recovery_records.changed(job.name, job.recovery, job.committed_epoch)
+        if raw is not None:
+            self.persister.put(self.job_key(job.name, "recovery"), raw)
 
     # ---- events -----------------------------------------------------------------------------
     def record(
@@ -327,6 +336,7 @@ class JobTable:
     def read_registry(self, now: float) -> dict[str, Job]:
         """Every job as the registry holds it (blocking I/O: call it off the event loop)."""
         jobs: dict[str, Job] = {}
+        self.recovery_records.forget()
         prefix = self.settings.key_prefix + "/jobs/"
         for key, raw in self.registry.get_prefix(prefix):
             parts = key[len(prefix) :].split("/")
@@ -380,6 +390,21 @@ class JobTable:
             event = Event.from_json(raw)
             job.events.append(event)
             job.next_seq = max(job.next_seq, event.seq + 1)
+        self._load_recovery(job)
+
+    def _load_recovery(self, job: Job) -> None:
+        """The retry bounds, the retry request and the committed epoch the previous leader stored
+        (none: a job that never planned, or one stored before the record existed)."""
+        raw = self.registry.get(self.job_key(job.name, "recovery"))
+        if raw is None:
+            return
+        try:
+            job.recovery, job.committed_epoch = parse_recovery(raw)
+        except ValueError as exc:
+            # Starting the bounds afresh costs retries, never correctness: say so and go on.
+            log.error("job %s: %s; its retry bounds start afresh", job.name, exc)
+            return
+        self.recovery_records.loaded(job.name, raw)
 
 
 @functools.lru_cache(maxsize=16)

@@ -87,9 +87,11 @@ def stored_plans(
 ) -> tuple[int, tuple[int, bytes] | None, tuple[int, bytes | None] | None]:
     """What a new leader restores `job` from (`ScheduleEngine.restore`): its current epoch, its
     newest stored plan, and the plan of the newest epoch its event log shows a commit for (None
-    without one; its body None when pruned). Blocking registry reads: run it in a thread."""
+    without one; its body None when pruned). The committed epoch is the newer of the event log's
+    and the job's recovery record's (`core_service.recovery_record`): the record outlives the
+    bounded event log. Blocking registry reads: run it in a thread."""
     epoch, latest = store.current_epoch(job.name), store.latest(job.name)
-    committed = committed_epoch_in(job.events)
+    committed = max(committed_epoch_in(job.events), job.committed_epoch)
     if committed == 0:
         return epoch, latest, None
     if latest is not None and latest[0] == committed:

@@ -12,6 +12,9 @@ Key layout (``<prefix>`` is a deployment-wide namespace such as ``/elaswave``)::
     <prefix>/jobs/<job>/epoch              current plan epoch of the job (decimal ASCII)
     <prefix>/jobs/<job>/plans/<epoch>      plan JSON; epoch zero-padded to 20 digits
     <prefix>/jobs/<job>/events/<seq>       event log of the job (plans, decisions, effects)
+    <prefix>/jobs/<job>/recovery           retry bounds, retry request, committed epoch
+    <prefix>/rendezvous/<job>              nodes of an `elaswave run --core` job joining, or
+                                           the answers of a formed one (bounded count)
     <prefix>/core/leader                   id of the leading Core, attached to its lease
 
 Zero-padding makes lexicographic key order equal numeric order, so ``get_prefix`` returns plans
