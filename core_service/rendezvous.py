@@ -28,8 +28,10 @@ Why polls and not one long request that waits for the others: a node whose machi
 its connection half open and a long request would hold its place forever, and the Core's HTTP
 middleware hides a client's disconnect from the handler anyway.
 
-The waiting nodes live in this Core's memory only (this first version): a Core restart or a
-failover to a standby forgets them, and the nodes then time out and must be started again.
+Who joined (in order) and, once formed, every node's answer are stored in the registry
+(`core_service.rendezvous_record`) before a node hears of them: a Core that takes over continues
+the rendezvous, so a node keeps its place and index across a failover, and a node whose answer
+was lost with the old leader gets it from the new one.
 """
 
 from __future__ import annotations
@@ -44,13 +46,25 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from fastapi import APIRouter, HTTPException, Response
+from fastapi.encoders import jsonable_encoder
 from fastapi.params import Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 from core_service.config import JOB_NAME_PATTERN
+from core_service.grpc_util import RpcError
 from core_service.http_guard import JobName, error_responses, field_error
 from core_service.job_create import CreateJobRequest, store_new_job
 from core_service.job_store import JobStores, StoreError
+from core_service.persist import registry_call
+from core_service.registry import RegistryError
+from core_service.rendezvous_record import (
+    StoredFormed,
+    StoredGathering,
+    StoredNode,
+    formed_json,
+    gathering_json,
+    parse_record,
+)
 from core_service.seams import ServicerCore
 from planners.described_model import job_model, model_difference, unit_costs
 from planners.placement import Placement, PlacementError, plan_placement
@@ -150,6 +164,7 @@ class Rendezvous:
         self.gatherings: dict[str, Gathering] = {}
         self.formed: OrderedDict[str, Formed] = OrderedDict()
         self._completing: set[asyncio.Task[None]] = set()
+        self._term = -1  # the leadership term whose registry records `gatherings`/`formed` hold
 
     async def join(self, job: str, body: JoinRequest) -> tuple[int, dict[str, Any]]:
         """One poll of one node: (200, its place) once the job is formed, (202, who joined so far)
@@ -170,10 +185,14 @@ class Rendezvous:
                     "description", f"description: not a model description this Core can read ({exc})"
                 ),
             ) from None
+        await self._follow_term()
         if (formed := self.formed.get(job)) is not None:
             session, answer = formed.answers.get(body.node_id, ("", {}))
             if body.node_id not in formed.answers and self._running(job):
-                return 200, self._spare_node(job, formed, body, desc)
+                answer = self._spare_node(job, formed, body, desc)
+                self._save_formed(job, formed)
+                await self._durable()
+                return 200, answer
             if session != body.session:
                 raise HTTPException(
                     409,
@@ -193,11 +212,14 @@ class Rendezvous:
             node = Node(body.node_id, body.session, body.host, desc, time.monotonic() + body.timeout_s)
             g.nodes.append(node)
             log.info("rendezvous %s: node %s joined (%d of %d)", job, node.node_id, len(g.nodes), g.nnodes)
+            self._save_gathering(g)
             if len(g.nodes) == g.nnodes:
                 g.closed = True
                 task = asyncio.ensure_future(self._complete(g))  # not this request's task: it may go away
                 self._completing.add(task)  # the loop holds tasks weakly
                 task.add_done_callback(self._completing.discard)
+            # Its place is stored before it waits: a new leader keeps it (and its join order).
+            await self._durable()
         node.polls += 1
         try:
             await self._wait(g, node, body.poll_s)
@@ -278,15 +300,7 @@ class Rendezvous:
                 503, detail=f"{MAX_PENDING_JOBS} jobs are gathering their nodes already; try later"
             )
         try:
-            placement = plan_placement(
-                unit_costs(desc),
-                global_batch=desc.global_batch,
-                micro_batches=desc.micro_batches,
-                nnodes=body.nnodes,
-                nproc_per_node=body.nproc_per_node,
-                pp=body.pp,
-                mem_cap_bytes=body.mem_per_worker_bytes,
-            )
+            placement = _placement(desc, body.nnodes, body.nproc_per_node, body.pp, body.mem_per_worker_bytes)
         except PlacementError as exc:
             raise HTTPException(422, detail=field_error("", str(exc))) from None
         gathering = Gathering(
@@ -294,6 +308,83 @@ class Rendezvous:
         )
         self.gatherings[job] = gathering
         return gathering
+
+    # ---- registry records (core_service.rendezvous_record) -----------------------------------------
+    def _key(self, job: str) -> str:
+        return f"{self.core.table.settings.key_prefix}/rendezvous/{job}"
+
+    def _save_gathering(self, g: Gathering) -> None:
+        wall, mono = time.time(), time.monotonic()
+        nodes = tuple(
+            StoredNode(n.node_id, n.session, n.host, n.description, wall + (n.deadline - mono))
+            for n in g.nodes
+        )
+        record = StoredGathering(g.nnodes, g.nproc_per_node, g.pp, g.mem_per_worker_bytes, nodes)
+        self.core.table.persister.put(self._key(g.job), gathering_json(record))
+
+    def _save_formed(self, job: str, f: Formed) -> None:
+        # The answers as the REST API serves them (the placement holds dataclasses).
+        answers, common = jsonable_encoder(f.answers), jsonable_encoder(f.common)
+        record = StoredFormed(f.nnodes, answers, common, f.description, f.node_id)
+        self.core.table.persister.put(self._key(job), formed_json(record))
+
+    async def _durable(self) -> None:
+        """Waits until the records are stored; 503 saying why when they cannot be."""
+        try:
+            await self.core.wait_durable()
+        except RpcError as err:
+            raise HTTPException(503, detail=err.message) from None
+
+    async def _follow_term(self) -> None:
+        """At the first request of a leadership term, what the registry holds replaces what this
+        Core remembers (another Core may have led in between): the gatherings and formed jobs."""
+        term = self.core.table.persister.terms_started
+        if term == self._term:
+            return
+        registry = self.core.table.registry
+        prefix = self._key("")
+        try:
+            records = await registry_call(registry, registry.get_prefix, prefix)
+        except RegistryError as exc:
+            raise HTTPException(503, detail=f"the rendezvous records cannot be read: {exc}") from None
+        if self.core.table.persister.terms_started != term:
+            raise HTTPException(503, detail="this Core's leadership changed while it read the rendezvous")
+        self.gatherings.clear()
+        self.formed.clear()
+        for key, raw in records:
+            self._restore(key[len(prefix) :], raw)
+        self._term = term
+        log.info(
+            "rendezvous: %d gathering and %d formed jobs from the registry",
+            len(self.gatherings),
+            len(self.formed),
+        )
+
+    def _restore(self, job: str, raw: bytes) -> None:
+        try:
+            record = parse_record(raw)
+            if isinstance(record, StoredFormed):
+                self.formed[job] = Formed(
+                    record.nnodes, record.answers, record.common, record.description, record.node_id
+                )
+                return
+            first = record.nodes[0].description
+            placement = _placement(
+                first, record.nnodes, record.nproc_per_node, record.pp, record.mem_per_worker_bytes
+            )
+        except (ValueError, IndexError, PlacementError) as exc:
+            log.error("rendezvous %s: stored record ignored (%s)", job, exc)
+            return
+        g = Gathering(
+            job, record.nnodes, record.nproc_per_node, record.pp, record.mem_per_worker_bytes, placement
+        )
+        wall, mono = time.time(), time.monotonic()
+        # No node has polled this Core yet: each gets a fresh lease from now to do so.
+        g.nodes = [
+            Node(n.node_id, n.session, n.host, n.description, mono + (n.deadline_unix - wall))
+            for n in record.nodes
+        ]
+        self.gatherings[job] = g
 
     @staticmethod
     def _admit(g: Gathering, body: JoinRequest, desc: ModelDescription) -> None:
@@ -356,8 +447,10 @@ class Rendezvous:
     def _withdraw(self, g: Gathering, node: Node) -> None:
         if node in g.nodes:  # a node's two polls may both expire
             g.nodes.remove(node)
+            self._save_gathering(g)
         if not g.nodes and self.gatherings.get(g.job) is g:
             del self.gatherings[g.job]
+            self.core.table.persister.delete(self._key(g.job))
 
     async def _complete(self, g: Gathering) -> None:
         """Start the job's store, create the job, answer every node (errors go to every node)."""
@@ -419,8 +512,10 @@ class Rendezvous:
                 g.nodes[0].description,
                 g.nodes[0].node_id,
             )
+            self._save_formed(g.job, self.formed[g.job])
             while len(self.formed) > REMEMBERED_JOBS:
-                self.formed.popitem(last=False)
+                self.core.table.persister.delete(self._key(self.formed.popitem(last=False)[0]))
+            await self._durable()  # the answers are stored before any node gets one
             log.info(
                 "rendezvous %s: all %d nodes joined; job created, store on port %d",
                 g.job,
@@ -437,7 +532,24 @@ class Rendezvous:
         finally:
             if self.gatherings.get(g.job) is g:
                 del self.gatherings[g.job]
+            if g.error is not None and g.job not in self.formed:
+                self.core.table.persister.delete(self._key(g.job))
             g.ready.set()
+
+
+def _placement(
+    desc: ModelDescription, nnodes: int, nproc_per_node: int, pp: int, mem: float | None
+) -> Placement:
+    """The job's layout over its nodes, from one node's description (the same on every Core)."""
+    return plan_placement(
+        unit_costs(desc),
+        global_batch=desc.global_batch,
+        micro_batches=desc.micro_batches,
+        nnodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        pp=pp,
+        mem_cap_bytes=mem,
+    )
 
 
 def rendezvous_router(core: RendezvousCore, dependencies: list[Depends]) -> APIRouter:
