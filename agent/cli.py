@@ -11,6 +11,7 @@ from typing import Any
 
 from agent.config import TOKEN_ENV, AgentConfig, TlsFiles, parse_address, parse_address_list
 from agent.frequency import CHOICES, DEFAULT_CLOCK_RANGE, parse_clock_range
+from wire import core_tls
 from wire.local_protocol import CONTROL_ENV
 
 DESCRIPTION = f"""\
@@ -90,11 +91,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Core addresses, tried in turn; a standby's leader hint is followed (required)",
     )
     core.add_argument("--job-token-file", type=Path, help=f"file holding the job token (else ${TOKEN_ENV})")
-    core.add_argument("--tls-ca", type=Path, help="PEM CA bundle: use TLS to the Core (default: plaintext)")
     core.add_argument(
-        "--tls-cert", type=Path, help="PEM client certificate for mTLS (needs --tls-ca, --tls-key)"
+        "--tls-ca",
+        type=Path,
+        help=f"PEM CA bundle: use TLS to the Core (default ${core_tls.CA_ENV}; without one: plaintext)",
     )
-    core.add_argument("--tls-key", type=Path, help="PEM client private key for mTLS")
+    core.add_argument(
+        "--tls-cert",
+        type=Path,
+        help=f"PEM client certificate for mTLS (needs --tls-ca, --tls-key; default ${core_tls.CERT_ENV})",
+    )
+    core.add_argument(
+        "--tls-key", type=Path, help=f"PEM client private key for mTLS (default ${core_tls.KEY_ENV})"
+    )
     core.add_argument(
         "--heartbeat-interval",
         type=float,
@@ -224,15 +233,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """The TLS files of the flags, else of the environment (wire.core_tls: what a launcher hands
+    its agents); None: plaintext. ValueError names what is missing."""
+    if args.tls_ca is None and args.tls_cert is None and args.tls_key is None:
+        env = core_tls.from_env()
+        return None if env is None else TlsFiles(env.ca, env.cert, env.key)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_cert is not None and args.tls_ca is None:
+        raise ValueError("--tls-cert/--tls-key need --tls-ca")
+    return TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)
+
+
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     """AgentConfig from parsed flags; ValueError names the flag that is wrong."""
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise ValueError("--tls-cert and --tls-key go together")
-    if args.tls_cert is not None and args.tls_ca is None:
-        raise ValueError("--tls-cert/--tls-key need --tls-ca")
+    tls = _tls_files(args)
     return AgentConfig(
         job=args.job,
         worker_id=args.worker_id,
@@ -253,7 +272,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         peers=tuple(parse_address(peer, "--peer") for peer in args.peer),
         peer_timeout_s=args.peer_timeout,
         job_token_file=args.job_token_file,
-        tls=TlsFiles(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None,
+        tls=tls,
         etcd=parse_address(args.etcd, "--etcd") if args.etcd else None,
         etcd_prefix=args.etcd_prefix,
         lease_ttl_s=args.lease_ttl,

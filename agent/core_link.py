@@ -133,7 +133,12 @@ class CoreLink:
                     "core_stream_failed",
                     core=address,
                     code=exc.code().name,
-                    details=exc.details() or "",
+                    details=(exc.details() or "")
+                    + (
+                        " (TLS?)"
+                        if self._config.tls is None and exc.code() == grpc.StatusCode.UNAVAILABLE
+                        else ""
+                    ),
                     leader_hint=hint or "",
                 )
             except Exception as exc:  # whatever broke this stream, the link must keep trying

@@ -1,7 +1,8 @@
 """A node multiplexer: the agents of one node connect to it as they would to the Core, and it
 carries all their Connect streams to the leading Core over one ConnectNode stream.
 
-    python -m agent.node_mux --core core-0:50051 --core core-1:50051 --listen 127.0.0.1:50061
+    python -m agent.node_mux --core core-0:50051 --core core-1:50051 --listen 127.0.0.1:50061 \
+        [--tls-ca ca.pem [--tls-cert node.pem --tls-key node.key]]
 
 Agents on the node name the multiplexer as their only Core (``elaswave agent --core
 127.0.0.1:50061``); nothing else about them changes. Each agent still registers with its own
@@ -22,6 +23,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 import grpc.aio
@@ -30,6 +32,7 @@ from agent.backoff import AddressRotation, parse_leader_hint
 from agent.config import Address, parse_address
 from agent.core_link import WORKER_TOKEN_METADATA
 from agent.node_link import DEFAULT_LINGER_S, ChannelEnded, NodeChannel, NodeLink
+from wire import core_tls
 from wire.v1 import agent_pb2_grpc
 
 log = logging.getLogger("elaswave.agent.node_mux")
@@ -43,8 +46,14 @@ def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
 
 
 class NodeMux(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, cores: Sequence[Address], linger_s: float = DEFAULT_LINGER_S) -> None:
+    def __init__(
+        self,
+        cores: Sequence[Address],
+        linger_s: float = DEFAULT_LINGER_S,
+        tls: core_tls.CoreTls | None = None,
+    ) -> None:
         self.linger_s = linger_s
+        self.tls = tls  # to the Core; its agents still connect to it on the node, in plaintext
         self._rotation = AddressRotation(tuple(cores))
         self._link: NodeLink | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -57,7 +66,11 @@ class NodeMux(agent_pb2_grpc.AgentServiceServicer):
             failed = self._link.failed
             self._rotation.failed(parse_leader_hint(failed.details) if failed else None)
             asyncio.ensure_future(self._close(self._link, self._channel))
-        self._channel = grpc.aio.insecure_channel(str(self._rotation.current()))
+        address = str(self._rotation.current())
+        if self.tls is None:
+            self._channel = grpc.aio.insecure_channel(address)
+        else:
+            self._channel = grpc.aio.secure_channel(address, self.tls.grpc_credentials())
         self._link = NodeLink(self._channel, self.linger_s)
         return self._link
 
@@ -106,8 +119,10 @@ class NodeMux(agent_pb2_grpc.AgentServiceServicer):
                 channel.write(msg)
 
 
-async def serve(cores: Sequence[Address], listen: str, linger_s: float) -> None:
-    mux = NodeMux(cores, linger_s)
+async def serve(
+    cores: Sequence[Address], listen: str, linger_s: float, tls: core_tls.CoreTls | None = None
+) -> None:
+    mux = NodeMux(cores, linger_s, tls)
     server = grpc.aio.server()
     agent_pb2_grpc.add_AgentServiceServicer_to_server(mux, server)
     if server.add_insecure_port(listen) == 0:
@@ -129,15 +144,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--linger", type=float, default=DEFAULT_LINGER_S, help="seconds a report may wait to share a message"
     )
+    parser.add_argument(
+        "--tls-ca", type=Path, help=f"PEM CA bundle of the Core: TLS to it (default ${core_tls.CA_ENV})"
+    )
+    parser.add_argument(
+        "--tls-cert", type=Path, help=f"PEM client certificate for mTLS (default ${core_tls.CERT_ENV})"
+    )
+    parser.add_argument("--tls-key", type=Path, help=f"PEM client key for mTLS (default ${core_tls.KEY_ENV})")
     args = parser.parse_args(argv)
     try:
         cores = [parse_address(text, "--core") for text in args.core]
+        if args.tls_ca is None and args.tls_cert is None and args.tls_key is None:
+            tls = core_tls.from_env()
+        elif args.tls_ca is None:
+            raise ValueError("--tls-cert/--tls-key need --tls-ca")
+        else:
+            tls = core_tls.CoreTls(args.tls_ca, args.tls_cert, args.tls_key).check()
     except ValueError as exc:
         parser.error(str(exc))
     if not 0 <= args.linger <= 1:
         parser.error(f"--linger must be within 0..1 s, got {args.linger}")
     logging.basicConfig(level=logging.INFO)
-    asyncio.run(serve(cores, args.listen, args.linger))
+    asyncio.run(serve(cores, args.listen, args.linger, tls))
     return 0
 
 

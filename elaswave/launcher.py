@@ -41,6 +41,7 @@ from elaswave.launcher_control import (
     StopRequest,
     job_name,
 )
+from elaswave.launcher_tls import add_core_tls_arguments, core_tls_of
 from wire import worker_env as we
 
 
@@ -68,6 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="join a multi-node job through the Core whose REST API is at HOST:PORT (its --http-port): "
         "run the same command on each of --nnodes nodes; needs $ELASWAVE_SCHEDULER_TOKEN",
     )
+    add_core_tls_arguments(parser)
     parser.add_argument(
         "--node-id",
         help="with --core: this node's name in the job, unique per node "
@@ -157,6 +159,10 @@ def check_args(args: argparse.Namespace) -> None:
             )
     elif args.node_id is not None:
         raise UsageError("--node-id names a node of a multi-node job: it needs --core")
+    try:
+        args.core_tls = core_tls_of(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if args.node_id is not None and not NODE_ID_PATTERN.fullmatch(args.node_id):
         raise UsageError(f"--node-id {args.node_id!r}: use 1-128 letters, digits, '.', '_', ':', '@' or '-'")
     for name in ("nnodes", "nproc_per_node", "pp"):

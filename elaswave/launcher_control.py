@@ -72,6 +72,9 @@ def resume_command(args: argparse.Namespace, checkpoint_dir: Path) -> str:
     ]
     if getattr(args, "core", None):  # on every node again, as a new job: the Core keeps the old name
         cmd += ["--core", args.core, "--job", next_job_name(job_name(args))]
+        for flag in ("core_tls_ca", "core_tls_cert", "core_tls_key"):  # the same way to the Core
+            if getattr(args, flag, None) is not None:
+                cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     elif args.job:
         cmd += ["--job", args.job]
     if args.checkpoint_dir:

@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from wire import core_tls
 from wire.worker_env import (
     CHECKPOINT_DIR_ENV,
     CHECKPOINT_EVERY_ENV,
@@ -56,6 +57,9 @@ WORKER_CONTRACT_ENV: tuple[str, ...] = (
     STOP_FILE_ENV,
     DESCRIPTION_ENV,
     "ELASWAVE_METRICS_SOCKET",
+    core_tls.CA_ENV,  # given again, explicitly, to the workers of a node joined to a TLS Core
+    core_tls.CERT_ENV,
+    core_tls.KEY_ENV,
     "ELASWAVE_CONTROL_FILE",
     "ELASWAVE_FINISHED_FILE",
 )

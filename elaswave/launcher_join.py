@@ -27,6 +27,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from wire import core_tls
+
 if TYPE_CHECKING:
     from planners.placement import Placement
 
@@ -77,6 +79,8 @@ class Joined:
     # A node that came after the job formed: its workers join as spares, under these ids
     # (`elaswave agent` without a rank, `ELASWAVE_RANK=spare`), taken in by the Core's plans.
     spare_worker_ids: tuple[str, ...] = ()
+    # How this node reaches the Core (None: plaintext); its agents and workers get the same.
+    tls: core_tls.CoreTls | None = None
 
     @property
     def nodes(self) -> list[dict[str, Any]]:
@@ -89,7 +93,8 @@ def join_job(args: argparse.Namespace, job: str, description_json: str, schedule
     import httpx  # noqa: PLC0415 - only once the describe run succeeded
 
     host, port = parse_core(args.core)
-    rest_url = f"http://{host}:{port}"
+    tls: core_tls.CoreTls | None = getattr(args, "core_tls", None)
+    rest_url = f"{core_tls.scheme(tls)}://{host}:{port}"
     body = {
         "node_id": args.node_id or default_node_id(),
         "session": secrets.token_urlsafe(12),
@@ -108,6 +113,7 @@ def join_job(args: argparse.Namespace, job: str, description_json: str, schedule
         base_url=rest_url,
         timeout=httpx.Timeout(10.0, read=POLL_S + CREATION_MARGIN_S),
         headers={"Authorization": f"Bearer {scheduler_token}"},
+        verify=rest_verify(tls),
     ) as client:
         while True:
             try:
@@ -116,6 +122,7 @@ def join_job(args: argparse.Namespace, job: str, description_json: str, schedule
                 raise JoinError(
                     f"cannot reach the Core's REST API at {rest_url} ({type(exc).__name__}: {exc}); is "
                     "`elaswave core` running there, and is that its --http-port?"
+                    + core_tls.plaintext_hint(tls)
                 ) from None
             if response.status_code == 200:
                 break
@@ -146,7 +153,14 @@ def join_job(args: argparse.Namespace, job: str, description_json: str, schedule
         ranks=tuple(answer["ranks"]),
         answer=answer,
         spare_worker_ids=tuple(str(w) for w in answer.get("spare_worker_ids", ())),
+        tls=tls,
     )
+
+
+def rest_verify(tls: core_tls.CoreTls | None) -> Any:
+    """httpx's `verify` for the Core's REST API: its CA bundle (and this node's client
+    certificate) over HTTPS, the default without TLS (plaintext http:// verifies nothing)."""
+    return True if tls is None else tls.ssl_context()
 
 
 def placement_of(joined: Joined) -> Placement:

@@ -24,7 +24,7 @@ import httpx
 
 from elaswave.launcher_control import resume_command
 from elaswave.launcher_describe import clean_env, tail
-from elaswave.launcher_join import SCHEDULER_TOKEN_ENV, stop_job, stopped_by_the_core
+from elaswave.launcher_join import SCHEDULER_TOKEN_ENV, rest_verify, stop_job, stopped_by_the_core
 from elaswave.launcher_monitor import Monitor, outcome, write_stop_file
 from elaswave.launcher_procs import LOOPBACK, Agents, LaunchError, LocalCore, RankSpec
 from elaswave.store_keeper import StoreKeeper
@@ -76,7 +76,9 @@ class Session:
 
     def _start(self) -> str:
         if self.joined is not None:  # the Core created the job and hosts the store
-            self.http = httpx.Client(base_url=self.joined.rest_url, timeout=5.0)
+            self.http = httpx.Client(
+                base_url=self.joined.rest_url, timeout=5.0, verify=rest_verify(self.joined.tls)
+            )
             self.core_address, self.store_address = self.joined.grpc_address, self.joined.store_address
             return self.joined.token
         env = clean_env()
@@ -121,6 +123,8 @@ class Session:
             we.STOP_FILE_ENV: str(self.stop_file),
             "PYTHONUNBUFFERED": "1",
         }
+        if self.joined is not None and self.joined.tls is not None:
+            env |= self.joined.tls.env()  # the agent's stream and the worker's plans: TLS too
         if args.checkpoint_dir is not None:
             env[we.CHECKPOINT_DIR_ENV] = str(args.checkpoint_dir.resolve())
         if args.checkpoint_every is not None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 
 from planners.layout import Plan
+from wire import core_tls
 from wire.v1 import executor_pb2, executor_pb2_grpc
 from wire.worker_env import WORKER_TOKEN_FILE_ENV
 
@@ -61,7 +62,10 @@ class PlanClient:
         token: str,
         rpc_timeout_s: float = 2.0,
         on_plan: Callable[[Plan], None] | None = None,
+        tls: core_tls.CoreTls | None = None,
     ) -> None:
+        """`tls`: the files to reach a TLS Core with; by default those the environment names
+        (wire.core_tls: the launcher hands its own to every worker)."""
         if not addresses:
             raise ValueError("at least one Core address (host:port) is needed")
         if rpc_timeout_s <= 0:
@@ -72,6 +76,7 @@ class PlanClient:
         # The worker's own credential (its agent writes it once the Core issues it): acks and
         # failure reports speak for this worker only, so the Core wants it, not the job token.
         self._worker_token_file = os.environ.get(WORKER_TOKEN_FILE_ENV)
+        self._tls = tls if tls is not None else core_tls.from_env()
         self._on_plan = on_plan
         self._newest: Plan | None = None
         self._floor = 0  # the epoch the executor already runs: plans at or below it are old
@@ -129,15 +134,20 @@ class PlanClient:
                 ):
                     log.error("plan subscription refused by %s: %s", address, exc.details())
                     return  # retrying cannot help; the training loop times out waiting for a plan
+                hint = core_tls.plaintext_hint(self._tls) if code == grpc.StatusCode.UNAVAILABLE else ""
                 log.warning(
-                    "plan subscription to %s ended (%s); next address in %.2fs", address, code, backoff
+                    "plan subscription to %s ended (%s); next address in %.2fs.%s",
+                    address,
+                    code,
+                    backoff,
+                    hint,
                 )
                 self._address_index += 1
             self._stop.wait(backoff)
             backoff = min(BACKOFF_MAX_S, backoff * 2)
 
     def _stream_from(self, address: str) -> None:
-        self._channel = grpc.insecure_channel(address)
+        self._channel = core_tls.channel(address, self._tls)
         try:
             stub = executor_pb2_grpc.ExecutorServiceStub(self._channel)
             request = executor_pb2.SubscribePlansRequest(
@@ -214,7 +224,7 @@ class PlanClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            with grpc.insecure_channel(address) as channel:
+            with core_tls.channel(address, self._tls) as channel:
                 stub = executor_pb2_grpc.ExecutorServiceStub(channel)
                 try:
                     getattr(stub, method)(request, metadata=self._worker_metadata(), timeout=left)

@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -44,7 +45,10 @@ class CoreProcess:
         heartbeat_timeout_s: float = 2.0,
         lease_ttl_s: float = 2.0,
         leader_ttl_s: float = 2.0,
+        https_ca: Path | None = None,
     ) -> None:
+        """`https_ca`: the Core serves REST over HTTPS (its `http_tls_*` in `extra_env`) with a
+        certificate this CA signed; the test's REST client verifies it."""
         self.ready_file = tmp / f"{name}.ready.json"
         self.log_path = tmp / f"{name}.log"
         env = dict(os.environ, ELASWAVE_SCHEDULER_TOKEN=scheduler_token, **(extra_env or {}))
@@ -77,7 +81,13 @@ class CoreProcess:
         self.grpc_port: int = info["grpc_port"]
         self.http_port: int = info["http_port"]
         self.grpc_address = f"127.0.0.1:{self.grpc_port}"
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=5.0)
+        verify: ssl.SSLContext | bool = True
+        scheme = "http"
+        if https_ca is not None:
+            scheme, verify = "https", ssl.create_default_context(cafile=str(https_ca))
+        self.http = httpx.Client(
+            base_url=f"{scheme}://127.0.0.1:{self.http_port}", timeout=5.0, verify=verify
+        )
         wait_until(self.role, DEFAULT_WAIT_S, f"core {name} to answer /healthz")
 
     def _ready(self) -> dict[str, Any] | None:
