@@ -6,12 +6,16 @@ picks, and a Kubernetes Service forwards only its declared ports: the launcher m
 leading Core's own address. /healthz of the leader names the host it advertises
 (ELASWAVE_ADVERTISE: the pod's DNS name in deploy/helm); the HTTP port is the same on every Core.
 
-usage: find-leader.py SERVICE_HOST:HTTP_PORT [TIMEOUT_S]. Retries until a leader answers.
+usage: find-leader.py SERVICE_HOST:HTTP_PORT [TIMEOUT_S]. Retries until a leader answers. With
+$ELASWAVE_CORE_TLS_CA (the Core serves TLS, wire.core_tls) it asks over HTTPS, verifying the Core
+with that CA bundle.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import ssl
 import sys
 import time
 import urllib.request
@@ -19,11 +23,14 @@ import urllib.request
 
 def leader_address(service: str, timeout_s: float) -> str:
     http_port = service.rpartition(":")[2]
+    ca = os.environ.get("ELASWAVE_CORE_TLS_CA")
+    context = ssl.create_default_context(cafile=ca) if ca else None
+    url = f"{'https' if ca else 'http'}://{service}/healthz"
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"http://{service}/healthz", timeout=3) as answer:
+            with urllib.request.urlopen(url, timeout=3, context=context) as answer:
                 health = json.load(answer)
             if health.get("role") == "leader":
                 host = str(health["leader"]).rpartition(":")[0]

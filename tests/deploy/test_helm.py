@@ -82,6 +82,12 @@ def test_helm_lint_passes() -> None:
             "worker.checkpoint.claimName=ckpt",
         ),
         ("auth.existingSecret=ops-tokens",),
+        (
+            "tls.enabled=true",
+            "tls.existingSecret=core-tls",
+            "tls.requireClientCerts=true",
+            "tls.clientSecret=worker-tls",
+        ),
     ],
     ids=[
         "defaults",
@@ -90,6 +96,7 @@ def test_helm_lint_passes() -> None:
         "tls-no-workers",
         "gpus-checkpoints",
         "existing-secret",
+        "tls-with-workers",
     ],
 )
 def test_every_rendered_manifest_is_a_valid_kubernetes_object(sets: tuple[str, ...]) -> None:
@@ -112,8 +119,24 @@ def test_every_rendered_manifest_is_a_valid_kubernetes_object(sets: tuple[str, .
     if "tls.enabled=true" in sets:
         assert env["ELASWAVE_TLS_CERT"]["value"] == "/etc/elaswave/tls/tls.crt"
         assert env["ELASWAVE_TLS_CLIENT_CA"]["value"] == "/etc/elaswave/tls/ca.crt"
+        assert env["ELASWAVE_HTTP_TLS_CERT"]["value"] == "/etc/elaswave/tls/tls.crt"  # REST: HTTPS
         volumes = {v["name"]: v for v in core["spec"]["template"]["spec"]["volumes"]}
         assert volumes["tls"]["secret"]["secretName"] == "core-tls"
+        probe = core["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]
+        assert probe["scheme"] == "HTTPS"
+    if "tls.clientSecret=worker-tls" in sets:
+        pod = by_kind(docs, "StatefulSet")["ew-elaswave-worker"]["spec"]["template"]["spec"]
+        node_env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        volumes = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+        assert node_env["ELASWAVE_CORE_TLS_CA"] == mounts["core-ca"] + "/ca.crt"
+        assert node_env["ELASWAVE_CORE_TLS_CERT"] == mounts["client-tls"] + "/tls.crt"
+        assert node_env["ELASWAVE_CORE_TLS_KEY"] == mounts["client-tls"] + "/tls.key"
+        # The worker pods get the Core's CA only, never its key.
+        assert volumes["core-ca"]["secretName"] == "core-tls" and volumes["core-ca"]["items"] == [
+            {"key": "ca.crt", "path": "ca.crt"}
+        ]
+        assert volumes["client-tls"]["secretName"] == "worker-tls"
     if "core.serviceMonitor.enabled=true" in sets:
         monitor = next(d for d in docs if d["kind"] == "ServiceMonitor")
         metrics = by_kind(docs, "Service")["ew-elaswave-core-metrics"]
@@ -184,9 +207,17 @@ def test_cores_lead_through_readiness_and_workers_leave_within_their_grace() -> 
         ((f"auth.schedulerToken={TOKEN}", "images.core.tag=latest"), "images/core/tag"),
         ((f"auth.schedulerToken={TOKEN}", "etcd.enabled=false"), "externalEndpoints"),
         ((f"auth.schedulerToken={TOKEN}", "core.bogus=1"), "bogus"),
-        ((f"auth.schedulerToken={TOKEN}", "tls.enabled=true", "tls.existingSecret=t"), "does not speak TLS"),
+        (
+            (
+                f"auth.schedulerToken={TOKEN}",
+                "tls.enabled=true",
+                "tls.existingSecret=t",
+                "tls.requireClientCerts=true",
+            ),
+            "set tls.clientSecret",
+        ),
     ],
-    ids=["one-core", "no-token", "latest-tag", "no-etcd", "unknown-value", "tls-with-launcher"],
+    ids=["one-core", "no-token", "latest-tag", "no-etcd", "unknown-value", "mtls-workers-without-cert"],
 )
 def test_bad_values_are_refused_with_the_reason(sets: tuple[str, ...], says: str) -> None:
     assert says in refused(*sets)

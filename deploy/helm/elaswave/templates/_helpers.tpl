@@ -68,3 +68,8 @@ podAntiAffinity:
             {{- include "elaswave.selector" (dict "ctx" .ctx "component" .component) | nindent 12 }}
 {{- end }}
 {{- end -}}
+
+{{/* The Core's REST scheme: HTTPS whenever it serves TLS. */}}
+{{- define "elaswave.httpScheme" -}}
+{{ ternary "HTTPS" "HTTP" .Values.tls.enabled }}
+{{- end -}}
