@@ -33,7 +33,7 @@ SCHEDULER = "scheduler-token-0123456789"
 LAYOUT = make_uniform_layout(num_layers=4, num_stages=2, dp=2, global_batch=8, num_micro_batches=2)
 
 
-def core_settings(core_id: str, etcd_url: str) -> Any:
+def core_settings(core_id: str, etcd_url: str, **knobs: Any) -> Any:
     # No heartbeat loss: the members registered in-process send no heartbeats.
     return load_settings(
         dev_mode=True,
@@ -44,6 +44,7 @@ def core_settings(core_id: str, etcd_url: str) -> Any:
         scheduler_token=SCHEDULER,
         heartbeat_timeout_s=600.0,
         lease_ttl_s=600.0,
+        **knobs,
     )
 
 
@@ -80,10 +81,10 @@ class Cluster:
         return self.leader.table.get(name)
 
 
-async def cluster(stack: AsyncExitStack, etcd_url: str, n: int) -> Cluster:
+async def cluster(stack: AsyncExitStack, etcd_url: str, n: int, **knobs: Any) -> Cluster:
     cores = []
     for i in range(n):
-        core = Core(core_settings(f"core-{i}", etcd_url))
+        core = Core(core_settings(f"core-{i}", etcd_url, **knobs))
         await core.start()
         stack.push_async_callback(core.stop)
         if i == 0:
@@ -250,3 +251,52 @@ def test_a_spare_ready_before_a_takeover_is_taken_in_by_the_new_leader(etcd_regi
         reference.mode,
     )
     assert state == "JOINING"
+
+
+# ---- the end of a RESTORE's stickiness, once its commit left the event log -----------------------
+async def restore_committed_then_log_rolls_over(etcd_url: str, takeover: bool) -> Plan:
+    """A RESTORE plan commits a step (its stickiness ends); then the job writes more events than
+    its log keeps (periodic checkpoints), so the commit event is pruned; then a worker is lost.
+    With `takeover`, the leader is stopped before that loss."""
+    async with AsyncExitStack() as stack:
+        cores = await cluster(stack, etcd_url, 2 if takeover else 1, events_kept=100)
+        await create(cores.leader, "train", LAYOUT)
+        for rank in LAYOUT.ranks():
+            await register(cores.leader, "train", f"w{rank}", rank, LAYOUT)
+        job, leader = cores.job("train"), cores.leader
+        await eventually(lambda: "decision_none" in [e.kind for e in job.events], 15, "the joins planned")
+        leader.membership.mark_lost(job, "w3", "killed", "process_exit", time.time())
+        await eventually(lambda: job.plan_epoch == 1 and job.phase == JobPhase.APPLYING, 15, "epoch 1")
+        refused = Ack(AckPhase.FAILED, PlanFailure.NOT_APPLICABLE, "cannot reach it in place")
+        leader.engine.acknowledge(job, "w0", 1, refused, 0.1, time.time())
+        await eventually(lambda: job.plan_epoch == 2 and job.phase == JobPhase.APPLYING, 15, "the RESTORE")
+        assert job.last_plan is not None and job.last_plan.mode.value == "restore"
+        for worker in ("w0", "w1", "w2"):
+            leader.engine.acknowledge(job, worker, 2, Ack(AckPhase.RESUMED), 0.1, time.time())
+        await eventually(lambda: job.phase == JobPhase.RUNNING and job.committed_epoch == 2, 15, "the commit")
+        for step in range(120):  # a checkpoint per step: the log keeps the newest 100 events
+            leader.membership.checkpoint_written(job, "w0", f"/ckpt/step-{step:04d}", time.time())
+        assert all(e.kind != "layout_committed" for e in job.events)
+        await leader.persister.wait_durable(10)
+        if takeover:
+            await cores.take_over()
+        job, leader = cores.job("train"), cores.leader
+        leader.membership.mark_lost(job, "w2", "killed", "process_exit", time.time())
+        await eventually(lambda: job.plan_epoch == 3, 15, "the plan of the second loss")
+        return stored_plans(leader, "train")[2]
+
+
+@pytest.mark.timeout(120)
+def test_a_restore_that_committed_stays_committed_after_its_events_are_pruned_and_a_takeover(
+    etcd_registry_url: str,
+) -> None:
+    reference = asyncio.run(restore_committed_then_log_rolls_over(etcd_registry_url, takeover=False))
+    assert reference.mode.value == "in_place"  # planned from the RESTORE's committed layout
+    _wipe_etcd(etcd_registry_url)  # the same etcd, emptied for the second run
+    plan = asyncio.run(restore_committed_then_log_rolls_over(etcd_registry_url, takeover=True))
+    assert (plan.mode, plan.old, plan.new, plan.reasons) == (
+        reference.mode,
+        reference.old,
+        reference.new,
+        reference.reasons,
+    )
