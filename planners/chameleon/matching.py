@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import sparse
-from scipy.optimize import Bounds, LinearConstraint, linear_sum_assignment, linprog, milp
+
+# scipy is imported where it is used: it costs ~1 s of CPU per process, and the Core, the
+# launcher and every agent import this module without ever matching (see docs/development.md).
 
 DENSE_LIMIT = 40_000  # node x slot pairs above which the class-level transportation problem is solved
 
@@ -124,6 +125,8 @@ def match_classes(
     identity = float(cost[old_ids[:m], new_ids].sum())
     if n * m <= dense_limit:
         full = cost[np.ix_(old_ids, new_ids)]
+        from scipy.optimize import linear_sum_assignment
+
         rows, cols = linear_sum_assignment(full)
         slot_of_node = np.full(n, -1, dtype=np.int64)
         slot_of_node[rows] = cols
@@ -145,6 +148,9 @@ def match_classes(
 
 def _transportation(cost: np.ndarray, old_ids: np.ndarray, new_ids: np.ndarray) -> tuple[np.ndarray, float]:
     """Optimal class-to-class flows (every slot served, no node used twice), expanded to nodes."""
+    from scipy import sparse
+    from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+
     n_old, n_new = cost.shape
     supply = np.bincount(old_ids, minlength=n_old)
     demand = np.bincount(new_ids, minlength=n_new)

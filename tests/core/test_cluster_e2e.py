@@ -125,6 +125,7 @@ def test_agent_sigkill_and_hung_agent_detected_within_lease_ttl(cluster: dict) -
     etcd.close()
 
 
+@pytest.mark.serial  # asserts detection within half a heartbeat timeout
 @pytest.mark.timeout(60)
 def test_hung_agent_is_detected_by_its_own_lease_expiring(tmp_path: Path, etcd_registry_url: str) -> None:
     # Heartbeats would take 10 s to notice; the agents' own 2 s leases must be what detects the hang.

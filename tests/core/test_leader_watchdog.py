@@ -20,7 +20,7 @@ from core_service.config import load_settings
 from tests.core.core_thread import CoreThread
 from tests.core.procs import AgentProcess, wait_until
 
-pytestmark = [pytest.mark.etcd, pytest.mark.multiproc]
+pytestmark = [pytest.mark.etcd, pytest.mark.multiproc, pytest.mark.serial]
 
 SCHEDULER_TOKEN = "scheduler-token-0123456789"
 LEADER_TTL_S = 2.0

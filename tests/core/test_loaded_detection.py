@@ -20,7 +20,7 @@ import pytest
 
 from tests.core.procs import AgentProcess, CoreProcess, create_job, new_token, wait_until
 
-pytestmark = [pytest.mark.etcd, pytest.mark.multiproc]
+pytestmark = [pytest.mark.etcd, pytest.mark.multiproc, pytest.mark.serial]
 
 LOAD_S = float(os.environ.get("ELASWAVE_LOAD_TEST_S", "60"))
 BURNERS = 8
