@@ -8,8 +8,10 @@ this module's reason.
 
 In place means from the committed in-memory state (ElasWave §5): under ZeRO-1 every rank of a
 stage holds the stage's parameters, and every rank's shard (its parameter slice and Adam moments)
-has one backup on another rank (`planners.backup`: the DP predecessor of §5.1 on another node,
-else a rank of a neighbouring stage). A lost rank whose holder is lost too has no copy left. With
+has `Layout.backup_copies` backups on other ranks (`planners.backup`: the first on the DP
+predecessor of §5.1 on another node, else a rank of a neighbouring stage; further copies on
+further failure domains). A lost rank is recovered from its first copy still alive; only a lost
+rank whose every holder is lost too has no copy left, and only then is the plan a RESTORE. With
 a copy of everything, the executors can reach any layout over the surviving ranks: fewer ranks,
 fewer stages (a whole stage lost, its blocks taken by its neighbours from the backups), blocks
 moved any distance (state that travels between stages that are not adjacent gets a two-rank
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planners.backup import backup_holders
+from planners.backup import backup_holder_sets, first_surviving
 from planners.layout import Layout
 
 UNSUPPORTED = "unsupported by the engine's in-place re-layout"
@@ -39,23 +41,21 @@ class Verdict:
 
 
 def lost_without_copy(layout: Layout, lost: frozenset[int]) -> tuple[int, ...]:
-    """Lost ranks of `layout` whose shard and backup are both gone (`planners.backup`)."""
-    holders = backup_holders(layout)
-    gone = []
-    for rank in sorted(lost & frozenset(layout.ranks())):
-        holder = holders.get(rank)
-        if holder is None or holder in lost:
-            gone.append(rank)
-    return tuple(gone)
+    """Lost ranks of `layout` whose shard and every copy of it are gone (`planners.backup`)."""
+    sets = backup_holder_sets(layout)
+    return tuple(
+        r for r in sorted(lost & frozenset(layout.ranks())) if first_surviving(sets, r, lost) is None
+    )
 
 
 def unit_sources(old: Layout, lost: frozenset[int], layer: int) -> tuple[int, ...]:
     """The live ranks that hold block `layer`'s committed state after losing `lost`: every rank
-    of its old stage, a lost one replaced by its backup holder (ranks without a copy left out)."""
-    holders = backup_holders(old)
+    of its old stage, a lost one replaced by its first surviving backup holder (ranks without a
+    copy left out)."""
+    sets = backup_holder_sets(old)
     out = []
     for rank in old.stages[old.stage_of_layer(layer)].ranks:
-        src = holders.get(rank) if rank in lost else rank
+        src = first_surviving(sets, rank, lost) if rank in lost else rank
         if src is not None and src not in lost:
             out.append(src)
     return tuple(dict.fromkeys(out))
@@ -97,7 +97,7 @@ def judge(old: Layout, new: Layout) -> Verdict:
         return Verdict(
             False,
             f"the optimizer state of lost ranks {list(gone)} (stages {stages}) has no surviving copy: "
-            "its ring snapshot was on a rank lost with it",
+            f"every one of its {old.backup_copies} backup copies was on a rank lost with it",
             lost,
             gone,
         )

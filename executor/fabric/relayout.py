@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from executor.migration import moved_layers
 from planners.applicability import UNSUPPORTED, structural_problem
-from planners.backup import backup_holders
+from planners.backup import recovery_sources
 from planners.layout import Layout
 
 
@@ -78,8 +78,8 @@ def needs_rebuild(old: Layout, new: Layout, lost: frozenset[int]) -> bool:
         return True
     if any(abs(old.stage_of_layer(k) - new.stage_of_layer(k)) > 1 for k in range(old.num_layers)):
         return True
-    holders = backup_holders(old)
-    return any(r in holders and old.stage_of_rank(holders[r]) != old.stage_of_rank(r) for r in lost)
+    sources = recovery_sources(old, lost)  # the copy each lost shard is read from: its first alive
+    return any(old.stage_of_rank(src) != old.stage_of_rank(r) for r, src in sources.items())
 
 
 def check_supported(old: Layout, new: Layout) -> None:

@@ -50,7 +50,7 @@ from executor.trainer import Trainer
 from executor.zero import ShardState as ZeroShard
 from executor.zero import flat_params, unit_ownership
 from planners.applicability import judge
-from planners.backup import backup_holders, protected_by
+from planners.backup import backup_holder_sets, protected_by, recovery_sources
 from planners.layout import Layout, Plan, PlanMode
 
 
@@ -409,7 +409,7 @@ class FabricParticipant:
             plan.old,
             plan.new,
             lost,
-            backup_holders(plan.old),
+            recovery_sources(plan.old, lost),
             names,
             engine_ownership(plan.old, names),
             new_own,
@@ -447,12 +447,12 @@ class FabricParticipant:
         """(Re)form this worker's backup pairs for the current layout and seed them."""
         if self.snapshot is not None:
             self.snapshot.close()
-        holders = backup_holders(self.trainer.layout)
+        sets = backup_holder_sets(self.trainer.layout)  # all k copies (Layout.backup_copies)
         me = self.comm.worker
-        holder, protected = holders.get(me), protected_by(holders, me)
+        holders, protected = sets.get(me, ()), protected_by(sets, me)
         self.snapshot = None
-        if self.snapshots and (holder is not None or protected):
-            snap = ShardBackups(self.comm, holder, protected, update_fn=self.trainer.update_slice)
+        if self.snapshots and (holders or protected):
+            snap = ShardBackups(self.comm, holders, protected, update_fn=self.trainer.update_slice)
             try:
                 snap.seed(shard_state_of(self.trainer))
             except BaseException:
