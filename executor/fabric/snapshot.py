@@ -240,6 +240,16 @@ class ShardBackups:
             self._require_seeded()
             return {p: st.clone() for p, st in self._states.items()}
 
+    def held_bytes(self) -> int:
+        """Host bytes of the backups this worker keeps for others (every copy it holds, three
+        fp32 rows per element: what `planners.backup.backup_cost` predicts for it)."""
+        with self._lock:
+            return sum(
+                sum(t.numel() * t.element_size() for t in (u.param, u.exp_avg, u.exp_avg_sq))
+                for st in self._states.values()
+                for u in st.units.values()
+            )
+
     def state(self) -> ShardState:
         """A copy of the one backup this worker keeps (SnapshotError unless it keeps exactly one)."""
         states = self.states()
