@@ -17,7 +17,10 @@ fewer stages (a whole stage lost, its blocks taken by its neighbours from the ba
 moved any distance (state that travels between stages that are not adjacent gets a two-rank
 group for the transfer: `far_pairs`), and ranks added (a joining worker, `Plan.joiners`, holds no
 state yet: it receives its blocks' parameters and its shard from their live owners, the same
-rebuild read in the other direction, ElasWave §5.2).
+rebuild read in the other direction, ElasWave §5.2). Ranks a plan drops while they are alive
+(`Plan.standby`: a whole DP replica dropped) are not lost: they hand their live shards over to
+the ranks that take their work (`handover_pairs`), then wait as spares for a plan that takes
+them back (`joiners`).
 """
 
 from __future__ import annotations
@@ -67,12 +70,34 @@ def far_pairs(old: Layout, new: Layout, lost: frozenset[int]) -> tuple[tuple[int
     each (`executor.comm.groups.transfer_groups`), since their stage and pipeline groups hold
     only one stage or two adjacent ones."""
     pairs: set[tuple[int, int]] = set()
+    kept = frozenset(new.ranks())
     for layer in range(new.num_layers):
         dst_stage = new.stages[new.stage_of_layer(layer)]
         for src in unit_sources(old, lost, layer):
-            if abs(new.stage_of_rank(src) - dst_stage.stage) > 1:
+            if src in kept and abs(new.stage_of_rank(src) - dst_stage.stage) > 1:
                 pairs.update((src, dst) for dst in dst_stage.ranks)
     return tuple(sorted(pairs))
+
+
+def handover_pairs(old: Layout, new: Layout, standby: frozenset[int]) -> tuple[tuple[int, int], ...]:
+    """(standby rank, destination) pairs: a rank the plan drops while it is alive (`Plan.standby`,
+    a DP replica dropped) hands its live shard over to the ranks of `new` that hold its old
+    stage's blocks. It is in no group of `new`, so every such pair gets a two-rank group for the
+    transfer (`executor.comm.groups.transfer_groups`), as `far_pairs` do."""
+    pairs: set[tuple[int, int]] = set()
+    for rank in sorted(standby):
+        stage = old.stages[old.stage_of_rank(rank)]
+        for layer in range(stage.layer_start, stage.layer_stop):
+            pairs.update((rank, dst) for dst in new.stages[new.stage_of_layer(layer)].ranks)
+    return tuple(sorted(pairs))
+
+
+def standby_problem(old: Layout, new: Layout, standby: frozenset[int]) -> str | None:
+    """Why `standby` is not a set of ranks `old -> new` drops (None: it is)."""
+    wrong = sorted(standby - (frozenset(old.ranks()) - frozenset(new.ranks())))
+    if wrong:
+        return f"standby ranks {wrong} are not ranks the plan drops from its old layout"
+    return None
 
 
 def structural_problem(old: Layout, new: Layout) -> str | None:
@@ -88,9 +113,14 @@ def structural_problem(old: Layout, new: Layout) -> str | None:
     return None
 
 
-def judge(old: Layout, new: Layout) -> Verdict:
-    """Whether the executors can go from committed layout `old` to `new` in place."""
-    lost = frozenset(old.ranks()) - frozenset(new.ranks())
+def judge(old: Layout, new: Layout, standby: frozenset[int] = frozenset()) -> Verdict:
+    """Whether the executors can go from committed layout `old` to `new` in place. `standby`:
+    ranks `new` drops while they are alive (`Plan.standby`): they hand their live state over,
+    so they are not lost and need no copy."""
+    problem = standby_problem(old, new, standby)
+    if problem is not None:
+        return Verdict(False, problem, frozenset())
+    lost = frozenset(old.ranks()) - frozenset(new.ranks()) - standby
     gone = lost_without_copy(old, lost)
     if gone:
         stages = sorted({old.stage_of_rank(r) for r in gone})

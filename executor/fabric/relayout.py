@@ -55,12 +55,14 @@ def with_boundaries(layout: Layout, bounds_from: Layout) -> Layout:
     return replace(layout, stages=stages)
 
 
-def plan_relayout(old: Layout, new: Layout) -> Relayout:
+def plan_relayout(old: Layout, new: Layout, standby: frozenset[int] = frozenset()) -> Relayout:
     """Diff `old -> new` into a remap and a migration; raises RelayoutError (a ValueError) for a
-    plan the engine cannot apply in place (see `RelayoutError`)."""
+    plan the engine cannot apply in place (see `RelayoutError`). `standby`: ranks dropped while
+    alive (`Plan.standby`); they are not lost, and their live shards are handed over in one
+    rebuild, where they are read like any live owner's."""
     check_supported(old, new)
-    lost = frozenset(old.ranks()) - frozenset(new.ranks())
-    if needs_rebuild(old, new, lost):
+    lost = frozenset(old.ranks()) - frozenset(new.ranks()) - standby
+    if standby or needs_rebuild(old, new, lost):
         return Relayout(lost, None, (), rebuild=True)
     mid = with_boundaries(new, old)
     try:
