@@ -84,6 +84,9 @@ def test_the_drop_is_in_place_only_as_a_standby() -> None:
     assert judge(plan.old, plan.new, frozenset(REPLICA)).in_place
     assert plan.new.dp_sizes == (2, 2) and plan.new.global_batch == BATCH
     assert Plan.from_json(plan.to_json()) == plan
+    bad = plan.to_json().replace('"standby":[2,5]', '"standby":[2,2]')
+    with pytest.raises(ValueError, match="names a rank twice"):
+        Plan.from_json(bad)
     assert "standby" in judge(plan.old, plan.new, frozenset({0})).reason  # not a dropped rank
     back = back_plan()
     assert back.old is not None and judge(back.old, back.new).in_place
