@@ -310,7 +310,7 @@ class StepProtocol:
         membership = groups_for_stages([s.ranks for s in plan.new.stages], world=self.world)
         if plan.mode is PlanMode.IN_PLACE:
             pairs = far_pairs(plan.old, plan.new, lost) + handover_pairs(
-                plan.old, plan.new, frozenset(plan.standby)
+                plan.old, plan.new, frozenset(plan.standby), lost
             )
             membership |= transfer_groups(pairs)
         return membership

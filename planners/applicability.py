@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planners.backup import backup_holder_sets, first_surviving
+from planners.backup import backup_holder_sets, first_surviving, recovery_sources
 from planners.layout import Layout
 
 UNSUPPORTED = "unsupported by the engine's in-place re-layout"
@@ -79,16 +79,24 @@ def far_pairs(old: Layout, new: Layout, lost: frozenset[int]) -> tuple[tuple[int
     return tuple(sorted(pairs))
 
 
-def handover_pairs(old: Layout, new: Layout, standby: frozenset[int]) -> tuple[tuple[int, int], ...]:
+def handover_pairs(
+    old: Layout, new: Layout, standby: frozenset[int], lost: frozenset[int] = frozenset()
+) -> tuple[tuple[int, int], ...]:
     """(standby rank, destination) pairs: a rank the plan drops while it is alive (`Plan.standby`,
     a DP replica dropped) hands its live shard over to the ranks of `new` that hold its old
-    stage's blocks. It is in no group of `new`, so every such pair gets a two-rank group for the
-    transfer (`executor.comm.groups.transfer_groups`), as `far_pairs` do."""
+    stage's blocks, and the copy it keeps of a `lost` rank (when recovery reads that one) to the
+    ranks that hold the lost rank's blocks. It is in no group of `new`, so every such pair gets
+    a two-rank group for the transfer (`executor.comm.groups.transfer_groups`), as `far_pairs` do."""
+    serves = {rank: {rank} for rank in standby}
+    for owner, src in recovery_sources(old, lost).items():
+        if src in standby:
+            serves[src].add(owner)
     pairs: set[tuple[int, int]] = set()
-    for rank in sorted(standby):
-        stage = old.stages[old.stage_of_rank(rank)]
-        for layer in range(stage.layer_start, stage.layer_stop):
-            pairs.update((rank, dst) for dst in new.stages[new.stage_of_layer(layer)].ranks)
+    for rank, owners in sorted(serves.items()):
+        for stage in {old.stage_of_rank(o) for o in owners}:
+            s = old.stages[stage]
+            for layer in range(s.layer_start, s.layer_stop):
+                pairs.update((rank, dst) for dst in new.stages[new.stage_of_layer(layer)].ranks)
     return tuple(sorted(pairs))
 
 
@@ -126,8 +134,11 @@ def judge(old: Layout, new: Layout, standby: frozenset[int] = frozenset()) -> Ve
         stages = sorted({old.stage_of_rank(r) for r in gone})
         return Verdict(
             False,
-            f"the optimizer state of lost ranks {list(gone)} (stages {stages}) has no surviving copy: "
-            f"every one of its {old.backup_copies} backup copies was on a rank lost with it",
+            f"the optimizer state of lost ranks {list(gone)} (stages {stages}) has no surviving copy: "(
+                "its ring snapshot was on a rank lost with it"
+                if old.backup_copies == 1
+                else f"every one of its {old.backup_copies} backup copies was on a rank lost with it"
+            ),
             lost,
             gone,
         )

@@ -42,8 +42,9 @@ copy is without a message.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 from planners.layout import Layout
 from planners.zero import layout_ownership
@@ -83,7 +84,7 @@ def backup_placement(layout: Layout) -> BackupPlacement:
                 continue
             chosen = [first]
             if k > 1:
-                candidates = _candidates(rank, stage.ranks, j, neighbours)
+                candidates = partial(_candidates, rank, stage.ranks, j, neighbours)
                 while len(chosen) < k:
                     extra, independent = _extra_copy(nodes, rank, candidates, chosen)
                     if extra is None:
@@ -125,28 +126,32 @@ def recovery_sources(layout: Layout, lost: Collection[int]) -> dict[int, int]:
     return out
 
 
-def _candidates(rank: int, ring: tuple[int, ...], j: int, neighbours: list[tuple[int, ...]]) -> list[int]:
-    """Every rank that shares a group with `rank`, in the order further copies prefer them."""
-    out = [ring[(j - d) % len(ring)] for d in range(1, len(ring))]
+def _candidates(rank: int, ring: tuple[int, ...], j: int, neighbours: list[tuple[int, ...]]) -> Iterator[int]:
+    """Every rank that shares a group with `rank`, in the order further copies prefer them
+    (lazily: a copy is usually placed after a few, whatever the stage's DP size)."""
+    yield from (ring[(j - d) % len(ring)] for d in range(1, len(ring)))
     for ranks in neighbours:
-        out += [ranks[(j + i) % len(ranks)] for i in range(len(ranks))]
-    return [r for r in dict.fromkeys(out) if r != rank]
+        yield from (r for r in (ranks[(j + i) % len(ranks)] for i in range(len(ranks))) if r != rank)
 
 
 def _extra_copy(
-    nodes: dict[int, int], rank: int, candidates: list[int], chosen: list[int]
+    nodes: dict[int, int], rank: int, candidates: Callable[[], Iterator[int]], chosen: list[int]
 ) -> tuple[int | None, bool]:
-    """The next copy's holder (rules a-c) and whether it sits on a failure domain of its own."""
-    free = [r for r in candidates if r not in chosen]
-    used = {_node(nodes, rank)} | {_node(nodes, h) for h in chosen}
-    for r in free:
-        if _node(nodes, r) not in used:
-            return r, True
+    """The next copy's holder (rules a-c) and whether it sits on a failure domain of its own:
+    the first candidate of rule a, else the first one rule b or c found on the way."""
     mine = _node(nodes, rank)
-    for r in free:
-        if _node(nodes, r) != mine:
-            return r, False
-    return (free[0], False) if free else (None, False)
+    used = {mine} | {_node(nodes, h) for h in chosen}
+    other_node = any_rank = None
+    for r in candidates():
+        if r in chosen:
+            continue
+        node = _node(nodes, r)
+        if node not in used:
+            return r, True
+        if other_node is None and node != mine:
+            other_node = r
+        any_rank = r if any_rank is None else any_rank
+    return (other_node if other_node is not None else any_rank), False
 
 
 def _notes(layout: Layout, k: int, shared: int, fewer: int) -> tuple[str, ...]:

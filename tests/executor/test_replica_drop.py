@@ -32,7 +32,7 @@ from executor.fabric.trainer_state import FabricParticipant, shard_state_of
 from executor.step_protocol import StepProtocol, plan_key
 from executor.store_server import StoreServer, connect_store
 from executor.trainer import Trainer
-from planners.applicability import judge
+from planners.applicability import handover_pairs, judge
 from planners.backup import backup_holders
 from planners.dataflow import resize_after_loss
 from planners.layout import Layout, Plan
@@ -88,6 +88,11 @@ def test_the_drop_is_in_place_only_as_a_standby() -> None:
     with pytest.raises(ValueError, match="names a rank twice"):
         Plan.from_json(bad)
     assert "standby" in judge(plan.old, plan.new, frozenset({0})).reason  # not a dropped rank
+    assert handover_pairs(plan.old, plan.new, frozenset(REPLICA)) == ((2, 0), (2, 1), (5, 3), (5, 4))
+    # rank 2 lost, rank 5 (the holder of its only copy) on standby: 5 serves 2's copy as well
+    lost = frozenset({2})
+    assert judge(plan.old, plan.new, frozenset({5})).in_place
+    assert handover_pairs(plan.old, plan.new, frozenset({5}), lost) == ((5, 0), (5, 1), (5, 3), (5, 4))
     back = back_plan()
     assert back.old is not None and judge(back.old, back.new).in_place
 
