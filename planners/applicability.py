@@ -132,13 +132,14 @@ def judge(old: Layout, new: Layout, standby: frozenset[int] = frozenset()) -> Ve
     gone = lost_without_copy(old, lost)
     if gone:
         stages = sorted({old.stage_of_rank(r) for r in gone})
+        where = (
+            "its ring snapshot was on a rank lost with it"
+            if old.backup_copies == 1
+            else f"every one of its {old.backup_copies} backup copies was on a rank lost with it"
+        )
         return Verdict(
             False,
-            f"the optimizer state of lost ranks {list(gone)} (stages {stages}) has no surviving copy: "(
-                "its ring snapshot was on a rank lost with it"
-                if old.backup_copies == 1
-                else f"every one of its {old.backup_copies} backup copies was on a rank lost with it"
-            ),
+            f"the optimizer state of lost ranks {list(gone)} (stages {stages}) has no surviving copy: {where}",
             lost,
             gone,
         )
