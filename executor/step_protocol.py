@@ -29,14 +29,14 @@ from __future__ import annotations
 import contextlib
 import time
 from datetime import timedelta
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from torch.distributed import DistNetworkError
 
 from executor.comm.communicator import Communicator, EditReport
 from executor.comm.errors import PeerFailure, StoreLost
 from executor.comm.groups import WORLD_GROUP, all_workers, groups_for_stages, transfer_groups
-from planners.applicability import far_pairs
+from planners.applicability import far_pairs, handover_pairs
 from planners.layout import Plan, PlanMode
 
 COMMIT, ABORT = b"commit", b"abort"
@@ -97,6 +97,17 @@ class StepParticipant(Protocol):
         call starts again from the last committed point."""
 
 
+@runtime_checkable
+class HandsOver(Protocol):
+    """A participant whose worker can be put on standby by a plan (`Plan.standby`)."""
+
+    def check_plan(self, plan: Plan, lost: frozenset[int]) -> object: ...
+
+    def hand_over(self, plan: Plan, lost: frozenset[int]) -> None:
+        """Send this worker's committed state to the new layout's workers that need it
+        (collective with their `on_plan`; groups already edited), then hold nothing: a spare."""
+
+
 def plan_key(namespace: str, epoch: int) -> str:
     """Where the Core publishes the plan of `epoch` (a `planners.layout.Plan` as JSON)."""
     return f"{namespace}/plan/{epoch}"
@@ -143,6 +154,7 @@ class StepProtocol:
         # Until its first commit on a layout that holds it: a plan that adds it again (the plan
         # that took it in was interrupted, or superseded before a step committed) starts over.
         self.joining = joining
+        self.standby: frozenset[int] = frozenset()  # ranks the applied plan put on standby
 
     # ----- one step ------------------------------------------------------------------------
     def begin_step(self, step: int, timeout_s: float | None = None) -> None:
@@ -189,7 +201,8 @@ class StepProtocol:
 
     def _decide(self, step: int, deadline: float) -> bool:
         base = f"{self.comm.namespace}/decide/p{self.plan_epoch}/s{step}/a{self.attempt}"
-        store, workers = self.comm.store, sorted(all_workers(self.comm.membership))
+        # Ranks on standby keep a pair group until the next edit, but take no part in steps.
+        store, workers = self.comm.store, sorted(all_workers(self.comm.membership) - self.standby)
         store.set(f"{base}/vote/{self.comm.worker}", "fail" if self.failure else "ok")
         vote_keys = [f"{base}/vote/{w}" for w in workers]
         pause = POLL_FIRST_S
@@ -245,7 +258,9 @@ class StepProtocol:
         """Apply `plan` between steps: edit the communicator in place (only changed groups, under
         the plan's epoch), then let the participant move its state to `plan.new`. Collective over
         the new layout's workers; each wait is bounded by the communicator timeout and abandoned
-        as soon as the communicator's `interrupt` says a newer plan exists.
+        as soon as the communicator's `interrupt` says a newer plan exists. A worker the plan
+        puts on standby (`Plan.standby`: its DP replica dropped) hands its state over instead
+        (`hand_over`) and is a spare afterwards (`joining`).
 
         Refused, changing nothing (StepProtocolError, or the participant's ValueError from
         `check_plan`): an older or repeated epoch, a plan without its old layout, a plan this
@@ -259,11 +274,14 @@ class StepProtocol:
             )
         if plan.old is None:
             raise StepProtocolError("a plan applied to a running job must name its old layout")
+        standby = frozenset(plan.standby)
+        if self.comm.worker in standby and not self.joining:
+            return self.hand_over(plan)
         if self.comm.worker not in plan.new.ranks():
             raise StepProtocolError(
                 f"worker {self.comm.worker} is not in the new layout of plan {plan.epoch}"
             )
-        lost = frozenset(plan.old.ranks()) - frozenset(plan.new.ranks())
+        lost = frozenset(plan.old.ranks()) - frozenset(plan.new.ranks()) - standby
         joined = frozenset(plan.new.ranks()) - frozenset(plan.old.ranks())
         if self.joining and self.comm.worker not in joined:
             raise StepProtocolError(
@@ -275,16 +293,53 @@ class StepProtocol:
                 self._settle(plan)
             if joined:
                 self._agree_join_point(plan, joined)
-            membership = groups_for_stages([s.ranks for s in plan.new.stages], world=self.world)
-            if plan.mode is PlanMode.IN_PLACE:  # blocks moved past a neighbour: a group per pair
-                membership |= transfer_groups(far_pairs(plan.old, plan.new, lost))
-            report = self.comm.apply_edit(membership, epoch=plan.epoch)
+            report = self.comm.apply_edit(self._membership(plan, lost), epoch=plan.epoch)
             committed = self.participant.on_plan(plan, lost, self.committed_step)
         except Exception as exc:  # noqa: BLE001 - whatever broke, the attempt is over and retried
             with contextlib.suppress(Exception):  # an unreachable store must not mask the cause
                 self.comm.store.set(self.comm.abort_key(plan.epoch), f"{self.comm.worker}: {exc}"[:500])
             raise PlanInterrupted(plan.epoch, exc) from exc
         self.plan_epoch, self.committed_step, self.attempt = plan.epoch, committed, 0
+        self.standby = standby
+        return report
+
+    def _membership(self, plan: Plan, lost: frozenset[int]) -> dict[str, tuple[int, ...]]:
+        """The groups of `plan.new`, and a two-rank group per pair whose state must travel
+        outside them: blocks moved past a neighbour, and ranks handing over before standby."""
+        assert plan.old is not None
+        membership = groups_for_stages([s.ranks for s in plan.new.stages], world=self.world)
+        if plan.mode is PlanMode.IN_PLACE:
+            pairs = far_pairs(plan.old, plan.new, lost) + handover_pairs(
+                plan.old, plan.new, frozenset(plan.standby), lost
+            )
+            membership |= transfer_groups(pairs)
+        return membership
+
+    def hand_over(self, plan: Plan) -> EditReport:
+        """This worker's rank is dropped while it is alive (`Plan.standby`, a DP replica dropped):
+        join the plan's edit (its only groups are the pairs to the ranks taking its blocks), send
+        its committed live shard where the new layout needs it (`HandsOver.hand_over`, collective
+        with the new layout's workers), and become a spare: the next plan that applies to it must
+        take it back in (`Plan.joiners`), like any joining worker. Bounded like `apply_plan`;
+        PlanInterrupted when cut short (the next plan starts again from the committed point)."""
+        assert plan.old is not None
+        lost = frozenset(plan.old.ranks()) - frozenset(plan.new.ranks()) - frozenset(plan.standby)
+        participant = self.participant
+        if not isinstance(participant, HandsOver):
+            raise StepProtocolError(
+                f"plan {plan.epoch} puts this worker on standby; its state cannot hand over"
+            )
+        participant.check_plan(plan, lost)
+        try:
+            if self.comm.store_generation != self._settled_generation:
+                self._settle(plan)
+            report = self.comm.apply_edit(self._membership(plan, lost), epoch=plan.epoch)
+            participant.hand_over(plan, lost)
+        except Exception as exc:  # noqa: BLE001 - whatever broke, the attempt is over and retried
+            with contextlib.suppress(Exception):
+                self.comm.store.set(self.comm.abort_key(plan.epoch), f"{self.comm.worker}: {exc}"[:500])
+            raise PlanInterrupted(plan.epoch, exc) from exc
+        self.plan_epoch, self.attempt, self.joining = plan.epoch, 0, True
         return report
 
     def _agree_join_point(self, plan: Plan, joined: frozenset[int]) -> None:

@@ -180,7 +180,11 @@ class PlanFollowing:
             tried = published.epoch
             waited = time.perf_counter() - t0
             self.plans.ack(published.epoch, "RECEIVED", waited)
-            if self.args.rank not in published.new.ranks():
+            # Its DP replica dropped while it is alive (`Plan.standby`): it hands its state over
+            # with the plan's rebuild first, then leaves like a planned departure (a later plan
+            # re-creates the replica from spares, `Plan.joiners`).
+            standby = self.args.rank in published.standby and not self.proto.joining
+            if self.args.rank not in published.new.ranks() and not standby:
                 # A planned departure, not a failed apply: a FAILED ack would make the Core re-plan.
                 self.plans.ack(published.epoch, "PAUSED", 0.0)
                 self.results["left_at_step"] = step
@@ -214,6 +218,14 @@ class PlanFollowing:
                 self._applying = None
             applied = time.perf_counter() - t1
             self.plans.ack(plan.epoch, "APPLIED", applied)
+            if standby:
+                self.results["left_at_step"], self.results["handed_over_epoch"] = step, plan.epoch
+                print(
+                    f"worker {self.args.worker_id}: plan {plan.epoch} drops rank {self.args.rank} "
+                    f"while alive; its state handed over, leaving at the boundary of step {step}",
+                    flush=True,
+                )
+                return None
             if (
                 self.writer is not None
                 and plan.old is not None

@@ -286,6 +286,10 @@ class Plan:
     # (rank, worker_id) of every rank that `new` adds to `old` (a spare taken in, growth issue):
     # a joining worker finds its rank here by its worker id; sorted by rank.
     joiners: tuple[tuple[int, str], ...] = field(default=())
+    # Ranks of `old` that `new` drops while they are alive (a whole DP replica dropped, issue 25):
+    # they hand their live state over in place and wait as spares until a later plan takes them
+    # back (`joiners`). Any other rank `new` lacks is lost: its state is read from its backups.
+    standby: tuple[int, ...] = field(default=())
 
     def rank_of_joiner(self, worker_id: str) -> int | None:
         """The rank this plan gives the joining worker `worker_id` (None: it does not join here)."""
@@ -305,7 +309,8 @@ class Plan:
                 "mode": self.mode.value,
                 "created_unix": self.created_unix,
                 "joiners": [[rank, worker] for rank, worker in self.joiners],
-            },
+            }
+            | ({"standby": list(self.standby)} if self.standby else {}),
             sort_keys=True,
             separators=(",", ":"),
         )
@@ -334,6 +339,7 @@ class Plan:
             mode=PlanMode(mode),
             created_unix=as_float(d.get("created_unix", 0.0), "plan.created_unix"),
             joiners=_joiners(d.get("joiners", [])),
+            standby=_standby(d.get("standby", [])),
         )
 
 
@@ -467,6 +473,15 @@ def _stage_from_dict(d: Any, index: int) -> StageLayout:
             for w in as_list(d.get("sample_weights", []), f"{where}.sample_weights")
         ),
     )
+
+
+def _standby(raw: Any) -> tuple[int, ...]:
+    """`plan.standby` from JSON: distinct ranks >= 0, sorted."""
+    if not isinstance(raw, list) or any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in raw):
+        raise ValueError(f"plan.standby must be a list of ranks >= 0, got {raw!r}")
+    if len(set(raw)) != len(raw):
+        raise ValueError(f"plan.standby names a rank twice: {raw!r}")
+    return tuple(sorted(raw))
 
 
 def _joiners(raw: Any) -> tuple[tuple[int, str], ...]:

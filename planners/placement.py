@@ -27,6 +27,7 @@ any worker starts, with the units the script's describe run measured. It decides
   (3 P), its ZeRO-1 share of the two optimizer states and their rollback copy (16 n / D_p bytes),
   the shard backups it keeps for others (parameters and both states of each: 12 n / D_p for its
   ring neighbour's share, or a neighbouring stage's shares, as `planners.backup` places them;
+  with `backup_copies` = k, every one of the k copies of every shard counted where it lives;
   checked against the cap once the ranks are placed), and the activations of
   the micro-batches in flight under 1F1B: min(P_stages - p, M) of them, B / (M D_p) samples each,
   at the units' measured activation bytes per sample. `stage_mem_bytes` reports the estimate.
@@ -94,10 +95,14 @@ def plan_placement(
     pp: int = 1,
     time_tolerance: float = 0.01,
     mem_cap_bytes: float | None = None,
+    backup_copies: int = 1,
 ) -> Placement:
     """Lay `units` out over `nnodes` x `nproc_per_node` workers in `pp` stages (see module doc);
-    with `mem_cap_bytes`, every worker's estimated memory must fit it."""
+    with `mem_cap_bytes`, every worker's estimated memory must fit it, counting every one of the
+    `backup_copies` copies of the shards it backs up (`planners.backup`)."""
     _check_input(units, global_batch, micro_batches, nnodes, nproc_per_node, pp, time_tolerance)
+    if backup_copies < 1:
+        raise PlacementError(f"backup_copies must be >= 1 (copies of every ZeRO shard), got {backup_copies}")
     if mem_cap_bytes is not None and not (math.isfinite(mem_cap_bytes) and mem_cap_bytes > 0):
         raise PlacementError(
             f"the memory cap per worker must be a positive number of bytes, got {mem_cap_bytes}"
@@ -130,6 +135,7 @@ def plan_placement(
         frequencies_mhz=(),
         rng_mode="placement_invariant",
         rank_nodes=tuple(enumerate(rank_node)),  # where shard backups go (planners.backup)
+        backup_copies=backup_copies,
     )
     report = validate(layout)
     if not report.ok:  # a bug here, never the user's input: say so plainly

@@ -6,7 +6,10 @@ Checked always (cost O(ranks + stages x slots + layers), fine at 100,000 ranks):
   * the micro-batch split rule of every stage is well formed (so every sample of the global batch
     is processed exactly once per stage per step), 1 <= M <= B;
   * per-layer element counts, frequencies and memory caps well formed;
-  * per-stage memory within its cap when a memory model and caps are given.
+  * per-stage memory within its cap when a memory model and caps are given. The model prices
+    the job as ElasWave §5.1 runs it, one backup copy per shard; with `backup_copies` = k > 1
+    the copies 2..k that the stage's most loaded rank keeps are added
+    (`planners.backup.extra_copy_bytes`), so every copy is counted.
 With `exhaustive=True` it also enumerates every rank's sample range in every slot and every ZeRO
 owned interval and checks exact coverage explicitly (the executor does this at small scale; the
 planner's hot path relies on the split rules being exact by construction, which tests prove).
@@ -17,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from planners.backup import extra_copy_bytes
 from planners.layout import Layout, SampleRange, StageLayout
 from planners.zero import ownership_problems
 
@@ -205,8 +209,11 @@ def _slot_cover_problems(
 
 def _memory_problems(layout: Layout, memory_model: MemoryModel) -> list[str]:
     out = []
+    extra = extra_copy_bytes(layout) if layout.backup_copies > 1 else {}
     for s, cap in zip(layout.stages, layout.stage_mem_cap_bytes or (), strict=True):
-        need = memory_model.stage_memory_bytes(layout, s.stage)
+        held = max((extra.get(r, 0) for r in s.ranks), default=0)
+        need = memory_model.stage_memory_bytes(layout, s.stage) + held
         if need > cap:
-            out.append(f"stage {s.stage} needs {need:.4g} bytes, over its cap of {cap:.4g} bytes")
+            why = f" ({held:.4g} of them extra shard backup copies)" if held else ""
+            out.append(f"stage {s.stage} needs {need:.4g} bytes{why}, over its cap of {cap:.4g} bytes")
     return out

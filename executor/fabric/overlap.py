@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from planners.backup import backup_holders
+from planners.backup import backup_holder_sets, first_surviving
 from planners.layout import Layout
 from planners.zero import layout_ownership
 
@@ -56,17 +56,17 @@ def block_ownership(
 
 def snapshot_holders(old: Layout, lost: Collection[int]) -> dict[int, int]:
     """Integrity check (Fig. 7a): lost worker -> the surviving worker of its stage whose backup
-    covers it (`planners.backup`). A backup kept in another stage is the rebuild's to read
-    (`executor.fabric.rebuild`), not the remap's."""
-    every = backup_holders(old)
+    covers it: its first copy still alive (`planners.backup`). A backup kept in another stage is
+    the rebuild's to read (`executor.fabric.rebuild`), not the remap's."""
+    every = backup_holder_sets(old)
     holders: dict[int, int] = {}
     for w in sorted(lost):
         stage = old.stage_layout_of_rank(w)
-        holder = every.get(w)
-        if holder is None:
+        if not every.get(w):
             raise UnrecoverableLoss(f"worker {w} was the only rank of the job: no snapshot of it exists")
-        if holder in lost:
-            raise UnrecoverableLoss(f"worker {w} and its snapshot holder {holder} were both lost")
+        holder = first_surviving(every, w, lost)
+        if holder is None:
+            raise UnrecoverableLoss(f"worker {w} and every snapshot holder of it {list(every[w])} were lost")
         if holder not in stage.ranks:
             raise UnrecoverableLoss(
                 f"worker {w} is backed up on worker {holder} of another stage: the remap reads only "

@@ -65,7 +65,7 @@ def rebuild_plan(
     old: Layout,
     new: Layout,
     lost: Collection[int],
-    holders: Mapping[int, int],
+    holders: Mapping[int, int],  # lost owner -> the surviving holder its copy is read from
     names: Sequence[str],
     old_own: Ownership,
     new_own: Ownership,

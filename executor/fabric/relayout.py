@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from executor.migration import moved_layers
 from planners.applicability import UNSUPPORTED, structural_problem
-from planners.backup import backup_holders
+from planners.backup import recovery_sources
 from planners.layout import Layout
 
 
@@ -55,12 +55,14 @@ def with_boundaries(layout: Layout, bounds_from: Layout) -> Layout:
     return replace(layout, stages=stages)
 
 
-def plan_relayout(old: Layout, new: Layout) -> Relayout:
+def plan_relayout(old: Layout, new: Layout, standby: frozenset[int] = frozenset()) -> Relayout:
     """Diff `old -> new` into a remap and a migration; raises RelayoutError (a ValueError) for a
-    plan the engine cannot apply in place (see `RelayoutError`)."""
+    plan the engine cannot apply in place (see `RelayoutError`). `standby`: ranks dropped while
+    alive (`Plan.standby`); they are not lost, and their live shards are handed over in one
+    rebuild, where they are read like any live owner's."""
     check_supported(old, new)
-    lost = frozenset(old.ranks()) - frozenset(new.ranks())
-    if needs_rebuild(old, new, lost):
+    lost = frozenset(old.ranks()) - frozenset(new.ranks()) - standby
+    if standby or needs_rebuild(old, new, lost):
         return Relayout(lost, None, (), rebuild=True)
     mid = with_boundaries(new, old)
     try:
@@ -78,8 +80,8 @@ def needs_rebuild(old: Layout, new: Layout, lost: frozenset[int]) -> bool:
         return True
     if any(abs(old.stage_of_layer(k) - new.stage_of_layer(k)) > 1 for k in range(old.num_layers)):
         return True
-    holders = backup_holders(old)
-    return any(r in holders and old.stage_of_rank(holders[r]) != old.stage_of_rank(r) for r in lost)
+    sources = recovery_sources(old, lost)  # the copy each lost shard is read from: its first alive
+    return any(old.stage_of_rank(src) != old.stage_of_rank(r) for r, src in sources.items())
 
 
 def check_supported(old: Layout, new: Layout) -> None:

@@ -1,8 +1,10 @@
 """Per-step snapshots of ZeRO-1 shards (ElasWave §5.1, Fig. 6).
 
-Every worker's shard has one backup, kept in host memory by its *holder*; `planners.backup`
-says who that is (the DP predecessor of Fig. 6a where it runs on another node, else a rank of a
-neighbouring stage), so a worker may protect none, one or several shards. `RingSnapshot` is
+Every worker's shard has `Layout.backup_copies` backups (one in §5.1), each kept in host memory by
+one of its *holders*; `planners.backup` says who they are (the first on the DP predecessor of
+Fig. 6a where it runs on another node, else a rank of a neighbouring stage; further copies on
+further nodes), so a worker may protect none, one or several shards. All copies follow the same
+protocol: the gradient shard goes to every holder each step, and each applies the update. `RingSnapshot` is
 the ring of §5.1 over one DP group: worker w_i keeps the shard owned by w_{(i+1) mod D}.
 Every step, each worker sends its *gradient* shard (not
 its three times larger optimizer state) to the worker that backs it up; that worker applies the
@@ -65,8 +67,9 @@ def ring_protected(dp_workers: tuple[int, ...], worker: int) -> int:
 
 
 class ShardBackups:
-    """This worker's side of the backup pairs: sends its gradient shards to `holder` (None: its
-    shard has no backup) and maintains the backups of the workers in `protected`. Each pair
+    """This worker's side of the backup pairs: sends its gradient shards to each of its holders
+    (`holder`: one rank, a tuple of them, first copy first, or None / () when its shard has no
+    backup) and maintains the backups of the workers in `protected`. Each pair
     talks over the first group that holds both (`Communicator.group_with`).
 
     Blocking behaviour: `seed` blocks on one send and one receive per pair (bounded by the
@@ -77,12 +80,20 @@ class ShardBackups:
     """
 
     def __init__(
-        self, comm: Communicator, holder: int | None, protected: tuple[int, ...], update_fn: UpdateFn
+        self,
+        comm: Communicator,
+        holder: int | tuple[int, ...] | None,
+        protected: tuple[int, ...],
+        update_fn: UpdateFn,
     ) -> None:
-        if comm.worker in protected or holder == comm.worker:
+        holders = () if holder is None else (holder,) if isinstance(holder, int) else tuple(holder)
+        if comm.worker in protected or comm.worker in holders:
             raise SnapshotError(f"worker {comm.worker} cannot keep a backup of its own shard")
+        if len(set(holders)) != len(holders):
+            raise SnapshotError(f"worker {comm.worker}: holders {list(holders)} name a rank twice")
         self.comm, self.update_fn = comm, update_fn
-        self.holder, self.protected_ranks = holder, tuple(protected)
+        self.holders, self.protected_ranks = holders, tuple(protected)
+        self.holder = holders[0] if holders else None  # the first copy
         self._states: dict[int, ShardState] = {}
         self._pending: tuple[int, dict[int, dict[str, torch.Tensor]]] | None = None
         # posted exchange: (step, ops, incoming buffer per protected worker, outgoing buffer)
@@ -111,7 +122,7 @@ class ShardBackups:
         """Send my full shard state to my holder and receive each protected worker's (at start,
         and after every re-layout, when the pairs and the shard intervals change)."""
         self.flush()
-        received = self._transfer_states(mine, self.holder, self.protected_ranks)
+        received = self._transfer_states(mine, self.holders, self.protected_ranks)
         with self._lock:
             self._states = received
             self._pending = None
@@ -119,9 +130,9 @@ class ShardBackups:
             self._seeded = True
 
     def _transfer_states(
-        self, mine: ShardState, send_to: int | None, receive_from: tuple[int, ...]
+        self, mine: ShardState, send_to: tuple[int, ...], receive_from: tuple[int, ...]
     ) -> dict[int, ShardState]:
-        """Full states over the pairs: mine to `send_to`, and one from each of `receive_from`."""
+        """Full states over the pairs: mine to each of `send_to`, one from each of `receive_from`."""
         header = mine.header()
         sizes = {p: torch.zeros(1, dtype=torch.int64) for p in receive_from}
         self._pairwise(torch.tensor([header.numel()]), send_to, sizes, SNAPSHOT_TAG)
@@ -132,15 +143,15 @@ class ShardBackups:
         return {p: ShardState.from_wire(headers[p], payloads[p]) for p in receive_from}
 
     def _pairwise(
-        self, out: torch.Tensor, send_to: int | None, into: dict[int, torch.Tensor], tag: int
+        self, out: torch.Tensor, send_to: tuple[int, ...], into: dict[int, torch.Tensor], tag: int
     ) -> None:
-        sends = [] if send_to is None else [(self._group(send_to), out, send_to, tag)]
+        sends = [(self._group(h), out, h, tag) for h in send_to]
         recvs = [(self._group(p), buf, p, tag) for p, buf in into.items()]
         self.comm.exchange_many(sends, recvs)
 
     def exchange_grads(self, step: int, mine: Mapping[str, torch.Tensor]) -> None:
         """Post the send of this step's reduced gradient shards (unit -> flat grad of my interval)
-        to my holder and the receives of the protected workers'; returns without waiting.
+        to every holder and the receives of the protected workers'; returns without waiting.
         `mine` must not change until `finish_exchange`."""
         self._require_seeded()
         if step != self._committed + 1 or self._inflight is not None:
@@ -153,9 +164,7 @@ class ShardBackups:
             p: torch.empty(sum(s.stop - s.start for s in st.units.values()), device=out.device)
             for p, st in self._states.items()
         }
-        sends = (
-            [] if self.holder is None else [(self._group(self.holder), out, self.holder, SNAPSHOT_TAG + 3)]
-        )
+        sends = [(self._group(h), out, h, SNAPSHOT_TAG + 3) for h in self.holders]
         recvs = [(self._group(p), buf, p, SNAPSHOT_TAG + 3) for p, buf in incoming.items()]
         ops = self.comm.post_exchange(sends, recvs)
         self._inflight = (step, ops, incoming, out)
@@ -231,6 +240,16 @@ class ShardBackups:
             self._require_seeded()
             return {p: st.clone() for p, st in self._states.items()}
 
+    def held_bytes(self) -> int:
+        """Host bytes of the backups this worker keeps for others (every copy it holds, three
+        fp32 rows per element: what `planners.backup.backup_cost` predicts for it)."""
+        with self._lock:
+            return sum(
+                sum(t.numel() * t.element_size() for t in (u.param, u.exp_avg, u.exp_avg_sq))
+                for st in self._states.values()
+                for u in st.units.values()
+            )
+
     def state(self) -> ShardState:
         """A copy of the one backup this worker keeps (SnapshotError unless it keeps exactly one)."""
         states = self.states()
@@ -239,14 +258,14 @@ class ShardBackups:
         return next(iter(states.values()))
 
     def verify(self, mine: ShardState) -> bool:
-        """Periodic integrity check of my pairs: does my holder's backup equal my live shard, and
+        """Periodic integrity check of my pairs: does each holder's backup equal my live shard, and
         does each backup I keep equal its owner's? The holder tells the owner its verdict, so
         both sides of a pair know; `repair` re-seeds the pairs that failed."""
         t0 = time.perf_counter()
         self.flush()
         digest_out = torch.frombuffer(bytearray(bytes.fromhex(mine.checksum())), dtype=torch.uint8)
         digests = {p: torch.zeros(32, dtype=torch.uint8) for p in self.protected_ranks}
-        self._pairwise(digest_out, self.holder, digests, SNAPSHOT_TAG + 4)
+        self._pairwise(digest_out, self.holders, digests, SNAPSHOT_TAG + 4)
         with self._lock:
             self._require_seeded()
             held_bad = {
@@ -257,21 +276,17 @@ class ShardBackups:
             (self._group(p), torch.tensor([1 if p in held_bad else 0]), p, SNAPSHOT_TAG + 5)
             for p in self.protected_ranks
         ]
-        mine_bad = torch.zeros(1, dtype=torch.int64)
-        recvs = (
-            []
-            if self.holder is None
-            else [(self._group(self.holder), mine_bad, self.holder, SNAPSHOT_TAG + 5)]
-        )
+        mine_bad = {h: torch.zeros(1, dtype=torch.int64) for h in self.holders}
+        recvs = [(self._group(h), mine_bad[h], h, SNAPSHOT_TAG + 5) for h in self.holders]
         self.comm.exchange_many(sends, recvs)
-        self._bad = held_bad | ({self.holder} if self.holder is not None and mine_bad.item() else set())
+        self._bad = held_bad | {h for h, bad in mine_bad.items() if bad.item()}
         self.stats.verify_s += time.perf_counter() - t0
         self.stats.verifies += 1
         return not self._bad
 
     def repair(self, mine: ShardState) -> None:
         """Re-seed the pairs the last `verify` found broken (both sides of each call this)."""
-        send_to = self.holder if self.holder in self._bad else None
+        send_to = tuple(h for h in self.holders if h in self._bad)
         receive_from = tuple(p for p in self.protected_ranks if p in self._bad)
         self.flush()
         fresh = self._transfer_states(mine, send_to, receive_from)

@@ -50,7 +50,7 @@ from executor.trainer import Trainer
 from executor.zero import ShardState as ZeroShard
 from executor.zero import flat_params, unit_ownership
 from planners.applicability import judge
-from planners.backup import backup_holders, protected_by
+from planners.backup import backup_holder_sets, protected_by, recovery_sources
 from planners.layout import Layout, Plan, PlanMode
 
 
@@ -154,6 +154,7 @@ class FabricParticipant:
         self._verified_in_step: int | None = None
         self.migrations: list[MigrationReport] = []  # one per plan that moved layers
         self.rebuilt_bytes = 0  # received by the last rebuild (a join: the joiner's whole state)
+        self.handed_over: list[int] = []  # epochs of the plans that put this worker on standby
         self.restore_source = restore_source
         self.restored_from: list[tuple[int, str | None, int]] = []  # (plan epoch, checkpoint, its next step)
         # The rollback copy of the last commit; on a host device copied by a helper thread while
@@ -261,10 +262,11 @@ class FabricParticipant:
                     f"plan {plan.epoch} restores from a checkpoint, and this worker has no source"
                 )
             return None
-        verdict = judge(plan.old, plan.new)  # the Core's own rule (planners.applicability)
+        standby = frozenset(plan.standby)
+        verdict = judge(plan.old, plan.new, standby)  # the Core's own rule (planners.applicability)
         if not verdict.in_place:
             raise RelayoutError(verdict.reason)
-        steps = plan_relayout(plan.old, plan.new)
+        steps = plan_relayout(plan.old, plan.new, standby)
         if steps.lost != lost:
             raise RelayoutError(
                 f"plan {plan.epoch} drops ranks {sorted(steps.lost)}, the protocol says "
@@ -310,6 +312,39 @@ class FabricParticipant:
         self._committed = self.trainer.get_state()
         self._install_snapshot()
         return committed_step
+
+    def hand_over(self, plan: Plan, lost: frozenset[int]) -> None:
+        """This worker's rank is dropped while it is alive (`Plan.standby`: its DP replica
+        dropped, the other replicas take its samples). It takes part in the plan's one rebuild
+        (`executor.fabric.rebuild`) as a source only: its committed live shard, and any backup it
+        keeps of a lost rank, go where `plan.new` needs them, so nothing is read from a copy
+        for it. Then it holds nothing the job uses: a spare, taken back by a later plan that
+        names it in `Plan.joiners` (the joining path: everything from the live owners)."""
+        assert plan.old is not None
+        base = self._enter_plan()
+        names = self.trainer.unit_names
+        transfers = rebuild_plan(
+            plan.old,
+            plan.new,
+            lost,
+            recovery_sources(plan.old, lost),
+            names,
+            engine_ownership(plan.old, names),
+            engine_ownership(plan.new, names),
+        )
+        rebuild(
+            self.comm,
+            plan.new,
+            transfers,
+            shard_state_of(self.trainer),
+            base.snapshot,
+            self.trainer.unit_params(),
+            {},  # it keeps no unit under plan.new
+            engine_ownership(plan.new, names),
+            device=self.trainer.device,
+        )
+        self._base, self.joining, self._seed_pending = None, True, False
+        self.handed_over.append(plan.epoch)
 
     def _enter_plan(self) -> CommittedPoint:
         """The committed point every attempt starts from: frozen at the first plan after a
@@ -409,7 +444,7 @@ class FabricParticipant:
             plan.old,
             plan.new,
             lost,
-            backup_holders(plan.old),
+            recovery_sources(plan.old, lost),
             names,
             engine_ownership(plan.old, names),
             new_own,
@@ -447,12 +482,12 @@ class FabricParticipant:
         """(Re)form this worker's backup pairs for the current layout and seed them."""
         if self.snapshot is not None:
             self.snapshot.close()
-        holders = backup_holders(self.trainer.layout)
+        sets = backup_holder_sets(self.trainer.layout)  # all k copies (Layout.backup_copies)
         me = self.comm.worker
-        holder, protected = holders.get(me), protected_by(holders, me)
+        holders, protected = sets.get(me, ()), protected_by(sets, me)
         self.snapshot = None
-        if self.snapshots and (holder is not None or protected):
-            snap = ShardBackups(self.comm, holder, protected, update_fn=self.trainer.update_slice)
+        if self.snapshots and (holders or protected):
+            snap = ShardBackups(self.comm, holders, protected, update_fn=self.trainer.update_slice)
             try:
                 snap.seed(shard_state_of(self.trainer))
             except BaseException:

@@ -79,6 +79,7 @@ class Scenario:
     rng_mode: str = "placement_invariant"
     kill_at_op: int = 0  # > 0: `victim` SIGKILLs itself on entering this op of FAIL_STEP
     victim: int = VICTIM
+    also_killed: tuple[int, ...] = ()  # further victims, killed at the same op of the same step
     relayout_at: int = -1  # >= 0: no kill; the published plan is applied before this step
     new_layout: Layout | None = None  # the plan's layout (default after a kill: resize_after_loss)
     migration: str = "blocking"  # FabricParticipant's migration mode on the plan path
@@ -98,11 +99,15 @@ class Scenario:
     def base(self) -> Layout:
         return self.layout or base_layout(self.rng_mode)
 
+    @property
+    def victims(self) -> tuple[int, ...]:
+        return (self.victim, *self.also_killed)
+
     def plan(self) -> Plan | None:
         old = self.base()
         if self.kill_at_op:
-            new = self.new_layout or resize_after_loss(old, {self.victim}).layout
-            return Plan(1, old, new, (f"lost worker {self.victim}",), 0.0)
+            new = self.new_layout or resize_after_loss(old, set(self.victims)).layout
+            return Plan(1, old, new, (f"lost workers {list(self.victims)}",), 0.0)
         if self.relayout_at >= 0:
             assert self.new_layout is not None
             return Plan(1, old, self.new_layout, ("pipeline-only change",), 0.0)
@@ -155,7 +160,7 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
     inject = sc.kill_at_op > 0
     layout = sc.base()
     store = connect_store("127.0.0.1", port)
-    cls = KillingCommunicator if inject and worker == sc.victim else Communicator
+    cls = KillingCommunicator if inject and worker in sc.victims else Communicator
     spec = sc.spec()
     world = spec.needs_world_group
     comm = cls(
@@ -166,6 +171,7 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
     trainer = Trainer(spec, layout, worker, comm, spec.local_device())
     participant = FabricParticipant(trainer, comm, verify_every=2, migration=sc.migration)
     proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
+    initial_backup_bytes = 0 if participant.snapshot is None else participant.snapshot.held_bytes()
     losses: dict[int, float | None] = {}
     samples: dict[int, list[int]] = {}
     out: dict[str, Any] = {
@@ -225,6 +231,10 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
         live_shard=shard_state_of(trainer).to_numpy(),
         loss_scale=None if trainer.scaler is None else trainer.scaler.state_dict(),
         snapshot=None if snap is None else {p: st.to_numpy() for p, st in snap.states().items()},
+        backup_bytes=0 if snap is None else snap.held_bytes(),
+        initial_backup_bytes=initial_backup_bytes,
+        restored_from=list(participant.restored_from),
+        layout_after=trainer.layout.to_json(),
     )
     return out
 
@@ -244,11 +254,13 @@ def _run(sc: Scenario) -> dict[int, dict[str, Any]]:
         survivors = WORKERS
         if sc.kill_at_op:
             assert plan is not None
-            procs[sc.victim].join(timeout=120)
-            assert procs[sc.victim].exitcode == -signal.SIGKILL, "the victim was not killed"
-            store.set("ew/e0/abort", f"core: worker {sc.victim} exited")  # the direct signal (process exit)
+            for victim in sc.victims:
+                procs[victim].join(timeout=120)
+                assert procs[victim].exitcode == -signal.SIGKILL, f"victim {victim} was not killed"
+            # the direct signal (process exit)
+            store.set("ew/e0/abort", f"core: workers {list(sc.victims)} exited")
             store.set(plan_key("ew", 1), plan.to_json())
-            survivors = [w for w in WORKERS if w != sc.victim]
+            survivors = [w for w in WORKERS if w not in sc.victims]
         out = collect(procs, results, survivors, timeout_s=120)
         if plan is not None:
             from executor.comm.ledger import decode
