@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from executor.compute_clock import ComputeClock
+from executor.step_phases import StepPhases
 from executor.worker_recovery import PlanFollowing, PlanNotApplicable
 from wire.worker_env import EXIT_NO_PLAN, EXIT_PLAN_NOT_APPLICABLE, EXIT_TERMINATED, WorkerPlace
 
@@ -130,6 +131,7 @@ class CoreDrivenWorker(PlanFollowing):
         from executor.comm import Communicator, groups_for_stages  # noqa: PLC0415
         from executor.devices import backend_for, shares_device  # noqa: PLC0415
         from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
+        from executor.plan_acks import BackgroundAcks  # noqa: PLC0415
         from executor.plan_client import PlanClient  # noqa: PLC0415
         from executor.slow_injection import SlowInjection  # noqa: PLC0415
         from executor.spare_warmup import WarmSpare, warm_up, warm_up_enabled  # noqa: PLC0415
@@ -146,8 +148,9 @@ class CoreDrivenWorker(PlanFollowing):
         place = settings.place
         warm: WarmSpare | None = None  # a spare's warm start (before it says it is ready)
         plan_at = 0.0  # when the plan that takes a spare in arrived
-        self.plans = PlanClient(
-            list(place.core), place.job, place.worker_id, place.token, on_plan=self._plan_arrived
+        # Acks go out on a helper thread (executor.plan_acks): no step or apply waits on the Core.
+        self.plans = BackgroundAcks(
+            PlanClient(list(place.core), place.job, place.worker_id, place.token, on_plan=self._plan_arrived)
         )
         if place.joining:
             # A spare: its rank, layout and state come with the plan that takes it in (growth). It
@@ -258,6 +261,7 @@ class CoreDrivenWorker(PlanFollowing):
         self.comm.interrupt = self._superseded
         self._sigterm_at: float | None = None  # monotonic time of the first SIGTERM
         self._payload: Any = None  # this step's checkpoint share, written once the step commits
+        self.phases = StepPhases()  # the first steps after each plan, itemised (executor.step_phases)
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
         # A preemption notice, not a kill: the agent reports it and the Core's plan lets this
@@ -331,10 +335,12 @@ class CoreDrivenWorker(PlanFollowing):
                 step = self.settings.steps  # not taken in after all: nothing to train
             else:
                 step, resumed_epoch = joined_at, self.proto.plan_epoch
+                self.phases.plan_applied(resumed_epoch)
         stop_after: int | None = None  # leave after committing this step (launcher or operator)
         save_at: set[int] = set()  # steps an operator asked to checkpoint
         try:
             while step < self.settings.steps:
+                self.phases.begin()
                 stop_after = self._poll_requests(stop_after, save_at, step)
                 if stop_after is not None and step > stop_after:
                     self.results["stopped_after_step"] = step - 1
@@ -343,7 +349,9 @@ class CoreDrivenWorker(PlanFollowing):
                     self.results["left_at_step"], self.exit_code = step, EXIT_TERMINATED
                     break  # no plan let this worker go: leave anyway, the survivors recover as from a fail-stop
                 started = time.perf_counter()
+                self.phases.mark("boundary")
                 self.proto.begin_step(step)
+                self.phases.mark("begin")
                 result = None
                 try:
                     if self.plans.newest_epoch() > self.proto.plan_epoch:
@@ -352,6 +360,7 @@ class CoreDrivenWorker(PlanFollowing):
                     else:
                         self._maybe_inject_fault(step)
                         result = self._train_step(step)
+                        self.phases.mark("train")
                         self._gather_checkpoint(step, stop_after, save_at)
                 except PeerFailure as exc:
                     self.proto.report_failure(exc)
@@ -362,13 +371,16 @@ class CoreDrivenWorker(PlanFollowing):
                 undecided = False
                 try:
                     decided = self.proto.should_commit()
+                    self.phases.mark("vote")
                 except DecisionUnknown as exc:  # the store went down: settled by the next plan
                     self.results["failures"].append({"step": step, "group": "store", "error": str(exc)[:300]})
                     decided, undecided = False, True
                 if decided:
                     self.proto.commit()
+                    self.phases.mark("commit")
                     self._committed(step, result, time.perf_counter() - started)
                     self._write_checkpoint()
+                    self.phases.mark("report")
                     if resumed_epoch is not None:
                         lost = [
                             r["steps_lost"] for r in self.results["restores"] if r["epoch"] == resumed_epoch
@@ -380,6 +392,8 @@ class CoreDrivenWorker(PlanFollowing):
                             steps_replayed=max(0, lost[-1]) if lost else 0,
                         )
                         resumed_epoch = None
+                        self.phases.mark("ack")
+                    self.phases.committed(step)
                     step += 1
                     continue
                 if not undecided:
@@ -404,11 +418,13 @@ class CoreDrivenWorker(PlanFollowing):
                     self._end_with_checkpoint(exc)
                     break
                 resumed_epoch, step = self.proto.plan_epoch, resume_at
+                self.phases.plan_applied(resumed_epoch)
         finally:
             self.plans.close()
             self.trainer.data.close()
         self._finish_checkpoints()
         self.results.update(
+            steps_after_plan=self.phases.after_plan,
             committed_steps=step,
             plan_epoch=self.proto.plan_epoch,
             checksum_mismatches=self.participant.checksum_mismatches,

@@ -69,6 +69,7 @@ def test_the_exercise_leaves_running_statistics_alone() -> None:
     warm = warm_up(spec, f"127.0.0.1:{store.port}", timeout_s=10.0)
     norm = warm.units["norm"]
     assert isinstance(norm, nn.BatchNorm1d)
+    assert norm.running_mean is not None and norm.num_batches_tracked is not None
     assert torch.equal(norm.running_mean, torch.zeros(4)) and int(norm.num_batches_tracked) == 0
     assert norm.training and norm.weight.grad is None
     assert warm.units["lin"].weight.grad is None
