@@ -20,6 +20,7 @@ import torch
 
 from executor.comm import Communicator, groups_for_stages
 from executor.plan_acks import BackgroundAcks
+from executor.step_phases import KEPT, StepPhases
 from executor.store_server import StoreServer, connect_store
 from tests.executor.ft_procs import collect, spawn
 
@@ -105,3 +106,24 @@ def test_acks_never_block_the_worker_go_in_order_and_are_sent_before_closing() -
     acks.close()
     assert [c[1] for c in core.calls] == ["RECEIVED", "PAUSED", "APPLIED", "RESUMED"]
     assert core.closed and acks.sent == [(3, p, True) for p in ("RECEIVED", "PAUSED", "APPLIED", "RESUMED")]
+
+
+def test_the_first_steps_after_each_plan_are_kept_itemised_and_no_more() -> None:
+    phases = StepPhases()
+    for step in range(3):  # before any plan: nothing kept
+        phases.begin()
+        phases.mark("train")
+        phases.committed(step)
+    assert phases.after_plan == {}
+    phases.plan_applied(1)
+    for step in range(3, 3 + KEPT + 4):
+        phases.begin()
+        time.sleep(0.002 if step == 3 else 0.0)
+        phases.mark("train")
+        phases.mark("vote")
+        phases.committed(step)
+    kept = phases.after_plan["1"]
+    assert [r["step"] for r in kept] == list(range(3, 3 + KEPT))  # bounded: the first KEPT only
+    assert set(kept[0]) == {"step", "train", "vote"} and kept[0]["train"] >= 0.002
+    phases.plan_applied(2)
+    assert phases.after_plan["2"] == [] and len(phases.after_plan["1"]) == KEPT
