@@ -13,6 +13,10 @@ is killed and recovered in place, then a spare (`elaswave agent` without a rank,
 - throughput (samples/s, median step) before the loss, after it, after the join, and the first
   step after the join, each as a ratio of the fault-free throughput measured before the loss.
 
+`--spare warm cold` runs the story twice, with a warm spare (`executor.spare_warmup`: it warms up
+before it tells the Core it is ready) and with a cold one (`ELASWAVE_SPARE_WARMUP=0`: it builds
+its rank once the plan names it), and prints the spare's warm-up and its own build after the plan.
+
 Also checked like the demo (state and losses against the fault-free run); a failed check is
 printed. Timings are wall-clock on a shared machine: compare rows of one run, not runs.
 """
@@ -28,6 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from executor.spare_warmup import WARM_UP_ENV
 from harness.chaos import fault_free_run
 from harness.demo_report import build_report, commit_times, durations, problems
 from harness.demo_story import StoryConfig, StoryRecord, StoryRun, run_story
@@ -56,7 +61,11 @@ def measure(record: StoryRecord, report: dict[str, Any]) -> dict[str, Any]:
     dur = durations(commit_times(record.results))
     first = join["resume_step"] + 1 if join["resume_step"] is not None else None
     first_rate = record.cfg.global_batch / dur[first] if first in dur else None
+    spare = next((res for rank, res in record.results.items() if rank in predicted), {})
     return {
+        # the joiner's own build once the plan named its rank, and its warm-up before it was ready
+        "join_build_s": spare.get("join_build_s"),
+        "warm_up": spare.get("warm_up"),
         "phases_s": join["phases"],
         "mttr_s": join["mttr_s"],
         "bytes": {
@@ -76,6 +85,14 @@ def print_result(m: dict[str, Any], checks: list[str]) -> None:
     for key, label in names.items():
         if key in m["phases_s"]:
             print(f"  {label:<20} {m['phases_s'][key] * 1e3:8.0f} ms")
+    warm = m.get("warm_up")
+    if warm:
+        items = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.0f}" for k, v in warm["seconds"].items())
+        print(f"  spare warm-up before it said ready: {items} ms; {warm['prebuilt_units']} units prebuilt")
+    else:
+        print("  spare warm-up: off (cold spare: it builds its rank once the plan names it)")
+    if m.get("join_build_s") is not None:
+        print(f"  joiner's own build after the plan {m['join_build_s'] * 1e3:8.0f} ms")
     for rank, b in m["bytes"].items():
         print(f"  joiner rank {rank}: received {b['received']} bytes, planner predicted {b['predicted']}")
     healthy = m["healthy_samples_per_s"]
@@ -92,14 +109,9 @@ def print_result(m: dict[str, Any], checks: list[str]) -> None:
         print(f"  CHECK FAILED: {problem}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
-    parser.add_argument("--json", type=Path, help="also write the measurements here")
-    args = parser.parse_args(argv)
-    cfg = StoryConfig(steps=args.steps, chapters=("kill", "join"))
-    cfg.check()
-    print(f"# bench.join on {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+def run_once(cfg: StoryConfig, spare: str) -> tuple[dict[str, Any], list[str]]:
+    """One story (a loss, then a join) with a warm or a cold spare; (measurements, failed checks)."""
+    os.environ[WARM_UP_ENV] = "1" if spare == "warm" else "0"  # the spare's processes inherit it
     with tempfile.TemporaryDirectory(prefix="elaswave-join-") as tmp:
         run = StoryRun(Path(tmp), cfg)
         try:
@@ -108,11 +120,39 @@ def main(argv: list[str] | None = None) -> int:
             run.stop()
         ref_losses, ref_ckpt = fault_free_run(run)
         report = build_report(record, ref_losses, ref_ckpt)
-    measured = measure(record, report)
-    print_result(measured, problems(report, record))
+    return measure(record, report) | {"spare": spare}, problems(report, record)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    parser.add_argument(
+        "--spare",
+        nargs="+",
+        choices=("warm", "cold"),
+        default=["warm"],
+        help="run with a warm spare (the default), a cold one (ELASWAVE_SPARE_WARMUP=0), or both in turn",
+    )
+    parser.add_argument("--json", type=Path, help="also write the measurements here")
+    args = parser.parse_args(argv)
+    cfg = StoryConfig(steps=args.steps, chapters=("kill", "join"))
+    cfg.check()
+    print(f"# bench.join on {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    rows, failed = [], False
+    for spare in args.spare:
+        print(f"\n## {spare} spare (load average {load_average()} before)")
+        measured, checks = run_once(cfg, spare)
+        print_result(measured, checks)
+        print(f"  load average after: {load_average()}")
+        rows.append(measured)
+        failed = failed or bool(checks)
     if args.json is not None:
-        args.json.write_text(json.dumps(measured, indent=1))
-    return 0
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 1 if failed else 0
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ streamed as it comes and also written, with a header describing the machine, to
 `bench/results/latest.md`. Exits non-zero, naming them, if any benchmark fails.
 
     python -m bench.run_all [--only migration_cost plan_latency] [--quick]
+    python -m bench.run_all --only vs_ddp mttr join    # issue 23's figures, side by side
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     ),
     "vs_ddp": ([], ["--configs", "ddp-dp2", "static-dp2", "ft-dp2", "--steps", "2", "--repeats", "1"]),
     "mttr": (["--quick"], ["--quick", "--case", "one kill"]),
+    # A join with a warm spare and with a cold one, side by side (executor.spare_warmup).
+    "join": (["--steps", "200", "--spare", "warm", "cold"], ["--steps", "150"]),
 }
 
 

@@ -182,8 +182,16 @@ class Trainer:
     """One rank of the hybrid-parallel job; every rank of the layout builds one."""
 
     def __init__(
-        self, spec: TrainSpec, layout: Layout, rank: int, comm: EngineComm, device: torch.device | str = "cpu"
+        self,
+        spec: TrainSpec,
+        layout: Layout,
+        rank: int,
+        comm: EngineComm,
+        device: torch.device | str = "cpu",
+        prebuilt: Mapping[str, nn.Module] | None = None,
     ) -> None:
+        """`prebuilt`: units already built on `device` (a warm spare's, `executor.spare_warmup`),
+        taken for this rank's stage instead of building them again."""
         check_layout(spec, layout)
         stage = layout.stage_layout_of_rank(rank)  # raises if the rank is not in the layout
         self.spec, self.rank, self.comm, self.device = spec, rank, comm, torch.device(device)
@@ -195,7 +203,9 @@ class Trainer:
             name: spec.optimizer.decay_segments(probe.meta_parameters())
             for name, probe in zip(spec.model.names, spec.unit_probes(), strict=True)
         }
-        self.model = StageModel(spec.model, stage.layer_start, stage.layer_stop, device=self.device)
+        self.model = StageModel(
+            spec.model, stage.layer_start, stage.layer_stop, reuse=prebuilt, device=self.device
+        )
         self.next_step = 0
         self.grad_hook: GradHook | None = None  # kept across layout changes; see executor.zero
         # An overlay armed for the next train_step (a non-blocking migration adopted between steps

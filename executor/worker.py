@@ -18,8 +18,9 @@ does here:
   a whole stage or the store lost, a collective that fails with everyone alive) goes through the
   same loop: how a worker follows plans, restarts an interrupted recovery from the last committed
   state and moves to a standby store is `executor.worker_recovery`;
-- a spare (`ELASWAVE_RANK=spare`, its agent registered without a rank) subscribes to plans with
-  its own credential (the Core then knows it is ready), waits for a plan whose `joiners` names it,
+- a spare (`ELASWAVE_RANK=spare`, its agent registered without a rank) first warms up (device,
+  store, the units' dry run, its units built and run once: `executor.spare_warmup`), then
+  subscribes to plans with its own credential (the Core then knows it is ready), waits for a plan whose `joiners` names it,
   builds its rank for that plan's layout and applies the plan with everyone else: its groups are
   built at the plan's epoch and its state comes from the live owners (`executor.fabric.rebuild`);
   it then trains from the job's next step;
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from executor.compute_clock import ComputeClock
+from executor.step_phases import StepPhases
 from executor.worker_recovery import PlanFollowing, PlanNotApplicable
 from wire.worker_env import EXIT_NO_PLAN, EXIT_PLAN_NOT_APPLICABLE, EXIT_TERMINATED, WorkerPlace
 
@@ -129,8 +131,10 @@ class CoreDrivenWorker(PlanFollowing):
         from executor.comm import Communicator, groups_for_stages  # noqa: PLC0415
         from executor.devices import backend_for, shares_device  # noqa: PLC0415
         from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
+        from executor.plan_acks import BackgroundAcks  # noqa: PLC0415
         from executor.plan_client import PlanClient  # noqa: PLC0415
         from executor.slow_injection import SlowInjection  # noqa: PLC0415
+        from executor.spare_warmup import WarmSpare, warm_up, warm_up_enabled  # noqa: PLC0415
         from executor.step_protocol import StepProtocol  # noqa: PLC0415
         from executor.store_server import connect_store  # noqa: PLC0415
         from executor.trainer import Trainer, checkpoint_writer, load_checkpoint  # noqa: PLC0415
@@ -142,8 +146,11 @@ class CoreDrivenWorker(PlanFollowing):
 
         torch.set_num_threads(1)
         place = settings.place
-        self.plans = PlanClient(
-            list(place.core), place.job, place.worker_id, place.token, on_plan=self._plan_arrived
+        warm: WarmSpare | None = None  # a spare's warm start (before it says it is ready)
+        plan_at = 0.0  # when the plan that takes a spare in arrived
+        # Acks go out on a helper thread (executor.plan_acks): no step or apply waits on the Core.
+        self.plans = BackgroundAcks(
+            PlanClient(list(place.core), place.job, place.worker_id, place.token, on_plan=self._plan_arrived)
         )
         if place.joining:
             # A spare: its rank, layout and state come with the plan that takes it in (growth). It
@@ -153,8 +160,14 @@ class CoreDrivenWorker(PlanFollowing):
                     f"worker {place.worker_id}: its agent wrote no worker credential within "
                     f"{place.timeout_s:g} s; a spare needs it to be taken in"
                 )
+            # Warm first (executor.spare_warmup: device, store, dry run, units, one backward),
+            # then subscribe: the Core plans a spare in only once it is ready, and a warm one
+            # costs the survivors no cold start of its own.
+            if warm_up_enabled():
+                warm = warm_up(spec, _store_list(place.store)[0], place.timeout_s)
             self.plans.start(after_epoch=0)
             join_plan = self._await_join_plan(place)
+            plan_at = time.perf_counter()
             place = replace(place, rank=join_plan.rank_of_joiner(place.worker_id))
             layout = join_plan.new
         else:
@@ -162,10 +175,13 @@ class CoreDrivenWorker(PlanFollowing):
         self.args, self.settings = place, settings
         # The store and its standbys, in the order every worker tries them (docs/architecture.md
         # ("Recovery")): a lost store is replaced by the next address that answers.
-        self.store_addresses = [a.strip() for a in place.store.split(",") if a.strip()]
+        self.store_addresses = _store_list(place.store)
         self._store_index = 0
-        host, port = self.store_addresses[0].rsplit(":", 1)
-        store = connect_store(host, int(port), timeout_s=place.timeout_s)
+        if warm is not None:
+            store = warm.store
+        else:
+            host, port = self.store_addresses[0].rsplit(":", 1)
+            store = connect_store(host, int(port), timeout_s=place.timeout_s)
         world = spec.needs_world_group
         # This rank's device (the launcher's mapping; DeviceUnavailable before any step if the
         # process cannot see it) and the backend that goes with it.
@@ -181,7 +197,11 @@ class CoreDrivenWorker(PlanFollowing):
                 timeout_s=place.timeout_s,
                 backend=backend,
             )
-        self.trainer = Trainer(spec, layout, place.rank, self.comm, device)
+        prebuilt = None
+        if warm is not None:
+            stage = layout.stage_layout_of_rank(place.rank)
+            prebuilt = warm.take_units(spec.model.names[stage.layer_start : stage.layer_stop])
+        self.trainer = Trainer(spec, layout, place.rank, self.comm, device, prebuilt=prebuilt)
         check_fingerprints(dict(self.trainer.model.units.items()), settings.fingerprints)
         self.start_step = 0
         if settings.resume is not None and not place.joining:  # a joiner's state is the job's
@@ -229,12 +249,19 @@ class CoreDrivenWorker(PlanFollowing):
             "slowed_s": {},  # committed step -> the injected stretch of it (ELASWAVE_INJECT_SLOW_FILE)
             "clock_factor": {},  # committed step -> the clock factor the stretch used
         }
+        if place.joining:
+            # What building its rank still took once the plan came (the part of the join the
+            # survivors wait on at the groups), and the warm-up before the spare said it was ready.
+            self.results["join_build_s"] = time.perf_counter() - plan_at
+            if warm is not None:
+                self.results["warm_up"] = warm.as_dict() | {"prebuilt_units": len(prebuilt or {})}
         self.exit_code = 0
         self._applying: int | None = None  # epoch of the plan being applied
         self._fault_fired = False  # WorkerPlace.collective_fault_at fires once per process
         self.comm.interrupt = self._superseded
         self._sigterm_at: float | None = None  # monotonic time of the first SIGTERM
         self._payload: Any = None  # this step's checkpoint share, written once the step commits
+        self.phases = StepPhases()  # the first steps after each plan, itemised (executor.step_phases)
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
         # A preemption notice, not a kill: the agent reports it and the Core's plan lets this
@@ -308,10 +335,12 @@ class CoreDrivenWorker(PlanFollowing):
                 step = self.settings.steps  # not taken in after all: nothing to train
             else:
                 step, resumed_epoch = joined_at, self.proto.plan_epoch
+                self.phases.plan_applied(resumed_epoch)
         stop_after: int | None = None  # leave after committing this step (launcher or operator)
         save_at: set[int] = set()  # steps an operator asked to checkpoint
         try:
             while step < self.settings.steps:
+                self.phases.begin()
                 stop_after = self._poll_requests(stop_after, save_at, step)
                 if stop_after is not None and step > stop_after:
                     self.results["stopped_after_step"] = step - 1
@@ -320,7 +349,9 @@ class CoreDrivenWorker(PlanFollowing):
                     self.results["left_at_step"], self.exit_code = step, EXIT_TERMINATED
                     break  # no plan let this worker go: leave anyway, the survivors recover as from a fail-stop
                 started = time.perf_counter()
+                self.phases.mark("boundary")
                 self.proto.begin_step(step)
+                self.phases.mark("begin")
                 result = None
                 try:
                     if self.plans.newest_epoch() > self.proto.plan_epoch:
@@ -329,6 +360,7 @@ class CoreDrivenWorker(PlanFollowing):
                     else:
                         self._maybe_inject_fault(step)
                         result = self._train_step(step)
+                        self.phases.mark("train")
                         self._gather_checkpoint(step, stop_after, save_at)
                 except PeerFailure as exc:
                     self.proto.report_failure(exc)
@@ -339,13 +371,16 @@ class CoreDrivenWorker(PlanFollowing):
                 undecided = False
                 try:
                     decided = self.proto.should_commit()
+                    self.phases.mark("vote")
                 except DecisionUnknown as exc:  # the store went down: settled by the next plan
                     self.results["failures"].append({"step": step, "group": "store", "error": str(exc)[:300]})
                     decided, undecided = False, True
                 if decided:
                     self.proto.commit()
+                    self.phases.mark("commit")
                     self._committed(step, result, time.perf_counter() - started)
                     self._write_checkpoint()
+                    self.phases.mark("report")
                     if resumed_epoch is not None:
                         lost = [
                             r["steps_lost"] for r in self.results["restores"] if r["epoch"] == resumed_epoch
@@ -357,6 +392,8 @@ class CoreDrivenWorker(PlanFollowing):
                             steps_replayed=max(0, lost[-1]) if lost else 0,
                         )
                         resumed_epoch = None
+                        self.phases.mark("ack")
+                    self.phases.committed(step)
                     step += 1
                     continue
                 if not undecided:
@@ -381,11 +418,13 @@ class CoreDrivenWorker(PlanFollowing):
                     self._end_with_checkpoint(exc)
                     break
                 resumed_epoch, step = self.proto.plan_epoch, resume_at
+                self.phases.plan_applied(resumed_epoch)
         finally:
             self.plans.close()
             self.trainer.data.close()
         self._finish_checkpoints()
         self.results.update(
+            steps_after_plan=self.phases.after_plan,
             committed_steps=step,
             plan_epoch=self.proto.plan_epoch,
             checksum_mismatches=self.participant.checksum_mismatches,
@@ -563,6 +602,11 @@ class CoreDrivenWorker(PlanFollowing):
         if every and (step + 1) % every == 0 and result.loss is not None and self.trainer.dp_index == 0:
             rate = self.trainer.layout.global_batch / seconds if seconds > 0 else float("inf")
             print(f"step {step:>6}  loss {result.loss:.6f}  {rate:,.0f} samples/s (this step)", flush=True)
+
+
+def _store_list(stores: str) -> list[str]:
+    """The job's stores, `host:port,host:port`, in the order every worker tries them."""
+    return [a.strip() for a in stores.split(",") if a.strip()]
 
 
 def run_worker(spec: Any, settings: WorkerSettings) -> tuple[int, dict[str, Any]]:

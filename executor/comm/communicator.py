@@ -206,6 +206,10 @@ class Communicator:
             raise MembershipError(f"worker {peer} is not in group {name!r} {g.workers}")
         return g.name, g.pg, g.workers.index(peer)
 
+    def ops_on(self, name: str) -> int:
+        """Collectives issued on group `name` (a physical group: `names()`) since it was built."""
+        return self._handle(name).ledger.collectives
+
     def workers(self, name: str) -> tuple[int, ...]:
         """Members of a logical group (or of a physical one such as a link), in rank order."""
         ws = self.membership.get(name) or self.physical.get(name)
@@ -387,6 +391,7 @@ class Communicator:
                 self._graveyard.append(g.pg)
         with _store_errors():
             self._build(list(decision.rebuild), shrink={n: old_groups[n] for n in decision.shrink})
+        self._warm(sorted([*decision.rebuild, *decision.shrink]))
         return EditReport(
             epoch=self.epoch,
             rebuilt=decision.rebuild,
@@ -458,6 +463,17 @@ class Communicator:
                 )
             ledger = GroupLedger(built=self.epoch, workers=workers)
             self._groups[name] = _Group(name=name, workers=workers, pg=pg, ledger=ledger)
+
+    def _warm(self, names: list[str]) -> None:
+        """One 1-element all-reduce on each group just built or shrunk, in the same sorted order
+        on every member (no two members wait on each other's second group; as in `_build`): a
+        group's first op pays what its backend sets up lazily (NCCL creates its communicator at
+        the first collective; gloo its first buffers), and paying it here, inside the edit, keeps
+        it off the first step on the new layout (issue 23, item 3). Guarded like every op: a
+        member that died or left for a newer plan fails the edit, which is then retried."""
+        probe = torch.zeros(1, device=_op_device(self.backend))
+        for name in names:
+            self.all_reduce(name, probe)
 
     def _shrink(self, old: _Group, workers: tuple[int, ...]) -> ProcessGroup:
         """The backend's own shrink (what `torch.distributed.shrink_group` calls after its checks;
