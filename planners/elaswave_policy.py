@@ -32,6 +32,7 @@ from planners.elaswave_payback import PaybackSettings, judge_optional
 from planners.elaswave_policy_join import Joins, add_spares
 from planners.elaswave_reasons import Outcome, Reason, Step, headlines
 from planners.layout import Layout
+from planners.redundancy import RedundancyInput, choose_copies, headroom_from_model
 from planners.validation import validate
 
 Action = Literal["publish", "none", "refuse"]
@@ -64,6 +65,8 @@ class ElasWaveInput:
     cooling: frozenset[int] = frozenset()  # units that moved within the cool-down
     # Going ranks that leave on purpose (preempted, drained, left): "departed", never "lost".
     departed: frozenset[int] = frozenset()
+    # Backup redundancy k (`planners.redundancy`): None leaves the layout's k as it is.
+    redundancy: RedundancyInput | None = None
 
 
 @dataclass(frozen=True)
@@ -115,10 +118,34 @@ def plan_elaswave(inp: ElasWaveInput, settings: ElasWaveSettings = ElasWaveSetti
         fallback = _plan(layout, grown, reasons, model, slow, recovered, clocks_only, inp.cooling)
         if fallback.action == "publish":
             return replace(fallback, reasons=(*fallback.reasons, plan.reasons[-1]))
+    plan = with_copies(plan, inp.redundancy, model)
     if plan.action != "publish" or not joiners:
         return plan
     kept = set(plan.layout.ranks()) if plan.layout is not None else set()
     return replace(plan, joiners=tuple((r, w) for r, w in joiners if r in kept))
+
+
+def with_copies(plan: ElasWavePlan, redundancy: RedundancyInput | None, model: JobModel) -> ElasWavePlan:
+    """The published layout with the backup redundancy k `planners.redundancy` chooses for it
+    (headroom: the memory cap minus the cost model's stage estimate), and the reason why."""
+    if redundancy is None or plan.action != "publish" or plan.layout is None:
+        return plan
+    layout = plan.layout
+    headroom = None
+    if redundancy.mem_cap_bytes is not None:
+        mems = [model.cost.stage_memory_bytes(layout, p) for p in range(layout.num_stages)]
+        headroom = headroom_from_model(layout, mems, redundancy.mem_cap_bytes)
+    choice = choose_copies(layout, redundancy.history, redundancy.now_s, headroom, redundancy.settings)
+    changed = choice.copies != layout.backup_copies
+    reason = Reason(
+        Step.REDUNDANCY,
+        Outcome.CHANGED if changed else Outcome.KEPT,
+        choice.reason,
+        f"backup copies {layout.backup_copies}->{choice.copies}" if changed else "",
+    )
+    summary = f"{plan.summary}; {reason.headline}" if changed else plan.summary
+    new = replace(layout, backup_copies=choice.copies)
+    return replace(plan, layout=new, reasons=(*plan.reasons, reason), summary=summary)
 
 
 def _plan(
