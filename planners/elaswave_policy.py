@@ -31,6 +31,7 @@ from planners.elaswave_model import DEFAULT_SLOWDOWN, JobModel, RankReport, Slow
 from planners.elaswave_payback import PaybackSettings, judge_optional
 from planners.elaswave_policy_join import Joins, add_spares
 from planners.elaswave_reasons import Outcome, Reason, Step, headlines
+from planners.elaswave_replicas import shape_replicas
 from planners.layout import Layout
 from planners.redundancy import RedundancyInput, choose_copies, headroom_from_model
 from planners.validation import validate
@@ -48,6 +49,9 @@ class ElasWaveSettings:
     # Optional plans (for slow or recovered ranks only) must pay back and respect the cool-down
     # (`planners.elaswave_payback`); None: every plan is adopted (the simulator's ablations).
     payback: PaybackSettings | None = PaybackSettings()
+    # After a loss or a join: re-slot or drop a replica where the cost model predicts a faster
+    # step than thinning every stage (`planners.elaswave_replicas`; needs `migrate`).
+    replicas: bool = True
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,11 @@ def plan_elaswave(inp: ElasWaveInput, settings: ElasWaveSettings = ElasWaveSetti
         added = add_spares(resized.layout, inp.joins, model, factors, settings.min_gain)
         grown, joiners, reasons = added.layout, added.joiners, (*reasons, *added.reasons)
     optional = not going and not spares  # only slow or recovered ranks: the plan may wait
+    if not optional and settings.migrate and settings.replicas:
+        factors = {r: s.factor for r, s in slow.items()}
+        share = max(micro_batch_sizes(layout))
+        grown, shape_reasons = shape_replicas(grown, factors, model, settings.min_gain, share)
+        reasons = (*reasons, *shape_reasons)
     plan = _plan(layout, grown, reasons, model, slow, recovered, settings, inp.cooling if optional else None)
     if optional and settings.migrate and _declined_by_payback(plan):
         # Moving units does not pay (or a unit cools down): the clocks alone may (DVFS, §4.3),
