@@ -130,7 +130,7 @@ def _step_join() -> Any:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "join.json"
-        join.main(["--steps", "40", "--json", str(path)])
+        join.main(["--steps", "60", "--json", str(path)])
         return json.loads(path.read_text())
 
 
