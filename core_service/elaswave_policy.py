@@ -47,6 +47,9 @@ class ElasWavePolicy:
     # Backup redundancy k (planners.redundancy): sized from the bursts of node losses this Core
     # saw (`losses`, per job, on `clock`) and the registered model's memory cap.
     redundancy: RedundancySettings = RedundancySettings()
+    # After a loss or a join, re-slot, regroup stages or drop a replica where the cost model
+    # predicts a faster step than thinning every stage (planners.elaswave_replicas).
+    replicas: bool = True
     clock: Callable[[], float] = time.monotonic
     losses: LossLog = field(default_factory=lambda: LossLog())
 
@@ -94,7 +97,11 @@ class ElasWavePolicy:
                 redundancy,
             ),
             ElasWaveSettings(
-                self.min_gain, self.clock_hysteresis_mhz, self.default_slowdown, payback=payback
+                self.min_gain,
+                self.clock_hysteresis_mhz,
+                self.default_slowdown,
+                payback=payback,
+                replicas=self.replicas,
             ),
         )
         return Decision(

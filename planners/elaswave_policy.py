@@ -114,10 +114,12 @@ def plan_elaswave(inp: ElasWaveInput, settings: ElasWaveSettings = ElasWaveSetti
         added = add_spares(resized.layout, inp.joins, model, factors, settings.min_gain)
         grown, joiners, reasons = added.layout, added.joiners, (*reasons, *added.reasons)
     optional = not going and not spares  # only slow or recovered ranks: the plan may wait
-    if not optional and settings.migrate and settings.replicas:
+    if going and settings.migrate and settings.replicas:
         factors = {r: s.factor for r, s in slow.items()}
-        share = max(micro_batch_sizes(layout))
-        grown, shape_reasons = shape_replicas(grown, factors, model, settings.min_gain, share)
+        sizes = micro_batch_sizes(layout)
+        grown, shape_reasons = shape_replicas(
+            grown, factors, model, settings.min_gain, (min(sizes), max(sizes))
+        )
         reasons = (*reasons, *shape_reasons)
     plan = _plan(layout, grown, reasons, model, slow, recovered, settings, inp.cooling if optional else None)
     if optional and settings.migrate and _declined_by_payback(plan):

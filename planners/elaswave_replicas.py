@@ -11,11 +11,14 @@ Algorithm 1 and DVFS run:
   fewer samples bring a stage back under its cap where thinning alone runs out of memory.
 
 Candidates, each a `Layout` with the global batch kept: the thinned layout as resized (M kept);
-re-slotted so that no rank takes more samples per slot than the largest share before the change
-(smaller shares only where nothing else fits memory: in a model where compute is linear in the
+re-slotted so that no rank takes more samples per slot than a share some stage ran before the
+change (smaller shares only where nothing else fits memory: in a model where compute is linear in the
 micro-batch, smaller shares would buy a shorter bubble the configured job never had); and with a
 whole replica dropped (every stage cut to the smallest stage's DP size, the surplus ranks leave
-the layout, idle until a join takes them back), re-slotted likewise. Each candidate is priced after Algorithm 1
+the layout, idle until a join takes them back), re-slotted likewise; and the live ranks regrouped
+into ceil(P/2)..P stages of equal DP size (every stage thinned alike, a shorter pipeline where fewer
+stages fit memory: the executor reaches any layout over the surviving ranks in place,
+`planners.applicability`), re-slotted likewise. Each candidate is priced after Algorithm 1
 (`planners.elaswave_graph.repartition`: thinning's benefit comes with the re-partition); one
 over its stages' memory caps is only taken when every candidate is. The fastest wins; a change
 must buy `min_gain` unless it is the only one that fits memory. On a join the same step runs on
@@ -31,7 +34,7 @@ from planners.dataflow import micro_batch_sizes, resize_after_loss
 from planners.elaswave_graph import repartition
 from planners.elaswave_model import JobModel, costing
 from planners.elaswave_reasons import Outcome, Reason, Step
-from planners.layout import Layout
+from planners.layout import Layout, SampleRange, StageLayout, split_evenly
 from planners.validation import validate
 
 
@@ -61,6 +64,26 @@ def drop_replica(layout: Layout) -> tuple[Layout, tuple[int, ...]] | None:
     if not surplus:
         return None
     return resize_after_loss(layout, surplus).layout, surplus
+
+
+def restage(layout: Layout, stages: int) -> Layout | None:
+    """The layout's ranks, in stage then DP order, regrouped into `stages` stages of as equal DP
+    sizes as possible (layers split evenly; Algorithm 1 then balances them); None when that is
+    not a new layout. Every rank keeps its neighbours, so few ranks change stage."""
+    ranks = [r for s in layout.stages for r in s.ranks]
+    if not 1 <= stages <= min(layout.num_layers, len(ranks)):
+        return None
+    groups = split_evenly(SampleRange(0, len(ranks)), stages)
+    blocks = split_evenly(SampleRange(0, layout.num_layers), stages)
+    new = tuple(
+        StageLayout(p, b.start, b.stop, tuple(ranks[g.start : g.stop]))
+        for p, (b, g) in enumerate(zip(blocks, groups, strict=True))
+    )
+    if [s.ranks for s in new] == [s.ranks for s in layout.stages]:
+        return None
+    caps = layout.stage_mem_cap_bytes
+    capped = None if caps is None else (max(caps),) * stages
+    return replace(layout, stages=new, stage_mem_cap_bytes=capped, frequencies_mhz=())
 
 
 def _fits(layout: Layout, model: JobModel) -> bool:
@@ -93,23 +116,34 @@ def _reslotted(
 
 
 def shape_replicas(
-    layout: Layout, factors: dict[int, float], model: JobModel, min_gain: float, share: int
+    layout: Layout, factors: dict[int, float], model: JobModel, min_gain: float, shares: tuple[int, int]
 ) -> tuple[Layout, tuple[Reason, ...]]:
-    """The resized `layout`, re-slotted or with a replica dropped where the cost model predicts a
-    faster step (module docstring), and the reason. `share`: the largest per-rank micro-batch
-    before the change; re-slotting keeps ranks at it, smaller only where nothing else fits
-    memory (a smaller share would otherwise buy a bubble the configured job never had)."""
+    """The resized `layout`, re-slotted, regrouped or with a replica dropped where the cost model
+    predicts a faster step (module docstring), and the reason. `shares`: the smallest and largest
+    per-rank micro-batch before the change; re-slotting keeps ranks within them, smaller only
+    where nothing else fits memory (a share no stage ran would buy a bubble the job never had)."""
     as_is = _price("thin every stage", layout, factors, model)
     if as_is is None:
         return layout, ()
     dropped = drop_replica(layout)
+    shapes = [("thin every stage", layout)]
+    if dropped is not None:
+        shapes.append((f"drop ranks {list(dropped[1])} (a replica)", dropped[0]))
+    p = layout.num_stages
+    for stages in range(max(1, -(-p // 2)), p + 1):
+        regrouped = restage(layout, stages)
+        if regrouped is not None:
+            shapes.append((f"{stages} stages of equal DP size", regrouped))
     options: list[Shaped] = []
-    for m in range(share, 0, -1):
-        options += _reslotted("thin every stage", layout, factors, model, m)
-        if dropped is not None:
-            options += _reslotted(f"drop ranks {list(dropped[1])} (a replica)", dropped[0], factors, model, m)
-        if as_is.fits or any(o.fits for o in options):
+    for name, shaped in shapes[1:]:
+        priced = _price(name, shaped, factors, model)
+        options += [priced] if priced is not None else []
+    low, high = shares
+    for m in range(high, 0, -1):
+        if m < low and (as_is.fits or any(o.fits for o in options)):
             break
+        for name, shaped in shapes:
+            options += _reslotted(name, shaped, factors, model, m)
     options.insert(0, as_is)
     fitting = [o for o in options if o.fits] or options
     best = min(fitting, key=lambda o: o.step)

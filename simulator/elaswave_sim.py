@@ -143,23 +143,23 @@ class ElasWavePolicy(SimPolicy):
 
 
 def migration_bytes(spec: JobSpec, old: Layout, new: Layout) -> float:
-    """Bytes into the busiest rank of `new`: blocks that change stage (weights and the rank's
-    optimizer share) plus, in a stage that shrank, the larger optimizer share it takes over from
-    the ring snapshots (ElasWave §5.2, §6.3 interleaved ZeRO)."""
+    """Bytes into the busiest rank of `new`: the blocks of its new stage it did not hold (weights
+    and its optimizer share; all of them for a rank that changed stage or joined) plus, where its
+    stage's DP size shrank, the larger optimizer share it takes over of the blocks it kept (from
+    the ring snapshots, ElasWave §5.2, §6.3 interleaved ZeRO)."""
     prof = spec.profile()
     ratio = prof.optimizer_bytes_per_param_byte
+    old_stage = {r: s for s in old.stages for r in s.ranks}
     busiest = 0.0
-    for p, stage in enumerate(new.stages):
+    for stage in new.stages:
         dp_new = stage.dp_size
-        old_stage = old.stages[p] if p < old.num_stages else None
-        dp_old = old_stage.dp_size if old_stage is not None else dp_new
-        incoming = stayed = 0.0
-        for layer in stage.layers:
-            w = prof.layer_param_bytes[layer]
-            if old_stage is not None and layer in old_stage.layers:
-                stayed += w
-            else:
-                incoming += w
-        remap = stayed * ratio * (1 / dp_new - 1 / dp_old) if dp_new < dp_old else 0.0
-        busiest = max(busiest, incoming * (1 + ratio / dp_new) + remap)
+        weights = sum(prof.layer_param_bytes[stage.layer_start : stage.layer_stop])
+        for rank in stage.ranks:
+            before = old_stage.get(rank)
+            held = range(0) if before is None else before.layers
+            stayed = sum(prof.layer_param_bytes[x] for x in stage.layers if x in held)
+            incoming = weights - stayed
+            dp_old = before.dp_size if before is not None else dp_new
+            remap = stayed * ratio * (1 / dp_new - 1 / dp_old) if dp_new < dp_old else 0.0
+            busiest = max(busiest, incoming * (1 + ratio / dp_new) + remap)
     return busiest

@@ -201,7 +201,9 @@ def bursty_cluster_trace(
             fresh += 1
         size = min(len(up), int(rng.integers(low, high + 1)))
         offsets = sorted(rng.uniform(0.0, burst_window_s, size=size))
-        for i, dt in zip(sorted(rng.choice(len(up), size=size, replace=False), reverse=True), offsets, strict=True):
+        for i, dt in zip(
+            sorted(rng.choice(len(up), size=size, replace=False), reverse=True), offsets, strict=True
+        ):
             events.append(TraceEvent(t + float(dt), "remove", up.pop(int(i))))
             pending.append(t + float(dt) + rng.exponential(3600.0 * mean_replace_hours))
     for arrival in sorted(a for a in pending if a < horizon):
