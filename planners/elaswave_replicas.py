@@ -16,7 +16,7 @@ change (smaller shares only where nothing else fits memory: in a model where com
 micro-batch, smaller shares would buy a shorter bubble the configured job never had); and with a
 whole replica dropped (every stage cut to the smallest stage's DP size, the surplus ranks leave
 the layout, idle until a join takes them back), re-slotted likewise; and the live ranks regrouped
-into ceil(P/2)..P stages of equal DP size (every stage thinned alike, a shorter pipeline where fewer
+into ceil(P/2)..P-1 stages of equal DP size (every stage thinned alike, a shorter pipeline where fewer
 stages fit memory: the executor reaches any layout over the surviving ranks in place,
 `planners.applicability`), re-slotted likewise. Each candidate is priced after Algorithm 1
 (`planners.elaswave_graph.repartition`: thinning's benefit comes with the re-partition); one
@@ -130,7 +130,10 @@ def shape_replicas(
     if dropped is not None:
         shapes.append((f"drop ranks {list(dropped[1])} (a replica)", dropped[0]))
     p = layout.num_stages
-    for stages in range(max(1, -(-p // 2)), p + 1):
+    # Fewer stages only: the executor rebuilds those from live shards and backups
+    # (`executor.fabric.rebuild`); ranks moving between stages at an unchanged count would go
+    # through its remap-then-migrate path, which keeps every rank in its stage.
+    for stages in range(max(1, -(-p // 2)), p):
         regrouped = restage(layout, stages)
         if regrouped is not None:
             shapes.append((f"{stages} stages of equal DP size", regrouped))
