@@ -33,8 +33,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from simulator.costs import RecoveryCosts, cost_file, parse_overrides
-
 Measured = dict[str, tuple[float, str]]  # cost name -> (value, where it came from)
 
 
@@ -130,7 +128,7 @@ def _step_join() -> Any:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "join.json"
-        join.main(["--steps", "60", "--json", str(path)])
+        join.main(["--steps", "120", "--json", str(path)])
         return json.loads(path.read_text())
 
 
@@ -168,7 +166,16 @@ def run_step(name: str, timeout_s: float) -> tuple[Any, str]:
     return json.loads(lines[-1][len("CALIBRATE ") :]), ""
 
 
-def calibrate(steps: list[str], timeout_s: float) -> tuple[RecoveryCosts, dict[str, str], list[str]]:
+def previous(path: Path) -> Measured:
+    """The measured entries (those with a source) of an earlier cost file at `path`, if any."""
+    if not path.exists():
+        return {}
+    entries = json.loads(path.read_text()).get("costs", {})
+    return {k: (e["value"], e["source"]) for k, e in entries.items() if isinstance(e, dict) and "source" in e}
+
+
+def calibrate(steps: list[str], timeout_s: float, keep: Measured | None = None) -> tuple[Measured, list[str]]:
+    """Run `steps`; costs they do not measure keep `keep`'s values (an earlier file's)."""
     measured: Measured = {}
     notes = []
     for name in steps:
@@ -180,11 +187,11 @@ def calibrate(steps: list[str], timeout_s: float) -> tuple[RecoveryCosts, dict[s
         got = STEPS[name][1](raw)
         measured.update({k: v for k, v in got.items() if k not in measured or name == "comm"})
         print(f"calibrate: {name}: {sorted(got)}", file=sys.stderr, flush=True)
+    measured = (keep or {}) | measured
     reload_s = measured.pop("restore_reload_s", None)
     if reload_s is not None:
         notes.append(f"restore reload measured at {reload_s[0]:.3g} s per rank ({reload_s[1]})")
-    values = [f"{k}={v}" for k, (v, _) in measured.items() if v == v]  # NaN-free
-    return parse_overrides(values), {k: src for k, (_, src) in measured.items()}, notes
+    return {k: v for k, v in measured.items() if v[0] == v[0]}, notes  # NaN-free
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,16 +204,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.step is not None:  # the child: run one benchmark, print its result
         print("CALIBRATE " + json.dumps(STEPS[args.step][0]()), flush=True)
         return 0
-    costs, sources, notes = calibrate(args.only, args.timeout)
+    # A partial run (--only) keeps what the file already holds for the other benchmarks.
+    keep = previous(args.out) if set(args.only) != set(STEPS) else None
+    measured, notes = calibrate(args.only, args.timeout, keep)
     label = (
         f"measured by bench.calibrate on {platform.machine()}, {os.cpu_count()} shared CPU cores, gloo "
         "(this implementation at small sizes, not the paper's cluster)"
     )
-    doc = cost_file(costs, label, sources) | {"notes": notes}
+    # The format `simulator.costs.load_costs` reads (`elaswave simulate --costs`); costs not
+    # measured are left out and keep the paper-scale defaults there.
+    doc = {
+        "label": label,
+        "costs": {k: {"value": v, "source": src} for k, (v, src) in measured.items()},
+        "notes": notes,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out}: {len(sources)} measured costs; " + "; ".join(notes))
-    return 0 if sources else 1
+    print(f"wrote {args.out}: {len(measured)} measured costs; " + "; ".join(notes))
+    return 0 if measured else 1
 
 
 if __name__ == "__main__":
