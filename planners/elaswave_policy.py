@@ -114,7 +114,10 @@ def plan_elaswave(inp: ElasWaveInput, settings: ElasWaveSettings = ElasWaveSetti
         added = add_spares(resized.layout, inp.joins, model, factors, settings.min_gain)
         grown, joiners, reasons = added.layout, added.joiners, (*reasons, *added.reasons)
     optional = not going and not spares  # only slow or recovered ranks: the plan may wait
-    if going and settings.migrate and settings.replicas:
+    # Only a layout the change thinned is reshaped: a loss whose ranks spares took over leaves the
+    # shape as it was (the user's configuration is not second-guessed).
+    thinned = grown.dp_sizes != layout.dp_sizes
+    if going and thinned and settings.migrate and settings.replicas:
         factors = {r: s.factor for r, s in slow.items()}
         sizes = micro_batch_sizes(layout)
         grown, shape_reasons = shape_replicas(
