@@ -116,16 +116,22 @@ def _reslotted(
 
 
 def shape_replicas(
-    layout: Layout, factors: dict[int, float], model: JobModel, min_gain: float, shares: tuple[int, int]
+    layout: Layout,
+    factors: dict[int, float],
+    model: JobModel,
+    min_gain: float,
+    shares: tuple[int, int],
+    drop: bool = True,
 ) -> tuple[Layout, tuple[Reason, ...]]:
     """The resized `layout`, re-slotted, regrouped or with a replica dropped where the cost model
     predicts a faster step (module docstring), and the reason. `shares`: the smallest and largest
     per-rank micro-batch before the change; re-slotting keeps ranks within them, smaller only
-    where nothing else fits memory (a share no stage ran would buy a bubble the job never had)."""
+    where nothing else fits memory (a share no stage ran would buy a bubble the job never had).
+    `drop`: whether dropping a replica (its ranks leave the layout alive) is a candidate."""
     as_is = _price("thin every stage", layout, factors, model)
     if as_is is None:
         return layout, ()
-    dropped = drop_replica(layout)
+    dropped = drop_replica(layout) if drop else None
     shapes = [("thin every stage", layout)]
     if dropped is not None:
         shapes.append((f"drop ranks {list(dropped[1])} (a replica)", dropped[0]))
