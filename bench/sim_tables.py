@@ -2,6 +2,7 @@
 
     python -m bench.sim_tables              # both tables, as README markdown rows
     python -m bench.sim_tables --spot-only
+    python -m bench.sim_tables --goal [--costs FILE]   # issue 25: elaswave / every baseline, LSE
 
 Each row is one `elaswave simulate` run (the same CLI a user runs); the numbers are read back from
 its `summary.csv`. Analytic model only, seconds of CPU per row.
@@ -23,6 +24,8 @@ TRACES = (
     ("generated seed 1", "spot_gen_s1.txt"),
     ("generated seed 2", "spot_gen_s2.txt"),
 )
+BURSTY = tuple((f"bursty seed {s}", f"spot_burst_s{s}.txt") for s in range(10))
+GOAL_POLICIES = ("elaswave", "recycle", "torchft", "oobleck", "chameleon")
 JOBS = (("7B", "llama2-7b"), ("13B", "llama2-13b"), ("34B", "llama2-34b"))
 TRACE_DIR = Path(__file__).resolve().parent.parent / "simulator" / "traces"
 
@@ -81,10 +84,46 @@ def chameleon_row(seed: int) -> str:
     return f"| {seed} | {' | '.join(cells)} | {rate['chameleon'] / rate['recycle']:.2f} |"
 
 
+def goal_row(model: str, job: str, name: str, trace: str, costs: list[str]) -> tuple[str, float]:
+    """One row of the issue-25 table: time-weighted LSE of elaswave and its ratio to each
+    baseline's; returns the row and the worst ratio."""
+    rows = simulate(
+        "--trace", str(TRACE_DIR / trace), "--job", job, "--policies", ",".join(GOAL_POLICIES), *costs
+    )
+    lse = {p: float(r["lse_time_weighted"]) for p, r in rows.items()}
+    ratios = [lse["elaswave"] / lse[b] if lse[b] > 0 else float("inf") for b in GOAL_POLICIES[1:]]
+    cells = " | ".join(f"{r:.3f}" + ("" if r >= 1.0 else " **<1**") for r in ratios)
+    e = rows["elaswave"]
+    row = f"| {model} | {name} | {lse['elaswave']:.3f} | {cells} | {e['restores']} |"
+    return row, min(ratios)
+
+
+def goal(costs: list[str]) -> None:
+    print("| job | trace | elaswave LSE | vs ReCycle | vs TorchFT | vs Oobleck | vs Chameleon | RESTOREs |")
+    print("|---|---|---|---|---|---|---|---|")
+    worst: list[float] = []
+    for model, job in JOBS:
+        for name, trace in (*TRACES, *BURSTY):
+            row, low = goal_row(model, job, name, trace, costs)
+            worst.append(low)
+            print(row, flush=True)
+    below = sum(1 for w in worst if w < 1.0)
+    print(
+        f"\nelaswave >= every baseline on {len(worst) - below} of {len(worst)} (job, trace) pairs; worst ratio {min(worst):.3f}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spot-only", action="store_true")
+    parser.add_argument("--goal", action="store_true", help="issue 25: elaswave / every baseline in LSE")
+    parser.add_argument(
+        "--costs", type=Path, default=None, help="cost file for --goal (elaswave simulate --costs)"
+    )
     args = parser.parse_args(argv)
+    if args.goal:
+        goal(["--costs", str(args.costs)] if args.costs is not None else [])
+        return 0
     for model, job in JOBS:
         for name, trace in TRACES:
             print(spot_row(model, job, name, trace), flush=True)

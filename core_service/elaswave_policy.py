@@ -14,7 +14,9 @@ is cleared by the detector and so loses its clock; if it is still slow it is fla
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from core_service.config import PolicyName
 from core_service.engine import Decision, JobSnapshot, Policy
@@ -27,6 +29,7 @@ from planners.elaswave_policy import ElasWaveInput, ElasWaveSettings, plan_elasw
 from planners.elaswave_policy_join import Joins, Spare
 from planners.elaswave_reasons import texts
 from planners.layout import Layout
+from planners.redundancy import NodeLoss, RedundancyInput, RedundancySettings
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,14 @@ class ElasWavePolicy:
     payback_steps: int = 100
     cooldown_steps: int = 200
     default_pause_s: float = 0.2
+    # Backup redundancy k (planners.redundancy): sized from the bursts of node losses this Core
+    # saw (`losses`, per job, on `clock`) and the registered model's memory cap.
+    redundancy: RedundancySettings = RedundancySettings()
+    # After a loss or a join, re-slot, regroup stages or drop a replica where the cost model
+    # predicts a faster step than thinning every stage (planners.elaswave_replicas).
+    replicas: bool = True
+    clock: Callable[[], float] = time.monotonic
+    losses: LossLog = field(default_factory=lambda: LossLog())
 
     def decide(self, snapshot: JobSnapshot) -> Decision:
         layout = snapshot.layout
@@ -64,6 +75,15 @@ class ElasWavePolicy:
         cooling = frozenset(
             unit for unit, at in snapshot.unit_moved_at if snapshot.step - at < self.cooldown_steps
         )
+        now = self.clock()
+        self.losses.record(snapshot, layout, now)
+        profile, _ = registered_profile(snapshot)
+        redundancy = RedundancyInput(
+            self.losses.history(snapshot.job),
+            now,
+            None if profile is None else profile.mem_cap_bytes,
+            self.redundancy,
+        )
         plan = plan_elaswave(
             ElasWaveInput(
                 layout,
@@ -74,9 +94,14 @@ class ElasWavePolicy:
                 joins,
                 cooling,
                 departed_ranks(snapshot, layout),
+                redundancy,
             ),
             ElasWaveSettings(
-                self.min_gain, self.clock_hysteresis_mhz, self.default_slowdown, payback=payback
+                self.min_gain,
+                self.clock_hysteresis_mhz,
+                self.default_slowdown,
+                payback=payback,
+                replicas=self.replicas,
             ),
         )
         return Decision(
@@ -129,15 +154,41 @@ def rank_reports(snapshot: JobSnapshot, layout: Layout) -> tuple[RankReport, ...
     )
 
 
+class LossLog:
+    """The node losses the Core saw, per job: each lost worker once, at the time its loss was
+    first seen, with its host (the failure domain). Departures on purpose are not failures."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, dict[str, tuple[float, str]]] = {}
+
+    def record(self, snapshot: JobSnapshot, layout: Layout, now_s: float) -> None:
+        departed = departed_ranks(snapshot, layout)
+        lost = set(going_ranks(snapshot, layout)) - departed
+        seen = self._seen.setdefault(snapshot.job, {})
+        for w in snapshot.gone + snapshot.live:
+            if w.rank in lost and w.worker_id not in seen:
+                seen[w.worker_id] = (now_s, w.host)
+
+    def history(self, job: str) -> tuple[NodeLoss, ...]:
+        by_time: dict[float, set[str]] = {}
+        for t, host in self._seen.get(job, {}).values():
+            by_time.setdefault(t, set()).add(host)
+        return tuple(NodeLoss(t, frozenset(hosts)) for t, hosts in sorted(by_time.items()))
+
+
+def registered_profile(snapshot: JobSnapshot) -> tuple[JobProfile | None, str]:
+    """The job's registered profile, or None and why not."""
+    if snapshot.model_json is None:
+        return None, "the job registered no model"
+    try:
+        return state_from_dict(json.loads(snapshot.model_json))[0].profile, ""
+    except (ValueError, TypeError, KeyError) as exc:
+        return None, f"its registered model does not parse ({exc})"
+
+
 def snapshot_model(snapshot: JobSnapshot, layout: Layout, reports: tuple[RankReport, ...]) -> JobModel:
     """The job's registered profile when it parses, else the uniform model calibrated by reports."""
-    profile: JobProfile | None = None
-    why = "the job registered no model"
-    if snapshot.model_json is not None:
-        try:
-            profile = state_from_dict(json.loads(snapshot.model_json))[0].profile
-        except (ValueError, TypeError, KeyError) as exc:
-            why = f"its registered model does not parse ({exc})"
+    profile, why = registered_profile(snapshot)
     return job_model(layout, profile, why, reports)
 
 

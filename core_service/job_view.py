@@ -43,5 +43,19 @@ def job_summary(job: Job) -> dict[str, Any]:
         "end_reason": job.end_reason or None,
         "latest_checkpoint": job.latest_checkpoint or None,
         "has_layout": job.layout_json is not None,
+        **backup_copies_view(job),
         "last_event_seq": job.next_seq - 1,
     }
+
+
+def backup_copies_view(job: Job) -> dict[str, Any]:
+    """How many copies of every shard the job's layout keeps, and why (the plan's redundancy
+    reason, `planners.redundancy`; None before a plan chose it)."""
+    try:
+        parsed = job.parsed_layout()
+    except (ValueError, KeyError, TypeError):
+        parsed = None  # the layout's own error is reported where it is applied
+    copies = 1 if parsed is None else parsed.layout.backup_copies
+    reasons = () if job.last_plan is None else job.last_plan.reasons
+    why = next((r for r in reasons if r.startswith("backup copies k=")), None)
+    return {"backup_copies": copies, "backup_copies_reason": why}

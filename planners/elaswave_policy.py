@@ -31,7 +31,9 @@ from planners.elaswave_model import DEFAULT_SLOWDOWN, JobModel, RankReport, Slow
 from planners.elaswave_payback import PaybackSettings, judge_optional
 from planners.elaswave_policy_join import Joins, add_spares
 from planners.elaswave_reasons import Outcome, Reason, Step, headlines
+from planners.elaswave_replicas import shape_replicas
 from planners.layout import Layout
+from planners.redundancy import RedundancyInput, choose_copies, headroom_from_model
 from planners.validation import validate
 
 Action = Literal["publish", "none", "refuse"]
@@ -47,6 +49,9 @@ class ElasWaveSettings:
     # Optional plans (for slow or recovered ranks only) must pay back and respect the cool-down
     # (`planners.elaswave_payback`); None: every plan is adopted (the simulator's ablations).
     payback: PaybackSettings | None = PaybackSettings()
+    # After a loss or a join: re-slot or drop a replica where the cost model predicts a faster
+    # step than thinning every stage (`planners.elaswave_replicas`; needs `migrate`).
+    replicas: bool = True
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,8 @@ class ElasWaveInput:
     cooling: frozenset[int] = frozenset()  # units that moved within the cool-down
     # Going ranks that leave on purpose (preempted, drained, left): "departed", never "lost".
     departed: frozenset[int] = frozenset()
+    # Backup redundancy k (`planners.redundancy`): None leaves the layout's k as it is.
+    redundancy: RedundancyInput | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,16 @@ def plan_elaswave(inp: ElasWaveInput, settings: ElasWaveSettings = ElasWaveSetti
         added = add_spares(resized.layout, inp.joins, model, factors, settings.min_gain)
         grown, joiners, reasons = added.layout, added.joiners, (*reasons, *added.reasons)
     optional = not going and not spares  # only slow or recovered ranks: the plan may wait
+    # Only a layout the change thinned is reshaped: a loss whose ranks spares took over leaves the
+    # shape as it was (the user's configuration is not second-guessed).
+    thinned = grown.dp_sizes != layout.dp_sizes
+    if going and thinned and settings.migrate and settings.replicas:
+        factors = {r: s.factor for r, s in slow.items()}
+        sizes = micro_batch_sizes(layout)
+        grown, shape_reasons = shape_replicas(
+            grown, factors, model, settings.min_gain, (min(sizes), max(sizes))
+        )
+        reasons = (*reasons, *shape_reasons)
     plan = _plan(layout, grown, reasons, model, slow, recovered, settings, inp.cooling if optional else None)
     if optional and settings.migrate and _declined_by_payback(plan):
         # Moving units does not pay (or a unit cools down): the clocks alone may (DVFS, §4.3),
@@ -115,10 +132,34 @@ def plan_elaswave(inp: ElasWaveInput, settings: ElasWaveSettings = ElasWaveSetti
         fallback = _plan(layout, grown, reasons, model, slow, recovered, clocks_only, inp.cooling)
         if fallback.action == "publish":
             return replace(fallback, reasons=(*fallback.reasons, plan.reasons[-1]))
+    plan = with_copies(plan, inp.redundancy, model)
     if plan.action != "publish" or not joiners:
         return plan
     kept = set(plan.layout.ranks()) if plan.layout is not None else set()
     return replace(plan, joiners=tuple((r, w) for r, w in joiners if r in kept))
+
+
+def with_copies(plan: ElasWavePlan, redundancy: RedundancyInput | None, model: JobModel) -> ElasWavePlan:
+    """The published layout with the backup redundancy k `planners.redundancy` chooses for it
+    (headroom: the memory cap minus the cost model's stage estimate), and the reason why."""
+    if redundancy is None or plan.action != "publish" or plan.layout is None:
+        return plan
+    layout = plan.layout
+    headroom = None
+    if redundancy.mem_cap_bytes is not None:
+        mems = [model.cost.stage_memory_bytes(layout, p) for p in range(layout.num_stages)]
+        headroom = headroom_from_model(layout, mems, redundancy.mem_cap_bytes)
+    choice = choose_copies(layout, redundancy.history, redundancy.now_s, headroom, redundancy.settings)
+    changed = choice.copies != layout.backup_copies
+    reason = Reason(
+        Step.REDUNDANCY,
+        Outcome.CHANGED if changed else Outcome.KEPT,
+        choice.reason,
+        f"backup copies {layout.backup_copies}->{choice.copies}" if changed else "",
+    )
+    summary = f"{plan.summary}; {reason.headline}" if changed else plan.summary
+    new = replace(layout, backup_copies=choice.copies)
+    return replace(plan, layout=new, reasons=(*plan.reasons, reason), summary=summary)
 
 
 def _plan(

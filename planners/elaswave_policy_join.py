@@ -89,6 +89,8 @@ def add_spares(
     ids = _Ids(joins.next_rank, list(joins.spares[:room]))
     reasons: list[Reason] = []
     grown, original = layout, joins.original
+    if original is not None:
+        grown = _restore_original(grown, original, ids, reasons) or grown
     if original is not None and grown.num_stages < original.num_stages:
         grown = _recreate_stages(grown, original, ids, reasons)
     if original is not None and grown.num_stages == original.num_stages and ids.waiting:
@@ -106,6 +108,44 @@ def add_spares(
         Reason(Step.RESIZE, Outcome.INFO, f"micro-batch sizes per stage {list(micro_batch_sizes(grown))}")
     )
     return Grown(grown, joiners, tuple(reasons))
+
+
+def _reshaped(layout: Layout, original: Layout) -> bool:
+    """The DP shape step (`planners.elaswave_replicas`) changed the layout's structure: another
+    stage count or slot count, or a stage larger than in the fault-free layout."""
+    if layout.num_stages != original.num_stages or layout.num_micro_batches != original.num_micro_batches:
+        return True
+    return any(a > b for a, b in zip(layout.dp_sizes, original.dp_sizes, strict=True))
+
+
+def _restore_original(layout: Layout, original: Layout, ids: _Ids, reasons: list[Reason]) -> Layout | None:
+    """A reshaped layout goes back to the fault-free one once its ranks and the spares fill it
+    (a dropped replica re-created, regrouped stages restored, the fault-free slots): every
+    fault-free rank still live keeps its place, the other live ranks fill the lost ones' places,
+    then spares with fresh ids. None when it is not reshaped or cannot be filled."""
+    live = layout.ranks()
+    need = len(original.ranks())
+    if not _reshaped(layout, original) or not len(live) <= need <= len(live) + len(ids.waiting):
+        return None
+    present, kept = set(live), set(original.ranks())
+    others = [r for r in live if r not in kept]
+    stages = []
+    for st in original.stages:
+        ranks = [r if r in present else (others.pop(0) if others else ids.take()) for r in st.ranks]
+        stages.append(replace(st, ranks=tuple(ranks)))
+    text = (
+        f"back to the fault-free shape: {original.num_stages} stages of DP sizes "
+        f"{list(original.dp_sizes)}, {original.num_micro_batches} slots (from {layout.num_stages} stages of "
+        f"{list(layout.dp_sizes)}, {layout.num_micro_batches} slots)"
+    )
+    reasons.append(Reason(Step.REPLICA, Outcome.CHANGED, text, "fault-free shape restored"))
+    return replace(
+        original,
+        stages=tuple(stages),
+        frequencies_mhz=(),
+        rank_nodes=layout.rank_nodes,
+        backup_copies=layout.backup_copies,
+    )
 
 
 def _recreate_stages(layout: Layout, original: Layout, ids: _Ids, reasons: list[Reason]) -> Layout:

@@ -21,6 +21,8 @@ class Step(StrEnum):
     CLOCK = "clock"  # DVFS (§4.3)
     PREDICTION = "prediction"  # predicted step time after the change
     PAYBACK = "payback"  # an optional plan declined: it does not pay back, or moves a cooling unit
+    REDUNDANCY = "redundancy"  # how many backup copies of every shard (planners.redundancy)
+    REPLICA = "replica"  # a whole DP replica dropped rather than every stage thinned
 
 
 class Outcome(StrEnum):

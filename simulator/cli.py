@@ -3,6 +3,7 @@
 elaswave simulate --trace simulator/traces/spot_a.txt --job llama2-34b --out out/sim
 elaswave simulate --poisson 0.1 --hours 9 --job chameleon-7b --policies chameleon,recycle,oobleck --out out/c
 elaswave simulate --trace t.txt --cost torchft_model=paper --cost checkpoint_interval_s=600 --out out/p
+elaswave simulate --trace t.txt --costs simulator/cost_files/measured_cpu.json --out out/m
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from simulator.cluster import cluster_timeline
-from simulator.costs import describe, parse_overrides
+from simulator.costs import describe, load_costs, parse_overrides
 from simulator.engine import run_policy
 from simulator.jobs import JOBS, job
 from simulator.policies import SIM_POLICIES
@@ -63,6 +64,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "detection_s=5, checkpoint_interval_s=600; repeatable",
     )
     p.add_argument(
+        "--costs",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="recovery costs from a cost file (simulator/cost_files/paper_scale.json, or one "
+        "`python -m bench.calibrate` wrote); --cost overrides it",
+    )
+    p.add_argument(
         "--out",
         type=Path,
         required=True,
@@ -80,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
         return _fail("--hours must be > 0")
     spec = job(args.job)
     try:
-        costs = parse_overrides(args.cost)
+        costs = parse_overrides(args.cost, load_costs(args.costs) if args.costs is not None else None)
         if args.trace is not None:
             events = load_bamboo(args.trace)
             source = f"trace {args.trace.name}"
@@ -111,6 +120,7 @@ def main(args: argparse.Namespace) -> int:
         "trace_end_h": round(cluster.trace_end_s / 3600, 4),
         "seed": args.seed,
         "spares": args.spares,
+        "costs_file": str(args.costs) if args.costs is not None else "defaults (paper scale)",
     } | describe(costs)
     title = (
         f"{spec.name}: {source}, {horizon / 3600:.2f} h, spares {args.spares}, "

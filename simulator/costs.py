@@ -12,15 +12,19 @@ A recovery is priced as the sum of its parts (seconds without progress unless sa
   the latest durable checkpoint and redo the steps since it (expected half the interval);
 - join: a node taking a slot (a spare after a preemption, or a fresh node) is a join.
 
-Every field can be overridden from `elaswave simulate --cost NAME=SECONDS_OR_VALUE`; the README
-table "Recovery costs" lists them with their sources.
+Every field can be overridden from `elaswave simulate --cost NAME=SECONDS_OR_VALUE`, or read from
+a cost file (`elaswave simulate --costs FILE`, `load_costs`): `simulator/cost_files/paper_scale.json`
+holds these defaults with their sources (paper sections), `bench.calibrate` writes one measured
+on this project's own recovery benchmarks (docs/benchmarks.md says which file produced which table).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 TorchftModel = Literal["docs", "paper"]
 
@@ -58,6 +62,10 @@ class RecoveryCosts:
     # Durable checkpoint interval: an assumption; a RESTORE redoes half of it on average.
     checkpoint_interval_s: float = 1800.0
     replay_fraction: float = 0.5
+    # A joining node's start (process, registration, subscribing to plans) before it can take
+    # part; the others keep training meanwhile (every policy alike, `simulator.engine`). 0: the
+    # node is ready when the trace adds it (the paper-scale default; `bench.join` measures it).
+    join_start_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -76,8 +84,9 @@ class RecoveryCosts:
         return state_bytes_per_device / self.storage_bytes_per_s + self.checkpoint_interval_s / 2
 
 
-def parse_overrides(items: list[str]) -> RecoveryCosts:
-    """`NAME=VALUE` pairs into RecoveryCosts; ValueError names the bad pair and the known names."""
+def parse_overrides(items: list[str], base: RecoveryCosts | None = None) -> RecoveryCosts:
+    """`NAME=VALUE` pairs into RecoveryCosts (over `base`, default the paper-scale defaults);
+    ValueError names the bad pair and the known names."""
     names = {f.name: f for f in dataclasses.fields(RecoveryCosts)}
     changes: dict[str, object] = {}
     for item in items:
@@ -93,7 +102,41 @@ def parse_overrides(items: list[str]) -> RecoveryCosts:
             changes[name] = float(raw)
         except ValueError:
             raise ValueError(f"--cost {item!r}: {raw!r} is not a number") from None
-    return RecoveryCosts(**changes)  # type: ignore[arg-type]
+    return dataclasses.replace(base or RecoveryCosts(), **changes)  # type: ignore[arg-type]
+
+
+def load_costs(path: str | Path) -> RecoveryCosts:
+    """A cost file: `{"label": ..., "costs": {NAME: VALUE or {"value": VALUE, "source": ...}}}`;
+    names it leaves out keep their defaults. ValueError says what is wrong and where."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cost file {p}: {e}") from None
+    entries = doc.get("costs") if isinstance(doc, dict) else None
+    if not isinstance(entries, dict):
+        raise ValueError(f"cost file {p}: expected an object with a 'costs' object")
+    items = []
+    for name, entry in entries.items():
+        value: Any = entry.get("value") if isinstance(entry, dict) else entry
+        if value is None:
+            raise ValueError(f"cost file {p}: {name!r} has no value")
+        items.append(f"{name}={value}")
+    try:
+        return parse_overrides(items)
+    except ValueError as e:
+        raise ValueError(f"cost file {p}: {e}") from None
+
+
+def cost_file(costs: RecoveryCosts, label: str, sources: dict[str, str]) -> dict[str, Any]:
+    """The document `load_costs` reads: every field with its value and, where given, its source."""
+    return {
+        "label": label,
+        "costs": {
+            name: {"value": value} | ({"source": sources[name]} if name in sources else {})
+            for name, value in describe(costs).items()
+        },
+    }
 
 
 def describe(costs: RecoveryCosts) -> dict[str, object]:

@@ -2,7 +2,8 @@
 simulated policy: `elaswave` and its ablations `elaswave-migrate`, `elaswave-resize`.
 
 The plan is `planners.elaswave_policy.plan_elaswave` on the layout the job runs. It is applied in
-place only when `planners.applicability.judge` (the executor's rule) accepts it, otherwise as a
+place only when the executor's rule accepts it (`simulator.copies`: a copy of every lost shard
+survives among its k copies, `planners.applicability.structural_problem`), otherwise as a
 RESTORE (reload the latest durable checkpoint, redo the steps since). Waiting nodes join (in
 place: the joiners read their state from the live owners, the growth issue) when the Core's
 scale-up rule says the join pays before the next likely change (FlexTrain eq. 15-16), re-planned
@@ -11,14 +12,15 @@ from the healthy layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from planners.applicability import judge
 from planners.chameleon.state import Candidate
-from planners.elaswave_policy import ElasWaveInput, ElasWaveSettings, plan_elaswave
+from planners.elaswave_policy import ElasWaveInput, ElasWavePlan, ElasWaveSettings, plan_elaswave, with_copies
 from planners.flextrain import poisson_benefit
 from planners.layout import Layout
+from planners.redundancy import NodeLoss, RedundancyInput
 from simulator.cluster import ClusterChange
+from simulator.copies import in_place as applies_in_place
 from simulator.jobs import JobSpec
 from simulator.layouts import busiest_state_bytes, layout_candidate, layout_model
 from simulator.sim_policy import SimPolicy, Transition, healthy_layout, itemised
@@ -32,13 +34,21 @@ class ElasWavePolicy(SimPolicy):
     event_rate_per_s: float = 1.0 / 3600  # expected cluster changes per second (eq. 15's lambda)
     layout: Layout | None = None
     current: Candidate | None = None
+    losses: list[NodeLoss] = field(default_factory=list)  # the node losses seen (for k)
+    now_s: float = 0.0
+    lost_now: frozenset[int] = frozenset()  # ranks of the running layout that died at this change
 
     def step(self, change: ClusterChange, step_before_s: float) -> Transition:
         healthy = healthy_layout(self.spec)
         old = self.layout or healthy
         self.layout = old
         dead, lost, arrived = self.ranks(change)
+        slots = change.lost_slots + change.swapped_slots
+        if slots:
+            self.losses.append(NodeLoss(change.time_s, frozenset(f"slot{n}" for n in slots)))
+        self.now_s = change.time_s
         going = tuple(sorted((dead | lost) & set(old.ranks())))
+        self.lost_now = frozenset(going)
         waiting = set(healthy.ranks()) - dead - (set(old.ranks()) - set(going))  # nodes free to join
         if not going and not waiting:
             return Transition(self._candidate(old, "no change"), layout=old)
@@ -51,7 +61,7 @@ class ElasWavePolicy(SimPolicy):
             assert new is not None
             items = [("detection", c.detection_s)] if going else []
             items += [("planning", c.elaswave_planning_s), ("communicator", c.elaswave_communicator_s)]
-            in_place = judge(old, new).in_place
+            in_place = applies_in_place(old, new, self.lost_now)
             items += self._state_items(old, new, in_place, step_before_s if going else 0.0)
             return self._move(old, new, why, "in place" if in_place else "restore", items)
         new, why = shrink
@@ -61,7 +71,7 @@ class ElasWavePolicy(SimPolicy):
             return Transition(cand, previous_layout=old)
         if new == old:
             return Transition(self._candidate(old, why), layout=old)
-        in_place = judge(old, new).in_place
+        in_place = applies_in_place(old, new, self.lost_now)
         items = [("detection", c.detection_s), ("planning", c.elaswave_planning_s)]
         items.append(("communicator", c.elaswave_communicator_s))
         items += self._state_items(old, new, in_place, step_before_s)
@@ -98,7 +108,9 @@ class ElasWavePolicy(SimPolicy):
             return False
         if now <= 0:
             return True
-        cost = sum(s for _, s in self._state_items(old, grown, judge(old, grown).in_place, 0.0))
+        cost = sum(
+            s for _, s in self._state_items(old, grown, applies_in_place(old, grown, self.lost_now), 0.0)
+        )
         cost += self.costs.elaswave_planning_s + self.costs.elaswave_communicator_s
         return poisson_benefit(after / now, cost, self.event_rate_per_s).scale_up
 
@@ -110,12 +122,18 @@ class ElasWavePolicy(SimPolicy):
         return replace(itemised(cand, mode, items), layout=new, previous_layout=old)
 
     def _plan(self, base: Layout, going: tuple[int, ...]) -> tuple[Layout | None, str]:
-        if not going:
-            return base, "healthy layout"
-        plan = plan_elaswave(ElasWaveInput(base, going, layout_model(self.spec, base)), self.settings)
-        if plan.action == "refuse":
-            return None, plan.summary
-        return (plan.layout or base), plan.summary
+        # k copies (planners.redundancy): from the losses seen so far and the device memory cap,
+        # for every layout the policy runs (a join back to the healthy layout included).
+        redundancy = RedundancyInput(tuple(self.losses), self.now_s, self.spec.profile().mem_cap_bytes)
+        model = layout_model(self.spec, base)
+        layout, why = base, "healthy layout"
+        if going:
+            plan = plan_elaswave(ElasWaveInput(base, going, model, redundancy=redundancy), self.settings)
+            if plan.action == "refuse":
+                return None, plan.summary
+            layout, why = plan.layout or base, plan.summary
+        chosen = with_copies(ElasWavePlan("publish", layout, (), why), redundancy, model)
+        return chosen.layout, chosen.summary
 
     def _candidate(self, layout: Layout, why: str) -> Candidate:
         key = (layout, why)
@@ -125,23 +143,23 @@ class ElasWavePolicy(SimPolicy):
 
 
 def migration_bytes(spec: JobSpec, old: Layout, new: Layout) -> float:
-    """Bytes into the busiest rank of `new`: blocks that change stage (weights and the rank's
-    optimizer share) plus, in a stage that shrank, the larger optimizer share it takes over from
-    the ring snapshots (ElasWave §5.2, §6.3 interleaved ZeRO)."""
+    """Bytes into the busiest rank of `new`: the blocks of its new stage it did not hold (weights
+    and its optimizer share; all of them for a rank that changed stage or joined) plus, where its
+    stage's DP size shrank, the larger optimizer share it takes over of the blocks it kept (from
+    the ring snapshots, ElasWave §5.2, §6.3 interleaved ZeRO)."""
     prof = spec.profile()
     ratio = prof.optimizer_bytes_per_param_byte
+    old_stage = {r: s for s in old.stages for r in s.ranks}
     busiest = 0.0
-    for p, stage in enumerate(new.stages):
+    for stage in new.stages:
         dp_new = stage.dp_size
-        old_stage = old.stages[p] if p < old.num_stages else None
-        dp_old = old_stage.dp_size if old_stage is not None else dp_new
-        incoming = stayed = 0.0
-        for layer in stage.layers:
-            w = prof.layer_param_bytes[layer]
-            if old_stage is not None and layer in old_stage.layers:
-                stayed += w
-            else:
-                incoming += w
-        remap = stayed * ratio * (1 / dp_new - 1 / dp_old) if dp_new < dp_old else 0.0
-        busiest = max(busiest, incoming * (1 + ratio / dp_new) + remap)
+        weights = sum(prof.layer_param_bytes[stage.layer_start : stage.layer_stop])
+        for rank in stage.ranks:
+            before = old_stage.get(rank)
+            held = range(0) if before is None else before.layers
+            stayed = sum(prof.layer_param_bytes[x] for x in stage.layers if x in held)
+            incoming = weights - stayed
+            dp_old = before.dp_size if before is not None else dp_new
+            remap = stayed * ratio * (1 / dp_new - 1 / dp_old) if dp_new < dp_old else 0.0
+            busiest = max(busiest, incoming * (1 + ratio / dp_new) + remap)
     return busiest

@@ -111,7 +111,8 @@ def run_policy(
 ) -> PolicyRun:
     """Replay `changes` (the first at t=0 is the starting cluster) under one policy."""
     rate = max(len(changes) - 1, 1) / horizon_s  # observed cluster changes per second
-    sim = make_policy(policy, spec, costs or RecoveryCosts(), rate)
+    costs = costs or RecoveryCosts()
+    sim = make_policy(policy, spec, costs, rate)
     total = spec.shape.num_devices
     segments: list[Segment] = []
     points = [c for c in changes if c.time_s < horizon_s]
@@ -120,6 +121,12 @@ def run_policy(
         end = points[i + 1].time_s if i + 1 < len(points) else horizon_s
         alive = total - len([d for d in change.dead_devices if d < total])
         t = change.time_s
+        if i > 0 and costs.join_start_s > 0 and change.kind == "join":
+            # The joining node starts (process, registration) while the plan in force runs on.
+            ready = min(t + costs.join_start_s, end)
+            kind = "run" if throughput > 0 else "stalled"
+            segments.append(Segment(t, ready, throughput, alive, kind, "joining node starting"))
+            t = ready
         tr = sim.step(change, step_s)
         if i > 0 and tr.mode:
             plan_changes += 1

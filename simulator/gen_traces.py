@@ -5,7 +5,9 @@
   synthetic stand-ins with the same character, `simulator.traces.spot_trace`, fixed seeds);
 - `spot_gen_s<seed>.txt`: 16 nodes (12 job slots and 4 spares) for 11 hours from
   `simulator.traces.spot_cluster_trace`, whose bursts, replacement delays and cluster size follow
-  Bamboo's spot measurements (see its docstring), one file per seed.
+  Bamboo's spot measurements (see its docstring), one file per seed;
+- `spot_burst_s<seed>.txt` (seeds 0-9): 16 nodes for 11 hours from
+  `simulator.traces.bursty_cluster_trace`: bursts of 2-4 nodes reclaimed within a minute (issue 25).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from simulator.traces import spot_cluster_trace, spot_trace, write_bamboo
+from simulator.traces import bursty_cluster_trace, spot_cluster_trace, spot_trace, write_bamboo
 
 TRACE_DIR = Path(__file__).resolve().parent / "traces"
 SHIPPED = {
@@ -22,6 +24,7 @@ SHIPPED = {
     "spot_b.txt": (12, 6.0, 7, 0.12, 3.0),  # shrink-heavy: outages pile up
 }
 GENERATED_SEEDS = (0, 1, 2)
+BURSTY_SEEDS = tuple(range(10))
 
 
 def generate(out_dir: Path = TRACE_DIR) -> list[Path]:
@@ -34,6 +37,10 @@ def generate(out_dir: Path = TRACE_DIR) -> list[Path]:
     for seed in GENERATED_SEEDS:
         path = out_dir / f"spot_gen_s{seed}.txt"
         write_bamboo(spot_cluster_trace(seed), path)
+        paths.append(path)
+    for seed in BURSTY_SEEDS:
+        path = out_dir / f"spot_burst_s{seed}.txt"
+        write_bamboo(bursty_cluster_trace(seed), path)
         paths.append(path)
     return paths
 

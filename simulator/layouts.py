@@ -8,12 +8,14 @@ from planners.elaswave_model import JobModel, registered_model
 from planners.layout import Layout
 from planners.layout_pricing import healthy_layout
 from planners.layout_pricing import layout_candidate as price_layout
-from simulator.jobs import JobSpec
+from simulator.jobs import JobSpec, node_of_rank
 
 
 def initial_layout(spec: JobSpec) -> Layout:
-    """The healthy Table-2 layout (Algorithm 1's balanced boundaries), memory-capped."""
-    return healthy_layout(ClusterState(spec.shape, spec.profile()))
+    """The healthy Table-2 layout (Algorithm 1's balanced boundaries), memory-capped, with every
+    rank's node (a rank's TP group lies on one node; `planners.backup` keeps copies off it)."""
+    layout = healthy_layout(ClusterState(spec.shape, spec.profile()))
+    return layout.replace(rank_nodes=tuple((r, node_of_rank(spec, r)[0]) for r in layout.ranks()))
 
 
 def layout_model(spec: JobSpec, layout: Layout) -> JobModel:

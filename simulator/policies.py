@@ -36,7 +36,9 @@ from simulator.sim_policy import (
     Pricer,
     SimPolicy,
     Transition,
+    dp_degree,
     healthy_layout,
+    held_layers,
     itemised,
     ranks_of,
     signature,
@@ -45,25 +47,31 @@ from simulator.sim_policy import (
 
 @dataclass
 class CandidatePolicy(SimPolicy):
-    """A baseline planned from the dead ranks alone; `price` says what reaching a new plan costs."""
+    """A baseline planned from the dead ranks and its previous plan (what every rank holds under
+    it: the state a new plan moves is priced from there, not from the configured layout);
+    `price` says what reaching a new plan costs."""
 
     build: Callable[[JobSpec, ClusterState], tuple[Candidate, str]] = lambda spec, s: (torchft(s), "")
     price: Pricer = lambda p, cand, how, lost, arrived, step_s: Transition(cand)
     plan_ranks: set = field(default_factory=set)
+    previous: Candidate | None = None  # the plan in force
 
     def plan(self, dead: frozenset[int]) -> tuple[Candidate, str]:
-        if dead not in self.cache:
-            self.cache[dead] = self.build(self.spec, self.state(dead))
-        return self.cache[dead]
+        key = (dead, held_layers(self.previous))
+        if key not in self.cache:
+            self.cache[key] = self.build(self.spec, self.state(dead, key[1]))
+        return self.cache[key]
 
     def step(self, change: ClusterChange, step_before_s: float) -> Transition:
         dead, lost, arrived = self.ranks(change)
         cand, how = self.plan(dead)
         if not self.running:  # the starting cluster: nothing to recover from
-            self.running, self.plan_ranks = signature(cand), ranks_of(cand)
+            self.running, self.plan_ranks, self.previous = signature(cand), ranks_of(cand), cand
             return Transition(cand)
         before, after = self.running, signature(cand)
         self.running = after
+        if cand.feasible:
+            self.previous = cand
         lost_running = lost & self.plan_ranks  # ranks the running plan used
         self.plan_ranks = ranks_of(cand)
         joining = arrived & self.plan_ranks  # arrived ranks the new plan uses
@@ -83,8 +91,31 @@ class ChameleonPolicy(CandidatePolicy):
     rerouting_allowed: bool = True
 
     def plan(self, dead: frozenset[int]) -> tuple[Candidate, str]:
-        cand, self.rerouting_allowed = chameleon_step(self.state(dead), self.rerouting_allowed)
+        state = self.state(dead, held_layers(self.previous))
+        cand, self.rerouting_allowed = chameleon_step(state, self.rerouting_allowed, dp_degree(self.previous))
         return cand, "rerouting" if cand.reason.startswith("rerouting") else "reparallelise"
+
+
+@dataclass
+class RecyclePolicy(CandidatePolicy):
+    """ReCycle planned from its previous plan: it reroutes around the dead ranks of the replicas
+    it runs; when rerouting cannot run it restarts without the damaged replicas, and those stay
+    out (its configured layout is now the smaller one) until each is whole again."""
+
+    excluded: frozenset[int] = frozenset()  # replicas the last restart dropped
+
+    def plan(self, dead: frozenset[int]) -> tuple[Candidate, str]:
+        pp = self.spec.shape.pp
+        whole_again = {d for d in self.excluded if not any(r // pp == d for r in dead)}
+        self.excluded = self.excluded - whole_again
+        out = frozenset(r for d in self.excluded for r in range(d * pp, (d + 1) * pp))
+        key = (dead | out, "recycle")
+        if key not in self.cache:
+            self.cache[key] = _build_recycle(self.spec, self.state(dead | out))
+        cand, how = self.cache[key]
+        if how == "restart":
+            self.excluded |= {r // pp for r in dead}
+        return cand, how
 
 
 def price_torchft(
@@ -194,7 +225,7 @@ def make_policy(
     if name == "elaswave-theoretical":
         return CandidatePolicy(name, spec, costs, build=_build_theoretical, price=price_theoretical)
     if name == "recycle":
-        return CandidatePolicy(name, spec, costs, build=_build_recycle, price=price_recycle)
+        return RecyclePolicy(name, spec, costs, price=price_recycle)
     if name == "torchft":
         return CandidatePolicy(name, spec, costs, build=lambda sp, s: (torchft(s), ""), price=price_torchft)
     if name == "oobleck":

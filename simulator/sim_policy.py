@@ -52,8 +52,11 @@ class SimPolicy(ABC):
         joined = ranks_of_devices(self.spec, set(change.devices("joined")))
         return dead, lost | swapped, (swapped | joined) - dead
 
-    def state(self, dead: frozenset[int]) -> ClusterState:
-        return ClusterState(self.spec.shape, self.spec.profile(), failed=dead, mttr=TRANSFER_ONLY)
+    def state(self, dead: frozenset[int], held: tuple[tuple[int, int, int], ...] = ()) -> ClusterState:
+        """The cluster with `dead` ranks; `held`: what every rank holds under the plan in force."""
+        return ClusterState(
+            self.spec.shape, self.spec.profile(), failed=dead, mttr=TRANSFER_ONLY, held_layers=held
+        )
 
     def replay_s(self, step_s: float) -> float:
         return self.costs.replay_fraction * step_s if step_s != float("inf") else 0.0
@@ -75,6 +78,23 @@ def signature(cand: Candidate) -> tuple:
         (p.num_slots, tuple((s.layer_start, s.layer_stop, s.ranks, s.freq_mhz) for s in p.stages))
         for p in cand.pipelines
     )
+
+
+def held_layers(cand: Candidate | None) -> tuple[tuple[int, int, int], ...]:
+    """(rank, layer_start, layer_stop) of every rank of `cand`: what a policy that plans from its
+    previous plan moves state from (`ClusterState.held_layers`)."""
+    if cand is None or not cand.feasible:
+        return ()
+    return tuple(
+        sorted((r, s.layer_start, s.layer_stop) for p in cand.pipelines for s in p.stages for r in s.ranks)
+    )
+
+
+def dp_degree(cand: Candidate | None) -> int | None:
+    """Replicas of `cand`: its pipelines, or the ranks of its one pipeline's first stage."""
+    if cand is None or not cand.feasible or not cand.pipelines:
+        return None
+    return len(cand.pipelines) if len(cand.pipelines) > 1 else len(cand.pipelines[0].stages[0].ranks)
 
 
 def ranks_of(cand: Candidate) -> set[int]:

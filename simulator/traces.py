@@ -160,3 +160,54 @@ def spot_cluster_trace(
         fresh += 1
     events.append(TraceEvent(horizon, "add", f"{prefix}{fresh}"))  # marks the trace's end
     return sorted(events)
+
+
+def bursty_cluster_trace(
+    seed: int,
+    hours: float = 11.0,
+    nodes: int = 16,
+    bursts_per_hour: float = 0.4,
+    burst_nodes: tuple[int, int] = (2, 4),
+    burst_window_s: float = 60.0,
+    mean_replace_hours: float = 0.5,
+    prefix: str = "node",
+) -> list[TraceEvent]:
+    """A Bamboo-format trace of correlated preemptions, seeded (issue 25's bursty traces).
+
+    Bursts are a Poisson process (`bursts_per_hour`); each takes a uniform number of nodes in
+    `burst_nodes` (inclusive) among those up, each at its own instant within `burst_window_s` of
+    the burst's start (a zone's capacity reclaimed over a minute, not in one instant), and every
+    reclaimed node is replaced by a fresh one after an exponential delay (`mean_replace_hours`).
+    """
+    low, high = burst_nodes
+    if nodes < 1 or hours <= 0 or bursts_per_hour < 0 or not 1 <= low <= high or burst_window_s < 0:
+        raise ValueError("need nodes >= 1, hours > 0, bursts_per_hour >= 0, 1 <= burst_nodes[0] <= [1]")
+    if mean_replace_hours <= 0:
+        raise ValueError("mean_replace_hours must be > 0")
+    rng = np.random.default_rng(seed)
+    horizon = hours * 3600.0
+    up = [f"{prefix}{i}" for i in range(nodes)]
+    events = [TraceEvent(0.0, "add", name) for name in up]
+    pending: list[float] = []
+    fresh, t = nodes, 0.0
+    while bursts_per_hour > 0:
+        t += rng.exponential(3600.0 / bursts_per_hour)
+        if t >= horizon:
+            break
+        for arrival in sorted(a for a in pending if a <= t):
+            pending.remove(arrival)
+            up.append(f"{prefix}{fresh}")
+            events.append(TraceEvent(arrival, "add", up[-1]))
+            fresh += 1
+        size = min(len(up), int(rng.integers(low, high + 1)))
+        offsets = sorted(rng.uniform(0.0, burst_window_s, size=size))
+        for i, dt in zip(
+            sorted(rng.choice(len(up), size=size, replace=False), reverse=True), offsets, strict=True
+        ):
+            events.append(TraceEvent(t + float(dt), "remove", up.pop(int(i))))
+            pending.append(t + float(dt) + rng.exponential(3600.0 * mean_replace_hours))
+    for arrival in sorted(a for a in pending if a < horizon):
+        events.append(TraceEvent(arrival, "add", f"{prefix}{fresh}"))
+        fresh += 1
+    events.append(TraceEvent(horizon, "add", f"{prefix}{fresh}"))  # marks the trace's end
+    return sorted(events)

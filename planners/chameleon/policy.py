@@ -88,12 +88,15 @@ def decide(candidates: Sequence[Candidate], horizon_s: float) -> PolicyDecision:
     )
 
 
-def chameleon_step(state: ClusterState, rerouting_allowed: bool) -> tuple[Candidate, bool]:
+def chameleon_step(
+    state: ClusterState, rerouting_allowed: bool, current_dp: int | None = None
+) -> tuple[Candidate, bool]:
     """Chameleon's own choice (§III-IV): eq. (8) between rerouting, scored with its eq. (13)
     estimate, and dynamic parallelism. Rerouting needs the configured symmetric layout, so it is
     offered only until the first re-parallelisation (and again once the job is whole).
+    `current_dp`: the DP degree of the plan in force (the search starts from it).
     Returns the plan to run and whether rerouting stays available."""
-    rep = reparallelise(state)
+    rep = reparallelise(state, current_dp=current_dp)
     options = [rep]
     rec = recycle(state) if rerouting_allowed else None
     estimate = None

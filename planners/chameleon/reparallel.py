@@ -28,10 +28,12 @@ from planners.chameleon.state import Candidate, ClusterState, PipelinePlan, Stag
 from planners.chameleon.stepmodel import make_stage, over_cap, stage_memory, step_time
 
 
-def reparallelise(state: ClusterState, dp_range: int = 2) -> Candidate:
+def reparallelise(state: ClusterState, dp_range: int = 2, current_dp: int | None = None) -> Candidate:
+    """`current_dp`: the DP degree of the plan in force (default: the configured one); the
+    search looks within `dp_range` of it (Chameleon §IV-A plans from the running plan)."""
     if not state.failed and not state.slowdown:
         return _configured(state, "reparallelise")
-    d = state.shape.dp
+    d = current_dp or state.shape.dp
     options = [k for k in range(max(1, d - dp_range), d + dp_range + 1)]
     return _best_plan(
         state, "reparallelise", options, None, matched=True, restart_s=state.mttr.reparallel_restart_s
@@ -177,10 +179,10 @@ def _plan(
         n: np.array([span_id[span] for span in spans_of_length[n]], dtype=np.int64) for n in spans_of_length
     }
     new_ids = np.concatenate([ids_of_length[n] for n in lengths])
-    old_ids = np.asarray(alive, dtype=np.int64) % shape.pp
+    old_spans, old_ids = _held_classes(state, alive)
     layer_bytes = [p * (1 + prof.optimizer_bytes_per_param_byte) for p in prof.layer_param_bytes]
     cost = class_cost_matrix(
-        [frozenset(range(a, z)) for a, z in stage_edges(current_boundaries(state), prof.num_layers)],
+        [frozenset(range(a, z)) for a, z in old_spans],
         [frozenset(range(a, z)) for a, z in spans],
         layer_bytes,
     )
@@ -227,6 +229,19 @@ def _plan(
         moved,
         len(alive) * shape.tp,
     )
+
+
+def _held_classes(state: ClusterState, alive: list[int]) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """The layer spans the live ranks hold (classes) and each live rank's class: the plan in
+    force (`ClusterState.held_layers`, a rank it does not name holds nothing), else the
+    configured stages."""
+    if not state.held_layers:
+        edges = stage_edges(current_boundaries(state), state.profile.num_layers)
+        return list(edges), np.asarray(alive, dtype=np.int64) % state.shape.pp
+    span_of = {r: (a, z) for r, a, z in state.held_layers}
+    spans = list(dict.fromkeys(span_of.get(r, (0, 0)) for r in alive))
+    index = {span: k for k, span in enumerate(spans)}
+    return spans, np.array([index[span_of.get(r, (0, 0))] for r in alive], dtype=np.int64)
 
 
 def _distribute_batch(micro_batches: int, lengths: list[int]) -> list[int]:

@@ -130,6 +130,10 @@ class ClusterState:
     boundaries: tuple[int, ...] = ()
     expected_time_to_next_event_s: float = 3600.0
     mttr: MttrModel = field(default_factory=MttrModel)
+    # (rank, layer_start, layer_stop) each rank holds under the plan in force, for planners that
+    # plan from their previous plan (the transfer into a new plan is priced from it); empty: every
+    # rank holds its configured stage's layers.
+    held_layers: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.profile.num_layers < self.shape.pp:
@@ -153,6 +157,11 @@ class ClusterState:
             )
         if self.expected_time_to_next_event_s <= 0:
             raise ValueError("expected_time_to_next_event_s must be > 0")
+        for rank, start, stop in self.held_layers:
+            if not 0 <= rank < self.shape.num_ranks or not 0 <= start <= stop <= self.profile.num_layers:
+                raise ValueError(
+                    f"held_layers entry ({rank}, {start}, {stop}) needs a valid rank and layer span"
+                )
 
     @cached_property
     def alive(self) -> tuple[int, ...]:

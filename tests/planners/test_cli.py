@@ -102,7 +102,9 @@ def test_plan_restricted_to_elaswave_reports_its_layout(
     result = json.loads(out)
     check_schema(result, 12)
     stages = result["plan"]["pipelines"][0]["stages"]
-    assert stages[1]["ranks"] == [5, 9] and 0 < result["plan"]["lse"] <= 1.2
+    ranks = sorted(r for s in stages for r in s["ranks"])
+    # Rank 1 failed; the 11 survivors all serve (regrouped or thinned, planners.elaswave_replicas).
+    assert ranks == [0, *range(2, 12)] and 0 < result["plan"]["lse"] <= 1.2
 
 
 def test_slow_ranks_shift_layers_off_their_stage(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

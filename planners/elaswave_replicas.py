@@ -1,0 +1,172 @@
+"""The shape of the data-parallel side after a change: thin every stage, re-slot, or drop a replica.
+
+ElasWave §4.1 keeps the slot count M and lets a stage's survivors take the going ranks' samples.
+Two things make that costly, and this step weighs them with the cost model (eq. 1) before
+Algorithm 1 and DVFS run:
+
+- rounding: a slot of s samples over D ranks gives some ranks ceil(s / D); after a loss that can
+  be 6 samples where 4 were (8 ranks -> 6: 32 / 6), a 1.5x longer mini-step for the whole stage,
+  while M' = ceil(B / (D x 4)) slots keep every rank at 4 samples (the global batch B is kept);
+- memory: a larger share per rank keeps more activation bytes in flight (eq. 14); more slots of
+  fewer samples bring a stage back under its cap where thinning alone runs out of memory.
+
+Candidates, each a `Layout` with the global batch kept: the thinned layout as resized (M kept);
+re-slotted so that no rank takes more samples per slot than a share some stage ran before the
+change (smaller shares only where nothing else fits memory: in a model where compute is linear in the
+micro-batch, smaller shares would buy a shorter bubble the configured job never had); and with a
+whole replica dropped (every stage cut to the smallest stage's DP size, the surplus ranks leave
+the layout, idle until a join takes them back), re-slotted likewise; and the live ranks regrouped
+into ceil(P/2)..P-1 stages of equal DP size (every stage thinned alike, a shorter pipeline where fewer
+stages fit memory: the executor reaches any layout over the surviving ranks in place,
+`planners.applicability`), re-slotted likewise. Each candidate is priced after Algorithm 1
+(`planners.elaswave_graph.repartition`: thinning's benefit comes with the re-partition); one
+over its stages' memory caps is only taken when every candidate is. The fastest wins; a change
+must buy `min_gain` unless it is the only one that fits memory. On a join the same step runs on
+the grown layout, so a dropped replica comes back when its ranks are offered again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from planners.dataflow import micro_batch_sizes, resize_after_loss
+from planners.elaswave_graph import repartition
+from planners.elaswave_model import JobModel, costing
+from planners.elaswave_reasons import Outcome, Reason, Step
+from planners.layout import Layout, SampleRange, StageLayout, split_evenly
+from planners.validation import validate
+
+
+@dataclass(frozen=True)
+class Shaped:
+    """A candidate: the layout before Algorithm 1, its step after it, and whether it fits."""
+
+    name: str
+    layout: Layout
+    step: float
+    fits: bool
+
+
+def slot_counts(layout: Layout, share: int) -> list[int]:
+    """M' = ceil(B / (D x share)) for every stage DP size D: the slot counts that put some stage
+    at exactly `share` samples per rank, and no stage above it."""
+    b = layout.global_batch
+    counts = {math.ceil(b / (d * share)) for d in {s.dp_size for s in layout.stages}}
+    return sorted(m for m in counts if 1 <= m <= b and m != layout.num_micro_batches)
+
+
+def drop_replica(layout: Layout) -> tuple[Layout, tuple[int, ...]] | None:
+    """Every stage cut to the smallest stage's DP size (its last ranks in DP order leave); None
+    when the stages are already equal."""
+    smallest = min(s.dp_size for s in layout.stages)
+    surplus = tuple(r for s in layout.stages for r in s.ranks[smallest:])
+    if not surplus:
+        return None
+    return resize_after_loss(layout, surplus).layout, surplus
+
+
+def restage(layout: Layout, stages: int) -> Layout | None:
+    """The layout's ranks, in stage then DP order, regrouped into `stages` stages of as equal DP
+    sizes as possible (layers split evenly; Algorithm 1 then balances them); None when that is
+    not a new layout. Every rank keeps its neighbours, so few ranks change stage."""
+    ranks = [r for s in layout.stages for r in s.ranks]
+    if not 1 <= stages <= min(layout.num_layers, len(ranks)):
+        return None
+    groups = split_evenly(SampleRange(0, len(ranks)), stages)
+    blocks = split_evenly(SampleRange(0, layout.num_layers), stages)
+    new = tuple(
+        StageLayout(p, b.start, b.stop, tuple(ranks[g.start : g.stop]))
+        for p, (b, g) in enumerate(zip(blocks, groups, strict=True))
+    )
+    if [s.ranks for s in new] == [s.ranks for s in layout.stages]:
+        return None
+    caps = layout.stage_mem_cap_bytes
+    capped = None if caps is None else (max(caps),) * stages
+    return replace(layout, stages=new, stage_mem_cap_bytes=capped, frequencies_mhz=())
+
+
+def _fits(layout: Layout, model: JobModel) -> bool:
+    caps = layout.stage_mem_cap_bytes
+    if caps is None:
+        return True
+    return all(model.cost.stage_memory_bytes(layout, p) <= caps[p] for p in range(layout.num_stages))
+
+
+def _price(name: str, layout: Layout, factors: dict[int, float], model: JobModel) -> Shaped | None:
+    if not validate(layout).ok:
+        return None
+    graph, _ = repartition(layout, factors, model, 0.0)
+    priced = costing(graph, factors, model.nominal_mhz, current_clocks=False)
+    return Shaped(name, layout, model.cost.step_time(priced), _fits(graph, model))
+
+
+def _reslotted(
+    name: str, layout: Layout, factors: dict[int, float], model: JobModel, share: int
+) -> list[Shaped]:
+    """`layout` re-slotted so that no rank takes more than `share` samples per slot."""
+    out = []
+    for m in slot_counts(layout, share):
+        cand = replace(layout, num_micro_batches=m)
+        if max(micro_batch_sizes(cand)) <= share:
+            priced = _price(f"{name}, {m} slots of at most {share} samples per rank", cand, factors, model)
+            if priced is not None:
+                out.append(priced)
+    return out
+
+
+def shape_replicas(
+    layout: Layout,
+    factors: dict[int, float],
+    model: JobModel,
+    min_gain: float,
+    shares: tuple[int, int],
+    drop: bool = True,
+) -> tuple[Layout, tuple[Reason, ...]]:
+    """The resized `layout`, re-slotted, regrouped or with a replica dropped where the cost model
+    predicts a faster step (module docstring), and the reason. `shares`: the smallest and largest
+    per-rank micro-batch before the change; re-slotting keeps ranks within them, smaller only
+    where nothing else fits memory (a share no stage ran would buy a bubble the job never had).
+    `drop`: whether dropping a replica (its ranks leave the layout alive) is a candidate."""
+    as_is = _price("thin every stage", layout, factors, model)
+    if as_is is None:
+        return layout, ()
+    dropped = drop_replica(layout) if drop else None
+    shapes = [("thin every stage", layout)]
+    if dropped is not None:
+        shapes.append((f"drop ranks {list(dropped[1])} (a replica)", dropped[0]))
+    p = layout.num_stages
+    # Fewer stages only: the executor rebuilds those from live shards and backups
+    # (`executor.fabric.rebuild`); ranks moving between stages at an unchanged count would go
+    # through its remap-then-migrate path, which keeps every rank in its stage.
+    for stages in range(max(1, -(-p // 2)), p):
+        regrouped = restage(layout, stages)
+        if regrouped is not None:
+            shapes.append((f"{stages} stages of equal DP size", regrouped))
+    options: list[Shaped] = []
+    for name, shaped in shapes[1:]:
+        priced = _price(name, shaped, factors, model)
+        options += [priced] if priced is not None else []
+    low, high = shares
+    for m in range(high, 0, -1):
+        if m < low and (as_is.fits or any(o.fits for o in options)):
+            break
+        for name, shaped in shapes:
+            options += _reslotted(name, shaped, factors, model, m)
+    options.insert(0, as_is)
+    fitting = [o for o in options if o.fits] or options
+    best = min(fitting, key=lambda o: o.step)
+    worth = not as_is.fits or best.step < as_is.step * (1 - min_gain)
+    if best.layout == layout or not worth:
+        text = (
+            f"DP shape kept: thin every stage at {layout.num_micro_batches} slots "
+            f"(predicted {as_is.step:.4g} {model.unit}; best alternative {best.name} {best.step:.4g})"
+        )
+        return layout, (Reason(Step.REPLICA, Outcome.KEPT, text),)
+    text = (
+        f"DP shape: {best.name} (predicted step {best.step:.4g} {model.unit} vs {as_is.step:.4g} "
+        f"thinning every stage at {layout.num_micro_batches} slots"
+        + ("" if as_is.fits else ", which is over memory")
+        + "; global batch kept)"
+    )
+    return best.layout, (Reason(Step.REPLICA, Outcome.CHANGED, text, best.name),)

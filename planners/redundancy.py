@@ -1,0 +1,158 @@
+"""How many copies of every ZeRO shard to keep: the redundancy k of the shard backups.
+
+ElasWave §5.1 keeps one in-memory copy of each shard, on another node. A burst that takes b
+nodes at once (spot capacity reclaimed from a zone, a rack's switch) can take a shard and its
+only copy together, and the stage then has nothing to recover from but a durable checkpoint (a
+RESTORE). With k copies on k distinct other nodes a shard survives any k nodes lost in one
+step, so the policy sizes k to the largest burst the job has seen, as far as memory allows:
+
+- history: the node losses the Core saw, each with its time; losses no more than `window_s`
+  apart form one burst (a chain), and only bursts within `memory_s` of now count (an old burst
+  says little about the cluster today);
+- want: k = the largest recent burst's size in nodes, clamped to [1, `max_copies`] and to the
+  failure domains the layout has (a copy never shares a node with its shard, so at most
+  nodes - 1 copies are distinct);
+- fit: k copies cost k x the per-copy bytes `planners.backup.backup_cost` reports for every
+  holder, and every rank must have that much headroom below its memory cap (the same check the
+  placement makes, `planners.placement`); k drops until it fits, and k = 1 is kept regardless
+  (the backup ElasWave always has).
+
+Pure: time and history come in as arguments; `choose_copies` returns k and the reason the plan
+and the job view show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from planners.backup import backup_cost
+from planners.layout import Layout
+
+
+@dataclass(frozen=True)
+class NodeLoss:
+    """Nodes the Core saw lost together at `time_s` (seconds on the caller's clock)."""
+
+    time_s: float
+    nodes: frozenset[str]
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise ValueError("a NodeLoss needs at least one node")
+
+
+@dataclass(frozen=True)
+class RedundancySettings:
+    window_s: float = 60.0  # losses this close form one burst
+    memory_s: float = 6 * 3600.0  # bursts older than this are forgotten
+    max_copies: int = 3
+
+    def __post_init__(self) -> None:
+        if self.window_s < 0 or self.memory_s <= 0 or self.max_copies < 1:
+            raise ValueError(
+                f"need window_s >= 0, memory_s > 0 and max_copies >= 1, got {self.window_s}, "
+                f"{self.memory_s}, {self.max_copies}"
+            )
+
+
+@dataclass(frozen=True)
+class RedundancyInput:
+    """What the policy sizes k from: the node losses seen, now (same clock), and every rank's
+    memory cap (None: unknown, k stays 1)."""
+
+    history: tuple[NodeLoss, ...]
+    now_s: float
+    mem_cap_bytes: float | None
+    settings: RedundancySettings = RedundancySettings()
+
+
+@dataclass(frozen=True)
+class RedundancyChoice:
+    copies: int
+    reason: str
+    largest_burst: int  # nodes in the largest recent burst (0: no loss seen)
+
+
+def bursts(history: Iterable[NodeLoss], window_s: float) -> list[tuple[float, frozenset[str]]]:
+    """(start time, nodes) of each burst: losses chained by gaps of at most `window_s`."""
+    out: list[tuple[float, frozenset[str]]] = []
+    last = float("-inf")
+    for loss in sorted(history, key=lambda x: x.time_s):
+        if out and loss.time_s - last <= window_s:
+            out[-1] = (out[-1][0], out[-1][1] | loss.nodes)
+        else:
+            out.append((loss.time_s, loss.nodes))
+        last = loss.time_s
+    return out
+
+
+def largest_recent_burst(history: Sequence[NodeLoss], now_s: float, settings: RedundancySettings) -> int:
+    recent = [b for b in bursts(history, settings.window_s) if now_s - b[0] <= settings.memory_s]
+    return max((len(nodes) for _, nodes in recent), default=0)
+
+
+def failure_domains(layout: Layout) -> int:
+    """Distinct nodes of the layout's ranks (a rank without a node is a domain of its own)."""
+    nodes = dict(layout.rank_nodes)
+    return len({nodes.get(r, -1 - r) for r in layout.ranks()})
+
+
+def copy_bytes(layout: Layout) -> dict[int, int]:
+    """rank -> bytes of ONE copy of the shards it backs up (`planners.backup.backup_cost`)."""
+    return dict(backup_cost(layout).per_rank_bytes)
+
+
+def choose_copies(
+    layout: Layout,
+    history: Sequence[NodeLoss],
+    now_s: float,
+    headroom_bytes: Mapping[int, float] | None,
+    settings: RedundancySettings = RedundancySettings(),
+) -> RedundancyChoice:
+    """k for `layout` (see the module docstring). `headroom_bytes`: rank -> bytes free below its
+    memory cap before any backup; None when the caps are unknown (k then stays 1)."""
+    burst = largest_recent_burst(history, now_s, settings)
+    seen = (
+        f"largest burst {burst} node(s) within {settings.window_s:g} s in the last "
+        f"{settings.memory_s / 3600:g} h"
+        if burst
+        else "no node loss seen"
+    )
+    domains = failure_domains(layout)
+    want = max(1, min(burst, settings.max_copies, domains - 1))
+    if want == 1:
+        if burst <= 1:
+            why = "a single copy covers it"
+        elif domains - 1 < 2:
+            why = f"only {domains} failure domain(s)"
+        else:
+            why = f"max_copies is {settings.max_copies}"
+        return RedundancyChoice(1, f"backup copies k=1: {seen}; {why}", burst)
+    if headroom_bytes is None:
+        return RedundancyChoice(
+            1, f"backup copies k=1: {seen}, but no memory cap is known to fit {want} copies", burst
+        )
+    per_copy = copy_bytes(layout)
+    k, tight = want, -1
+    while k > 1:
+        short = [r for r, b in per_copy.items() if k * b > headroom_bytes.get(r, 0.0)]
+        if not short:
+            break
+        tight, k = short[0], k - 1
+    gib = 2**30
+    if k == want:
+        top = max(per_copy.values(), default=0)
+        why = f"{k} copies fit ({k * top / gib:.2f} GiB on the busiest holder)"
+    else:
+        need = (k + 1) * per_copy[tight] / gib
+        free = headroom_bytes.get(tight, 0.0) / gib
+        why = f"{k + 1} copies do not fit: rank {tight} needs {need:.2f} GiB, has {free:.2f} GiB free"
+    return RedundancyChoice(k, f"backup copies k={k} (wanted {want}): {seen}; {why}", burst)
+
+
+def headroom_from_model(
+    layout: Layout, stage_memory_bytes: Sequence[float], cap_bytes: float
+) -> dict[int, float]:
+    """rank -> cap minus its stage's estimated memory (the placement's estimate, no backup)."""
+    return {r: cap_bytes - stage_memory_bytes[s.stage] for s in layout.stages for r in s.ranks}

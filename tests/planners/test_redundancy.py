@@ -1,0 +1,84 @@
+"""Backup redundancy k (planners.redundancy): sized from bursts of node losses, capped by memory,
+and set on the layouts the ElasWave policy publishes with its reason."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from planners.elaswave_model import uniform_model
+from planners.elaswave_policy import ElasWaveInput, plan_elaswave
+from planners.elaswave_reasons import Outcome, Step
+from planners.layout import make_uniform_layout
+from planners.redundancy import (
+    NodeLoss,
+    RedundancyInput,
+    RedundancySettings,
+    bursts,
+    choose_copies,
+    copy_bytes,
+)
+
+LAYOUT = make_uniform_layout(
+    num_layers=8, num_stages=2, dp=4, global_batch=16, num_micro_batches=2, layer_numel=(1 << 20,) * 8
+)
+BURST = (NodeLoss(100.0, frozenset({"a", "b"})), NodeLoss(130.0, frozenset({"c"})))
+SPREAD = (NodeLoss(100.0, frozenset({"a"})), NodeLoss(1000.0, frozenset({"b"})))
+
+
+def test_losses_within_the_window_chain_into_one_burst() -> None:
+    assert [len(n) for _, n in bursts(BURST, 60.0)] == [3]
+    assert [len(n) for _, n in bursts(SPREAD, 60.0)] == [1, 1]
+
+
+def test_a_burst_raises_k_when_memory_allows_and_says_why() -> None:
+    choice = choose_copies(LAYOUT, BURST, 200.0, dict.fromkeys(LAYOUT.ranks(), 1e12))
+    assert choice.copies == 3 and choice.largest_burst == 3
+    assert "largest burst 3 node(s) within 60 s" in choice.reason and "3 copies fit" in choice.reason
+
+
+def test_without_headroom_k_stays_one_and_says_why() -> None:
+    per_copy = copy_bytes(LAYOUT)
+    tight = {r: 1.5 * b for r, b in per_copy.items()}  # one copy fits, two do not
+    choice = choose_copies(LAYOUT, BURST, 200.0, tight)
+    assert choice.copies == 1
+    assert "2 copies do not fit" in choice.reason and "GiB free" in choice.reason
+    unknown = choose_copies(LAYOUT, BURST, 200.0, None)
+    assert unknown.copies == 1 and "no memory cap is known" in unknown.reason
+
+
+def test_single_spread_losses_and_old_bursts_keep_one_copy() -> None:
+    roomy = dict.fromkeys(LAYOUT.ranks(), 1e12)
+    assert choose_copies(LAYOUT, SPREAD, 2000.0, roomy).copies == 1
+    old = choose_copies(LAYOUT, BURST, 100.0 + 7 * 3600, roomy)
+    assert old.copies == 1 and "no node loss seen" in old.reason
+    capped = choose_copies(LAYOUT, BURST, 200.0, roomy, RedundancySettings(max_copies=2))
+    assert capped.copies == 2
+
+
+def test_copies_never_exceed_the_failure_domains() -> None:
+    nodes = tuple((r, r // 4) for r in LAYOUT.ranks())  # two nodes of four ranks
+    two_nodes = replace(LAYOUT, rank_nodes=nodes)
+    choice = choose_copies(two_nodes, BURST, 200.0, dict.fromkeys(LAYOUT.ranks(), 1e12))
+    assert choice.copies == 1 and "only 2 failure domain(s)" in choice.reason
+
+
+@pytest.mark.parametrize(("cap", "copies"), [(1e15, 3), (None, 1)])
+def test_the_policy_publishes_k_with_its_reason(cap: float | None, copies: int) -> None:
+    model = uniform_model(LAYOUT, [], "test")
+    inp = ElasWaveInput(LAYOUT, (5,), model, redundancy=RedundancyInput(BURST, 200.0, cap))
+    plan = plan_elaswave(inp)
+    assert plan.action == "publish" and plan.layout is not None
+    assert plan.layout.backup_copies == copies
+    said = [r for r in plan.reasons if r.step is Step.REDUNDANCY]
+    assert len(said) == 1 and said[0].text.startswith(f"backup copies k={copies}")
+    assert said[0].outcome is (Outcome.CHANGED if copies > 1 else Outcome.KEPT)
+    assert ("backup copies 1->3" in plan.summary) == (copies == 3)
+
+
+def test_the_policy_without_redundancy_input_leaves_k_alone() -> None:
+    layout = replace(LAYOUT, backup_copies=2)
+    plan = plan_elaswave(ElasWaveInput(layout, (5,), uniform_model(layout, [], "test")))
+    assert plan.layout is not None and plan.layout.backup_copies == 2
+    assert all(r.step is not Step.REDUNDANCY for r in plan.reasons)
