@@ -391,7 +391,8 @@ class ScheduleEngine:
             recovery.restore_failures = restore_failures
             self._settle(job, "refuse", refusal, now, {**data, "ranks": len(new.ranks())})
             return
-        mode, why = choose_mode(job, committed, new, request)
+        standby = _standby(job, committed, new, request)
+        mode, why = choose_mode(job, committed, new, request, standby)
         in_place_retries = recovery.in_place_retries
         if retry_of is not None and request is not None and request.failed and mode == PlanMode.IN_PLACE:
             if in_place_retries >= MAX_IN_PLACE_RETRIES:
@@ -413,6 +414,7 @@ class ScheduleEngine:
             mode=mode,
             created_unix=now,
             joiners=joiners,
+            standby=tuple(sorted(standby)),
         )
         try:
             epoch = await self.publish(job.name, plan.to_json().encode(), job.plan_epoch)
@@ -747,6 +749,22 @@ def _outside_bounds(snapshot: JobSnapshot, new: Layout) -> str:
     if snapshot.max_ranks and ranks > snapshot.max_ranks:
         return f"the plan would have {ranks} ranks, above the job's maximum {snapshot.max_ranks}: nothing is published"
     return ""
+
+
+def _standby(job: Job, committed: Layout | None, new: Layout, request: RetryRequest | None) -> frozenset[int]:
+    """`Plan.standby`: ranks `new` drops whose workers run on (a replica the policy dropped, not
+    a loss or a departure): they hand their live state over with the plan instead of it being
+    read from backups (`planners.applicability.judge`), then leave. A rank a failed collective
+    named is never one: it may be dead before the Core has seen it go."""
+    if committed is None:
+        return frozenset()
+    dropped = set(committed.ranks()).difference(new.ranks())
+    dropped -= request.peers if request is not None else set()
+    return frozenset(
+        m.rank
+        for m in job.members.values()
+        if m.rank in dropped and m.state in (WorkerState.RUNNING, WorkerState.SLOW)
+    )
 
 
 def _joiners(

@@ -50,12 +50,17 @@ def restore_outstanding(job: Job) -> bool:
 
 
 def choose_mode(
-    job: Job, committed: Layout | None, new: Layout, request: RetryRequest | None
+    job: Job,
+    committed: Layout | None,
+    new: Layout,
+    request: RetryRequest | None,
+    standby: frozenset[int] = frozenset(),
 ) -> tuple[PlanMode, tuple[str, ...]]:
-    """The mode of a plan `committed -> new`, and one reason per rule that asks for RESTORE."""
+    """The mode of a plan `committed -> new`, and one reason per rule that asks for RESTORE.
+    `standby`: ranks `new` drops while their workers run (`Plan.standby`): not lost."""
     why = []
     if committed is not None:
-        verdict = judge(committed, new)
+        verdict = judge(committed, new, standby)
         if not verdict.in_place:
             why.append(verdict.reason)
     if restore_outstanding(job):

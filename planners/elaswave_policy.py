@@ -52,6 +52,9 @@ class ElasWaveSettings:
     # After a loss or a join: re-slot or drop a replica where the cost model predicts a faster
     # step than thinning every stage (`planners.elaswave_replicas`; needs `migrate`).
     replicas: bool = True
+    # Whether dropping a whole DP replica is one of those shapes: its ranks hand their live state
+    # over (`Plan.standby`, set by the Core for ranks a plan drops while their workers run).
+    drop_replicas: bool = True
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ def plan_elaswave(inp: ElasWaveInput, settings: ElasWaveSettings = ElasWaveSetti
         factors = {r: s.factor for r, s in slow.items()}
         sizes = micro_batch_sizes(layout)
         grown, shape_reasons = shape_replicas(
-            grown, factors, model, settings.min_gain, (min(sizes), max(sizes))
+            grown, factors, model, settings.min_gain, (min(sizes), max(sizes)), drop=settings.drop_replicas
         )
         reasons = (*reasons, *shape_reasons)
     plan = _plan(layout, grown, reasons, model, slow, recovered, settings, inp.cooling if optional else None)
