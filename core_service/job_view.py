@@ -43,5 +43,7 @@ def job_summary(job: Job) -> dict[str, Any]:
         "end_reason": job.end_reason or None,
         "latest_checkpoint": job.latest_checkpoint or None,
         "has_layout": job.layout_json is not None,
+        # The rendezvous stores its launchers run (`elaswave run --core`), in the workers' order.
+        "stores": list(job.stores),
         "last_event_seq": job.next_seq - 1,
     }

@@ -123,6 +123,8 @@ def build_app(core: RestCore) -> FastAPI:
             "role": "leader" if core.leads else "standby",
             "core_id": core.settings.core_id,
             "leader": core.not_leader_message("http").split("is ")[-1],
+            # Launchers given every Core's REST address learn each one's gRPC port here.
+            "grpc_port": core.grpc_port,
             "uptime_s": time.time() - core.started_unix,
         }
 

@@ -167,14 +167,21 @@ class LocalStore:
 
     process: subprocess.Popen[bytes]
     port: int
+    host: str = LOOPBACK
 
     @classmethod
     def start(
-        cls, env: Mapping[str, str], log: Path, timeout_s: float = 60.0, peers: tuple[str, ...] = ()
+        cls,
+        env: Mapping[str, str],
+        log: Path,
+        timeout_s: float = 60.0,
+        peers: tuple[str, ...] = (),
+        host: str = LOOPBACK,
     ) -> LocalStore:
         """Start it and wait (at most `timeout_s`: it imports torch) for the port it bound;
-        `peers`: the job's live stores, which learn the new store list from it."""
-        cmd = [sys.executable, "-m", "executor.store_server", "--host", LOOPBACK, "--port", "0"]
+        `peers`: the job's live stores, which learn the new store list from it; `host`: where
+        the workers reach it (this node's address for the other nodes of a job)."""
+        cmd = [sys.executable, "-m", "executor.store_server", "--host", host, "--port", "0"]
         if peers:
             cmd += ["--announce-to", ",".join(peers)]
         with log.open("ab") as err:  # the child keeps its own copy
@@ -197,11 +204,12 @@ class LocalStore:
             stop_process(proc, signal.SIGTERM, 5.0)
             why = "timed out" if not lines else f"said {text!r}"
             raise LaunchError(f"the rendezvous store did not start ({why}); see {log}")
-        return cls(proc, int(text.split()[1]))
+        return cls(proc, int(text.split()[1]), host)
 
     @property
     def address(self) -> str:
-        return f"{LOOPBACK}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{self.port}"
 
     def stop(self) -> None:
         stop_process(self.process, signal.SIGTERM, 10.0)

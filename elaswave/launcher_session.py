@@ -1,8 +1,9 @@
 """One `elaswave run` on one machine once the layout is known: start, watch, stop, tear down.
 
 Alone (no `--core`) it starts an embedded Core and the store and runs every rank; joined to a
-multi-node job (`launcher_join`) it uses the remote Core and the store it hosts, runs this node's
-ranks only, and asks the Core to stop the whole job on Ctrl-C.
+multi-node job (`launcher_join`) it follows the leading Core among the remote ones, keeps this
+node's share of the job's stores (`store_keeper`), runs this node's ranks only, and asks the
+Core to stop the whole job on Ctrl-C.
 
 `Session.run` blocks until every agent has exited (each ends with its worker, whose every wait
 is bounded by `ELASWAVE_TIMEOUT_S`), or, after a stop request, at most `--stop-timeout` seconds
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from elaswave.core_rest import CoreClient
 from elaswave.launcher_control import resume_command
 from elaswave.launcher_describe import clean_env, tail
 from elaswave.launcher_join import SCHEDULER_TOKEN_ENV, stop_job, stopped_by_the_core
@@ -53,11 +55,13 @@ class Session:
         socket_dir: Path,
         stop: StopRequest,
         joined: Joined | None = None,
+        stores: StoreKeeper | None = None,
     ) -> None:
         self.args, self.job, self.desc, self.placement = args, job, desc, placement
         self.run_dir, self.socket_dir, self.stop, self.joined = run_dir, socket_dir, stop, joined
         self.core: LocalCore | None = None
-        self.stores: StoreKeeper | None = None  # the store, its standby, a new standby after a loss
+        # the store, its standby, a new standby after a loss (a joined node's share of them)
+        self.stores: StoreKeeper | None = stores
         self.http: httpx.Client | None = None  # the Core's REST API, local or remote
         self.core_address = self.store_address = ""  # gRPC, store: HOST:PORT
         self.agents = Agents()
@@ -75,8 +79,8 @@ class Session:
         return self._watch()
 
     def _start(self) -> str:
-        if self.joined is not None:  # the Core created the job and hosts the store
-            self.http = httpx.Client(base_url=self.joined.rest_url, timeout=5.0)
+        if self.joined is not None:  # the Core created the job; the nodes' launchers run its stores
+            self.http = CoreClient(list(self.joined.rest_urls), timeout=5.0)
             self.core_address, self.store_address = self.joined.grpc_address, self.joined.store_address
             return self.joined.token
         env = clean_env()

@@ -1,14 +1,21 @@
-"""The job's rendezvous stores on one machine: the store, a standby, and a new standby after every loss.
+"""A job's rendezvous stores on this node: started by its launcher, replaced after every loss.
 
-The workers are given the list (`ELASWAVE_STORE=host:port,host:port`) and move their groups to the
-next store that answers when theirs dies (`executor.worker_recovery`). Without a new standby the
-second loss would end the job, so the keeper watches the store processes and, when one exits,
-starts a replacement with `--announce-to` the stores still alive: the replacement writes the new
-list into them and into itself (`executor.store_server.STORES_KEY`), and the workers re-read it
-before every plan and every few steps. Replacements start in one thread that lives as long as
-the keeper (a store imports torch: a few seconds), so the launcher's progress loop never waits
-for them; one thread for all because a child's parent-death signal (`LocalStore`) fires when the
-thread that forked it ends, not the process.
+No Core runs a store (docs/control-plane.md): the stores run beside the job, so that losing any
+Core, the leader included, costs the job nothing. On one machine the keeper starts the store and
+its standby; a launcher joining a multi-node job (`elaswave run --core`) starts one store here
+(two where the job has one node), offers them to the rendezvous, keeps those the job took (the
+store on one node, its standby on another: `core_service.rendezvous.pick_stores`) and stops the
+rest (`adopt`).
+
+The workers are given the job's list (`ELASWAVE_STORE=host:port,host:port`) and move their groups
+to the next store that answers when theirs dies (`executor.worker_recovery`). Without a new
+standby the second loss would end the job, so the keeper watches the stores it started and, when
+one exits, starts a replacement here with `--announce-to` the job's stores still alive: the
+replacement writes the new list into them and into itself (`executor.store_server.STORES_KEY`),
+and the workers re-read it before every plan and every few steps. Replacements start in one
+thread that lives as long as the keeper (a store imports torch: a few seconds), so the launcher's
+progress loop never waits for them; one thread for all because a child's parent-death signal
+(`LocalStore`) fires when the thread that forked it ends, not the process.
 """
 
 from __future__ import annotations
@@ -18,17 +25,19 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-from elaswave.launcher_procs import LaunchError, LocalStore
+from elaswave.launcher_procs import LOOPBACK, LaunchError, LocalStore
 
 STANDBYS = 1
 
 
 class StoreKeeper:
-    """Starts the stores (`start`), replaces any that exits (`poll`, non-blocking), stops them."""
+    """Starts stores (`start`), keeps the job's (`adopt`), replaces any that exits (`poll`,
+    non-blocking), stops them."""
 
-    def __init__(self, env: Mapping[str, str], run_dir: Path) -> None:
-        self.env, self.run_dir = dict(env), run_dir
-        self.stores: list[LocalStore] = []
+    def __init__(self, env: Mapping[str, str], log_dir: Path, host: str = LOOPBACK) -> None:
+        self.env, self.log_dir, self.host = dict(env), log_dir, host
+        self.stores: list[LocalStore] = []  # the ones this keeper runs
+        self.job_stores: list[str] = []  # the job's list, in the workers' order (some on other nodes)
         self.replaced = 0
         self._lock = threading.Lock()
         self._news: list[str] = []  # lines for `poll` to return: replacements ready or failed
@@ -36,20 +45,39 @@ class StoreKeeper:
         self._pending = 0  # replacements asked for and not yet started or given up
         self._thread = threading.Thread(target=self._serve, name="store-keeper", daemon=True)
 
-    def start(self) -> str:
-        """The store and its standby; returns the address list the workers get."""
-        self.stores.append(LocalStore.start(self.env, self.run_dir / "store.log"))
-        for _ in range(STANDBYS):
+    def start(self, count: int = 1 + STANDBYS) -> str:
+        """`count` stores here, each announced to the ones before; returns their address list
+        (the job's, until `adopt` says otherwise)."""
+        if count < 1:
+            raise ValueError(f"a job needs at least one store, asked for {count}")
+        self.stores.append(LocalStore.start(self.env, self.log_dir / "store.log", host=self.host))
+        for _ in range(count - 1):
             self.stores.append(self._new(tuple(s.address for s in self.stores)))
+        self.job_stores = [s.address for s in self.stores]
         self._thread.start()
         return self.addresses()
 
+    def own(self) -> list[str]:
+        with self._lock:
+            return [s.address for s in self.stores]
+
+    def adopt(self, job_stores: list[str]) -> list[str]:
+        """The job's stores as the rendezvous chose them: this node's that are not among them
+        stop. Returns the addresses stopped."""
+        with self._lock:
+            unused = [s for s in self.stores if s.address not in job_stores]
+            self.stores = [s for s in self.stores if s.address in job_stores]
+            self.job_stores = list(job_stores)
+        for store in unused:
+            store.stop()
+        return [s.address for s in unused]
+
     def addresses(self) -> str:
         with self._lock:
-            return ",".join(s.address for s in self.stores)
+            return ",".join(self.job_stores)
 
     def poll(self) -> str | None:
-        """Replace a store that exited (in the background); returns a line to print, or None."""
+        """Replace a store of this node that exited (in the background); a line to print, or None."""
         with self._lock:
             if self._news:
                 return self._news.pop(0)
@@ -58,7 +86,9 @@ class StoreKeeper:
                 return None
             for store in dead:
                 self.stores.remove(store)
-            peers = tuple(s.address for s in self.stores)
+                if store.address in self.job_stores:
+                    self.job_stores.remove(store.address)
+            peers = tuple(self.job_stores)
             self._pending += 1
             self._requests.put((peers, len(dead)))
         gone = ", ".join(f"{s.address} (status {s.process.returncode})" for s in dead)
@@ -82,14 +112,15 @@ class StoreKeeper:
                 return
             with self._lock:
                 self.stores.append(store)
+                self.job_stores.append(store.address)
                 self.replaced += 1
-                peers = tuple(s.address for s in self.stores)
+                peers = tuple(self.job_stores)
                 self._news.append(
                     f"new standby store on {store.address}; the job's stores are {', '.join(peers)}"
                 )
 
     def _new(self, peers: tuple[str, ...]) -> LocalStore:
-        return LocalStore.start(self.env, self.run_dir / "store-standby.log", peers=peers)
+        return LocalStore.start(self.env, self.log_dir / "store-standby.log", peers=peers, host=self.host)
 
     def stop(self) -> None:
         if self._thread.is_alive():

@@ -43,24 +43,52 @@ def serve(
     host: str, port: int, stop: threading.Event, announce: bool = True, peers: tuple[str, ...] = ()
 ) -> None:
     """Host a TCPStore on (host, port) until `stop` is set. Port 0 picks a free port. With
-    `peers`, the list `peers` + this store is written under STORES_KEY here and into every peer
-    that answers."""
+    `peers`, the job's list of live stores + this one is written under STORES_KEY here and into
+    every live store (`job_list`)."""
     store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    listed = ",".join((*peers, f"{host}:{store.port}"))
+    me = f"[{host}]:{store.port}" if ":" in host else f"{host}:{store.port}"
     if peers:  # a store started alone knows of no standby: it leaves the workers' own list alone
-        store.set(STORES_KEY, listed)
-    for peer in peers:
-        peer_host, peer_port = peer.rsplit(":", 1)
-        try:
-            connect_store(peer_host, int(peer_port), PEER_CONNECT_S).set(STORES_KEY, listed)
-        except (RuntimeError, ValueError) as exc:  # a peer that died meanwhile: the list skips it next time
-            print(
-                f"store {host}:{store.port}: peer {peer} did not take the store list: {exc}", file=sys.stderr
-            )
+        live, listed = job_list(peers)
+        listed.append(me)
+        store.set(STORES_KEY, ",".join(listed))
+        for address, client in live.items():
+            try:
+                client.set(STORES_KEY, ",".join(listed))
+            except (RuntimeError, ValueError) as exc:  # died meanwhile: the list skips it next time
+                print(f"store {me}: peer {address} did not take the store list: {exc}", file=sys.stderr)
     if announce:
         print(f"PORT {store.port}", flush=True)
     stop.wait()
     del store
+
+
+def job_list(peers: tuple[str, ...]) -> tuple[dict[str, TCPStore], list[str]]:
+    """The job's stores that answer, and their list in the workers' order. `peers` is the
+    starter's view, which may be stale (another node's launcher replaced its store): the list a
+    live peer holds is newer, so it is read and joined with `peers`; a store that does not answer
+    within PEER_CONNECT_S is left out."""
+    live: dict[str, TCPStore] = {}
+    down: set[str] = set()
+    candidates = list(peers)
+    while untried := [a for a in candidates if a not in live and a not in down]:
+        address = untried[0]  # the list grows by what the first live peer holds
+        peer_host, _, peer_port = address.rpartition(":")
+        try:
+            client = connect_store(peer_host.strip("[]"), int(peer_port), PEER_CONNECT_S)
+        except (RuntimeError, ValueError) as exc:
+            print(f"store list: {address} does not answer ({exc}); left out", file=sys.stderr)
+            down.add(address)
+            continue
+        if not live:
+            try:
+                held = client.get(STORES_KEY).decode() if client.check([STORES_KEY]) else ""
+            except (RuntimeError, ValueError):
+                held = ""
+            # the peer's list first (the workers' order), then what only the starter knew
+            ordered = [a for a in held.split(",") if a] + candidates
+            candidates = list(dict.fromkeys(ordered))
+        live[address] = client
+    return live, [a for a in candidates if a in live]
 
 
 @dataclass

@@ -58,9 +58,15 @@ def description(units: list[tuple[str, int, float]] = UNITS, **overrides: Any) -
     return json.loads(desc.to_json()) | overrides
 
 
+def store_of(node_id: str) -> str:
+    """The store a node offers in these REST tests (nothing listens there: no worker runs)."""
+    return f"127.0.0.1:{10000 + sum(map(ord, node_id))}"
+
+
 def join_body(node_id: str, **overrides: Any) -> dict[str, Any]:
     return {
         "node_id": node_id,
+        "stores": [store_of(node_id)],
         "session": f"session-{node_id}",
         "nnodes": 2,
         "nproc_per_node": 2,
@@ -182,8 +188,8 @@ def test_nodes_that_differ_are_refused_and_the_others_form_the_job(core: tuple[C
     assert second.status_code == 200, second.text
     assert (a["node_index"], a["ranks"], b["node_index"], b["ranks"]) == (0, [0, 1], 1, [2, 3])
     assert a["layout"] == b["layout"] and a["rank_node"] == b["rank_node"] == [0, 0, 1, 1]
-    assert a["token"] == b["token"] and a["store_port"] == b["store_port"] > 0
-    assert a["standby_store_port"] == b["standby_store_port"] not in (0, a["store_port"])
+    # The job's store on node a, its standby on node b: losing one node never takes both.
+    assert a["token"] == b["token"] and a["stores"] == b["stores"] == [store_of("a"), store_of("b")]
     for stage in a["layout"]["stages"]:  # losing either node leaves every stage a rank
         assert {a["rank_node"][r] for r in stage["ranks"]} == {0, 1}
     job = proc.job("j")
@@ -201,7 +207,7 @@ def test_nodes_that_differ_are_refused_and_the_others_form_the_job(core: tuple[C
     late = post_join(proc, token, "j", join_body("c")).json()
     assert late["role"] == "spare" and late["ranks"] == [] and late["node_index"] == -1
     assert late["spare_worker_ids"] == ["c-spare-0", "c-spare-1"] and late["token"] == a["token"]
-    assert late["store_port"] == a["store_port"] and late["layout"] == a["layout"]
+    assert late["stores"] == a["stores"] and late["layout"] == a["layout"]
     again = post_join(proc, token, "j", join_body("c"))
     assert again.json() == late  # the node's next poll gets the same answer
     create_job(proc, token, "taken")
@@ -257,10 +263,10 @@ def _two_nodes(proc: CoreProcess, tmp_path: Path, *script_args: str) -> tuple[La
 def test_two_nodes_train_one_job_like_the_single_process_run_through_a_store_loss(
     core: tuple[CoreProcess, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two nodes form one job through the Core, which hosts its store and a standby. The store is
-    killed at step 3: the workers move to the standby in place and the Core starts a new
-    standby, whose address the workers learn from the store; that store is killed too, and the
-    job still trains like the single-process run."""
+    """Two nodes form one job through the Core; node-a's launcher runs its store, node-b's the
+    standby. The store is killed at step 3: the workers move to the standby in place and node-a's
+    launcher starts a new standby, whose address the workers learn from the store; that store is
+    killed too, and the job still trains like the single-process run."""
     proc, token = core
     monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
     nodes = _two_nodes(proc, tmp_path, "--steps", str(STORE_LOSS_STEPS))
@@ -269,7 +275,9 @@ def test_two_nodes_train_one_job_like_the_single_process_run_through_a_store_los
         lambda: len(s := _member_steps_remote(proc)) == 4 and min(s.values()) >= 3,
         timeout_s=150,
     )
-    first, standby = _job_stores(proc)  # the job's store and its standby, in their own processes
+    # the job's store and its standby, each in its own process beside its node's launcher
+    first, standby = _node_stores(nodes[0])[0], _node_stores(nodes[1])[0]
+    assert proc.job("tiny")["stores"] == [f"127.0.0.1:{_listening_port(p)}" for p in (first, standby)]
     first_address = f"127.0.0.1:{_listening_port(first)}"
     first.kill()
     at = max(_member_steps_remote(proc).values())
@@ -352,10 +360,10 @@ def _listening_port(store: psutil.Process) -> int:
     return next(c.laddr.port for c in store.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
 
 
-def _job_stores(proc: CoreProcess) -> list[psutil.Process]:
-    """The Core's job store processes, oldest first."""
-    children = psutil.Process(proc.proc.pid).children()
-    return sorted((c for c in children if _runs(c, "core_service.job_store")), key=lambda c: c.create_time())
+def _node_stores(launcher: Launcher) -> list[psutil.Process]:
+    """The store processes a launcher runs, oldest first."""
+    children = psutil.Process(launcher.proc.pid).children()
+    return sorted((c for c in children if _runs(c, "executor.store_server")), key=lambda c: c.create_time())
 
 
 def _member_steps_remote(proc: CoreProcess) -> dict[str, int]:
