@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from core_service.config import JOB_NAME_PATTERN, MIN_TOKEN_LENGTH, JobSpec, check_worker_bounds
 from core_service.grpc_util import RpcError
 from core_service.http_guard import field_error
-from core_service.jobs import JobExists
+from core_service.jobs import Job, JobExists
 from core_service.limits import (
     MAX_DEVICES,
     MAX_LAYERS,
@@ -135,6 +135,31 @@ async def store_new_job(core: CoreState, body: CreateJobRequest) -> CreateJobRes
     except RpcError as err:
         raise HTTPException(503, detail=err.message) from None
     return CreateJobResponse(name=body.name, token=token)
+
+
+class StoresRequest(BaseModel):
+    """Body of PUT /api/v1/jobs/{job}/stores: the job's stores now (a launcher replaced one)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    stores: list[str] = Field(
+        min_length=1, max_length=MAX_STORES, description="HOST:PORT, the workers' order"
+    )
+
+
+async def replace_stores(core: CoreState, job: Job, stores: list[str]) -> dict[str, Any]:
+    """Store the job's new store list in its spec (so that any Core that leads later knows it);
+    raises HTTPException with what is wrong. Recorded as a `stores_changed` event."""
+    if problem := store_problem(stores):
+        raise HTTPException(422, detail=field_error("stores", problem))
+    if tuple(stores) != job.stores:
+        job.stores = tuple(stores)
+        core.table.save_spec(job)
+        core.table.record(job, "stores_changed", detail=", ".join(stores), now=time.time())
+        try:
+            await core.wait_durable()
+        except RpcError as err:
+            raise HTTPException(503, detail=err.message) from None
+    return {"job": job.name, "stores": list(job.stores)}
 
 
 def model_too_large(model: dict[str, Any]) -> str | None:

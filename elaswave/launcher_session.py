@@ -68,6 +68,8 @@ class Session:
         self.stop_file = run_dir / "stop.json"
         self._stop_asked_at = 0.0
         self._core_stop_accepted = False
+        self._stores_asked_at = 0.0
+        self._stores_told_list = ""  # the store list the Core stored last (joined jobs)
 
     def run(self) -> int:
         try:
@@ -189,6 +191,7 @@ class Session:
             replaced = self.stores.poll() if self.stores is not None else None
             if replaced is not None:
                 print(f"[elaswave] {replaced}", flush=True)
+            self._publish_stores()
             if self.stop.signum is not None and stop_deadline is None:
                 stop_deadline = time.monotonic() + self.args.stop_timeout
                 self._request_stop(monitor.snapshot.step(monitor.snapshot.live), monitor.slowest_step_s())
@@ -229,6 +232,31 @@ class Session:
         if stop_signal is not None or refused:
             self._print_resume()
         return result.exit_code
+
+    def _publish_stores(self) -> None:
+        """A joined node's store list changed (a store replaced here): tell the leading Core,
+        which stores it with the job in the registry (at most once per STOP_RETRY_S while it
+        does not take it; a node joining later is given this list)."""
+        if self.joined is None or self.stores is None or self.http is None:
+            return
+        now = self.stores.addresses()
+        if now == self._stores_told_list or time.monotonic() - self._stores_asked_at < STOP_RETRY_S:
+            return
+        if not self._stores_told_list:  # the rendezvous stored the first list
+            self._stores_told_list = self.store_address
+            if now == self._stores_told_list:
+                return
+        self._stores_asked_at = time.monotonic()
+        try:
+            response = self.http.put(
+                f"/api/v1/jobs/{self.job}/stores",
+                json={"stores": now.split(",")},
+                headers={"Authorization": f"Bearer {os.environ.get(SCHEDULER_TOKEN_ENV, '').strip()}"},
+            )
+        except httpx.HTTPError:
+            return
+        if response.status_code == 200:
+            self._stores_told_list = now
 
     def _request_stop(self, committed: int, step_time_s: float | None) -> None:
         if self.joined is not None:  # through the Core, so that the stop reaches every node

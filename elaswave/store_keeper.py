@@ -16,11 +16,18 @@ and the workers re-read it before every plan and every few steps. Replacements s
 thread that lives as long as the keeper (a store imports torch: a few seconds), so the launcher's
 progress loop never waits for them; one thread for all because a child's parent-death signal
 (`LocalStore`) fires when the thread that forked it ends, not the process.
+
+A store on another node is lost with that node, and its launcher with it: so the same thread
+probes the job's other stores (a TCP connect, every `PROBE_S`) and, once one has not answered
+`PROBE_MISSES` times in a row, drops it from the list and starts a standby here in its place.
+The launcher tells the leading Core every new list (`PUT /api/v1/jobs/<job>/stores`), which
+stores it in the job's spec in the registry.
 """
 
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +35,9 @@ from pathlib import Path
 from elaswave.launcher_procs import LOOPBACK, LaunchError, LocalStore
 
 STANDBYS = 1
+PROBE_S = 2.0  # between probes of the job's stores on other nodes
+PROBE_TIMEOUT_S = 2.0
+PROBE_MISSES = 2  # probes in a row a store did not answer: it is gone
 
 
 class StoreKeeper:
@@ -43,6 +53,7 @@ class StoreKeeper:
         self._news: list[str] = []  # lines for `poll` to return: replacements ready or failed
         self._requests: queue.Queue[tuple[tuple[str, ...], int] | None] = queue.Queue()
         self._pending = 0  # replacements asked for and not yet started or given up
+        self._misses: dict[str, int] = {}  # another node's store -> probes in a row it missed
         self._thread = threading.Thread(target=self._serve, name="store-keeper", daemon=True)
 
     def start(self, count: int = 1 + STANDBYS) -> str:
@@ -95,12 +106,52 @@ class StoreKeeper:
         return f"rendezvous store {gone} exited; the workers go on with {', '.join(peers) or 'none'}, a new standby is starting"
 
     def _serve(self) -> None:
-        while (request := self._requests.get()) is not None:
+        while True:
+            try:
+                request = self._requests.get(timeout=PROBE_S)
+            except queue.Empty:
+                self._probe_others()
+                continue
+            if request is None:
+                return
             try:
                 self._replace(*request)
             finally:
                 with self._lock:
                     self._pending -= 1
+
+    def _probe_others(self) -> None:
+        """Drop the job's stores on other nodes that stopped answering; below a store and its
+        standby, start one here (on the keeper's thread: see the module note)."""
+        with self._lock:
+            mine = {s.address for s in self.stores}
+            others = [a for a in self.job_stores if a not in mine]
+        gone = [a for a in others if not self._answers(a)]
+        if not gone:
+            return
+        with self._lock:
+            for address in gone:
+                if address in self.job_stores:
+                    self.job_stores.remove(address)
+            peers = tuple(self.job_stores)
+            short = 1 + STANDBYS - len(peers)
+            self._news.append(
+                f"rendezvous store {', '.join(gone)} on another node does not answer; the job's stores "
+                f"are {', '.join(peers) or 'none'}"
+                + (", a new standby is starting here" if short > 0 else "")
+            )
+        if short > 0 and peers:
+            self._replace(peers, short)
+
+    def _answers(self, address: str) -> bool:
+        host, _, port = address.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S):
+                self._misses.pop(address, None)
+                return True
+        except (OSError, ValueError):
+            self._misses[address] = self._misses.get(address, 0) + 1
+            return self._misses[address] < PROBE_MISSES
 
     def _replace(self, peers: tuple[str, ...], count: int) -> None:
         for _ in range(count):

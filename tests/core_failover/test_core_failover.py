@@ -7,7 +7,8 @@ The leading Core is SIGKILLed while the job trains: the standby leads, the job t
 place (no plan, no worker process started again), and its final parameters and every step's loss
 equal the fault-free single-process run. The second test then loses node-a whole (launcher,
 agents, workers and the store, all SIGKILLed): node-b's workers move to the standby store and
-the job finishes on node-b's ranks, again equal to the fault-free run.
+the job finishes on node-b's ranks, again equal to the fault-free run; node-b's launcher starts
+a new standby store beside it and the leading Core stores the job's new store list.
 """
 
 from __future__ import annotations
@@ -194,6 +195,7 @@ def test_the_stores_node_lost_after_a_failover_leaves_the_job_on_the_standby_sto
             lambda: min(_steps(second).values(), default=-1) > at + 5,
             timeout_s=120,
         )
+        store_a = second.job("tiny")["stores"][0]
         survivors = {pid for pid, rank in workers.current().items() if rank in ("2", "3")}
         node_a = psutil.Process(nodes[0].proc.pid)
         lost = [node_a, *node_a.children(recursive=True)]
@@ -209,6 +211,10 @@ def test_the_stores_node_lost_after_a_failover_leaves_the_job_on_the_standby_sto
     assert {pid for pid, rank in workers.seen.items() if rank in ("2", "3")} == survivors  # in place
     job = second.job("tiny")
     assert job["phase"] == "COMPLETED" and job["plan_mode"] == "in_place"
+    # node-b's launcher saw node-a's store gone, started a new standby beside it, and the Core
+    # stored the job's new list in etcd
+    assert len(job["stores"]) == 2 and store_a not in job["stores"], job["stores"]
+    assert "new standby is starting here" in out
     run_dir = tmp_path / "elaswave-run" / "tiny" / "node-1"
     for rank in (2, 3):  # each moved its groups to the standby store, node-b's own
         moves = json.loads((run_dir / f"rank-{rank}.json").read_text())["store_moves"]
