@@ -181,7 +181,10 @@ class LocalStore:
         """Start it and wait (at most `timeout_s`: it imports torch) for the port it bound;
         `peers`: the job's live stores, which learn the new store list from it; `host`: where
         the workers reach it (this node's address for the other nodes of a job)."""
+        # It arms its own parent-death signal (`--parent`): no preexec_fn, since a replacement is
+        # forked from the store keeper's thread while other threads run.
         cmd = [sys.executable, "-m", "executor.store_server", "--host", host, "--port", "0"]
+        cmd += ["--parent", str(os.getpid())]
         if peers:
             cmd += ["--announce-to", ",".join(peers)]
         with log.open("ab") as err:  # the child keeps its own copy
@@ -192,7 +195,6 @@ class LocalStore:
                 stdout=subprocess.PIPE,
                 stderr=err,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(signal.SIGTERM),
             )
         assert proc.stdout is not None
         lines: list[bytes] = []

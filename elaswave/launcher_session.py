@@ -188,6 +188,11 @@ class Session:
                 )
                 return 1
             monitor.poll()
+            if self.stores is not None and self.joined is not None and monitor.snapshot.members:
+                # every worker of the other nodes gone: no launcher there replaces its stores
+                local = {spec.name for spec in self.agents.specs.values()}
+                if not [m for m in monitor.snapshot.live if m["worker_id"] not in local]:
+                    self.stores.others_gone.set()
             replaced = self.stores.poll() if self.stores is not None else None
             if replaced is not None:
                 print(f"[elaswave] {replaced}", flush=True)

@@ -19,7 +19,9 @@ progress loop never waits for them; one thread for all because a child's parent-
 
 A store on another node is lost with that node, and its launcher with it: so the same thread
 probes the job's other stores (a TCP connect, every `PROBE_S`) and, once one has not answered
-`PROBE_MISSES` times in a row, drops it from the list and starts a standby here in its place.
+`PROBE_MISSES` times in a row, drops it from the list; once every worker of the other nodes is
+gone too (`others_gone`, set by the launcher from the Core's view: no launcher is left there to
+replace its store), it starts a standby here in its place.
 The launcher tells the leading Core every new list (`PUT /api/v1/jobs/<job>/stores`), which
 stores it in the job's spec in the registry.
 """
@@ -54,6 +56,7 @@ class StoreKeeper:
         self._requests: queue.Queue[tuple[tuple[str, ...], int] | None] = queue.Queue()
         self._pending = 0  # replacements asked for and not yet started or given up
         self._misses: dict[str, int] = {}  # another node's store -> probes in a row it missed
+        self.others_gone = threading.Event()  # every worker of the job's other nodes is gone
         self._thread = threading.Thread(target=self._serve, name="store-keeper", daemon=True)
 
     def start(self, count: int = 1 + STANDBYS) -> str:
@@ -126,8 +129,11 @@ class StoreKeeper:
         with self._lock:
             mine = {s.address for s in self.stores}
             others = [a for a in self.job_stores if a not in mine]
+            short = 1 + STANDBYS - len(self.job_stores)
         gone = [a for a in others if not self._answers(a)]
         if not gone:
+            if short > 0 and self.job_stores and self.others_gone.is_set() and not self._pending:
+                self._replace(tuple(self.job_stores), short)  # a loss seen before the node was
             return
         with self._lock:
             for address in gone:
@@ -138,9 +144,9 @@ class StoreKeeper:
             self._news.append(
                 f"rendezvous store {', '.join(gone)} on another node does not answer; the job's stores "
                 f"are {', '.join(peers) or 'none'}"
-                + (", a new standby is starting here" if short > 0 else "")
+                + (", a new standby is starting here" if short > 0 and self.others_gone.is_set() else "")
             )
-        if short > 0 and peers:
+        if short > 0 and peers and self.others_gone.is_set():
             self._replace(peers, short)
 
     def _answers(self, address: str) -> bool:

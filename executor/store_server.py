@@ -12,6 +12,8 @@ and it prints ``PORT <n>`` (the bound port) on one line, then serves until SIGTE
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 
 DEFAULT_HOST = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def connect_store(host: str, port: int, timeout_s: float = 30.0) -> TCPStore:
@@ -161,12 +164,28 @@ def _read_port(proc: subprocess.Popen[str], timeout_s: float) -> int:
     return int(line.split()[1])
 
 
+def _arm_parent_death(parent: int) -> None:
+    """SIGTERM to this process when `parent` dies; exit now if it already has. Armed here, not by
+    the parent between fork and exec: a launcher forks stores from a thread of a threaded
+    process, where a `preexec_fn` may deadlock the child before it runs anything."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Standalone TCPStore rendezvous server for ElasWave executors"
     )
     parser.add_argument("--host", default=DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed as 'PORT <n>')")
+    parser.add_argument(
+        "--parent",
+        type=int,
+        default=0,
+        help="PID: end this store (SIGTERM) when that process dies (Linux); exit at once if it has",
+    )
     parser.add_argument(
         "--announce-to",
         default="",
@@ -178,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if args.parent:
+        _arm_parent_death(args.parent)
     peers = tuple(a.strip() for a in args.announce_to.split(",") if a.strip())
     serve(args.host, args.port, stop, peers=peers)
     return 0

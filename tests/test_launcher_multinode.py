@@ -250,9 +250,11 @@ def test_the_launcher_refuses_core_without_a_token_or_an_address(tmp_path: Path)
     )
 
 
-def _two_nodes(proc: CoreProcess, tmp_path: Path, *script_args: str) -> tuple[Launcher, Launcher]:
+def _two_nodes(
+    proc: CoreProcess, tmp_path: Path, *script_args: str, text: str = TINY
+) -> tuple[Launcher, Launcher]:
     script = tmp_path / "tiny.py"
-    script.write_text(TINY)
+    script.write_text(text)
     flags = ("--core", f"127.0.0.1:{proc.http_port}", "--nnodes", "2", "--nproc-per-node", "2", "--pp", "2")
     first = Launcher(*flags, "--node-id", "node-a", script, *script_args, cwd=tmp_path)
     wait_until_waiting(proc, "tiny", "node-a", timeout_s=60)  # node-a is node 0
@@ -269,7 +271,10 @@ def test_two_nodes_train_one_job_like_the_single_process_run_through_a_store_los
     killed too, and the job still trains like the single-process run."""
     proc, token = core
     monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
-    nodes = _two_nodes(proc, tmp_path, "--steps", str(STORE_LOSS_STEPS))
+    # Slow steps: a new standby (a process importing torch, seconds on a loaded machine) is up
+    # well before the job ends.
+    slow = TINY_SLOW.replace("sleep(0.03)", "sleep(0.15)")
+    nodes = _two_nodes(proc, tmp_path, "--steps", str(STORE_LOSS_STEPS), text=slow)
     nodes[0].wait_for(
         "every worker to commit step 3",
         lambda: len(s := _member_steps_remote(proc)) == 4 and min(s.values()) >= 3,
@@ -351,9 +356,9 @@ def _store_list(store: psutil.Process) -> list[str]:
     """The job's store list as `store` holds it (executor.store_server.STORES_KEY)."""
     from executor.store_server import STORES_KEY, connect_store  # noqa: PLC0415 - torch
 
-    return (
-        connect_store("127.0.0.1", _listening_port(store), timeout_s=5.0).get(STORES_KEY).decode().split(",")
-    )
+    client = connect_store("127.0.0.1", _listening_port(store), timeout_s=5.0)
+    # none until a replacement announced itself (the launchers start the first two apart)
+    return client.get(STORES_KEY).decode().split(",") if client.check([STORES_KEY]) else []
 
 
 def _listening_port(store: psutil.Process) -> int:
