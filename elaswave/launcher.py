@@ -213,6 +213,16 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     from planners.placement import PlacementError, plan_placement  # noqa: PLC0415
 
     name = job_name(args)
+    keeper = None
+    if args.core is not None:  # this node's store starts (it imports torch) while the model is described
+        from elaswave.launcher_join import JoinError, default_node_id  # noqa: PLC0415
+
+        args.node_id = args.node_id or default_node_id()
+        try:
+            keeper = start_node_stores(args, name)
+        except JoinError as exc:
+            print(f"elaswave run: error: {exc}", file=sys.stderr)
+            return exc.exit_code
     print(
         f"[elaswave] describing the model: python {args.script} {shlex.join(args.script_args)}".rstrip(),
         flush=True,
@@ -220,16 +230,17 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     try:
         desc = describe(args.script, args.script_args, args.describe_timeout)
     except DescribeError as exc:
+        if keeper is not None:
+            keeper.stop()
         print(f"elaswave run: error: {exc}", file=sys.stderr)
         return 1
-    joined = keeper = None
-    if args.core is not None:
-        from elaswave.launcher_join import JoinError, default_node_id, join_job, placement_of  # noqa: PLC0415
+    joined = None
+    if keeper is not None:
+        from elaswave.launcher_join import JoinError, join_job, placement_of  # noqa: PLC0415
         from elaswave.launcher_procs import LaunchError  # noqa: PLC0415
 
-        args.node_id = args.node_id or default_node_id()
         try:
-            keeper = start_node_stores(args, name)
+            keeper.started()
             print(
                 f"[elaswave] joining job {name!r} through the Core(s) at {args.core} with this node's "
                 f"store(s) {', '.join(keeper.own())}: waiting up to {args.rendezvous_timeout:g} s for all "
@@ -240,8 +251,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
                 args, name, desc.to_json(), os.environ["ELASWAVE_SCHEDULER_TOKEN"].strip(), keeper.own()
             )
         except (JoinError, LaunchError) as exc:
-            if keeper is not None:
-                keeper.stop()
+            keeper.stop()
             print(f"elaswave run: error: {exc}", file=sys.stderr)
             return exc.exit_code if isinstance(exc, JoinError) else 1
         keeper.adopt(joined.store_address.split(","))
@@ -343,8 +353,9 @@ def _launch(
 
 
 def start_node_stores(args: argparse.Namespace, name: str) -> StoreKeeper:
-    """This node's rendezvous store(s) for a job joined through the Cores: one, or the store and
-    its standby where the job has one node; the rendezvous keeps those the job uses."""
+    """This node's rendezvous store(s) for a job joined through the Cores, started in the
+    background: one, or the store and its standby where the job has one node; the rendezvous
+    keeps those the job uses. Raises JoinError when this node's address cannot be told."""
     from elaswave.launcher_describe import clean_env  # noqa: PLC0415
     from elaswave.launcher_join import store_host  # noqa: PLC0415
     from elaswave.store_keeper import StoreKeeper  # noqa: PLC0415
@@ -352,7 +363,7 @@ def start_node_stores(args: argparse.Namespace, name: str) -> StoreKeeper:
     log_dir = (args.run_dir or Path.cwd() / "elaswave-run" / name).resolve() / f"stores-{args.node_id}"
     log_dir.mkdir(parents=True, exist_ok=True)
     keeper = StoreKeeper(clean_env(), log_dir, host=store_host(args))
-    keeper.start(1 if args.nnodes > 1 else 2)
+    keeper.begin(1 if args.nnodes > 1 else 2)  # `keeper.started()` waits for them
     return keeper
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from elaswave.launcher_procs import LOOPBACK, LaunchError, LocalStore
 
 STANDBYS = 1
+START_S = 60.0  # one store's start (it imports torch)
 PROBE_S = 2.0  # between probes of the job's stores on other nodes
 PROBE_TIMEOUT_S = 2.0
 PROBE_MISSES = 2  # probes in a row a store did not answer: it is gone
@@ -58,18 +59,47 @@ class StoreKeeper:
         self._misses: dict[str, int] = {}  # another node's store -> probes in a row it missed
         self.others_gone = threading.Event()  # every worker of the job's other nodes is gone
         self._thread = threading.Thread(target=self._serve, name="store-keeper", daemon=True)
+        self._first = 1 + STANDBYS  # stores `begin` starts
+        self._up = threading.Event()  # they are up (or one failed: `_failed`)
+        self._failed: LaunchError | None = None
 
     def start(self, count: int = 1 + STANDBYS) -> str:
         """`count` stores here, each announced to the ones before; returns their address list
-        (the job's, until `adopt` says otherwise)."""
+        (the job's, until `adopt` says otherwise). Blocks until they are up (`begin`, `started`)."""
+        self.begin(count)
+        return self.started()
+
+    def begin(self, count: int = 1 + STANDBYS) -> None:
+        """Start `count` stores in the keeper's thread and return at once (a launcher describes
+        its model meanwhile); `started` waits for them."""
         if count < 1:
             raise ValueError(f"a job needs at least one store, asked for {count}")
-        self.stores.append(LocalStore.start(self.env, self.log_dir / "store.log", host=self.host))
-        for _ in range(count - 1):
-            self.stores.append(self._new(tuple(s.address for s in self.stores)))
-        self.job_stores = [s.address for s in self.stores]
+        self._first = count
         self._thread.start()
+
+    def started(self, timeout_s: float = 2 * START_S) -> str:
+        """The address list once `begin`'s stores are up; raises LaunchError if one failed."""
+        if not self._up.wait(timeout_s):
+            raise LaunchError(f"the rendezvous stores did not start within {timeout_s:g} s")
+        if self._failed is not None:
+            raise self._failed
         return self.addresses()
+
+    def _start_first(self) -> None:
+        try:
+            first = LocalStore.start(self.env, self.log_dir / "store.log", host=self.host)
+            with self._lock:
+                self.stores.append(first)
+            for _ in range(self._first - 1):
+                store = self._new(tuple(s.address for s in self.stores))
+                with self._lock:
+                    self.stores.append(store)
+            with self._lock:
+                self.job_stores = [s.address for s in self.stores]
+        except LaunchError as exc:
+            self._failed = exc
+        finally:
+            self._up.set()
 
     def own(self) -> list[str]:
         with self._lock:
@@ -109,6 +139,7 @@ class StoreKeeper:
         return f"rendezvous store {gone} exited; the workers go on with {', '.join(peers) or 'none'}, a new standby is starting"
 
     def _serve(self) -> None:
+        self._start_first()
         while True:
             try:
                 request = self._requests.get(timeout=PROBE_S)
@@ -144,7 +175,11 @@ class StoreKeeper:
             self._news.append(
                 f"rendezvous store {', '.join(gone)} on another node does not answer; the job's stores "
                 f"are {', '.join(peers) or 'none'}"
-                + (", a new standby is starting here" if short > 0 and self.others_gone.is_set() else "")
+                + (
+                    ", a new standby is starting here"
+                    if short > 0 and peers and self.others_gone.is_set()
+                    else ""
+                )
             )
         if short > 0 and peers and self.others_gone.is_set():
             self._replace(peers, short)
