@@ -430,7 +430,9 @@ def test_a_node_that_comes_back_joins_the_running_job_with_spares(
     proc, token = core
     monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
     script = tmp_path / "tiny.py"
-    script.write_text(TINY_SLOW)
+    # slower still: node-c's launcher, its store, agents and workers start while the job trains,
+    # which takes half a minute on a loaded 2-core machine
+    script.write_text(TINY_SLOW.replace("sleep(0.03)", "sleep(0.1)"))
     flags = ("--core", f"127.0.0.1:{proc.http_port}", "--nnodes", "2", "--nproc-per-node", "2", "--pp", "2")
     a = Launcher(*flags, "--node-id", "node-a", script, "--steps", str(SPARE_STEPS), cwd=tmp_path)
     wait_until_waiting(proc, "tiny", "node-a", timeout_s=60)
