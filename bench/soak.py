@@ -28,9 +28,8 @@ import time
 from pathlib import Path
 
 from bench.soak_cluster import Core, Etcd, Node, SoakError, env, new_token, wait
-from bench.soak_faults import KINDS, Faults
+from bench.soak_faults import KINDS, LOSS_RTOL, STATE_RTOL, Faults
 
-LOSS_RTOL, STATE_RTOL = 1e-3, 1e-3
 SETUP_S = 60.0  # what the job's start costs on a loaded 2-core machine, out of --minutes
 STEP_SLEEP_S = 0.2
 
@@ -161,7 +160,7 @@ def reference(root: Path, script: Path, steps: int) -> tuple[dict[int, float], P
     return {int(k): float(v) for k, v in json.loads(losses.read_text()).items()}, state
 
 
-__all__ = ["KINDS", "main"]
+__all__ = ["KINDS", "LOSS_RTOL", "STATE_RTOL", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())
