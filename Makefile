@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/wire/v1/*.proto)
 
-.PHONY: install system-deps container-deps images compose-test demo test test-fast proto proto-check lint bench chaos gpu-check clean
+.PHONY: install system-deps container-deps images compose-test demo test test-fast proto proto-check lint bench chaos soak soak-short gpu-check clean
 
 CONSTRAINTS := requirements/constraints.txt
 
@@ -65,6 +65,16 @@ bench: install system-deps
 # The long chaos run (not in CI): seeded random kills until 100 ranks died, every run checked.
 chaos: install system-deps
 	$(BIN)/python -m bench.chaos_long --kills 100
+
+# The soak (bench/soak.py): a 2-node `elaswave run --core` job on etcd with two Cores under random
+# faults (worker, node, store, leading Core, preemption, join) until it finishes, checked against
+# the fault-free run. CI runs the 3-minute version with a fixed seed after `make test`.
+SOAK_MINUTES ?= 30
+soak: install system-deps
+	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES) --seed $${SOAK_SEED:-0}
+
+soak-short: install system-deps
+	$(BIN)/python -m bench.soak --minutes 3 --seed 7
 
 # On a GPU machine (not in CI): checks (a)-(e) of docs/accelerators.md, bounded to 8 minutes, one
 # line per check and PASS/FAIL last. Runs with the python (PY=...) whose torch is installed there,

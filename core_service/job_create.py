@@ -4,6 +4,7 @@ stores the job, shared by the REST route and the rendezvous of `elaswave run --c
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
@@ -14,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from core_service.config import JOB_NAME_PATTERN, MIN_TOKEN_LENGTH, JobSpec, check_worker_bounds
 from core_service.grpc_util import RpcError
 from core_service.http_guard import field_error
-from core_service.jobs import JobExists
+from core_service.jobs import Job, JobExists
 from core_service.limits import (
     MAX_DEVICES,
     MAX_LAYERS,
@@ -28,6 +29,20 @@ from planners.validation import validate
 
 if TYPE_CHECKING:
     from core_service.seams import CoreState
+
+
+MAX_STORES = 8
+STORE_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252}):\d{1,5}")
+
+
+def store_problem(stores: list[str]) -> str | None:
+    """Why a list of store addresses cannot be stored (None when it can)."""
+    for address in stores:
+        if not STORE_ADDRESS.fullmatch(address) or not 0 < int(address.rsplit(":", 1)[1]) < 65536:
+            return f"store address {address[:80]!r} is not HOST:PORT"
+    if len(set(stores)) != len(stores):
+        return f"store addresses {stores} repeat one"
+    return None
 
 
 class CreateJobRequest(BaseModel):
@@ -53,6 +68,12 @@ class CreateJobRequest(BaseModel):
     model: dict[str, Any] | None = Field(
         default=None,
         description="model, profile and shape as the `elaswave plan` state.json; enables the scale table",
+    )
+    stores: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_STORES,
+        description="the job's rendezvous stores as HOST:PORT, in the order its workers try them; run "
+        "beside the job (its launchers, or pods of their own), stored so that any Core that leads knows them",
     )
 
 
@@ -88,6 +109,8 @@ async def store_new_job(core: CoreState, body: CreateJobRequest) -> CreateJobRes
         if problem is not None:
             raise HTTPException(422, detail=field_error("model", f"model: {problem}"))
         model_json = json.dumps(body.model, sort_keys=True)
+    if problem := store_problem(body.stores):
+        raise HTTPException(422, detail=field_error("stores", problem))
     token = body.token or secrets.token_urlsafe(24)
     try:
         check_worker_bounds(body.min_workers, body.max_workers)
@@ -102,7 +125,9 @@ async def store_new_job(core: CoreState, body: CreateJobRequest) -> CreateJobRes
         max_workers=body.max_workers,
     )
     try:
-        core.table.create_job(spec, layout_json, now=time.time(), model_json=model_json)
+        core.table.create_job(
+            spec, layout_json, now=time.time(), model_json=model_json, stores=tuple(body.stores)
+        )
     except JobExists as exc:
         raise HTTPException(409, detail=str(exc)) from None
     try:
@@ -110,6 +135,31 @@ async def store_new_job(core: CoreState, body: CreateJobRequest) -> CreateJobRes
     except RpcError as err:
         raise HTTPException(503, detail=err.message) from None
     return CreateJobResponse(name=body.name, token=token)
+
+
+class StoresRequest(BaseModel):
+    """Body of PUT /api/v1/jobs/{job}/stores: the job's stores now (a launcher replaced one)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    stores: list[str] = Field(
+        min_length=1, max_length=MAX_STORES, description="HOST:PORT, the workers' order"
+    )
+
+
+async def replace_stores(core: CoreState, job: Job, stores: list[str]) -> dict[str, Any]:
+    """Store the job's new store list in its spec (so that any Core that leads later knows it);
+    raises HTTPException with what is wrong. Recorded as a `stores_changed` event."""
+    if problem := store_problem(stores):
+        raise HTTPException(422, detail=field_error("stores", problem))
+    if tuple(stores) != job.stores:
+        job.stores = tuple(stores)
+        core.table.save_spec(job)
+        core.table.record(job, "stores_changed", detail=", ".join(stores), now=time.time())
+        try:
+            await core.wait_durable()
+        except RpcError as err:
+            raise HTTPException(503, detail=err.message) from None
+    return {"job": job.name, "stores": list(job.stores)}
 
 
 def model_too_large(model: dict[str, Any]) -> str | None:

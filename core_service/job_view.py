@@ -44,6 +44,8 @@ def job_summary(job: Job) -> dict[str, Any]:
         "latest_checkpoint": job.latest_checkpoint or None,
         "has_layout": job.layout_json is not None,
         **backup_copies_view(job),
+        # The rendezvous stores its launchers run (`elaswave run --core`), in the workers' order.
+        "stores": list(job.stores),
         "last_event_seq": job.next_seq - 1,
     }
 

@@ -103,6 +103,10 @@ class Job:
     # The newest published layout with every going rank planned out: what policies plan from.
     layout_json: str | None = None
     model_json: str | None = None  # the job's model and profile (`elaswave plan` state.json)
+    # The job's rendezvous stores ("host:port", in the order the workers try them), run beside the
+    # job by its launchers (elaswave.store_keeper), never by a Core: in the spec, so that any Core
+    # that leads finds them (a node joining later is told them).
+    stores: tuple[str, ...] = ()
     # The layout of the newest epoch on which a step committed (the creation layout before any):
     # executors go back to it when an apply is interrupted, so every plan's `old` is this layout
     # and applicability is judged from it (docs/architecture.md ("The Core's decisions")).
@@ -192,6 +196,7 @@ class Job:
                 "end_phase": self.end_phase,
                 "end_reason": self.end_reason,
                 "latest_checkpoint": self.latest_checkpoint,
+                "stores": list(self.stores),
             },
             sort_keys=True,
         ).encode()
@@ -220,7 +225,13 @@ class JobTable:
             raise UnknownJob(job) from None
 
     def create_job(
-        self, spec: JobSpec, layout_json: str | None = None, *, now: float, model_json: str | None = None
+        self,
+        spec: JobSpec,
+        layout_json: str | None = None,
+        *,
+        now: float,
+        model_json: str | None = None,
+        stores: tuple[str, ...] = (),
     ) -> Job:
         if not JOB_NAME_PATTERN.match(spec.name):
             raise ValueError(f"job name {spec.name!r} is not valid")
@@ -229,7 +240,7 @@ class JobTable:
         job = self._new_job(
             spec.name, token_digest(spec.token.get_secret_value()), spec.expected_workers, now
         )
-        job.layout_json, job.model_json = layout_json, model_json
+        job.layout_json, job.model_json, job.stores = layout_json, model_json, stores
         job.spare_workers = spec.spare_workers
         job.min_workers, job.max_workers = spec.min_workers, spec.max_workers
         job.original_layout_json = layout_json
@@ -360,6 +371,7 @@ class JobTable:
                 job.end_phase = str(spec.get("end_phase", ""))
                 job.end_reason = str(spec.get("end_reason", ""))
                 job.latest_checkpoint = str(spec.get("latest_checkpoint", ""))
+                job.stores = tuple(str(a) for a in spec.get("stores", ()))
                 if job.end_phase:
                     job.phase = JobPhase(job.end_phase)
                 job.committed_layout_json = job.layout_json  # until the engine restores the job

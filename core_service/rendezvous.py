@@ -12,9 +12,11 @@ gets the same answer (200) but its own place:
   first node's description (measured costs differ a little from node to node; one set of them
   makes every node see the same layout), so each stage's ranks are spread over the nodes;
 * the job, created here through the same path as `POST /api/v1/jobs`, and its token;
-* the Core's gRPC port and the port of the job's rendezvous store, which this Core hosts
-  (`core_service.job_store`: a store on any node would die with that node); both are reached at
-  the host the node reached this REST API at.
+* the Core's gRPC port (reached at the host the node reached this REST API at), and the job's
+  rendezvous stores: each node brings the stores its launcher started beside it (`stores`), and
+  the job gets `STORES_PER_JOB` of them from different nodes in join order (the store on node
+  0, its standby on node 1), recorded in the job's spec in the registry so that any Core that
+  leads later knows them. No Core runs a store: a job outlives every Core (docs/control-plane.md).
 
 Refusals change nothing: 409 for a node whose shape or model differs from the first node's
 (naming the difference), a node id that already joined, or a node more than `nnodes` (also once
@@ -53,8 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from core_service.config import JOB_NAME_PATTERN
 from core_service.grpc_util import RpcError
 from core_service.http_guard import JobName, error_responses, field_error
-from core_service.job_create import CreateJobRequest, store_new_job
-from core_service.job_store import JobStores, StoreError
+from core_service.job_create import CreateJobRequest, store_new_job, store_problem
 from core_service.persist import registry_call
 from core_service.registry import RegistryError
 from core_service.rendezvous_record import (
@@ -78,6 +79,7 @@ LEASE_S = 5.0  # a node that has not polled again this long after its last answe
 POLL_STEP_S = 0.5
 MAX_PENDING_JOBS = 64
 REMEMBERED_JOBS = 1024  # formed jobs kept to answer their nodes' next poll and refuse latecomers
+STORES_PER_JOB = 2  # the store and its standby
 
 
 class RendezvousCore(ServicerCore, Protocol):
@@ -108,6 +110,11 @@ class JoinRequest(BaseModel):
     )
     poll_s: float = Field(default=DEFAULT_POLL_S, gt=0, le=60, description="how long this request may wait")
     mem_per_worker_bytes: float | None = Field(default=None, gt=0, description="--mem-per-worker, in bytes")
+    stores: list[str] = Field(
+        min_length=1,
+        max_length=STORES_PER_JOB,
+        description="HOST:PORT of the rendezvous stores this node's launcher runs, for the job to use",
+    )
 
 
 @dataclass(eq=False)  # a node is itself: compared by identity
@@ -119,6 +126,7 @@ class Node:
     deadline: float  # monotonic: its first poll + timeout_s
     seen: float = field(default_factory=time.monotonic)  # the end of its last poll
     polls: int = 0  # requests of this node waiting now
+    stores: tuple[str, ...] = ()  # the stores its launcher runs (JoinRequest.stores)
 
 
 @dataclass
@@ -160,7 +168,6 @@ class Rendezvous:
 
     def __init__(self, core: RendezvousCore) -> None:
         self.core = core
-        self.stores = JobStores(core)
         self.gatherings: dict[str, Gathering] = {}
         self.formed: OrderedDict[str, Formed] = OrderedDict()
         self._completing: set[asyncio.Task[None]] = set()
@@ -186,6 +193,8 @@ class Rendezvous:
                 ),
             ) from None
         await self._follow_term()
+        if problem := store_problem(body.stores):
+            raise HTTPException(422, detail=field_error("stores", problem))
         if (formed := self.formed.get(job)) is not None:
             session, answer = formed.answers.get(body.node_id, ("", {}))
             if body.node_id not in formed.answers and self._running(job):
@@ -209,7 +218,14 @@ class Rendezvous:
         if g is None or node is None or node.session != body.session:
             g = g or self._open(job, body, desc)
             self._admit(g, body, desc)
-            node = Node(body.node_id, body.session, body.host, desc, time.monotonic() + body.timeout_s)
+            node = Node(
+                body.node_id,
+                body.session,
+                body.host,
+                desc,
+                time.monotonic() + body.timeout_s,
+                stores=tuple(body.stores),
+            )
             g.nodes.append(node)
             log.info("rendezvous %s: node %s joined (%d of %d)", job, node.node_id, len(g.nodes), g.nnodes)
             self._save_gathering(g)
@@ -279,6 +295,7 @@ class Rendezvous:
         spares = [f"{body.node_id}-spare-{k}" for k in range(body.nproc_per_node)]
         answer = {
             **formed.common,
+            "stores": list(found.stores),  # the job's list now: any Core reads it from the registry
             "role": "spare",
             "node_index": -1,
             "node_id": body.node_id,
@@ -316,7 +333,7 @@ class Rendezvous:
     def _save_gathering(self, g: Gathering) -> None:
         wall, mono = time.time(), time.monotonic()
         nodes = tuple(
-            StoredNode(n.node_id, n.session, n.host, n.description, wall + (n.deadline - mono))
+            StoredNode(n.node_id, n.session, n.host, n.description, wall + (n.deadline - mono), n.stores)
             for n in g.nodes
         )
         record = StoredGathering(g.nnodes, g.nproc_per_node, g.pp, g.mem_per_worker_bytes, nodes)
@@ -381,7 +398,7 @@ class Rendezvous:
         wall, mono = time.time(), time.monotonic()
         # No node has polled this Core yet: each gets a fresh lease from now to do so.
         g.nodes = [
-            Node(n.node_id, n.session, n.host, n.description, mono + (n.deadline_unix - wall))
+            Node(n.node_id, n.session, n.host, n.description, mono + (n.deadline_unix - wall), stores=n.stores)
             for n in record.nodes
         ]
         self.gatherings[job] = g
@@ -453,25 +470,22 @@ class Rendezvous:
             self.core.table.persister.delete(self._key(g.job))
 
     async def _complete(self, g: Gathering) -> None:
-        """Start the job's store, create the job, answer every node (errors go to every node)."""
+        """Create the job with its nodes' stores, answer every node (errors go to every node)."""
 
         placement = g.placement
+        stores = pick_stores(g.nodes)
         try:
-            store_port = await self.stores.start(g.job)
-            try:
-                created = await store_new_job(
-                    self.core,
-                    CreateJobRequest(
-                        name=g.job,
-                        expected_workers=len(placement.rank_node),
-                        layout=json.loads(placement.layout.to_json()),
-                        # The first node's describe run as the job's model: offers are judged.
-                        model=job_model(g.nodes[0].description, placement.layout, g.mem_per_worker_bytes),
-                    ),
-                )
-            except BaseException:
-                self.stores.stop(g.job)
-                raise
+            created = await store_new_job(
+                self.core,
+                CreateJobRequest(
+                    name=g.job,
+                    expected_workers=len(placement.rank_node),
+                    layout=json.loads(placement.layout.to_json()),
+                    # The first node's describe run as the job's model: offers are judged.
+                    model=job_model(g.nodes[0].description, placement.layout, g.mem_per_worker_bytes),
+                    stores=stores,
+                ),
+            )
             common = {
                 "job": g.job,
                 "token": created.token,
@@ -482,8 +496,7 @@ class Rendezvous:
                 "rank_node": list(placement.rank_node),
                 "placement": placement_json(placement),
                 "grpc_port": self.core.grpc_port,
-                "store_port": store_port,
-                "standby_store_port": self.stores.ports[g.job][1],  # where the groups move if it dies
+                "stores": stores,  # the store, then its standby (the groups move there if it dies)
                 "nodes": [
                     {
                         "index": i,
@@ -517,15 +530,13 @@ class Rendezvous:
                 self.core.table.persister.delete(self._key(self.formed.popitem(last=False)[0]))
             await self._durable()  # the answers are stored before any node gets one
             log.info(
-                "rendezvous %s: all %d nodes joined; job created, store on port %d",
+                "rendezvous %s: all %d nodes joined; job created, stores %s",
                 g.job,
                 g.nnodes,
-                store_port,
+                ", ".join(stores),
             )
         except HTTPException as exc:
             g.error = exc
-        except StoreError as exc:
-            g.error = HTTPException(503, detail=str(exc))
         except Exception as exc:  # answer the nodes whatever went wrong, then let the log say it
             log.exception("rendezvous %s: creating the job failed", g.job)
             g.error = HTTPException(500, detail=f"the Core could not create job {g.job!r}: {exc}")
@@ -550,6 +561,18 @@ def _placement(
         pp=pp,
         mem_cap_bytes=mem,
     )
+
+
+def pick_stores(nodes: list[Node]) -> list[str]:
+    """The job's stores: the first store of each node in join order, then the nodes' second ones,
+    until `STORES_PER_JOB`; so the store and its standby run on different nodes where there are
+    several (losing one node never takes both)."""
+    picked: list[str] = []
+    for k in range(STORES_PER_JOB):
+        for node in nodes:
+            if k < len(node.stores) and node.stores[k] not in picked and len(picked) < STORES_PER_JOB:
+                picked.append(node.stores[k])
+    return picked
 
 
 def rendezvous_router(core: RendezvousCore, dependencies: list[Depends]) -> APIRouter:

@@ -36,6 +36,7 @@ class StoredNode:
     host: str
     description: ModelDescription
     deadline_unix: float
+    stores: tuple[str, ...] = ()  # the rendezvous stores this node's launcher runs
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ def gathering_json(g: StoredGathering) -> bytes:
             "host": n.host,
             "description": json.loads(n.description.to_json()),
             "deadline_unix": n.deadline_unix,
+            "stores": list(n.stores),
         }
         for n in g.nodes
     ]
@@ -111,6 +113,7 @@ def parse_record(raw: bytes) -> StoredGathering | StoredFormed:
                         str(n["host"]),
                         _description(n["description"]),
                         float(n["deadline_unix"]),
+                        tuple(str(a) for a in n.get("stores", ())),
                     )
                     for n in body["nodes"]
                 ),

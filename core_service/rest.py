@@ -23,7 +23,13 @@ from core_service.dashboard import DashboardCore
 from core_service.grpc_util import RpcError
 from core_service.http_guard import JobName, error_responses, field_error
 from core_service.http_guard import install as install_guards
-from core_service.job_create import CreateJobRequest, CreateJobResponse, store_new_job
+from core_service.job_create import (
+    CreateJobRequest,
+    CreateJobResponse,
+    StoresRequest,
+    replace_stores,
+    store_new_job,
+)
 from core_service.job_end import JobEndCore, end_job
 from core_service.job_view import job_summary, spare_view
 from core_service.jobs import Job, UnknownJob
@@ -123,6 +129,8 @@ def build_app(core: RestCore) -> FastAPI:
             "role": "leader" if core.leads else "standby",
             "core_id": core.settings.core_id,
             "leader": core.not_leader_message("http").split("is ")[-1],
+            # Launchers given every Core's REST address learn each one's gRPC port here.
+            "grpc_port": core.grpc_port,
             "uptime_s": time.time() - core.started_unix,
         }
 
@@ -222,6 +230,16 @@ def build_app(core: RestCore) -> FastAPI:
             "event_seq": ended.event_seq,
             "stopping_worker_ids": list(ended.stopping),
         }
+
+    @app.put(
+        "/api/v1/jobs/{job}/stores",
+        dependencies=[Depends(leader_only), Depends(admin)],
+        responses=write_errors,
+    )
+    async def put_stores(job: JobName, body: StoresRequest) -> dict[str, Any]:
+        """The job's rendezvous stores now, as the launcher that replaced one says (`elaswave run
+        --core`: the stores run beside the job); stored in the job's spec in the registry."""
+        return await replace_stores(core, job_or_404(job), body.stores)
 
     @app.post(
         "/api/v1/jobs/{job}/preempt",

@@ -2,7 +2,7 @@
 
     elaswave run [--nnodes N] [--nproc-per-node K] [--pp P] [--job NAME] [--checkpoint-dir DIR]
                  [--checkpoint-every N] [--resume DIR] [--timeout S] script.py [script args]
-    elaswave run --core HOST:PORT --nnodes N ... script.py [script args]     # on every node
+    elaswave run --core HOST:PORT[,HOST:PORT] --nnodes N ... script.py [script args]  # on every node
 
 On one machine (no --core) it
 
@@ -19,9 +19,10 @@ On one machine (no --core) it
    them (bounded), tears everything down and prints how to resume.
 
 `--nnodes N` without `--core` simulates N nodes here: node n runs ranks n*K .. n*K+K-1, and the
-rank -> node map is in `<run dir>/nodes.json`. With `--core HOST:PORT` (a running `elaswave core`'s
-REST address) the same command on each of N nodes joins one job: the Core lays it out, creates it
-and hosts its store, and each launcher runs its own node's ranks (`launcher_join`).
+rank -> node map is in `<run dir>/nodes.json`. With `--core HOST:PORT[,...]` (every `elaswave
+core`'s REST address) the same command on each of N nodes joins one job: the leading Core lays it
+out and creates it, the launchers run its stores (the store on one node, its standby on another:
+`store_keeper`), and each launcher runs its own node's ranks (`launcher_join`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elaswave.launcher_control import (
     DEFAULT_WORKER_TIMEOUT_S,
@@ -43,6 +45,11 @@ from elaswave.launcher_control import (
 )
 from elaswave.launcher_tls import add_core_tls_arguments, core_tls_of
 from wire import worker_env as we
+
+if TYPE_CHECKING:
+    from elaswave.launcher_join import Joined
+    from elaswave.store_keeper import StoreKeeper
+    from planners.placement import Placement
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -65,9 +72,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument(
         "--core",
-        metavar="HOST:PORT",
-        help="join a multi-node job through the Core whose REST API is at HOST:PORT (its --http-port): "
-        "run the same command on each of --nnodes nodes; needs $ELASWAVE_SCHEDULER_TOKEN",
+        metavar="HOST:PORT[,HOST:PORT]",
+        help="join a multi-node job through the Cores whose REST APIs are at HOST:PORT (their "
+        "--http-port; give every Core sharing the registry, so that the job outlives any of them): run "
+        "the same command on each of --nnodes nodes; needs $ELASWAVE_SCHEDULER_TOKEN",
+    )
+    parser.add_argument(
+        "--store-host",
+        metavar="HOST",
+        help="with --core: the address the other nodes reach this node's rendezvous store at "
+        "(default: this node's address on the route to the first Core)",
     )
     add_core_tls_arguments(parser)
     parser.add_argument(
@@ -145,11 +159,11 @@ class UsageError(ValueError):
 
 
 def check_args(args: argparse.Namespace) -> None:
-    from elaswave.launcher_join import NODE_ID_PATTERN, SCHEDULER_TOKEN_ENV, parse_core  # noqa: PLC0415
+    from elaswave.launcher_join import NODE_ID_PATTERN, SCHEDULER_TOKEN_ENV, parse_cores  # noqa: PLC0415
 
     if args.core is not None:
         try:
-            parse_core(args.core)
+            parse_cores(args.core)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         if not os.environ.get(SCHEDULER_TOKEN_ENV, "").strip():
@@ -157,8 +171,9 @@ def check_args(args: argparse.Namespace) -> None:
                 f"--core needs the Core's scheduler token in ${SCHEDULER_TOKEN_ENV} (joining a job "
                 "creates it); export it on every node"
             )
-    elif args.node_id is not None:
-        raise UsageError("--node-id names a node of a multi-node job: it needs --core")
+    elif args.node_id is not None or getattr(args, "store_host", None) is not None:
+        flag = "--node-id" if args.node_id is not None else "--store-host"
+        raise UsageError(f"{flag} names a node of a multi-node job: it needs --core")
     try:
         args.core_tls = core_tls_of(args)
     except ValueError as exc:
@@ -204,6 +219,16 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     from planners.placement import PlacementError, plan_placement  # noqa: PLC0415
 
     name = job_name(args)
+    keeper = None
+    if args.core is not None:  # this node's store starts (it imports torch) while the model is described
+        from elaswave.launcher_join import JoinError, default_node_id  # noqa: PLC0415
+
+        args.node_id = args.node_id or default_node_id()
+        try:
+            keeper = start_node_stores(args, name)
+        except JoinError as exc:
+            print(f"elaswave run: error: {exc}", file=sys.stderr)
+            return exc.exit_code
     print(
         f"[elaswave] describing the model: python {args.script} {shlex.join(args.script_args)}".rstrip(),
         flush=True,
@@ -211,22 +236,31 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     try:
         desc = describe(args.script, args.script_args, args.describe_timeout)
     except DescribeError as exc:
+        if keeper is not None:
+            keeper.stop()
         print(f"elaswave run: error: {exc}", file=sys.stderr)
         return 1
     joined = None
-    if args.core is not None:
+    if keeper is not None:
         from elaswave.launcher_join import JoinError, join_job, placement_of  # noqa: PLC0415
+        from elaswave.launcher_procs import LaunchError  # noqa: PLC0415
 
-        print(
-            f"[elaswave] joining job {name!r} through the Core at {args.core}: waiting up to "
-            f"{args.rendezvous_timeout:g} s for all {args.nnodes} nodes",
-            flush=True,
-        )
         try:
-            joined = join_job(args, name, desc.to_json(), os.environ["ELASWAVE_SCHEDULER_TOKEN"].strip())
-        except JoinError as exc:
+            keeper.started()
+            print(
+                f"[elaswave] joining job {name!r} through the Core(s) at {args.core} with this node's "
+                f"store(s) {', '.join(keeper.own())}: waiting up to {args.rendezvous_timeout:g} s for all "
+                f"{args.nnodes} nodes",
+                flush=True,
+            )
+            joined = join_job(
+                args, name, desc.to_json(), os.environ["ELASWAVE_SCHEDULER_TOKEN"].strip(), keeper.own()
+            )
+        except (JoinError, LaunchError) as exc:
+            keeper.stop()
             print(f"elaswave run: error: {exc}", file=sys.stderr)
-            return exc.exit_code
+            return exc.exit_code if isinstance(exc, JoinError) else 1
+        keeper.adopt(joined.store_address.split(","))
         placement = placement_of(joined)
         if joined.spare_worker_ids:
             print(
@@ -255,6 +289,22 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
         except PlacementError as exc:
             print(f"elaswave run: error: {exc}", file=sys.stderr)
             return we.EXIT_USAGE
+    try:
+        return _launch(args, stop, name, desc, placement, joined, keeper)
+    finally:
+        if keeper is not None:  # after the session's teardown: its agents stopped first
+            keeper.stop()
+
+
+def _launch(
+    args: argparse.Namespace,
+    stop: StopRequest,
+    name: str,
+    desc: we.ModelDescription,
+    placement: Placement,
+    joined: Joined | None,
+    keeper: StoreKeeper | None,
+) -> int:
     print(
         f"[elaswave] {len(desc.units)} units, {sum(u.numel for u in desc.units):,} parameters, global batch "
         f"{desc.global_batch} in {desc.micro_batches} micro-batches, {desc.steps} steps",
@@ -300,12 +350,27 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     from elaswave.launcher_session import Session  # noqa: PLC0415 - httpx only once we launch
 
     with tempfile.TemporaryDirectory(prefix="ew-") as sockets:  # short: Unix socket paths <= 107 bytes
-        session = Session(args, name, desc, placement, run_dir, Path(sockets), stop, joined)
+        session = Session(args, name, desc, placement, run_dir, Path(sockets), stop, joined, keeper)
         stop.graceful = True
         try:
             return session.run()
         finally:
             session.teardown()
+
+
+def start_node_stores(args: argparse.Namespace, name: str) -> StoreKeeper:
+    """This node's rendezvous store(s) for a job joined through the Cores, started in the
+    background: one, or the store and its standby where the job has one node; the rendezvous
+    keeps those the job uses. Raises JoinError when this node's address cannot be told."""
+    from elaswave.launcher_describe import clean_env  # noqa: PLC0415
+    from elaswave.launcher_join import store_host  # noqa: PLC0415
+    from elaswave.store_keeper import StoreKeeper  # noqa: PLC0415
+
+    log_dir = (args.run_dir or Path.cwd() / "elaswave-run" / name).resolve() / f"stores-{args.node_id}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    keeper = StoreKeeper(clean_env(), log_dir, host=store_host(args))
+    keeper.begin(1 if args.nnodes > 1 else 2)  # `keeper.started()` waits for them
+    return keeper
 
 
 def prepare_run_dir(path: Path) -> Path:

@@ -1,13 +1,17 @@
-"""`elaswave run --core HOST:PORT`: join a multi-node job through a running Core.
+"""`elaswave run --core HOST:PORT[,HOST:PORT...]`: join a multi-node job through the Cores.
 
-`HOST:PORT` is the Core's REST address (`elaswave core --http-host/--http-port`, default port
-8080): the same command on every node posts this node's model description to the Core's
+`HOST:PORT` is a Core's REST address (`elaswave core --http-host/--http-port`, default port
+8080); give every Core's (those sharing one registry), so that the job outlives any of them. The
+same command on every node posts this node's model description and the addresses of the
+rendezvous stores its launcher started here (`elaswave.store_keeper`) to the leading Core's
 rendezvous (`POST /api/v1/rendezvous/<job>`, core_service.rendezvous) and asks again every
-`POLL_S` seconds, at most `--rendezvous-timeout` in all, until all `--nnodes` nodes have joined. The answer is the job's layout,
-this node's index (join order) and ranks, the job token, and the ports of the Core's gRPC API
-and of the job's rendezvous store, which the Core hosts; both are reached at the host of
-`--core`. The launcher then starts agents for this node's ranks only, shows the job-wide
-progress from the Core, and asks the Core to stop the whole job on Ctrl-C
+`POLL_S` seconds, at most `--rendezvous-timeout` in all, until all `--nnodes` nodes have joined.
+The answer is the job's layout, this node's index (join order) and ranks, the job token, the
+job's stores (the store on one node, its standby on another) and the leader's gRPC port; every
+other Core's gRPC port comes from its `/healthz`, each reached at the host of its `--core`
+address. The launcher then starts agents for this node's ranks only, all of them and the workers
+knowing every Core (they follow the leader), shows the job-wide progress from the leading Core
+(`elaswave.core_rest`), and asks it to stop the whole job on Ctrl-C
 (`POST /api/v1/jobs/<job>/checkpoint {"stop": true}`), so the stop reaches every node.
 
 The rendezvous and the stop are scheduler calls: `$ELASWAVE_SCHEDULER_TOKEN` must hold the
@@ -22,6 +26,7 @@ import os
 import re
 import secrets
 import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,6 +42,7 @@ NODE_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 POLL_S = 10.0  # each request waits this long at most, then the launcher asks again
 # Past the rendezvous wait: the Core starts the job's store (it imports torch) and stores the job.
 CREATION_MARGIN_S = 90.0
+HEALTH_TIMEOUT_S = 5.0
 
 
 class JoinError(RuntimeError):
@@ -53,9 +59,18 @@ def parse_core(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(
             f"--core {text!r}: give the Core's REST address as HOST:PORT (its --http-port, "
-            "default 8080), e.g. --core 10.0.0.5:8080"
+            "default 8080), e.g. --core 10.0.0.5:8080, or every Core's, comma-separated"
         )
     return host, int(port)
+
+
+def parse_cores(text: str) -> list[tuple[str, int]]:
+    """`HOST:PORT[,HOST:PORT...]` -> [(host, port), ...], in order, without repeats."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(parts):
+        raise ValueError(f"--core {text!r}: an empty address in the list (HOST:PORT,HOST:PORT)")
+    cores = list(dict.fromkeys(parse_core(p) for p in parts))
+    return cores
 
 
 def default_node_id() -> str:
@@ -68,9 +83,9 @@ def default_node_id() -> str:
 class Joined:
     """This node's place in the job, as the Core's rendezvous answered."""
 
-    rest_url: str
-    grpc_address: str
-    store_address: str
+    rest_urls: tuple[str, ...]  # every Core's REST API, the one that answered first
+    grpc_address: str  # every Core's gRPC address (comma-separated), the leader's first
+    store_address: str  # the job's stores (comma-separated), in the workers' order
     token: str
     node_index: int
     node_id: str
@@ -87,15 +102,21 @@ class Joined:
         return list(self.answer["nodes"])
 
 
-def join_job(args: argparse.Namespace, job: str, description_json: str, scheduler_token: str) -> Joined:
-    """Post this node's description and ask again until the others joined (bounded by
-    --rendezvous-timeout, which the Core enforces too); raises JoinError."""
+def join_job(
+    args: argparse.Namespace, job: str, description_json: str, scheduler_token: str, stores: list[str]
+) -> Joined:
+    """Post this node's description and `stores` and ask again until the others joined (bounded
+    by --rendezvous-timeout, which the Core enforces too); raises JoinError."""
     import httpx  # noqa: PLC0415 - only once the describe run succeeded
 
-    host, port = parse_core(args.core)
+    from elaswave.core_rest import CoreClient  # noqa: PLC0415
+
     tls: core_tls.CoreTls | None = getattr(args, "core_tls", None)
-    rest_url = f"{core_tls.scheme(tls)}://{host}:{port}"
+    cores = parse_cores(args.core)
+    rest_urls = [f"{core_tls.scheme(tls)}://{_bracket(host)}:{port}" for host, port in cores]
+    rest_url = ", ".join(rest_urls)
     body = {
+        "stores": stores,
         "node_id": args.node_id or default_node_id(),
         "session": secrets.token_urlsafe(12),
         "nnodes": args.nnodes,
@@ -109,8 +130,8 @@ def join_job(args: argparse.Namespace, job: str, description_json: str, schedule
     }
     deadline = time.monotonic() + args.rendezvous_timeout + CREATION_MARGIN_S
     shown: list[str] = []
-    with httpx.Client(
-        base_url=rest_url,
+    with CoreClient(
+        rest_urls,
         timeout=httpx.Timeout(10.0, read=POLL_S + CREATION_MARGIN_S),
         headers={"Authorization": f"Bearer {scheduler_token}"},
         verify=rest_verify(tls),
@@ -141,12 +162,13 @@ def join_job(args: argparse.Namespace, job: str, description_json: str, schedule
                 )
             if time.monotonic() > deadline:  # the Core forgot us (restarted?) and keeps saying wait
                 raise JoinError(f"the other nodes did not join within {args.rendezvous_timeout:g} s")
+        leader = str(client.base_url).rstrip("/")
     answer = response.json()
     return Joined(
-        rest_url=rest_url,
-        grpc_address=f"{host}:{answer['grpc_port']}",
+        rest_urls=tuple([leader, *(u for u in rest_urls if u != leader)]),
+        grpc_address=",".join(grpc_addresses(rest_urls, leader, int(answer["grpc_port"]), tls)),
         # the job's store, then its standby (the workers move there if the first one dies)
-        store_address=f"{host}:{answer['store_port']},{host}:{answer['standby_store_port']}",
+        store_address=",".join(answer["stores"]),
         token=str(answer["token"]),
         node_index=int(answer["node_index"]),
         node_id=str(answer["node_id"]),
@@ -161,6 +183,54 @@ def rest_verify(tls: core_tls.CoreTls | None) -> Any:
     """httpx's `verify` for the Core's REST API: its CA bundle (and this node's client
     certificate) over HTTPS, the default without TLS (plaintext http:// verifies nothing)."""
     return True if tls is None else tls.ssl_context()
+
+
+def grpc_addresses(
+    rest_urls: list[str], leader: str, leader_grpc_port: int, tls: core_tls.CoreTls | None = None
+) -> list[str]:
+    """Every Core's gRPC address, the leader's first: each at the host of its REST address, with
+    the port its `/healthz` names. A Core that does not answer now is left out (said on stderr):
+    the agents and workers follow the leader among the others."""
+    import httpx  # noqa: PLC0415
+
+    addresses = [f"{_bracket(httpx.URL(leader).host)}:{leader_grpc_port}"]
+    for url in rest_urls:
+        if url == leader:
+            continue
+        try:
+            healthz = httpx.get(f"{url}/healthz", timeout=HEALTH_TIMEOUT_S, verify=rest_verify(tls))
+            port = int(healthz.json()["grpc_port"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            print(
+                f"[elaswave] WARNING: the Core at {url} does not answer ({type(exc).__name__}); this "
+                "node's workers will not fail over to it",
+                file=sys.stderr,
+                flush=True,
+            )
+            continue
+        addresses.append(f"{_bracket(httpx.URL(url).host)}:{port}")
+    return list(dict.fromkeys(addresses))
+
+
+def store_host(args: argparse.Namespace) -> str:
+    """Where the other nodes reach this node's stores: --store-host, else the local address this
+    machine reaches the first Core from (a UDP "connect" sends nothing; it only picks the route)."""
+    if getattr(args, "store_host", None):
+        return str(args.store_host)
+    host, port = parse_cores(args.core)[0]
+    try:
+        family, kind, proto, _, target = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(target)
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise JoinError(
+            f"cannot tell which address of this node the others reach ({exc}); give --store-host"
+        ) from None
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def placement_of(joined: Joined) -> Placement:

@@ -167,14 +167,24 @@ class LocalStore:
 
     process: subprocess.Popen[bytes]
     port: int
+    host: str = LOOPBACK
 
     @classmethod
     def start(
-        cls, env: Mapping[str, str], log: Path, timeout_s: float = 60.0, peers: tuple[str, ...] = ()
+        cls,
+        env: Mapping[str, str],
+        log: Path,
+        timeout_s: float = 60.0,
+        peers: tuple[str, ...] = (),
+        host: str = LOOPBACK,
     ) -> LocalStore:
         """Start it and wait (at most `timeout_s`: it imports torch) for the port it bound;
-        `peers`: the job's live stores, which learn the new store list from it."""
-        cmd = [sys.executable, "-m", "executor.store_server", "--host", LOOPBACK, "--port", "0"]
+        `peers`: the job's live stores, which learn the new store list from it; `host`: where
+        the workers reach it (this node's address for the other nodes of a job)."""
+        # It arms its own parent-death signal (`--parent`): no preexec_fn, since a replacement is
+        # forked from the store keeper's thread while other threads run.
+        cmd = [sys.executable, "-m", "executor.store_server", "--host", host, "--port", "0"]
+        cmd += ["--parent", str(os.getpid())]
         if peers:
             cmd += ["--announce-to", ",".join(peers)]
         with log.open("ab") as err:  # the child keeps its own copy
@@ -185,7 +195,6 @@ class LocalStore:
                 stdout=subprocess.PIPE,
                 stderr=err,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(signal.SIGTERM),
             )
         assert proc.stdout is not None
         lines: list[bytes] = []
@@ -197,11 +206,12 @@ class LocalStore:
             stop_process(proc, signal.SIGTERM, 5.0)
             why = "timed out" if not lines else f"said {text!r}"
             raise LaunchError(f"the rendezvous store did not start ({why}); see {log}")
-        return cls(proc, int(text.split()[1]))
+        return cls(proc, int(text.split()[1]), host)
 
     @property
     def address(self) -> str:
-        return f"{LOOPBACK}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{self.port}"
 
     def stop(self) -> None:
         stop_process(self.process, signal.SIGTERM, 10.0)

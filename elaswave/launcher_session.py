@@ -1,8 +1,9 @@
 """One `elaswave run` on one machine once the layout is known: start, watch, stop, tear down.
 
 Alone (no `--core`) it starts an embedded Core and the store and runs every rank; joined to a
-multi-node job (`launcher_join`) it uses the remote Core and the store it hosts, runs this node's
-ranks only, and asks the Core to stop the whole job on Ctrl-C.
+multi-node job (`launcher_join`) it follows the leading Core among the remote ones, keeps this
+node's share of the job's stores (`store_keeper`), runs this node's ranks only, and asks the
+Core to stop the whole job on Ctrl-C.
 
 `Session.run` blocks until every agent has exited (each ends with its worker, whose every wait
 is bounded by `ELASWAVE_TIMEOUT_S`), or, after a stop request, at most `--stop-timeout` seconds
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from elaswave.core_rest import CoreClient
 from elaswave.launcher_control import resume_command
 from elaswave.launcher_describe import clean_env, tail
 from elaswave.launcher_join import SCHEDULER_TOKEN_ENV, rest_verify, stop_job, stopped_by_the_core
@@ -53,17 +55,21 @@ class Session:
         socket_dir: Path,
         stop: StopRequest,
         joined: Joined | None = None,
+        stores: StoreKeeper | None = None,
     ) -> None:
         self.args, self.job, self.desc, self.placement = args, job, desc, placement
         self.run_dir, self.socket_dir, self.stop, self.joined = run_dir, socket_dir, stop, joined
         self.core: LocalCore | None = None
-        self.stores: StoreKeeper | None = None  # the store, its standby, a new standby after a loss
+        # the store, its standby, a new standby after a loss (a joined node's share of them)
+        self.stores: StoreKeeper | None = stores
         self.http: httpx.Client | None = None  # the Core's REST API, local or remote
         self.core_address = self.store_address = ""  # gRPC, store: HOST:PORT
         self.agents = Agents()
         self.stop_file = run_dir / "stop.json"
         self._stop_asked_at = 0.0
         self._core_stop_accepted = False
+        self._stores_asked_at = 0.0
+        self._stores_told_list = ""  # the store list the Core stored last (joined jobs)
 
     def run(self) -> int:
         try:
@@ -75,10 +81,8 @@ class Session:
         return self._watch()
 
     def _start(self) -> str:
-        if self.joined is not None:  # the Core created the job and hosts the store
-            self.http = httpx.Client(
-                base_url=self.joined.rest_url, timeout=5.0, verify=rest_verify(self.joined.tls)
-            )
+        if self.joined is not None:  # the Core created the job; the nodes' launchers run its stores
+            self.http = CoreClient(list(self.joined.rest_urls), timeout=5.0, verify=rest_verify(self.joined.tls))
             self.core_address, self.store_address = self.joined.grpc_address, self.joined.store_address
             return self.joined.token
         env = clean_env()
@@ -186,9 +190,15 @@ class Session:
                 )
                 return 1
             monitor.poll()
+            if self.stores is not None and self.joined is not None and monitor.snapshot.members:
+                # every worker of the other nodes gone: no launcher there replaces its stores
+                local = {spec.name for spec in self.agents.specs.values()}
+                if not [m for m in monitor.snapshot.live if m["worker_id"] not in local]:
+                    self.stores.others_gone.set()
             replaced = self.stores.poll() if self.stores is not None else None
             if replaced is not None:
                 print(f"[elaswave] {replaced}", flush=True)
+            self._publish_stores()
             if self.stop.signum is not None and stop_deadline is None:
                 stop_deadline = time.monotonic() + self.args.stop_timeout
                 self._request_stop(monitor.snapshot.step(monitor.snapshot.live), monitor.slowest_step_s())
@@ -229,6 +239,31 @@ class Session:
         if stop_signal is not None or refused:
             self._print_resume()
         return result.exit_code
+
+    def _publish_stores(self) -> None:
+        """A joined node's store list changed (a store replaced here): tell the leading Core,
+        which stores it with the job in the registry (at most once per STOP_RETRY_S while it
+        does not take it; a node joining later is given this list)."""
+        if self.joined is None or self.stores is None or self.http is None:
+            return
+        now = self.stores.addresses()
+        if now == self._stores_told_list or time.monotonic() - self._stores_asked_at < STOP_RETRY_S:
+            return
+        if not self._stores_told_list:  # the rendezvous stored the first list
+            self._stores_told_list = self.store_address
+            if now == self._stores_told_list:
+                return
+        self._stores_asked_at = time.monotonic()
+        try:
+            response = self.http.put(
+                f"/api/v1/jobs/{self.job}/stores",
+                json={"stores": now.split(",")},
+                headers={"Authorization": f"Bearer {os.environ.get(SCHEDULER_TOKEN_ENV, '').strip()}"},
+            )
+        except httpx.HTTPError:
+            return
+        if response.status_code == 200:
+            self._stores_told_list = now
 
     def _request_stop(self, committed: int, step_time_s: float | None) -> None:
         if self.joined is not None:  # through the Core, so that the stop reaches every node

@@ -3,8 +3,10 @@
 A training process follows its job's plans through one background subscription
 (`SubscribePlans`, a server stream fenced by epoch) and answers each plan with phase acks
 (`AckPlanPhase`). The subscription survives a Core failover: on `UNAVAILABLE` (a standby, or a
-Core that died) it moves to the next address of the list with bounded exponential backoff, and
-resumes after the newest epoch it already holds, so no plan is missed or seen twice.
+Core that died) it moves to the Core a standby names as leader ("not leader; leader is
+<host:port>"), else to the next address of the list (`ELASWAVE_CORE` holds every Core's), with
+bounded exponential backoff, and resumes after the newest epoch it already holds, so no plan is
+missed or seen twice.
 
 Blocking behaviour, stated per call: `wait_plan` blocks at most its `timeout_s`; `ack` and
 `report_peer_failure` block at most `rpc_timeout_s` and never raise on a transport error (the
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +42,7 @@ PHASES = {
     "FAILED": executor_pb2.PLAN_PHASE_FAILED,
 }
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.05, 2.0
+_LEADER_HINT = re.compile(r"leader is\s+(\[[^\]]+\]:\d+|[^\s;,:/]+:\d+)")
 
 
 FAILURES = {
@@ -142,7 +146,7 @@ class PlanClient:
                     backoff,
                     hint,
                 )
-                self._address_index += 1
+                self._next_core(exc.details() if isinstance(exc, grpc.Call) else None)
             self._stop.wait(backoff)
             backoff = min(BACKOFF_MAX_S, backoff * 2)
 
@@ -244,6 +248,18 @@ class PlanClient:
                     if code != grpc.StatusCode.UNAVAILABLE:
                         return False
         return False
+
+    def _next_core(self, details: str | None) -> None:
+        """After a refusal or a broken stream: the leader a standby named, else the next Core."""
+        match = _LEADER_HINT.search(details or "")
+        hint = match.group(1) if match else None
+        current = self.addresses[self._address_index % len(self.addresses)]
+        if hint is None or hint == current:
+            self._address_index += 1
+            return
+        if hint not in self.addresses:
+            self.addresses.append(hint)  # a leader the launcher did not know of (a new replica)
+        self._address_index = self.addresses.index(hint)
 
     def wait_worker_credential(self, timeout_s: float) -> bool:
         """Block (at most `timeout_s`, polling) until the agent has written this worker's own

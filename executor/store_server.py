@@ -12,6 +12,8 @@ and it prints ``PORT <n>`` (the bound port) on one line, then serves until SIGTE
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 
 DEFAULT_HOST = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def connect_store(host: str, port: int, timeout_s: float = 30.0) -> TCPStore:
@@ -43,24 +46,52 @@ def serve(
     host: str, port: int, stop: threading.Event, announce: bool = True, peers: tuple[str, ...] = ()
 ) -> None:
     """Host a TCPStore on (host, port) until `stop` is set. Port 0 picks a free port. With
-    `peers`, the list `peers` + this store is written under STORES_KEY here and into every peer
-    that answers."""
+    `peers`, the job's list of live stores + this one is written under STORES_KEY here and into
+    every live store (`job_list`)."""
     store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    listed = ",".join((*peers, f"{host}:{store.port}"))
+    me = f"[{host}]:{store.port}" if ":" in host else f"{host}:{store.port}"
     if peers:  # a store started alone knows of no standby: it leaves the workers' own list alone
-        store.set(STORES_KEY, listed)
-    for peer in peers:
-        peer_host, peer_port = peer.rsplit(":", 1)
-        try:
-            connect_store(peer_host, int(peer_port), PEER_CONNECT_S).set(STORES_KEY, listed)
-        except (RuntimeError, ValueError) as exc:  # a peer that died meanwhile: the list skips it next time
-            print(
-                f"store {host}:{store.port}: peer {peer} did not take the store list: {exc}", file=sys.stderr
-            )
+        live, listed = job_list(peers)
+        listed.append(me)
+        store.set(STORES_KEY, ",".join(listed))
+        for address, client in live.items():
+            try:
+                client.set(STORES_KEY, ",".join(listed))
+            except (RuntimeError, ValueError) as exc:  # died meanwhile: the list skips it next time
+                print(f"store {me}: peer {address} did not take the store list: {exc}", file=sys.stderr)
     if announce:
         print(f"PORT {store.port}", flush=True)
     stop.wait()
     del store
+
+
+def job_list(peers: tuple[str, ...]) -> tuple[dict[str, TCPStore], list[str]]:
+    """The job's stores that answer, and their list in the workers' order. `peers` is the
+    starter's view, which may be stale (another node's launcher replaced its store): the list a
+    live peer holds is newer, so it is read and joined with `peers`; a store that does not answer
+    within PEER_CONNECT_S is left out."""
+    live: dict[str, TCPStore] = {}
+    down: set[str] = set()
+    candidates = list(peers)
+    while untried := [a for a in candidates if a not in live and a not in down]:
+        address = untried[0]  # the list grows by what the first live peer holds
+        peer_host, _, peer_port = address.rpartition(":")
+        try:
+            client = connect_store(peer_host.strip("[]"), int(peer_port), PEER_CONNECT_S)
+        except (RuntimeError, ValueError) as exc:
+            print(f"store list: {address} does not answer ({exc}); left out", file=sys.stderr)
+            down.add(address)
+            continue
+        if not live:
+            try:
+                held = client.get(STORES_KEY).decode() if client.check([STORES_KEY]) else ""
+            except (RuntimeError, ValueError):
+                held = ""
+            # the peer's list first (the workers' order), then what only the starter knew
+            ordered = [a for a in held.split(",") if a] + candidates
+            candidates = list(dict.fromkeys(ordered))
+        live[address] = client
+    return live, [a for a in candidates if a in live]
 
 
 @dataclass
@@ -133,12 +164,28 @@ def _read_port(proc: subprocess.Popen[str], timeout_s: float) -> int:
     return int(line.split()[1])
 
 
+def _arm_parent_death(parent: int) -> None:
+    """SIGTERM to this process when `parent` dies; exit now if it already has. Armed here, not by
+    the parent between fork and exec: a launcher forks stores from a thread of a threaded
+    process, where a `preexec_fn` may deadlock the child before it runs anything."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Standalone TCPStore rendezvous server for ElasWave executors"
     )
     parser.add_argument("--host", default=DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed as 'PORT <n>')")
+    parser.add_argument(
+        "--parent",
+        type=int,
+        default=0,
+        help="PID: end this store (SIGTERM) when that process dies (Linux); exit at once if it has",
+    )
     parser.add_argument(
         "--announce-to",
         default="",
@@ -150,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if args.parent:
+        _arm_parent_death(args.parent)
     peers = tuple(a.strip() for a in args.announce_to.split(",") if a.strip())
     serve(args.host, args.port, stop, peers=peers)
     return 0

@@ -625,6 +625,15 @@ def test_the_store_lost_twice_is_replaced_and_the_job_trains_like_the_single_pro
     standby in place and the launcher starts a new standby, whose address the workers learn from
     the store; then that one is killed too, and the job still finishes like the reference."""
     script = _tiny(tmp_path)
+    # Slow steps (workers only): the new standby (a process importing torch, 10-15 s on a loaded
+    # 2-core machine) is up well before the job ends.
+    script.write_text(
+        TINY.replace(
+            "optimizer=elaswave.AdamW(lr=1e-2))",
+            "optimizer=elaswave.AdamW(lr=1e-2),\n                        on_step=lambda step, loss: "
+            "__import__('time').sleep(0.15) if __import__('os').environ.get('ELASWAVE_RANK') else None)",
+        )
+    )
     launcher = Launcher(
         "--nproc-per-node", "2", "--pp", "2", script, "--steps", str(STORE_LOSS_STEPS), cwd=tmp_path
     )

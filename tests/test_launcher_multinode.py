@@ -58,9 +58,15 @@ def description(units: list[tuple[str, int, float]] = UNITS, **overrides: Any) -
     return json.loads(desc.to_json()) | overrides
 
 
+def store_of(node_id: str) -> str:
+    """The store a node offers in these REST tests (nothing listens there: no worker runs)."""
+    return f"127.0.0.1:{10000 + sum(map(ord, node_id))}"
+
+
 def join_body(node_id: str, **overrides: Any) -> dict[str, Any]:
     return {
         "node_id": node_id,
+        "stores": [store_of(node_id)],
         "session": f"session-{node_id}",
         "nnodes": 2,
         "nproc_per_node": 2,
@@ -182,8 +188,8 @@ def test_nodes_that_differ_are_refused_and_the_others_form_the_job(core: tuple[C
     assert second.status_code == 200, second.text
     assert (a["node_index"], a["ranks"], b["node_index"], b["ranks"]) == (0, [0, 1], 1, [2, 3])
     assert a["layout"] == b["layout"] and a["rank_node"] == b["rank_node"] == [0, 0, 1, 1]
-    assert a["token"] == b["token"] and a["store_port"] == b["store_port"] > 0
-    assert a["standby_store_port"] == b["standby_store_port"] not in (0, a["store_port"])
+    # The job's store on node a, its standby on node b: losing one node never takes both.
+    assert a["token"] == b["token"] and a["stores"] == b["stores"] == [store_of("a"), store_of("b")]
     for stage in a["layout"]["stages"]:  # losing either node leaves every stage a rank
         assert {a["rank_node"][r] for r in stage["ranks"]} == {0, 1}
     job = proc.job("j")
@@ -201,7 +207,7 @@ def test_nodes_that_differ_are_refused_and_the_others_form_the_job(core: tuple[C
     late = post_join(proc, token, "j", join_body("c")).json()
     assert late["role"] == "spare" and late["ranks"] == [] and late["node_index"] == -1
     assert late["spare_worker_ids"] == ["c-spare-0", "c-spare-1"] and late["token"] == a["token"]
-    assert late["store_port"] == a["store_port"] and late["layout"] == a["layout"]
+    assert late["stores"] == a["stores"] and late["layout"] == a["layout"]
     again = post_join(proc, token, "j", join_body("c"))
     assert again.json() == late  # the node's next poll gets the same answer
     create_job(proc, token, "taken")
@@ -244,9 +250,11 @@ def test_the_launcher_refuses_core_without_a_token_or_an_address(tmp_path: Path)
     )
 
 
-def _two_nodes(proc: CoreProcess, tmp_path: Path, *script_args: str) -> tuple[Launcher, Launcher]:
+def _two_nodes(
+    proc: CoreProcess, tmp_path: Path, *script_args: str, text: str = TINY
+) -> tuple[Launcher, Launcher]:
     script = tmp_path / "tiny.py"
-    script.write_text(TINY)
+    script.write_text(text)
     flags = ("--core", f"127.0.0.1:{proc.http_port}", "--nnodes", "2", "--nproc-per-node", "2", "--pp", "2")
     first = Launcher(*flags, "--node-id", "node-a", script, *script_args, cwd=tmp_path)
     wait_until_waiting(proc, "tiny", "node-a", timeout_s=60)  # node-a is node 0
@@ -257,19 +265,24 @@ def _two_nodes(proc: CoreProcess, tmp_path: Path, *script_args: str) -> tuple[La
 def test_two_nodes_train_one_job_like_the_single_process_run_through_a_store_loss(
     core: tuple[CoreProcess, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two nodes form one job through the Core, which hosts its store and a standby. The store is
-    killed at step 3: the workers move to the standby in place and the Core starts a new
-    standby, whose address the workers learn from the store; that store is killed too, and the
-    job still trains like the single-process run."""
+    """Two nodes form one job through the Core; node-a's launcher runs its store, node-b's the
+    standby. The store is killed at step 3: the workers move to the standby in place and node-a's
+    launcher starts a new standby, whose address the workers learn from the store; that store is
+    killed too, and the job still trains like the single-process run."""
     proc, token = core
     monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
-    nodes = _two_nodes(proc, tmp_path, "--steps", str(STORE_LOSS_STEPS))
+    # Slow steps: a new standby (a process importing torch, seconds on a loaded machine) is up
+    # well before the job ends.
+    slow = TINY_SLOW.replace("sleep(0.03)", "sleep(0.15)")
+    nodes = _two_nodes(proc, tmp_path, "--steps", str(STORE_LOSS_STEPS), text=slow)
     nodes[0].wait_for(
         "every worker to commit step 3",
         lambda: len(s := _member_steps_remote(proc)) == 4 and min(s.values()) >= 3,
         timeout_s=150,
     )
-    first, standby = _job_stores(proc)  # the job's store and its standby, in their own processes
+    # the job's store and its standby, each in its own process beside its node's launcher
+    first, standby = _node_stores(nodes[0])[0], _node_stores(nodes[1])[0]
+    assert proc.job("tiny")["stores"] == [f"127.0.0.1:{_listening_port(p)}" for p in (first, standby)]
     first_address = f"127.0.0.1:{_listening_port(first)}"
     first.kill()
     at = max(_member_steps_remote(proc).values())
@@ -343,19 +356,19 @@ def _store_list(store: psutil.Process) -> list[str]:
     """The job's store list as `store` holds it (executor.store_server.STORES_KEY)."""
     from executor.store_server import STORES_KEY, connect_store  # noqa: PLC0415 - torch
 
-    return (
-        connect_store("127.0.0.1", _listening_port(store), timeout_s=5.0).get(STORES_KEY).decode().split(",")
-    )
+    client = connect_store("127.0.0.1", _listening_port(store), timeout_s=5.0)
+    # none until a replacement announced itself (the launchers start the first two apart)
+    return client.get(STORES_KEY).decode().split(",") if client.check([STORES_KEY]) else []
 
 
 def _listening_port(store: psutil.Process) -> int:
     return next(c.laddr.port for c in store.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
 
 
-def _job_stores(proc: CoreProcess) -> list[psutil.Process]:
-    """The Core's job store processes, oldest first."""
-    children = psutil.Process(proc.proc.pid).children()
-    return sorted((c for c in children if _runs(c, "core_service.job_store")), key=lambda c: c.create_time())
+def _node_stores(launcher: Launcher) -> list[psutil.Process]:
+    """The store processes a launcher runs, oldest first."""
+    children = psutil.Process(launcher.proc.pid).children()
+    return sorted((c for c in children if _runs(c, "executor.store_server")), key=lambda c: c.create_time())
 
 
 def _member_steps_remote(proc: CoreProcess) -> dict[str, int]:
@@ -417,7 +430,9 @@ def test_a_node_that_comes_back_joins_the_running_job_with_spares(
     proc, token = core
     monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
     script = tmp_path / "tiny.py"
-    script.write_text(TINY_SLOW)
+    # slower still: node-c's launcher, its store, agents and workers start while the job trains,
+    # which takes half a minute on a loaded 2-core machine
+    script.write_text(TINY_SLOW.replace("sleep(0.03)", "sleep(0.1)"))
     flags = ("--core", f"127.0.0.1:{proc.http_port}", "--nnodes", "2", "--nproc-per-node", "2", "--pp", "2")
     a = Launcher(*flags, "--node-id", "node-a", script, "--steps", str(SPARE_STEPS), cwd=tmp_path)
     wait_until_waiting(proc, "tiny", "node-a", timeout_s=60)

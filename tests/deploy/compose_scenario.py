@@ -8,8 +8,9 @@ re-plans without it) and another is killed (SIGKILL: its workers are lost and th
 place on the last node); the job completes and its final checkpoint equals the one-process run of
 the same script. Then the leading Core's container is killed and the standby leads, and a Core
 that hangs is reported unhealthy by its HEALTHCHECK. Every service listens on 127.0.0.1 only
-(host network). The Core kill comes after the job: a Core failover ends `run --core` jobs today
-(their launchers know one Core, whose process holds the job's rendezvous store).
+(host network). The Core kill comes after the job, as it did when a Core failover ended `run
+--core` jobs; a failover in the middle of a job is proved on processes (tests/core_failover/, the
+soak: `make soak-short`).
 """
 
 from __future__ import annotations

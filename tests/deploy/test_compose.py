@@ -102,7 +102,11 @@ def test_etcd_two_electing_cores_and_n_worker_nodes_joining_one_job() -> None:
 
     worker = services["worker"]
     args = [str(a) for a in worker["command"]]
-    assert args[:3] == ["run", "--core", "127.0.0.1:18080"]
+    assert args[:3] == [
+        "run",
+        "--core",
+        "127.0.0.1:18080,127.0.0.1:18081",
+    ]  # every Core: it follows the leader
     assert args[args.index("--nnodes") + 1] == str(worker["deploy"]["replicas"]) == "3"
     assert worker["deploy"]["mode"] == "replicated"  # podman-compose scales only with it said
     script = next(a for a in args if a.endswith(".py"))
