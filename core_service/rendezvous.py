@@ -398,7 +398,9 @@ class Rendezvous:
         wall, mono = time.time(), time.monotonic()
         # No node has polled this Core yet: each gets a fresh lease from now to do so.
         g.nodes = [
-            Node(n.node_id, n.session, n.host, n.description, mono + (n.deadline_unix - wall), stores=n.stores)
+            Node(
+                n.node_id, n.session, n.host, n.description, mono + (n.deadline_unix - wall), stores=n.stores
+            )
             for n in record.nodes
         ]
         self.gatherings[job] = g

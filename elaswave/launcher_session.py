@@ -82,7 +82,9 @@ class Session:
 
     def _start(self) -> str:
         if self.joined is not None:  # the Core created the job; the nodes' launchers run its stores
-            self.http = CoreClient(list(self.joined.rest_urls), timeout=5.0, verify=rest_verify(self.joined.tls))
+            self.http = CoreClient(
+                list(self.joined.rest_urls), timeout=5.0, verify=rest_verify(self.joined.tls)
+            )
             self.core_address, self.store_address = self.joined.grpc_address, self.joined.store_address
             return self.joined.token
         env = clean_env()
