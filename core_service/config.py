@@ -217,6 +217,12 @@ class CoreSettings(BaseSettings):
         description="schedule-engine policy: elaswave (resize + re-partition + DVFS, ElasWave §4) or "
         "elaswave-resize (micro-batch resizing only, the ablation baseline)",
     )
+    drop_replicas: bool = Field(
+        default=False,
+        description="let the elaswave policy drop a whole DP replica after a loss where its cost model "
+        "predicts a faster step than thinning every stage (the dropped ranks hand their state over and "
+        "leave; a join re-creates the replica). Off by default: it sends healthy workers away",
+    )
 
     @classmethod
     def settings_customise_sources(

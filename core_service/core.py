@@ -162,7 +162,7 @@ class Core:
             open_registry(settings.registry_url, etcd_security(settings)) if registry is None else registry
         )
         self.plans = PlanStore(self.registry, settings.key_prefix)
-        self.policy: Policy = policy or make_policy(settings.policy)
+        self.policy: Policy = policy or make_policy(settings.policy, settings.drop_replicas)
         self.plan_feed = PlanFeed()
         # Scale tables and what-ifs: off the loop, within the client's deadline, stoppable.
         self.planning = PlanningWorker(on_stop=self.metrics.planning_stopped.inc)

@@ -50,6 +50,8 @@ class ElasWavePolicy:
     # After a loss or a join, re-slot, regroup stages or drop a replica where the cost model
     # predicts a faster step than thinning every stage (planners.elaswave_replicas).
     replicas: bool = True
+    # Whether one of those shapes may drop a whole replica (`CoreSettings.drop_replicas`).
+    drop_replicas: bool = False
     clock: Callable[[], float] = time.monotonic
     losses: LossLog = field(default_factory=lambda: LossLog())
 
@@ -102,6 +104,7 @@ class ElasWavePolicy:
                 self.default_slowdown,
                 payback=payback,
                 replicas=self.replicas,
+                drop_replicas=self.drop_replicas,
             ),
         )
         return Decision(
@@ -116,12 +119,12 @@ class ElasWavePolicy:
         )
 
 
-def make_policy(name: PolicyName = "elaswave") -> Policy:
-    """The Core's policy by its configured name (`CoreSettings.policy`)."""
+def make_policy(name: PolicyName = "elaswave", drop_replicas: bool = False) -> Policy:
+    """The Core's policy by its configured name (`CoreSettings.policy`, `.drop_replicas`)."""
     if name == "elaswave-resize":
         return LayoutPolicy()
     if name == "elaswave":
-        return ElasWavePolicy()
+        return ElasWavePolicy(drop_replicas=drop_replicas)
     raise ValueError(f"policy {name!r} is unknown: choose 'elaswave' or 'elaswave-resize'")
 
 

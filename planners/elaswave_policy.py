@@ -53,8 +53,9 @@ class ElasWaveSettings:
     # step than thinning every stage (`planners.elaswave_replicas`; needs `migrate`).
     replicas: bool = True
     # Whether dropping a whole DP replica is one of those shapes: its ranks hand their live state
-    # over (`Plan.standby`, set by the Core for ranks a plan drops while their workers run).
-    drop_replicas: bool = True
+    # over (`Plan.standby`, set by the Core for ranks a plan drops while their workers run). Off
+    # by default, as in the Core (`CoreSettings.drop_replicas`): it sends healthy workers away.
+    drop_replicas: bool = False
 
 
 @dataclass(frozen=True)
