@@ -19,7 +19,10 @@ from tests.test_launcher import Launcher, _job_losses, _member_steps, core_job
 
 pytestmark = pytest.mark.multiproc
 SCRIPT = Path(__file__).with_name("hf_launch_script.py")
-STEPS = 30  # long enough that the kill lands mid-run (a tiny model steps in milliseconds)
+# Long enough that the kill lands mid-run: a tiny model steps in milliseconds once warm, and with 30
+# steps the job could finish between "every worker committed step 3" and the kill (seen on 2 loaded
+# cores), leaving nobody to recover.
+STEPS = 90
 
 
 @pytest.mark.timeout(240)
