@@ -8,7 +8,7 @@ constant hourly rate and, optionally, brings it back after an exponential repair
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,30 +136,12 @@ def spot_cluster_trace(
         raise ValueError(
             "need nodes >= 1, hours > 0, bursts_per_hour >= 0, mean_burst >= 1, mean_replace_hours > 0"
         )
-    rng = np.random.default_rng(seed)
-    horizon = hours * 3600.0
-    up = [f"{prefix}{i}" for i in range(nodes)]
-    events = [TraceEvent(0.0, "add", name) for name in up]
-    pending: list[float] = []  # arrival times of replacements
-    fresh, t = nodes, 0.0
-    while bursts_per_hour > 0:
-        t += rng.exponential(3600.0 / bursts_per_hour)
-        if t >= horizon:
-            break
-        for arrival in sorted(a for a in pending if a <= t):
-            pending.remove(arrival)
-            up.append(f"{prefix}{fresh}")
-            events.append(TraceEvent(arrival, "add", up[-1]))
-            fresh += 1
-        size = min(len(up), int(rng.geometric(1.0 / mean_burst)))
-        for i in sorted(rng.choice(len(up), size=size, replace=False), reverse=True):
-            events.append(TraceEvent(t, "remove", up.pop(int(i))))
-            pending.append(t + rng.exponential(3600.0 * mean_replace_hours))
-    for arrival in sorted(a for a in pending if a < horizon):
-        events.append(TraceEvent(arrival, "add", f"{prefix}{fresh}"))
-        fresh += 1
-    events.append(TraceEvent(horizon, "add", f"{prefix}{fresh}"))  # marks the trace's end
-    return sorted(events)
+
+    def reclaim(rng: np.random.Generator, up: int) -> list[tuple[int, float]]:
+        size = min(up, int(rng.geometric(1.0 / mean_burst)))
+        return [(int(i), 0.0) for i in sorted(rng.choice(up, size=size, replace=False), reverse=True)]
+
+    return _burst_trace(seed, hours, nodes, bursts_per_hour, mean_replace_hours, prefix, reclaim)
 
 
 def bursty_cluster_trace(
@@ -184,11 +166,33 @@ def bursty_cluster_trace(
         raise ValueError("need nodes >= 1, hours > 0, bursts_per_hour >= 0, 1 <= burst_nodes[0] <= [1]")
     if mean_replace_hours <= 0:
         raise ValueError("mean_replace_hours must be > 0")
+
+    def reclaim(rng: np.random.Generator, up: int) -> list[tuple[int, float]]:
+        size = min(up, int(rng.integers(low, high + 1)))
+        offsets = sorted(rng.uniform(0.0, burst_window_s, size=size))
+        chosen = sorted(rng.choice(up, size=size, replace=False), reverse=True)
+        return [(int(i), float(dt)) for i, dt in zip(chosen, offsets, strict=True)]
+
+    return _burst_trace(seed, hours, nodes, bursts_per_hour, mean_replace_hours, prefix, reclaim)
+
+
+def _burst_trace(
+    seed: int,
+    hours: float,
+    nodes: int,
+    bursts_per_hour: float,
+    mean_replace_hours: float,
+    prefix: str,
+    reclaim: Callable[[np.random.Generator, int], list[tuple[int, float]]],
+) -> list[TraceEvent]:
+    """The shared process of both generators: Poisson bursts, each reclaiming the nodes `reclaim`
+    picks (indices into the nodes up, descending, each with its offset from the burst's start),
+    every reclaimed node replaced by a fresh one after an exponential delay."""
     rng = np.random.default_rng(seed)
     horizon = hours * 3600.0
     up = [f"{prefix}{i}" for i in range(nodes)]
     events = [TraceEvent(0.0, "add", name) for name in up]
-    pending: list[float] = []
+    pending: list[float] = []  # arrival times of replacements
     fresh, t = nodes, 0.0
     while bursts_per_hour > 0:
         t += rng.exponential(3600.0 / bursts_per_hour)
@@ -199,13 +203,9 @@ def bursty_cluster_trace(
             up.append(f"{prefix}{fresh}")
             events.append(TraceEvent(arrival, "add", up[-1]))
             fresh += 1
-        size = min(len(up), int(rng.integers(low, high + 1)))
-        offsets = sorted(rng.uniform(0.0, burst_window_s, size=size))
-        for i, dt in zip(
-            sorted(rng.choice(len(up), size=size, replace=False), reverse=True), offsets, strict=True
-        ):
-            events.append(TraceEvent(t + float(dt), "remove", up.pop(int(i))))
-            pending.append(t + float(dt) + rng.exponential(3600.0 * mean_replace_hours))
+        for i, dt in reclaim(rng, len(up)):
+            events.append(TraceEvent(t + dt, "remove", up.pop(i)))
+            pending.append(t + dt + rng.exponential(3600.0 * mean_replace_hours))
     for arrival in sorted(a for a in pending if a < horizon):
         events.append(TraceEvent(arrival, "add", f"{prefix}{fresh}"))
         fresh += 1
