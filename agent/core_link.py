@@ -311,8 +311,10 @@ class CoreLink:
             elif self._outbox:
                 await self._write(call, self._outbox.popleft())
             elif self._leave is not None:
-                await self._write(call, self._leave)
+                # Set before the write returns: the Core may store the departure and close the
+                # stream before this coroutine resumes, and that close means delivered (see _serve).
                 self._leave_written = True
+                await self._write(call, self._leave)
                 await asyncio.wait_for(call.done_writing(), self._config.rpc_timeout_s)
                 log_event(logging.INFO, "leave_sent", reason=self._leave.leave.reason)
                 return
