@@ -258,6 +258,9 @@ class ScheduleEngine:
             if finished:
                 self._complete(job, finished, now)
                 return job.phase
+            if job.work_done and (job.phase is not JobPhase.RUNNING or job.pending_changes):
+                self._drop_plans_after_the_work(job, now)
+                return job.phase
         if job.phase == JobPhase.RUNNING and job.pending_changes:
             self._enter(job, JobPhase.PLANNING, now, f"{len(job.pending_changes)} change(s) to plan for")
         elif job.phase == JobPhase.RUNNING and job.recovery.request is not None:
@@ -268,11 +271,39 @@ class ScheduleEngine:
             self._watch_apply(job, now)
         return job.phase
 
+    def _drop_plans_after_the_work(self, job: Job, now: float) -> None:
+        """A worker finished while a loss was being planned for: the loss came after the job's
+        last step committed (a worker finishes only then), so there is nothing to recover. The
+        plan in progress is dropped; the job completes once its other workers end."""
+        dropped = [e.kind for e in job.pending_changes]
+        if job.plan_epoch > job.committed_epoch and job.committed_layout_json is not None:
+            # No worker will apply that plan: the layout the job ends on is the committed one,
+            # whose ranks the completion counts (`finished_workers`).
+            job.layout_json = job.committed_layout_json
+        job.pending_changes.clear()
+        job.recovery.request = None
+        self._applying.pop(job.name, None)
+        self._retry.pop(job.name, None)
+        self.table.record(
+            job,
+            "plan_dropped",
+            detail=f"the job's work is done (a worker finished); no plan for {dropped or 'the apply'}",
+            now=now,
+            data={"pending": dropped, "plan_epoch": job.plan_epoch},
+        )
+        self._enter(job, JobPhase.RUNNING, now, "the job's work is done; waiting for its workers to end")
+
     def _complete(self, job: Job, finished: list[MemberRecord], now: float) -> None:
         """Every worker of the layout finished: the job is COMPLETED, with the final checkpoint
         most of them reported (persisted in the job's spec: a new leader keeps it)."""
         reported = Counter(m.checkpoint for m in finished if m.checkpoint)
         checkpoint = reported.most_common(1)[0][0] if reported else ""
+        # Ended without finishing once the last step had committed (`finished_workers`).
+        unfinished = sorted(
+            m.worker_id
+            for m in job.members.values()
+            if m.state.is_gone and not m.finished and m.rank >= 0 and job.in_layout(m)
+        )
         job.completed_unix, job.final_checkpoint = now, checkpoint
         job.pending_changes.clear()
         job.recovery.request = None
@@ -283,9 +314,13 @@ class ScheduleEngine:
         data: dict[str, Any] = {"final_checkpoint": checkpoint, "workers": len(finished)}
         if len(reported) > 1:
             data["checkpoints_reported"] = dict(reported)
-        self.table.record(
-            job, "job_completed", detail=f"all {len(finished)} workers finished; {where}", now=now, data=data
-        )
+        detail = f"all {len(finished)} workers finished; {where}"
+        if unfinished:
+            data["ended_unfinished"] = unfinished
+            detail = (
+                f"{len(finished)} workers finished, {unfinished} ended after the last step committed; {where}"
+            )
+        self.table.record(job, "job_completed", detail=detail, now=now, data=data)
         self._enter(job, JobPhase.COMPLETED, now, f"every worker finished its work; {where}")
 
     def end(self, job: Job, phase: JobPhase, reason: str, now: float) -> Event:
@@ -802,19 +837,25 @@ def _joiners(
 
 
 def finished_workers(job: Job) -> list[MemberRecord]:
-    """The workers of the job's layout when every one of them finished its work (their agents
-    said Leave(finished) after a clean exit), else []. Spares are no workers of the layout;
-    without a layout every non-spare member counts."""
+    """The workers of the job's layout that finished its work when every worker of the layout has
+    ended (their agents said Leave(finished) after a clean exit), else []. Spares are no workers
+    of the layout; without a layout every non-spare member counts. A worker LOST once another had
+    finished (`Job.work_done`: after the last step committed everywhere) ended too, as did one
+    that left then: the job completes without them rather than wait for a plan nobody needs."""
     parsed = job.parsed_layout()
     finished: list[MemberRecord] = []
+    ended: set[int] = set()
+    ended_after_the_work = job.work_done
     for member in job.members.values():
         if member.state is WorkerState.SPARE or (parsed is not None and member.rank not in parsed.ranks):
             continue
-        if member.state is not WorkerState.LEFT or not member.finished:
+        if member.state is WorkerState.LEFT and member.finished:
+            finished.append(member)
+        elif not (ended_after_the_work and member.state.is_gone):
             return []
-        finished.append(member)
-    if parsed is not None and {m.rank for m in finished} != parsed.ranks:
-        return []  # a rank of the layout has no finished worker (it never registered, or was lost)
+        ended.add(member.rank)
+    if not finished or (parsed is not None and ended != parsed.ranks):
+        return []  # a rank of the layout has no ended worker (it never registered)
     return finished
 
 

@@ -160,6 +160,13 @@ class Job:
             return True  # unreadable: count every member, as without a layout
         return parsed is None or member.rank in parsed.ranks
 
+    @property
+    def work_done(self) -> bool:
+        """Whether a worker of the layout finished the job's work. A worker finishes only after
+        the job's last step committed, and a step commits on every rank of the layout: from then
+        on a loss takes nothing from the job (no plan; the job completes without that worker)."""
+        return any(m.finished and self.in_layout(m) for m in self.members.values() if m.rank >= 0)
+
     def is_spare(self, member: MemberRecord) -> bool:
         return member.state is WorkerState.SPARE
 
@@ -337,7 +344,7 @@ class JobTable:
         # leaving after the plan that removed it): re-planning for it would interrupt the apply.
         changes_layout = state != WorkerState.RUNNING or kind == "worker_recovered"
         # A spare that goes was in no layout: it is just removed.
-        if planned or (state.is_gone and (was_spare or not job.in_layout(member))):
+        if planned or (state.is_gone and (was_spare or not job.in_layout(member) or job.work_done)):
             changes_layout = False
         return self.record(
             job, kind, worker_id=member.worker_id, detail=reason, now=now, membership_change=changes_layout

@@ -65,3 +65,29 @@ def registry(registry_url: str) -> Iterator[Registry]:
     reg = open_registry(registry_url)
     yield reg
     reg.close()
+
+
+# --- order --------------------------------------------------------------------------------------
+
+
+def _timeout_of(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    return float(marker.args[0]) if marker is not None and marker.args else 0.0
+
+
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Longest modules first (a module's longest timeout is the proxy for its length), each
+    module's tests kept together and in their order: on the parallel workers the long end-to-end
+    tests start at once and the short ones fill the end, so no worker idles while another still
+    runs a long test (and module-scoped fixtures are built once)."""
+    longest: dict[str, float] = {}
+    first_seen: dict[str, int] = {}
+    for index, item in enumerate(items):
+        module = item.nodeid.split("::", 1)[0]
+        longest[module] = max(longest.get(module, 0.0), _timeout_of(item))
+        first_seen.setdefault(module, index)
+    items.sort(
+        key=lambda it: (-longest[it.nodeid.split("::", 1)[0]], first_seen[it.nodeid.split("::", 1)[0]])
+    )

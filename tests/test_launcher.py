@@ -28,6 +28,7 @@ import torch
 import elaswave
 from elaswave.launcher_control import job_name, resume_command
 from elaswave.launcher_monitor import EXIT_FAILED, EXIT_LEFT_RUNNING_JOB, Snapshot, format_event, outcome
+from tests.pacing import paced_on_step, release
 
 pytestmark = pytest.mark.multiproc
 FAKE = Path(__file__).with_name("launcher_fake_script.py")
@@ -630,8 +631,7 @@ def test_the_store_lost_twice_is_replaced_and_the_job_trains_like_the_single_pro
     script.write_text(
         TINY.replace(
             "optimizer=elaswave.AdamW(lr=1e-2))",
-            "optimizer=elaswave.AdamW(lr=1e-2),\n                        on_step=lambda step, loss: "
-            "__import__('time').sleep(0.15) if __import__('os').environ.get('ELASWAVE_RANK') else None)",
+            "optimizer=elaswave.AdamW(lr=1e-2),\n                        " + paced_on_step(0.15) + ")",
         )
     )
     launcher = Launcher(
@@ -655,6 +655,12 @@ def test_the_store_lost_twice_is_replaced_and_the_job_trains_like_the_single_pro
     )
     assert [s.pid for s in _local_stores(launcher)][0] == standby.pid
     standby.kill()
+    launcher.wait_for(
+        "the second new standby",
+        lambda: launcher.output.count("a new standby is starting") == 2,
+        timeout_s=150,
+    )
+    release(script)
     code = launcher.wait(timeout_s=150)
     out = launcher.output
     assert code == 0, out[-3000:]

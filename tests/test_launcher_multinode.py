@@ -26,6 +26,7 @@ import pytest
 from core_service.rendezvous import LEASE_S
 from elaswave.launcher_control import next_job_name, resume_command
 from tests.core.procs import CoreProcess, create_job, new_token
+from tests.pacing import paced_on_step, release
 from tests.test_launcher import FAKE, TINY, Launcher, _env, _job_losses, _reference_losses
 from wire import worker_env as we
 
@@ -297,7 +298,14 @@ def test_two_nodes_train_one_job_like_the_single_process_run_through_a_store_los
         lambda: min(_member_steps_remote(proc).values(), default=-1) >= max(at, ready) + 10,
         timeout_s=150,
     )
+    killed_at = max(_member_steps_remote(proc).values())
     standby.kill()
+    nodes[0].wait_for(  # each commit votes through the store: a commit now is one on the new store
+        "every worker to commit on the new store",
+        lambda: min(_member_steps_remote(proc).values(), default=-1) >= killed_at + 2,
+        timeout_s=150,
+    )
+    release(tmp_path / "tiny.py")
     codes = [n.wait(timeout_s=180) for n in nodes]
     for node in nodes:
         assert (
@@ -411,10 +419,10 @@ def _runs(process: psutil.Process, module: str) -> bool:
 # describe run, the rendezvous, agents and workers importing torch) while the job still trains.
 TINY_SLOW = TINY.replace(
     "steps=args.steps, optimizer=elaswave.AdamW(lr=1e-2))",
-    "steps=args.steps, optimizer=elaswave.AdamW(lr=1e-2),\n"
-    "                        on_step=lambda step, loss: __import__('time').sleep(0.03)\n"
-    "                        if __import__('os').environ.get('ELASWAVE_RANK') else None)",
-)  # (the single-process reference needs no sleep)
+    "steps=args.steps, optimizer=elaswave.AdamW(lr=1e-2),\n                        "
+    + paced_on_step(0.03)
+    + ")",
+)  # (the single-process reference needs no sleep; `tests.pacing.release` ends the slow steps)
 SPARE_STEPS = 500
 
 
@@ -454,6 +462,7 @@ def test_a_node_that_comes_back_joins_the_running_job_with_spares(
         lambda: sorted(m["rank"] for m in proc.job("tiny")["members"] if "spare" in m["worker_id"]) == [4, 5],
         timeout_s=150,
     )
+    release(script)
     codes = [a.wait(timeout_s=200), c.wait(timeout_s=60)]
     assert "joins it with spare workers ['node-c-spare-0', 'node-c-spare-1']" in c.output, c.output[-3000:]
     assert codes == [0, 0], a.output[-3000:] + c.output[-3000:]
@@ -507,6 +516,7 @@ def test_a_node_whose_workers_are_preempted_exits_3_and_the_job_goes_on(
     )
     assert response.status_code == 202, response.text
     code_a = first.wait(timeout_s=120)
+    release(script)
     assert code_a == EXIT_LEFT_RUNNING_JOB, first.output[-3000:]
     assert (
         "this node's workers left job 'tiny'" in first.output and "goes on with 2 worker(s)" in first.output

@@ -455,27 +455,42 @@ def test_a_finished_worker_is_no_change_to_plan_for_and_an_early_departure_is(
 ) -> None:
     proc, token = core
     layout = make_uniform_layout(num_layers=4, num_stages=1, dp=3, global_batch=6, num_micro_batches=1)
-    job_token = create_job(proc, token, "ending", layout=json.loads(layout.to_json()))
-    streams = [RawStream(proc.grpc_address, job_token, "ending", f"w{r}", rank=r) for r in range(3)]
-    for s in streams:
-        s.step(1)
-    wait_until(lambda: set(proc.states("ending").values()) == {"RUNNING"}, 10, "three RUNNING")
-    time.sleep(0.3)  # the joins are planned for (nothing to do) within a few leader ticks
-    wait_until(lambda: proc.job("ending")["phase"] == "RUNNING", 10, "the joins handled")
 
-    def kinds_after(seq: int) -> list[str]:
-        events = proc.http.get("/api/v1/jobs/ending/events").json()["events"]
+    def running_job(name: str) -> list[RawStream]:
+        job_token = create_job(proc, token, name, layout=json.loads(layout.to_json()))
+        streams = [RawStream(proc.grpc_address, job_token, name, f"w{r}", rank=r) for r in range(3)]
+        for s in streams:
+            s.step(1)
+        wait_until(lambda: set(proc.states(name).values()) == {"RUNNING"}, 10, "three RUNNING")
+        time.sleep(0.3)  # the joins are planned for (nothing to do) within a few leader ticks
+        wait_until(lambda: proc.job(name)["phase"] == "RUNNING", 10, "the joins handled")
+        return streams
+
+    def kinds_after(name: str, seq: int) -> list[str]:
+        events = proc.http.get(f"/api/v1/jobs/{name}/events").json()["events"]
         return [e["kind"] for e in events if e["seq"] > seq]
 
-    last = proc.http.get("/api/v1/jobs/ending/events").json()["events"][-1]["seq"]
+    def last_seq(name: str) -> int:
+        return int(proc.http.get(f"/api/v1/jobs/{name}/events").json()["events"][-1]["seq"])
+
+    streams = running_job("ending")
+    last = last_seq("ending")
     streams[0].leave("worker 1 finished its work (exited with code 0)", finished=True)
     wait_until(lambda: proc.states("ending")["w0"] == "LEFT", 5, "w0 LEFT")
     time.sleep(0.5)  # several leader ticks: a change would have started planning by now
-    assert kinds_after(last) == ["worker_finished"]
+    assert kinds_after("ending", last) == ["worker_finished"]
     assert proc.job("ending")["plan_epoch"] == 0 and proc.job("ending")["phase"] == "RUNNING"
+    # Once one worker finished, the last step committed everywhere: another's end is no change.
+    streams[1].leave("worker 2 left (exited with code 0)")
+    streams[2].leave("worker 3 finished its work (exited with code 0)", finished=True)
+    wait_until(lambda: proc.job("ending")["phase"] == "COMPLETED", 10, "the job COMPLETED")
+    assert proc.job("ending")["plan_epoch"] == 0
 
     # A worker that stops early (exit 0 without saying its work is done) is a departure to plan for.
+    streams = running_job("early")
+    last = last_seq("early")
     streams[1].leave("worker 2 left (exited with code 0)")
-    wait_until(lambda: proc.job("ending")["plan_epoch"] == 1, 10, "a plan without w1")
-    assert kinds_after(last)[:3] == ["worker_finished", "worker_left", "phase_planning"]
+    wait_until(lambda: proc.job("early")["plan_epoch"] == 1, 10, "a plan without w1")
+    assert kinds_after("early", last)[:2] == ["worker_left", "phase_planning"]
+    streams[0].leave()
     streams[2].leave()

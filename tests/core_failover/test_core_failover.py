@@ -25,6 +25,7 @@ import torch
 
 import elaswave
 from tests.core.procs import CoreProcess, new_token, wait_until
+from tests.pacing import release
 from tests.test_launcher import Launcher, _job_losses, _reference_losses
 from tests.test_launcher_multinode import TINY_SLOW, wait_until_waiting
 
@@ -165,6 +166,7 @@ def test_the_job_trains_on_in_place_when_the_leading_core_is_killed(
             lambda: min(_steps(second).values(), default=-1) > at + 5,
             timeout_s=120,
         )
+        release(script)
         codes = [n.wait(timeout_s=240) for n in nodes]
     finally:
         workers.close()
@@ -202,6 +204,12 @@ def test_the_stores_node_lost_after_a_failover_leaves_the_job_on_the_standby_sto
         assert any("executor.store_server" in p.cmdline() for p in lost)  # the job's store is here
         for proc in lost:  # the whole node at once: launcher, agents, workers and the store
             proc.kill()
+        nodes[1].wait_for(
+            "the Core to store node-b's new standby",
+            lambda: len(stores := second.job("tiny")["stores"]) == 2 and store_a not in stores,
+            timeout_s=240,
+        )
+        release(script)
         code = nodes[1].wait(timeout_s=300)
     finally:
         workers.close()
