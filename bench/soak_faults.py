@@ -3,7 +3,8 @@ them, then every check of the run against the fault-free one.
 
 The kinds come as a shuffled deck: each once, in the seed's order, before any comes again; a kind
 the job cannot take now (a node kill with one node left, a join with no room) waits for a later
-draw. After each fault the soak waits (bounded) for the job to commit steps past it.
+draw; when none left in the deck fits, one from outside it that fits comes in between. After each
+fault the soak waits (bounded) for the job to commit steps past it.
 """
 
 from __future__ import annotations
@@ -130,15 +131,26 @@ class Faults:
             self.rng.shuffle(self._deck)
         job = self.job()
         for kind in list(self._deck):
-            fired = getattr(self, f"_{kind}")(job)
-            if fired:
+            if self._fire(kind, job):
                 self._deck.remove(kind)
-                self.fired += 1
-                self.kinds.append(kind)
-                at = self.step(job)
-                self._note(f"step {at}: {kind}: {fired}")
-                self._recovered(at)
                 return
+        # No kind left in the deck fits the job now (the losses want a third running worker and
+        # the deck's join came already): a kind from outside it that fits comes in between (a
+        # join, the store, a Core), so the faults go on instead of waiting for the job's end.
+        for kind in self.rng.sample(KINDS, len(KINDS)):
+            if kind not in self._deck and self._fire(kind, job):
+                return
+
+    def _fire(self, kind: str, job: dict[str, Any]) -> bool:
+        fired = getattr(self, f"_{kind}")(job)
+        if not fired:
+            return False
+        self.fired += 1
+        self.kinds.append(kind)
+        at = self.step(job)
+        self._note(f"step {at}: {kind}: {fired}")
+        self._recovered(at)
+        return True
 
     def _note(self, line: str) -> None:
         line = f"{time.monotonic() - self._started:6.1f} s  {line}"
