@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="draws the faults' kinds, order and times")
     parser.add_argument("--gap", type=float, default=15.0, metavar="S", help="seconds between faults")
     parser.add_argument("--keep", type=Path, metavar="DIR", help="keep every log and result here")
+    # SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C: the finally block stops every process.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = parser.parse_args(argv)
     if not args.minutes > 0 or not args.gap > 0:
         parser.error("--minutes and --gap must be positive")
