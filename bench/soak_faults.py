@@ -29,7 +29,7 @@ KINDS = ("worker", "node", "store", "core", "preempt", "join")
 JOB = "soak"
 RECOVER_S = 180.0  # a fault's recovery: the job commits steps past it within this
 PROGRESS_STEPS = 3
-MAX_NODES = 5
+MAX_NODES = 3  # launchers alive at once: a join waits while three nodes run
 # fp32 round-off: a data-parallel change sums the batch in another order (relative differences)
 LOSS_RTOL, STATE_RTOL = 1e-3, 1e-3
 
@@ -261,9 +261,10 @@ class Faults:
 
     def _join(self, job: dict[str, Any]) -> str:
         live = [m for m in job["members"] if m["state"] not in ("LOST", "LEFT")]
-        if len(live) > 2 or len(self.nodes) >= MAX_NODES:
+        if len(live) > 2 or sum(n.alive for n in self.nodes) >= MAX_NODES:
             return ""
-        name = f"node-{chr(ord('a') + len(self.nodes))}"
+        index = len(self.nodes)  # node-a, node-b, ...; past node-z, node-26, node-27, ...
+        name = f"node-{chr(ord('a') + index)}" if index < 26 else f"node-{index}"
         self.add_node(name)
         return f"{name} joins the running job with 2 spares"
 

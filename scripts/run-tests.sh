@@ -28,7 +28,7 @@ fi
 
 start=$(date +%s)
 # The slowest tests are listed at the end: the suite must stay under ~12 min on 2 cores.
-"$PYTEST" -q -n "${ELASWAVE_TEST_WORKERS:-2}" --dist worksteal -m "not serial" --durations=30
+"$PYTEST" -q -n "${ELASWAVE_TEST_WORKERS:-2}" --dist worksteal -m "not serial" --durations=60
 fail_if_empty $? "parallel part"
 parallel_rc=$?
 "$PYTEST" -q -m serial --durations=10
