@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from executor.store_server import connect_store
+from executor.store_server import connect_first_answering
 from executor.units import call_unit
 
 # "0" turns the warm-up off (the spare then builds everything once the plan names its rank): for
@@ -53,11 +54,12 @@ PREBUILD_MAX_BYTES = 2 * 2**30
 class WarmSpare:
     """What a spare holds ready while it waits: its store connection, device, prebuilt units."""
 
-    store: Any  # a torch.distributed Store, connected to the job's first store
+    store: Any  # a torch.distributed Store, connected to the job's first store that answered
     device: torch.device
     units: dict[str, nn.Module] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)  # the warm-up itemised
     warmed_unix: float = 0.0  # when it finished: the spare declares itself ready after this
+    store_index: int = 0  # the store's place in the job's store list
 
     def take_units(self, names: list[str] | tuple[str, ...]) -> dict[str, nn.Module]:
         """The prebuilt units of `names` (the stage the plan gave this spare); the others are
@@ -75,9 +77,10 @@ def warm_up_enabled() -> bool:
     return os.environ.get(WARM_UP_ENV, "1") != "0"
 
 
-def warm_up(spec: Any, store_address: str, timeout_s: float) -> WarmSpare:
+def warm_up(spec: Any, store_addresses: Sequence[str], timeout_s: float) -> WarmSpare:
     """Do a spare's expensive start (module docstring) for `spec` (a `TrainSpec`); the store is
-    `host:port`, the first of the job's store list. Raises what the user's model raises on its
+    the first of the job's store list (`host:port` each) that answers: those before it died
+    since the list was handed out (`executor.store_server.connect_first_answering`). Raises what the user's model raises on its
     dry run (a spare that could not run the model must not say it is ready)."""
     seconds: dict[str, float] = {}
 
@@ -90,8 +93,7 @@ def warm_up(spec: Any, store_address: str, timeout_s: float) -> WarmSpare:
     device = spec.local_device()
     torch.empty(1, device=device)  # creates the device's context (a no-op on CPU)
     t = timed("device_s", t)
-    host, port = store_address.rsplit(":", 1)
-    store = connect_store(host, int(port), timeout_s=timeout_s)
+    store_index, store = connect_first_answering(store_addresses, timeout_s)
     t = timed("store_s", t)
     probes = spec.unit_probes()
     t = timed("dry_run_s", t)
@@ -101,7 +103,7 @@ def warm_up(spec: Any, store_address: str, timeout_s: float) -> WarmSpare:
         t = timed("build_s", t)
         exercise(spec, units, device)
         timed("exercise_s", t)
-    return WarmSpare(store, device, units, seconds, time.time())
+    return WarmSpare(store, device, units, seconds, time.time(), store_index)
 
 
 def exercise(spec: Any, units: dict[str, nn.Module], device: torch.device) -> None:

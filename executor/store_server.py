@@ -18,10 +18,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-from torch.distributed import TCPStore
+from torch.distributed import DistNetworkError, TCPStore
 
 DEFAULT_HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -32,6 +34,32 @@ def connect_store(host: str, port: int, timeout_s: float = 30.0) -> TCPStore:
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def connect_first_answering(
+    addresses: Sequence[str], timeout_s: float, attempt_s: float = 2.0
+) -> tuple[int, TCPStore]:
+    """(index, client) of the first of `addresses` ("host:port", in the job's order) that answers.
+
+    A worker that joins a running job meets the others there: every worker moves down the same
+    list when a store dies (`executor.worker_recovery`), so the stores before the first live one
+    are gone. Each address gets `attempt_s`; the list is tried again until `timeout_s`, then
+    TimeoutError names every address. (Only for joining a running job: at a job's start the
+    first store may just be slow, and every worker must wait for that one.)"""
+    if isinstance(addresses, str) or not addresses:
+        raise ValueError(f"addresses must be a non-empty list of host:port, got {addresses!r}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for index, address in enumerate(addresses):
+            host, port = address.rsplit(":", 1)
+            left = deadline - time.monotonic()
+            try:
+                return index, connect_store(host.strip("[]"), int(port), max(0.1, min(attempt_s, left)))
+            except (DistNetworkError, RuntimeError):
+                continue
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no store of {list(addresses)} answered within {timeout_s:g} s")
+        time.sleep(0.2)
 
 
 # Every store of a job holds the job's current store list here ("host:port,host:port", in the

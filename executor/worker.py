@@ -136,7 +136,7 @@ class CoreDrivenWorker(PlanFollowing):
         from executor.slow_injection import SlowInjection  # noqa: PLC0415
         from executor.spare_warmup import WarmSpare, warm_up, warm_up_enabled  # noqa: PLC0415
         from executor.step_protocol import StepProtocol  # noqa: PLC0415
-        from executor.store_server import connect_store  # noqa: PLC0415
+        from executor.store_server import connect_first_answering, connect_store  # noqa: PLC0415
         from executor.trainer import Trainer, checkpoint_writer, load_checkpoint  # noqa: PLC0415
         from planners.layout import Layout  # noqa: PLC0415
         from wire.local_protocol import (
@@ -164,7 +164,7 @@ class CoreDrivenWorker(PlanFollowing):
             # then subscribe: the Core plans a spare in only once it is ready, and a warm one
             # costs the survivors no cold start of its own.
             if warm_up_enabled():
-                warm = warm_up(spec, _store_list(place.store)[0], place.timeout_s)
+                warm = warm_up(spec, _store_list(place.store), place.timeout_s)
             self.plans.start(after_epoch=0)
             join_plan = self._await_join_plan(place)
             plan_at = time.perf_counter()
@@ -178,7 +178,9 @@ class CoreDrivenWorker(PlanFollowing):
         self.store_addresses = _store_list(place.store)
         self._store_index = 0
         if warm is not None:
-            store = warm.store
+            store, self._store_index = warm.store, warm.store_index
+        elif place.joining:  # the job runs: the stores before the first that answers are gone
+            self._store_index, store = connect_first_answering(self.store_addresses, place.timeout_s)
         else:
             host, port = self.store_addresses[0].rsplit(":", 1)
             store = connect_store(host, int(port), timeout_s=place.timeout_s)

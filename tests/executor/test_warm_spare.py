@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from tests.executor.engine_cases import gpt_spec
 def test_the_warm_up_leaves_every_unit_as_built_and_hands_a_stage_its_units() -> None:
     spec = gpt_spec(dropout=0.1)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    warm = warm_up(spec, f"127.0.0.1:{store.port}", timeout_s=10.0)
+    warm = warm_up(spec, [f"127.0.0.1:{store.port}"], timeout_s=10.0)
     assert set(warm.seconds) == {"device_s", "store_s", "dry_run_s", "build_s", "exercise_s"}
     assert warm.warmed_unix <= time.time()
     names = spec.model.names
@@ -56,6 +57,28 @@ def test_the_warm_up_leaves_every_unit_as_built_and_hands_a_stage_its_units() ->
     assert list(stage) == list(names[1:3]) and warm.units == {}
 
 
+def _free_port() -> int:
+    """A port nothing listens on (bound, then closed): a store that died."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_spare_warms_up_on_the_first_store_of_the_list_that_answers() -> None:
+    # The list came with the spare's node when it joined; the job's first store died since.
+    spec = gpt_spec(dropout=0.0)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    listed = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{store.port}"]
+    warm = warm_up(spec, listed, timeout_s=20.0)
+    assert warm.store_index == 1
+    warm.store.set("probe", "2")
+    assert store.get("probe") == b"2"
+    with pytest.raises(TimeoutError, match="no store of"):
+        warm_up(spec, listed[:1], timeout_s=1.0)
+    with pytest.raises(ValueError, match="non-empty list"):
+        warm_up(spec, listed[1], timeout_s=1.0)
+
+
 def _norm_unit(name: str) -> nn.Module:
     return nn.Linear(3, 3) if name == "lin" else nn.BatchNorm1d(4)  # on (batch, 4, 3)
 
@@ -66,7 +89,7 @@ def test_the_exercise_leaves_running_statistics_alone() -> None:
     data = TensorDataset(torch.randn(8, 4, 3), torch.randn(8, 4, 3))
     spec = TrainSpec(model, lambda out, y: ((out - y) ** 2).sum(dim=(1, 2)), data)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    warm = warm_up(spec, f"127.0.0.1:{store.port}", timeout_s=10.0)
+    warm = warm_up(spec, [f"127.0.0.1:{store.port}"], timeout_s=10.0)
     norm = warm.units["norm"]
     assert isinstance(norm, nn.BatchNorm1d)
     assert norm.running_mean is not None and norm.num_batches_tracked is not None
