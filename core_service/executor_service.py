@@ -242,6 +242,13 @@ class ExecutorServicer:
         )
         return executor_pb2.ReportPeerFailureResponse(peer_marked_lost=marked, peer_worker_id=peer_id)
 
+    async def GetJobStores(
+        self, request: executor_pb2.GetJobStoresRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.GetJobStoresResponse:
+        self._authorise_worker(request.job, request.worker_id, context)
+        job = self.core.job_or_not_found(request.job)
+        return executor_pb2.GetJobStoresResponse(stores=list(job.stores))
+
 
 def report_collective_failure(
     engine: ScheduleEngine, membership: Membership, job: Job, failure: CollectiveFailure, now: float

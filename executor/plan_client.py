@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -221,7 +222,19 @@ class PlanClient:
         )
         return self._unary("ReportPeerFailure", request)
 
+    def job_stores(self) -> list[str] | None:
+        """The job's store list as the leading Core holds it ("host:port" each, the workers'
+        order; empty when no launcher reports one), or None when no Core answered. Bounded by
+        the RPC timeout, never raises."""
+        request = executor_pb2.GetJobStoresRequest(job=self.job, worker_id=self.worker_id)
+        answer = self._answer("GetJobStores", request)
+        return None if answer is None else list(answer.stores)
+
     def _unary(self, method: str, request: object) -> bool:
+        return self._answer(method, request) is not None
+
+    def _answer(self, method: str, request: object) -> Any:
+        """The answer of the first Core (leader hints followed) that takes `request`, or None."""
         deadline = time.monotonic() + self.rpc_timeout_s
         for attempt in range(len(self.addresses)):
             address = self.addresses[(self._address_index + attempt) % len(self.addresses)]
@@ -231,8 +244,7 @@ class PlanClient:
             with core_tls.channel(address, self._tls) as channel:
                 stub = executor_pb2_grpc.ExecutorServiceStub(channel)
                 try:
-                    getattr(stub, method)(request, metadata=self._worker_metadata(), timeout=left)
-                    return True
+                    return getattr(stub, method)(request, metadata=self._worker_metadata(), timeout=left)
                 except grpc.RpcError as exc:
                     code = exc.code() if isinstance(exc, grpc.Call) else None
                     # A newer plan superseded this one: the Core refuses acks of old epochs.
@@ -246,8 +258,8 @@ class PlanClient:
                         exc.details() if isinstance(exc, grpc.Call) else exc,
                     )
                     if code != grpc.StatusCode.UNAVAILABLE:
-                        return False
-        return False
+                        return None
+        return None
 
     def _next_core(self, details: str | None) -> None:
         """After a refusal or a broken stream: the leader a standby named, else the next Core."""

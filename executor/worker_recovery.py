@@ -25,6 +25,9 @@ from typing import Any
 # A step that failed with no plan this long afterwards is reported to the Core (peer -1).
 NO_PLAN_REPORT_S = 0.25
 STORE_CONNECT_S = 2.0  # how long a standby store address may take to answer
+# With every known store gone, how long to wait for a replacement the Core lists (a new standby
+# imports torch: 10-15 s on a loaded 2-core machine), asking every STORE_POLL_S.
+STORE_WAIT_S, STORE_POLL_S = 60.0, 1.0
 RESTORE_COMMIT_WAIT_S = 2.0  # a checkpoint in flight may still commit this long before a restore
 
 
@@ -104,16 +107,48 @@ class PlanFollowing:
                 store = connect_store(host, int(port), timeout_s=STORE_CONNECT_S)
             except (DistNetworkError, RuntimeError):
                 continue
-            self._store_index = index
-            self.comm.replace_store(store)
-            self.results.setdefault("store_moves", []).append(self.store_addresses[index])
-            print(
-                f"worker {self.args.worker_id}: the store is gone; now on {self.store_addresses[index]}",
-                flush=True,
-            )
-            self._refresh_stores()
+            self._move_store(index, store)
+            return
+        if self._store_from_the_core():
             return
         raise StoreLost(f"no store answers at {self.store_addresses}")
+
+    def _move_store(self, index: int, store: Any) -> None:
+        self._store_index = index
+        self.comm.replace_store(store)
+        self.results.setdefault("store_moves", []).append(self.store_addresses[index])
+        print(
+            f"worker {self.args.worker_id}: the store is gone; now on {self.store_addresses[index]}",
+            flush=True,
+        )
+        self._refresh_stores()
+
+    def _store_from_the_core(self) -> bool:
+        """Every store this worker knows is gone, e.g. the standby died before its replacement's
+        address reached this worker through a store. The launchers report each replacement to the
+        Core (`elaswave run --core`): wait, at most STORE_WAIT_S, for a store the Core lists and
+        this worker does not know yet, and move there (every worker gets the same list, in the
+        same order, so they meet on the same store). False when the Core lists none (a job whose
+        launcher reports no stores) or none answers in time."""
+        from executor.store_server import connect_first_answering  # noqa: PLC0415
+
+        deadline = time.monotonic() + STORE_WAIT_S
+        while time.monotonic() < deadline and self._superseded() is None:
+            listed = self.plans.job_stores()
+            if listed == []:
+                return False
+            fresh = [a for a in listed or () if a not in self.store_addresses]
+            if fresh:
+                try:
+                    index, store = connect_first_answering(fresh, timeout_s=STORE_CONNECT_S * len(fresh))
+                except TimeoutError:
+                    pass
+                else:
+                    self.store_addresses.extend(fresh)
+                    self._move_store(len(self.store_addresses) - len(fresh) + index, store)
+                    return True
+            time.sleep(STORE_POLL_S)
+        return False
 
     def _refresh_stores(self) -> None:
         """Take the job's current store list from the store (`executor.store_server.STORES_KEY`:

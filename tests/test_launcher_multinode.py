@@ -595,3 +595,49 @@ def test_an_offer_to_a_job_that_cannot_use_more_devices_is_refused_with_why(
     assert not answer.accepted and answer.admitted_workers == 0
     assert answer.reason == "no scale-table entry above the current allocation fits"
     assert proc.job("j")["offered_workers"] == 0
+
+
+@pytest.mark.timeout(240)
+def test_both_stores_lost_at_once_the_workers_find_the_replacement_through_the_core(
+    core: tuple[CoreProcess, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A one-node `--core` job runs its store and standby; both are SIGKILLed at once, so no
+    worker can learn the replacement's address from a store. The launcher starts replacements
+    and reports them to the Core; the workers, finding every store they know gone, ask the Core
+    for the job's list (`ExecutorService.GetJobStores`), move there in place, and the job trains
+    like the single-process run."""
+    proc, token = core
+    monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY_SLOW.replace("sleep(0.03)", "sleep(0.1)"))
+    flags = ("--core", f"127.0.0.1:{proc.http_port}", "--nnodes", "1", "--nproc-per-node", "2", "--pp", "2")
+    node = Launcher(*flags, "--node-id", "node-a", script, "--steps", str(STORE_LOSS_STEPS), cwd=tmp_path)
+    node.wait_for(
+        "every worker to commit step 3",
+        lambda: len(s := _member_steps_remote(proc)) == 2 and min(s.values()) >= 3,
+        timeout_s=150,
+    )
+    first = proc.job("tiny")["stores"]
+    stores = _node_stores(node)
+    assert [f"127.0.0.1:{_listening_port(p)}" for p in stores] == first
+    at = max(_member_steps_remote(proc).values())
+    for store in stores:
+        store.kill()
+    node.wait_for(
+        "every worker to commit on a replacement store",
+        lambda: min(_member_steps_remote(proc).values(), default=-1) >= at + 3,
+        timeout_s=180,
+    )
+    release(script)
+    assert node.wait(timeout_s=120) == 0, node.output[-3000:]
+    run_dir = tmp_path / "elaswave-run" / "tiny" / "node-0"
+    for rank in (0, 1):
+        moves = json.loads((run_dir / f"rank-{rank}.json").read_text())["store_moves"]
+        assert moves and moves[0] not in first, (moves, first)  # a store the Core listed later
+    events = proc.http.get("/api/v1/jobs/tiny/events").json()["events"]
+    modes = [e["data"]["mode"] for e in events if e["kind"] == "plan_published"]
+    assert modes and set(modes) == {"in_place"}, modes  # the failed step replayed in place, no RESTORE
+    losses, reference = _job_losses(run_dir, [1]), _reference_losses(script, STORE_LOSS_STEPS)
+    assert sorted(losses) == list(range(STORE_LOSS_STEPS))
+    for step in range(STORE_LOSS_STEPS):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-4), (step, losses[step], reference[step])

@@ -120,8 +120,10 @@ def test_acks_and_failure_reports_only_from_the_worker_itself(core: tuple[CorePr
         ack = executor_pb2.AckPlanPhaseRequest(
             job="train", worker_id="w0", epoch=0, phase=executor_pb2.PLAN_PHASE_RECEIVED
         )
-        for request in (report, ack):
-            method = executor.ReportPeerFailure if request is report else executor.AckPlanPhase
+        stores = executor_pb2.GetJobStoresRequest(job="train", worker_id="w0")
+        methods = {"report": executor.ReportPeerFailure, "ack": executor.AckPlanPhase}
+        for name, request in (("report", report), ("ack", ack), ("stores", stores)):
+            method = methods.get(name, executor.GetJobStores)
             assert (
                 rpc_code(method, request, metadata=job_auth, timeout=5) == grpc.StatusCode.PERMISSION_DENIED
             )
@@ -131,6 +133,8 @@ def test_acks_and_failure_reports_only_from_the_worker_itself(core: tuple[CorePr
             )
             assert rpc_code(method, request, timeout=5) == grpc.StatusCode.UNAUTHENTICATED
         assert proc.job("train")["plan_epoch"] == 0
+        # A job whose launcher reports no stores: the worker itself hears the (empty) list.
+        assert list(executor.GetJobStores(stores, metadata=agents[0].auth, timeout=5).stores) == []
         # w0 itself, naming no peer (-1): the step is replayed on the same layout.
         answer = executor.ReportPeerFailure(report, metadata=agents[0].auth, timeout=5)
         assert not answer.peer_marked_lost and answer.peer_worker_id == ""

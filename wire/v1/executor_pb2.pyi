@@ -1,8 +1,9 @@
 from wire.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -96,3 +97,17 @@ class ReportPeerFailureResponse(_message.Message):
     peer_marked_lost: bool
     peer_worker_id: str
     def __init__(self, peer_marked_lost: _Optional[bool] = ..., peer_worker_id: _Optional[str] = ...) -> None: ...
+
+class GetJobStoresRequest(_message.Message):
+    __slots__ = ("job", "worker_id")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    worker_id: str
+    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class GetJobStoresResponse(_message.Message):
+    __slots__ = ("stores",)
+    STORES_FIELD_NUMBER: _ClassVar[int]
+    stores: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, stores: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class ExecutorServiceStub:
                 request_serializer=wire_dot_v1_dot_executor__pb2.ReportPeerFailureRequest.SerializeToString,
                 response_deserializer=wire_dot_v1_dot_executor__pb2.ReportPeerFailureResponse.FromString,
                 _registered_method=True)
+        self.GetJobStores = channel.unary_unary(
+                '/elaswave.v1.ExecutorService/GetJobStores',
+                request_serializer=wire_dot_v1_dot_executor__pb2.GetJobStoresRequest.SerializeToString,
+                response_deserializer=wire_dot_v1_dot_executor__pb2.GetJobStoresResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServiceServicer:
@@ -82,6 +87,15 @@ class ExecutorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetJobStores(self, request, context):
+        """The job's rendezvous stores as the Core holds them (the launchers of `elaswave run --core`
+        report every replacement standby): a worker none of whose stores answers any more learns the
+        stores started since it last read the list from a store. Authenticated like AckPlanPhase.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -99,6 +113,11 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
                     servicer.ReportPeerFailure,
                     request_deserializer=wire_dot_v1_dot_executor__pb2.ReportPeerFailureRequest.FromString,
                     response_serializer=wire_dot_v1_dot_executor__pb2.ReportPeerFailureResponse.SerializeToString,
+            ),
+            'GetJobStores': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobStores,
+                    request_deserializer=wire_dot_v1_dot_executor__pb2.GetJobStoresRequest.FromString,
+                    response_serializer=wire_dot_v1_dot_executor__pb2.GetJobStoresResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +201,33 @@ class ExecutorService:
             '/elaswave.v1.ExecutorService/ReportPeerFailure',
             wire_dot_v1_dot_executor__pb2.ReportPeerFailureRequest.SerializeToString,
             wire_dot_v1_dot_executor__pb2.ReportPeerFailureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobStores(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elaswave.v1.ExecutorService/GetJobStores',
+            wire_dot_v1_dot_executor__pb2.GetJobStoresRequest.SerializeToString,
+            wire_dot_v1_dot_executor__pb2.GetJobStoresResponse.FromString,
             options,
             channel_credentials,
             insecure,
