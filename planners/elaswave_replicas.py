@@ -136,10 +136,10 @@ def shape_replicas(
     if dropped is not None:
         shapes.append((f"drop ranks {list(dropped[1])} (a replica)", dropped[0]))
     p = layout.num_stages
-    # Fewer stages only: the executor rebuilds those from live shards and backups
-    # (`executor.fabric.rebuild`); ranks moving between stages at an unchanged count would go
-    # through its remap-then-migrate path, which keeps every rank in its stage.
-    for stages in range(max(1, -(-p // 2)), p):
+    # Fewer stages, or as many regrouped to equal DP sizes (a stage thinned by earlier losses
+    # takes ranks from the others): the executor rebuilds any layout in which a live rank changes
+    # stage from live shards and backups (`executor.fabric.relayout.needs_rebuild`).
+    for stages in range(1, 2 * p + 1):
         regrouped = restage(layout, stages)
         if regrouped is not None:
             shapes.append((f"{stages} stages of equal DP size", regrouped))
