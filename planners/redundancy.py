@@ -12,6 +12,11 @@ step, so the policy sizes k to the largest burst the job has seen, as far as mem
 - want: k = the largest recent burst's size in nodes, clamped to [1, `max_copies`] and to the
   failure domains the layout has (a copy never shares a node with its shard, so at most
   nodes - 1 copies are distinct);
+- prior: before a burst is seen, one of `prior_burst_nodes` nodes is assumed possible where the
+  layout has a failure-domain model (`Layout.rank_nodes`, from the placement): spot capacity is
+  reclaimed several nodes at a time, and the first such burst would otherwise take a shard and
+  its only copy together (a RESTORE) before the history could raise k. A layout without a node
+  map sizes k from the losses seen only;
 - fit: k copies cost k x the per-copy bytes `planners.backup.backup_cost` reports for every
   holder, and every rank must have that much headroom below its memory cap (the same check the
   placement makes, `planners.placement`); k drops until it fits, and k = 1 is kept regardless
@@ -47,12 +52,14 @@ class RedundancySettings:
     window_s: float = 60.0  # losses this close form one burst
     memory_s: float = 6 * 3600.0  # bursts older than this are forgotten
     max_copies: int = 3
+    # The burst size assumed before one is seen, for layouts with a node map (1: none assumed).
+    prior_burst_nodes: int = 2
 
     def __post_init__(self) -> None:
-        if self.window_s < 0 or self.memory_s <= 0 or self.max_copies < 1:
+        if self.window_s < 0 or self.memory_s <= 0 or self.max_copies < 1 or self.prior_burst_nodes < 1:
             raise ValueError(
-                f"need window_s >= 0, memory_s > 0 and max_copies >= 1, got {self.window_s}, "
-                f"{self.memory_s}, {self.max_copies}"
+                f"need window_s >= 0, memory_s > 0, max_copies >= 1 and prior_burst_nodes >= 1, got "
+                f"{self.window_s}, {self.memory_s}, {self.max_copies}, {self.prior_burst_nodes}"
             )
 
 
@@ -120,9 +127,13 @@ def choose_copies(
         else "no node loss seen"
     )
     domains = failure_domains(layout)
-    want = max(1, min(burst, settings.max_copies, domains - 1))
+    prior = settings.prior_burst_nodes if layout.rank_nodes else 1
+    if prior > burst:
+        seen += f"; bursts of {prior} nodes assumed possible (prior_burst_nodes, {domains} nodes)"
+    sized = max(burst, prior)
+    want = max(1, min(sized, settings.max_copies, domains - 1))
     if want == 1:
-        if burst <= 1:
+        if sized <= 1:
             why = "a single copy covers it"
         elif domains - 1 < 2:
             why = f"only {domains} failure domain(s)"

@@ -82,3 +82,35 @@ def test_the_policy_without_redundancy_input_leaves_k_alone() -> None:
     plan = plan_elaswave(ElasWaveInput(layout, (5,), uniform_model(layout, [], "test")))
     assert plan.layout is not None and plan.layout.backup_copies == 2
     assert all(r.step is not Step.REDUNDANCY for r in plan.reasons)
+
+
+NODES4 = replace(LAYOUT, rank_nodes=tuple((r, r % 4) for r in LAYOUT.ranks()))  # four nodes
+
+
+def test_a_layout_with_a_node_map_assumes_bursts_of_two_before_one_is_seen() -> None:
+    roomy = dict.fromkeys(LAYOUT.ranks(), 1e12)
+    choice = choose_copies(NODES4, (), 0.0, roomy)
+    assert choice.copies == 2 and choice.largest_burst == 0
+    assert "no node loss seen; bursts of 2 nodes assumed possible" in choice.reason, choice.reason
+    assert "2 copies fit" in choice.reason
+    # A burst larger than the prior still sizes k; without the prior (1) only losses count.
+    assert choose_copies(NODES4, BURST, 200.0, roomy).copies == 3
+    assert choose_copies(NODES4, (), 0.0, roomy, RedundancySettings(prior_burst_nodes=1)).copies == 1
+    # No node map (each rank a node of its own, as in a test layout): no prior.
+    assert choose_copies(LAYOUT, (), 0.0, roomy).copies == 1
+
+
+def test_the_prior_keeps_one_copy_without_headroom_or_domains_and_says_why() -> None:
+    tight = {r: 1.5 * b for r, b in copy_bytes(NODES4).items()}
+    choice = choose_copies(NODES4, (), 0.0, tight)
+    assert choice.copies == 1 and "2 copies do not fit" in choice.reason, choice.reason
+    unknown = choose_copies(NODES4, (), 0.0, None)
+    assert unknown.copies == 1 and "no memory cap is known" in unknown.reason
+    two_nodes = replace(LAYOUT, rank_nodes=tuple((r, r % 2) for r in LAYOUT.ranks()))
+    few = choose_copies(two_nodes, (), 0.0, dict.fromkeys(LAYOUT.ranks(), 1e12))
+    assert few.copies == 1 and "only 2 failure domain(s)" in few.reason, few.reason
+
+
+def test_prior_burst_nodes_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="prior_burst_nodes >= 1"):
+        RedundancySettings(prior_burst_nodes=0)
