@@ -22,17 +22,22 @@ step, so the policy sizes k to the largest burst the job has seen, as far as mem
   placement makes, `planners.placement`); k drops until it fits, and k = 1 is kept regardless
   (the backup ElasWave always has).
 
+A job's first layout (`initial_copies`, the Core's rendezvous placement) has no history yet: the
+prior alone sizes k there, and the placement's own memory check (every copy counted) decides
+whether the copies fit.
+
 Pure: time and history come in as arguments; `choose_copies` returns k and the reason the plan
 and the job view show.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from planners.backup import backup_cost
 from planners.layout import Layout
+from planners.placement import Placement, PlacementError
 
 
 @dataclass(frozen=True)
@@ -167,3 +172,30 @@ def headroom_from_model(
 ) -> dict[int, float]:
     """rank -> cap minus its stage's estimated memory (the placement's estimate, no backup)."""
     return {r: cap_bytes - stage_memory_bytes[s.stage] for s in layout.stages for r in s.ranks}
+
+
+def initial_copies(
+    place: Callable[[int], Placement],
+    mem_cap_bytes: float | None,
+    settings: RedundancySettings = RedundancySettings(),
+) -> tuple[Placement, RedundancyChoice]:
+    """A job's first placement with the k copies the prior asks for before any loss is seen.
+    `place(k)`: the placement with k copies of every shard (`planners.placement.plan_placement`),
+    whose memory check has the last word; k = 1 when it refuses more, with its message."""
+    first = place(1)
+    headroom = None
+    if mem_cap_bytes is not None:
+        backed = first.backup.per_rank_bytes if first.backup is not None else {}
+        layout = first.layout
+        headroom = {  # below the cap before any backup (the estimate counts one copy)
+            r: mem_cap_bytes - first.stage_mem_bytes[layout.stage_of_rank(r)] + backed.get(r, 0)
+            for r in layout.ranks()
+        }
+    choice = choose_copies(first.layout, (), 0.0, headroom, settings)
+    if choice.copies == 1:
+        return first, choice
+    try:
+        return place(choice.copies), choice
+    except PlacementError as exc:
+        why = f"backup copies k=1 (wanted {choice.copies}): the placement's memory check refused them: {exc}"
+        return first, RedundancyChoice(1, why, 0)

@@ -40,8 +40,11 @@ class ElasWavePolicy(SimPolicy):
 
     def step(self, change: ClusterChange, step_before_s: float) -> Transition:
         healthy = healthy_layout(self.spec)
-        old = self.layout or healthy
-        self.layout = old
+        if self.layout is None:
+            # The job's first layout keeps the k copies the Core's placement chooses before any
+            # loss is seen (`planners.redundancy.initial_copies`: the prior, as memory allows).
+            self.layout = self._plan(healthy, ())[0] or healthy
+        old = self.layout
         dead, lost, arrived = self.ranks(change)
         slots = change.lost_slots + change.swapped_slots
         if slots:

@@ -3,6 +3,7 @@ and set on the layouts the ElasWave policy publishes with its reason."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -11,6 +12,7 @@ from planners.elaswave_model import uniform_model
 from planners.elaswave_policy import ElasWaveInput, plan_elaswave
 from planners.elaswave_reasons import Outcome, Step
 from planners.layout import make_uniform_layout
+from planners.placement import Placement, UnitCost, plan_placement
 from planners.redundancy import (
     NodeLoss,
     RedundancyInput,
@@ -18,6 +20,7 @@ from planners.redundancy import (
     bursts,
     choose_copies,
     copy_bytes,
+    initial_copies,
 )
 
 LAYOUT = make_uniform_layout(
@@ -114,3 +117,42 @@ def test_the_prior_keeps_one_copy_without_headroom_or_domains_and_says_why() -> 
 def test_prior_burst_nodes_must_be_positive() -> None:
     with pytest.raises(ValueError, match="prior_burst_nodes >= 1"):
         RedundancySettings(prior_burst_nodes=0)
+
+
+UNITS = [UnitCost(f"u{i}", numel=10_000, param_bytes=40_000, seconds_per_sample=0.01) for i in range(4)]
+
+
+def _place(nnodes: int, cap: float | None) -> Callable[[int], Placement]:
+    def place(copies: int) -> Placement:
+        return plan_placement(
+            UNITS,
+            global_batch=16,
+            micro_batches=2,
+            nnodes=nnodes,
+            nproc_per_node=2,
+            pp=2,
+            mem_cap_bytes=cap,
+            backup_copies=copies,
+        )
+
+    return place
+
+
+def test_the_first_placement_keeps_the_prior_copies_where_memory_allows() -> None:
+    roomy = 1e12
+    placement, choice = initial_copies(_place(4, roomy), roomy)
+    assert placement.layout.backup_copies == 2 == choice.copies
+    assert "no node loss seen; bursts of 2 nodes assumed possible" in choice.reason
+    assert placement.backup is not None and "2 copies of every shard, all counted" in placement.backup.reason
+    # Two nodes: no second failure domain for a second copy; no cap: nothing says it fits.
+    assert initial_copies(_place(2, roomy), roomy)[0].layout.backup_copies == 1
+    unknown_place, unknown = initial_copies(_place(4, None), None)
+    assert unknown_place.layout.backup_copies == 1 and "no memory cap is known" in unknown.reason
+
+
+def test_the_first_placement_keeps_one_copy_when_the_memory_check_refuses_more() -> None:
+    one = _place(4, None)(1)
+    cap = max(one.stage_mem_bytes) + 1  # one copy fits; a second does not
+    placement, choice = initial_copies(_place(4, cap), cap)
+    assert placement.layout.backup_copies == 1 == choice.copies
+    assert "2 copies do not fit" in choice.reason or "memory check refused" in choice.reason, choice.reason
