@@ -87,7 +87,7 @@ class ElasWavePolicy(SimPolicy):
         join at a step boundary: `step_before_s` 0); else the RESTORE's reload and redone steps."""
         if not in_place:
             return [("restore", self.costs.restore_s(busiest_state_bytes(self.spec, new)))]
-        items = [("state transfer", migration_bytes(self.spec, old, new) / self.costs.link_bytes_per_s)]
+        items = [("state transfer", self.costs.transfer_s(migration_bytes(self.spec, old, new)))]
         if step_before_s > 0:
             items.append(("replay", self.replay_s(step_before_s)))
         return items
