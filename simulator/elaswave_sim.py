@@ -40,10 +40,12 @@ class ElasWavePolicy(SimPolicy):
 
     def step(self, change: ClusterChange, step_before_s: float) -> Transition:
         healthy = healthy_layout(self.spec)
+        unchanged = "no change"
         if self.layout is None:
             # The job's first layout keeps the k copies the Core's placement chooses before any
             # loss is seen (`planners.redundancy.initial_copies`: the prior, as memory allows).
-            self.layout = self._plan(healthy, ())[0] or healthy
+            first, unchanged = self._plan(healthy, ())
+            self.layout = first or healthy
         old = self.layout
         dead, lost, arrived = self.ranks(change)
         slots = change.lost_slots + change.swapped_slots
@@ -54,7 +56,7 @@ class ElasWavePolicy(SimPolicy):
         self.lost_now = frozenset(going)
         waiting = set(healthy.ranks()) - dead - (set(old.ranks()) - set(going))  # nodes free to join
         if not going and not waiting:
-            return Transition(self._candidate(old, "no change"), layout=old)
+            return Transition(self._candidate(old, unchanged), layout=old)
         c = self.costs
         shrink = self._shrink(old, going) if going else (old, "nothing lost")
         if waiting and self._join_pays(old, shrink, healthy, dead):
