@@ -128,8 +128,13 @@ def run_policy(
         if i > 0 and costs.join_start_s > 0 and change.kind == "join":
             # The joining node starts (process, registration) while the plan in force runs on.
             ready = min(t + costs.join_start_s, end)
+            if unfinished > 0:  # ... or the RESTORE a change interrupted goes on meanwhile
+                done = min(ready - t, unfinished)
+                segments.append(Segment(t, t + done, 0.0, alive, "recovery", "unfinished restore", "restore"))
+                t, unfinished = t + done, unfinished - done
             kind = "run" if throughput > 0 else "stalled"
-            segments.append(Segment(t, ready, throughput, alive, kind, "joining node starting"))
+            if ready > t:
+                segments.append(Segment(t, ready, throughput, alive, kind, "joining node starting"))
             t = ready
         tr = sim.step(change, step_s)
         if i > 0 and tr.mode:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from planners.applicability import lost_without_copy
 from planners.backup import backup_holder_sets
 from planners.layout import Layout
@@ -51,7 +53,8 @@ def test_in_place_only_while_a_copy_the_executor_keeps_survives() -> None:
     assert not in_place(layout, layout, frozenset({rank, first, second}))
 
 
-def test_a_restore_the_next_change_interrupts_is_still_paid_in_full() -> None:
+@pytest.mark.parametrize("join_start_s", [0.0, 30.0])
+def test_a_restore_the_next_change_interrupts_is_still_paid_in_full(join_start_s: float) -> None:
     layout = first_layout()
     rank = 5
     nodes = dict(layout.rank_nodes)
@@ -60,11 +63,13 @@ def test_a_restore_the_next_change_interrupts_is_still_paid_in_full() -> None:
     events = [TraceEvent(0, "add", f"n{i:02d}") for i in range(SPEC.num_nodes)]
     events += [TraceEvent(1000, "remove", f"n{n:02d}") for n in burst]
     events += [TraceEvent(1100, "add", f"fresh{i}") for i in range(3)]  # before the restore ends
-    costs = RecoveryCosts()
+    costs = RecoveryCosts(join_start_s=join_start_s)  # the joiner starting: the restore goes on
     run = run_policy("elaswave", SPEC, cluster_timeline(events, SPEC).changes, 6000.0, costs)
     assert run.restores == 1
     stalled = [s for s in run.segments if s.kind == "recovery" and s.start_s < 4000]
     restore = costs.restore_s(busiest_state_bytes(SPEC, layout))
     assert stalled[0].start_s == 1000 and stalled[0].end_s == 1100  # cut short by the join ...
-    assert any(name == "unfinished restore" for name, _ in stalled[1].costs)  # ... paid after it
+    assert any(name == "unfinished restore" for name, _ in stalled[-1].costs)  # ... paid after it
     assert sum(s.duration_s for s in stalled) >= restore
+    # Nothing trains until it is done (also not while the joining node starts).
+    assert not [s for s in run.segments if s.throughput > 0 and 1000 <= s.start_s < stalled[-1].end_s]
