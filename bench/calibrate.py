@@ -84,7 +84,13 @@ def from_comm(m: dict[str, float]) -> Measured:
     }
 
 
-def from_join(m: dict[str, Any]) -> Measured:
+def from_join(m: dict[str, Any] | list[dict[str, Any]]) -> Measured:
+    """`bench.join --json` writes one row per spare mode run: the first (the warm spare, its
+    default) is the one measured."""
+    if isinstance(m, list):
+        if not m:
+            return {}
+        m = m[0]
     out: Measured = {}
     phases = m.get("phases_s", {})
     if "start_s" in phases:

@@ -55,6 +55,7 @@ def test_calibration_maps_benchmark_rows_to_costs() -> None:
     # A join of a few MB is fixed cost: its time is the transfers' fixed part, not a bandwidth.
     assert join["join_start_s"][0] == 3.0 and join["transfer_fixed_s"][0] == 0.5
     assert "link_bytes_per_s" not in join
+    assert from_join([{"phases_s": {"start_s": 3.0}}])["join_start_s"][0] == 3.0  # bench.join's rows
     bw = from_bandwidth({"mib": 256, "link": 1.5e9, "storage": 3e9})
     assert bw["link_bytes_per_s"][0] == 1.5e9 and bw["storage_bytes_per_s"][0] == 3e9
 
