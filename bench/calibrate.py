@@ -206,9 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.step is not None:  # the child: run one benchmark, print its result
         print("CALIBRATE " + json.dumps(STEPS[args.step][0]()), flush=True)
         return 0
-    # A partial run (--only) keeps what the file already holds for the other benchmarks.
-    keep = previous(args.out) if set(args.only) != set(STEPS) else None
+    # A partial run (--only) keeps what the file already holds for the other benchmarks, and
+    # its notes (marked as an earlier run's).
+    partial = set(args.only) != set(STEPS)
+    keep = previous(args.out) if partial else None
     measured, notes = calibrate(args.only, args.timeout, keep)
+    if partial and args.out.exists():
+        earlier = json.loads(args.out.read_text()).get("notes", [])
+        notes = [n if n.startswith("earlier run: ") else f"earlier run: {n}" for n in earlier] + notes
+        notes.append(f"this run measured only: {', '.join(args.only)}")
     label = (
         f"measured by bench.calibrate on {platform.machine()}, {os.cpu_count()} shared CPU cores, gloo "
         "(this implementation at small sizes, not the paper's cluster)"
