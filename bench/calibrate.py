@@ -9,9 +9,13 @@ Runs, each in its own process with a time limit, at small sizes:
   the fault-free step) and the restore's reload;
 - `bench.comm_recovery` (8 ranks): the dynamic communicator edit, a full rebuild of every group,
   and a restart (new processes + every group);
-- `bench.join` (PP=2 x DP=3, a spare taken in): the joiner's start and the state bandwidth (bytes
-  the joiner received / its state transfer);
-- `bench.checkpoint_cost` (PP=2 x DP=2): the checkpoint's reload bandwidth.
+- `bench.join` (PP=2 x DP=3, a spare taken in): the joiner's start, and its state transfer as the
+  fixed part of every transfer (`transfer_fixed_s`: the joiner receives a few MB, so its time is
+  groups and the model rebuilt, not bytes);
+- `bench.link_bandwidth` (256 MiB): the state bandwidth (a gloo send between two processes) and the
+  checkpoint reload bandwidth (`torch.load` of a file that size), measured where bytes set the
+  time: the recovery benchmarks move too little for bytes / time to be a bandwidth (the first
+  cost files divided a few MB by fixed costs and moved paper-scale GBs at 2-5 MB/s).
 
 Every value written names the benchmark and the row it came from; a benchmark that fails or
 runs out of time leaves its costs at the paper-scale defaults, and the file says so. The numbers
@@ -80,28 +84,31 @@ def from_comm(m: dict[str, float]) -> Measured:
     }
 
 
-def from_join(m: dict[str, Any]) -> Measured:
+def from_join(m: dict[str, Any] | list[dict[str, Any]]) -> Measured:
+    """`bench.join --json` writes one row per spare mode run: the first (the warm spare, its
+    default) is the one measured."""
+    if isinstance(m, list):
+        if not m:
+            return {}
+        m = m[0]
     out: Measured = {}
     phases = m.get("phases_s", {})
     if "start_s" in phases:
         out["join_start_s"] = (phases["start_s"], "bench.join start phase")
     received = [b["received"] for b in m.get("bytes", {}).values() if b.get("received")]
     if received and phases.get("state_s", 0) > 0:
-        out["link_bytes_per_s"] = (
-            max(received) / phases["state_s"],
-            "bench.join: bytes the joiner received / state transfer phase",
+        out["transfer_fixed_s"] = (
+            phases["state_s"],
+            f"bench.join state transfer phase ({max(received) / 2**20:.1f} MiB received: fixed cost)",
         )
     return out
 
 
-def from_checkpoint(m: dict[str, float]) -> Measured:
-    if m["load_s"] <= 0:
-        return {}
+def from_bandwidth(m: dict[str, float]) -> Measured:
+    src = f"bench.link_bandwidth, {m['mib']:g} MiB"
     return {
-        "storage_bytes_per_s": (
-            m["bytes"] / m["load_s"],
-            "bench.checkpoint_cost: checkpoint size / reload time",
-        )
+        "link_bytes_per_s": (m["link"], f"{src}: gloo send between two processes, median"),
+        "storage_bytes_per_s": (m["storage"], f"{src}: torch.load of a torch.save file, median"),
     }
 
 
@@ -132,23 +139,18 @@ def _step_join() -> Any:
         return json.loads(path.read_text())
 
 
-def _step_checkpoint() -> Any:
-    from bench import checkpoint_cost as cc  # noqa: PLC0415
-    from executor.checkpoint import latest_checkpoint  # noqa: PLC0415
+def _step_bandwidth() -> Any:
+    from bench import link_bandwidth as lb  # noqa: PLC0415
 
-    with tempfile.TemporaryDirectory(prefix="calibrate-ckpt-") as root:
-        cc.run((128, 8, 3, 2, root, False))
-        resumed = cc.run((128, 3, 3, 1, root, True))
-        size = sum(f.stat().st_size for f in latest_checkpoint(root).rglob("*.pt"))
-    # Per device: the reload of one rank's share (4 ranks read the checkpoint).
-    return {"bytes": size / 4, "load_s": max(r[4] for r in resumed)}
+    mib = 256
+    return {"mib": mib, "link": lb.link_bytes_per_s(mib), "storage": lb.storage_bytes_per_s(mib)}
 
 
 STEPS: dict[str, tuple[Callable[[], Any], Callable[[Any], Measured]]] = {
     "mttr": (_step_mttr, from_mttr),
     "comm": (_step_comm, from_comm),
     "join": (_step_join, from_join),
-    "checkpoint": (_step_checkpoint, from_checkpoint),
+    "bandwidth": (_step_bandwidth, from_bandwidth),
 }
 
 
@@ -204,9 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.step is not None:  # the child: run one benchmark, print its result
         print("CALIBRATE " + json.dumps(STEPS[args.step][0]()), flush=True)
         return 0
-    # A partial run (--only) keeps what the file already holds for the other benchmarks.
-    keep = previous(args.out) if set(args.only) != set(STEPS) else None
+    # A partial run (--only) keeps what the file already holds for the other benchmarks, and
+    # its notes (marked as an earlier run's).
+    partial = set(args.only) != set(STEPS)
+    keep = previous(args.out) if partial else None
     measured, notes = calibrate(args.only, args.timeout, keep)
+    if partial and args.out.exists():
+        earlier = json.loads(args.out.read_text()).get("notes", [])
+        notes = [n if n.startswith("earlier run: ") else f"earlier run: {n}" for n in earlier] + notes
+        notes.append(f"this run measured only: {', '.join(args.only)}")
     label = (
         f"measured by bench.calibrate on {platform.machine()}, {os.cpu_count()} shared CPU cores, gloo "
         "(this implementation at small sizes, not the paper's cluster)"

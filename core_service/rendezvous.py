@@ -44,7 +44,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 from fastapi import APIRouter, HTTPException, Response
@@ -69,6 +69,7 @@ from core_service.rendezvous_record import (
 from core_service.seams import ServicerCore
 from planners.described_model import job_model, model_difference, unit_costs
 from planners.placement import Placement, PlacementError, plan_placement
+from planners.redundancy import initial_copies
 from wire.worker_env import ModelDescription
 
 log = logging.getLogger(__name__)
@@ -553,16 +554,25 @@ class Rendezvous:
 def _placement(
     desc: ModelDescription, nnodes: int, nproc_per_node: int, pp: int, mem: float | None
 ) -> Placement:
-    """The job's layout over its nodes, from one node's description (the same on every Core)."""
-    return plan_placement(
-        unit_costs(desc),
-        global_batch=desc.global_batch,
-        micro_batches=desc.micro_batches,
-        nnodes=nnodes,
-        nproc_per_node=nproc_per_node,
-        pp=pp,
-        mem_cap_bytes=mem,
-    )
+    """The job's layout over its nodes, from one node's description (the same on every Core),
+    with the backup copies k the redundancy prior asks for before any loss is seen, as far as
+    the placement's memory check allows (`planners.redundancy.initial_copies`); its reason joins
+    the placement's."""
+
+    def place(copies: int) -> Placement:
+        return plan_placement(
+            unit_costs(desc),
+            global_batch=desc.global_batch,
+            micro_batches=desc.micro_batches,
+            nnodes=nnodes,
+            nproc_per_node=nproc_per_node,
+            pp=pp,
+            mem_cap_bytes=mem,
+            backup_copies=copies,
+        )
+
+    placement, choice = initial_copies(place, mem)
+    return replace(placement, reason=f"{placement.reason}; {choice.reason}")
 
 
 def pick_stores(nodes: list[Node]) -> list[str]:

@@ -16,9 +16,11 @@ change (smaller shares only where nothing else fits memory: in a model where com
 micro-batch, smaller shares would buy a shorter bubble the configured job never had); and with a
 whole replica dropped (every stage cut to the smallest stage's DP size, the surplus ranks leave
 the layout, idle until a join takes them back), re-slotted likewise; and the live ranks regrouped
-into ceil(P/2)..P-1 stages of equal DP size (every stage thinned alike, a shorter pipeline where fewer
-stages fit memory: the executor reaches any layout over the surviving ranks in place,
-`planners.applicability`), re-slotted likewise. Each candidate is priced after Algorithm 1
+into 1..2P stages of equal DP size, the same count P included (a stage thinned by earlier losses
+takes ranks from the others; a shorter pipeline where fewer stages fit memory, a longer one where
+the stages in force are few for the ranks left: the executor reaches any layout over the
+surviving ranks in place, `planners.applicability`, rebuilding where a live rank changes stage),
+re-slotted likewise. A regrouped stage's memory cap is the tightest of its ranks' old stages'. Each candidate is priced after Algorithm 1
 (`planners.elaswave_graph.repartition`: thinning's benefit comes with the re-partition); one
 over its stages' memory caps is only taken when every candidate is. The fastest wins; a change
 must buy `min_gain` unless it is the only one that fits memory. On a join the same step runs on
@@ -82,7 +84,10 @@ def restage(layout: Layout, stages: int) -> Layout | None:
     if [s.ranks for s in new] == [s.ranks for s in layout.stages]:
         return None
     caps = layout.stage_mem_cap_bytes
-    capped = None if caps is None else (max(caps),) * stages
+    # A regrouped stage's cap: the tightest of its ranks' old stages' (a cap is its devices').
+    capped = None
+    if caps is not None:
+        capped = tuple(min(caps[layout.stage_of_rank(r)] for r in s.ranks) for s in new)
     return replace(layout, stages=new, stage_mem_cap_bytes=capped, frequencies_mhz=())
 
 
@@ -136,10 +141,10 @@ def shape_replicas(
     if dropped is not None:
         shapes.append((f"drop ranks {list(dropped[1])} (a replica)", dropped[0]))
     p = layout.num_stages
-    # Fewer stages only: the executor rebuilds those from live shards and backups
-    # (`executor.fabric.rebuild`); ranks moving between stages at an unchanged count would go
-    # through its remap-then-migrate path, which keeps every rank in its stage.
-    for stages in range(max(1, -(-p // 2)), p):
+    # Fewer stages, or as many regrouped to equal DP sizes (a stage thinned by earlier losses
+    # takes ranks from the others): the executor rebuilds any layout in which a live rank changes
+    # stage from live shards and backups (`executor.fabric.relayout.needs_rebuild`).
+    for stages in range(1, 2 * p + 1):
         regrouped = restage(layout, stages)
         if regrouped is not None:
             shapes.append((f"{stages} stages of equal DP size", regrouped))

@@ -12,10 +12,19 @@ step, so the policy sizes k to the largest burst the job has seen, as far as mem
 - want: k = the largest recent burst's size in nodes, clamped to [1, `max_copies`] and to the
   failure domains the layout has (a copy never shares a node with its shard, so at most
   nodes - 1 copies are distinct);
+- prior: before a burst is seen, one of `prior_burst_nodes` nodes is assumed possible where the
+  layout has a failure-domain model (`Layout.rank_nodes`, from the placement): spot capacity is
+  reclaimed several nodes at a time, and the first such burst would otherwise take a shard and
+  its only copy together (a RESTORE) before the history could raise k. A layout without a node
+  map sizes k from the losses seen only;
 - fit: k copies cost k x the per-copy bytes `planners.backup.backup_cost` reports for every
   holder, and every rank must have that much headroom below its memory cap (the same check the
   placement makes, `planners.placement`); k drops until it fits, and k = 1 is kept regardless
   (the backup ElasWave always has).
+
+A job's first layout (`initial_copies`, the Core's rendezvous placement) has no history yet: the
+prior alone sizes k there, and the placement's own memory check (every copy counted) decides
+whether the copies fit.
 
 Pure: time and history come in as arguments; `choose_copies` returns k and the reason the plan
 and the job view show.
@@ -23,11 +32,12 @@ and the job view show.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from planners.backup import backup_cost
 from planners.layout import Layout
+from planners.placement import Placement, PlacementError
 
 
 @dataclass(frozen=True)
@@ -47,12 +57,14 @@ class RedundancySettings:
     window_s: float = 60.0  # losses this close form one burst
     memory_s: float = 6 * 3600.0  # bursts older than this are forgotten
     max_copies: int = 3
+    # The burst size assumed before one is seen, for layouts with a node map (1: none assumed).
+    prior_burst_nodes: int = 2
 
     def __post_init__(self) -> None:
-        if self.window_s < 0 or self.memory_s <= 0 or self.max_copies < 1:
+        if self.window_s < 0 or self.memory_s <= 0 or self.max_copies < 1 or self.prior_burst_nodes < 1:
             raise ValueError(
-                f"need window_s >= 0, memory_s > 0 and max_copies >= 1, got {self.window_s}, "
-                f"{self.memory_s}, {self.max_copies}"
+                f"need window_s >= 0, memory_s > 0, max_copies >= 1 and prior_burst_nodes >= 1, got "
+                f"{self.window_s}, {self.memory_s}, {self.max_copies}, {self.prior_burst_nodes}"
             )
 
 
@@ -120,9 +132,13 @@ def choose_copies(
         else "no node loss seen"
     )
     domains = failure_domains(layout)
-    want = max(1, min(burst, settings.max_copies, domains - 1))
+    prior = settings.prior_burst_nodes if layout.rank_nodes else 1
+    if prior > burst:
+        seen += f"; bursts of {prior} nodes assumed possible (prior_burst_nodes, {domains} nodes)"
+    sized = max(burst, prior)
+    want = max(1, min(sized, settings.max_copies, domains - 1))
     if want == 1:
-        if burst <= 1:
+        if sized <= 1:
             why = "a single copy covers it"
         elif domains - 1 < 2:
             why = f"only {domains} failure domain(s)"
@@ -156,3 +172,30 @@ def headroom_from_model(
 ) -> dict[int, float]:
     """rank -> cap minus its stage's estimated memory (the placement's estimate, no backup)."""
     return {r: cap_bytes - stage_memory_bytes[s.stage] for s in layout.stages for r in s.ranks}
+
+
+def initial_copies(
+    place: Callable[[int], Placement],
+    mem_cap_bytes: float | None,
+    settings: RedundancySettings = RedundancySettings(),
+) -> tuple[Placement, RedundancyChoice]:
+    """A job's first placement with the k copies the prior asks for before any loss is seen.
+    `place(k)`: the placement with k copies of every shard (`planners.placement.plan_placement`),
+    whose memory check has the last word; k = 1 when it refuses more, with its message."""
+    first = place(1)
+    headroom = None
+    if mem_cap_bytes is not None:
+        backed = first.backup.per_rank_bytes if first.backup is not None else {}
+        layout = first.layout
+        headroom = {  # below the cap before any backup (the estimate counts one copy)
+            r: mem_cap_bytes - first.stage_mem_bytes[layout.stage_of_rank(r)] + backed.get(r, 0)
+            for r in layout.ranks()
+        }
+    choice = choose_copies(first.layout, (), 0.0, headroom, settings)
+    if choice.copies == 1:
+        return first, choice
+    try:
+        return place(choice.copies), choice
+    except PlacementError as exc:
+        why = f"backup copies k=1 (wanted {choice.copies}): the placement's memory check refused them: {exc}"
+        return first, RedundancyChoice(1, why, 0)

@@ -5,7 +5,8 @@ A recovery is priced as the sum of its parts (seconds without progress unless sa
 - detection: from the failure to the Core (or the framework) knowing of it;
 - planning: computing the new plan;
 - communicator: editing or rebuilding the process groups;
-- state transfer: bytes moved into the busiest receiving rank / link bandwidth;
+- state transfer: a fixed part plus the bytes moved into the busiest receiving rank / link
+  bandwidth (`transfer_s`);
 - replay: the interrupted step's work is lost (the step restarts from the last committed state);
   the failure lands uniformly within a step, so the expected loss is `replay_fraction` of it;
 - restore (ElasWave plans the executor cannot apply in place, `planners.applicability`): reload
@@ -56,6 +57,12 @@ class RecoveryCosts:
     chameleon_restart_s: float = 6.0
     # 200 Gb/s RoCE per node (ElasWave §7.1): 25 GB/s for migration, healing and joins.
     link_bytes_per_s: float = 25e9
+    # A state transfer's fixed part before its bytes flow at `link_bytes_per_s` (its groups set
+    # up, the stage's model rebuilt), paid by every policy's transfer (in place, heal, restart):
+    # `transfer_s`. 0 at paper scale (ElasWave §7.4's communicator figures hold the group set-up);
+    # `bench.calibrate` measures it apart from the bandwidth, since a transfer of a few MB here
+    # is all fixed cost, and bytes / its time is no bandwidth to move GBs at.
+    transfer_fixed_s: float = 0.0
     # Checkpoint reload per device from shared storage: an assumption (not measured at scale here;
     # README "Checkpoint cost" measures the CPU reload only).
     storage_bytes_per_s: float = 2e9
@@ -78,6 +85,10 @@ class RecoveryCosts:
             raise ValueError(f"replay_fraction must be in [0, 1], got {self.replay_fraction}")
         if self.torchft_model not in ("docs", "paper"):
             raise ValueError(f"torchft_model must be 'docs' or 'paper', got {self.torchft_model!r}")
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Seconds to move `nbytes` into one rank (nothing to move: 0)."""
+        return self.transfer_fixed_s + nbytes / self.link_bytes_per_s if nbytes > 0 else 0.0
 
     def restore_s(self, state_bytes_per_device: float) -> float:
         """Reload the checkpoint and redo the steps since it (half the interval on average)."""

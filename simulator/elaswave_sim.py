@@ -40,8 +40,13 @@ class ElasWavePolicy(SimPolicy):
 
     def step(self, change: ClusterChange, step_before_s: float) -> Transition:
         healthy = healthy_layout(self.spec)
-        old = self.layout or healthy
-        self.layout = old
+        unchanged = "no change"
+        if self.layout is None:
+            # The job's first layout keeps the k copies the Core's placement chooses before any
+            # loss is seen (`planners.redundancy.initial_copies`: the prior, as memory allows).
+            first, unchanged = self._plan(healthy, ())
+            self.layout = first or healthy
+        old = self.layout
         dead, lost, arrived = self.ranks(change)
         slots = change.lost_slots + change.swapped_slots
         if slots:
@@ -51,7 +56,7 @@ class ElasWavePolicy(SimPolicy):
         self.lost_now = frozenset(going)
         waiting = set(healthy.ranks()) - dead - (set(old.ranks()) - set(going))  # nodes free to join
         if not going and not waiting:
-            return Transition(self._candidate(old, "no change"), layout=old)
+            return Transition(self._candidate(old, unchanged), layout=old)
         c = self.costs
         shrink = self._shrink(old, going) if going else (old, "nothing lost")
         if waiting and self._join_pays(old, shrink, healthy, dead):
@@ -84,7 +89,7 @@ class ElasWavePolicy(SimPolicy):
         join at a step boundary: `step_before_s` 0); else the RESTORE's reload and redone steps."""
         if not in_place:
             return [("restore", self.costs.restore_s(busiest_state_bytes(self.spec, new)))]
-        items = [("state transfer", migration_bytes(self.spec, old, new) / self.costs.link_bytes_per_s)]
+        items = [("state transfer", self.costs.transfer_s(migration_bytes(self.spec, old, new)))]
         if step_before_s > 0:
             items.append(("replay", self.replay_s(step_before_s)))
         return items

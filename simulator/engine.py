@@ -4,8 +4,10 @@ At every change (`simulator.cluster`) the policy builds its plan (`simulator.pol
 that costs something stops progress for its itemised cost (detection, planning, communicator,
 state transfer, replay, restore); during a healing join the others run without the joining
 ranks, then the new plan runs. A new change during a recovery starts a new recovery from that
-instant (what was being applied is lost). A policy with no feasible plan stalls until the
-cluster changes again.
+instant (what was being applied is lost), except the rest of a RESTORE: the checkpoint reload
+and the redone steps are work the job must still do before it trains on, whatever the next plan
+(it is added to the next recovery as "unfinished restore"). A policy with no feasible plan
+stalls until the cluster changes again.
 
 Linear scaling efficiency is time-weighted over the horizon: LSE(t) = throughput(t) /
 (healthy throughput x live job devices(t) / job devices), with recoveries and stalls at zero.
@@ -14,7 +16,7 @@ Linear scaling efficiency is time-weighted over the horizon: LSE(t) = throughput
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planners.chameleon.candidates import torchft
 from planners.chameleon.state import ClusterState
@@ -23,6 +25,7 @@ from simulator.cluster import ClusterChange
 from simulator.costs import RecoveryCosts
 from simulator.jobs import JobSpec
 from simulator.policies import make_policy
+from simulator.sim_policy import Transition
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ def run_policy(
     segments: list[Segment] = []
     points = [c for c in changes if c.time_s < horizon_s]
     throughput, step_s, plan_changes, restores = 0.0, float("inf"), 0, 0
+    unfinished = 0.0  # seconds of a RESTORE a change cut short
     for i, change in enumerate(points):
         end = points[i + 1].time_s if i + 1 < len(points) else horizon_s
         alive = total - len([d for d in change.dead_devices if d < total])
@@ -124,14 +128,22 @@ def run_policy(
         if i > 0 and costs.join_start_s > 0 and change.kind == "join":
             # The joining node starts (process, registration) while the plan in force runs on.
             ready = min(t + costs.join_start_s, end)
+            if unfinished > 0:  # ... or the RESTORE a change interrupted goes on meanwhile
+                done = min(ready - t, unfinished)
+                segments.append(Segment(t, t + done, 0.0, alive, "recovery", "unfinished restore", "restore"))
+                t, unfinished = t + done, unfinished - done
             kind = "run" if throughput > 0 else "stalled"
-            segments.append(Segment(t, ready, throughput, alive, kind, "joining node starting"))
+            if ready > t:
+                segments.append(Segment(t, ready, throughput, alive, kind, "joining node starting"))
             t = ready
         tr = sim.step(change, step_s)
         if i > 0 and tr.mode:
             plan_changes += 1
             restores += tr.mode == "restore"
+        if unfinished > 0:
+            tr = _with_unfinished_restore(tr, unfinished)
         recover_end = min(t + tr.stall_s, end)
+        unfinished = t + tr.stall_s - end if tr.mode == "restore" and t + tr.stall_s > end else 0.0
         if recover_end > t:
             said = _said(tr.costs)
             segments.append(
@@ -169,6 +181,12 @@ def run_policy(
     return PolicyRun(
         policy, tuple(segments), fault_free_throughput(spec), total, horizon_s, plan_changes, restores
     )
+
+
+def _with_unfinished_restore(tr: Transition, seconds: float) -> Transition:
+    """`tr` after the rest of a RESTORE the change interrupted (it still has to be done)."""
+    costs = (*tr.costs, ("unfinished restore", seconds))
+    return replace(tr, stall_s=tr.stall_s + seconds, costs=costs, mode="restore")
 
 
 def _said(costs: tuple[tuple[str, float], ...]) -> str:

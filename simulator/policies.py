@@ -129,9 +129,8 @@ def price_torchft(
     if lost:  # ... and go on without the lost replica after replaying the step in flight
         items = [("detection", c.detection_s), *items, ("replay", p.replay_s(step_s))]
     # A joining replica heals from a live peer while the others train (torchft docs).
-    heal = (
+    heal = c.transfer_s(
         max((rank_state_bytes(p.spec, healthy_layout(p.spec), r) for r in arrived), default=0.0)
-        / c.link_bytes_per_s
     )
     return itemised(cand, "in place", items, heal_s=heal)
 
@@ -147,7 +146,7 @@ def price_recycle(
         items += [("communicator", c.partial_communicator_s)]
     if arrived:
         state = max(rank_state_bytes(p.spec, healthy_layout(p.spec), r) for r in arrived)
-        items.append(("state transfer", state / c.link_bytes_per_s))
+        items.append(("state transfer", c.transfer_s(state)))
     if lost:
         items.append(("replay", p.replay_s(step_s)))
     return itemised(cand, "restart" if how == "restart" else "in place", items)
@@ -164,7 +163,7 @@ def price_replan(restart: Callable[[RecoveryCosts], float], label: str) -> Price
         comm = c.partial_communicator_s if how == "rerouting" else restart(c)
         moved = cand.transition_s * LINK_BYTES_PER_S  # the plan's transfer from the configured layout
         joining = max((rank_state_bytes(p.spec, healthy_layout(p.spec), r) for r in arrived), default=0.0)
-        items += [(label, comm), ("state transfer", max(moved, joining) / c.link_bytes_per_s)]
+        items += [(label, comm), ("state transfer", c.transfer_s(max(moved, joining)))]
         if lost:
             items.append(("replay", p.replay_s(step_s)))
         return itemised(cand, "restart", items)
@@ -178,12 +177,10 @@ def price_theoretical(
     c = p.costs
     items = [("detection", c.detection_s)] if lost else []
     items += [("planning", c.elaswave_planning_s), ("communicator", c.elaswave_communicator_s)]
-    transfer = cand.transition_s * LINK_BYTES_PER_S / c.link_bytes_per_s  # migration into the busiest rank
+    moved = cand.transition_s * LINK_BYTES_PER_S  # migration into the busiest rank
     if arrived:
-        transfer += (
-            max(rank_state_bytes(p.spec, healthy_layout(p.spec), r) for r in arrived) / c.link_bytes_per_s
-        )
-    items.append(("state transfer", transfer))
+        moved += max(rank_state_bytes(p.spec, healthy_layout(p.spec), r) for r in arrived)
+    items.append(("state transfer", c.transfer_s(moved)))
     if lost:
         items.append(("replay", p.replay_s(step_s)))
     return itemised(cand, "in place", items)

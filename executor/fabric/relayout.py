@@ -12,7 +12,7 @@ applies such a plan in two steps, each with its own, already exact, transfer pla
 
 Either step is skipped when it has nothing to do: a pure loss has no moves, a pipeline-only
 plan has nothing to remap. A plan outside these two steps (the stage count changes because a
-whole stage was lost, a block moves by more than one stage, a lost shard's backup lives in
+whole stage was lost, a live rank changes stage, a block moves by more than one stage, a lost shard's backup lives in
 another stage, ranks added by joining workers) is one rebuild from live shards and backups
 (`executor.fabric.rebuild`). Refused up front (`RelayoutError`, before any group is edited):
 changing the model or the global batch.
@@ -73,10 +73,15 @@ def plan_relayout(old: Layout, new: Layout, standby: frozenset[int] = frozenset(
 
 
 def needs_rebuild(old: Layout, new: Layout, lost: frozenset[int]) -> bool:
-    """Whether `old -> new` falls outside remap-then-migrate: the stage count changes, a block
-    moves by more than one stage, a lost shard's backup lives in another stage, or ranks join
-    (a joiner holds nothing yet: everything it needs is read from live owners)."""
+    """Whether `old -> new` falls outside remap-then-migrate: the stage count changes, a live
+    rank changes stage, a block moves by more than one stage, a lost shard's backup lives in
+    another stage, or ranks join (a joiner holds nothing yet: everything it needs is read from
+    live owners)."""
     if old.num_stages != new.num_stages or set(new.ranks()) - set(old.ranks()):
+        return True
+    # A live rank in another stage (stages regrouped at an unchanged count, `planners.elaswave_replicas`)
+    # holds none of its new stage's parameters: the remap keeps every rank in its stage.
+    if any(old.stage_of_rank(r) != new.stage_of_rank(r) for r in new.ranks()):
         return True
     if any(abs(old.stage_of_layer(k) - new.stage_of_layer(k)) > 1 for k in range(old.num_layers)):
         return True

@@ -11,7 +11,9 @@ from core_service.engine import JobSnapshot, WorkerView
 from core_service.failslow import FailSlowDetector
 from core_service.job_view import job_summary
 from core_service.jobs import Job
+from core_service.rendezvous import _placement
 from planners.layout import Plan, make_uniform_layout
+from wire import worker_env as we
 
 LAYOUT = make_uniform_layout(num_layers=4, num_stages=2, dp=3, global_batch=12, num_micro_batches=2)
 MODEL = {
@@ -69,3 +71,21 @@ def test_losses_are_remembered_once_per_worker() -> None:
     policy.decide(snapshot((1, 4), model=True))  # rank 4 30 s later: one burst of two hosts
     history = policy.losses.history("j")
     assert [(loss.time_s, sorted(loss.nodes)) for loss in history] == [(10.0, ["host1"]), (40.0, ["host4"])]
+
+
+def test_the_rendezvous_places_a_job_with_the_prior_copies_where_memory_allows() -> None:
+    desc = we.ModelDescription(
+        units=tuple(we.UnitDescription(f"u{i}", 1024, 4096, 1e-4, 2e-4, 64) for i in range(4)),
+        global_batch=16,
+        micro_batches=2,
+        dataset_len=64,
+        steps=6,
+        fingerprints={},
+    )
+    four = _placement(desc, 4, 2, 2, 2.0**34)  # 4 nodes, a 16 GiB cap: room for two copies
+    assert four.layout.backup_copies == 2
+    assert "backup copies k=2" in four.reason and "bursts of 2 nodes assumed possible" in four.reason
+    two = _placement(desc, 2, 2, 2, 2.0**34)  # 2 nodes: no second failure domain for a copy
+    assert two.layout.backup_copies == 1 and "only 2 failure domain(s)" in two.reason
+    unknown = _placement(desc, 4, 2, 2, None)  # no cap: nothing says a second copy fits
+    assert unknown.layout.backup_copies == 1 and "no memory cap is known" in unknown.reason

@@ -17,6 +17,12 @@ Blocks moved by more than one stage: PP=4 x DP=(2, 1, 1, 2), a pipeline-only pla
 group made for the transfer (`planners.applicability.far_pairs`). The state right after equals
 the fault-free run's bitwise, the losses follow it, and every backup equals its live shard.
 
+Stages regrouped at an unchanged count (`planners.elaswave_replicas.restage`): PP=3 x DP=(3, 1, 2),
+worker 4 (stage 2) is killed and the plan regroups the five survivors into stages of DP (2, 2, 1):
+worker 2 moves from stage 0 to stage 1, a live rank in another stage, which the remap (it keeps
+every rank in its stage) cannot serve; the rebuild does, and the state, losses and backups equal
+the fault-free run's.
+
 Job driver and assertions come from test_failstop.py (units: 0 embed, 1-4 block_0..block_3,
 5 head).
 """
@@ -31,6 +37,8 @@ import pytest
 from executor.fabric.relayout import plan_relayout
 from planners.applicability import far_pairs, judge
 from planners.backup import backup_holders
+from planners.dataflow import resize_after_loss
+from planners.elaswave_replicas import restage
 from planners.layout import Layout, StageLayout, make_uniform_layout
 from tests.executor.engine_cases import NUM_UNITS
 from tests.executor.test_failstop import (
@@ -142,3 +150,43 @@ def test_blocks_moved_two_stages_travel_over_pair_groups_bitwise() -> None:
         pairs = {f"xfer/{a}-{b}" for a, b in ((0, 3), (1, 3), (2, 4), (2, 5)) if w in (a, b)}
         assert pairs <= set(edit["rebuilt"]), (w, edit)
     assert_snapshots_equal_live(moved)
+
+
+REGROUP_VICTIM = 4
+
+
+def regrouped() -> Layout:
+    """The survivors of losing worker 4, regrouped by the DP shape step into three stages."""
+    out = restage(resize_after_loss(three_stages(), [REGROUP_VICTIM]).layout, 3)
+    assert out is not None
+    return out
+
+
+def test_a_live_rank_changing_stage_at_the_same_count_is_a_rebuild() -> None:
+    old, new = three_stages(), regrouped()
+    assert [s.ranks for s in new.stages] == [(0, 1), (2, 3), (5,)]  # worker 2: stage 0 -> 1
+    assert judge(old, new).in_place
+    assert plan_relayout(old, new).rebuild
+    # Without a loss too (a plan that only regroups the live ranks).
+    same = old.replace(stages=(StageLayout(0, 0, 2, (0, 1)), StageLayout(1, 2, 4, (2, 3)), old.stages[2]))
+    assert plan_relayout(old, same).rebuild
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_stages_regrouped_at_the_same_count_are_rebuilt_bitwise() -> None:
+    layout = three_stages()
+    sc = Scenario(kill_at_op=3, victim=REGROUP_VICTIM, new_layout=regrouped(), layout=layout)
+    clean, faulty = _clean("placement_invariant", layout=layout), _run(sc)
+    assert sorted(faulty) == [0, 1, 2, 3, 5]
+    assert {w: r["stage_after"] for w, r in faulty.items()} == {0: 0, 1: 0, 2: 1, 3: 1, 5: 2}
+    assert_states_bitwise(_merged(clean, "committed_state"), _merged(faulty, "recovered_state"))
+    ref_losses, got_losses = _last_stage_losses(clean), _last_stage_losses(faulty)
+    assert sorted(got_losses) == list(range(STEPS))
+    assert all(got_losses[s] == ref_losses[s] for s in range(FAIL_STEP))
+    assert _mean_rel_dev(got_losses, ref_losses, range(FAIL_STEP, STEPS)) <= 1e-4
+    for step in range(FAIL_STEP, STEPS):
+        assert _stage_batches(faulty, step) == {
+            s: list(range(step * BATCH, (step + 1) * BATCH)) for s in (0, 1, 2)
+        }
+    assert_snapshots_equal_live(faulty)

@@ -3,6 +3,7 @@ and set on the layouts the ElasWave policy publishes with its reason."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -11,6 +12,7 @@ from planners.elaswave_model import uniform_model
 from planners.elaswave_policy import ElasWaveInput, plan_elaswave
 from planners.elaswave_reasons import Outcome, Step
 from planners.layout import make_uniform_layout
+from planners.placement import Placement, UnitCost, plan_placement
 from planners.redundancy import (
     NodeLoss,
     RedundancyInput,
@@ -18,6 +20,7 @@ from planners.redundancy import (
     bursts,
     choose_copies,
     copy_bytes,
+    initial_copies,
 )
 
 LAYOUT = make_uniform_layout(
@@ -82,3 +85,74 @@ def test_the_policy_without_redundancy_input_leaves_k_alone() -> None:
     plan = plan_elaswave(ElasWaveInput(layout, (5,), uniform_model(layout, [], "test")))
     assert plan.layout is not None and plan.layout.backup_copies == 2
     assert all(r.step is not Step.REDUNDANCY for r in plan.reasons)
+
+
+NODES4 = replace(LAYOUT, rank_nodes=tuple((r, r % 4) for r in LAYOUT.ranks()))  # four nodes
+
+
+def test_a_layout_with_a_node_map_assumes_bursts_of_two_before_one_is_seen() -> None:
+    roomy = dict.fromkeys(LAYOUT.ranks(), 1e12)
+    choice = choose_copies(NODES4, (), 0.0, roomy)
+    assert choice.copies == 2 and choice.largest_burst == 0
+    assert "no node loss seen; bursts of 2 nodes assumed possible" in choice.reason, choice.reason
+    assert "2 copies fit" in choice.reason
+    # A burst larger than the prior still sizes k; without the prior (1) only losses count.
+    assert choose_copies(NODES4, BURST, 200.0, roomy).copies == 3
+    assert choose_copies(NODES4, (), 0.0, roomy, RedundancySettings(prior_burst_nodes=1)).copies == 1
+    # No node map (each rank a node of its own, as in a test layout): no prior.
+    assert choose_copies(LAYOUT, (), 0.0, roomy).copies == 1
+
+
+def test_the_prior_keeps_one_copy_without_headroom_or_domains_and_says_why() -> None:
+    tight = {r: 1.5 * b for r, b in copy_bytes(NODES4).items()}
+    choice = choose_copies(NODES4, (), 0.0, tight)
+    assert choice.copies == 1 and "2 copies do not fit" in choice.reason, choice.reason
+    unknown = choose_copies(NODES4, (), 0.0, None)
+    assert unknown.copies == 1 and "no memory cap is known" in unknown.reason
+    two_nodes = replace(LAYOUT, rank_nodes=tuple((r, r % 2) for r in LAYOUT.ranks()))
+    few = choose_copies(two_nodes, (), 0.0, dict.fromkeys(LAYOUT.ranks(), 1e12))
+    assert few.copies == 1 and "only 2 failure domain(s)" in few.reason, few.reason
+
+
+def test_prior_burst_nodes_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="prior_burst_nodes >= 1"):
+        RedundancySettings(prior_burst_nodes=0)
+
+
+UNITS = [UnitCost(f"u{i}", numel=10_000, param_bytes=40_000, seconds_per_sample=0.01) for i in range(4)]
+
+
+def _place(nnodes: int, cap: float | None) -> Callable[[int], Placement]:
+    def place(copies: int) -> Placement:
+        return plan_placement(
+            UNITS,
+            global_batch=16,
+            micro_batches=2,
+            nnodes=nnodes,
+            nproc_per_node=2,
+            pp=2,
+            mem_cap_bytes=cap,
+            backup_copies=copies,
+        )
+
+    return place
+
+
+def test_the_first_placement_keeps_the_prior_copies_where_memory_allows() -> None:
+    roomy = 1e12
+    placement, choice = initial_copies(_place(4, roomy), roomy)
+    assert placement.layout.backup_copies == 2 == choice.copies
+    assert "no node loss seen; bursts of 2 nodes assumed possible" in choice.reason
+    assert placement.backup is not None and "2 copies of every shard, all counted" in placement.backup.reason
+    # Two nodes: no second failure domain for a second copy; no cap: nothing says it fits.
+    assert initial_copies(_place(2, roomy), roomy)[0].layout.backup_copies == 1
+    unknown_place, unknown = initial_copies(_place(4, None), None)
+    assert unknown_place.layout.backup_copies == 1 and "no memory cap is known" in unknown.reason
+
+
+def test_the_first_placement_keeps_one_copy_when_the_memory_check_refuses_more() -> None:
+    one = _place(4, None)(1)
+    cap = max(one.stage_mem_bytes) + 1  # one copy fits; a second does not
+    placement, choice = initial_copies(_place(4, cap), cap)
+    assert placement.layout.backup_copies == 1 == choice.copies
+    assert "2 copies do not fit" in choice.reason or "memory check refused" in choice.reason, choice.reason

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.calibrate import from_comm, from_join, from_mttr
+from bench.calibrate import from_bandwidth, from_comm, from_join, from_mttr
 from elaswave.cli import main
 from simulator.costs import RecoveryCosts, cost_file, load_costs
 
@@ -52,7 +52,19 @@ def test_calibration_maps_benchmark_rows_to_costs() -> None:
     comm = from_comm({"partial_s": 0.1, "full_s": 0.4, "restart_s": 5.0})
     assert comm["full_communicator_s"][0] == 5.0 and comm["elaswave_communicator_s"][0] == 0.1
     join = from_join({"phases_s": {"start_s": 3.0, "state_s": 0.5}, "bytes": {"4": {"received": 1e6}}})
-    assert join["join_start_s"][0] == 3.0 and join["link_bytes_per_s"][0] == 2e6
+    # A join of a few MB is fixed cost: its time is the transfers' fixed part, not a bandwidth.
+    assert join["join_start_s"][0] == 3.0 and join["transfer_fixed_s"][0] == 0.5
+    assert "link_bytes_per_s" not in join
+    assert from_join([{"phases_s": {"start_s": 3.0}}])["join_start_s"][0] == 3.0  # bench.join's rows
+    bw = from_bandwidth({"mib": 256, "link": 1.5e9, "storage": 3e9})
+    assert bw["link_bytes_per_s"][0] == 1.5e9 and bw["storage_bytes_per_s"][0] == 3e9
+
+
+def test_a_transfer_is_its_fixed_part_plus_its_bytes_at_the_link_bandwidth() -> None:
+    costs = RecoveryCosts(link_bytes_per_s=1e9, transfer_fixed_s=2.0)
+    assert costs.transfer_s(0.0) == 0.0  # nothing to move, nothing to pay
+    assert costs.transfer_s(5e9) == pytest.approx(7.0)
+    assert RecoveryCosts().transfer_s(25e9) == pytest.approx(1.0)  # paper scale: no fixed part
 
 
 def test_simulate_reads_a_cost_file_and_names_it(tmp_path: Path) -> None:
