@@ -213,6 +213,7 @@ class CoreDrivenWorker(PlanFollowing):
             verify_every=settings.verify_every,
             restore_source=self._restore_source,
             joining=place.joining,
+            reprotect_steps=place.reprotect_steps,
         )
         self.proto = StepProtocol(
             self.comm,
@@ -393,6 +394,9 @@ class CoreDrivenWorker(PlanFollowing):
                         )
                         resumed_epoch = None
                         self.phases.mark("ack")
+                    for window in self.participant.take_closed_windows():
+                        # every moved backup copy is re-seeded: the window closed (after RESUMED)
+                        self.plans.ack(window.epoch, "REPROTECTED", 0.0, window=window)
                     self.phases.committed(step)
                     step += 1
                     continue
@@ -429,6 +433,7 @@ class CoreDrivenWorker(PlanFollowing):
             plan_epoch=self.proto.plan_epoch,
             checksum_mismatches=self.participant.checksum_mismatches,
             verified_steps=list(self.participant.verified_steps),
+            reprotect_windows=[w.as_dict() for w in self.participant.windows],
         )
         return self.results
 
