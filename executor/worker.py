@@ -379,6 +379,11 @@ class CoreDrivenWorker(PlanFollowing):
                 if decided:
                     self.proto.commit()
                     self.phases.mark("commit")
+                    for window in self.participant.take_closed_windows():
+                        # Every moved backup copy is re-seeded: the window closed. Queued before
+                        # the step's metrics, so the Core hears of it before it can see a later
+                        # step (and plan a loss there as inside the window).
+                        self.plans.ack(window.epoch, "REPROTECTED", 0.0, window=window)
                     self._committed(step, result, time.perf_counter() - started)
                     self._write_checkpoint()
                     self.phases.mark("report")
@@ -394,9 +399,6 @@ class CoreDrivenWorker(PlanFollowing):
                         )
                         resumed_epoch = None
                         self.phases.mark("ack")
-                    for window in self.participant.take_closed_windows():
-                        # every moved backup copy is re-seeded: the window closed (after RESUMED)
-                        self.plans.ack(window.epoch, "REPROTECTED", 0.0, window=window)
                     self.phases.committed(step)
                     step += 1
                     continue
