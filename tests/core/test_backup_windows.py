@@ -15,7 +15,9 @@ import pytest
 
 from core_service.backup_windows import record_window, unprotected_pairs, windows_view
 from core_service.config import FailSlowSettings
+from core_service.executor_service import backup_window_of
 from core_service.failslow import FailSlowDetector
+from core_service.grpc_util import RpcError
 from core_service.jobs import Job
 from core_service.recovery import choose_mode
 from planners.applicability import judge
@@ -191,3 +193,47 @@ def test_core_plans_a_loss_inside_the_reported_window_as_restore(tmp_path: Path)
             agent.close()
     finally:
         proc.stop()
+
+
+def _request(phase: int, **window: object) -> executor_pb2.AckPlanPhaseRequest:
+    request = executor_pb2.AckPlanPhaseRequest(job="train", worker_id="w0", epoch=3, phase=phase)
+    if window:
+        request.backup_window.CopyFrom(executor_pb2.BackupWindow(**window))  # type: ignore[arg-type]
+    return request
+
+
+def test_the_executor_service_checks_the_window_it_is_sent() -> None:
+    pairs = [executor_pb2.BackupPair(owner=1, holder=3)]
+    applied = backup_window_of(
+        _request(executor_pb2.PLAN_PHASE_APPLIED, pairs=pairs, from_step=4, until_step=5)
+    )
+    assert applied == ReprotectWindow(3, ((1, 3),), 4, 5)
+    closed = backup_window_of(
+        _request(executor_pb2.PLAN_PHASE_REPROTECTED, pairs=pairs, from_step=4, until_step=5, closed_step=5)
+    )
+    assert closed == ReprotectWindow(3, ((1, 3),), 4, 5, closed_step=5)
+    assert backup_window_of(_request(executor_pb2.PLAN_PHASE_RESUMED)) is None
+    bad = {
+        "required with PLAN_PHASE_REPROTECTED": _request(executor_pb2.PLAN_PHASE_REPROTECTED),
+        "only sent with": _request(executor_pb2.PLAN_PHASE_RESUMED, pairs=pairs, from_step=4, until_step=5),
+        "1 to 65536 pairs": _request(executor_pb2.PLAN_PHASE_APPLIED, from_step=4, until_step=5),
+        "owner and holder must differ": _request(
+            executor_pb2.PLAN_PHASE_APPLIED,
+            pairs=[executor_pb2.BackupPair(owner=2, holder=2)],
+            from_step=4,
+            until_step=5,
+        ),
+        "run from a step >= 0": _request(
+            executor_pb2.PLAN_PHASE_APPLIED, pairs=pairs, from_step=6, until_step=5
+        ),
+        "closed_step must be": _request(
+            executor_pb2.PLAN_PHASE_REPROTECTED, pairs=pairs, from_step=4, until_step=5, closed_step=4
+        ),
+        "closed_step is only set": _request(
+            executor_pb2.PLAN_PHASE_APPLIED, pairs=pairs, from_step=4, until_step=5, closed_step=5
+        ),
+    }
+    for said, request in bad.items():
+        with pytest.raises(RpcError) as err:
+            backup_window_of(request)
+        assert said in str(err.value), (said, err.value)
