@@ -222,10 +222,13 @@ def test_failure_inside_the_window_restores_and_matches_the_fault_free_run() -> 
     ref = {u: d for r in clean.values() if r["dp_index"] == 0 for u, d in r["final_state"]["units"].items()}
     got = _merged_final(faulty)
     assert sorted(got) == sorted(ref)
+    worst = 0.0
     for unit, fields in ref.items():
         for name, want in fields.items():
             scale = max(float(np.abs(want).max()), 1e-12)
-            assert float(np.abs(got[unit][name] - want).max()) / scale <= 1e-4, (unit, name)
+            worst = max(worst, float(np.abs(got[unit][name] - want).max()) / scale)
+    print(f"after the RESTORE: mean rel. loss dev. {np.mean(dev):.1e}, max rel. state diff {worst:.1e}")
+    assert worst <= 1e-4
     # every copy is back, equal to its owner's live shard
     sets = backup_holder_sets(L2)
     for w, r in faulty.items():
