@@ -361,7 +361,21 @@ class FabricParticipant:
         committed = self._adopt(plan, lost, committed_step)
         self._open_window(plan.epoch, committed)
         self.trainer.prefetch(committed + 1)
+        if self.reprotect_steps > 0:
+            self._applied_everywhere(plan)
         return committed
+
+    def _applied_everywhere(self, plan: Plan) -> None:
+        """Wait until every worker of `plan.new` has adopted it (a store barrier under the plan's
+        epoch: bounded, given up on an abort or a newer plan). Seeding every pair before the
+        first step made an apply collective over the whole layout; with the seeds in the
+        background a worker that moved nothing would otherwise end its apply without hearing of
+        a peer that died during it."""
+        prefix = f"{self.comm.namespace}/e{plan.epoch}/applied/"
+        self.comm.store.set(prefix + str(self.comm.worker), "1")
+        self.comm.wait_keys(
+            [prefix + str(r) for r in plan.new.ranks()], "every worker applied the plan", epoch=plan.epoch
+        )
 
     def _adopt(self, plan: Plan, lost: frozenset[int], committed_step: int) -> int:
         """Adopt `plan.new` from the last committed state (collective over the new layout's
