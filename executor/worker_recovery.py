@@ -263,6 +263,8 @@ class PlanFollowing:
             "applied_unix": time.time(),
             "state_bytes_received": self.participant.rebuilt_bytes,
             "reprotect_window": None if window is None else window.as_dict(),
+            # the apply after the edit, itemised (FabricParticipant.apply_phases)
+            "apply_phases": {k: round(v, 6) for k, v in self.participant.apply_phases.items()},
         }
         restored = ""
         if plan.mode is PlanMode.RESTORE:

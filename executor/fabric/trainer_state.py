@@ -37,6 +37,7 @@ RESTORE. n = 0 seeds every pair before the first step, as before (no window).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -170,6 +171,10 @@ class FabricParticipant:
         self._window: ReprotectWindow | None = None
         self.windows: list[ReprotectWindow] = []
         self._closed_windows: list[ReprotectWindow] = []
+        # Where the last plan's apply went after the groups were edited (seconds): `state` (remap,
+        # rebuild, migration or restore), `backups` (forming the pairs: posting the moved seeds,
+        # or with reprotect_steps = 0 seeding every pair), `barrier` (waiting for the others).
+        self.apply_phases: dict[str, float] = {}
         self._inflight: NonBlockingMigration | None = None  # armed by a plan, runs in the next step
         self._seed_pending = False  # re-seed the ring inside the next step (after a non-blocking move)
         self.checksum_mismatches = 0
@@ -357,12 +362,16 @@ class FabricParticipant:
         """Adopt `plan.new` (see `_adopt`), then warm what the first step on it would otherwise
         start cold: the load of its rows under the new layout (the step the failed attempt
         prefetched was for the old one)."""
-        self._reseeding = frozenset()
+        self._reseeding, self.apply_phases = frozenset(), {}
+        t0 = time.perf_counter()
         committed = self._adopt(plan, lost, committed_step)
+        self.apply_phases["state"] = time.perf_counter() - t0 - self.apply_phases.get("backups", 0.0)
         self._open_window(plan.epoch, committed)
         self.trainer.prefetch(committed + 1)
         if self.reprotect_steps > 0:
+            t1 = time.perf_counter()
             self._applied_everywhere(plan)
+            self.apply_phases["barrier"] = time.perf_counter() - t1
         return committed
 
     def _applied_everywhere(self, plan: Plan) -> None:
@@ -595,6 +604,13 @@ class FabricParticipant:
 
     def _form_pairs(self, seed: Callable[[ShardBackups], None]) -> None:
         """Replace this worker's backup pairs with the current layout's, seeded by `seed`."""
+        t0 = time.perf_counter()
+        try:
+            self._replace_pairs(seed)
+        finally:
+            self.apply_phases["backups"] = time.perf_counter() - t0
+
+    def _replace_pairs(self, seed: Callable[[ShardBackups], None]) -> None:
         if self.snapshot is not None:
             self.snapshot.close()
         sets = backup_holder_sets(self.trainer.layout)  # all k copies (Layout.backup_copies)
