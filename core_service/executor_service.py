@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
+from core_service.backup_windows import record_window
 from core_service.grpc_util import RpcError, bearer_token, finite, require
 from core_service.jobs import token_digest
 from core_service.limits import MAX_DETAIL_CHARS, MAX_OPERATION_CHARS
@@ -19,6 +20,7 @@ from core_service.persist import registry_call
 from core_service.recovery import NO_PEER, CollectiveFailure, PeerAction
 from core_service.seams import ServicerCore
 from planners.layout import Plan
+from planners.reprotect import ReprotectWindow
 from wire.v1 import common_pb2, executor_pb2
 
 if TYPE_CHECKING:
@@ -39,6 +41,35 @@ FAILURES = {
     executor_pb2.PLAN_FAILURE_NOT_APPLICABLE: PlanFailure.NOT_APPLICABLE,
     executor_pb2.PLAN_FAILURE_INTERRUPTED: PlanFailure.INTERRUPTED,
 }
+MAX_WINDOW_PAIRS = 65536  # BackupWindow.pairs: k copies of every rank's shard
+
+
+def backup_window_of(request: executor_pb2.AckPlanPhaseRequest) -> ReprotectWindow | None:
+    """The re-protection window an APPLIED or REPROTECTED ack carries (core_service.backup_windows),
+    checked; None without one. INVALID_ARGUMENT naming what is wrong otherwise."""
+    reprotected = request.phase == executor_pb2.PLAN_PHASE_REPROTECTED
+    if not request.HasField("backup_window"):
+        require(not reprotected, "backup_window is required with PLAN_PHASE_REPROTECTED")
+        return None
+    require(
+        reprotected or request.phase == executor_pb2.PLAN_PHASE_APPLIED,
+        "backup_window is only sent with PLAN_PHASE_APPLIED or PLAN_PHASE_REPROTECTED",
+    )
+    w = request.backup_window
+    require(0 < len(w.pairs) <= MAX_WINDOW_PAIRS, f"backup_window needs 1 to {MAX_WINDOW_PAIRS} pairs")
+    require(all(p.owner != p.holder for p in w.pairs), "a backup pair's owner and holder must differ")
+    require(
+        0 <= w.from_step <= w.until_step,
+        f"backup_window must run from a step >= 0 to one at or after it, got {w.from_step}..{w.until_step}",
+    )
+    if reprotected:
+        require(w.closed_step >= w.until_step, "closed_step must be the commit of until_step or later")
+    else:
+        require(w.closed_step == 0, "closed_step is only set with PLAN_PHASE_REPROTECTED")
+    pairs = tuple(sorted({(p.owner, p.holder) for p in w.pairs}))
+    return ReprotectWindow(
+        request.epoch, pairs, w.from_step, w.until_step, w.closed_step if reprotected else None
+    )
 
 
 class ExecutorCore(ServicerCore, Protocol):
@@ -161,6 +192,16 @@ class ExecutorServicer:
         self._authorise_worker(request.job, request.worker_id, context)
         job = self.core.job_or_not_found(request.job)
         require(request.worker_id in job.members, f"job {job.name!r} has no worker {request.worker_id!r}")
+        window = backup_window_of(request)
+        if window is not None:
+            require(
+                request.epoch <= job.plan_epoch,
+                f"epoch {request.epoch} was never published (newest is {job.plan_epoch})",
+            )
+            # Kept for a stale epoch too: it may still be the committed one (_commit_stale).
+            record_window(job, request.epoch, window, closed=window.closed_step is not None)
+            if window.closed_step is not None:  # REPROTECTED: no phase of the apply
+                return executor_pb2.AckPlanPhaseResponse(current_epoch=job.plan_epoch)
         phase = PHASES.get(request.phase)
         require(phase is not None, f"phase {request.phase} is not a known plan phase")
         assert phase is not None

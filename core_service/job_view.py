@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from core_service.backup_windows import windows_view
 from core_service.jobs import Job
 from core_service.model import MemberRecord
 
@@ -44,6 +45,9 @@ def job_summary(job: Job) -> dict[str, Any]:
         "latest_checkpoint": job.latest_checkpoint or None,
         "has_layout": job.layout_json is not None,
         **backup_copies_view(job),
+        # Copies a plan's layout moved and re-seeds in the background (issue 23): the committed
+        # layout's open window and the recent ones (core_service.backup_windows).
+        **windows_view(job),
         # The rendezvous stores its launchers run (`elaswave run --core`), in the workers' order.
         "stores": list(job.stores),
         "last_event_seq": job.next_seq - 1,

@@ -27,6 +27,7 @@ from core_service.persist import Persister
 from core_service.recovery_record import RecoveryRecords, parse_recovery
 from core_service.registry import Registry
 from planners.layout import Layout, Plan
+from planners.reprotect import ReprotectWindow
 
 log = logging.getLogger("elaswave.core.jobs")
 
@@ -117,6 +118,9 @@ class Job:
     # Set by membership changes; the schedule engine clears it when it plans.
     pending_changes: list[Event] = field(default_factory=list)
     acks: dict[int, dict[str, Ack]] = field(default_factory=dict)  # epoch -> worker -> last ack
+    # Plan epoch -> the backup copies its layout re-seeds in the background and the steps they
+    # are missing, as the workers reported them (core_service.backup_windows); in memory only.
+    backup_windows: dict[int, ReprotectWindow] = field(default_factory=dict)
     # What settles optional plans (planners.elaswave_payback): the step each unit last moved at,
     # and how long the last applied plan paused the job (None before one was applied).
     unit_moved_at: dict[int, int] = field(default_factory=dict)

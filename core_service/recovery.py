@@ -3,7 +3,8 @@
 Pure decisions the schedule engine (`core_service/engine.py`) acts on:
 
 - which mode a plan gets: IN_PLACE when the executors can reach the new layout from the committed
-  one (`planners.applicability.judge`, the rule the executor applies too), else RESTORE (reload
+  one (`planners.applicability.judge`, the rule the executor applies too, with the copies the
+  workers report still being re-seeded: `core_service.backup_windows`), else RESTORE (reload
   the latest durable checkpoint in place). A RESTORE stays sticky until a step commits on it:
   workers that started restoring have dropped their in-memory state, so all of them must restore.
   An executor that refuses a plan as not applicable forces the next plan to RESTORE as well;
@@ -20,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from core_service.backup_windows import unprotected_pairs
 from core_service.jobs import Job
 from core_service.model import Event, MemberRecord, RetryRequest
 from core_service.registry import PlanStore
@@ -60,7 +62,8 @@ def choose_mode(
     `standby`: ranks `new` drops while their workers run (`Plan.standby`): not lost."""
     why = []
     if committed is not None:
-        verdict = judge(committed, new, standby)
+        # copies still being re-seeded after the committed plan protect nothing yet
+        verdict = judge(committed, new, standby, unprotected_pairs(job))
         if not verdict.in_place:
             why.append(verdict.reason)
     if restore_outstanding(job):

@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 
 from planners.layout import Plan
+from planners.reprotect import ReprotectWindow
 from wire import core_tls
 from wire.v1 import executor_pb2, executor_pb2_grpc
 from wire.worker_env import WORKER_TOKEN_FILE_ENV
@@ -41,6 +42,8 @@ PHASES = {
     "APPLIED": executor_pb2.PLAN_PHASE_APPLIED,
     "RESUMED": executor_pb2.PLAN_PHASE_RESUMED,
     "FAILED": executor_pb2.PLAN_PHASE_FAILED,
+    # the plan's re-protection window closed (not a step of the apply: sent after RESUMED)
+    "REPROTECTED": executor_pb2.PLAN_PHASE_REPROTECTED,
 }
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.05, 2.0
 _LEADER_HINT = re.compile(r"leader is\s+(\[[^\]]+\]:\d+|[^\s;,:/]+:\d+)")
@@ -193,10 +196,12 @@ class PlanClient:
         reason: str = "",
         failure: str = "",
         steps_replayed: int = 0,
+        window: ReprotectWindow | None = None,
     ) -> bool:
         """Acknowledge `phase` of plan `epoch`; True when the Core took it (bounded, never raises).
         A FAILED phase names its `failure` (a key of FAILURES) and `reason`; a RESUMED after a
-        restore says how many committed steps it went back over (`steps_replayed`)."""
+        restore says how many committed steps it went back over (`steps_replayed`); APPLIED and
+        REPROTECTED carry the plan's re-protection `window` (open, then closed)."""
         request = executor_pb2.AckPlanPhaseRequest(
             job=self.job,
             worker_id=self.worker_id,
@@ -207,6 +212,8 @@ class PlanClient:
             failure=FAILURES[failure] if failure else executor_pb2.PLAN_FAILURE_UNSPECIFIED,
             steps_replayed=steps_replayed,
         )
+        if window is not None:
+            request.backup_window.CopyFrom(window_message(window))
         return self._unary("AckPlanPhase", request)
 
     def report_peer_failure(self, peer_rank: int, step: int, operation: str, error: str) -> bool:
@@ -307,3 +314,13 @@ class PlanClient:
             self._call.cancel()
         if self._thread is not None:
             self._thread.join(self.rpc_timeout_s)
+
+
+def window_message(window: ReprotectWindow) -> executor_pb2.BackupWindow:
+    """The wire form of a re-protection window (executor.proto `BackupWindow`)."""
+    return executor_pb2.BackupWindow(
+        pairs=[executor_pb2.BackupPair(owner=o, holder=h) for o, h in window.pairs],
+        from_step=window.from_step,
+        until_step=window.until_step,
+        closed_step=window.closed_step or 0,
+    )

@@ -215,6 +215,7 @@ class CoreDrivenWorker(PlanFollowing):
             verify_every=settings.verify_every,
             restore_source=self._restore_source,
             joining=place.joining,
+            reprotect_steps=place.reprotect_steps,
         )
         self.proto = StepProtocol(
             self.comm,
@@ -380,6 +381,11 @@ class CoreDrivenWorker(PlanFollowing):
                 if decided:
                     self.proto.commit()
                     self.phases.mark("commit")
+                    for window in self.participant.take_closed_windows():
+                        # Every moved backup copy is re-seeded: the window closed. Queued before
+                        # the step's metrics, so the Core hears of it before it can see a later
+                        # step (and plan a loss there as inside the window).
+                        self.plans.ack(window.epoch, "REPROTECTED", 0.0, window=window)
                     self._committed(step, result, time.perf_counter() - started)
                     self._write_checkpoint()
                     self.phases.mark("report")
@@ -431,6 +437,7 @@ class CoreDrivenWorker(PlanFollowing):
             plan_epoch=self.proto.plan_epoch,
             checksum_mismatches=self.participant.checksum_mismatches,
             verified_steps=list(self.participant.verified_steps),
+            reprotect_windows=[w.as_dict() for w in self.participant.windows],
         )
         return self.results
 

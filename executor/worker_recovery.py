@@ -252,7 +252,9 @@ class PlanFollowing:
             finally:
                 self._applying = None
             applied = time.perf_counter() - t1
-            self.plans.ack(plan.epoch, "APPLIED", applied)
+            # With the copies the plan re-seeds in the background (planners.reprotect): the Core
+            # plans a loss inside that window as the RESTORE it is.
+            self.plans.ack(plan.epoch, "APPLIED", applied, window=self.participant.window)
             if standby:
                 self.results["left_at_step"], self.results["handed_over_epoch"] = step, plan.epoch
                 print(
@@ -281,6 +283,7 @@ class PlanFollowing:
         from planners.layout import PlanMode  # noqa: PLC0415
 
         resume_at = self.proto.committed_step + 1
+        window = self.participant.window
         record: dict[str, Any] = {
             "step": step,
             "epoch": plan.epoch,
@@ -294,6 +297,9 @@ class PlanFollowing:
             "resume_at": resume_at,
             "applied_unix": time.time(),
             "state_bytes_received": self.participant.rebuilt_bytes,
+            "reprotect_window": None if window is None else window.as_dict(),
+            # the apply after the edit, itemised (FabricParticipant.apply_phases)
+            "apply_phases": {k: round(v, 6) for k, v in self.participant.apply_phases.items()},
         }
         restored = ""
         if plan.mode is PlanMode.RESTORE:

@@ -21,10 +21,18 @@ rebuild read in the other direction, ElasWave §5.2). Ranks a plan drops while t
 (`Plan.standby`: a whole DP replica dropped) are not lost: they hand their live shards over to
 the ranks that take their work (`handover_pairs`), then wait as spares for a plan that takes
 them back (`joiners`).
+
+Right after a plan the copies its layout moved are being re-seeded in the background
+(`planners.reprotect`): until that window closes they protect nothing, so `judge` takes the
+copies still missing (`unprotected`, (owner, holder) pairs) and counts a lost rank whose first
+surviving copy is one of them as without a copy: a RESTORE. Conservative where a shard keeps
+several copies: recovery reads the first surviving one (`recovery_sources`), so a later copy
+that is up to date does not make such a loss in place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from planners.backup import backup_holder_sets, first_surviving, recovery_sources
@@ -43,12 +51,18 @@ class Verdict:
     without_copy: tuple[int, ...] = ()  # lost ranks whose optimizer shard has no surviving copy
 
 
-def lost_without_copy(layout: Layout, lost: frozenset[int]) -> tuple[int, ...]:
-    """Lost ranks of `layout` whose shard and every copy of it are gone (`planners.backup`)."""
-    sets = backup_holder_sets(layout)
-    return tuple(
-        r for r in sorted(lost & frozenset(layout.ranks())) if first_surviving(sets, r, lost) is None
-    )
+def lost_without_copy(
+    layout: Layout, lost: frozenset[int], unprotected: Iterable[tuple[int, int]] = ()
+) -> tuple[int, ...]:
+    """Lost ranks of `layout` whose shard and every copy of it are gone (`planners.backup`), or
+    whose first surviving copy is still being re-seeded (`unprotected`, module docstring)."""
+    sets, missing = backup_holder_sets(layout), frozenset(unprotected)
+    out = []
+    for r in sorted(lost & frozenset(layout.ranks())):
+        src = first_surviving(sets, r, lost)
+        if src is None or (r, src) in missing:
+            out.append(r)
+    return tuple(out)
 
 
 def unit_sources(old: Layout, lost: frozenset[int], layer: int) -> tuple[int, ...]:
@@ -121,22 +135,36 @@ def structural_problem(old: Layout, new: Layout) -> str | None:
     return None
 
 
-def judge(old: Layout, new: Layout, standby: frozenset[int] = frozenset()) -> Verdict:
+def judge(
+    old: Layout,
+    new: Layout,
+    standby: frozenset[int] = frozenset(),
+    unprotected: Iterable[tuple[int, int]] = (),
+) -> Verdict:
     """Whether the executors can go from committed layout `old` to `new` in place. `standby`:
     ranks `new` drops while they are alive (`Plan.standby`): they hand their live state over,
-    so they are not lost and need no copy."""
+    so they are not lost and need no copy. `unprotected`: (owner, holder) copies of `old` still
+    being re-seeded after the plan that made it (`planners.reprotect`): they hold nothing yet."""
     problem = standby_problem(old, new, standby)
     if problem is not None:
         return Verdict(False, problem, frozenset())
     lost = frozenset(old.ranks()) - frozenset(new.ranks()) - standby
-    gone = lost_without_copy(old, lost)
+    missing = frozenset(unprotected)
+    gone = lost_without_copy(old, lost, missing)
     if gone:
         stages = sorted({old.stage_of_rank(r) for r in gone})
+        sets = backup_holder_sets(old)
+        reseeding = [r for r in gone if first_surviving(sets, r, lost) is not None]
         where = (
             "its ring snapshot was on a rank lost with it"
             if old.backup_copies == 1
             else f"every one of its {old.backup_copies} backup copies was on a rank lost with it"
         )
+        if reseeding:
+            where += (
+                f" (for {reseeding}: the surviving copy is still being re-seeded after the last "
+                "plan, inside its re-protection window)"
+            )
         return Verdict(
             False,
             f"the optimizer state of lost ranks {list(gone)} (stages {stages}) has no surviving copy: {where}",

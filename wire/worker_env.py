@@ -56,6 +56,10 @@ DESCRIPTION_ENV = "ELASWAVE_DESCRIPTION_FILE"  # the describe run's ModelDescrip
 INJECT_FAULT_ENV = "ELASWAVE_INJECT_FAULT"
 # A file that, once it holds {"slowdown": S}, makes this rank a straggler (`executor.slow_injection`).
 INJECT_SLOW_FILE_ENV = "ELASWAVE_INJECT_SLOW_FILE"
+# After a plan, the backup copies its layout moved are re-seeded in the background and in place
+# by the commit of this many steps on the new layout (0: all before the first step; default 2).
+REPROTECT_STEPS_ENV = "ELASWAVE_REPROTECT_STEPS"
+REPROTECT_STEPS_DEFAULT = 2
 
 EXIT_OK = 0
 EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a SIGTERM'd process
@@ -140,6 +144,7 @@ class WorkerPlace:
     # A spare (`ELASWAVE_RANK=spare`, rank -1 until then): its rank comes with the plan that takes
     # it in (`planners.layout.Plan.joiners`), found there by its worker id.
     joining: bool = False
+    reprotect_steps: int = REPROTECT_STEPS_DEFAULT  # REPROTECT_STEPS_ENV
 
 
 def _required(name: str) -> str:
@@ -165,6 +170,9 @@ def worker_place_from_env() -> WorkerPlace | None:
             f"got {raw_rank!r}, {timeout}, {spare_wait}"
         )
     results = os.environ.get(RESULTS_ENV)
+    reprotect = os.environ.get(REPROTECT_STEPS_ENV, "").strip() or str(REPROTECT_STEPS_DEFAULT)
+    if not reprotect.isdigit():
+        raise ValueError(f"${REPROTECT_STEPS_ENV} must be a step count >= 0, got {reprotect!r}")
     fault = os.environ.get(INJECT_FAULT_ENV, "").strip()
     kind, _, at = fault.partition("@")
     if fault and (kind != "collective" or not at.isdigit()):
@@ -184,4 +192,5 @@ def worker_place_from_env() -> WorkerPlace | None:
         spare_wait_s=spare_wait,
         slow_file=Path(os.environ[INJECT_SLOW_FILE_ENV]) if os.environ.get(INJECT_SLOW_FILE_ENV) else None,
         joining=raw_rank == SPARE,
+        reprotect_steps=int(reprotect),
     )

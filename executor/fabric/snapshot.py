@@ -17,6 +17,14 @@ Off the critical path, as in Fig. 6b: `exchange_grads` only posts the send and t
 after the gradient reduce-scatter and returns; the transfer overlaps the optimizer update and the
 parameter all-gather, and `finish_exchange` (called by the step protocol just before the commit
 vote) waits for it. `stats` says where the remaining cost goes.
+
+Re-protection after a plan (issue 23, item 2, `planners.reprotect`): `start_seed` keeps the
+copies that are still up to date, posts the full shard to the holders whose copy moved and the
+receives of the shards it must now keep, and returns; training resumes at once. The gradient
+exchange runs for every pair from the first step; a holder whose seed has not arrived keeps the
+committed gradients of its shard in order and applies them right after the seed lands, so the
+copy catches up exactly. `finish_seed` (called at the step that closes the window, or before a
+checksum check) waits for the seed.
 """
 
 from __future__ import annotations
@@ -36,6 +44,16 @@ from executor.fabric.state import ShardState
 SNAPSHOT_TAG = 7100
 # (unit, lo, param, grad, exp_avg, exp_avg_sq, step): the live optimizer's own update of a slice
 UpdateFn = Callable[[str, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
+SEED_TAG = SNAPSHOT_TAG + 6  # a background seed's payload (start_seed)
+Grads = dict[int, dict[str, torch.Tensor]]  # protected worker -> unit -> its gradient slice
+
+
+@dataclass(frozen=True)
+class _Seed:
+    """A seed that landed: install it as `owner`'s copy, then apply the gradients kept for it."""
+
+    owner: int
+    state: ShardState
 
 
 @dataclass
@@ -95,7 +113,13 @@ class ShardBackups:
         self.holders, self.protected_ranks = holders, tuple(protected)
         self.holder = holders[0] if holders else None  # the first copy
         self._states: dict[int, ShardState] = {}
-        self._pending: tuple[int, dict[int, dict[str, torch.Tensor]]] | None = None
+        # protected worker -> unit -> the interval its copy holds (known before a seed lands)
+        self._intervals: dict[int, dict[str, tuple[int, int]]] = {}
+        # committed (step, gradients) of a protected worker whose seed has not landed yet
+        self._backlog: dict[int, list[tuple[int, dict[str, torch.Tensor]]]] = {}
+        # a posted background seed: (ops, receive buffer per protected worker, sent payload, step)
+        self._seeding: tuple[PendingOps, dict[int, torch.Tensor], torch.Tensor, int] | None = None
+        self._pending: tuple[int, Grads] | None = None
         # posted exchange: (step, ops, incoming buffer per protected worker, outgoing buffer)
         self._inflight: tuple[int, PendingOps, dict[int, torch.Tensor], torch.Tensor] | None = None
         self._bad: set[int] = set()  # pairs (peer ids) whose last verify found a mismatch
@@ -104,9 +128,7 @@ class ShardBackups:
         self._committed = 0  # last committed step (the background update may still be running)
         # committed (step, gradients per protected worker) to apply, an Event that flush()
         # waits on, or None (close())
-        self._queue: queue.Queue[tuple[int, dict[int, dict[str, torch.Tensor]]] | threading.Event | None] = (
-            queue.Queue()
-        )
+        self._queue: queue.Queue[tuple[int, Grads] | _Seed | threading.Event | None] = queue.Queue()
         self._errors: list[BaseException] = []
         self._closed = False
         self._lock = threading.Lock()
@@ -125,9 +147,60 @@ class ShardBackups:
         received = self._transfer_states(mine, self.holders, self.protected_ranks)
         with self._lock:
             self._states = received
+            self._intervals = {p: st.intervals() for p, st in received.items()}
             self._pending = None
             self._committed = mine.step
             self._seeded = True
+
+    def start_seed(
+        self,
+        mine: ShardState,
+        kept: Mapping[int, ShardState],
+        send_to: tuple[int, ...],
+        receive: Mapping[int, Mapping[str, tuple[int, int]]],
+    ) -> None:
+        """Re-protect in the background (module docstring): keep the up-to-date copies `kept`
+        (protected worker -> its shard at `mine.step`), post `mine` to the holders `send_to` and
+        the receives of the shards in `receive` (protected worker -> its units' intervals);
+        returns without waiting. Every protected worker is in exactly one of `kept`, `receive`."""
+        if set(kept) & set(receive) or set(kept) | set(receive) != set(self.protected_ranks):
+            raise SnapshotError(
+                f"worker {self.comm.worker}: kept {sorted(kept)} and seeded {sorted(receive)} copies "
+                f"must split the protected workers {list(self.protected_ranks)}"
+            )
+        if not set(send_to) <= set(self.holders):
+            raise SnapshotError(
+                f"worker {self.comm.worker}: seeds to {list(send_to)} are not all its holders"
+            )
+        payload = mine.payload() if send_to else torch.empty(0)
+        bufs = {p: torch.empty(sum(3 * (b - a) for a, b in ivs.values())) for p, ivs in receive.items()}
+        sends = [(self._group(h), payload, h, SEED_TAG) for h in send_to]
+        recvs = [(self._group(p), buf, p, SEED_TAG) for p, buf in bufs.items()]
+        ops = self.comm.post_exchange(sends, recvs)
+        with self._lock:
+            self._states = {p: st.clone() for p, st in kept.items()}
+            self._intervals = {p: st.intervals() for p, st in kept.items()}
+            self._intervals.update({p: dict(ivs) for p, ivs in receive.items()})
+            self._pending = None
+            self._committed = mine.step
+            self._seeded = True
+        self._seeding = (ops, bufs, payload, mine.step)
+
+    @property
+    def seeding(self) -> bool:
+        """A background seed is posted and not finished."""
+        return self._seeding is not None
+
+    def finish_seed(self) -> None:
+        """Wait for the posted background seed (if any) and install the copies it brought, each
+        caught up with the committed gradients kept for it. Bounded like any op (PeerFailure)."""
+        if self._seeding is None:
+            return
+        ops, bufs, _payload, step = self._seeding
+        self.comm.complete(ops)
+        self._seeding = None
+        for p, buf in bufs.items():
+            self._queue.put(_Seed(p, ShardState.from_payload(step, self._intervals[p], buf)))
 
     def _transfer_states(
         self, mine: ShardState, send_to: tuple[int, ...], receive_from: tuple[int, ...]
@@ -161,8 +234,8 @@ class ShardBackups:
         t0 = time.perf_counter()
         out = torch.cat([mine[k].reshape(-1) for k in sorted(mine)]) if mine else torch.empty(0)
         incoming = {  # received where the sent gradients live (device memory on NCCL/HCCL)
-            p: torch.empty(sum(s.stop - s.start for s in st.units.values()), device=out.device)
-            for p, st in self._states.items()
+            p: torch.empty(sum(b - a for a, b in ivs.values()), device=out.device)
+            for p, ivs in self._intervals.items()
         }
         sends = [(self._group(h), out, h, SNAPSHOT_TAG + 3) for h in self.holders]
         recvs = [(self._group(p), buf, p, SNAPSHOT_TAG + 3) for p, buf in incoming.items()]
@@ -180,14 +253,14 @@ class ShardBackups:
         step, ops, incoming, _out = self._inflight
         self.comm.complete(ops)
         self._inflight = None
-        grads: dict[int, dict[str, torch.Tensor]] = {}
+        grads: Grads = {}
         for p, device_buf in incoming.items():
             # to pinned host memory on a side stream; `commit` waits for the copy (device_copy)
             buf = self._stager.stage(device_buf)
-            units, pos = self._states[p].units, 0
+            units, pos = self._intervals[p], 0
             grads[p] = {}
             for k in sorted(units):
-                n = units[k].stop - units[k].start
+                n = units[k][1] - units[k][0]
                 grads[p][k] = buf[pos : pos + n]
                 pos += n
         self._pending = (step, grads)
@@ -262,6 +335,7 @@ class ShardBackups:
         does each backup I keep equal its owner's? The holder tells the owner its verdict, so
         both sides of a pair know; `repair` re-seeds the pairs that failed."""
         t0 = time.perf_counter()
+        self.finish_seed()  # a copy still being seeded has nothing to compare yet
         self.flush()
         digest_out = torch.frombuffer(bytearray(bytes.fromhex(mine.checksum())), dtype=torch.uint8)
         digests = {p: torch.zeros(32, dtype=torch.uint8) for p in self.protected_ranks}
@@ -307,25 +381,30 @@ class ShardBackups:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            step, grads = item
             t0 = time.perf_counter()
             try:
                 with self._lock:
-                    for p, state in self._states.items():
-                        for k, shard in state.units.items():
-                            self.update_fn(
-                                k,
-                                shard.start,
-                                shard.param,
-                                grads[p][k],
-                                shard.exp_avg,
-                                shard.exp_avg_sq,
-                                step,
-                            )
-                        state.step = step
+                    if isinstance(item, _Seed):
+                        self._states[item.owner] = item.state
+                        for step, grads in self._backlog.pop(item.owner, []):
+                            self._apply(item.state, grads, step)
+                    else:
+                        step, by_owner = item
+                        for p, grads in by_owner.items():
+                            state = self._states.get(p)
+                            if state is None:  # its seed has not landed: apply after it, in order
+                                self._backlog.setdefault(p, []).append((step, grads))
+                            else:
+                                self._apply(state, grads, step)
             except BaseException as exc:  # noqa: BLE001 - surfaced by flush()
                 self._errors.append(exc)
             self.stats.update_s += time.perf_counter() - t0
+
+    def _apply(self, state: ShardState, grads: Mapping[str, torch.Tensor], step: int) -> None:
+        """The live optimizer's own update of committed step `step` on one copy."""
+        for k, shard in state.units.items():
+            self.update_fn(k, shard.start, shard.param, grads[k], shard.exp_avg, shard.exp_avg_sq, step)
+        state.step = step
 
 
 class RingSnapshot(ShardBackups):

@@ -105,13 +105,28 @@ class ShardState:
     @staticmethod
     def from_wire(header: torch.Tensor, payload: torch.Tensor) -> ShardState:
         h = ShardState._parse(header)
-        state, pos = ShardState(step=int(h["step"])), 0
-        for name, start, stop in h["units"]:
+        return ShardState.from_payload(int(h["step"]), {n: (a, b) for n, a, b in h["units"]}, payload)
+
+    @staticmethod
+    def from_payload(step: int, intervals: dict[str, tuple[int, int]], payload: torch.Tensor) -> ShardState:
+        """The state whose `payload()` is `payload`, given its units' intervals (a receiver that
+        knows them from the layout needs no header)."""
+        if payload.numel() != sum(3 * (b - a) for a, b in intervals.values()):
+            raise ValueError(
+                f"a payload of {payload.numel()} elements does not hold 3 rows of the intervals {intervals}"
+            )
+        state, pos = ShardState(step=step), 0
+        for name in sorted(intervals):
+            start, stop = intervals[name]
             n = stop - start
             rows = [payload[pos + j * n : pos + (j + 1) * n].clone() for j in range(3)]
             state.units[name] = UnitShard(start, stop, *rows)
             pos += 3 * n
         return state
+
+    def intervals(self) -> dict[str, tuple[int, int]]:
+        """unit -> the [start, stop) it holds."""
+        return {k: (u.start, u.stop) for k, u in self.units.items()}
 
     def to_numpy(self) -> dict[str, tuple[int, int, np.ndarray]]:
         """Picklable copy for tests and reports: unit -> (start, stop, 3 x n array)."""

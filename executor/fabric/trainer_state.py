@@ -24,13 +24,23 @@ the next step, so the step boundary does not stall for it. Two costs of that ste
 by the code: it cannot be rolled back (the moved blocks' committed state is in flight; a failure
 in it raises `MigrationInFlight`), and no ring snapshot protects the job from the plan until the
 following step re-seeds the ring.
+
+Resume first, re-protect after (issue 23, item 2; `planners.reprotect`): with `reprotect_steps`
+n >= 1, a plan re-seeds only the copies its layout moved, in the background: the full shards are
+posted right after the state moved and the step after the plan starts at once; the commit of
+the n-th step on the new layout waits for them (`ReprotectWindow.until_step`), no earlier commit
+does. The window (which copies, from which step to which) is recorded per plan in `windows`; a
+plan that arrives inside it treats those copies as missing (`judge(..., unprotected=...)`, the
+Core's rule too), so a loss whose only surviving copy is one of them is refused in place: a
+RESTORE. n = 0 seeds every pair before the first step, as before (no window).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +62,7 @@ from executor.zero import flat_params, unit_ownership
 from planners.applicability import judge
 from planners.backup import backup_holder_sets, protected_by, recovery_sources
 from planners.layout import Layout, Plan, PlanMode
+from planners.reprotect import Pair, ReprotectWindow, reseed_pairs, shard_intervals
 
 
 @dataclass(frozen=True)
@@ -59,10 +70,12 @@ class CommittedPoint:
     """The state of the last committed step, kept from the first plan after it until the next
     commit: every attempt to reach a new layout starts here, so a recovery cut short (a failure
     during a recovery, ElasWave's promise of consistency under cascades) is simply started again
-    from it. `snapshot` holds the backups this worker kept then (owner -> shard)."""
+    from it. `snapshot` holds the backups this worker kept then (owner -> shard); `unprotected`
+    the copies of the layout then still being re-seeded (its re-protection window was open)."""
 
     state: dict[str, Any]
     snapshot: dict[int, ShardState] | None
+    unprotected: frozenset[Pair] = frozenset()
 
     @property
     def layout(self) -> Layout:
@@ -135,9 +148,14 @@ class FabricParticipant:
         shadow_slots: int = 1,
         restore_source: RestoreSource | None = None,
         joining: bool = False,
+        reprotect_steps: int = 2,
     ) -> None:
         if verify_every < 1:
             raise ValueError(f"verify_every must be >= 1, got {verify_every}")
+        if reprotect_steps < 0:
+            raise ValueError(
+                f"reprotect_steps must be >= 0 (0: re-seed every backup before the first step), got {reprotect_steps}"
+            )
         if migration not in MIGRATION_MODES:
             raise ValueError(f"migration must be one of {MIGRATION_MODES}, got {migration!r}")
         self.trainer, self.comm = trainer, comm
@@ -145,6 +163,18 @@ class FabricParticipant:
         self.migration, self.shadow_slots = migration, shadow_slots
         self.snapshot: ShardBackups | None = None
         self._seeded_layout: Layout | None = None
+        # Re-protection after a plan (module docstring): the copies the last install re-seeds in
+        # the background, the window of the layout in force while they are missing, every window
+        # recorded (closed, open or superseded) and the closed ones not yet taken for reporting.
+        self.reprotect_steps = reprotect_steps
+        self._reseeding: frozenset[Pair] = frozenset()
+        self._window: ReprotectWindow | None = None
+        self.windows: list[ReprotectWindow] = []
+        self._closed_windows: list[ReprotectWindow] = []
+        # Where the last plan's apply went after the groups were edited (seconds): `state` (remap,
+        # rebuild, migration or restore), `backups` (forming the pairs: posting the moved seeds,
+        # or with reprotect_steps = 0 seeding every pair), `barrier` (waiting for the others).
+        self.apply_phases: dict[str, float] = {}
         self._inflight: NonBlockingMigration | None = None  # armed by a plan, runs in the next step
         self._seed_pending = False  # re-seed the ring inside the next step (after a non-blocking move)
         self.checksum_mismatches = 0
@@ -176,6 +206,10 @@ class FabricParticipant:
     def before_vote(self) -> None:
         if self.snapshot is not None:
             self.snapshot.finish_exchange()
+            window = self._window
+            # The step that closes the re-protection window commits only with every seed landed.
+            if window is not None and self.trainer.next_step - 1 >= window.until_step:
+                self.snapshot.finish_seed()
 
     def on_commit(self, step: int) -> None:
         if self._verified_in_step is not None:
@@ -193,6 +227,55 @@ class FabricParticipant:
             self._seed_pending = False
         if self.snapshot is not None:
             self.snapshot.commit(self.trainer.optimizer.step_count)
+        window = self._window
+        if window is not None and step >= window.until_step:
+            if self.snapshot is not None:
+                self.snapshot.finish_seed()  # done before the vote; a no-op here
+            self._record_window(replace(window, closed_step=step))
+            self._closed_windows.append(self.windows[-1])
+            self._window = None
+
+    # ----- re-protection windows -------------------------------------------------------------
+    @property
+    def window(self) -> ReprotectWindow | None:
+        """The re-protection window of the layout in force, while it is open."""
+        return self._window
+
+    def take_closed_windows(self) -> list[ReprotectWindow]:
+        """The windows closed since the last call (the worker reports each to the Core once)."""
+        out, self._closed_windows = self._closed_windows, []
+        return out
+
+    def unprotected(self) -> frozenset[Pair]:
+        """The copies of the committed layout that protect nothing yet: those of its window, if
+        the window is open at the committed step (what a plan from here must treat as missing)."""
+        if self._base is not None:
+            return self._base.unprotected
+        window = self._window
+        if window is None or not window.open_at(self.trainer.next_step - 1):
+            return frozenset()
+        return frozenset(window.pairs)
+
+    def _record_window(self, window: ReprotectWindow) -> None:
+        """Replace the newest record (the same plan's window) with `window`."""
+        assert self.windows and self.windows[-1].epoch == window.epoch
+        self.windows[-1] = window
+
+    def _supersede_window(self, epoch: int) -> None:
+        """A plan arrived while the window was open: its seeds are abandoned with the pairs."""
+        if self._window is not None:
+            self._record_window(replace(self._window, superseded_by=epoch))
+            self._window = None
+
+    def _open_window(self, epoch: int, committed: int) -> None:
+        """Record the window of the plan just applied (nothing when no copy is re-seeded)."""
+        pairs, self._reseeding = self._reseeding, frozenset()
+        if not pairs:
+            return
+        self._window = ReprotectWindow(
+            epoch, tuple(sorted(pairs)), committed + 1, committed + self.reprotect_steps
+        )
+        self.windows.append(self._window)
 
     def on_rollback(self) -> None:
         if self._inflight is not None:
@@ -263,7 +346,8 @@ class FabricParticipant:
                 )
             return None
         standby = frozenset(plan.standby)
-        verdict = judge(plan.old, plan.new, standby)  # the Core's own rule (planners.applicability)
+        # the Core's own rule (planners.applicability), with the copies still being re-seeded
+        verdict = judge(plan.old, plan.new, standby, self.unprotected())
         if not verdict.in_place:
             raise RelayoutError(verdict.reason)
         steps = plan_relayout(plan.old, plan.new, standby)
@@ -278,9 +362,29 @@ class FabricParticipant:
         """Adopt `plan.new` (see `_adopt`), then warm what the first step on it would otherwise
         start cold: the load of its rows under the new layout (the step the failed attempt
         prefetched was for the old one)."""
+        self._reseeding, self.apply_phases = frozenset(), {}
+        t0 = time.perf_counter()
         committed = self._adopt(plan, lost, committed_step)
+        self.apply_phases["state"] = time.perf_counter() - t0 - self.apply_phases.get("backups", 0.0)
+        self._open_window(plan.epoch, committed)
         self.trainer.prefetch(committed + 1)
+        if self.reprotect_steps > 0:
+            t1 = time.perf_counter()
+            self._applied_everywhere(plan)
+            self.apply_phases["barrier"] = time.perf_counter() - t1
         return committed
+
+    def _applied_everywhere(self, plan: Plan) -> None:
+        """Wait until every worker of `plan.new` has adopted it (a store barrier under the plan's
+        epoch: bounded, given up on an abort or a newer plan). Seeding every pair before the
+        first step made an apply collective over the whole layout; with the seeds in the
+        background a worker that moved nothing would otherwise end its apply without hearing of
+        a peer that died during it."""
+        prefix = f"{self.comm.namespace}/e{plan.epoch}/applied/"
+        self.comm.store.set(prefix + str(self.comm.worker), "1")
+        self.comm.wait_keys(
+            [prefix + str(r) for r in plan.new.ranks()], "every worker applied the plan", epoch=plan.epoch
+        )
 
     def _adopt(self, plan: Plan, lost: frozenset[int], committed_step: int) -> int:
         """Adopt `plan.new` from the last committed state (collective over the new layout's
@@ -293,14 +397,14 @@ class FabricParticipant:
         stays until the next commit, so an attempt that fails part-way is retried from it."""
         steps = self.check_plan(plan, lost)
         self.rebuilt_bytes = 0
-        base = CommittedPoint(self._committed, None) if self.joining else self._enter_plan()
+        base = CommittedPoint(self._committed, None) if self.joining else self._enter_plan(plan.epoch)
         self._seed_pending = False  # this plan seeds a ring of its own
         if steps is None:
             return self._restore(plan)
         if steps.rebuild:
             self._rebuild(plan, lost, base, committed_step)
             self._committed = self.trainer.get_state()
-            self._install_snapshot()
+            self._reprotect(base, plan.old)
             return committed_step
         if steps.remap_to is not None:
             self._remap(plan, steps.remap_to, lost, base)
@@ -310,7 +414,7 @@ class FabricParticipant:
         if steps.moves:
             self.migrations.append(migrate(self.trainer, plan.new, "blocking"))
         self._committed = self.trainer.get_state()
-        self._install_snapshot()
+        self._reprotect(base, plan.old)
         return committed_step
 
     def hand_over(self, plan: Plan, lost: frozenset[int]) -> None:
@@ -321,7 +425,7 @@ class FabricParticipant:
         for it. Then it holds nothing the job uses: a spare, taken back by a later plan that
         names it in `Plan.joiners` (the joining path: everything from the live owners)."""
         assert plan.old is not None
-        base = self._enter_plan()
+        base = self._enter_plan(plan.epoch)
         names = self.trainer.unit_names
         transfers = rebuild_plan(
             plan.old,
@@ -346,16 +450,18 @@ class FabricParticipant:
         self._base, self.joining, self._seed_pending = None, True, False
         self.handed_over.append(plan.epoch)
 
-    def _enter_plan(self) -> CommittedPoint:
+    def _enter_plan(self, epoch: int) -> CommittedPoint:
         """The committed point every attempt starts from: frozen at the first plan after a
         commit (the trainer was just rolled back to it); at a later attempt the trainer is put
         back to it, whatever the failed attempt left behind. The ring of a failed attempt is
-        retired: the frozen snapshot is the one that matches the committed state."""
+        retired: the frozen snapshot is the one that matches the committed state. Copies still
+        being re-seeded are frozen as missing (`CommittedPoint.unprotected`)."""
         if self._base is None:
             snap = self.snapshot.states() if self.snapshot is not None else None
-            self._base = CommittedPoint(self._committed, snap)
+            self._base = CommittedPoint(self._committed, snap, self.unprotected())
         else:
             self._revert_to(self._base)
+        self._supersede_window(epoch)
         if self.snapshot is not None:
             self.snapshot.close()
             self.snapshot = None
@@ -382,7 +488,7 @@ class FabricParticipant:
         next_step = 0 if meta is None else meta.next_step
         self.restored_from.append((plan.epoch, None if where is None else str(where), next_step))
         self._committed = self.trainer.get_state()
-        self._install_snapshot()
+        self._reprotect(None, None)  # nothing in memory carries over: every copy re-seeded
         return next_step - 1
 
     def _nonblocking_applies(self, before: Layout | None, moves: tuple[tuple[int, int, int], ...]) -> bool:
@@ -479,7 +585,32 @@ class FabricParticipant:
 
     # ----- shard backups -------------------------------------------------------------------
     def _install_snapshot(self) -> None:
-        """(Re)form this worker's backup pairs for the current layout and seed them."""
+        """(Re)form this worker's backup pairs for the current layout and seed every one before
+        returning (at construction, and after a non-blocking migration)."""
+        self._form_pairs(lambda snap: snap.seed(shard_state_of(self.trainer)))
+
+    def _reprotect(self, base: CommittedPoint | None, old: Layout | None) -> None:
+        """After a plan from `base` (None: a RESTORE, nothing in memory carries over), `old` its
+        committed layout: form the new pairs and re-seed the moved copies in the background
+        (`_start_seed`), or every pair at once with `reprotect_steps` = 0."""
+        if self.reprotect_steps == 0:
+            self._install_snapshot()
+            return
+
+        def start(snap: ShardBackups) -> None:
+            self._reseeding = self._start_seed(snap, base, old)
+
+        self._form_pairs(start)
+
+    def _form_pairs(self, seed: Callable[[ShardBackups], None]) -> None:
+        """Replace this worker's backup pairs with the current layout's, seeded by `seed`."""
+        t0 = time.perf_counter()
+        try:
+            self._replace_pairs(seed)
+        finally:
+            self.apply_phases["backups"] = time.perf_counter() - t0
+
+    def _replace_pairs(self, seed: Callable[[ShardBackups], None]) -> None:
         if self.snapshot is not None:
             self.snapshot.close()
         sets = backup_holder_sets(self.trainer.layout)  # all k copies (Layout.backup_copies)
@@ -489,12 +620,36 @@ class FabricParticipant:
         if self.snapshots and (holders or protected):
             snap = ShardBackups(self.comm, holders, protected, update_fn=self.trainer.update_slice)
             try:
-                snap.seed(shard_state_of(self.trainer))
+                seed(snap)
             except BaseException:
                 snap.close()  # a half-seeded ring must not be read by a later remap
                 raise
             self.snapshot = snap
         self._seeded_layout = self.trainer.layout
+
+    def _start_seed(
+        self, snap: ShardBackups, base: CommittedPoint | None, old: Layout | None
+    ) -> frozenset[Pair]:
+        """Keep the copies `base` holds that the new layout keeps as they are, post the moved
+        ones (`planners.reprotect.reseed_pairs`, the same pairs on every worker); returns them."""
+        layout, me, names = self.trainer.layout, self.comm.worker, self.trainer.unit_names
+        pairs = reseed_pairs(old, layout, base.unprotected if base is not None else ())
+        held = (base.snapshot if base is not None else None) or {}
+        intervals = shard_intervals(layout)
+        expected = {p: {names[k]: (lo, hi) for k, lo, hi in intervals[p]} for p in snap.protected_ranks}
+        kept = {p: held.get(p) for p in snap.protected_ranks if (p, me) not in pairs}
+        for p, state in kept.items():
+            if state is None or state.intervals() != expected[p]:
+                raise SnapshotError(
+                    f"worker {me} should keep its copy of worker {p}'s shard across the plan, but "
+                    f"holds {None if state is None else state.intervals()}, not {expected[p]}"
+                )
+        send_to = tuple(h for h in snap.holders if (me, h) in pairs)
+        receive = {p: expected[p] for p in snap.protected_ranks if (p, me) in pairs}
+        snap.start_seed(
+            shard_state_of(self.trainer), {p: s for p, s in kept.items() if s is not None}, send_to, receive
+        )
+        return pairs
 
     def _on_grads(self, step: int, grads: dict[str, torch.Tensor]) -> None:
         """Gradient hook (right after the reduce-scatter of step `step`): verify periodically,

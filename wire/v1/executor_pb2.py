@@ -25,33 +25,37 @@ _sym_db = _symbol_database.Default()
 from wire.v1 import common_pb2 as wire_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16wire/v1/executor.proto\x12\x0b\x65laswave.v1\x1a\x14wire/v1/common.proto\"L\n\x15SubscribePlansRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x13\n\x0b\x61\x66ter_epoch\x18\x03 \x01(\x04\"9\n\x16SubscribePlansResponse\x12\x1f\n\x04plan\x18\x01 \x01(\x0b\x32\x11.elaswave.v1.Plan\"\xdc\x01\n\x13\x41\x63kPlanPhaseRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12%\n\x05phase\x18\x04 \x01(\x0e\x32\x16.elaswave.v1.PlanPhase\x12\x16\n\x0e\x66\x61ilure_reason\x18\x05 \x01(\t\x12\x14\n\x0cphase_time_s\x18\x06 \x01(\x01\x12)\n\x07\x66\x61ilure\x18\x07 \x01(\x0e\x32\x18.elaswave.v1.PlanFailure\x12\x16\n\x0esteps_replayed\x18\x08 \x01(\x03\"-\n\x14\x41\x63kPlanPhaseResponse\x12\x15\n\rcurrent_epoch\x18\x01 \x01(\x04\"}\n\x18ReportPeerFailureRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x11\n\tpeer_rank\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x11\n\toperation\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"M\n\x19ReportPeerFailureResponse\x12\x18\n\x10peer_marked_lost\x18\x01 \x01(\x08\x12\x16\n\x0epeer_worker_id\x18\x02 \x01(\t\"5\n\x13GetJobStoresRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\"&\n\x14GetJobStoresResponse\x12\x0e\n\x06stores\x18\x01 \x03(\t*\x9e\x01\n\tPlanPhase\x12\x1a\n\x16PLAN_PHASE_UNSPECIFIED\x10\x00\x12\x17\n\x13PLAN_PHASE_RECEIVED\x10\x01\x12\x15\n\x11PLAN_PHASE_PAUSED\x10\x02\x12\x16\n\x12PLAN_PHASE_APPLIED\x10\x03\x12\x16\n\x12PLAN_PHASE_RESUMED\x10\x04\x12\x15\n\x11PLAN_PHASE_FAILED\x10\x05*j\n\x0bPlanFailure\x12\x1c\n\x18PLAN_FAILURE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bPLAN_FAILURE_NOT_APPLICABLE\x10\x01\x12\x1c\n\x18PLAN_FAILURE_INTERRUPTED\x10\x02\x32\xfc\x02\n\x0f\x45xecutorService\x12[\n\x0eSubscribePlans\x12\".elaswave.v1.SubscribePlansRequest\x1a#.elaswave.v1.SubscribePlansResponse0\x01\x12S\n\x0c\x41\x63kPlanPhase\x12 .elaswave.v1.AckPlanPhaseRequest\x1a!.elaswave.v1.AckPlanPhaseResponse\x12\x62\n\x11ReportPeerFailure\x12%.elaswave.v1.ReportPeerFailureRequest\x1a&.elaswave.v1.ReportPeerFailureResponse\x12S\n\x0cGetJobStores\x12 .elaswave.v1.GetJobStoresRequest\x1a!.elaswave.v1.GetJobStoresResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16wire/v1/executor.proto\x12\x0b\x65laswave.v1\x1a\x14wire/v1/common.proto\"L\n\x15SubscribePlansRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x13\n\x0b\x61\x66ter_epoch\x18\x03 \x01(\x04\"9\n\x16SubscribePlansResponse\x12\x1f\n\x04plan\x18\x01 \x01(\x0b\x32\x11.elaswave.v1.Plan\"\x8e\x02\n\x13\x41\x63kPlanPhaseRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12%\n\x05phase\x18\x04 \x01(\x0e\x32\x16.elaswave.v1.PlanPhase\x12\x16\n\x0e\x66\x61ilure_reason\x18\x05 \x01(\t\x12\x14\n\x0cphase_time_s\x18\x06 \x01(\x01\x12)\n\x07\x66\x61ilure\x18\x07 \x01(\x0e\x32\x18.elaswave.v1.PlanFailure\x12\x16\n\x0esteps_replayed\x18\x08 \x01(\x03\x12\x30\n\rbackup_window\x18\t \x01(\x0b\x32\x19.elaswave.v1.BackupWindow\"+\n\nBackupPair\x12\r\n\x05owner\x18\x01 \x01(\r\x12\x0e\n\x06holder\x18\x02 \x01(\r\"r\n\x0c\x42\x61\x63kupWindow\x12&\n\x05pairs\x18\x01 \x03(\x0b\x32\x17.elaswave.v1.BackupPair\x12\x11\n\tfrom_step\x18\x02 \x01(\x03\x12\x12\n\nuntil_step\x18\x03 \x01(\x03\x12\x13\n\x0b\x63losed_step\x18\x04 \x01(\x03\"-\n\x14\x41\x63kPlanPhaseResponse\x12\x15\n\rcurrent_epoch\x18\x01 \x01(\x04\"}\n\x18ReportPeerFailureRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x11\n\tpeer_rank\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x11\n\toperation\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"M\n\x19ReportPeerFailureResponse\x12\x18\n\x10peer_marked_lost\x18\x01 \x01(\x08\x12\x16\n\x0epeer_worker_id\x18\x02 \x01(\t\"5\n\x13GetJobStoresRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\"&\n\x14GetJobStoresResponse\x12\x0e\n\x06stores\x18\x01 \x03(\t*\xba\x01\n\tPlanPhase\x12\x1a\n\x16PLAN_PHASE_UNSPECIFIED\x10\x00\x12\x17\n\x13PLAN_PHASE_RECEIVED\x10\x01\x12\x15\n\x11PLAN_PHASE_PAUSED\x10\x02\x12\x16\n\x12PLAN_PHASE_APPLIED\x10\x03\x12\x16\n\x12PLAN_PHASE_RESUMED\x10\x04\x12\x15\n\x11PLAN_PHASE_FAILED\x10\x05\x12\x1a\n\x16PLAN_PHASE_REPROTECTED\x10\x06*j\n\x0bPlanFailure\x12\x1c\n\x18PLAN_FAILURE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bPLAN_FAILURE_NOT_APPLICABLE\x10\x01\x12\x1c\n\x18PLAN_FAILURE_INTERRUPTED\x10\x02\x32\xfc\x02\n\x0f\x45xecutorService\x12[\n\x0eSubscribePlans\x12\".elaswave.v1.SubscribePlansRequest\x1a#.elaswave.v1.SubscribePlansResponse0\x01\x12S\n\x0c\x41\x63kPlanPhase\x12 .elaswave.v1.AckPlanPhaseRequest\x1a!.elaswave.v1.AckPlanPhaseResponse\x12\x62\n\x11ReportPeerFailure\x12%.elaswave.v1.ReportPeerFailureRequest\x1a&.elaswave.v1.ReportPeerFailureResponse\x12S\n\x0cGetJobStores\x12 .elaswave.v1.GetJobStoresRequest\x1a!.elaswave.v1.GetJobStoresResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'wire.v1.executor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PLANPHASE']._serialized_start=770
-  _globals['_PLANPHASE']._serialized_end=928
-  _globals['_PLANFAILURE']._serialized_start=930
-  _globals['_PLANFAILURE']._serialized_end=1036
+  _globals['_PLANPHASE']._serialized_start=981
+  _globals['_PLANPHASE']._serialized_end=1167
+  _globals['_PLANFAILURE']._serialized_start=1169
+  _globals['_PLANFAILURE']._serialized_end=1275
   _globals['_SUBSCRIBEPLANSREQUEST']._serialized_start=61
   _globals['_SUBSCRIBEPLANSREQUEST']._serialized_end=137
   _globals['_SUBSCRIBEPLANSRESPONSE']._serialized_start=139
   _globals['_SUBSCRIBEPLANSRESPONSE']._serialized_end=196
   _globals['_ACKPLANPHASEREQUEST']._serialized_start=199
-  _globals['_ACKPLANPHASEREQUEST']._serialized_end=419
-  _globals['_ACKPLANPHASERESPONSE']._serialized_start=421
-  _globals['_ACKPLANPHASERESPONSE']._serialized_end=466
-  _globals['_REPORTPEERFAILUREREQUEST']._serialized_start=468
-  _globals['_REPORTPEERFAILUREREQUEST']._serialized_end=593
-  _globals['_REPORTPEERFAILURERESPONSE']._serialized_start=595
-  _globals['_REPORTPEERFAILURERESPONSE']._serialized_end=672
-  _globals['_GETJOBSTORESREQUEST']._serialized_start=674
-  _globals['_GETJOBSTORESREQUEST']._serialized_end=727
-  _globals['_GETJOBSTORESRESPONSE']._serialized_start=729
-  _globals['_GETJOBSTORESRESPONSE']._serialized_end=767
-  _globals['_EXECUTORSERVICE']._serialized_start=1039
-  _globals['_EXECUTORSERVICE']._serialized_end=1419
+  _globals['_ACKPLANPHASEREQUEST']._serialized_end=469
+  _globals['_BACKUPPAIR']._serialized_start=471
+  _globals['_BACKUPPAIR']._serialized_end=514
+  _globals['_BACKUPWINDOW']._serialized_start=516
+  _globals['_BACKUPWINDOW']._serialized_end=630
+  _globals['_ACKPLANPHASERESPONSE']._serialized_start=632
+  _globals['_ACKPLANPHASERESPONSE']._serialized_end=677
+  _globals['_REPORTPEERFAILUREREQUEST']._serialized_start=679
+  _globals['_REPORTPEERFAILUREREQUEST']._serialized_end=804
+  _globals['_REPORTPEERFAILURERESPONSE']._serialized_start=806
+  _globals['_REPORTPEERFAILURERESPONSE']._serialized_end=883
+  _globals['_GETJOBSTORESREQUEST']._serialized_start=885
+  _globals['_GETJOBSTORESREQUEST']._serialized_end=938
+  _globals['_GETJOBSTORESRESPONSE']._serialized_start=940
+  _globals['_GETJOBSTORESRESPONSE']._serialized_end=978
+  _globals['_EXECUTORSERVICE']._serialized_start=1278
+  _globals['_EXECUTORSERVICE']._serialized_end=1658
 # @@protoc_insertion_point(module_scope)

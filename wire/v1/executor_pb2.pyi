@@ -16,6 +16,7 @@ class PlanPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PLAN_PHASE_APPLIED: _ClassVar[PlanPhase]
     PLAN_PHASE_RESUMED: _ClassVar[PlanPhase]
     PLAN_PHASE_FAILED: _ClassVar[PlanPhase]
+    PLAN_PHASE_REPROTECTED: _ClassVar[PlanPhase]
 
 class PlanFailure(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -28,6 +29,7 @@ PLAN_PHASE_PAUSED: PlanPhase
 PLAN_PHASE_APPLIED: PlanPhase
 PLAN_PHASE_RESUMED: PlanPhase
 PLAN_PHASE_FAILED: PlanPhase
+PLAN_PHASE_REPROTECTED: PlanPhase
 PLAN_FAILURE_UNSPECIFIED: PlanFailure
 PLAN_FAILURE_NOT_APPLICABLE: PlanFailure
 PLAN_FAILURE_INTERRUPTED: PlanFailure
@@ -49,7 +51,7 @@ class SubscribePlansResponse(_message.Message):
     def __init__(self, plan: _Optional[_Union[_common_pb2.Plan, _Mapping]] = ...) -> None: ...
 
 class AckPlanPhaseRequest(_message.Message):
-    __slots__ = ("job", "worker_id", "epoch", "phase", "failure_reason", "phase_time_s", "failure", "steps_replayed")
+    __slots__ = ("job", "worker_id", "epoch", "phase", "failure_reason", "phase_time_s", "failure", "steps_replayed", "backup_window")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +60,7 @@ class AckPlanPhaseRequest(_message.Message):
     PHASE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     STEPS_REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_WINDOW_FIELD_NUMBER: _ClassVar[int]
     job: str
     worker_id: str
     epoch: int
@@ -66,7 +69,28 @@ class AckPlanPhaseRequest(_message.Message):
     phase_time_s: float
     failure: PlanFailure
     steps_replayed: int
-    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., phase: _Optional[_Union[PlanPhase, str]] = ..., failure_reason: _Optional[str] = ..., phase_time_s: _Optional[float] = ..., failure: _Optional[_Union[PlanFailure, str]] = ..., steps_replayed: _Optional[int] = ...) -> None: ...
+    backup_window: BackupWindow
+    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., phase: _Optional[_Union[PlanPhase, str]] = ..., failure_reason: _Optional[str] = ..., phase_time_s: _Optional[float] = ..., failure: _Optional[_Union[PlanFailure, str]] = ..., steps_replayed: _Optional[int] = ..., backup_window: _Optional[_Union[BackupWindow, _Mapping]] = ...) -> None: ...
+
+class BackupPair(_message.Message):
+    __slots__ = ("owner", "holder")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    owner: int
+    holder: int
+    def __init__(self, owner: _Optional[int] = ..., holder: _Optional[int] = ...) -> None: ...
+
+class BackupWindow(_message.Message):
+    __slots__ = ("pairs", "from_step", "until_step", "closed_step")
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_STEP_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_STEP_FIELD_NUMBER: _ClassVar[int]
+    pairs: _containers.RepeatedCompositeFieldContainer[BackupPair]
+    from_step: int
+    until_step: int
+    closed_step: int
+    def __init__(self, pairs: _Optional[_Iterable[_Union[BackupPair, _Mapping]]] = ..., from_step: _Optional[int] = ..., until_step: _Optional[int] = ..., closed_step: _Optional[int] = ...) -> None: ...
 
 class AckPlanPhaseResponse(_message.Message):
     __slots__ = ("current_epoch",)
