@@ -301,8 +301,7 @@ class Trainer:
         if overlay is None:
             overlay, self.armed_overlay = self.armed_overlay, None
         self.rng.begin_step(step)
-        for p in self.model.parameters():
-            p.grad = None
+        self.optimizer.zero_grads()  # flat units: backward accumulates into their gradient buffers
         sample_losses: dict[int, torch.Tensor] = {}
         fed: list[int] = []
         B = self.layout.global_batch

@@ -4,10 +4,10 @@ Every rank of a stage holds the full fp32 parameters of the stage's units and co
 gradients for its own samples; the optimizer state (Adam moments) of each unit is split among
 the DP ranks by element intervals. A step is
 
-1. reduce-scatter: one personalised exchange (`all_to_all_v`) sends each owner its slice of every
-   unit's gradient; the owner sums the D contributions *in DP-rank order*, so the reduction
-   order is fixed by the layout and does not depend on which other units share the stage — a
-   pipeline-only change leaves every unit's update bit-identical;
+1. reduce-scatter: one personalised exchange (`alltoall_base`) per unit sends each owner its
+   slice of the unit's gradient; the owner sums the D contributions *in DP-rank order*, so the
+   reduction order is fixed by the layout and does not depend on which other units share the
+   stage — a pipeline-only change leaves every unit's update bit-identical;
 2. gradient clipping by the global norm (when configured): every rank's sum of squares of its
    reduced slices is gathered over the job's "world" group and summed in rank order, so every
    rank computes the same norm, exactly the norm of the full gradient up to summation order;
@@ -15,6 +15,11 @@ the DP ranks by element intervals. A step is
 3. the owner applies the optimizer to its slices (`OptimizerConfig.update_slice`, the same
    function the snapshots replay);
 4. all-gather: the updated parameter slices go back to every rank of the stage.
+
+A unit's parameters and gradients are views of one flat buffer each (`executor.flat_units`), so
+steps 1, 3 and 4 address the owners' intervals in place: the exchanges send the gradient buffer
+as it is and receive straight into the parameter buffer, and the owner updates its slice where
+it lies (issue 23: no flatten, concatenation or copy-back per step).
 
 Ownership of the units is exactly `planners.zero.stage_ownership` (interleaved: DP rank j owns
 shard j of every unit; contiguous: the stage's units concatenated and cut into D chunks), so the
@@ -30,9 +35,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import AllToAllOptions
 
 from executor.comm.groups import WORLD_GROUP
 from executor.engine_comm import EngineComm, all_to_all_v
+from executor.flat_units import FlatUnit, as_flat_view, flat_units
 from executor.optim import OptimizerConfig, Segments
 from executor.precision import LossScaler, PrecisionConfig, has_overflow, unscale_
 from planners.layout import Layout, StageLayout
@@ -48,9 +55,13 @@ GradHook = Callable[[int, dict[str, torch.Tensor]], None]
 
 
 def flat_params(unit: nn.Module) -> torch.Tensor:
-    """The unit's parameters concatenated in `parameters()` order (empty for a unit without any)."""
-    params = [p.detach().reshape(-1) for p in unit.parameters()]
-    return torch.cat(params) if params else torch.empty(0)
+    """A copy of the unit's parameters concatenated in `parameters()` order (empty for a unit
+    without any): one clone of its flat buffer where it has one (executor.flat_units)."""
+    params = [p.detach() for p in unit.parameters()]
+    view = as_flat_view(params)
+    if view is not None:
+        return view.clone()
+    return torch.cat([p.reshape(-1) for p in params]) if params else torch.empty(0)
 
 
 def range_views(tensors: Sequence[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
@@ -129,6 +140,18 @@ def agree_overflow(comm: EngineComm, mine: bool, device: torch.device | str = "c
     return any(flag != 0.0 for flag in gather_world(comm, 1.0 if mine else 0.0, device))
 
 
+def _in_dp_order(intervals: Sequence[Interval], numel: int) -> bool:
+    """Whether the owners' intervals of a unit, in DP order, tile `[0, numel)` (empty ones
+    anywhere): then the unit's flat vector is already the exchange's per-owner layout."""
+    pos = 0
+    for lo, hi in intervals:
+        if hi > lo:
+            if lo != pos:
+                return False
+            pos = hi
+    return pos == numel
+
+
 @dataclass
 class ShardState:
     """Adam moments of the owned slice `[lo, hi)` of one unit."""
@@ -156,9 +179,11 @@ class ShardedOptimizer:
         segments: Mapping[str, Segments] | None = None,
         precision: PrecisionConfig | None = None,
         scaler: LossScaler | None = None,
+        flat: bool = True,
     ) -> None:
         """`precision` sets the gradients' wire dtype; `scaler` (fp16) turns on the overflow
-        check and the unscaling of the reduced slices (executor.precision)."""
+        check and the unscaling of the reduced slices (executor.precision). `flat=False` keeps
+        every unit on the copying path (the same results; for comparisons)."""
         self.comm, self.group, self.cfg, self.grad_hook = comm, group, cfg, grad_hook
         self.precision = precision or PrecisionConfig()
         self.scaler = scaler
@@ -171,12 +196,17 @@ class ShardedOptimizer:
             for n, u in self.units.items()
         }
         self._numel = {n: sum(p.numel() for p in u.parameters()) for n, u in self.units.items()}
+        # Parameters and gradients as views of one flat buffer per unit (executor.flat_units):
+        # the reduce-scatter sends the gradient buffer as it is and the all-gather writes into
+        # the parameter buffer, for every unit whose owners' intervals follow DP order.
+        self.flats: dict[str, FlatUnit] = flat_units(self.units) if flat else {}
         self.last_grad_norm: float | None = None
         self.piggybacked: list[torch.Tensor] | None = None  # see step()
         # unit -> flat [lo, hi) left out of the global norm (a tied weight's second copy, executor.tied)
         self.norm_skip: dict[str, tuple[int, int]] = {}
         self.ownership = {n: list(ownership[n]) for n in self.units}
         self.dp_index, self.dp_size = dp_index, len(next(iter(self.ownership.values())))
+        self._ordered = {n: _in_dp_order(self.ownership[n], self._numel[n]) for n in self.units}
         self.step_count = step_count
         self.shards: dict[str, ShardState] = {}
         for name in self.units:
@@ -188,34 +218,71 @@ class ShardedOptimizer:
     def _size_owned_by(self, k: int) -> int:
         return sum(iv[k][1] - iv[k][0] for iv in self.ownership.values())
 
+    # ------------------------------------------------------------------ per-unit flat vectors
+    def zero_grads(self) -> None:
+        """Before a step's backward: every flat unit's gradient buffer cleared and made its
+        parameters' `.grad` (backward accumulates into it in place); other units' grads dropped."""
+        for name, unit in self.units.items():
+            flat = self.flats.get(name)
+            if flat is not None:
+                flat.zero_grads()
+            else:
+                for p in unit.parameters():
+                    p.grad = None
+
+    def _grad_vector(self, name: str) -> torch.Tensor:
+        """The unit's flat gradient: the buffer itself for a flat unit, else a concatenated copy."""
+        flat = self.flats.get(name)
+        return flat.grads() if flat is not None else flat_grads(self.units[name])
+
+    def _param_vector(self, name: str) -> torch.Tensor | None:
+        """The unit's flat parameters as a view (a flat unit), else None."""
+        flat = self.flats.get(name)
+        if flat is None:
+            return None
+        flat.ensure()
+        return flat.flat
+
+    def _active(self) -> list[str]:
+        """Units with parameters, in stage order: each has one exchange per direction."""
+        return [n for n in self.units if self._numel[n] > 0]
+
     def reduce_scatter_grads(self) -> dict[str, torch.Tensor]:
-        """Sum of every DP rank's gradient over my owned slices, added in DP-rank order."""
-        # Each owner's slices cut straight from the parameters' gradients: one copy (the cat per
-        # owner), not a flattened copy of every unit first.
-        grads = {
-            n: [p.grad if p.grad is not None else torch.zeros_like(p) for p in u.parameters()]
-            for n, u in self.units.items()
-        }
-        to_rank = [
-            torch.cat(
-                [piece for n, iv in self.ownership.items() for piece in range_views(grads[n], *iv[k])]
-                or [torch.empty(0, device=self.device)]
-            )
-            for k in range(self.dp_size)
-        ]
-        mine = self._size_owned_by(self.dp_index)
+        """Sum of every DP rank's gradient over my owned slices, added in DP-rank order.
+
+        One personalised exchange per unit, all issued before the first is waited for. A flat
+        unit's gradient buffer is the exchange's input as it is (ownership cuts every unit into
+        intervals in DP order, `_in_dp_order`): nothing is concatenated or copied to send it."""
         wire = self.precision.wire_dtype
-        if wire != torch.float32:  # fewer bytes on the wire; the sum below stays fp32
-            to_rank = [t.to(wire) for t in to_rank]
-        pieces = all_to_all_v(self.comm, self.group, to_rank, [mine] * self.dp_size)
-        total = pieces[0].clone() if wire == torch.float32 else pieces[0].float()
-        for piece in pieces[1:]:
-            total += piece
-        out, pos = {}, 0
+        works: list[tuple[str, torch.Tensor, Any]] = []
+        for name in self._active():
+            ivs = self.ownership[name]
+            vec = self._grad_vector(name)
+            if not self._ordered[name]:
+                vec = torch.cat([vec[lo:hi] for lo, hi in ivs])
+            if wire != torch.float32:  # fewer bytes on the wire; the sum below stays fp32
+                vec = vec.to(wire)
+            mine = ivs[self.dp_index][1] - ivs[self.dp_index][0]
+            if self.dp_size == 1:
+                works.append((name, vec, None))
+                continue
+            recv = torch.empty(mine * self.dp_size, dtype=vec.dtype, device=vec.device)
+            works.append(
+                (name, recv, self._alltoall(recv, vec, [mine] * self.dp_size, [hi - lo for lo, hi in ivs]))
+            )
+        out: dict[str, torch.Tensor] = {}
+        for name, recv, work in works:
+            if work is not None:
+                self.comm.wait(self.group, work)
+            pieces = recv.chunk(self.dp_size) if self.dp_size > 1 else [recv]
+            total = pieces[0].clone() if pieces[0].dtype == torch.float32 else pieces[0].float()
+            for piece in pieces[1:]:
+                total += piece
+            out[name] = total
         for name, sh in self.shards.items():
-            out[name] = total[pos : pos + sh.hi - sh.lo]
-            pos += sh.hi - sh.lo
-        return out
+            if name not in out:
+                out[name] = torch.zeros(sh.hi - sh.lo, device=self.device)
+        return {n: out[n] for n in self.shards}
 
     def step(self, piggyback: torch.Tensor | None = None) -> bool:
         """reduce-scatter -> update my slices -> all-gather the parameters. Returns False when
@@ -234,15 +301,16 @@ class ShardedOptimizer:
         if self.grad_hook is not None:
             self.grad_hook(self.step_count + 1, grads)
         self.step_count += 1
-        updated = []
+        updated: dict[str, torch.Tensor] = {}
         for name, sh in self.shards.items():
-            param = flat_slice(self.units[name], sh.lo, sh.hi)
+            vec = self._param_vector(name)
+            # A flat unit's owned slice is updated where it lies (a view); others on a copy.
+            param = vec[sh.lo : sh.hi] if vec is not None else flat_slice(self.units[name], sh.lo, sh.hi)
             self.cfg.update_slice(
                 param, grads[name], sh.exp_avg, sh.exp_avg_sq, self.step_count, self.segments[name], sh.lo
             )
-            updated.append(param)
-        mine = torch.cat(updated) if updated else torch.empty(0, device=self.device)
-        self._all_gather_params(mine, piggyback)
+            updated[name] = param
+        self._all_gather_params(updated, piggyback)
         return True
 
     def _unscale(self, grads: dict[str, torch.Tensor]) -> bool:
@@ -274,42 +342,89 @@ class ShardedOptimizer:
         a, b = max(lo, sh.lo) - sh.lo, min(hi, sh.hi) - sh.lo
         return torch.cat([grad[:a], grad[b:]]) if a < b else grad
 
-    def _all_gather_params(self, my_slices: torch.Tensor, extra: torch.Tensor | None = None) -> None:
-        sizes = [self._size_owned_by(k) for k in range(self.dp_size)]
-        if extra is not None and (extra.dim() != 1 or extra.dtype != my_slices.dtype):
-            extra = None  # not the wire's dtype (same on every rank): the caller gathers it itself
-        if extra is not None:
-            my_slices = torch.cat([my_slices, extra.to(my_slices.device)])
-            sizes = [n + extra.numel() for n in sizes]
-        pieces = all_to_all_v(self.comm, self.group, [my_slices] * self.dp_size, sizes)
-        if extra is not None:
-            self.piggybacked = [piece[n - extra.numel() :] for piece, n in zip(pieces, sizes, strict=True)]
-            pieces = [piece[: n - extra.numel()] for piece, n in zip(pieces, sizes, strict=True)]
-        # Every element is overwritten below (ownership covers each unit exactly once), straight
-        # into the parameters where they are contiguous (reshape(-1) is then a view of them).
-        params = {n: [p.detach() for p in u.parameters()] for n, u in self.units.items()}
-        if not all(p.is_contiguous() for ps in params.values() for p in ps):
-            self._all_gather_via_flats(pieces)
+    def _all_gather_params(
+        self, updated: Mapping[str, torch.Tensor], extra: torch.Tensor | None = None
+    ) -> None:
+        """Every owner's updated slices to every rank of the stage: one personalised exchange per
+        unit, all issued before the first is waited for, whose output is a flat unit's parameter
+        buffer itself (each owner's interval lands where it belongs; no copy afterwards). `extra`
+        rides on the smallest unit's exchange (see `step`)."""
+        active = self._active()
+        carrier = min(active, key=lambda n: self._numel[n]) if extra is not None and active else None
+        if extra is not None and (extra.dim() != 1 or (carrier and extra.dtype != updated[carrier].dtype)):
+            extra, carrier = None, None  # not the wire's dtype (same on every rank): the caller gathers it
+        if self.dp_size == 1:
+            self._write_back({n: [v] for n, v in updated.items() if self._param_vector(n) is None})
+            self.piggybacked = None if extra is None else [extra.to(self.device)]
             return
-        for k, piece in enumerate(pieces):
-            pos = 0
-            for name, iv in self.ownership.items():
-                lo, hi = iv[k]
-                for view in range_views(params[name], lo, hi):
-                    view.copy_(piece[pos : pos + view.numel()])
-                    pos += view.numel()
+        posted: list[tuple[str, torch.Tensor, Any]] = []
+        for name in active:
+            mine, sizes = updated[name], [hi - lo for lo, hi in self.ownership[name]]
+            out = self._param_vector(name) if self._ordered[name] and name != carrier else None
+            if name == carrier:
+                assert extra is not None
+                mine = torch.cat([mine, extra.to(mine.device)])
+                sizes = [n + extra.numel() for n in sizes]
+            recv = out if out is not None else torch.empty(sum(sizes), dtype=mine.dtype, device=mine.device)
+            posted.append((name, recv, self._alltoall(recv, mine.repeat(self.dp_size), sizes)))
+            if out is not None:
+                posted[-1] = ("", recv, posted[-1][2])  # written in place: nothing to do after the wait
+        if extra is not None and carrier is None:  # a stage without parameters: the extra alone
+            recv = torch.empty(extra.numel() * self.dp_size, dtype=extra.dtype, device=self.device)
+            sent = extra.to(self.device).repeat(self.dp_size)
+            posted.append(("", recv, self._alltoall(recv, sent, [extra.numel()] * self.dp_size)))
+            self.piggybacked = list(recv.chunk(self.dp_size))
+        received: dict[str, list[torch.Tensor]] = {}
+        for name, recv, work in posted:
+            self.comm.wait(self.group, work)
+            if not name:
+                continue
+            cut = 0 if name != carrier or extra is None else extra.numel()
+            pieces = list(recv.split([hi - lo + cut for lo, hi in self.ownership[name]]))
+            if cut:
+                self.piggybacked = [p[p.numel() - cut :] for p in pieces]
+                pieces = [p[: p.numel() - cut] for p in pieces]
+            received[name] = pieces
+        self._write_back(received)
 
-    def _all_gather_via_flats(self, pieces: list[torch.Tensor]) -> None:
-        """The received slices assembled per unit, then copied in (non-contiguous parameters)."""
-        flats = {n: torch.empty(self._numel[n], device=self.device) for n in self.units}
-        for k, piece in enumerate(pieces):
-            pos = 0
-            for name, iv in self.ownership.items():
-                lo, hi = iv[k]
-                flats[name][lo:hi] = piece[pos : pos + hi - lo]
-                pos += hi - lo
-        for name, unit in self.units.items():
-            assign_flat(unit, flats[name])
+    def _alltoall(
+        self,
+        out: torch.Tensor,
+        sent: torch.Tensor,
+        out_sizes: Sequence[int],
+        sent_sizes: Sequence[int] | None = None,
+    ) -> Any:
+        """Post one personalised exchange on my DP group: `sent_sizes[k]` elements of `sent` (by
+        default an equal share) go to rank k, `out_sizes[k]` from rank k land in `out`, in order.
+        Returns the work to wait on (through `comm.wait`, which guards it)."""
+        sent_sizes = [sent.numel() // self.dp_size] * self.dp_size if sent_sizes is None else sent_sizes
+        return self.comm.group(self.group).alltoall_base(
+            out, sent, list(out_sizes), list(sent_sizes), AllToAllOptions()
+        )
+
+    def _write_back(self, received: Mapping[str, Sequence[torch.Tensor]]) -> None:
+        """Owner k's slice `received[unit][k]` into its interval of the unit's parameters, for the
+        units whose exchange could not write in place (owner by owner, as the stage-wide
+        exchange did, which decides a parameter shared by two units on the stage)."""
+        if not received:
+            return
+        params = {n: [p.detach() for p in self.units[n].parameters()] for n in received}
+        vecs = {n: self._param_vector(n) for n in received}
+        if not all(vecs[n] is not None or all(p.is_contiguous() for p in params[n]) for n in received):
+            flats = {n: flat_params(self.units[n]) for n in received}
+            for name, pieces in received.items():
+                for (lo, hi), piece in zip(self.ownership[name], pieces, strict=True):
+                    flats[name][lo:hi] = piece
+                assign_flat(self.units[name], flats[name])
+            return
+        for k in range(self.dp_size):
+            for name, pieces in received.items():
+                lo, hi = self.ownership[name][k]
+                vec = vecs[name]
+                pos = 0
+                for view in range_views([vec] if vec is not None else params[name], lo, hi):
+                    view.copy_(pieces[k][pos : pos + view.numel()])
+                    pos += view.numel()
 
     def gather_moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Full (exp_avg, exp_avg_sq) of every unit, assembled on every rank of the stage."""
