@@ -208,6 +208,9 @@ class Trainer:
         )
         self.next_step = 0
         self.grad_hook: GradHook | None = None  # kept across layout changes; see executor.zero
+        # Start the ZeRO-1 reduce-scatter of each unit during the backward (executor.grad_overlap);
+        # off: after it (the same sums either way).
+        self.overlap_exchange = True
         # An overlay armed for the next train_step (a non-blocking migration adopted between steps
         # through a plan): the loop that drives the trainer need not know a migration is in flight.
         self.armed_overlay: StepOverlay | None = None
@@ -331,7 +334,14 @@ class Trainer:
             loss = per_sample.sum() / B
             return loss if self.scaler is None else loss * self.scaler.scale
 
-        self.runner.run(forward, overlay.after_backward if overlay is not None else None)
+        # Each unit's reduce-scatter starts as its last backward finishes it, unless something
+        # rewrites gradients after the backward (a cross-stage tie's sync, a migration overlay).
+        overlap = overlay is None and not self.tied.active and self.overlap_exchange
+        self.runner.run(
+            forward,
+            overlay.after_backward if overlay is not None else None,
+            self.optimizer.overlap_backward if overlap else None,
+        )
         if overlay is not None:
             overlay.before_optimizer()
         if self.tied.active:  # Megatron-style: both copies of a cross-stage tie get the whole grad

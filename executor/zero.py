@@ -40,6 +40,7 @@ from torch.distributed import AllToAllOptions
 from executor.comm.groups import WORLD_GROUP
 from executor.engine_comm import EngineComm, all_to_all_v
 from executor.flat_units import FlatUnit, as_flat_view, flat_units
+from executor.grad_overlap import OverlapLauncher
 from executor.optim import OptimizerConfig, Segments
 from executor.precision import LossScaler, PrecisionConfig, has_overflow, unscale_
 from planners.layout import Layout, StageLayout
@@ -207,6 +208,10 @@ class ShardedOptimizer:
         self.ownership = {n: list(ownership[n]) for n in self.units}
         self.dp_index, self.dp_size = dp_index, len(next(iter(self.ownership.values())))
         self._ordered = {n: _in_dp_order(self.ownership[n], self._numel[n]) for n in self.units}
+        # The reduce-scatters start in reverse stage order (the order a backward finishes the
+        # units), during the backward where `overlap_backward` armed them (executor.grad_overlap).
+        self._posted: dict[str, tuple[torch.Tensor, Any]] = {}
+        self.launcher = OverlapLauncher(list(reversed(self._active())), self._launch)
         self.step_count = step_count
         self.shards: dict[str, ShardState] = {}
         for name in self.units:
@@ -221,7 +226,10 @@ class ShardedOptimizer:
     # ------------------------------------------------------------------ per-unit flat vectors
     def zero_grads(self) -> None:
         """Before a step's backward: every flat unit's gradient buffer cleared and made its
-        parameters' `.grad` (backward accumulates into it in place); other units' grads dropped."""
+        parameters' `.grad` (backward accumulates into it in place); other units' grads dropped.
+        Forgets exchanges a failed step started and never waited for."""
+        self.launcher.reset()
+        self._posted = {}
         for name, unit in self.units.items():
             flat = self.flats.get(name)
             if flat is not None:
@@ -247,42 +255,56 @@ class ShardedOptimizer:
         """Units with parameters, in stage order: each has one exchange per direction."""
         return [n for n in self.units if self._numel[n] > 0]
 
+    def overlap_backward(self) -> None:
+        """Right before this step's last backward: start each flat unit's reduce-scatter as soon
+        as autograd has finished its gradients (executor.grad_overlap), overlapping the rest of
+        the backward. Nothing to overlap in a group of one."""
+        if self.dp_size > 1:
+            self.launcher.arm({n: f.params for n, f in self.flats.items() if self._ordered[n]})
+
+    def _launch(self, name: str) -> None:
+        """Post the reduce-scatter of one unit: my DP peers' intervals of its flat gradient to
+        them, theirs of mine to me (summed in `reduce_scatter_grads`)."""
+        ivs, wire = self.ownership[name], self.precision.wire_dtype
+        vec = self._grad_vector(name)
+        if not self._ordered[name]:
+            vec = torch.cat([vec[lo:hi] for lo, hi in ivs])
+        if wire != torch.float32:  # fewer bytes on the wire; the sum below stays fp32
+            vec = vec.to(wire)
+        mine = ivs[self.dp_index][1] - ivs[self.dp_index][0]
+        if self.dp_size == 1:
+            self._posted[name] = (vec[ivs[self.dp_index][0] : ivs[self.dp_index][1]], None)
+            return
+        recv = torch.empty(mine * self.dp_size, dtype=vec.dtype, device=vec.device)
+        self._posted[name] = (
+            recv,
+            self._alltoall(recv, vec, [mine] * self.dp_size, [hi - lo for lo, hi in ivs]),
+        )
+
     def reduce_scatter_grads(self) -> dict[str, torch.Tensor]:
         """Sum of every DP rank's gradient over my owned slices, added in DP-rank order.
 
-        One personalised exchange per unit, all issued before the first is waited for. A flat
-        unit's gradient buffer is the exchange's input as it is (ownership cuts every unit into
-        intervals in DP order, `_in_dp_order`): nothing is concatenated or copied to send it."""
-        wire = self.precision.wire_dtype
-        works: list[tuple[str, torch.Tensor, Any]] = []
-        for name in self._active():
-            ivs = self.ownership[name]
-            vec = self._grad_vector(name)
-            if not self._ordered[name]:
-                vec = torch.cat([vec[lo:hi] for lo, hi in ivs])
-            if wire != torch.float32:  # fewer bytes on the wire; the sum below stays fp32
-                vec = vec.to(wire)
-            mine = ivs[self.dp_index][1] - ivs[self.dp_index][0]
-            if self.dp_size == 1:
-                works.append((name, vec, None))
-                continue
-            recv = torch.empty(mine * self.dp_size, dtype=vec.dtype, device=vec.device)
-            works.append(
-                (name, recv, self._alltoall(recv, vec, [mine] * self.dp_size, [hi - lo for lo, hi in ivs]))
-            )
+        One personalised exchange per unit, started along one fixed order on every rank (some
+        may have started during the backward: `overlap_backward`), all posted before the first
+        is waited for. A flat unit's gradient buffer is the exchange's input as it is (ownership
+        cuts every unit into intervals in DP order, `_in_dp_order`): nothing is concatenated."""
+        self.launcher.finish()
+        posted, self._posted = self._posted, {}
+        self.launcher.reset()
         out: dict[str, torch.Tensor] = {}
-        for name, recv, work in works:
+        for name, sh in self.shards.items():
+            if name not in posted:
+                out[name] = torch.zeros(sh.hi - sh.lo, device=self.device)
+                continue
+            recv, work = posted[name]
             if work is not None:
                 self.comm.wait(self.group, work)
-            pieces = recv.chunk(self.dp_size) if self.dp_size > 1 else [recv]
+            pieces = recv.split([sh.hi - sh.lo] * self.dp_size)
             total = pieces[0].clone() if pieces[0].dtype == torch.float32 else pieces[0].float()
             for piece in pieces[1:]:
                 total += piece
             out[name] = total
-        for name, sh in self.shards.items():
-            if name not in out:
-                out[name] = torch.zeros(sh.hi - sh.lo, device=self.device)
-        return {n: out[n] for n in self.shards}
+        return out
 
     def step(self, piggyback: torch.Tensor | None = None) -> bool:
         """reduce-scatter -> update my slices -> all-gather the parameters. Returns False when

@@ -223,3 +223,57 @@ def test_trainer_units_are_flat_after_steps() -> None:
             p.grad is None or p.grad.untyped_storage().data_ptr() == flat.grad.untyped_storage().data_ptr()
             for p in unit.parameters()
         )
+
+
+def _trainers(overlap: bool, steps: int) -> tuple[dict[int, Any], dict[int, int]]:
+    """PP=2 x DP=2 (threads), dropout on: every rank's parameters, shards and losses after
+    `steps`, and how many of its units' reduce-scatters had started when the backward ended."""
+    ranks = [(0, 1), (2, 3)]
+    lay = layout([(0, 3), (3, NUM_UNITS)], ranks)
+    store, groups = HashStore(), groups_for_stage_ranks(ranks, world=True)
+    out: dict[int, Any] = {}
+    early: dict[int, int] = {}
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            comm = StaticComm(store, rank, groups, timeout_s=30)  # a rendezvous: not under the lock
+            with _SEEDING:
+                trainer = Trainer(gpt_spec(0.1), lay, rank, comm)
+            trainer.overlap_exchange = overlap
+            launcher = trainer.optimizer.launcher
+            finish = launcher.finish
+
+            def counted_finish() -> None:
+                early[rank] = early.get(rank, 0) + launcher.started
+                finish()
+
+            launcher.finish = counted_finish  # type: ignore[method-assign]
+            losses = [trainer.train_step(s).loss for s in range(steps)]
+            out[rank] = (trainer.unit_params(), trainer.optimizer.state(), losses)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return out, early
+
+
+def test_overlapped_exchange_gives_the_same_state_as_the_exchange_after_backward() -> None:
+    overlapped, early = _trainers(True, 4)
+    after, late = _trainers(False, 4)
+    assert all(n > 0 for n in early.values()), early  # exchanges did start during the backward
+    assert not any(late.values()), late
+    for rank, (params, opt, losses) in overlapped.items():
+        ref_params, ref_opt, ref_losses = after[rank]
+        assert losses == ref_losses
+        assert all(torch.equal(params[n], ref_params[n]) for n in params)
+        assert opt["step_count"] == ref_opt["step_count"] == 4
+        for n, (lo, hi, m, v) in opt["shards"].items():
+            assert (lo, hi) == ref_opt["shards"][n][:2]
+            assert torch.equal(m, ref_opt["shards"][n][2]) and torch.equal(v, ref_opt["shards"][n][3])
