@@ -54,6 +54,12 @@ class OverlapLauncher:
         self._waiting[name] -= 1
         if self._waiting[name] == 0:
             self._advance(flush=False)
+        elif self._waiting[name] < 0:  # a second accumulation in one backward: a late gradient
+            raise RuntimeError(
+                f"unit {name!r}: a parameter accumulated a gradient twice in the last backward, "
+                "possibly after its reduce-scatter started; turn the overlap off "
+                "(Trainer.overlap_exchange = False) for this model"
+            )
 
     def _advance(self, flush: bool) -> None:
         while self._next < len(self.order):

@@ -436,7 +436,7 @@ class Trainer:
     # ----------------------------------------------------------------------------------- state
     def unit_params(self) -> dict[str, torch.Tensor]:
         """Full flat parameters of this stage's units (a copy)."""
-        return {n: flat_params(u) for n, u in self.model.units.items()}  # torch.cat copies already
+        return {n: flat_params(u) for n, u in self.model.units.items()}  # a copy (one clone of a flat buffer)
 
     def state_dict_for_rollback(self) -> dict[str, Any]:
         """Everything a rollback needs on this rank: parameters, optimizer shards, step counters."""
@@ -457,7 +457,7 @@ class Trainer:
         optimizer_copy = self.optimizer.state_copier()
 
         def copy_tensors() -> dict[str, Any]:
-            params = {n: flat_params(u) for n, u in units.items()}  # torch.cat copies already
+            params = {n: flat_params(u) for n, u in units.items()}  # a copy (one clone of a flat buffer)
             return {**head, "params": params, "optimizer": optimizer_copy()}
 
         return copy_tensors

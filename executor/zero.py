@@ -83,7 +83,11 @@ def range_views(tensors: Sequence[torch.Tensor], lo: int, hi: int) -> list[torch
 
 def flat_slice(unit: nn.Module, lo: int, hi: int) -> torch.Tensor:
     """A copy of elements `[lo, hi)` of the unit's flat parameters, without flattening the rest."""
-    pieces = range_views([p.detach() for p in unit.parameters()], lo, hi)
+    params = [p.detach() for p in unit.parameters()]
+    view = as_flat_view(params)
+    if view is not None:
+        return view[lo:hi].clone()
+    pieces = range_views(params, lo, hi)
     return torch.cat(pieces) if pieces else torch.empty(0)
 
 
