@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed import AllToAllOptions
 
 from executor.comm.groups import WORLD_GROUP
-from executor.engine_comm import EngineComm, all_to_all_v
+from executor.engine_comm import EngineComm, WorkSet, all_to_all_v
 from executor.flat_units import FlatUnit, as_flat_view, flat_units
 from executor.grad_overlap import OverlapLauncher
 from executor.optim import OptimizerConfig, Segments
@@ -295,14 +295,15 @@ class ShardedOptimizer:
         self.launcher.finish()
         posted, self._posted = self._posted, {}
         self.launcher.reset()
+        works = [work for _recv, work in posted.values() if work is not None]
+        if works:
+            self.comm.wait(self.group, WorkSet(works))  # one guarded op, as one exchange was
         out: dict[str, torch.Tensor] = {}
         for name, sh in self.shards.items():
             if name not in posted:
                 out[name] = torch.zeros(sh.hi - sh.lo, device=self.device)
                 continue
-            recv, work = posted[name]
-            if work is not None:
-                self.comm.wait(self.group, work)
+            recv, _work = posted[name]
             pieces = recv.split([sh.hi - sh.lo] * self.dp_size)
             total = pieces[0].clone() if pieces[0].dtype == torch.float32 else pieces[0].float()
             for piece in pieces[1:]:
@@ -400,9 +401,10 @@ class ShardedOptimizer:
             sent = extra.to(self.device).repeat(self.dp_size)
             posted.append(("", recv, self._alltoall(recv, sent, [extra.numel()] * self.dp_size)))
             self.piggybacked = list(recv.chunk(self.dp_size))
+        if posted:
+            self.comm.wait(self.group, WorkSet([work for _n, _r, work in posted]))
         received: dict[str, list[torch.Tensor]] = {}
-        for name, recv, work in posted:
-            self.comm.wait(self.group, work)
+        for name, recv, _work in posted:
             if not name:
                 continue
             cut = 0 if name != carrier or extra is None else extra.numel()
