@@ -328,7 +328,9 @@ class ShardedOptimizer:
         if self.grad_hook is not None:
             self.grad_hook(self.step_count + 1, grads)
         self.step_count += 1
+        carrier, extra = self._carrier(piggyback)
         updated: dict[str, torch.Tensor] = {}
+        posted: list[tuple[str, torch.Tensor, Any]] = []
         for name, sh in self.shards.items():
             vec = self._param_vector(name)
             # A flat unit's owned slice is updated where it lies (a view); others on a copy.
@@ -337,7 +339,9 @@ class ShardedOptimizer:
                 param, grads[name], sh.exp_avg, sh.exp_avg_sq, self.step_count, self.segments[name], sh.lo
             )
             updated[name] = param
-        self._all_gather_params(updated, piggyback)
+            if self.dp_size > 1 and self._numel[name] > 0:  # its all-gather overlaps the next update
+                posted.append(self._post_gather(name, param, carrier, extra))
+        self._all_gather_params(updated, posted, carrier, extra)
         return True
 
     def _unscale(self, grads: dict[str, torch.Tensor]) -> bool:
@@ -369,33 +373,48 @@ class ShardedOptimizer:
         a, b = max(lo, sh.lo) - sh.lo, min(hi, sh.hi) - sh.lo
         return torch.cat([grad[:a], grad[b:]]) if a < b else grad
 
-    def _all_gather_params(
-        self, updated: Mapping[str, torch.Tensor], extra: torch.Tensor | None = None
-    ) -> None:
-        """Every owner's updated slices to every rank of the stage: one personalised exchange per
-        unit, all issued before the first is waited for, whose output is a flat unit's parameter
-        buffer itself (each owner's interval lands where it belongs; no copy afterwards). `extra`
-        rides on the smallest unit's exchange (see `step`)."""
+    def _carrier(self, extra: torch.Tensor | None) -> tuple[str | None, torch.Tensor | None]:
+        """Which unit's all-gather carries `extra` (the smallest; None: a stage without
+        parameters sends it alone), and `extra` itself, or (None, None) when it cannot ride
+        (not 1-D, or not the parameters' dtype: the caller then gathers it itself)."""
         active = self._active()
-        carrier = min(active, key=lambda n: self._numel[n]) if extra is not None and active else None
-        if extra is not None and (extra.dim() != 1 or (carrier and extra.dtype != updated[carrier].dtype)):
-            extra, carrier = None, None  # not the wire's dtype (same on every rank): the caller gathers it
+        if extra is None or extra.dim() != 1:
+            return None, None
+        if not active:
+            return None, extra
+        carrier = min(active, key=lambda n: self._numel[n])
+        dtype = next(self.units[carrier].parameters()).dtype
+        return (carrier, extra) if extra.dtype == dtype else (None, None)
+
+    def _post_gather(
+        self, name: str, mine: torch.Tensor, carrier: str | None, extra: torch.Tensor | None
+    ) -> tuple[str, torch.Tensor, Any]:
+        """Post the all-gather of one unit: my updated slice to every rank, every owner's into
+        the unit's parameter buffer (a flat unit in DP order) or a scratch buffer. Returns (unit,
+        or "" when written in place; the receiving tensor; the work)."""
+        sizes = [hi - lo for lo, hi in self.ownership[name]]
+        out = self._param_vector(name) if self._ordered[name] and name != carrier else None
+        if name == carrier:
+            assert extra is not None
+            mine = torch.cat([mine, extra.to(mine.device)])
+            sizes = [n + extra.numel() for n in sizes]
+        recv = out if out is not None else torch.empty(sum(sizes), dtype=mine.dtype, device=mine.device)
+        work = self._alltoall(recv, mine.repeat(self.dp_size), sizes)
+        return ("" if out is not None else name), recv, work
+
+    def _all_gather_params(
+        self,
+        updated: Mapping[str, torch.Tensor],
+        posted: list[tuple[str, torch.Tensor, Any]],
+        carrier: str | None,
+        extra: torch.Tensor | None,
+    ) -> None:
+        """Complete the all-gather `step` posted unit by unit (waited for as one op): copy what
+        did not land in place into the parameters and keep the carried `extra` (`piggybacked`)."""
         if self.dp_size == 1:
             self._write_back({n: [v] for n, v in updated.items() if self._param_vector(n) is None})
             self.piggybacked = None if extra is None else [extra.to(self.device)]
             return
-        posted: list[tuple[str, torch.Tensor, Any]] = []
-        for name in active:
-            mine, sizes = updated[name], [hi - lo for lo, hi in self.ownership[name]]
-            out = self._param_vector(name) if self._ordered[name] and name != carrier else None
-            if name == carrier:
-                assert extra is not None
-                mine = torch.cat([mine, extra.to(mine.device)])
-                sizes = [n + extra.numel() for n in sizes]
-            recv = out if out is not None else torch.empty(sum(sizes), dtype=mine.dtype, device=mine.device)
-            posted.append((name, recv, self._alltoall(recv, mine.repeat(self.dp_size), sizes)))
-            if out is not None:
-                posted[-1] = ("", recv, posted[-1][2])  # written in place: nothing to do after the wait
         if extra is not None and carrier is None:  # a stage without parameters: the extra alone
             recv = torch.empty(extra.numel() * self.dp_size, dtype=extra.dtype, device=self.device)
             sent = extra.to(self.device).repeat(self.dp_size)
