@@ -45,6 +45,59 @@ def as_flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((pos - start,), (1,), start)
 
 
+def flat_params(unit: nn.Module) -> torch.Tensor:
+    """A copy of the unit's parameters concatenated in `parameters()` order (empty for a unit
+    without any): one clone of its flat buffer where it has one (executor.flat_units)."""
+    params = [p.detach() for p in unit.parameters()]
+    view = as_flat_view(params)
+    if view is not None:
+        return view.clone()
+    return torch.cat([p.reshape(-1) for p in params]) if params else torch.empty(0)
+
+
+def range_views(tensors: Sequence[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
+    """Elements `[lo, hi)` of the tensors' flat concatenation, as pieces of the tensors
+    themselves (views where a tensor is contiguous), in order: what the ZeRO glue reads and
+    writes instead of flattening a whole unit first."""
+    pieces, pos = [], 0
+    for t in tensors:
+        n = t.numel()
+        a, b = max(lo, pos), min(hi, pos + n)
+        if a < b:
+            pieces.append(t.reshape(-1)[a - pos : b - pos])
+        pos += n
+        if pos >= hi:
+            break
+    return pieces
+
+
+def flat_slice(unit: nn.Module, lo: int, hi: int) -> torch.Tensor:
+    """A copy of elements `[lo, hi)` of the unit's flat parameters, without flattening the rest."""
+    params = [p.detach() for p in unit.parameters()]
+    view = as_flat_view(params)
+    if view is not None:
+        return view[lo:hi].clone()
+    pieces = range_views(params, lo, hi)
+    return torch.cat(pieces) if pieces else torch.empty(0)
+
+
+def flat_grads(unit: nn.Module) -> torch.Tensor:
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in unit.parameters()]
+    return torch.cat(grads) if grads else torch.empty(0)
+
+
+def assign_flat(unit: nn.Module, flat: torch.Tensor) -> None:
+    """Copy a flat vector into the unit's parameters (exact bits)."""
+    numel = sum(p.numel() for p in unit.parameters())
+    if flat.numel() != numel:
+        raise ValueError(f"flat vector has {flat.numel()} elements, unit has {numel}")
+    offset = 0
+    with torch.no_grad():
+        for p in unit.parameters():
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
 def flattenable(unit: nn.Module) -> bool:
     """Whether a unit can live in one flat buffer: it has parameters, all floating point, of one
     dtype and on one device."""

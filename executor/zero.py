@@ -35,77 +35,27 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed import AllToAllOptions
 
 from executor.comm.groups import WORLD_GROUP
-from executor.engine_comm import EngineComm, WorkSet, all_to_all_v
-from executor.flat_units import FlatUnit, as_flat_view, flat_units
-from executor.grad_overlap import OverlapLauncher
+from executor.engine_comm import EngineComm, all_to_all_v
+from executor.flat_units import FlatUnit
+from executor.flat_units import assign_flat as assign_flat  # re-exported: the flat-vector helpers
+from executor.flat_units import flat_grads as flat_grads
+from executor.flat_units import flat_params as flat_params
+from executor.flat_units import flat_slice as flat_slice
+from executor.flat_units import range_views as range_views
 from executor.optim import OptimizerConfig, Segments
 from executor.precision import LossScaler, PrecisionConfig, has_overflow, unscale_
+from executor.zero_exchange import Interval, UnitExchange
 from planners.layout import Layout, StageLayout
 from planners.zero import stage_ownership
 
-Interval = tuple[int, int]
 # Called with (step number being applied, {unit: my reduced gradient slice}) before the update:
 # how the parameter fabric's ring snapshots see each step's gradient shards (ElasWave §5.1).
 GradHook = Callable[[int, dict[str, torch.Tensor]], None]
 
 
 # ---------------------------------------------------------------------------- flat unit views
-
-
-def flat_params(unit: nn.Module) -> torch.Tensor:
-    """A copy of the unit's parameters concatenated in `parameters()` order (empty for a unit
-    without any): one clone of its flat buffer where it has one (executor.flat_units)."""
-    params = [p.detach() for p in unit.parameters()]
-    view = as_flat_view(params)
-    if view is not None:
-        return view.clone()
-    return torch.cat([p.reshape(-1) for p in params]) if params else torch.empty(0)
-
-
-def range_views(tensors: Sequence[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
-    """Elements `[lo, hi)` of the tensors' flat concatenation, as pieces of the tensors
-    themselves (views where a tensor is contiguous), in order: what the ZeRO glue reads and
-    writes instead of flattening a whole unit first."""
-    pieces, pos = [], 0
-    for t in tensors:
-        n = t.numel()
-        a, b = max(lo, pos), min(hi, pos + n)
-        if a < b:
-            pieces.append(t.reshape(-1)[a - pos : b - pos])
-        pos += n
-        if pos >= hi:
-            break
-    return pieces
-
-
-def flat_slice(unit: nn.Module, lo: int, hi: int) -> torch.Tensor:
-    """A copy of elements `[lo, hi)` of the unit's flat parameters, without flattening the rest."""
-    params = [p.detach() for p in unit.parameters()]
-    view = as_flat_view(params)
-    if view is not None:
-        return view[lo:hi].clone()
-    pieces = range_views(params, lo, hi)
-    return torch.cat(pieces) if pieces else torch.empty(0)
-
-
-def flat_grads(unit: nn.Module) -> torch.Tensor:
-    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in unit.parameters()]
-    return torch.cat(grads) if grads else torch.empty(0)
-
-
-def assign_flat(unit: nn.Module, flat: torch.Tensor) -> None:
-    """Copy a flat vector into the unit's parameters (exact bits)."""
-    numel = sum(p.numel() for p in unit.parameters())
-    if flat.numel() != numel:
-        raise ValueError(f"flat vector has {flat.numel()} elements, unit has {numel}")
-    offset = 0
-    with torch.no_grad():
-        for p in unit.parameters():
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
 
 
 # ---------------------------------------------------------------------------------- ownership
@@ -143,18 +93,6 @@ def global_grad_norm(comm: EngineComm, sum_sq: float, device: torch.device | str
 def agree_overflow(comm: EngineComm, mine: bool, device: torch.device | str = "cpu") -> bool:
     """Whether any rank found inf/NaN in its reduced gradient slices: one verdict, every rank."""
     return any(flag != 0.0 for flag in gather_world(comm, 1.0 if mine else 0.0, device))
-
-
-def _in_dp_order(intervals: Sequence[Interval], numel: int) -> bool:
-    """Whether the owners' intervals of a unit, in DP order, tile `[0, numel)` (empty ones
-    anywhere): then the unit's flat vector is already the exchange's per-owner layout."""
-    pos = 0
-    for lo, hi in intervals:
-        if hi > lo:
-            if lo != pos:
-                return False
-            pos = hi
-    return pos == numel
 
 
 @dataclass
@@ -200,22 +138,16 @@ class ShardedOptimizer:
             n: segments[n] if n in segments else cfg.decay_segments(u.named_parameters())
             for n, u in self.units.items()
         }
-        self._numel = {n: sum(p.numel() for p in u.parameters()) for n, u in self.units.items()}
-        # Parameters and gradients as views of one flat buffer per unit (executor.flat_units):
-        # the reduce-scatter sends the gradient buffer as it is and the all-gather writes into
-        # the parameter buffer, for every unit whose owners' intervals follow DP order.
-        self.flats: dict[str, FlatUnit] = flat_units(self.units) if flat else {}
         self.last_grad_norm: float | None = None
         self.piggybacked: list[torch.Tensor] | None = None  # see step()
         # unit -> flat [lo, hi) left out of the global norm (a tied weight's second copy, executor.tied)
         self.norm_skip: dict[str, tuple[int, int]] = {}
         self.ownership = {n: list(ownership[n]) for n in self.units}
         self.dp_index, self.dp_size = dp_index, len(next(iter(self.ownership.values())))
-        self._ordered = {n: _in_dp_order(self.ownership[n], self._numel[n]) for n in self.units}
-        # The reduce-scatters start in reverse stage order (the order a backward finishes the
-        # units), during the backward where `overlap_backward` armed them (executor.grad_overlap).
-        self._posted: dict[str, tuple[torch.Tensor, Any]] = {}
-        self.launcher = OverlapLauncher(list(reversed(self._active())), self._launch)
+        # The per-unit exchanges over the DP group, on flat per-unit buffers (executor.zero_exchange)
+        self.exchange = UnitExchange(
+            comm, group, self.units, self.ownership, dp_index, self.precision.wire_dtype, self.device, flat
+        )
         self.step_count = step_count
         self.shards: dict[str, ShardState] = {}
         for name in self.units:
@@ -229,87 +161,22 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------------ per-unit flat vectors
     def zero_grads(self) -> None:
-        """Before a step's backward: every flat unit's gradient buffer cleared and made its
-        parameters' `.grad` (backward accumulates into it in place); other units' grads dropped.
-        Forgets exchanges a failed step started and never waited for."""
-        self.launcher.reset()
-        self._posted = {}
-        for name, unit in self.units.items():
-            flat = self.flats.get(name)
-            if flat is not None:
-                flat.zero_grads()
-            else:
-                for p in unit.parameters():
-                    p.grad = None
-
-    def _grad_vector(self, name: str) -> torch.Tensor:
-        """The unit's flat gradient: the buffer itself for a flat unit, else a concatenated copy."""
-        flat = self.flats.get(name)
-        return flat.grads() if flat is not None else flat_grads(self.units[name])
-
-    def _param_vector(self, name: str) -> torch.Tensor | None:
-        """The unit's flat parameters as a view (a flat unit), else None."""
-        flat = self.flats.get(name)
-        if flat is None:
-            return None
-        flat.ensure()
-        return flat.flat
-
-    def _active(self) -> list[str]:
-        """Units with parameters, in stage order: each has one exchange per direction."""
-        return [n for n in self.units if self._numel[n] > 0]
+        """Before a step's backward: clear the gradients (flat units: their buffers, which
+        backward then accumulates into; executor.zero_exchange)."""
+        self.exchange.zero_grads()
 
     def overlap_backward(self) -> None:
-        """Right before this step's last backward: start each flat unit's reduce-scatter as soon
-        as autograd has finished its gradients (executor.grad_overlap), overlapping the rest of
-        the backward. Nothing to overlap in a group of one."""
-        if self.dp_size > 1:
-            self.launcher.arm({n: f.params for n, f in self.flats.items() if self._ordered[n]})
+        """Right before this step's last backward: start each unit's reduce-scatter as autograd
+        finishes its gradients (executor.grad_overlap)."""
+        self.exchange.overlap_backward()
 
-    def _launch(self, name: str) -> None:
-        """Post the reduce-scatter of one unit: my DP peers' intervals of its flat gradient to
-        them, theirs of mine to me (summed in `reduce_scatter_grads`)."""
-        ivs, wire = self.ownership[name], self.precision.wire_dtype
-        vec = self._grad_vector(name)
-        if not self._ordered[name]:
-            vec = torch.cat([vec[lo:hi] for lo, hi in ivs])
-        if wire != torch.float32:  # fewer bytes on the wire; the sum below stays fp32
-            vec = vec.to(wire)
-        mine = ivs[self.dp_index][1] - ivs[self.dp_index][0]
-        if self.dp_size == 1:
-            self._posted[name] = (vec[ivs[self.dp_index][0] : ivs[self.dp_index][1]], None)
-            return
-        recv = torch.empty(mine * self.dp_size, dtype=vec.dtype, device=vec.device)
-        self._posted[name] = (
-            recv,
-            self._alltoall(recv, vec, [mine] * self.dp_size, [hi - lo for lo, hi in ivs]),
-        )
+    @property
+    def flats(self) -> dict[str, FlatUnit]:
+        return self.exchange.flats
 
     def reduce_scatter_grads(self) -> dict[str, torch.Tensor]:
-        """Sum of every DP rank's gradient over my owned slices, added in DP-rank order.
-
-        One personalised exchange per unit, started along one fixed order on every rank (some
-        may have started during the backward: `overlap_backward`), all posted before the first
-        is waited for. A flat unit's gradient buffer is the exchange's input as it is (ownership
-        cuts every unit into intervals in DP order, `_in_dp_order`): nothing is concatenated."""
-        self.launcher.finish()
-        posted, self._posted = self._posted, {}
-        self.launcher.reset()
-        works = [work for _recv, work in posted.values() if work is not None]
-        if works:
-            self.comm.wait(self.group, WorkSet(works))  # one guarded op, as one exchange was
-        out: dict[str, torch.Tensor] = {}
-        for name, sh in self.shards.items():
-            if name not in posted:
-                out[name] = torch.zeros(sh.hi - sh.lo, device=self.device)
-                continue
-            recv, _work = posted[name]
-            pieces = recv.split([sh.hi - sh.lo] * self.dp_size)
-            total = pieces[0].clone() if pieces[0].dtype == torch.float32 else pieces[0].float()
-            for piece in pieces[1:]:
-                total += piece
-            out[name] = total
-        return out
+        """Sum of every DP rank's gradient over my owned slices, added in DP-rank order."""
+        return self.exchange.reduce_scatter()
 
     def step(self, piggyback: torch.Tensor | None = None) -> bool:
         """reduce-scatter -> update my slices -> all-gather the parameters. Returns False when
@@ -328,20 +195,21 @@ class ShardedOptimizer:
         if self.grad_hook is not None:
             self.grad_hook(self.step_count + 1, grads)
         self.step_count += 1
-        carrier, extra = self._carrier(piggyback)
+        carrier, extra = self.exchange.carrier(piggyback)
         updated: dict[str, torch.Tensor] = {}
         posted: list[tuple[str, torch.Tensor, Any]] = []
         for name, sh in self.shards.items():
-            vec = self._param_vector(name)
+            vec = self.exchange.param_vector(name)
             # A flat unit's owned slice is updated where it lies (a view); others on a copy.
             param = vec[sh.lo : sh.hi] if vec is not None else flat_slice(self.units[name], sh.lo, sh.hi)
             self.cfg.update_slice(
                 param, grads[name], sh.exp_avg, sh.exp_avg_sq, self.step_count, self.segments[name], sh.lo
             )
             updated[name] = param
-            if self.dp_size > 1 and self._numel[name] > 0:  # its all-gather overlaps the next update
-                posted.append(self._post_gather(name, param, carrier, extra))
-        self._all_gather_params(updated, posted, carrier, extra)
+            if self.dp_size > 1 and self.exchange.numel_of(name) > 0:
+                # posted now: its all-gather overlaps the next unit's update
+                posted.append(self.exchange.post_gather(name, param, carrier, extra))
+        self.piggybacked = self.exchange.finish_gather(updated, posted, carrier, extra)
         return True
 
     def _unscale(self, grads: dict[str, torch.Tensor]) -> bool:
@@ -372,106 +240,6 @@ class ShardedOptimizer:
         sh = self.shards[name]
         a, b = max(lo, sh.lo) - sh.lo, min(hi, sh.hi) - sh.lo
         return torch.cat([grad[:a], grad[b:]]) if a < b else grad
-
-    def _carrier(self, extra: torch.Tensor | None) -> tuple[str | None, torch.Tensor | None]:
-        """Which unit's all-gather carries `extra` (the smallest; None: a stage without
-        parameters sends it alone), and `extra` itself, or (None, None) when it cannot ride
-        (not 1-D, or not the parameters' dtype: the caller then gathers it itself)."""
-        active = self._active()
-        if extra is None or extra.dim() != 1:
-            return None, None
-        if not active:
-            return None, extra
-        carrier = min(active, key=lambda n: self._numel[n])
-        dtype = next(self.units[carrier].parameters()).dtype
-        return (carrier, extra) if extra.dtype == dtype else (None, None)
-
-    def _post_gather(
-        self, name: str, mine: torch.Tensor, carrier: str | None, extra: torch.Tensor | None
-    ) -> tuple[str, torch.Tensor, Any]:
-        """Post the all-gather of one unit: my updated slice to every rank, every owner's into
-        the unit's parameter buffer (a flat unit in DP order) or a scratch buffer. Returns (unit,
-        or "" when written in place; the receiving tensor; the work)."""
-        sizes = [hi - lo for lo, hi in self.ownership[name]]
-        out = self._param_vector(name) if self._ordered[name] and name != carrier else None
-        if name == carrier:
-            assert extra is not None
-            mine = torch.cat([mine, extra.to(mine.device)])
-            sizes = [n + extra.numel() for n in sizes]
-        recv = out if out is not None else torch.empty(sum(sizes), dtype=mine.dtype, device=mine.device)
-        work = self._alltoall(recv, mine.repeat(self.dp_size), sizes)
-        return ("" if out is not None else name), recv, work
-
-    def _all_gather_params(
-        self,
-        updated: Mapping[str, torch.Tensor],
-        posted: list[tuple[str, torch.Tensor, Any]],
-        carrier: str | None,
-        extra: torch.Tensor | None,
-    ) -> None:
-        """Complete the all-gather `step` posted unit by unit (waited for as one op): copy what
-        did not land in place into the parameters and keep the carried `extra` (`piggybacked`)."""
-        if self.dp_size == 1:
-            self._write_back({n: [v] for n, v in updated.items() if self._param_vector(n) is None})
-            self.piggybacked = None if extra is None else [extra.to(self.device)]
-            return
-        if extra is not None and carrier is None:  # a stage without parameters: the extra alone
-            recv = torch.empty(extra.numel() * self.dp_size, dtype=extra.dtype, device=self.device)
-            sent = extra.to(self.device).repeat(self.dp_size)
-            posted.append(("", recv, self._alltoall(recv, sent, [extra.numel()] * self.dp_size)))
-            self.piggybacked = list(recv.chunk(self.dp_size))
-        if posted:
-            self.comm.wait(self.group, WorkSet([work for _n, _r, work in posted]))
-        received: dict[str, list[torch.Tensor]] = {}
-        for name, recv, _work in posted:
-            if not name:
-                continue
-            cut = 0 if name != carrier or extra is None else extra.numel()
-            pieces = list(recv.split([hi - lo + cut for lo, hi in self.ownership[name]]))
-            if cut:
-                self.piggybacked = [p[p.numel() - cut :] for p in pieces]
-                pieces = [p[: p.numel() - cut] for p in pieces]
-            received[name] = pieces
-        self._write_back(received)
-
-    def _alltoall(
-        self,
-        out: torch.Tensor,
-        sent: torch.Tensor,
-        out_sizes: Sequence[int],
-        sent_sizes: Sequence[int] | None = None,
-    ) -> Any:
-        """Post one personalised exchange on my DP group: `sent_sizes[k]` elements of `sent` (by
-        default an equal share) go to rank k, `out_sizes[k]` from rank k land in `out`, in order.
-        Returns the work to wait on (through `comm.wait`, which guards it)."""
-        sent_sizes = [sent.numel() // self.dp_size] * self.dp_size if sent_sizes is None else sent_sizes
-        return self.comm.group(self.group).alltoall_base(
-            out, sent, list(out_sizes), list(sent_sizes), AllToAllOptions()
-        )
-
-    def _write_back(self, received: Mapping[str, Sequence[torch.Tensor]]) -> None:
-        """Owner k's slice `received[unit][k]` into its interval of the unit's parameters, for the
-        units whose exchange could not write in place (owner by owner, as the stage-wide
-        exchange did, which decides a parameter shared by two units on the stage)."""
-        if not received:
-            return
-        params = {n: [p.detach() for p in self.units[n].parameters()] for n in received}
-        vecs = {n: self._param_vector(n) for n in received}
-        if not all(vecs[n] is not None or all(p.is_contiguous() for p in params[n]) for n in received):
-            flats = {n: flat_params(self.units[n]) for n in received}
-            for name, pieces in received.items():
-                for (lo, hi), piece in zip(self.ownership[name], pieces, strict=True):
-                    flats[name][lo:hi] = piece
-                assign_flat(self.units[name], flats[name])
-            return
-        for k in range(self.dp_size):
-            for name, pieces in received.items():
-                lo, hi = self.ownership[name][k]
-                vec = vecs[name]
-                pos = 0
-                for view in range_views([vec] if vec is not None else params[name], lo, hi):
-                    view.copy_(pieces[k][pos : pos + view.numel()])
-                    pos += view.numel()
 
     def gather_moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Full (exp_avg, exp_avg_sq) of every unit, assembled on every rank of the stage."""

@@ -127,7 +127,7 @@ def test_the_step_addresses_the_flat_buffers_in_place(monkeypatch: pytest.Monkey
     seen: dict[int, list[tuple[str, torch.Tensor]]] = {0: [], 1: []}
 
     def body(opt: ShardedOptimizer, units: dict[str, nn.Module], rank: int) -> Any:
-        real_alltoall = opt._alltoall
+        real_alltoall = opt.exchange._alltoall
 
         def alltoall(out: torch.Tensor, sent: torch.Tensor, *args: Any) -> Any:
             seen[rank].append(("out", out))
@@ -135,7 +135,7 @@ def test_the_step_addresses_the_flat_buffers_in_place(monkeypatch: pytest.Monkey
             return real_alltoall(out, sent, *args)
 
         opt.cfg = _SpyConfig(opt.cfg, seen[rank])  # type: ignore[assignment]
-        monkeypatch.setattr(opt, "_alltoall", alltoall)
+        monkeypatch.setattr(opt.exchange, "_alltoall", alltoall)
         opt.zero_grads()
         _backward(units, 0, rank)
         grads_are_views = all(
@@ -241,7 +241,7 @@ def _trainers(overlap: bool, steps: int) -> tuple[dict[int, Any], dict[int, int]
             with _SEEDING:
                 trainer = Trainer(gpt_spec(0.1), lay, rank, comm)
             trainer.overlap_exchange = overlap
-            launcher = trainer.optimizer.launcher
+            launcher = trainer.optimizer.exchange.launcher
             finish = launcher.finish
 
             def counted_finish() -> None:
