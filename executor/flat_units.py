@@ -82,6 +82,7 @@ def flat_slice(unit: nn.Module, lo: int, hi: int) -> torch.Tensor:
 
 
 def flat_grads(unit: nn.Module) -> torch.Tensor:
+    """A concatenated copy of the unit's gradients (zeros for a parameter without one)."""
     grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in unit.parameters()]
     return torch.cat(grads) if grads else torch.empty(0)
 
@@ -93,6 +94,10 @@ def assign_flat(unit: nn.Module, flat: torch.Tensor) -> None:
         raise ValueError(f"flat vector has {flat.numel()} elements, unit has {numel}")
     offset = 0
     with torch.no_grad():
+        view = as_flat_view([p.detach() for p in unit.parameters()])
+        if view is not None:  # a flat unit: one copy into its buffer
+            view.copy_(flat)
+            return
         for p in unit.parameters():
             p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()

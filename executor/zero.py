@@ -17,9 +17,11 @@ the DP ranks by element intervals. A step is
 4. all-gather: the updated parameter slices go back to every rank of the stage.
 
 A unit's parameters and gradients are views of one flat buffer each (`executor.flat_units`), so
-steps 1, 3 and 4 address the owners' intervals in place: the exchanges send the gradient buffer
-as it is and receive straight into the parameter buffer, and the owner updates its slice where
-it lies (issue 23: no flatten, concatenation or copy-back per step).
+steps 1, 3 and 4 address the owners' intervals in place: the exchanges (`executor.zero_exchange`)
+send the gradient buffer as it is and receive straight into the parameter buffer, and the owner
+updates its slice where it lies (issue 23: no flatten, concatenation or copy-back per step). The
+reduce-scatters may start during the backward (`overlap_backward`, executor.grad_overlap) and
+each unit's all-gather is posted right after its update; the sums are the same either way.
 
 Ownership of the units is exactly `planners.zero.stage_ownership` (interleaved: DP rank j owns
 shard j of every unit; contiguous: the stage's units concatenated and cut into D chunks), so the
