@@ -48,7 +48,7 @@ from executor.flat_units import flat_slice as flat_slice
 from executor.flat_units import range_views as range_views
 from executor.optim import OptimizerConfig, Segments
 from executor.precision import LossScaler, PrecisionConfig, has_overflow, unscale_
-from executor.zero_exchange import Interval, UnitExchange
+from executor.zero_exchange import BUCKET_MIN_ELEMENTS, Interval, UnitExchange
 from planners.layout import Layout, StageLayout
 from planners.zero import stage_ownership
 
@@ -125,10 +125,12 @@ class ShardedOptimizer:
         precision: PrecisionConfig | None = None,
         scaler: LossScaler | None = None,
         flat: bool = True,
+        bucket_min: int = BUCKET_MIN_ELEMENTS,
     ) -> None:
         """`precision` sets the gradients' wire dtype; `scaler` (fp16) turns on the overflow
         check and the unscaling of the reduced slices (executor.precision). `flat=False` keeps
-        every unit on the copying path (the same results; for comparisons)."""
+        every unit on the copying path and `bucket_min` sets the size below which units share an
+        exchange (executor.zero_exchange; the same results either way)."""
         self.comm, self.group, self.cfg, self.grad_hook = comm, group, cfg, grad_hook
         self.precision = precision or PrecisionConfig()
         self.scaler = scaler
@@ -148,7 +150,15 @@ class ShardedOptimizer:
         self.dp_index, self.dp_size = dp_index, len(next(iter(self.ownership.values())))
         # The per-unit exchanges over the DP group, on flat per-unit buffers (executor.zero_exchange)
         self.exchange = UnitExchange(
-            comm, group, self.units, self.ownership, dp_index, self.precision.wire_dtype, self.device, flat
+            comm,
+            group,
+            self.units,
+            self.ownership,
+            dp_index,
+            self.precision.wire_dtype,
+            self.device,
+            flat,
+            bucket_min,
         )
         self.step_count = step_count
         self.shards: dict[str, ShardState] = {}
@@ -197,9 +207,7 @@ class ShardedOptimizer:
         if self.grad_hook is not None:
             self.grad_hook(self.step_count + 1, grads)
         self.step_count += 1
-        carrier, extra = self.exchange.carrier(piggyback)
-        updated: dict[str, torch.Tensor] = {}
-        posted: list[tuple[str, torch.Tensor, Any]] = []
+        self.exchange.begin_gather(piggyback)
         for name, sh in self.shards.items():
             vec = self.exchange.param_vector(name)
             # A flat unit's owned slice is updated where it lies (a view); others on a copy.
@@ -207,11 +215,8 @@ class ShardedOptimizer:
             self.cfg.update_slice(
                 param, grads[name], sh.exp_avg, sh.exp_avg_sq, self.step_count, self.segments[name], sh.lo
             )
-            updated[name] = param
-            if self.dp_size > 1 and self.exchange.numel_of(name) > 0:
-                # posted now: its all-gather overlaps the next unit's update
-                posted.append(self.exchange.post_gather(name, param, carrier, extra))
-        self.piggybacked = self.exchange.finish_gather(updated, posted, carrier, extra)
+            self.exchange.updated(name, param)  # posts the unit's all-gather as soon as it can
+        self.piggybacked = self.exchange.finish_gather()
         return True
 
     def _unscale(self, grads: dict[str, torch.Tensor]) -> bool:

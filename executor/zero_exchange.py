@@ -16,9 +16,12 @@ slices); this module moves the bytes. Each unit of the stage has one personalise
 Each direction is waited for as one guarded op (`engine_comm.WorkSet`): to the communicator's
 ledger and failure detection a step still has one reduce-scatter and one all-gather.
 
-A unit without a flat buffer (one sharing a parameter with another unit of the stage: a tie), or
-whose ownership does not follow DP order, takes the copying path: its gradient concatenated per
-owner, its parameters received into a scratch buffer and copied in.
+Units smaller than `BUCKET_MIN_ELEMENTS` are bucketed with their neighbours in launch order (a
+fixed cost per exchange, as DDP's buckets): a bucket of several units, or of a unit without a
+flat buffer (one sharing a parameter with another unit of the stage: a tie) or whose ownership
+does not follow DP order, takes the copying path: its gradients concatenated per owner, its
+parameters received into a scratch buffer and copied in. A bucket is summed element by element
+in DP order like a single unit, so bucketing changes no bit.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ from executor.flat_units import FlatUnit, assign_flat, flat_grads, flat_params, 
 from executor.grad_overlap import OverlapLauncher
 
 Interval = tuple[int, int]
+# Units smaller than this (elements) share an exchange with their neighbours in launch order,
+# concatenated, until the bucket reaches it: a gloo exchange costs a fixed ~0.1 ms of CPU on
+# each side, more than copying a small unit (a small model's units would otherwise pay more in
+# exchanges than the zero-copy path saves). 2^18 elements = 1 MiB of fp32.
+BUCKET_MIN_ELEMENTS = 1 << 18
 
 
 def _in_dp_order(intervals: Sequence[Interval], numel: int) -> bool:
@@ -50,7 +58,7 @@ def _in_dp_order(intervals: Sequence[Interval], numel: int) -> bool:
 
 
 class UnitExchange:
-    """The per-unit exchanges of one stage's DP group (module docstring)."""
+    """The per-unit (per-bucket) exchanges of one stage's DP group (module docstring)."""
 
     def __init__(
         self,
@@ -62,8 +70,10 @@ class UnitExchange:
         wire_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         flat: bool = True,
+        bucket_min: int = BUCKET_MIN_ELEMENTS,
     ) -> None:
-        """`flat=False` keeps every unit on the copying path (the same results; for comparisons)."""
+        """`flat=False` keeps every unit on the copying path, `bucket_min=0` gives every unit its
+        own exchange (the same results either way; for comparisons)."""
         self.comm, self.group, self.wire_dtype = comm, group, wire_dtype
         self.device = torch.device(device)
         self.units = dict(units)
@@ -73,15 +83,40 @@ class UnitExchange:
         # Parameters and gradients as views of one flat buffer per unit (executor.flat_units)
         self.flats: dict[str, FlatUnit] = flat_units(self.units) if flat else {}
         self._ordered = {n: _in_dp_order(self.ownership[n], self._numel[n]) for n in self.units}
-        self._posted: dict[str, tuple[torch.Tensor, Any]] = {}
-        self.launcher = OverlapLauncher(list(reversed(self.active())), self._launch)
+        self.buckets = self._bucket(bucket_min)
+        self._bucket_of = {n: i for i, b in enumerate(self.buckets) for n in b}
+        self._posted: dict[int, tuple[torch.Tensor, Any]] = {}
+        self.launcher = OverlapLauncher([str(i) for i in range(len(self.buckets))], self._launch)
+        self._gather: _Gather | None = None
+
+    def _bucket(self, bucket_min: int) -> list[tuple[str, ...]]:
+        """Runs of consecutive units in launch order (the stage's units in reverse): a unit of
+        at least `bucket_min` elements alone, smaller ones together up to that size."""
+        buckets: list[tuple[str, ...]] = []
+        small: list[str] = []
+        for name in reversed(self.active()):
+            if self._numel[name] >= bucket_min:
+                if small:
+                    buckets.append(tuple(small))
+                    small = []
+                buckets.append((name,))
+                continue
+            small.append(name)
+            if sum(self._numel[n] for n in small) >= bucket_min:
+                buckets.append(tuple(small))
+                small = []
+        return buckets + ([tuple(small)] if small else [])
+
+    def _direct(self, bucket: Sequence[str]) -> bool:
+        """Whether a bucket is one flat unit in DP order: exchanged in place, nothing copied."""
+        return len(bucket) == 1 and bucket[0] in self.flats and self._ordered[bucket[0]]
 
     def zero_grads(self) -> None:
         """Before a step's backward: every flat unit's gradient buffer cleared and made its
         parameters' `.grad` (backward accumulates into it in place); other units' grads dropped.
         Forgets exchanges a failed step started and never waited for."""
         self.launcher.reset()
-        self._posted = {}
+        self._posted, self._gather = {}, None
         for name, unit in self.units.items():
             flat = self.flats.get(name)
             if flat is not None:
@@ -103,43 +138,56 @@ class UnitExchange:
         flat.ensure()
         return flat.flat
 
-    def numel_of(self, name: str) -> int:
-        return self._numel[name]
-
     def active(self) -> list[str]:
-        """Units with parameters, in stage order: each has one exchange per direction."""
+        """Units with parameters, in stage order: each is in one bucket."""
         return [n for n in self.units if self._numel[n] > 0]
 
-    def overlap_backward(self) -> None:
-        """Right before this step's last backward: start each flat unit's reduce-scatter as soon
-        as autograd has finished its gradients (executor.grad_overlap), overlapping the rest of
-        the backward. Nothing to overlap in a group of one."""
-        if self.dp_size > 1:
-            self.launcher.arm({n: f.params for n, f in self.flats.items() if self._ordered[n]})
+    def _mine(self, name: str) -> int:
+        lo, hi = self.ownership[name][self.dp_index]
+        return hi - lo
 
-    def _launch(self, name: str) -> None:
-        """Post the reduce-scatter of one unit: my DP peers' intervals of its flat gradient to
-        them, theirs of mine to me (summed in `reduce_scatter`)."""
-        ivs, wire = self.ownership[name], self.wire_dtype
-        vec = self.grad_vector(name)
-        if not self._ordered[name]:
-            vec = torch.cat([vec[lo:hi] for lo, hi in ivs])
-        if wire != torch.float32:  # fewer bytes on the wire; the sum below stays fp32
-            vec = vec.to(wire)
-        mine = ivs[self.dp_index][1] - ivs[self.dp_index][0]
+    # ---------------------------------------------------------------------------- reduce-scatter
+    def overlap_backward(self) -> None:
+        """Right before this step's last backward: start each bucket's reduce-scatter as soon as
+        autograd has finished its units' gradients (executor.grad_overlap), overlapping the rest
+        of the backward. Buckets of flat units only; nothing to overlap in a group of one."""
+        if self.dp_size > 1:
+            self.launcher.arm(
+                {
+                    str(i): [p for n in b for p in self.flats[n].params]
+                    for i, b in enumerate(self.buckets)
+                    if all(n in self.flats for n in b)
+                }
+            )
+
+    def _launch(self, key: str) -> None:
+        """Post the reduce-scatter of one bucket: my DP peers' intervals of its units' gradients
+        to them, theirs of mine to me (summed in `reduce_scatter`)."""
+        i = int(key)
+        bucket = self.buckets[i]
+        if self._direct(bucket):
+            vec = self.grad_vector(bucket[0])  # the gradient buffer itself, in DP order
+            sizes = [hi - lo for lo, hi in self.ownership[bucket[0]]]
+        else:
+            grads = {n: self.grad_vector(n) for n in bucket}
+            per_owner = [
+                [grads[n][slice(*self.ownership[n][k])] for n in bucket] for k in range(self.dp_size)
+            ]
+            sizes = [sum(t.numel() for t in parts) for parts in per_owner]
+            vec = torch.cat([t for parts in per_owner for t in parts])
+        if self.wire_dtype != torch.float32:  # fewer bytes on the wire; the sum stays fp32
+            vec = vec.to(self.wire_dtype)
+        mine = sizes[self.dp_index]
         if self.dp_size == 1:
-            self._posted[name] = (vec[ivs[self.dp_index][0] : ivs[self.dp_index][1]], None)
+            self._posted[i] = (vec, None)
             return
         recv = torch.empty(mine * self.dp_size, dtype=vec.dtype, device=vec.device)
-        self._posted[name] = (
-            recv,
-            self._alltoall(recv, vec, [mine] * self.dp_size, [hi - lo for lo, hi in ivs]),
-        )
+        self._posted[i] = (recv, self._alltoall(recv, vec, [mine] * self.dp_size, sizes))
 
     def reduce_scatter(self) -> dict[str, torch.Tensor]:
         """Sum of every DP rank's gradient over my owned slices, added in DP-rank order.
 
-        One personalised exchange per unit, started along one fixed order on every rank (some
+        One personalised exchange per bucket, started along one fixed order on every rank (some
         may have started during the backward: `overlap_backward`), all posted before the first
         is waited for. A flat unit's gradient buffer is the exchange's input as it is (ownership
         cuts every unit into intervals in DP order, `_in_dp_order`): nothing is concatenated."""
@@ -150,81 +198,94 @@ class UnitExchange:
         if works:
             self.comm.wait(self.group, WorkSet(works))  # one guarded op, as one exchange was
         out: dict[str, torch.Tensor] = {}
-        for name in self.units:
-            lo, hi = self.ownership[name][self.dp_index]
-            if name not in posted:
-                out[name] = torch.zeros(hi - lo, device=self.device)
-                continue
-            recv, _work = posted[name]
-            pieces = recv.split([hi - lo] * self.dp_size)
+        for i, bucket in enumerate(self.buckets):
+            recv, _work = posted[i]
+            mine = [self._mine(n) for n in bucket]
+            pieces = recv.split([sum(mine)] * self.dp_size)
             total = pieces[0].clone() if pieces[0].dtype == torch.float32 else pieces[0].float()
             for piece in pieces[1:]:
                 total += piece
-            out[name] = total
-        return out
+            out.update(zip(bucket, total.split(mine), strict=True))
+        return {n: out[n] if n in out else torch.zeros(self._mine(n), device=self.device) for n in self.units}
 
-    def carrier(self, extra: torch.Tensor | None) -> tuple[str | None, torch.Tensor | None]:
-        """Which unit's all-gather carries `extra` (the smallest; None: a stage without
-        parameters sends it alone), and `extra` itself, or (None, None) when it cannot ride
-        (not 1-D, or not the parameters' dtype: the caller then gathers it itself)."""
-        active = self.active()
-        if extra is None or extra.dim() != 1:
-            return None, None
-        if not active:
-            return None, extra
-        carrier = min(active, key=lambda n: self._numel[n])
-        dtype = next(self.units[carrier].parameters()).dtype
-        return (carrier, extra) if extra.dtype == dtype else (None, None)
+    # -------------------------------------------------------------------------------- all-gather
+    def begin_gather(self, extra: torch.Tensor | None) -> None:
+        """Before the owner's updates: where the step's `extra` rides (the smallest bucket's
+        exchange; alone on a stage without parameters), or nowhere when it cannot (not 1-D, or
+        not the parameters' dtype: `finish_gather` then returns None and the caller gathers it)."""
+        carrier: int | None = None
+        if extra is not None and extra.dim() == 1 and self.buckets:
+            carrier = min(
+                range(len(self.buckets)), key=lambda i: sum(self._numel[n] for n in self.buckets[i])
+            )
+            if extra.dtype != next(self.units[self.buckets[carrier][0]].parameters()).dtype:
+                extra, carrier = None, None
+        elif extra is not None and extra.dim() != 1:
+            extra = None
+        self._gather = _Gather(carrier, extra)
 
-    def post_gather(
-        self, name: str, mine: torch.Tensor, carrier: str | None, extra: torch.Tensor | None
-    ) -> tuple[str, torch.Tensor, Any]:
-        """Post the all-gather of one unit: my updated slice to every rank, every owner's into
-        the unit's parameter buffer (a flat unit in DP order) or a scratch buffer. Returns (unit,
-        or "" when written in place; the receiving tensor; the work)."""
-        sizes = [hi - lo for lo, hi in self.ownership[name]]
-        out = self.param_vector(name) if self._ordered[name] and name != carrier else None
-        if name == carrier:
-            assert extra is not None
-            mine = torch.cat([mine, extra.to(mine.device)])
-            sizes = [n + extra.numel() for n in sizes]
-        recv = out if out is not None else torch.empty(sum(sizes), dtype=mine.dtype, device=mine.device)
-        work = self._alltoall(recv, mine.repeat(self.dp_size), sizes)
-        return ("" if out is not None else name), recv, work
+    def updated(self, name: str, mine: torch.Tensor) -> None:
+        """The owner updated its slice `mine` of `name`: post its bucket's all-gather once every
+        unit of the bucket is updated (it overlaps the next units' updates)."""
+        g = self._gather
+        assert g is not None, "begin_gather first"
+        g.updated[name] = mine
+        i = self._bucket_of.get(name)
+        if self.dp_size == 1 or i is None or not all(n in g.updated for n in self.buckets[i]):
+            return
+        bucket, sizes = self.buckets[i], [0] * self.dp_size
+        for n in bucket:
+            for k, (lo, hi) in enumerate(self.ownership[n]):
+                sizes[k] += hi - lo
+        parts = [g.updated[n] for n in bucket]
+        out = self.param_vector(bucket[0]) if self._direct(bucket) and i != g.carrier else None
+        if i == g.carrier:
+            assert g.extra is not None
+            parts.append(g.extra.to(parts[0].device))
+            sizes = [n + g.extra.numel() for n in sizes]
+        sent = (parts[0] if len(parts) == 1 else torch.cat(parts)).repeat(self.dp_size)
+        recv = out if out is not None else torch.empty(sum(sizes), dtype=sent.dtype, device=sent.device)
+        g.posted.append((i if out is None else -1, recv, self._alltoall(recv, sent, sizes)))
 
-    def finish_gather(
-        self,
-        updated: Mapping[str, torch.Tensor],
-        posted: list[tuple[str, torch.Tensor, Any]],
-        carrier: str | None,
-        extra: torch.Tensor | None,
-    ) -> list[torch.Tensor] | None:
-        """Complete the all-gather posted unit by unit (`post_gather`; waited for as one op):
-        copy what did not land in place into the parameters. Returns every rank's carried
-        `extra`, in DP order (None without one)."""
-        self.piggybacked: list[torch.Tensor] | None = None
+    def finish_gather(self) -> list[torch.Tensor] | None:
+        """Complete the all-gather (waited for as one op): copy what did not land in place into
+        the parameters. Returns every rank's carried `extra`, in DP order (None without one)."""
+        g, self._gather = self._gather, None
+        assert g is not None, "begin_gather first"
         if self.dp_size == 1:
-            self.write_back({n: [v] for n, v in updated.items() if self.param_vector(n) is None})
-            return None if extra is None else [extra.to(self.device)]
-        if extra is not None and carrier is None:  # a stage without parameters: the extra alone
-            recv = torch.empty(extra.numel() * self.dp_size, dtype=extra.dtype, device=self.device)
-            sent = extra.to(self.device).repeat(self.dp_size)
-            posted.append(("", recv, self._alltoall(recv, sent, [extra.numel()] * self.dp_size)))
-            self.piggybacked = list(recv.chunk(self.dp_size))
-        if posted:
-            self.comm.wait(self.group, WorkSet([work for _n, _r, work in posted]))
+            self.write_back({n: [v] for n, v in g.updated.items() if self.param_vector(n) is None})
+            return None if g.extra is None else [g.extra.to(self.device)]
+        piggybacked: list[torch.Tensor] | None = None
+        if g.extra is not None and g.carrier is None:  # a stage without parameters: the extra alone
+            e = g.extra.numel()
+            recv = torch.empty(e * self.dp_size, dtype=g.extra.dtype, device=self.device)
+            g.posted.append(
+                (
+                    -1,
+                    recv,
+                    self._alltoall(recv, g.extra.to(self.device).repeat(self.dp_size), [e] * self.dp_size),
+                )
+            )
+            piggybacked = list(recv.chunk(self.dp_size))
+        if g.posted:
+            self.comm.wait(self.group, WorkSet([work for _i, _r, work in g.posted]))
         received: dict[str, list[torch.Tensor]] = {}
-        for name, recv, _work in posted:
-            if not name:
+        for i, recv, _work in g.posted:
+            if i < 0:
                 continue
-            cut = 0 if name != carrier or extra is None else extra.numel()
-            pieces = list(recv.split([hi - lo + cut for lo, hi in self.ownership[name]]))
+            bucket = self.buckets[i]
+            cut = g.extra.numel() if i == g.carrier and g.extra is not None else 0
+            sizes = [
+                [hi - lo for lo, hi in (self.ownership[n][k] for n in bucket)] for k in range(self.dp_size)
+            ]
+            pieces = recv.split([sum(s) + cut for s in sizes])
             if cut:
-                self.piggybacked = [p[p.numel() - cut :] for p in pieces]
-                pieces = [p[: p.numel() - cut] for p in pieces]
-            received[name] = pieces
+                piggybacked = [p[p.numel() - cut :] for p in pieces]
+            for k, piece in enumerate(pieces):
+                for n, part in zip(bucket, piece[: piece.numel() - cut].split(sizes[k]), strict=True):
+                    received.setdefault(n, []).append(part)
         self.write_back(received)
-        return self.piggybacked
+        return piggybacked
 
     def _alltoall(
         self,
@@ -247,6 +308,7 @@ class UnitExchange:
         exchange did, which decides a parameter shared by two units on the stage)."""
         if not received:
             return
+        received = {n: received[n] for n in self.units if n in received}  # stage order
         params = {n: [p.detach() for p in self.units[n].parameters()] for n in received}
         vecs = {n: self.param_vector(n) for n in received}
         if not all(vecs[n] is not None or all(p.is_contiguous() for p in params[n]) for n in received):
@@ -264,3 +326,13 @@ class UnitExchange:
                 for view in range_views([vec] if vec is not None else params[name], lo, hi):
                     view.copy_(pieces[k][pos : pos + view.numel()])
                     pos += view.numel()
+
+
+class _Gather:
+    """One step's all-gather in progress: where `extra` rides, the updated slices so far and the
+    posted exchanges (bucket index, or -1 when received in place; receiving tensor; work)."""
+
+    def __init__(self, carrier: int | None, extra: torch.Tensor | None) -> None:
+        self.carrier, self.extra = carrier, extra
+        self.updated: dict[str, torch.Tensor] = {}
+        self.posted: list[tuple[int, torch.Tensor, Any]] = []

@@ -54,9 +54,10 @@ def _both(
             comm = StaticComm(store, rank, groups_for_stage_ranks([(0, 1)], world=True), timeout_s=30)
             units = _units()
             cfg = OptimizerConfig("adamw", lr=1e-2, weight_decay=0.01, max_grad_norm=0.5)
-            opt = ShardedOptimizer(
-                comm, GROUP, units, _ownership(units, kw["swapped"]), rank, cfg, flat=kw["flat"]
-            )
+            own = _ownership(units, kw["swapped"])
+            # bucket_min 0 by default: every unit its own exchange (the tiny units would share one)
+            bucket = kw.get("bucket_min", 0)
+            opt = ShardedOptimizer(comm, GROUP, units, own, rank, cfg, flat=kw["flat"], bucket_min=bucket)
             results[rank] = body(opt, units, rank)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
             errors.append(exc)
@@ -105,8 +106,10 @@ def _train(steps: int) -> Callable[[ShardedOptimizer, dict[str, nn.Module], int]
 
 
 @pytest.mark.parametrize("swapped", [False, True])
-def test_flat_and_copying_paths_agree_bitwise(swapped: bool) -> None:
-    flat = _both(HashStore(), _train(4), flat=True, swapped=swapped)
+@pytest.mark.parametrize("bucket_min", [0, 1 << 20])
+def test_flat_and_copying_paths_agree_bitwise(swapped: bool, bucket_min: int) -> None:
+    """Per-unit in place, or both units in one bucket (copied), against the copying path."""
+    flat = _both(HashStore(), _train(4), flat=True, swapped=swapped, bucket_min=bucket_min)
     copying = _both(HashStore(), _train(4), flat=False, swapped=swapped)
     for (fp, fs), (cp, cs) in zip(flat, copying, strict=True):
         assert all(torch.equal(fp[n], cp[n]) for n in fp)
