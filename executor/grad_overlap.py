@@ -1,10 +1,11 @@
 """Start each unit's ZeRO-1 reduce-scatter while the rest of the backward still runs (issue 23).
 
 DDP hides most of its gradient all-reduce behind the backward: a bucket's all-reduce starts as
-soon as autograd has produced the bucket's last gradient. The ZeRO-1 stage (executor.zero) does
-the same per unit: armed right before the step's last backward on this rank (the gradients of
-the earlier micro-batches are not final yet), a post-accumulate-grad hook on every trainable
-parameter counts the unit down, and a unit whose parameters have all accumulated is final.
+soon as autograd has produced the bucket's last gradient. The ZeRO-1 stage (executor.zero_exchange)
+does the same per bucket of units (a large unit is a bucket of its own): armed right before the
+step's last backward on this rank (the gradients of the earlier micro-batches are not final yet),
+a post-accumulate-grad hook on every trainable parameter counts its bucket down, and a bucket
+whose parameters have all accumulated is final. (Below, "unit" is whatever the caller launches.)
 
 Collectives on a group must be issued in the same order on every rank, whatever order autograd
 happens to finish the units in, so exchanges start along one fixed order (the stage's units in
