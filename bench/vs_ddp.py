@@ -200,6 +200,7 @@ class Prof:
 def instrument_engine(prof: Prof) -> None:
     """Wrap the engine's methods (class level, in this worker process only)."""
     import executor.zero as zero  # noqa: PLC0415
+    import executor.zero_exchange as zero_exchange  # noqa: PLC0415
     from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
     from executor.pipeline import PipelineRunner  # noqa: PLC0415
     from executor.sampler import Prefetcher  # noqa: PLC0415
@@ -216,13 +217,24 @@ def instrument_engine(prof: Prof) -> None:
         (PipelineRunner, "_input_grads", "backward"),
         (PipelineRunner, "_send", "pipeline send"),
         (PipelineRunner, "_recv", "pipeline recv"),
-        (zero.ShardedOptimizer, "step", "zero: update glue (param slice copies, cat)"),
-        (zero.ShardedOptimizer, "reduce_scatter_grads", "zero: reduce-scatter glue (cat, sum)"),
+        (zero.ShardedOptimizer, "step", "zero: update glue (owned slices of the flat buffers)"),
+        (zero_exchange.UnitExchange, "zero_grads", "zero: clear the flat gradient buffers"),
+        (
+            zero_exchange.UnitExchange,
+            "_launch",
+            "zero: post a bucket's reduce-scatter (in backward if overlapped)",
+        ),
+        (zero_exchange.UnitExchange, "reduce_scatter", "zero: reduce-scatter wait + DP-order sum"),
         (zero, "flat_grads", "zero: flatten grads"),
         (zero, "flat_params", "zero: flatten params"),
         (zero, "assign_flat", "zero: copy params back into modules"),
         (zero, "all_to_all_v", "zero: all_to_all_v (reduce-scatter + all-gather comm)"),
-        (zero.ShardedOptimizer, "_all_gather_params", "zero: all-gather glue"),
+        (
+            zero_exchange.UnitExchange,
+            "updated",
+            "zero: post a bucket's all-gather (a flat unit: into its buffer)",
+        ),
+        (zero_exchange.UnitExchange, "finish_gather", "zero: all-gather wait (+ copies where not in place)"),
         (OptimizerConfig, "update_slice", "optimizer: AdamW math on own shard"),
         (Trainer, "_global_loss", "loss all-gather"),
         (FabricParticipant, "_on_grads", "snapshot: post gradient exchange (+ periodic verify)"),

@@ -195,6 +195,26 @@ class StaticComm:
             work.wait(self.timeout)  # type: ignore[attr-defined]
 
 
+class WorkSet:
+    """Several works issued on one group, waited for as one guarded op: `comm.wait(name,
+    WorkSet(works))` counts one collective (the per-unit exchanges of a ZeRO-1 step are one
+    reduce-scatter and one all-gather to the communicator's ledger and failure detection)."""
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = list(works)
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return torch.futures.collect_all([w.get_future() for w in self.works])
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self.works:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
+        return True
+
+
 def all_to_all_v(
     comm: EngineComm, name: str, inputs: Sequence[torch.Tensor], output_sizes: Sequence[int]
 ) -> list[torch.Tensor]:

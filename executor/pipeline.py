@@ -211,12 +211,23 @@ class PipelineRunner:
         self,
         forward: Callable[[int, Activation | None], Activation],
         after_backward: Callable[[int], None] | None = None,
+        before_last_backward: Callable[[], None] | None = None,
     ) -> None:
+        """Run the program. `before_last_backward` is called right before this rank's last
+        backward of the step (when every gradient that backward adds to is final after it)."""
+        last_bwd = max(
+            (
+                i
+                for i, op in enumerate(self.program)
+                if op.kind == "bwd" and len(self.layout.samples_of(self.rank, op.slot)) > 0
+            ),
+            default=-1,
+        )
         inputs: dict[int, Activation] = {}
         outputs: dict[int, Activation] = {}
         grads_from_next: dict[int, list[torch.Tensor]] = {}
         grads_to_prev: dict[int, list[torch.Tensor]] = {}
-        for op in self.program:
+        for i, op in enumerate(self.program):
             m = op.slot
             if len(self.layout.samples_of(self.rank, m)) == 0:
                 continue
@@ -230,6 +241,8 @@ class PipelineRunner:
                 assert self.out_spec is not None
                 grads_from_next[m] = self._recv(m, "next", self.out_spec, grads_only=True)
             elif op.kind == "bwd":
+                if i == last_bwd and before_last_backward is not None:
+                    before_last_backward()
                 self._backward(outputs.pop(m), grads_from_next.pop(m, None))
                 received = inputs.pop(m, None)
                 if received is not None:

@@ -208,6 +208,11 @@ class Trainer:
         )
         self.next_step = 0
         self.grad_hook: GradHook | None = None  # kept across layout changes; see executor.zero
+        # Start the ZeRO-1 reduce-scatter of each unit during the backward (executor.grad_overlap);
+        # off: after it (the same sums either way). CPU only for now: on an accelerator autograd
+        # runs the hooks on its device thread, whose stream ordering against the collective's
+        # has not been validated here.
+        self.overlap_exchange = self.device.type == "cpu"
         # An overlay armed for the next train_step (a non-blocking migration adopted between steps
         # through a plan): the loop that drives the trainer need not know a migration is in flight.
         self.armed_overlay: StepOverlay | None = None
@@ -301,8 +306,7 @@ class Trainer:
         if overlay is None:
             overlay, self.armed_overlay = self.armed_overlay, None
         self.rng.begin_step(step)
-        for p in self.model.parameters():
-            p.grad = None
+        self.optimizer.zero_grads()  # flat units: backward accumulates into their gradient buffers
         sample_losses: dict[int, torch.Tensor] = {}
         fed: list[int] = []
         B = self.layout.global_batch
@@ -332,7 +336,14 @@ class Trainer:
             loss = per_sample.sum() / B
             return loss if self.scaler is None else loss * self.scaler.scale
 
-        self.runner.run(forward, overlay.after_backward if overlay is not None else None)
+        # Each unit's reduce-scatter starts as its last backward finishes it, unless something
+        # rewrites gradients after the backward (a cross-stage tie's sync, a migration overlay).
+        overlap = overlay is None and not self.tied.active and self.overlap_exchange
+        self.runner.run(
+            forward,
+            overlay.after_backward if overlay is not None else None,
+            self.optimizer.overlap_backward if overlap else None,
+        )
         if overlay is not None:
             overlay.before_optimizer()
         if self.tied.active:  # Megatron-style: both copies of a cross-stage tie get the whole grad
@@ -427,7 +438,7 @@ class Trainer:
     # ----------------------------------------------------------------------------------- state
     def unit_params(self) -> dict[str, torch.Tensor]:
         """Full flat parameters of this stage's units (a copy)."""
-        return {n: flat_params(u) for n, u in self.model.units.items()}  # torch.cat copies already
+        return {n: flat_params(u) for n, u in self.model.units.items()}  # a copy (one clone of a flat buffer)
 
     def state_dict_for_rollback(self) -> dict[str, Any]:
         """Everything a rollback needs on this rank: parameters, optimizer shards, step counters."""
@@ -448,7 +459,7 @@ class Trainer:
         optimizer_copy = self.optimizer.state_copier()
 
         def copy_tensors() -> dict[str, Any]:
-            params = {n: flat_params(u) for n, u in units.items()}  # torch.cat copies already
+            params = {n: flat_params(u) for n, u in units.items()}  # a copy (one clone of a flat buffer)
             return {**head, "params": params, "optimizer": optimizer_copy()}
 
         return copy_tensors

@@ -4,10 +4,10 @@ Every rank of a stage holds the full fp32 parameters of the stage's units and co
 gradients for its own samples; the optimizer state (Adam moments) of each unit is split among
 the DP ranks by element intervals. A step is
 
-1. reduce-scatter: one personalised exchange (`all_to_all_v`) sends each owner its slice of every
-   unit's gradient; the owner sums the D contributions *in DP-rank order*, so the reduction
-   order is fixed by the layout and does not depend on which other units share the stage — a
-   pipeline-only change leaves every unit's update bit-identical;
+1. reduce-scatter: one personalised exchange (`alltoall_base`) per unit sends each owner its
+   slice of the unit's gradient; the owner sums the D contributions *in DP-rank order*, so the
+   reduction order is fixed by the layout and does not depend on which other units share the
+   stage — a pipeline-only change leaves every unit's update bit-identical;
 2. gradient clipping by the global norm (when configured): every rank's sum of squares of its
    reduced slices is gathered over the job's "world" group and summed in rank order, so every
    rank computes the same norm, exactly the norm of the full gradient up to summation order;
@@ -15,6 +15,13 @@ the DP ranks by element intervals. A step is
 3. the owner applies the optimizer to its slices (`OptimizerConfig.update_slice`, the same
    function the snapshots replay);
 4. all-gather: the updated parameter slices go back to every rank of the stage.
+
+A unit's parameters and gradients are views of one flat buffer each (`executor.flat_units`), so
+steps 1, 3 and 4 address the owners' intervals in place: the exchanges (`executor.zero_exchange`)
+send the gradient buffer as it is and receive straight into the parameter buffer, and the owner
+updates its slice where it lies (issue 23: no flatten, concatenation or copy-back per step). The
+reduce-scatters may start during the backward (`overlap_backward`, executor.grad_overlap) and
+each unit's all-gather is posted right after its update; the sums are the same either way.
 
 Ownership of the units is exactly `planners.zero.stage_ownership` (interleaved: DP rank j owns
 shard j of every unit; contiguous: the stage's units concatenated and cut into D chunks), so the
@@ -33,63 +40,24 @@ from torch import nn
 
 from executor.comm.groups import WORLD_GROUP
 from executor.engine_comm import EngineComm, all_to_all_v
+from executor.flat_units import FlatUnit
+from executor.flat_units import assign_flat as assign_flat  # re-exported: the flat-vector helpers
+from executor.flat_units import flat_grads as flat_grads
+from executor.flat_units import flat_params as flat_params
+from executor.flat_units import flat_slice as flat_slice
+from executor.flat_units import range_views as range_views
 from executor.optim import OptimizerConfig, Segments
 from executor.precision import LossScaler, PrecisionConfig, has_overflow, unscale_
+from executor.zero_exchange import BUCKET_MIN_ELEMENTS, Interval, UnitExchange
 from planners.layout import Layout, StageLayout
 from planners.zero import stage_ownership
 
-Interval = tuple[int, int]
 # Called with (step number being applied, {unit: my reduced gradient slice}) before the update:
 # how the parameter fabric's ring snapshots see each step's gradient shards (ElasWave §5.1).
 GradHook = Callable[[int, dict[str, torch.Tensor]], None]
 
 
 # ---------------------------------------------------------------------------- flat unit views
-
-
-def flat_params(unit: nn.Module) -> torch.Tensor:
-    """The unit's parameters concatenated in `parameters()` order (empty for a unit without any)."""
-    params = [p.detach().reshape(-1) for p in unit.parameters()]
-    return torch.cat(params) if params else torch.empty(0)
-
-
-def range_views(tensors: Sequence[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
-    """Elements `[lo, hi)` of the tensors' flat concatenation, as pieces of the tensors
-    themselves (views where a tensor is contiguous), in order: what the ZeRO glue reads and
-    writes instead of flattening a whole unit first."""
-    pieces, pos = [], 0
-    for t in tensors:
-        n = t.numel()
-        a, b = max(lo, pos), min(hi, pos + n)
-        if a < b:
-            pieces.append(t.reshape(-1)[a - pos : b - pos])
-        pos += n
-        if pos >= hi:
-            break
-    return pieces
-
-
-def flat_slice(unit: nn.Module, lo: int, hi: int) -> torch.Tensor:
-    """A copy of elements `[lo, hi)` of the unit's flat parameters, without flattening the rest."""
-    pieces = range_views([p.detach() for p in unit.parameters()], lo, hi)
-    return torch.cat(pieces) if pieces else torch.empty(0)
-
-
-def flat_grads(unit: nn.Module) -> torch.Tensor:
-    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in unit.parameters()]
-    return torch.cat(grads) if grads else torch.empty(0)
-
-
-def assign_flat(unit: nn.Module, flat: torch.Tensor) -> None:
-    """Copy a flat vector into the unit's parameters (exact bits)."""
-    numel = sum(p.numel() for p in unit.parameters())
-    if flat.numel() != numel:
-        raise ValueError(f"flat vector has {flat.numel()} elements, unit has {numel}")
-    offset = 0
-    with torch.no_grad():
-        for p in unit.parameters():
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
 
 
 # ---------------------------------------------------------------------------------- ownership
@@ -156,9 +124,13 @@ class ShardedOptimizer:
         segments: Mapping[str, Segments] | None = None,
         precision: PrecisionConfig | None = None,
         scaler: LossScaler | None = None,
+        flat: bool = True,
+        bucket_min: int = BUCKET_MIN_ELEMENTS,
     ) -> None:
         """`precision` sets the gradients' wire dtype; `scaler` (fp16) turns on the overflow
-        check and the unscaling of the reduced slices (executor.precision)."""
+        check and the unscaling of the reduced slices (executor.precision). `flat=False` keeps
+        every unit on the copying path and `bucket_min` sets the size below which units share an
+        exchange (executor.zero_exchange; the same results either way)."""
         self.comm, self.group, self.cfg, self.grad_hook = comm, group, cfg, grad_hook
         self.precision = precision or PrecisionConfig()
         self.scaler = scaler
@@ -170,13 +142,24 @@ class ShardedOptimizer:
             n: segments[n] if n in segments else cfg.decay_segments(u.named_parameters())
             for n, u in self.units.items()
         }
-        self._numel = {n: sum(p.numel() for p in u.parameters()) for n, u in self.units.items()}
         self.last_grad_norm: float | None = None
         self.piggybacked: list[torch.Tensor] | None = None  # see step()
         # unit -> flat [lo, hi) left out of the global norm (a tied weight's second copy, executor.tied)
         self.norm_skip: dict[str, tuple[int, int]] = {}
         self.ownership = {n: list(ownership[n]) for n in self.units}
         self.dp_index, self.dp_size = dp_index, len(next(iter(self.ownership.values())))
+        # The per-unit exchanges over the DP group, on flat per-unit buffers (executor.zero_exchange)
+        self.exchange = UnitExchange(
+            comm,
+            group,
+            self.units,
+            self.ownership,
+            dp_index,
+            self.precision.wire_dtype,
+            self.device,
+            flat,
+            bucket_min,
+        )
         self.step_count = step_count
         self.shards: dict[str, ShardState] = {}
         for name in self.units:
@@ -188,34 +171,24 @@ class ShardedOptimizer:
     def _size_owned_by(self, k: int) -> int:
         return sum(iv[k][1] - iv[k][0] for iv in self.ownership.values())
 
+    # ------------------------------------------------------------------ per-unit flat vectors
+    def zero_grads(self) -> None:
+        """Before a step's backward: clear the gradients (flat units: their buffers, which
+        backward then accumulates into; executor.zero_exchange)."""
+        self.exchange.zero_grads()
+
+    def overlap_backward(self) -> None:
+        """Right before this step's last backward: start each unit's reduce-scatter as autograd
+        finishes its gradients (executor.grad_overlap)."""
+        self.exchange.overlap_backward()
+
+    @property
+    def flats(self) -> dict[str, FlatUnit]:
+        return self.exchange.flats
+
     def reduce_scatter_grads(self) -> dict[str, torch.Tensor]:
         """Sum of every DP rank's gradient over my owned slices, added in DP-rank order."""
-        # Each owner's slices cut straight from the parameters' gradients: one copy (the cat per
-        # owner), not a flattened copy of every unit first.
-        grads = {
-            n: [p.grad if p.grad is not None else torch.zeros_like(p) for p in u.parameters()]
-            for n, u in self.units.items()
-        }
-        to_rank = [
-            torch.cat(
-                [piece for n, iv in self.ownership.items() for piece in range_views(grads[n], *iv[k])]
-                or [torch.empty(0, device=self.device)]
-            )
-            for k in range(self.dp_size)
-        ]
-        mine = self._size_owned_by(self.dp_index)
-        wire = self.precision.wire_dtype
-        if wire != torch.float32:  # fewer bytes on the wire; the sum below stays fp32
-            to_rank = [t.to(wire) for t in to_rank]
-        pieces = all_to_all_v(self.comm, self.group, to_rank, [mine] * self.dp_size)
-        total = pieces[0].clone() if wire == torch.float32 else pieces[0].float()
-        for piece in pieces[1:]:
-            total += piece
-        out, pos = {}, 0
-        for name, sh in self.shards.items():
-            out[name] = total[pos : pos + sh.hi - sh.lo]
-            pos += sh.hi - sh.lo
-        return out
+        return self.exchange.reduce_scatter()
 
     def step(self, piggyback: torch.Tensor | None = None) -> bool:
         """reduce-scatter -> update my slices -> all-gather the parameters. Returns False when
@@ -234,15 +207,16 @@ class ShardedOptimizer:
         if self.grad_hook is not None:
             self.grad_hook(self.step_count + 1, grads)
         self.step_count += 1
-        updated = []
+        self.exchange.begin_gather(piggyback)
         for name, sh in self.shards.items():
-            param = flat_slice(self.units[name], sh.lo, sh.hi)
+            vec = self.exchange.param_vector(name)
+            # A flat unit's owned slice is updated where it lies (a view); others on a copy.
+            param = vec[sh.lo : sh.hi] if vec is not None else flat_slice(self.units[name], sh.lo, sh.hi)
             self.cfg.update_slice(
                 param, grads[name], sh.exp_avg, sh.exp_avg_sq, self.step_count, self.segments[name], sh.lo
             )
-            updated.append(param)
-        mine = torch.cat(updated) if updated else torch.empty(0, device=self.device)
-        self._all_gather_params(mine, piggyback)
+            self.exchange.updated(name, param)  # posts the unit's all-gather as soon as it can
+        self.piggybacked = self.exchange.finish_gather()
         return True
 
     def _unscale(self, grads: dict[str, torch.Tensor]) -> bool:
@@ -273,43 +247,6 @@ class ShardedOptimizer:
         sh = self.shards[name]
         a, b = max(lo, sh.lo) - sh.lo, min(hi, sh.hi) - sh.lo
         return torch.cat([grad[:a], grad[b:]]) if a < b else grad
-
-    def _all_gather_params(self, my_slices: torch.Tensor, extra: torch.Tensor | None = None) -> None:
-        sizes = [self._size_owned_by(k) for k in range(self.dp_size)]
-        if extra is not None and (extra.dim() != 1 or extra.dtype != my_slices.dtype):
-            extra = None  # not the wire's dtype (same on every rank): the caller gathers it itself
-        if extra is not None:
-            my_slices = torch.cat([my_slices, extra.to(my_slices.device)])
-            sizes = [n + extra.numel() for n in sizes]
-        pieces = all_to_all_v(self.comm, self.group, [my_slices] * self.dp_size, sizes)
-        if extra is not None:
-            self.piggybacked = [piece[n - extra.numel() :] for piece, n in zip(pieces, sizes, strict=True)]
-            pieces = [piece[: n - extra.numel()] for piece, n in zip(pieces, sizes, strict=True)]
-        # Every element is overwritten below (ownership covers each unit exactly once), straight
-        # into the parameters where they are contiguous (reshape(-1) is then a view of them).
-        params = {n: [p.detach() for p in u.parameters()] for n, u in self.units.items()}
-        if not all(p.is_contiguous() for ps in params.values() for p in ps):
-            self._all_gather_via_flats(pieces)
-            return
-        for k, piece in enumerate(pieces):
-            pos = 0
-            for name, iv in self.ownership.items():
-                lo, hi = iv[k]
-                for view in range_views(params[name], lo, hi):
-                    view.copy_(piece[pos : pos + view.numel()])
-                    pos += view.numel()
-
-    def _all_gather_via_flats(self, pieces: list[torch.Tensor]) -> None:
-        """The received slices assembled per unit, then copied in (non-contiguous parameters)."""
-        flats = {n: torch.empty(self._numel[n], device=self.device) for n in self.units}
-        for k, piece in enumerate(pieces):
-            pos = 0
-            for name, iv in self.ownership.items():
-                lo, hi = iv[k]
-                flats[name][lo:hi] = piece[pos : pos + hi - lo]
-                pos += hi - lo
-        for name, unit in self.units.items():
-            assign_flat(unit, flats[name])
 
     def gather_moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Full (exp_avg, exp_avg_sq) of every unit, assembled on every rank of the stage."""

@@ -58,7 +58,7 @@ from executor.nonblocking_migration import NonBlockingMigration, check_nonblocki
 from executor.precision import LossScaler
 from executor.trainer import Trainer
 from executor.zero import ShardState as ZeroShard
-from executor.zero import flat_params, unit_ownership
+from executor.zero import flat_slice, unit_ownership
 from planners.applicability import judge
 from planners.backup import backup_holder_sets, protected_by, recovery_sources
 from planners.layout import Layout, Plan, PlanMode
@@ -108,7 +108,7 @@ def shard_state_of(trainer: Trainer) -> ShardState:
     opt = trainer.optimizer
     state = ShardState(step=opt.step_count)
     for name, sh in opt.shards.items():
-        param = flat_params(trainer.model.units[name])[sh.lo : sh.hi].clone()
+        param = flat_slice(trainer.model.units[name], sh.lo, sh.hi)  # a copy of the slice only
         state.units[name] = UnitShard(sh.lo, sh.hi, param, sh.exp_avg.clone(), sh.exp_avg_sq.clone())
     return state
 

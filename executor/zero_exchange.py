@@ -1,0 +1,338 @@
+"""The ZeRO-1 stage's gradient and parameter exchanges, one per unit (ElasWave §6.3; issue 23).
+
+`executor.zero.ShardedOptimizer` owns the math (the DP-order sum, clipping, the update of its
+slices); this module moves the bytes. Each unit of the stage has one personalised exchange
+(`alltoall_base`) per direction and step:
+
+- reduce-scatter: the unit's flat gradient goes out as it is, cut into the owners' intervals
+  (interleaved and contiguous ownership both cut a unit into intervals in DP order); each owner
+  receives the D contributions to its interval and adds them in DP-rank order. The exchanges
+  start along one fixed order, on every rank the same (the stage's units in reverse), either
+  during the step's last backward as autograd finishes each unit (`executor.grad_overlap`) or
+  after it;
+- all-gather: posted right after the owner updated the unit's slice (so it overlaps the next
+  unit's update), received straight into the unit's flat parameter buffer.
+
+Each direction is waited for as one guarded op (`engine_comm.WorkSet`): to the communicator's
+ledger and failure detection a step still has one reduce-scatter and one all-gather.
+
+Units smaller than `BUCKET_MIN_ELEMENTS` are bucketed with their neighbours in launch order (a
+fixed cost per exchange, as DDP's buckets): a bucket of several units, or of a unit without a
+flat buffer (one sharing a parameter with another unit of the stage: a tie) or whose ownership
+does not follow DP order, takes the copying path: its gradients concatenated per owner, its
+parameters received into a scratch buffer and copied in. A bucket is summed element by element
+in DP order like a single unit, so bucketing changes no bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import AllToAllOptions
+
+from executor.engine_comm import EngineComm, WorkSet
+from executor.flat_units import FlatUnit, assign_flat, flat_grads, flat_params, flat_units, range_views
+from executor.grad_overlap import OverlapLauncher
+
+Interval = tuple[int, int]
+# Units smaller than this (elements) share an exchange with their neighbours in launch order,
+# concatenated, until the bucket reaches it: a gloo exchange costs a fixed ~0.1 ms of CPU on
+# each side, more than copying a small unit (a small model's units would otherwise pay more in
+# exchanges than the zero-copy path saves). 2^18 elements = 1 MiB of fp32.
+BUCKET_MIN_ELEMENTS = 1 << 18
+
+
+def _in_dp_order(intervals: Sequence[Interval], numel: int) -> bool:
+    """Whether the owners' intervals of a unit, in DP order, tile `[0, numel)` (empty ones
+    anywhere): then the unit's flat vector is already the exchange's per-owner layout."""
+    pos = 0
+    for lo, hi in intervals:
+        if hi > lo:
+            if lo != pos:
+                return False
+            pos = hi
+    return pos == numel
+
+
+class UnitExchange:
+    """The per-unit (per-bucket) exchanges of one stage's DP group (module docstring)."""
+
+    def __init__(
+        self,
+        comm: EngineComm,
+        group: str,
+        units: Mapping[str, nn.Module],
+        ownership: Mapping[str, list[Interval]],
+        dp_index: int,
+        wire_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        flat: bool = True,
+        bucket_min: int = BUCKET_MIN_ELEMENTS,
+    ) -> None:
+        """`flat=False` keeps every unit on the copying path, `bucket_min=0` gives every unit its
+        own exchange (the same results either way; for comparisons)."""
+        self.comm, self.group, self.wire_dtype = comm, group, wire_dtype
+        self.device = torch.device(device)
+        self.units = dict(units)
+        self.ownership = {n: list(ownership[n]) for n in self.units}
+        self.dp_index, self.dp_size = dp_index, len(next(iter(self.ownership.values())))
+        self._numel = {n: sum(p.numel() for p in u.parameters()) for n, u in self.units.items()}
+        # Parameters and gradients as views of one flat buffer per unit (executor.flat_units)
+        self.flats: dict[str, FlatUnit] = flat_units(self.units) if flat else {}
+        self._ordered = {n: _in_dp_order(self.ownership[n], self._numel[n]) for n in self.units}
+        self.buckets = self._bucket(bucket_min)
+        self._bucket_of = {n: i for i, b in enumerate(self.buckets) for n in b}
+        self._posted: dict[int, tuple[torch.Tensor, Any]] = {}
+        self.launcher = OverlapLauncher([str(i) for i in range(len(self.buckets))], self._launch)
+        self._gather: _Gather | None = None
+
+    def _bucket(self, bucket_min: int) -> list[tuple[str, ...]]:
+        """Runs of consecutive units in launch order (the stage's units in reverse): a unit of
+        at least `bucket_min` elements alone, smaller ones together up to that size."""
+        buckets: list[tuple[str, ...]] = []
+        small: list[str] = []
+        for name in reversed(self.active()):
+            if self._numel[name] >= bucket_min:
+                if small:
+                    buckets.append(tuple(small))
+                    small = []
+                buckets.append((name,))
+                continue
+            small.append(name)
+            if sum(self._numel[n] for n in small) >= bucket_min:
+                buckets.append(tuple(small))
+                small = []
+        return buckets + ([tuple(small)] if small else [])
+
+    def _direct(self, bucket: Sequence[str]) -> bool:
+        """Whether a bucket is one flat unit in DP order: exchanged in place, nothing copied."""
+        return len(bucket) == 1 and bucket[0] in self.flats and self._ordered[bucket[0]]
+
+    def zero_grads(self) -> None:
+        """Before a step's backward: every flat unit's gradient buffer cleared and made its
+        parameters' `.grad` (backward accumulates into it in place); other units' grads dropped.
+        Forgets exchanges a failed step started and never waited for."""
+        self.launcher.reset()
+        self._posted, self._gather = {}, None
+        for name, unit in self.units.items():
+            flat = self.flats.get(name)
+            if flat is not None:
+                flat.zero_grads()
+            else:
+                for p in unit.parameters():
+                    p.grad = None
+
+    def grad_vector(self, name: str) -> torch.Tensor:
+        """The unit's flat gradient: the buffer itself for a flat unit, else a concatenated copy."""
+        flat = self.flats.get(name)
+        return flat.grads() if flat is not None else flat_grads(self.units[name])
+
+    def param_vector(self, name: str) -> torch.Tensor | None:
+        """The unit's flat parameters as a view (a flat unit), else None."""
+        flat = self.flats.get(name)
+        if flat is None:
+            return None
+        flat.ensure()
+        return flat.flat
+
+    def active(self) -> list[str]:
+        """Units with parameters, in stage order: each is in one bucket."""
+        return [n for n in self.units if self._numel[n] > 0]
+
+    def _mine(self, name: str) -> int:
+        lo, hi = self.ownership[name][self.dp_index]
+        return hi - lo
+
+    # ---------------------------------------------------------------------------- reduce-scatter
+    def overlap_backward(self) -> None:
+        """Right before this step's last backward: start each bucket's reduce-scatter as soon as
+        autograd has finished its units' gradients (executor.grad_overlap), overlapping the rest
+        of the backward. Buckets of flat units only; nothing to overlap in a group of one."""
+        if self.dp_size > 1:
+            self.launcher.arm(
+                {
+                    str(i): [p for n in b for p in self.flats[n].params]
+                    for i, b in enumerate(self.buckets)
+                    if all(n in self.flats for n in b)
+                }
+            )
+
+    def _launch(self, key: str) -> None:
+        """Post the reduce-scatter of one bucket: my DP peers' intervals of its units' gradients
+        to them, theirs of mine to me (summed in `reduce_scatter`)."""
+        i = int(key)
+        bucket = self.buckets[i]
+        if self._direct(bucket):
+            vec = self.grad_vector(bucket[0])  # the gradient buffer itself, in DP order
+            sizes = [hi - lo for lo, hi in self.ownership[bucket[0]]]
+        else:
+            grads = {n: self.grad_vector(n) for n in bucket}
+            per_owner = [
+                [grads[n][slice(*self.ownership[n][k])] for n in bucket] for k in range(self.dp_size)
+            ]
+            sizes = [sum(t.numel() for t in parts) for parts in per_owner]
+            vec = torch.cat([t for parts in per_owner for t in parts])
+        if self.wire_dtype != torch.float32:  # fewer bytes on the wire; the sum stays fp32
+            vec = vec.to(self.wire_dtype)
+        mine = sizes[self.dp_index]
+        if self.dp_size == 1:
+            self._posted[i] = (vec, None)
+            return
+        recv = torch.empty(mine * self.dp_size, dtype=vec.dtype, device=vec.device)
+        self._posted[i] = (recv, self._alltoall(recv, vec, [mine] * self.dp_size, sizes))
+
+    def reduce_scatter(self) -> dict[str, torch.Tensor]:
+        """Sum of every DP rank's gradient over my owned slices, added in DP-rank order.
+
+        One personalised exchange per bucket, started along one fixed order on every rank (some
+        may have started during the backward: `overlap_backward`), all posted before the first
+        is waited for. A flat unit's gradient buffer is the exchange's input as it is (ownership
+        cuts every unit into intervals in DP order, `_in_dp_order`): nothing is concatenated."""
+        self.launcher.finish()
+        posted, self._posted = self._posted, {}
+        self.launcher.reset()
+        works = [work for _recv, work in posted.values() if work is not None]
+        if works:
+            self.comm.wait(self.group, WorkSet(works))  # one guarded op, as one exchange was
+        out: dict[str, torch.Tensor] = {}
+        for i, bucket in enumerate(self.buckets):
+            recv, _work = posted[i]
+            mine = [self._mine(n) for n in bucket]
+            pieces = recv.split([sum(mine)] * self.dp_size)
+            total = pieces[0].clone() if pieces[0].dtype == torch.float32 else pieces[0].float()
+            for piece in pieces[1:]:
+                total += piece
+            out.update(zip(bucket, total.split(mine), strict=True))
+        return {n: out[n] if n in out else torch.zeros(self._mine(n), device=self.device) for n in self.units}
+
+    # -------------------------------------------------------------------------------- all-gather
+    def begin_gather(self, extra: torch.Tensor | None) -> None:
+        """Before the owner's updates: where the step's `extra` rides (the smallest bucket's
+        exchange; alone on a stage without parameters), or nowhere when it cannot (not 1-D, or
+        not the parameters' dtype: `finish_gather` then returns None and the caller gathers it)."""
+        carrier: int | None = None
+        if extra is not None and extra.dim() == 1 and self.buckets:
+            carrier = min(
+                range(len(self.buckets)), key=lambda i: sum(self._numel[n] for n in self.buckets[i])
+            )
+            if extra.dtype != next(self.units[self.buckets[carrier][0]].parameters()).dtype:
+                extra, carrier = None, None
+        elif extra is not None and extra.dim() != 1:
+            extra = None
+        self._gather = _Gather(carrier, extra)
+
+    def updated(self, name: str, mine: torch.Tensor) -> None:
+        """The owner updated its slice `mine` of `name`: post its bucket's all-gather once every
+        unit of the bucket is updated (it overlaps the next units' updates)."""
+        g = self._gather
+        assert g is not None, "begin_gather first"
+        g.updated[name] = mine
+        i = self._bucket_of.get(name)
+        if self.dp_size == 1 or i is None or not all(n in g.updated for n in self.buckets[i]):
+            return
+        bucket, sizes = self.buckets[i], [0] * self.dp_size
+        for n in bucket:
+            for k, (lo, hi) in enumerate(self.ownership[n]):
+                sizes[k] += hi - lo
+        parts = [g.updated[n] for n in bucket]
+        out = self.param_vector(bucket[0]) if self._direct(bucket) and i != g.carrier else None
+        if i == g.carrier:
+            assert g.extra is not None
+            parts.append(g.extra.to(parts[0].device))
+            sizes = [n + g.extra.numel() for n in sizes]
+        sent = (parts[0] if len(parts) == 1 else torch.cat(parts)).repeat(self.dp_size)
+        recv = out if out is not None else torch.empty(sum(sizes), dtype=sent.dtype, device=sent.device)
+        g.posted.append((i if out is None else -1, recv, self._alltoall(recv, sent, sizes)))
+
+    def finish_gather(self) -> list[torch.Tensor] | None:
+        """Complete the all-gather (waited for as one op): copy what did not land in place into
+        the parameters. Returns every rank's carried `extra`, in DP order (None without one)."""
+        g, self._gather = self._gather, None
+        assert g is not None, "begin_gather first"
+        if self.dp_size == 1:
+            self.write_back({n: [v] for n, v in g.updated.items() if self.param_vector(n) is None})
+            return None if g.extra is None else [g.extra.to(self.device)]
+        piggybacked: list[torch.Tensor] | None = None
+        if g.extra is not None and g.carrier is None:  # a stage without parameters: the extra alone
+            e = g.extra.numel()
+            recv = torch.empty(e * self.dp_size, dtype=g.extra.dtype, device=self.device)
+            g.posted.append(
+                (
+                    -1,
+                    recv,
+                    self._alltoall(recv, g.extra.to(self.device).repeat(self.dp_size), [e] * self.dp_size),
+                )
+            )
+            piggybacked = list(recv.chunk(self.dp_size))
+        if g.posted:
+            self.comm.wait(self.group, WorkSet([work for _i, _r, work in g.posted]))
+        received: dict[str, list[torch.Tensor]] = {}
+        for i, recv, _work in g.posted:
+            if i < 0:
+                continue
+            bucket = self.buckets[i]
+            cut = g.extra.numel() if i == g.carrier and g.extra is not None else 0
+            sizes = [
+                [hi - lo for lo, hi in (self.ownership[n][k] for n in bucket)] for k in range(self.dp_size)
+            ]
+            pieces = recv.split([sum(s) + cut for s in sizes])
+            if cut:
+                piggybacked = [p[p.numel() - cut :] for p in pieces]
+            for k, piece in enumerate(pieces):
+                for n, part in zip(bucket, piece[: piece.numel() - cut].split(sizes[k]), strict=True):
+                    received.setdefault(n, []).append(part)
+        self.write_back(received)
+        return piggybacked
+
+    def _alltoall(
+        self,
+        out: torch.Tensor,
+        sent: torch.Tensor,
+        out_sizes: Sequence[int],
+        sent_sizes: Sequence[int] | None = None,
+    ) -> Any:
+        """Post one personalised exchange on my DP group: `sent_sizes[k]` elements of `sent` (by
+        default an equal share) go to rank k, `out_sizes[k]` from rank k land in `out`, in order.
+        Returns the work to wait on (through `comm.wait`, which guards it)."""
+        sent_sizes = [sent.numel() // self.dp_size] * self.dp_size if sent_sizes is None else sent_sizes
+        return self.comm.group(self.group).alltoall_base(
+            out, sent, list(out_sizes), list(sent_sizes), AllToAllOptions()
+        )
+
+    def write_back(self, received: Mapping[str, Sequence[torch.Tensor]]) -> None:
+        """Owner k's slice `received[unit][k]` into its interval of the unit's parameters, for the
+        units whose exchange could not write in place (owner by owner, as the stage-wide
+        exchange did, which decides a parameter shared by two units on the stage)."""
+        if not received:
+            return
+        received = {n: received[n] for n in self.units if n in received}  # stage order
+        params = {n: [p.detach() for p in self.units[n].parameters()] for n in received}
+        vecs = {n: self.param_vector(n) for n in received}
+        if not all(vecs[n] is not None or all(p.is_contiguous() for p in params[n]) for n in received):
+            flats = {n: flat_params(self.units[n]) for n in received}
+            for name, pieces in received.items():
+                for (lo, hi), piece in zip(self.ownership[name], pieces, strict=True):
+                    flats[name][lo:hi] = piece
+                assign_flat(self.units[name], flats[name])
+            return
+        for k in range(self.dp_size):
+            for name, pieces in received.items():
+                lo, hi = self.ownership[name][k]
+                vec = vecs[name]
+                pos = 0
+                for view in range_views([vec] if vec is not None else params[name], lo, hi):
+                    view.copy_(pieces[k][pos : pos + view.numel()])
+                    pos += view.numel()
+
+
+class _Gather:
+    """One step's all-gather in progress: where `extra` rides, the updated slices so far and the
+    posted exchanges (bucket index, or -1 when received in place; receiving tensor; work)."""
+
+    def __init__(self, carrier: int | None, extra: torch.Tensor | None) -> None:
+        self.carrier, self.extra = carrier, extra
+        self.updated: dict[str, torch.Tensor] = {}
+        self.posted: list[tuple[int, torch.Tensor, Any]] = []

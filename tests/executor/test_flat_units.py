@@ -1,0 +1,282 @@
+"""Flat per-unit buffers (executor.flat_units, issue 23): the parameters and gradients of a unit
+are views of one buffer each, the ZeRO-1 step reads, updates and writes the owners' intervals in
+place (no concatenation, no owned-slice copy, the all-gather received into the parameter buffer),
+and the results are bit-identical to the copying path. Two DP ranks run as threads of this
+process over gloo (a HashStore), so these are in-process tests."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed import HashStore
+
+from executor.engine_comm import StaticComm, groups_for_stage_ranks
+from executor.flat_units import FlatUnit, as_flat_view
+from executor.optim import OptimizerConfig
+from executor.trainer import Trainer
+from executor.zero import Interval, ShardedOptimizer
+from tests.executor.engine_cases import NUM_UNITS, gpt_spec, layout
+
+GROUP = "dp/0"
+_SEEDING = threading.Lock()  # the ranks are threads: one global RNG
+
+
+def _units() -> dict[str, nn.Module]:
+    with _SEEDING:
+        torch.manual_seed(0)
+        return {"a": nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), "b": nn.Linear(3, 4)}
+
+
+def _ownership(units: dict[str, nn.Module], swapped: bool) -> dict[str, list[Interval]]:
+    """Two owners per unit; `swapped` gives unit b's first interval to DP rank 1 (not DP order)."""
+    out: dict[str, list[Interval]] = {}
+    for name, unit in units.items():
+        n = sum(p.numel() for p in unit.parameters())
+        cut = n // 2 + 1
+        out[name] = [(cut, n), (0, cut)] if swapped and name == "b" else [(0, cut), (cut, n)]
+    return out
+
+
+def _both(
+    store: HashStore, body: Callable[[ShardedOptimizer, dict[str, nn.Module], int], Any], **kw: Any
+) -> list[Any]:
+    """Run `body(optimizer, units, rank)` on DP ranks 0 and 1 (threads), return both results."""
+    results: list[Any] = [None, None]
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            comm = StaticComm(store, rank, groups_for_stage_ranks([(0, 1)], world=True), timeout_s=30)
+            units = _units()
+            cfg = OptimizerConfig("adamw", lr=1e-2, weight_decay=0.01, max_grad_norm=0.5)
+            own = _ownership(units, kw["swapped"])
+            # bucket_min 0 by default: every unit its own exchange (the tiny units would share one)
+            bucket = kw.get("bucket_min", 0)
+            opt = ShardedOptimizer(comm, GROUP, units, own, rank, cfg, flat=kw["flat"], bucket_min=bucket)
+            results[rank] = body(opt, units, rank)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _backward(units: dict[str, nn.Module], step: int, rank: int) -> None:
+    """Two micro-batches of rank-dependent data, accumulated."""
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank))
+    for mb in range(2):
+        units["b"](units["a"](x[2 * mb : 2 * mb + 2])).pow(2).sum().backward()
+
+
+class _SpyConfig:
+    """An OptimizerConfig that records the parameter slice each update is applied to."""
+
+    def __init__(self, cfg: OptimizerConfig, seen: list[tuple[str, torch.Tensor]]) -> None:
+        self._cfg, self._seen = cfg, seen
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cfg, name)
+
+    def update_slice(self, param: torch.Tensor, *args: Any) -> None:
+        self._seen.append(("update", param))
+        self._cfg.update_slice(param, *args)
+
+
+def _train(steps: int) -> Callable[[ShardedOptimizer, dict[str, nn.Module], int], Any]:
+    def body(opt: ShardedOptimizer, units: dict[str, nn.Module], rank: int) -> Any:
+        for step in range(steps):
+            opt.zero_grads()
+            _backward(units, step, rank)
+            opt.step()
+        params = {n: torch.cat([p.detach().reshape(-1) for p in u.parameters()]) for n, u in units.items()}
+        return params, opt.state()
+
+    return body
+
+
+@pytest.mark.parametrize("swapped", [False, True])
+@pytest.mark.parametrize("bucket_min", [0, 1 << 20])
+def test_flat_and_copying_paths_agree_bitwise(swapped: bool, bucket_min: int) -> None:
+    """Per-unit in place, or both units in one bucket (copied), against the copying path."""
+    flat = _both(HashStore(), _train(4), flat=True, swapped=swapped, bucket_min=bucket_min)
+    copying = _both(HashStore(), _train(4), flat=False, swapped=swapped)
+    for (fp, fs), (cp, cs) in zip(flat, copying, strict=True):
+        assert all(torch.equal(fp[n], cp[n]) for n in fp)
+        for n, (lo, hi, m, v) in fs["shards"].items():
+            assert (lo, hi) == cs["shards"][n][:2]
+            assert torch.equal(m, cs["shards"][n][2]) and torch.equal(v, cs["shards"][n][3])
+    # the parameters did move, and both ranks agree
+    assert not torch.equal(
+        flat[0][0]["a"], torch.cat([p.detach().reshape(-1) for p in _units()["a"].parameters()])
+    )
+    assert all(torch.equal(flat[0][0][n], flat[1][0][n]) for n in flat[0][0])
+
+
+def test_the_step_addresses_the_flat_buffers_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    cats: list[int] = []
+    real_cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: cats.append(1) or real_cat(*a, **k))
+    seen: dict[int, list[tuple[str, torch.Tensor]]] = {0: [], 1: []}
+
+    def body(opt: ShardedOptimizer, units: dict[str, nn.Module], rank: int) -> Any:
+        real_alltoall = opt.exchange._alltoall
+
+        def alltoall(out: torch.Tensor, sent: torch.Tensor, *args: Any) -> Any:
+            seen[rank].append(("out", out))
+            seen[rank].append(("sent", sent))
+            return real_alltoall(out, sent, *args)
+
+        opt.cfg = _SpyConfig(opt.cfg, seen[rank])  # type: ignore[assignment]
+        monkeypatch.setattr(opt.exchange, "_alltoall", alltoall)
+        opt.zero_grads()
+        _backward(units, 0, rank)
+        grads_are_views = all(
+            p.grad is not None
+            and p.grad.untyped_storage().data_ptr() == opt.flats[n].grad.untyped_storage().data_ptr()
+            for n, u in units.items()
+            for p in u.parameters()
+        )
+        opt.step()
+        return opt, grads_are_views
+
+    results = _both(HashStore(), body, flat=True, swapped=False)
+    assert not cats, "the flat ZeRO-1 step concatenated"
+    for rank, (opt, grads_are_views) in enumerate(results):
+        assert grads_are_views
+        for name, flat in opt.flats.items():
+            ptr = flat.flat.untyped_storage().data_ptr()
+            assert all(p.untyped_storage().data_ptr() == ptr for p in flat.unit.parameters())
+            assert as_flat_view([p.detach() for p in flat.unit.parameters()]) is not None
+            lo, _hi = opt.ownership[name][rank]
+            ops = dict.fromkeys(("update", "out", "sent"), 0)
+            for kind, t in seen[rank]:
+                if kind == "update" and t.untyped_storage().data_ptr() == ptr:
+                    assert t.storage_offset() == flat.flat.storage_offset() + lo  # my slice, in place
+                    ops[kind] += 1
+                elif kind == "out" and t.data_ptr() == flat.flat.data_ptr() and t.numel() == flat.numel:
+                    ops[kind] += 1  # the all-gather receives into the parameter buffer
+                elif kind == "sent" and t.data_ptr() == flat.grad.data_ptr() and t.numel() == flat.numel:
+                    ops[kind] += 1  # the reduce-scatter sends the gradient buffer itself
+            assert ops == {"update": 1, "out": 1, "sent": 1}, (rank, name, ops)
+    # the spy can fail: the copying path concatenates
+    _both(HashStore(), _train(1), flat=False, swapped=False)
+    assert cats
+
+
+def test_a_re_pointed_parameter_or_replaced_grad_is_taken_again() -> None:
+    def body(opt: ShardedOptimizer, units: dict[str, nn.Module], rank: int) -> Any:
+        for step in range(3):
+            opt.zero_grads()
+            _backward(units, step, rank)
+            if step == 1:  # someone replaces a gradient and re-points a parameter mid-step
+                lin = units["a"][0]
+                assert isinstance(lin, nn.Linear) and lin.weight.grad is not None
+                lin.weight.grad = lin.weight.grad.clone()
+                lin.bias.data = lin.bias.detach().clone()
+            opt.step()
+        return _train(0)(opt, units, rank), opt.flats["a"].intact()
+
+    moved = _both(HashStore(), body, flat=True, swapped=False)
+    plain = _both(HashStore(), _train(3), flat=True, swapped=False)
+    for ((mp, ms), intact), (pp, ps) in zip(moved, plain, strict=True):
+        assert intact
+        assert all(torch.equal(mp[n], pp[n]) for n in mp)
+        assert all(torch.equal(ms["shards"][n][2], ps["shards"][n][2]) for n in ms["shards"])
+
+
+def test_flat_unit_reads_what_grad_says() -> None:
+    unit = nn.Linear(3, 2)
+    flat = FlatUnit(unit)
+    flat.zero_grads()
+    unit(torch.ones(1, 3)).sum().backward()
+    assert torch.equal(flat.grads()[:6], torch.ones(6)) and torch.equal(flat.grads()[6:], torch.ones(2))
+    unit.weight.grad = torch.full((2, 3), 2.0)
+    unit.bias.grad = None
+    assert torch.equal(flat.grads(), torch.tensor([2.0] * 6 + [0.0] * 2))
+    with pytest.raises(ValueError, match="floating-point"):
+        FlatUnit(nn.Module())
+
+
+def test_trainer_units_are_flat_after_steps() -> None:
+    lay = layout([(0, NUM_UNITS)], [(0,)])
+    trainer = Trainer(
+        gpt_spec(0.1), lay, 0, StaticComm(HashStore(), 0, groups_for_stage_ranks([(0,)]), timeout_s=10)
+    )
+    for step in range(2):
+        trainer.train_step(step)
+    assert set(trainer.optimizer.flats) == set(trainer.unit_names)
+    for name, unit in trainer.model.units.items():
+        flat = trainer.optimizer.flats[name]
+        assert all(
+            p.untyped_storage().data_ptr() == flat.flat.untyped_storage().data_ptr()
+            for p in unit.parameters()
+        )
+        assert all(
+            p.grad is None or p.grad.untyped_storage().data_ptr() == flat.grad.untyped_storage().data_ptr()
+            for p in unit.parameters()
+        )
+
+
+def _trainers(overlap: bool, steps: int) -> tuple[dict[int, Any], dict[int, int]]:
+    """PP=2 x DP=2 (threads), dropout on: every rank's parameters, shards and losses after
+    `steps`, and how many of its units' reduce-scatters had started when the backward ended."""
+    ranks = [(0, 1), (2, 3)]
+    lay = layout([(0, 3), (3, NUM_UNITS)], ranks)
+    store, groups = HashStore(), groups_for_stage_ranks(ranks, world=True)
+    out: dict[int, Any] = {}
+    early: dict[int, int] = {}
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            comm = StaticComm(store, rank, groups, timeout_s=30)  # a rendezvous: not under the lock
+            with _SEEDING:
+                trainer = Trainer(gpt_spec(0.1), lay, rank, comm)
+            trainer.overlap_exchange = overlap
+            launcher = trainer.optimizer.exchange.launcher
+            finish = launcher.finish
+
+            def counted_finish() -> None:
+                early[rank] = early.get(rank, 0) + launcher.started
+                finish()
+
+            launcher.finish = counted_finish  # type: ignore[method-assign]
+            losses = [trainer.train_step(s).loss for s in range(steps)]
+            out[rank] = (trainer.unit_params(), trainer.optimizer.state(), losses)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return out, early
+
+
+def test_overlapped_exchange_gives_the_same_state_as_the_exchange_after_backward() -> None:
+    overlapped, early = _trainers(True, 4)
+    after, late = _trainers(False, 4)
+    assert all(n > 0 for n in early.values()), early  # exchanges did start during the backward
+    assert not any(late.values()), late
+    for rank, (params, opt, losses) in overlapped.items():
+        ref_params, ref_opt, ref_losses = after[rank]
+        assert losses == ref_losses
+        assert all(torch.equal(params[n], ref_params[n]) for n in params)
+        assert opt["step_count"] == ref_opt["step_count"] == 4
+        for n, (lo, hi, m, v) in opt["shards"].items():
+            assert (lo, hi) == ref_opt["shards"][n][:2]
+            assert torch.equal(m, ref_opt["shards"][n][2]) and torch.equal(v, ref_opt["shards"][n][3])
