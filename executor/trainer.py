@@ -209,10 +209,12 @@ class Trainer:
         self.next_step = 0
         self.grad_hook: GradHook | None = None  # kept across layout changes; see executor.zero
         # Start the ZeRO-1 reduce-scatter of each unit during the backward (executor.grad_overlap);
-        # off: after it (the same sums either way). CPU only for now: on an accelerator autograd
-        # runs the hooks on its device thread, whose stream ordering against the collective's
-        # has not been validated here.
-        self.overlap_exchange = self.device.type == "cpu"
+        # off: after it (the same sums either way). Off by default: a step that fails half-way
+        # through an armed backward leaves the launcher's hooks and position behind, and the next
+        # step on a new layout then counts a gradient twice (seen in `make demo` after a node
+        # loss); opt in per trainer until the failure path resets it. Never on an accelerator:
+        # autograd runs the hooks on its device thread, unvalidated against the collective's.
+        self.overlap_exchange = False
         # An overlay armed for the next train_step (a non-blocking migration adopted between steps
         # through a plan): the loop that drives the trainer need not know a migration is in flight.
         self.armed_overlay: StepOverlay | None = None
