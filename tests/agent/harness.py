@@ -45,18 +45,20 @@ class RecordingCore(agent_pb2_grpc.AgentServiceServicer):
 
     As leader it acknowledges Register and forwards queued commands; as standby it reads the
     Register and aborts the stream with ``refuse_code``/``refuse_message``. With ``tls`` it
-    serves TLS only.
+    serves TLS only; with ``close_on_leave`` it ends a stream once it has read Leave.
     """
 
     def __init__(
         self,
         refuse_code: grpc.StatusCode | None = None,
         refuse_message: str = "",
+        close_on_leave: bool = False,
         tls: grpc.ServerCredentials | None = None,
     ) -> None:
         self.refuse_code = refuse_code
         self.tls = tls
         self.refuse_message = refuse_message
+        self.close_on_leave = close_on_leave  # end the stream once Leave is read, as the Core does
         self.port = 0
         self.received: list[Received] = []
         self.streams: list[StreamInfo] = []
@@ -134,6 +136,8 @@ class RecordingCore(agent_pb2_grpc.AgentServiceServicer):
             if request is grpc.aio.EOF:
                 return
             self._record(stream_index, request)
+            if self.close_on_leave and request.WhichOneof("body") == "leave":
+                return
 
     def _record(self, stream_index: int, request: agent_pb2.ConnectRequest) -> None:
         with self._cond:

@@ -16,19 +16,6 @@ from tests.agent.harness import RecordingCore
 from wire.v1 import agent_pb2
 
 
-class ClosingCore(RecordingCore):
-    """Acknowledges Register, then returns from the stream (closes it) once Leave is read."""
-
-    async def _read_all(self, context, stream_index: int) -> None:  # type: ignore[no-untyped-def]
-        while True:
-            request = await context.read()
-            if request is grpc.aio.EOF:
-                return
-            self._record(stream_index, request)
-            if request.WhichOneof("body") == "leave":
-                return
-
-
 class LateWriterLink(CoreLink):
     """The writer resumes 300 ms after its Leave went out: the Core's close arrives first."""
 
@@ -44,7 +31,7 @@ async def _noop(*_: object) -> None:
 
 @pytest.mark.timeout(30)
 def test_a_close_that_beats_the_leave_write_back_is_a_delivery_not_a_reconnect() -> None:
-    core = ClosingCore().start()
+    core = RecordingCore(close_on_leave=True).start()
     try:
         config = AgentConfig(
             job="demo",
