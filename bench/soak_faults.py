@@ -27,6 +27,7 @@ from bench.soak_cluster import Core, Node, SoakError, wait
 
 KINDS = ("worker", "node", "store", "core", "preempt", "join")
 JOB = "soak"
+CHANGE_MEMBERS = ("worker", "node", "preempt", "join")  # the running members change after these
 RECOVER_S = 180.0  # a fault's recovery: the job commits steps past it within this
 PROGRESS_STEPS = 3
 STORES_SETTLE_S = 10.0  # a store list this old is known to every worker (re-read every 8 commits)
@@ -152,6 +153,8 @@ class Faults:
         self.kinds.append(kind)
         at = self.step(job)
         self._note(f"step {at}: {kind}: {fired}")
+        if kind in CHANGE_MEMBERS:
+            self._members_changed({m["worker_id"] for m in self.running(job)}, kind)
         self._recovered(at)
         return True
 
@@ -160,12 +163,32 @@ class Faults:
         self.records.append(line)
         print(f"[soak] {line}", flush=True)
 
-    def _recovered(self, at: int) -> None:
+    def _members_changed(self, before: set[str], kind: str) -> None:
+        """Block until the Core's running members differ from `before` (a loss seen, a departure
+        done, a spare taken in), or the job ended: a join's spares start for many seconds while
+        the job steps on, and its plan must land before the next fault, not on top of it."""
+
         def on() -> bool:
             job = self.job()
-            return job["phase"] != "RUNNING" or self.step(job) >= at + PROGRESS_STEPS
+            ended = job["phase"] in ("COMPLETED", "FAILED", "STOPPED")
+            return ended or {m["worker_id"] for m in self.running(job)} != before
 
-        wait(on, RECOVER_S, f"the job to commit {PROGRESS_STEPS} steps past step {at}", interval_s=0.5)
+        wait(on, RECOVER_S, f"the Core to change the running members after the {kind}", 0.5)
+
+    def _recovered(self, at: int) -> None:
+        """Block until the job runs again and has committed PROGRESS_STEPS steps past `at` (or has
+        ended): the next fault then hits a job that recovered from this one. Faults landing on a
+        recovery still under way are the chaos tests' cascades; here a fault every few seconds on
+        a job that is not stepping would only measure the schedule, not the system. A recovery
+        slower than RECOVER_S fails the soak (SoakError)."""
+
+        def on() -> bool:
+            job = self.job()
+            if job["phase"] in ("COMPLETED", "FAILED", "STOPPED"):
+                return True
+            return job["phase"] == "RUNNING" and self.step(job) >= at + PROGRESS_STEPS
+
+        wait(on, RECOVER_S, f"the job to run again and commit {PROGRESS_STEPS} steps past step {at}", 0.5)
 
     # ---- the faults: each returns what it did, or "" when the job cannot take it now ----------
     def _victim(self, job: dict[str, Any]) -> dict[str, Any] | None:

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import httpx
 
-from harness.control_plane import states
+from harness.control_plane import states, stop_processes
 from harness.training import TrainDemo, TrainDemoConfig, fault_free_losses, job_losses, last_step, launch_job
 from wire.worker_env import CHECKPOINT_EVERY_ENV, INJECT_FAULT_ENV
 
@@ -199,13 +199,8 @@ class ChaosRun(TrainDemo):
 
     def stop(self) -> None:
         super().stop()
-        for proc, _info, http in self.cores:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        stop_processes([proc for proc, _info, _http in self.cores])
+        for _proc, _info, http in self.cores:
             http.close()
 
     def fire(self, fault: Fault) -> FaultRecord:

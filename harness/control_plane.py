@@ -29,6 +29,7 @@ class Demo:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.http: httpx.Client | None = None
         self.core_env: dict[str, str] = {}  # settings for the Core (ELASWAVE_* variables)
+        self._diagnosing = False
 
     def start_core(self) -> dict[str, Any]:
         ready = self.workdir / "core.json"
@@ -118,21 +119,50 @@ class Demo:
 
     def _check_time(self, what: str) -> None:
         if time.monotonic() > self.deadline:
-            raise TimeoutError(f"demo timed out waiting for {what}")
+            if self._diagnosing:  # a wait inside the diagnosis itself: say only what it waited on
+                raise TimeoutError(f"demo timed out waiting for {what}")
+            self._diagnosing = True
+            raise TimeoutError(f"demo timed out waiting for {what}; {self.diagnosis()}")
+
+    def diagnosis(self) -> str:
+        """Where the job stood when a wait gave up: its phase, each member's state and last step,
+        and the Core's last events, so that a timeout in CI says what it waited on."""
+        if self.http is None:
+            return "no Core yet"
+        try:
+            job = self.job()
+            events = self.http.get("/api/v1/jobs/demo/events", params={"limit": 10_000}).json()["events"]
+        except (httpx.HTTPError, ValueError, KeyError, TimeoutError) as exc:
+            return f"the Core did not answer ({exc})"
+        members = ", ".join(
+            f"{m['worker_id']}={m['state']}@{(m.get('last_step') or {}).get('step', -1)}"
+            for m in job.get("members", [])
+        )
+        tail = "; ".join(
+            f"#{e['seq']} {e['kind']} {e['worker_id']} {e['detail'][:160]}" for e in events[-12:]
+        )
+        return f"job phase {job.get('phase')}, members {members}; last events: {tail}"
 
     def stop(self) -> None:
         # Agents first, the Core (started first) last: an agent stopping must still reach the
         # Core to say Leave, or its shutdown reads as a failure and it retries until it gives up.
-        agents, core = self.procs[1:], self.procs[:1]
-        for group in (agents, core):
-            for proc in group:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGINT)
-            for proc in group:
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        stop_processes(self.procs[1:])
+        stop_processes(self.procs[:1])
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    """SIGINT every process at once, then SIGKILL whatever still runs after one shared grace:
+    a hung job's teardown takes `grace_s`, not `grace_s` per process."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def states(job: dict[str, Any]) -> dict[str, str]:
