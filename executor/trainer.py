@@ -209,12 +209,11 @@ class Trainer:
         self.next_step = 0
         self.grad_hook: GradHook | None = None  # kept across layout changes; see executor.zero
         # Start the ZeRO-1 reduce-scatter of each unit during the backward (executor.grad_overlap);
-        # off: after it (the same sums either way). Off by default: a step that fails half-way
-        # through an armed backward leaves the launcher's hooks and position behind, and the next
-        # step on a new layout then counts a gradient twice (seen in `make demo` after a node
-        # loss); opt in per trainer until the failure path resets it. Never on an accelerator:
-        # autograd runs the hooks on its device thread, unvalidated against the collective's.
-        self.overlap_exchange = False
+        # off: after it (the same sums either way). A step that raises in the middle of an armed
+        # backward, or a layout change, drops the armed hooks (`abandon_step`). On CPU only: on an
+        # accelerator autograd runs the hooks on its device thread, unvalidated against the
+        # collective's stream, so there it stays off until a device check covers it.
+        self.overlap_exchange = self.device.type == "cpu"
         # An overlay armed for the next train_step (a non-blocking migration adopted between steps
         # through a plan): the loop that drives the trainer need not know a migration is in flight.
         self.armed_overlay: StepOverlay | None = None
@@ -253,6 +252,9 @@ class Trainer:
         self.tied = TiedGradSync(
             self.comm, self.spec.model.tied, unit_stage, [s.ranks for s in layout.stages], self.rank
         )
+        previous = getattr(self, "optimizer", None)
+        if previous is not None:  # its armed hooks would fire in this layout's backwards
+            previous.abandon_step()
         self.optimizer = ShardedOptimizer(
             self.comm,
             dp_group_name(self.stage),
@@ -341,11 +343,15 @@ class Trainer:
         # Each unit's reduce-scatter starts as its last backward finishes it, unless something
         # rewrites gradients after the backward (a cross-stage tie's sync, a migration overlay).
         overlap = overlay is None and not self.tied.active and self.overlap_exchange
-        self.runner.run(
-            forward,
-            overlay.after_backward if overlay is not None else None,
-            self.optimizer.overlap_backward if overlap else None,
-        )
+        try:
+            self.runner.run(
+                forward,
+                overlay.after_backward if overlay is not None else None,
+                self.optimizer.overlap_backward if overlap else None,
+            )
+        except BaseException:
+            self.optimizer.abandon_step()  # no armed hook may outlive the failed backward
+            raise
         if overlay is not None:
             overlay.before_optimizer()
         if self.tied.active:  # Megatron-style: both copies of a cross-stage tie get the whole grad

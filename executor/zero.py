@@ -177,6 +177,11 @@ class ShardedOptimizer:
         backward then accumulates into; executor.zero_exchange)."""
         self.exchange.zero_grads()
 
+    def abandon_step(self) -> None:
+        """The step raised, or a new layout replaces this optimizer: drop what the step armed
+        and posted (executor.zero_exchange.ZeroExchange.abandon_step)."""
+        self.exchange.abandon_step()
+
     def overlap_backward(self) -> None:
         """Right before this step's last backward: start each unit's reduce-scatter as autograd
         finishes its gradients (executor.grad_overlap)."""

@@ -125,6 +125,14 @@ class UnitExchange:
                 for p in unit.parameters():
                     p.grad = None
 
+    def abandon_step(self) -> None:
+        """A step that raised (a peer lost in the middle of the backward, say), or this exchange
+        replaced by a new layout's: remove the hooks an armed backward left on the parameters and
+        forget posted exchanges. Left behind, they fire in a later backward that belongs to
+        another exchange and count its gradients as second accumulations of this one's."""
+        self.launcher.reset()
+        self._posted, self._gather = {}, None
+
     def grad_vector(self, name: str) -> torch.Tensor:
         """The unit's flat gradient: the buffer itself for a flat unit, else a concatenated copy."""
         flat = self.flats.get(name)

@@ -280,3 +280,68 @@ def test_overlapped_exchange_gives_the_same_state_as_the_exchange_after_backward
         for n, (lo, hi, m, v) in opt["shards"].items():
             assert (lo, hi) == ref_opt["shards"][n][:2]
             assert torch.equal(m, ref_opt["shards"][n][2]) and torch.equal(v, ref_opt["shards"][n][3])
+
+
+class _InjectedFailure(RuntimeError):
+    """Raised on the last stage right after the overlap armed its hooks (a peer lost then)."""
+
+
+def _relayout_after(fail_at: int | None, steps: int) -> dict[int, Any]:
+    """PP=2 x DP=2 (threads), overlap on: steps 0..1, then (when `fail_at` is set) the last
+    stage raises right after arming the overlap in step `fail_at` and the first stage times
+    out waiting for its gradients; every rank then adopts the layout again with its state over
+    a new communicator (what a recovery does), and runs the rest. Returns each rank's params."""
+    ranks = [(0, 1), (2, 3)]
+    lay = layout([(0, 3), (3, NUM_UNITS)], ranks)
+    groups = groups_for_stage_ranks(ranks, world=True)
+    stores = [HashStore(), HashStore()]
+    out: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            comm = StaticComm(stores[0], rank, groups, timeout_s=3, namespace="before")
+            with _SEEDING:
+                trainer = Trainer(gpt_spec(0.1), lay, rank, comm)
+            trainer.overlap_exchange = True
+            for step in range(2):
+                trainer.train_step(step)
+            if fail_at is not None:
+                if trainer.is_last:
+                    arm = trainer.optimizer.overlap_backward
+
+                    def arm_then_fail() -> None:
+                        arm()
+                        raise _InjectedFailure("peer lost in the backward")
+
+                    trainer.optimizer.overlap_backward = arm_then_fail  # type: ignore[method-assign]
+                with pytest.raises((_InjectedFailure, RuntimeError)):
+                    trainer.train_step(fail_at)
+            new_comm = StaticComm(stores[1], rank, groups, timeout_s=30, namespace="after")
+            shards = trainer.optimizer.shards
+            trainer.reset_layout(
+                lay, new_comm, trainer.unit_params(), shards, trainer.optimizer.step_count, 2
+            )
+            for step in range(2, steps):
+                trainer.train_step(step)
+            out[rank] = trainer.unit_params()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_a_step_that_fails_in_an_armed_backward_leaves_no_hook_behind_on_the_next_layout() -> None:
+    """The overlap's hooks armed by a step that raised must not fire in the backwards of the
+    layout adopted after it (they counted its gradients twice: `make demo` after a node loss)."""
+    failed, clean = _relayout_after(2, 4), _relayout_after(None, 4)
+    assert sorted(failed) == sorted(clean) == [0, 1, 2, 3]
+    for rank, params in failed.items():
+        assert all(torch.equal(params[n], clean[rank][n]) for n in params), rank
