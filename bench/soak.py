@@ -55,6 +55,7 @@ p.add_argument("--steps", type=int, default=8)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--losses-out")
 p.add_argument("--state-out")
+p.add_argument("--losses-log", help="a directory: each worker appends every committed step's loss to <pid>.jsonl")
 args = p.parse_args()
 g = torch.Generator().manual_seed(0)
 x = torch.randn(256, 8, generator=g)
@@ -62,7 +63,19 @@ y = x.sum(dim=1, keepdim=True).tanh()
 torch.manual_seed(0)
 units = [nn.Linear(8, 16), nn.Sequential(nn.Tanh(), nn.Linear(16, 16)), nn.Sequential(nn.Tanh(), nn.Linear(16, 16)),
          nn.Sequential(nn.Tanh(), nn.Linear(16, 1))]
-pace = (lambda step, loss: time.sleep(args.sleep)) if os.environ.get("ELASWAVE_RANK") else None
+# A worker killed later takes its result file with it; a line a step, written as it commits, stays.
+log = None
+if args.losses_log and os.environ.get("ELASWAVE_RANK"):
+    log = open(os.path.join(args.losses_log, f"{os.getpid()}.jsonl"), "a", buffering=1)
+
+
+def on_step(step, loss):
+    if log is not None and loss is not None:
+        log.write(json.dumps([step, loss]) + "\\n")
+    time.sleep(args.sleep)
+
+
+pace = on_step if os.environ.get("ELASWAVE_RANK") else None
 result = elaswave.train(units, lambda out, t: ((out - t) ** 2).mean(dim=1), torch.utils.data.TensorDataset(x, y),
                         global_batch=8, micro_batches=2, steps=args.steps, optimizer=elaswave.AdamW(lr=1e-3),
                         on_step=pace)
@@ -110,7 +123,15 @@ def soak(args: argparse.Namespace, root: Path) -> int:
         cores.append(Core(root, "core-b", etcd.url, token))
         launcher = ["--nnodes", "2", "--nproc-per-node", "2", "--pp", "2", "--job", "soak"]
         launcher += ["--checkpoint-dir", str(root / "ckpt"), "--checkpoint-every", "25", "--timeout", "60"]
-        script_args = ["--steps", str(steps), "--sleep", str(STEP_SLEEP_S)]
+        (root / "losses").mkdir(exist_ok=True)
+        script_args = [
+            "--steps",
+            str(steps),
+            "--sleep",
+            str(STEP_SLEEP_S),
+            "--losses-log",
+            str(root / "losses"),
+        ]
 
         def add_node(name: str) -> Node:
             nodes.append(Node(root, name, cores, launcher, script, script_args))

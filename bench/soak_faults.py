@@ -101,11 +101,12 @@ class Faults:
             300,
             "the job to train",
         )
-        # One rank of the last stage is never a victim: its results (written when it ends) hold
-        # every step's loss, which the check compares with the fault-free run.
+        # One rank of the last stage is never a victim, so that one worker runs from the first
+        # step to the last; every step's loss comes from the lines the last stage's workers
+        # append as they commit (`losses`), compared with the fault-free run.
         last = job["layout"]["stages"][-1]["ranks"][0]
         self.witness = next(m["worker_id"] for m in job["members"] if m["rank"] == last)
-        self._note(f"the job trains; {self.witness} (rank {last}, last stage) keeps every step's loss")
+        self._note(f"the job trains; {self.witness} (rank {last}, last stage) is never a victim")
         while not self._over():
             pause_until = time.monotonic() + gap_s * self.rng.uniform(0.7, 1.3)
             while time.monotonic() < pause_until and not self._over():
@@ -340,11 +341,20 @@ class Faults:
         return problems
 
     def losses(self) -> dict[int, float]:
+        """Every committed step's loss: from the workers' result files and from the lines each
+        last-stage worker appended as it committed (`--losses-log`; a worker killed later
+        leaves no result file, and the witness may have served on another stage for a while)."""
         found: dict[int, float] = {}
         for path in sorted(self.root.glob(f"elaswave-run/{JOB}/node-*/*.json")):
             with contextlib.suppress(OSError, ValueError):
                 for step, loss in json.loads(path.read_text()).get("losses", {}).items():
                     found.setdefault(int(step), float(loss))
+        for path in sorted((self.root / "losses").glob("*.jsonl")):
+            with contextlib.suppress(OSError):
+                for line in path.read_text().splitlines():
+                    with contextlib.suppress(ValueError, TypeError):
+                        step, loss = json.loads(line)
+                        found.setdefault(int(step), float(loss))
         return found
 
     def summary(self, took_s: float) -> None:
