@@ -204,10 +204,14 @@ class ChaosRun(TrainDemo):
             http.close()
 
     def fire(self, fault: Fault) -> FaultRecord:
-        """Wait until every live worker committed `fault.after_step`, then kill (collective faults
-        fire by themselves inside the workers)."""
+        """Wait until every live worker committed `fault.after_step` and the Core knows the last
+        recovery's backup copies are all re-seeded (no open re-protection window), then kill
+        (collective faults fire by themselves inside the workers). A kill inside that window is
+        planned as a RESTORE by design (core_service.backup_windows; its own test is
+        tests/executor/test_reprotect_window.py): a schedule that fires at step boundaries must
+        not hit it by the chance of a REPROTECTED report still in flight on a loaded machine."""
         job = self.wait_for(
-            f"every live worker to commit step {fault.after_step}",
+            f"every live worker to commit step {fault.after_step} and the copies to be re-seeded",
             lambda j: (
                 len(j["members"]) == self.workers
                 and all(
@@ -215,6 +219,7 @@ class ChaosRun(TrainDemo):
                     for m in j["members"]
                     if m["state"] not in ("LOST", "LEFT")
                 )
+                and j.get("backup_window") is None
             ),
         )
         fired = time.time()

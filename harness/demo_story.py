@@ -146,10 +146,14 @@ class StoryRun(ChaosRun):
         return ["--frequency-controller", "simulated"]
 
     def live_committed(self, step: int) -> dict[str, Any]:
-        """The job once every live worker has committed `step`."""
+        """The job once every live worker has committed `step` and the last recovery's copies
+        are re-seeded (no open re-protection window: ChaosRun.fire says why)."""
         return self.wait_for(
-            f"every live worker to commit step {step}",
-            lambda j: all(last_step(m) >= step for m in j["members"] if m["state"] not in ("LOST", "LEFT")),
+            f"every live worker to commit step {step} and the copies to be re-seeded",
+            lambda j: (
+                all(last_step(m) >= step for m in j["members"] if m["state"] not in ("LOST", "LEFT"))
+                and j.get("backup_window") is None
+            ),
         )
 
     def events_since(self, seq: int = 0) -> list[dict[str, Any]]:
