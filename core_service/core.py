@@ -104,6 +104,10 @@ STEP_DOWN_HOLD_OFF_S = 10.0
 DURABLE_WAIT_S = 5.0
 # On a graceful stop or a voluntary step-down, queued writes get this long to be stored.
 STOP_FLUSH_S = 5.0
+# Stop's bound on the Core's own tasks (the REST server, the leader's loops) once cancelled, and
+# on the REST server's open connections (a dashboard's event stream never closes by itself): a
+# stop that waits on them forever turns a clean shutdown into a SIGKILL after the pod's grace.
+STOP_TASKS_S = 5.0
 
 
 def etcd_security(settings: CoreSettings) -> EtcdSecurity:
@@ -320,11 +324,22 @@ class Core:
             await self._grpc.stop(grace=1.0)
         if self._http is not None:
             self._http.should_exit = True
-        for task in self._tasks + self._leader_tasks:
+        tasks = self._tasks + self._leader_tasks
+        for task in tasks:
             task.cancel()
-        for task in self._tasks + self._leader_tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if tasks:
+            done, pending = await asyncio.wait(tasks, timeout=STOP_TASKS_S)
+            for task in done:  # retrieved, so that a task that failed is not reported at exit
+                if not task.cancelled():
+                    task.exception()
+            if pending:
+                names = sorted(t.get_name() for t in pending)
+                log.warning(
+                    "stop: %d task(s) still running after %.0f s, left behind: %s",
+                    len(pending),
+                    STOP_TASKS_S,
+                    names,
+                )
         self.membership.stop_watching()
         if self._leader_watch is not None:
             self._leader_watch.cancel()
@@ -397,6 +412,7 @@ class Core:
             log_level="warning",
             lifespan="off",
             access_log=False,
+            timeout_graceful_shutdown=int(STOP_TASKS_S),
             ssl_certfile=str(tls.http_tls_cert) if tls.http_tls_cert else None,
             ssl_keyfile=str(tls.http_tls_key) if tls.http_tls_key else None,
         )
