@@ -204,14 +204,19 @@ class ChaosRun(TrainDemo):
             http.close()
 
     def fire(self, fault: Fault) -> FaultRecord:
-        """Wait until every live worker committed `fault.after_step` and the Core knows the last
-        recovery's backup copies are all re-seeded (no open re-protection window), then kill
-        (collective faults fire by themselves inside the workers). A kill inside that window is
-        planned as a RESTORE by design (core_service.backup_windows; its own test is
-        tests/executor/test_reprotect_window.py): a schedule that fires at step boundaries must
-        not hit it by the chance of a REPROTECTED report still in flight on a loaded machine."""
+        """Wait until every live worker committed `fault.after_step` and, for a fault the harness
+        fires, the Core knows the last recovery's backup copies are all re-seeded (no open
+        re-protection window); then kill (collective faults fire by themselves inside the
+        workers). A kill inside that window is planned as a RESTORE by design
+        (core_service.backup_windows; its own test is tests/executor/test_reprotect_window.py):
+        a schedule that fires at step boundaries must not hit it by the chance of a REPROTECTED
+        report still in flight on a loaded machine."""
+        # A collective fault fires inside the workers at its step whatever the harness waits
+        # for: its record is the moment that step committed, not when a window closed later.
+        reseeded = fault.kind != "collective"
         job = self.wait_for(
-            f"every live worker to commit step {fault.after_step} and the copies to be re-seeded",
+            f"every live worker to commit step {fault.after_step}"
+            + (" and the copies to be re-seeded" if reseeded else ""),
             lambda j: (
                 len(j["members"]) == self.workers
                 and all(
@@ -219,7 +224,7 @@ class ChaosRun(TrainDemo):
                     for m in j["members"]
                     if m["state"] not in ("LOST", "LEFT")
                 )
-                and j.get("backup_window") is None
+                and (not reseeded or j.get("backup_window") is None)
             ),
         )
         fired = time.time()
