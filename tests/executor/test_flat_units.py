@@ -228,6 +228,25 @@ def test_trainer_units_are_flat_after_steps() -> None:
         )
 
 
+def _on_rank_threads(rank_main: Callable[[int], None], ranks: int) -> None:
+    """Run `rank_main(rank)` for every rank on its own thread; re-raise the first error here."""
+    errors: list[BaseException] = []
+
+    def guarded(rank: int) -> None:
+        try:
+            rank_main(rank)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+
+
 def _trainers(overlap: bool, steps: int) -> tuple[dict[int, Any], dict[int, int]]:
     """PP=2 x DP=2 (threads), dropout on: every rank's parameters, shards and losses after
     `steps`, and how many of its units' reduce-scatters had started when the backward ended."""
@@ -236,34 +255,24 @@ def _trainers(overlap: bool, steps: int) -> tuple[dict[int, Any], dict[int, int]
     store, groups = HashStore(), groups_for_stage_ranks(ranks, world=True)
     out: dict[int, Any] = {}
     early: dict[int, int] = {}
-    errors: list[BaseException] = []
 
     def rank_main(rank: int) -> None:
-        try:
-            comm = StaticComm(store, rank, groups, timeout_s=30)  # a rendezvous: not under the lock
-            with _SEEDING:
-                trainer = Trainer(gpt_spec(0.1), lay, rank, comm)
-            trainer.overlap_exchange = overlap
-            launcher = trainer.optimizer.exchange.launcher
-            finish = launcher.finish
+        comm = StaticComm(store, rank, groups, timeout_s=30)  # a rendezvous: not under the lock
+        with _SEEDING:
+            trainer = Trainer(gpt_spec(0.1), lay, rank, comm)
+        trainer.overlap_exchange = overlap
+        launcher = trainer.optimizer.exchange.launcher
+        finish = launcher.finish
 
-            def counted_finish() -> None:
-                early[rank] = early.get(rank, 0) + launcher.started
-                finish()
+        def counted_finish() -> None:
+            early[rank] = early.get(rank, 0) + launcher.started
+            finish()
 
-            launcher.finish = counted_finish  # type: ignore[method-assign]
-            losses = [trainer.train_step(s).loss for s in range(steps)]
-            out[rank] = (trainer.unit_params(), trainer.optimizer.state(), losses)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
-            errors.append(exc)
+        launcher.finish = counted_finish  # type: ignore[method-assign]
+        losses = [trainer.train_step(s).loss for s in range(steps)]
+        out[rank] = (trainer.unit_params(), trainer.optimizer.state(), losses)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
+    _on_rank_threads(rank_main, 4)
     return out, early
 
 
@@ -296,45 +305,33 @@ def _relayout_after(fail_at: int | None, steps: int) -> dict[int, Any]:
     groups = groups_for_stage_ranks(ranks, world=True)
     stores = [HashStore(), HashStore()]
     out: dict[int, Any] = {}
-    errors: list[BaseException] = []
 
     def rank_main(rank: int) -> None:
-        try:
-            comm = StaticComm(stores[0], rank, groups, timeout_s=3, namespace="before")
-            with _SEEDING:
-                trainer = Trainer(gpt_spec(0.1), lay, rank, comm)
-            trainer.overlap_exchange = True
-            for step in range(2):
-                trainer.train_step(step)
-            if fail_at is not None:
-                if trainer.is_last:
-                    arm = trainer.optimizer.overlap_backward
+        comm = StaticComm(stores[0], rank, groups, timeout_s=3, namespace="before")
+        with _SEEDING:
+            trainer = Trainer(gpt_spec(0.1), lay, rank, comm)
+        trainer.overlap_exchange = True
+        for step in range(2):
+            trainer.train_step(step)
+        if fail_at is not None:
+            if trainer.is_last:
+                arm = trainer.optimizer.overlap_backward
 
-                    def arm_then_fail() -> None:
-                        arm()
-                        raise _InjectedFailure("peer lost in the backward")
+                def arm_then_fail() -> None:
+                    arm()
+                    raise _InjectedFailure("peer lost in the backward")
 
-                    trainer.optimizer.overlap_backward = arm_then_fail  # type: ignore[method-assign]
-                with pytest.raises((_InjectedFailure, RuntimeError)):
-                    trainer.train_step(fail_at)
-            new_comm = StaticComm(stores[1], rank, groups, timeout_s=30, namespace="after")
-            shards = trainer.optimizer.shards
-            trainer.reset_layout(
-                lay, new_comm, trainer.unit_params(), shards, trainer.optimizer.step_count, 2
-            )
-            for step in range(2, steps):
-                trainer.train_step(step)
-            out[rank] = trainer.unit_params()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
-            errors.append(exc)
+                trainer.optimizer.overlap_backward = arm_then_fail  # type: ignore[method-assign]
+            with pytest.raises((_InjectedFailure, RuntimeError)):
+                trainer.train_step(fail_at)
+        new_comm = StaticComm(stores[1], rank, groups, timeout_s=30, namespace="after")
+        shards = trainer.optimizer.shards
+        trainer.reset_layout(lay, new_comm, trainer.unit_params(), shards, trainer.optimizer.step_count, 2)
+        for step in range(2, steps):
+            trainer.train_step(step)
+        out[rank] = trainer.unit_params()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
+    _on_rank_threads(rank_main, 4)
     return out
 
 
