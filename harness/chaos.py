@@ -144,6 +144,8 @@ class ChaosRun(TrainDemo):
         for rank in range(scenario.pp * scenario.dp):
             self.extra_env[rank] = {CHECKPOINT_EVERY_ENV: str(scenario.checkpoint_every)}
         self.rank_nodes = tuple((r, n) for n, ranks in enumerate(scenario.nodes) for r in ranks)
+        # The highest step a live worker had committed when the last fault fired (-1: none yet).
+        self.fired_at_step = -1
         for fault in scenario.faults:
             if fault.kind == "collective":
                 for rank in fault.ranks:
@@ -210,24 +212,27 @@ class ChaosRun(TrainDemo):
         workers). A kill inside that window is planned as a RESTORE by design
         (core_service.backup_windows; its own test is tests/executor/test_reprotect_window.py):
         a schedule that fires at step boundaries must not hit it by the chance of a REPROTECTED
-        report still in flight on a loaded machine."""
+        report still in flight on a loaded machine.
+
+        A fault also waits for a step committed after the previous fault fired: on a loaded
+        machine the harness can fall steps behind an unpaced job, so a fault meant for step 2
+        may fire at step 5, and the next one (meant for step 5) would then follow it at once,
+        before the Core had even seen the first one's victims, as one larger fault."""
         # A collective fault fires inside the workers at its step whatever the harness waits
         # for: its record is the moment that step committed, not when a window closed later.
         reseeded = fault.kind != "collective"
+        step = max(fault.after_step, min(self.fired_at_step + 1, self.scenario.steps - 1))
         job = self.wait_for(
-            f"every live worker to commit step {fault.after_step}"
+            f"every live worker to commit step {step}"
             + (" and the copies to be re-seeded" if reseeded else ""),
             lambda j: (
                 len(j["members"]) == self.workers
-                and all(
-                    last_step(m) >= fault.after_step
-                    for m in j["members"]
-                    if m["state"] not in ("LOST", "LEFT")
-                )
+                and all(last_step(m) >= step for m in live_members(j))
                 and (not reseeded or j.get("backup_window") is None)
             ),
         )
         fired = time.time()
+        self.fired_at_step = max((last_step(m) for m in live_members(job)), default=step)
         if fault.kind == "collective":
             return FaultRecord(fault, fired)
         if fault.kind == "core":
@@ -256,6 +261,10 @@ class ChaosRun(TrainDemo):
 
     def layout(self) -> Any:
         return super().layout().replace(rank_nodes=self.rank_nodes)
+
+
+def live_members(job: dict[str, Any]) -> list[dict[str, Any]]:
+    return [m for m in job["members"] if m["state"] not in ("LOST", "LEFT")]
 
 
 def run_scenario(
