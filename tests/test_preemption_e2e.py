@@ -224,7 +224,7 @@ def _report_timings(
     )
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_scheduler_preemption_through_the_core_is_a_clean_departure(tmp_path: Path) -> None:
     out = _run(tmp_path, _preempt_through_core)
     marked, published, resumed = _check_core_view(out)
@@ -233,7 +233,7 @@ def test_scheduler_preemption_through_the_core_is_a_clean_departure(tmp_path: Pa
     _report_timings(out, marked, published, resumed, left, dev)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_sigterm_of_the_agent_is_a_preemption_report_and_a_clean_departure(tmp_path: Path) -> None:
     out = _run(tmp_path, _sigterm_agent)
     marked, published, resumed = _check_core_view(out)
