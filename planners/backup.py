@@ -257,3 +257,27 @@ def extra_copy_bytes(layout: Layout) -> dict[int, int]:
         for holder in holders[1:]:
             out[holder] += BACKUP_ROWS * FLOAT_BYTES * elements.get(rank, 0)
     return dict(out)
+
+
+GRAD_BYTES = 4  # the executor's gradient shards are fp32
+
+
+def snapshot_rank_bytes(
+    layout: Layout, from_copy: int = 0, grad_bytes: float = GRAD_BYTES
+) -> dict[int, tuple[float, float]]:
+    """Rank -> (bytes out, bytes in) per step of the gradient exchange that keeps the copies up to
+    date (`executor.fabric.snapshot`: every owner sends its gradient shard to each holder, every
+    step), counting each shard's copies from index `from_copy` on (0: all k; 1: those beyond
+    ElasWave §5.1's single copy) and only copies on another node than their shard (a copy on the
+    same node is a host-memory copy), at `grad_bytes` per element of the shard."""
+    nodes = dict(layout.rank_nodes)
+    elements = shard_elements(layout)
+    out: dict[int, float] = defaultdict(float)
+    inn: dict[int, float] = defaultdict(float)
+    for rank, holders in backup_holder_sets(layout).items():
+        for holder in holders[from_copy:]:
+            if _node(nodes, holder) != _node(nodes, rank):
+                nbytes = grad_bytes * elements.get(rank, 0)
+                out[rank] += nbytes
+                inn[holder] += nbytes
+    return {r: (out.get(r, 0.0), inn.get(r, 0.0)) for r in set(out) | set(inn)}

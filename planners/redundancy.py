@@ -20,7 +20,14 @@ step, so the policy sizes k to the largest burst the job has seen, as far as mem
 - fit: k copies cost k x the per-copy bytes `planners.backup.backup_cost` reports for every
   holder, and every rank must have that much headroom below its memory cap (the same check the
   placement makes, `planners.placement`); k drops until it fits, and k = 1 is kept regardless
-  (the backup ElasWave always has).
+  (the backup ElasWave always has);
+- idle memory (`idle_share`, off by default): copies beyond what the bursts ask for, up to
+  `max_copies`, as long as they take at most that share of every rank's free memory (layouts
+  with a node map only). Memory is not their only cost: every copy's holder receives the
+  owner's gradient shard every step (`executor.fabric.snapshot`), which the simulator charges
+  (`simulator.layouts.extra_copy_traffic_s`); measured on the issue-25 tables, copies kept for
+  idle memory alone cost more in that traffic than the RESTOREs they avoided
+  (docs/benchmarks.md), hence off.
 
 A job's first layout (`initial_copies`, the Core's rendezvous placement) has no history yet: the
 prior alone sizes k there, and the placement's own memory check (every copy counted) decides
@@ -59,6 +66,10 @@ class RedundancySettings:
     max_copies: int = 3
     # The burst size assumed before one is seen, for layouts with a node map (1: none assumed).
     prior_burst_nodes: int = 2
+    # Copies beyond what the bursts ask for, up to `max_copies`, that idle memory holds: at most
+    # this share of every rank's free memory (the rest stays free for a later plan's larger
+    # shares); layouts with a node map only. 0: the bursts alone size k.
+    idle_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.window_s < 0 or self.memory_s <= 0 or self.max_copies < 1 or self.prior_burst_nodes < 1:
@@ -66,6 +77,8 @@ class RedundancySettings:
                 f"need window_s >= 0, memory_s > 0, max_copies >= 1 and prior_burst_nodes >= 1, got "
                 f"{self.window_s}, {self.memory_s}, {self.max_copies}, {self.prior_burst_nodes}"
             )
+        if not 0 <= self.idle_share <= 1:
+            raise ValueError(f"idle_share must be in [0, 1], got {self.idle_share}")
 
 
 @dataclass(frozen=True)
@@ -136,8 +149,12 @@ def choose_copies(
     if prior > burst:
         seen += f"; bursts of {prior} nodes assumed possible (prior_burst_nodes, {domains} nodes)"
     sized = max(burst, prior)
-    want = max(1, min(sized, settings.max_copies, domains - 1))
-    if want == 1:
+    cap = max(1, min(settings.max_copies, domains - 1))
+    want = min(sized, cap)
+    # Idle memory (layouts with a node map only: the failure domains are known) holds copies
+    # beyond what the bursts ask for, up to `idle_share` of every rank's free memory.
+    idle = bool(layout.rank_nodes) and settings.idle_share > 0 and cap > want
+    if want == 1 and not idle:
         if sized <= 1:
             why = "a single copy covers it"
         elif domains - 1 < 2:
@@ -147,18 +164,35 @@ def choose_copies(
         return RedundancyChoice(1, f"backup copies k=1: {seen}; {why}", burst)
     if headroom_bytes is None:
         return RedundancyChoice(
-            1, f"backup copies k=1: {seen}, but no memory cap is known to fit {want} copies", burst
+            1, f"backup copies k=1: {seen}, but no memory cap is known to fit {max(want, 2)} copies", burst
         )
     per_copy = copy_bytes(layout)
-    k, tight = want, -1
-    while k > 1:
-        short = [r for r, b in per_copy.items() if k * b > headroom_bytes.get(r, 0.0)]
-        if not short:
-            break
-        tight, k = short[0], k - 1
     gib = 2**30
+    top = max(per_copy.values(), default=0)
+
+    def short(k: int, share: float) -> list[int]:
+        return [r for r, b in per_copy.items() if k * b > share * headroom_bytes.get(r, 0.0)]
+
+    k, tight = want, -1
+    while k > 1 and short(k, 1.0):
+        tight, k = short(k, 1.0)[0], k - 1
+    spare = (
+        max((n for n in range(k + 1, cap + 1) if not short(n, settings.idle_share)), default=0) if idle else 0
+    )
+    if spare > k:
+        limit = f"; max_copies is {settings.max_copies}" if cap == settings.max_copies else ""
+        limit = f"; only {domains} failure domains" if cap == domains - 1 < settings.max_copies else limit
+        why = (
+            f"idle memory holds {spare} copies ({spare * top / gib:.2f} GiB on the busiest holder, within "
+            f"{settings.idle_share:.0%} of every rank's free memory){limit}"
+        )
+        return RedundancyChoice(
+            spare, f"backup copies k={spare} (bursts ask for {want}): {seen}; {why}", burst
+        )
+    if want == 1:
+        why = f"a second copy does not fit in {settings.idle_share:.0%} of the free memory"
+        return RedundancyChoice(1, f"backup copies k=1: {seen}; {why}", burst)
     if k == want:
-        top = max(per_copy.values(), default=0)
         why = f"{k} copies fit ({k * top / gib:.2f} GiB on the busiest holder)"
     else:
         need = (k + 1) * per_copy[tight] / gib

@@ -8,6 +8,12 @@ RESTORE (reload the latest durable checkpoint, redo the steps since). Waiting no
 place: the joiners read their state from the live owners, the growth issue) when the Core's
 scale-up rule says the join pays before the next likely change (FlexTrain eq. 15-16), re-planned
 from the healthy layout.
+
+What the k copies cost is charged as the executor pays it: the gradient exchange of every copy
+beyond the first on every step (`simulator.layouts.extra_copy_traffic_s`), and after every plan
+the re-seed of the copies it moved before the first step (`simulator.layouts.reseed_bytes`).
+A rank whose node was swapped for a spare keeps its id here but holds nothing: it receives its
+whole state (`migration_bytes`).
 """
 
 from __future__ import annotations
@@ -22,7 +28,13 @@ from planners.redundancy import NodeLoss, RedundancyInput
 from simulator.cluster import ClusterChange
 from simulator.copies import in_place as applies_in_place
 from simulator.jobs import JobSpec
-from simulator.layouts import busiest_state_bytes, layout_candidate, layout_model
+from simulator.layouts import (
+    busiest_state_bytes,
+    extra_copy_traffic_s,
+    layout_candidate,
+    layout_model,
+    reseed_bytes,
+)
 from simulator.sim_policy import SimPolicy, Transition, healthy_layout, itemised
 
 
@@ -85,11 +97,24 @@ class ElasWavePolicy(SimPolicy):
     def _state_items(
         self, old: Layout, new: Layout, in_place: bool, step_before_s: float
     ) -> list[tuple[str, float]]:
-        """In place: the state transfer into the busiest rank and the replayed step (none for a
-        join at a step boundary: `step_before_s` 0); else the RESTORE's reload and redone steps."""
+        """In place: the state transfer into the busiest rank, the re-seed of the backup copies the
+        plan moved and the replayed step (none for a join at a step boundary: `step_before_s` 0);
+        else the RESTORE's reload and redone steps, then the re-seed of every copy.
+
+        The re-seed is charged before the first step, as the executor does with
+        `reprotect_steps` = 0 (`executor.fabric.trainer_state`): its default re-seeds in the
+        background over 2 steps instead, a window in which a loss whose surviving copy is still
+        being re-seeded is a RESTORE (`planners.reprotect`), which this model does not replay."""
+        link = self.costs.link_bytes_per_s
         if not in_place:
-            return [("restore", self.costs.restore_s(busiest_state_bytes(self.spec, new)))]
-        items = [("state transfer", self.costs.transfer_s(migration_bytes(self.spec, old, new)))]
+            reseed = reseed_bytes(None, new) / link
+            return [
+                ("restore", self.costs.restore_s(busiest_state_bytes(self.spec, new))),
+                ("backup re-seed", reseed),
+            ]
+        moved = migration_bytes(self.spec, old, new, self.lost_now)
+        items = [("state transfer", self.costs.transfer_s(moved))]
+        items.append(("backup re-seed", reseed_bytes(old, new, self.lost_now) / link))
         if step_before_s > 0:
             items.append(("replay", self.replay_s(step_before_s)))
         return items
@@ -143,15 +168,21 @@ class ElasWavePolicy(SimPolicy):
     def _candidate(self, layout: Layout, why: str) -> Candidate:
         key = (layout, why)
         if key not in self.cache:
-            self.cache[key] = layout_candidate(self.spec, layout, self.name, why)
+            cand = layout_candidate(self.spec, layout, self.name, why)
+            extra = extra_copy_traffic_s(self.spec, layout)  # k > 1: the copies' per-step traffic
+            if cand.feasible and extra > 0:
+                cand = replace(cand, step_time_s=cand.step_time_s + extra)
+            self.cache[key] = cand
         return self.cache[key]
 
 
-def migration_bytes(spec: JobSpec, old: Layout, new: Layout) -> float:
+def migration_bytes(spec: JobSpec, old: Layout, new: Layout, lost: frozenset[int] = frozenset()) -> float:
     """Bytes into the busiest rank of `new`: the blocks of its new stage it did not hold (weights
     and its optimizer share; all of them for a rank that changed stage or joined) plus, where its
     stage's DP size shrank, the larger optimizer share it takes over of the blocks it kept (from
-    the ring snapshots, ElasWave §5.2, §6.3 interleaved ZeRO)."""
+    the ring snapshots, ElasWave §5.2, §6.3 interleaved ZeRO). A `lost` rank that `new` keeps
+    (its node swapped for a spare: the rank id is a device position here) holds nothing: it
+    receives everything, as a joining rank does."""
     prof = spec.profile()
     ratio = prof.optimizer_bytes_per_param_byte
     old_stage = {r: s for s in old.stages for r in s.ranks}
@@ -160,7 +191,7 @@ def migration_bytes(spec: JobSpec, old: Layout, new: Layout) -> float:
         dp_new = stage.dp_size
         weights = sum(prof.layer_param_bytes[stage.layer_start : stage.layer_stop])
         for rank in stage.ranks:
-            before = old_stage.get(rank)
+            before = None if rank in lost else old_stage.get(rank)
             held = range(0) if before is None else before.layers
             stayed = sum(prof.layer_param_bytes[x] for x in stage.layers if x in held)
             incoming = weights - stayed

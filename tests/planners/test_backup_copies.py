@@ -21,6 +21,7 @@ from planners.backup import (
     first_surviving,
     recovery_sources,
     shard_elements,
+    snapshot_rank_bytes,
 )
 from planners.dataflow import resize_after_loss
 from planners.layout import Layout, StageLayout, make_uniform_layout
@@ -115,6 +116,23 @@ def test_the_cost_counts_every_copy() -> None:
     extra = extra_copy_bytes(layout)
     assert {r: single[r] + extra.get(r, 0) for r in layout.ranks()} == held
     assert "2 copies of every shard, all counted" in backup_cost(layout).reason
+
+
+def test_the_gradient_exchange_counts_each_copy_on_another_node() -> None:
+    """Every holder receives its owner's gradient shard every step (executor.fabric.snapshot):
+    from copy index 1 on only the copies beyond the first; same-node copies stay in host memory."""
+    layout = on_nodes(uniform(2, 3, k=2), [(0, 3), (1, 4), (2, 5)])
+    elements = shard_elements(layout)
+    sets = backup_holder_sets(layout)
+    extra = snapshot_rank_bytes(layout, from_copy=1, grad_bytes=2)
+    for rank in sets:
+        assert extra[rank][0] == 2 * elements[rank]  # one further copy, on a node of its own
+    assert sum(i for _, i in extra.values()) == sum(o for o, _ in extra.values())
+    every = snapshot_rank_bytes(layout)  # both copies, fp32
+    assert all(every[r][0] == 2 * 4 * elements[r] for r in layout.ranks())
+    assert snapshot_rank_bytes(layout.replace(backup_copies=1), from_copy=1) == {}
+    one_node = on_nodes(uniform(2, 3, k=2), [(0, 1, 2, 3, 4, 5)])
+    assert snapshot_rank_bytes(one_node) == {}
 
 
 class _Flat:

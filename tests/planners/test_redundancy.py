@@ -156,3 +156,44 @@ def test_the_first_placement_keeps_one_copy_when_the_memory_check_refuses_more()
     placement, choice = initial_copies(_place(4, cap), cap)
     assert placement.layout.backup_copies == 1 == choice.copies
     assert "2 copies do not fit" in choice.reason or "memory check refused" in choice.reason, choice.reason
+
+
+IDLE = RedundancySettings(idle_share=0.5)
+
+
+def test_idle_memory_holds_copies_beyond_the_bursts_when_asked_and_says_why() -> None:
+    per_copy = copy_bytes(NODES4)
+    roomy = {r: 10 * b for r, b in per_copy.items()}  # half of it holds 5 copies; 3 domains left
+    choice = choose_copies(NODES4, (), 0.0, roomy, IDLE)
+    assert choice.copies == 3, choice.reason
+    assert "(bursts ask for 2)" in choice.reason and "idle memory holds 3 copies" in choice.reason
+    assert "within 50% of every rank's free memory" in choice.reason
+    assert "only 4 failure domains" in choice.reason or "max_copies is 3" in choice.reason
+    # Off by default: the bursts (here the prior) alone size k.
+    assert choose_copies(NODES4, (), 0.0, roomy).copies == 2
+
+
+def test_a_burst_raises_k_past_the_idle_share_when_memory_allows() -> None:
+    per_copy = copy_bytes(NODES4)
+    # Half the free memory holds one copy, all of it three: without a burst the prior's 2 copies;
+    # with a burst of three nodes, 3 copies (the history, not idle memory, is the reason).
+    three = {r: 3 * b for r, b in per_copy.items()}
+    quiet = choose_copies(NODES4, (), 0.0, three, replace(IDLE, prior_burst_nodes=1))
+    assert quiet.copies == 1 and "a second copy does not fit in 50% of the free memory" in quiet.reason
+    burst = choose_copies(NODES4, BURST, 200.0, three, IDLE)
+    assert burst.copies == 3 and "largest burst 3 node(s)" in burst.reason and "3 copies fit" in burst.reason
+
+
+def test_without_headroom_idle_memory_keeps_one_copy_and_says_why() -> None:
+    tight = {r: 1.5 * b for r, b in copy_bytes(NODES4).items()}
+    choice = choose_copies(NODES4, (), 0.0, tight, IDLE)
+    assert choice.copies == 1 and "2 copies do not fit" in choice.reason, choice.reason
+    unknown = choose_copies(NODES4, (), 0.0, None, IDLE)
+    assert unknown.copies == 1 and "no memory cap is known" in unknown.reason
+    # No node map: no failure domains known, idle memory keeps no extra copy.
+    assert choose_copies(LAYOUT, (), 0.0, dict.fromkeys(LAYOUT.ranks(), 1e12), IDLE).copies == 1
+
+
+def test_idle_share_must_be_a_share() -> None:
+    with pytest.raises(ValueError, match="idle_share"):
+        RedundancySettings(idle_share=1.5)

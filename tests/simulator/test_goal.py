@@ -1,8 +1,11 @@
 """Issue 25's goal over a short horizon: on the shipped bursty traces (bursts of 2-4 nodes within
 a minute, seeds 0-9) `elaswave`, as the Core runs it and credited only with what the executor
-applies (k copies, in place only while a copy survives), has a time-weighted LSE at least every
-baseline's. The full 11-hour tables are `python -m bench.sim_tables --goal` (docs/benchmarks.md),
-which also lists where it does not hold."""
+applies (k copies, in place only while a copy survives) and charged what it pays for them, has a
+time-weighted LSE at least every baseline's less the insurance: the per-step gradient exchange
+of the copies beyond the first (at most `max_copies`), which it pays whether or not a burst
+comes, and which on these traces is all that separates it from ReCycle and TorchFT (their
+recoveries cost the same seconds). The full 11-hour tables are `python -m bench.sim_tables
+--goal` (docs/benchmarks.md), which also lists where and by how much it trails."""
 
 from __future__ import annotations
 
@@ -10,11 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from planners.redundancy import RedundancySettings
 from simulator.cluster import cluster_timeline
 from simulator.engine import run_policy
 from simulator.gen_traces import BURSTY_SEEDS
 from simulator.jobs import JOBS
+from simulator.layouts import extra_copy_traffic_s, layout_candidate
 from simulator.policies import BASELINES
+from simulator.sim_policy import healthy_layout
 from simulator.traces import bursty_cluster_trace, load_bamboo
 
 TRACES = Path(__file__).resolve().parents[2] / "simulator" / "traces"
@@ -24,6 +30,10 @@ HORIZON_S = 2 * 3600.0
 @pytest.mark.parametrize("job", ["llama2-7b", "llama2-13b", "llama2-34b"])
 def test_elaswave_is_at_least_every_baseline_on_the_bursty_traces(job: str) -> None:
     spec = JOBS[job]
+    healthy = healthy_layout(spec)
+    most = healthy.replace(backup_copies=RedundancySettings().max_copies)
+    insurance = extra_copy_traffic_s(spec, most) / layout_candidate(spec, healthy, "", "").step_time_s
+    assert 0 < insurance < 1.5e-3  # under 0.15 % of a step
     changed = 0
     for seed in BURSTY_SEEDS:
         cluster = cluster_timeline(load_bamboo(TRACES / f"spot_burst_s{seed}.txt"), spec)
@@ -32,7 +42,8 @@ def test_elaswave_is_at_least_every_baseline_on_the_bursty_traces(job: str) -> N
             p: run_policy(p, spec, cluster.changes, HORIZON_S).time_weighted_lse
             for p in ("elaswave", *BASELINES)
         }
-        behind = {p: round(lse["elaswave"] / v, 4) for p, v in lse.items() if lse["elaswave"] < v}
+        floor = 1.0 - insurance
+        behind = {p: round(lse["elaswave"] / v, 5) for p, v in lse.items() if lse["elaswave"] < floor * v}
         assert not behind, f"{job} spot_burst_s{seed}: elaswave / baseline {behind}"
     assert changed >= 5  # most traces have a burst within the horizon
 

@@ -69,6 +69,9 @@ def test_table2_node_losses_print_and_order(job: str) -> None:
         # The paper's system never does worse than TorchFT, and DVFS never lowers a plan.
         assert steady["elaswave-theoretical"] >= steady["torchft"] * 0.99
         assert steady["elaswave"] >= steady["elaswave-migrate"] * 0.999
-        for run in runs.values():  # healthy until the loss, then at most the fault-free rate
-            assert run.segments[0].throughput == pytest.approx(ff)
+        for name, run in runs.items():  # healthy until the loss, then at most the fault-free rate
+            # The Core's ElasWave (and its ablations) pays its second backup copy's per-step
+            # gradient exchange from the start (simulator.layouts.extra_copy_traffic_s): < 0.1 %.
+            own = name.startswith("elaswave") and name != "elaswave-theoretical"
+            assert run.segments[0].throughput == pytest.approx(ff, rel=1e-3 if own else 1e-6)
             assert max(s.throughput for s in run.segments) <= ff * 1.2
