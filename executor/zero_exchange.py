@@ -115,8 +115,7 @@ class UnitExchange:
         """Before a step's backward: every flat unit's gradient buffer cleared and made its
         parameters' `.grad` (backward accumulates into it in place); other units' grads dropped.
         Forgets exchanges a failed step started and never waited for."""
-        self.launcher.reset()
-        self._posted, self._gather = {}, None
+        self.abandon_step()
         for name, unit in self.units.items():
             flat = self.flats.get(name)
             if flat is not None:
