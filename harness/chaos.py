@@ -38,7 +38,15 @@ from typing import Any, Literal
 import httpx
 
 from harness.control_plane import states, stop_processes
-from harness.training import TrainDemo, TrainDemoConfig, fault_free_losses, job_losses, last_step, launch_job
+from harness.training import (
+    TrainDemo,
+    TrainDemoConfig,
+    fault_free_losses,
+    job_losses,
+    last_step,
+    launch_job,
+    live_members,
+)
 from wire.worker_env import CHECKPOINT_EVERY_ENV, INJECT_FAULT_ENV
 
 FaultKind = Literal["kill", "node", "collective", "store", "core"]
@@ -261,10 +269,6 @@ class ChaosRun(TrainDemo):
 
     def layout(self) -> Any:
         return super().layout().replace(rank_nodes=self.rank_nodes)
-
-
-def live_members(job: dict[str, Any]) -> list[dict[str, Any]]:
-    return [m for m in job["members"] if m["state"] not in ("LOST", "LEFT")]
 
 
 def run_scenario(

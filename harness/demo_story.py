@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from harness.chaos import ChaosRun, ChaosScenario, Fault
 from harness.control_plane import states
-from harness.training import last_step, launch_job
+from harness.training import last_step, launch_job, live_members
 from wire.worker_env import INJECT_SLOW_FILE_ENV
 
 EventKind = Literal["kill", "straggler", "preempt", "node", "join"]
@@ -150,10 +150,7 @@ class StoryRun(ChaosRun):
         are re-seeded (no open re-protection window: ChaosRun.fire says why)."""
         return self.wait_for(
             f"every live worker to commit step {step} and the copies to be re-seeded",
-            lambda j: (
-                all(last_step(m) >= step for m in j["members"] if m["state"] not in ("LOST", "LEFT"))
-                and j.get("backup_window") is None
-            ),
+            lambda j: all(last_step(m) >= step for m in live_members(j)) and j.get("backup_window") is None,
         )
 
     def events_since(self, seq: int = 0) -> list[dict[str, Any]]:
@@ -173,7 +170,7 @@ class StoryRun(ChaosRun):
 
     def next_step(self) -> int:
         """The step to fire the next event after: `gap_steps` past the furthest live commit."""
-        live = [last_step(m) for m in self.job()["members"] if m["state"] not in ("LOST", "LEFT")]
+        live = [last_step(m) for m in live_members(self.job())]
         return max(live, default=0) + self.story.gap_steps
 
 

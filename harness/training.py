@@ -230,6 +230,11 @@ def last_step(member: dict[str, Any]) -> int:
     return int((member.get("last_step") or {}).get("step", -1))
 
 
+def live_members(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job view's members that neither were lost nor left."""
+    return [m for m in job["members"] if m["state"] not in ("LOST", "LEFT")]
+
+
 def create_job_with_layout(demo: TrainDemo, layout: Any) -> str:
     assert demo.http is not None
     body = {"name": "demo", "expected_workers": demo.workers, "layout": json.loads(layout.to_json())}

@@ -174,8 +174,8 @@ def choose_copies(
         return [r for r, b in per_copy.items() if k * b > share * headroom_bytes.get(r, 0.0)]
 
     k, tight = want, -1
-    while k > 1 and short(k, 1.0):
-        tight, k = short(k, 1.0)[0], k - 1
+    while k > 1 and (missing := short(k, 1.0)):
+        tight, k = missing[0], k - 1
     spare = (
         max((n for n in range(k + 1, cap + 1) if not short(n, settings.idle_share)), default=0) if idle else 0
     )
