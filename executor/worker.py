@@ -128,6 +128,7 @@ class CoreDrivenWorker(PlanFollowing):
     def __init__(self, spec: Any, settings: WorkerSettings) -> None:
         import torch  # noqa: PLC0415 - keep imports of the light modules light
 
+        from executor.checkpoint import latest_checkpoint  # noqa: PLC0415
         from executor.comm import Communicator, groups_for_stages  # noqa: PLC0415
         from executor.devices import backend_for, shares_device  # noqa: PLC0415
         from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
@@ -205,10 +206,11 @@ class CoreDrivenWorker(PlanFollowing):
             prebuilt = warm.take_units(spec.model.names[stage.layer_start : stage.layer_stop])
         self.trainer = Trainer(spec, layout, place.rank, self.comm, device, prebuilt=prebuilt)
         check_fingerprints(dict(self.trainer.model.units.items()), settings.fingerprints)
-        self.start_step = 0
-        if settings.resume is not None and not place.joining:  # a joiner's state is the job's
-            meta = load_checkpoint(self.trainer, settings.resume)
-            self.start_step = meta.next_step
+        self.start_step, self.resumed_from = 0, None
+        if settings.resume is not None:  # resolved once: its `latest` may move as the job writes
+            self.resumed_from = latest_checkpoint(settings.resume)
+            if not place.joining:  # a joiner's state is the job's
+                self.start_step = load_checkpoint(self.trainer, self.resumed_from).next_step
         self.participant = FabricParticipant(
             self.trainer,
             self.comm,

@@ -53,6 +53,7 @@ class PlanFollowing:
     store_addresses: list[str]
     _store_index: int
     _applying: int | None
+    resumed_from: Path | None  # the checkpoint this job started from (None: from scratch)
     _fault_fired: bool
 
     def _superseded(self) -> str | None:
@@ -65,12 +66,15 @@ class PlanFollowing:
     def _restore_source(self, plan: Any) -> Path | None:
         """The checkpoint every worker of a RESTORE plan reloads: the first worker to ask names the
         job's latest complete one (after settling its own writes in flight) and the rest take
-        that name from the store, so all of them load the same step. None: the job's initial
-        state (no checkpoint directory, or nothing written yet)."""
+        that name from the store, so all of them load the same step. With nothing written yet
+        (or no checkpoint directory) it is the checkpoint the job resumed from, and None, the
+        job's initial state, for a job that started from scratch."""
         from executor.checkpoint import CheckpointError, latest_checkpoint  # noqa: PLC0415
 
         root = self.settings.checkpoint_dir
         choice = "initial"
+        if self.resumed_from is not None:  # this job's first state: never the initial one
+            choice = str(self.resumed_from)
         if root is not None:
             # A checkpoint whose other shares are still being written gets a moment to commit; one
             # waiting for a lost stage's share never will (it stays incomplete, never the latest).

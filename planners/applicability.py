@@ -162,8 +162,8 @@ def judge(
         )
         if reseeding:
             where += (
-                f" (for {reseeding}: the surviving copy is still being re-seeded after the last "
-                "plan, inside its re-protection window)"
+                f" (for {reseeding}: the surviving copy is not seeded yet, inside the re-protection "
+                "window of the last plan or of the job's first step)"
             )
         return Verdict(
             False,

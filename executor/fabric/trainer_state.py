@@ -62,7 +62,7 @@ from executor.zero import flat_slice, unit_ownership
 from planners.applicability import judge
 from planners.backup import backup_holder_sets, protected_by, recovery_sources
 from planners.layout import Layout, Plan, PlanMode
-from planners.reprotect import Pair, ReprotectWindow, reseed_pairs, shard_intervals
+from planners.reprotect import Pair, ReprotectWindow, backup_pairs, reseed_pairs, shard_intervals
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,8 @@ class MigrationInFlight(RuntimeError):
 class FabricParticipant:
     """`StepParticipant` for the engine: rollback copies, ring snapshots, live remap, migration.
 
-    Constructing it is collective over the worker's DP group (the ring is seeded)."""
+    Constructing it communicates with no peer: the first backup pairs are seeded inside the first
+    step (`_first_seed`), where the step protocol recovers a peer's failure."""
 
     def __init__(
         self,
@@ -177,6 +178,8 @@ class FabricParticipant:
         self.apply_phases: dict[str, float] = {}
         self._inflight: NonBlockingMigration | None = None  # armed by a plan, runs in the next step
         self._seed_pending = False  # re-seed the ring inside the next step (after a non-blocking move)
+        # The first layout's copies, not seeded until the first step commits (`_first_seed`).
+        self._unseeded: frozenset[Pair] = frozenset()
         self.checksum_mismatches = 0
         self.verified_steps: list[int] = []  # committed steps whose backups were verified
         # Verified inside the step in flight: recorded only when that step commits, so a replay
@@ -200,7 +203,7 @@ class FabricParticipant:
         # The hook lives in the Trainer, so every optimizer it builds (any layout) calls it.
         trainer.set_grad_hook(self._on_grads)
         if not joining:
-            self._install_snapshot()
+            self._first_seed()
 
     # ----- StepParticipant -----------------------------------------------------------------
     def before_vote(self) -> None:
@@ -218,6 +221,7 @@ class FabricParticipant:
         self._copy_committed_later()
         self._base = None  # the new layout is committed: later plans start from here
         self.joining = False
+        self._unseeded = frozenset()  # the first step's seed landed with its commit
         if self._inflight is not None:  # the step that carried a non-blocking migration committed
             self.migrations.append(self._inflight.report())
             self._inflight, self._seed_pending = None, True
@@ -251,6 +255,8 @@ class FabricParticipant:
         the window is open at the committed step (what a plan from here must treat as missing)."""
         if self._base is not None:
             return self._base.unprotected
+        if self._unseeded:
+            return self._unseeded
         window = self._window
         if window is None or not window.open_at(self.trainer.next_step - 1):
             return frozenset()
@@ -398,7 +404,7 @@ class FabricParticipant:
         steps = self.check_plan(plan, lost)
         self.rebuilt_bytes = 0
         base = CommittedPoint(self._committed, None) if self.joining else self._enter_plan(plan.epoch)
-        self._seed_pending = False  # this plan seeds a ring of its own
+        self._seed_pending, self._unseeded = False, frozenset()  # this plan seeds a ring of its own
         if steps is None:
             return self._restore(plan)
         if steps.rebuild:
@@ -584,9 +590,21 @@ class FabricParticipant:
             share_scaler(self.comm, self.trainer.scaler, joining, self.trainer.device)
 
     # ----- shard backups -------------------------------------------------------------------
+    def _first_seed(self) -> None:
+        """Seed the first layout's pairs inside the first step, not here. Seeding is collective
+        over the pairs: a peer lost while the job starts would fail it outside the step protocol,
+        where nothing recovers it (the worker died with it). Inside the first step (its gradient
+        hook, before the update: the shards are still the committed ones) a peer's failure fails
+        the step like any other. Until that step commits, no copy protects anything: a loss then
+        is planned from a layout whose every pair is missing (`unprotected`), a RESTORE of the
+        committed state, the same on every worker."""
+        self._seed_pending = True
+        if self.snapshots:
+            self._unseeded = backup_pairs(self.trainer.layout)
+
     def _install_snapshot(self) -> None:
         """(Re)form this worker's backup pairs for the current layout and seed every one before
-        returning (at construction, and after a non-blocking migration)."""
+        returning (inside the job's first step, and after a non-blocking migration)."""
         self._form_pairs(lambda snap: snap.seed(shard_state_of(self.trainer)))
 
     def _reprotect(self, base: CommittedPoint | None, old: Layout | None) -> None:
@@ -656,9 +674,9 @@ class FabricParticipant:
         then post the snapshot exchange. Runs inside the step, so a peer failure here rolls the
         step back like any other."""
         self._wait_committed_copy()  # the update that follows writes the tensors being copied
-        if (
-            self._seed_pending
-        ):  # first step after a non-blocking migration; the shards are still the committed ones
+        if self._seed_pending:
+            # the job's first step, or the first after a non-blocking migration: the shards are
+            # still the committed ones
             self._install_snapshot()
         snap = self.snapshot
         if snap is None:

@@ -171,7 +171,6 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
     trainer = Trainer(spec, layout, worker, comm, spec.local_device())
     participant = FabricParticipant(trainer, comm, verify_every=2, migration=sc.migration)
     proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
-    initial_backup_bytes = 0 if participant.snapshot is None else participant.snapshot.held_bytes()
     losses: dict[int, float | None] = {}
     samples: dict[int, list[int]] = {}
     out: dict[str, Any] = {
@@ -211,6 +210,9 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
             if result.skipped:
                 out["skipped"].append(step)
             samples[step] = list(result.sample_ids)  # what the trainer actually fed
+            if step == 0:  # the first layout's copies are seeded inside its first step
+                snap0 = participant.snapshot
+                out["initial_backup_bytes"] = 0 if snap0 is None else snap0.held_bytes()
             assert len(samples[step]) == result.samples_processed
             if not inject and step == FAIL_STEP - 1:
                 out["committed_state"] = _state_numpy(trainer.gather_full_state())
@@ -232,7 +234,6 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
         loss_scale=None if trainer.scaler is None else trainer.scaler.state_dict(),
         snapshot=None if snap is None else {p: st.to_numpy() for p, st in snap.states().items()},
         backup_bytes=0 if snap is None else snap.held_bytes(),
-        initial_backup_bytes=initial_backup_bytes,
         restored_from=list(participant.restored_from),
         layout_after=trainer.layout.to_json(),
     )

@@ -20,6 +20,12 @@ windows the workers report, `core_service.backup_windows`).
 Every survivor records the same windows: the first plan's (the pairs `reseed_pairs` gives, from
 step FIRST until FIRST + 1, superseded by the RESTORE plan) and the RESTORE's (every copy of its
 layout, from step 0 until 1, closed at 1); at the end every copy equals its live shard bitwise.
+
+The job's first copies are seeded inside its first step (`FabricParticipant._first_seed`), so a
+worker lost half-way through that seed (SEED_VICTIM: its sizes exchanged, its header never sent)
+fails step 0 on every survivor, and no survivor dies with it. No copy protects anything before
+step 0 commits: the in-place plan a Core would publish is refused by every survivor, and the
+RESTORE of the initial state trains to the fault-free result.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from core_service.failslow import FailSlowDetector
 from core_service.jobs import Job
 from core_service.recovery import choose_mode
 from executor.comm import Communicator, PeerFailure, groups_for_stages
+from executor.fabric.snapshot import SNAPSHOT_TAG
 from executor.fabric.trainer_state import FabricParticipant, shard_state_of
 from executor.step_protocol import StepProtocol, plan_key
 from executor.store_server import StoreServer, connect_store
@@ -69,6 +76,8 @@ L0 = base_layout(RNG).replace(rank_nodes=STAGE_PER_NODE)
 L1 = resize_after_loss(L0, {0}).layout
 L2 = resize_after_loss(L1, {1, 4}).layout
 SURVIVORS = [2, 3, 5]
+SEED_VICTIM = 0
+SEED_SURVIVORS = [1, 2, 3, 4, 5]
 
 
 class KillAt(Communicator):
@@ -90,14 +99,29 @@ class KillAt(Communicator):
         super().wait(name, work, has_future)
 
 
+class KillInFirstSeed(Communicator):
+    """SIGKILLs this worker half-way through seeding its backup pairs: the shard sizes went out,
+    the headers (`ShardBackups._transfer_states`, tag SNAPSHOT_TAG + 1) never do."""
+
+    def post_exchange(self, sends: Any, recvs: Any) -> Any:
+        if any(op[3] == SNAPSHOT_TAG + 1 for op in (*sends, *recvs)):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().post_exchange(sends, recvs)
+
+
 def _numpy(state: dict[str, Any]) -> dict[str, Any]:
     return {u: {f: t.cpu().numpy().copy() for f, t in d.items()} for u, d in state["units"].items()}
 
 
-def _worker(worker: int, port: int) -> dict[str, Any]:
+def _worker(worker: int, port: int, seed_victim: int | None = None) -> dict[str, Any]:
+    """One worker of L0: KILLS apply, or with `seed_victim` only that worker dies (in its seed)."""
     store = connect_store("127.0.0.1", port)
-    comm = KillAt(store, worker, groups_for_stages([s.ranks for s in L0.stages]), timeout_s=TIMEOUT_S)
-    comm.kill_step = KILLS.get(worker, -1)
+    groups = groups_for_stages([s.ranks for s in L0.stages])
+    if worker == seed_victim:
+        comm: Communicator = KillInFirstSeed(store, worker, groups, timeout_s=TIMEOUT_S)
+    else:
+        comm = KillAt(store, worker, groups, timeout_s=TIMEOUT_S)
+        comm.kill_step = KILLS.get(worker, -1) if seed_victim is None else -1
     trainer = Trainer(CFG, L0, worker, comm, CFG.local_device())
     participant = FabricParticipant(trainer, comm, verify_every=2, restore_source=lambda plan: None)
     proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
@@ -106,7 +130,8 @@ def _worker(worker: int, port: int) -> dict[str, Any]:
     step = 0
     while step < STEPS:
         proto.begin_step(step)
-        comm.current_step, comm.ops_in_step = step, 0
+        if isinstance(comm, KillAt):
+            comm.current_step, comm.ops_in_step = step, 0
         result = None
         try:
             result = trainer.train_step(step)
@@ -192,12 +217,62 @@ def _run_faulty() -> tuple[dict[int, dict[str, Any]], Plan]:
         server.stop()
 
 
+def _run_first_seed_fault() -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """SEED_VICTIM dies in its first seed; this process publishes the in-place plan a Core that
+    never heard of the first seed would, then the RESTORE. Returns the survivors' results and the
+    reasons they gave for refusing the first plan."""
+    server = StoreServer.start()
+    try:
+        store = connect_store("127.0.0.1", server.port)
+        procs, results = spawn(_worker, WORKERS, server.port, SEED_VICTIM)
+        _wait_exits(procs, [SEED_VICTIM])
+        store.set("ew/e0/abort", f"core: worker {SEED_VICTIM} exited")
+        assert judge(L0, L1).in_place
+        store.set(plan_key("ew", 1), Plan(1, L0, L1, ("lost worker 0",), 0.0).to_json())
+        refusals = [f"test/refused/e1/{w}" for w in SEED_SURVIVORS]
+        store.wait(refusals)
+        reasons = [store.get(k).decode() for k in refusals]
+        restore = Plan(2, L0, L1, ("lost worker 0", "no copy seeded yet"), 0.0, mode=PlanMode.RESTORE)
+        store.set(plan_key("ew", 2), restore.to_json())
+        return collect(procs, results, SEED_SURVIVORS, timeout_s=180), reasons
+    finally:
+        server.stop()
+
+
 def _merged_final(results: dict[int, dict[str, Any]]) -> dict[str, Any]:
     units: dict[str, Any] = {}
     for r in results.values():
         if r["dp_index"] == 0:
             units.update(r["final_state"])
     return units
+
+
+def _assert_ends_fault_free(
+    clean: dict[int, dict[str, Any]], faulty: dict[int, dict[str, Any]], final: Layout
+) -> None:
+    """Every step's loss and the final parameters and Adam moments are the fault-free run's (fp32
+    round-off: other DP sizes reduce), and every copy of `final` equals its owner's live shard."""
+    ref_losses, got_losses = _last_stage_losses(clean), _last_stage_losses(faulty)
+    assert sorted(got_losses) == list(range(STEPS))
+    dev = [abs(got_losses[s] - ref_losses[s]) / abs(ref_losses[s]) for s in range(STEPS)]
+    assert float(np.mean(dev)) <= 1e-5, dev
+    ref = {u: d for r in clean.values() if r["dp_index"] == 0 for u, d in r["final_state"]["units"].items()}
+    got = _merged_final(faulty)
+    assert sorted(got) == sorted(ref)
+    worst = 0.0
+    for unit, fields in ref.items():
+        for name, want in fields.items():
+            scale = max(float(np.abs(want).max()), 1e-12)
+            worst = max(worst, float(np.abs(got[unit][name] - want).max()) / scale)
+    print(f"after the RESTORE: mean rel. loss dev. {np.mean(dev):.1e}, max rel. state diff {worst:.1e}")
+    assert worst <= 1e-4
+    sets = backup_holder_sets(final)
+    for w, r in faulty.items():
+        assert sorted(r["snapshot"]) == list(protected_by(sets, w))
+        for owner, copy in r["snapshot"].items():
+            for unit, (lo, hi, rows) in faulty[owner]["live_shard"].items():
+                assert (lo, hi) == copy[unit][:2] and rows.tobytes() == copy[unit][2].tobytes()
+        assert r["checksum_mismatches"] == 0
 
 
 def test_failure_inside_the_window_restores_and_matches_the_fault_free_run() -> None:
@@ -214,29 +289,23 @@ def test_failure_inside_the_window_restores_and_matches_the_fault_free_run() -> 
     assert first.pairs == ((1, 3), (2, 4), (3, 1), (4, 2), (5, 1))
     for r in faulty.values():
         assert [ReprotectWindow.from_dict(w) for w in r["windows"]] == [first, after_restore]
-    # the job finished with the fault-free state (fp32 round-off: other DP sizes reduce)
-    ref_losses, got_losses = _last_stage_losses(clean), _last_stage_losses(faulty)
-    assert sorted(got_losses) == list(range(STEPS))
-    dev = [abs(got_losses[s] - ref_losses[s]) / abs(ref_losses[s]) for s in range(STEPS)]
-    assert float(np.mean(dev)) <= 1e-5, dev
-    ref = {u: d for r in clean.values() if r["dp_index"] == 0 for u, d in r["final_state"]["units"].items()}
-    got = _merged_final(faulty)
-    assert sorted(got) == sorted(ref)
-    worst = 0.0
-    for unit, fields in ref.items():
-        for name, want in fields.items():
-            scale = max(float(np.abs(want).max()), 1e-12)
-            worst = max(worst, float(np.abs(got[unit][name] - want).max()) / scale)
-    print(f"after the RESTORE: mean rel. loss dev. {np.mean(dev):.1e}, max rel. state diff {worst:.1e}")
-    assert worst <= 1e-4
-    # every copy is back, equal to its owner's live shard
-    sets = backup_holder_sets(L2)
-    for w, r in faulty.items():
-        assert sorted(r["snapshot"]) == list(protected_by(sets, w))
-        for owner, copy in r["snapshot"].items():
-            for unit, (lo, hi, rows) in faulty[owner]["live_shard"].items():
-                assert (lo, hi) == copy[unit][:2] and rows.tobytes() == copy[unit][2].tobytes()
-        assert r["checksum_mismatches"] == 0
+    _assert_ends_fault_free(clean, faulty, L2)
+
+
+def test_a_worker_lost_during_the_first_seed_is_a_restore_no_survivor_dies() -> None:
+    clean = _clean(RNG, layout=L0)
+    faulty, reasons = _run_first_seed_fault()
+    assert sorted(faulty) == SEED_SURVIVORS  # every survivor trained to the end
+    # worker 0's shard had no copy yet: every survivor refused the in-place plan, for that reason
+    assert all("lost ranks [0]" in r and "not seeded yet" in r for r in reasons), reasons
+    for r in faulty.values():
+        assert r["refused"] == [1]
+        assert r["restored_from"] == [(2, None, 0)]  # the initial state, from step 0
+        # no window for the first seed (it was never open on a committed step), then the RESTORE's
+        assert [ReprotectWindow.from_dict(w) for w in r["windows"]] == [
+            ReprotectWindow(2, tuple(sorted(backup_pairs(L1))), 0, 1, closed_step=1)
+        ]
+    _assert_ends_fault_free(clean, faulty, L1)
 
 
 def test_layouts_of_the_scenario() -> None:
