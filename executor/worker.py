@@ -42,6 +42,7 @@ worker writes its per-step losses, the samples it ran and its recovery timings a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -128,7 +129,7 @@ class CoreDrivenWorker(PlanFollowing):
     def __init__(self, spec: Any, settings: WorkerSettings) -> None:
         import torch  # noqa: PLC0415 - keep imports of the light modules light
 
-        from executor.checkpoint import latest_checkpoint  # noqa: PLC0415
+        from executor.checkpoint import CheckpointError, latest_checkpoint  # noqa: PLC0415
         from executor.comm import Communicator, groups_for_stages  # noqa: PLC0415
         from executor.devices import backend_for, shares_device  # noqa: PLC0415
         from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
@@ -207,10 +208,14 @@ class CoreDrivenWorker(PlanFollowing):
         self.trainer = Trainer(spec, layout, place.rank, self.comm, device, prebuilt=prebuilt)
         check_fingerprints(dict(self.trainer.model.units.items()), settings.fingerprints)
         self.start_step, self.resumed_from = 0, None
-        if settings.resume is not None:  # resolved once: its `latest` may move as the job writes
-            self.resumed_from = latest_checkpoint(settings.resume)
-            if not place.joining:  # a joiner's state is the job's
-                self.start_step = load_checkpoint(self.trainer, self.resumed_from).next_step
+        if settings.resume is not None and not place.joining:  # a joiner's state is the job's
+            self.resumed_from = latest_checkpoint(settings.resume)  # once: `latest` may move
+            self.start_step = load_checkpoint(self.trainer, self.resumed_from).next_step
+        elif settings.resume is not None:
+            # A joiner may be the first to name a RESTORE's source (`_restore_source`); a resume
+            # checkpoint gone by then could not be loaded by any worker, so it is not an error here.
+            with contextlib.suppress(CheckpointError):
+                self.resumed_from = latest_checkpoint(settings.resume)
         self.participant = FabricParticipant(
             self.trainer,
             self.comm,
