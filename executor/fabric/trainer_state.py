@@ -453,7 +453,8 @@ class FabricParticipant:
             engine_ownership(plan.new, names),
             device=self.trainer.device,
         )
-        self._base, self.joining, self._seed_pending = None, True, False
+        # a spare now, like a fresh joiner: no ring, no first seed still owed
+        self._base, self.joining, self._seed_pending, self._unseeded = None, True, False, frozenset()
         self.handed_over.append(plan.epoch)
 
     def _enter_plan(self, epoch: int) -> CommittedPoint:
