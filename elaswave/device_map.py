@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from executor.devices import DEVICE_INDEX_ENV, DEVICE_SHARED_ENV, VISIBLE_ENV
+from wire.worker_env import DEVICE_INDEX_ENV, DEVICE_SHARED_ENV, VISIBLE_ENV
 
 
 class DeviceMapError(ValueError):

@@ -10,8 +10,9 @@ On one machine (no --core) it
    `elaswave.train(...)` writes its model's units, measured costs and schedule, and exits;
 2. lays the job out (`planners.placement`): stage boundaries by measured cost, DP per stage,
    each stage's ranks spread over the (simulated) nodes;
-3. starts an embedded Core, creates the job with that layout over REST, starts the rendezvous
-   store and one agent per rank, each launching `python script.py args` as that rank
+3. creates the job with that layout over REST on an embedded Core, which started with the
+   rendezvous stores while the model was described (`launcher_session.LocalServices`), and starts
+   one agent per rank, each launching `python script.py args` as that rank
    (`launcher_procs`), with the worker contract of `wire.worker_env` in its environment;
 4. prints progress from the Core about once a second and exits when every worker has
    (`launcher_monitor`), 0 when the job completed;
@@ -48,6 +49,7 @@ from wire import worker_env as we
 
 if TYPE_CHECKING:
     from elaswave.launcher_join import Joined
+    from elaswave.launcher_session import LocalServices
     from elaswave.store_keeper import StoreKeeper
     from planners.placement import Placement
 
@@ -214,13 +216,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, stop: StopRequest) -> int:
-    from elaswave.launcher_describe import DescribeError, describe  # noqa: PLC0415
-    from planners.described_model import unit_costs  # noqa: PLC0415
-    from planners.placement import PlacementError, plan_placement  # noqa: PLC0415
-
     name = job_name(args)
     keeper = None
-    if args.core is not None:  # this node's store starts (it imports torch) while the model is described
+    local: LocalServices | None = None
+    if args.core is None:  # the Core and the stores start (each imports ~1 s) while the model is described
+        from elaswave.launcher_procs import LaunchError  # noqa: PLC0415
+        from elaswave.launcher_session import LocalServices  # noqa: PLC0415
+
+        try:
+            local = LocalServices.begin(args.run_dir or Path.cwd() / "elaswave-run" / name)
+        except LaunchError as exc:
+            print(f"elaswave run: error: {exc}", file=sys.stderr)
+            return 1
+    else:  # this node's store starts (it imports torch) while the model is described
         from elaswave.launcher_join import JoinError, default_node_id  # noqa: PLC0415
 
         args.node_id = args.node_id or default_node_id()
@@ -233,6 +241,24 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
         f"[elaswave] describing the model: python {args.script} {shlex.join(args.script_args)}".rstrip(),
         flush=True,
     )
+    try:
+        return _describe_and_launch(args, stop, name, keeper, local)
+    finally:
+        if local is not None:  # stopped by the session already, unless it never began
+            local.stop()
+
+
+def _describe_and_launch(
+    args: argparse.Namespace,
+    stop: StopRequest,
+    name: str,
+    keeper: StoreKeeper | None,
+    local: LocalServices | None,
+) -> int:
+    from elaswave.launcher_describe import DescribeError, describe  # noqa: PLC0415
+    from planners.described_model import unit_costs  # noqa: PLC0415
+    from planners.placement import PlacementError, plan_placement  # noqa: PLC0415
+
     try:
         desc = describe(args.script, args.script_args, args.describe_timeout)
     except DescribeError as exc:
@@ -290,7 +316,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
             print(f"elaswave run: error: {exc}", file=sys.stderr)
             return we.EXIT_USAGE
     try:
-        return _launch(args, stop, name, desc, placement, joined, keeper)
+        return _launch(args, stop, name, desc, placement, joined, keeper, local)
     finally:
         if keeper is not None:  # after the session's teardown: its agents stopped first
             keeper.stop()
@@ -304,6 +330,7 @@ def _launch(
     placement: Placement,
     joined: Joined | None,
     keeper: StoreKeeper | None,
+    local: LocalServices | None,
 ) -> int:
     print(
         f"[elaswave] {len(desc.units)} units, {sum(u.numel for u in desc.units):,} parameters, global batch "
@@ -326,13 +353,15 @@ def _launch(
     except DeviceMapError as exc:
         print(f"elaswave run: error: {exc}", file=sys.stderr)
         return we.EXIT_USAGE
-    # Several nodes of one job may share a working directory (simulated nodes, a shared home).
-    default_dir = Path.cwd() / "elaswave-run" / name
-    if joined is not None:
-        default_dir = default_dir / (
-            f"node-{joined.node_index}" if joined.node_index >= 0 else f"node-{joined.node_id}"
-        )
-    run_dir = prepare_run_dir(args.run_dir or default_dir)
+    if local is not None:
+        run_dir = local.run_dir
+        local.launched = True
+    else:  # several nodes of one job may share a working directory (simulated nodes, a shared home)
+        from elaswave.launcher_session import prepare_run_dir  # noqa: PLC0415
+
+        assert joined is not None
+        node = f"node-{joined.node_index}" if joined.node_index >= 0 else f"node-{joined.node_id}"
+        run_dir = prepare_run_dir(args.run_dir or Path.cwd() / "elaswave-run" / name / node)
     (run_dir / "layout.json").write_text(placement.layout.to_json())
     (run_dir / "description.json").write_text(desc.to_json())
     nodes = {str(n): list(placement.ranks_on_node(n)) for n in range(args.nnodes)}
@@ -350,7 +379,7 @@ def _launch(
     from elaswave.launcher_session import Session  # noqa: PLC0415 - httpx only once we launch
 
     with tempfile.TemporaryDirectory(prefix="ew-") as sockets:  # short: Unix socket paths <= 107 bytes
-        session = Session(args, name, desc, placement, run_dir, Path(sockets), stop, joined, keeper)
+        session = Session(args, name, desc, placement, run_dir, Path(sockets), stop, joined, keeper, local)
         stop.graceful = True
         try:
             return session.run()
@@ -371,27 +400,6 @@ def start_node_stores(args: argparse.Namespace, name: str) -> StoreKeeper:
     keeper = StoreKeeper(clean_env(), log_dir, host=store_host(args))
     keeper.begin(1 if args.nnodes > 1 else 2)  # `keeper.started()` waits for them
     return keeper
-
-
-def prepare_run_dir(path: Path) -> Path:
-    """Create the run directory; files a previous run of the launcher left there are removed."""
-    path = path.resolve()
-    path.mkdir(parents=True, exist_ok=True)
-    for pattern in (
-        "rank-*.json",
-        "rank-*.log",
-        "stop.json",
-        "stop.json.tmp",
-        "layout.json",
-        "nodes.json",
-        "core.json",
-        "core.log",
-        "store.log",
-    ):
-        for stale in path.glob(pattern):
-            if stale.is_file():
-                stale.unlink()
-    return path
 
 
 def mem_cap_bytes(args: argparse.Namespace) -> float | None:

@@ -85,16 +85,49 @@ def stop_process(proc: subprocess.Popen[Any], signum: int, timeout_s: float) -> 
 
 @dataclass
 class LocalCore:
-    """An embedded Core: in-memory membership, loopback, random ports and scheduler token."""
+    """An embedded Core that leads: in-memory membership, loopback, random ports and scheduler
+    token (`CoreStart` starts it)."""
 
     process: subprocess.Popen[bytes]
     grpc_port: int
     http: httpx.Client
     scheduler_token: str
 
+    def create_job(
+        self, name: str, expected_workers: int, layout_json: str, model: dict[str, Any] | None = None
+    ) -> str:
+        """POST /api/v1/jobs with the layout and the model (planners.described_model); returns the
+        job token."""
+        body = {"name": name, "expected_workers": expected_workers, "layout": json.loads(layout_json)}
+        if model is not None:
+            body["model"] = model
+        response = self.http.post(
+            "/api/v1/jobs", json=body, headers={"Authorization": f"Bearer {self.scheduler_token}"}
+        )
+        if response.status_code != 201:
+            raise LaunchError(
+                f"the Core refused job {name!r}: HTTP {response.status_code} {response.text[:500]}"
+            )
+        return str(response.json()["token"])
+
+    def stop(self) -> None:
+        self.http.close()
+        stop_process(self.process, signal.SIGINT, 10.0)
+
+
+@dataclass
+class CoreStart:
+    """An embedded Core's process, started and not yet waited for: the launcher describes the
+    model meanwhile (both import for about a second), then `ready` waits for it to lead."""
+
+    process: subprocess.Popen[bytes]
+    run_dir: Path
+    token: str
+    core: LocalCore | None = None
+
     @classmethod
-    def start(cls, run_dir: Path, env: Mapping[str, str], timeout_s: float = 30.0) -> LocalCore:
-        """Start it and wait (at most `timeout_s`) until it leads."""
+    def begin(cls, run_dir: Path, env: Mapping[str, str]) -> CoreStart:
+        """Spawn the Core (in-memory registry, loopback, ports from the kernel); returns at once."""
         ready = run_dir / "core.json"
         ready.unlink(missing_ok=True)
         token = secrets.token_urlsafe(24)
@@ -119,13 +152,21 @@ class LocalCore:
             "WARNING",
         ]
         proc = spawn(cmd, dict(env, ELASWAVE_SCHEDULER_TOKEN=token), run_dir / "core.log", signal.SIGTERM)
+        return cls(proc, run_dir, token)
+
+    def ready(self, timeout_s: float = 30.0) -> LocalCore:
+        """Block until the Core leads (at most `timeout_s`); raises LaunchError, with the Core
+        stopped, if it exits or does not lead in time."""
+        if self.core is not None:
+            return self.core
+        ready = self.run_dir / "core.json"
         deadline = time.monotonic() + timeout_s
         try:
             while not ready.exists():
-                if proc.poll() is not None:
+                if self.process.poll() is not None:
                     raise LaunchError(
-                        f"the embedded Core exited with status {proc.returncode} before it was "
-                        f"ready; see {run_dir / 'core.log'}"
+                        f"the embedded Core exited with status {self.process.returncode} before it was "
+                        f"ready; see {self.run_dir / 'core.log'}"
                     )
                 _check(deadline, "the embedded Core to start", timeout_s)
                 time.sleep(0.05)
@@ -135,30 +176,17 @@ class LocalCore:
                 _check(deadline, "the embedded Core to lead", timeout_s)
                 time.sleep(0.05)
         except BaseException:
-            stop_process(proc, signal.SIGTERM, 5.0)
+            self.stop()
             raise
-        return cls(proc, int(info["grpc_port"]), http, token)
-
-    def create_job(
-        self, name: str, expected_workers: int, layout_json: str, model: dict[str, Any] | None = None
-    ) -> str:
-        """POST /api/v1/jobs with the layout and the model (planners.described_model); returns the
-        job token."""
-        body = {"name": name, "expected_workers": expected_workers, "layout": json.loads(layout_json)}
-        if model is not None:
-            body["model"] = model
-        response = self.http.post(
-            "/api/v1/jobs", json=body, headers={"Authorization": f"Bearer {self.scheduler_token}"}
-        )
-        if response.status_code != 201:
-            raise LaunchError(
-                f"the Core refused job {name!r}: HTTP {response.status_code} {response.text[:500]}"
-            )
-        return str(response.json()["token"])
+        self.core = LocalCore(self.process, int(info["grpc_port"]), http, self.token)
+        return self.core
 
     def stop(self) -> None:
-        self.http.close()
-        stop_process(self.process, signal.SIGINT, 10.0)
+        """Stop the Core, led or not; safe to call again."""
+        if self.core is not None:
+            self.core.stop()
+        else:
+            stop_process(self.process, signal.SIGTERM, 5.0)
 
 
 @dataclass

@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,7 +30,7 @@ from elaswave.launcher_control import resume_command
 from elaswave.launcher_describe import clean_env, tail
 from elaswave.launcher_join import SCHEDULER_TOKEN_ENV, rest_verify, stop_job, stopped_by_the_core
 from elaswave.launcher_monitor import Monitor, outcome, write_stop_file
-from elaswave.launcher_procs import LOOPBACK, Agents, LaunchError, LocalCore, RankSpec
+from elaswave.launcher_procs import LOOPBACK, Agents, CoreStart, LaunchError, LocalCore, RankSpec
 from elaswave.store_keeper import StoreKeeper
 from planners.described_model import job_model
 from wire import worker_env as we
@@ -44,6 +46,67 @@ MAX_FAILED_LOGS = 3
 STOP_RETRY_S = 1.0  # the Core refuses a stop before the first committed step: ask again
 
 
+@dataclass
+class LocalServices:
+    """The embedded Core and the rendezvous stores of a one-machine run, started before the
+    model is described: each is a process that imports for about a second, and none needs the
+    layout until the job is created."""
+
+    run_dir: Path
+    stores: StoreKeeper
+    core: CoreStart
+    created: Path | None  # the outermost directory `begin` made for the run directory
+    launched: bool = False  # the job was created: the run directory is the run's record
+
+    @classmethod
+    def begin(cls, run_dir: Path) -> LocalServices:
+        """Prepare `run_dir` (`prepare_run_dir`), start the stores (in the keeper's thread) and
+        the Core; returns at once. Raises LaunchError, with whatever started stopped, when a
+        process cannot be spawned."""
+        run_dir = run_dir.resolve()
+        missing = [d for d in (run_dir, *run_dir.parents) if not d.exists()]
+        run_dir = prepare_run_dir(run_dir)
+        env = clean_env()
+        stores = StoreKeeper(env, run_dir)
+        stores.begin()
+        try:
+            core = CoreStart.begin(run_dir, env)
+        except LaunchError:
+            stores.stop()
+            raise
+        return cls(run_dir, stores, core, missing[-1] if missing else None)
+
+    def stop(self) -> None:
+        """The stores, then the Core (the session's teardown order); safe to call again. Before
+        the job was launched (the model could not be described or laid out), the directories
+        `begin` made go too: nothing of the run is left behind."""
+        self.stores.stop()
+        self.core.stop()
+        if not self.launched and self.created is not None:
+            shutil.rmtree(self.created, ignore_errors=True)
+
+
+def prepare_run_dir(path: Path) -> Path:
+    """Create the run directory; files a previous run of the launcher left there are removed."""
+    path = path.resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    for pattern in (
+        "rank-*.json",
+        "rank-*.log",
+        "stop.json",
+        "stop.json.tmp",
+        "layout.json",
+        "nodes.json",
+        "core.json",
+        "core.log",
+        "store.log",
+    ):
+        for stale in path.glob(pattern):
+            if stale.is_file():
+                stale.unlink()
+    return path
+
+
 class Session:
     def __init__(
         self,
@@ -56,12 +119,14 @@ class Session:
         stop: StopRequest,
         joined: Joined | None = None,
         stores: StoreKeeper | None = None,
+        local: LocalServices | None = None,
     ) -> None:
         self.args, self.job, self.desc, self.placement = args, job, desc, placement
         self.run_dir, self.socket_dir, self.stop, self.joined = run_dir, socket_dir, stop, joined
         self.core: LocalCore | None = None
         # the store, its standby, a new standby after a loss (a joined node's share of them)
-        self.stores: StoreKeeper | None = stores
+        self.stores: StoreKeeper | None = stores if local is None else local.stores
+        self.local = local
         self.http: httpx.Client | None = None  # the Core's REST API, local or remote
         self.core_address = self.store_address = ""  # gRPC, store: HOST:PORT
         self.agents = Agents()
@@ -87,12 +152,9 @@ class Session:
             )
             self.core_address, self.store_address = self.joined.grpc_address, self.joined.store_address
             return self.joined.token
-        env = clean_env()
-        # The stores (each a process importing torch) start in the keeper's thread while the
-        # Core starts here: neither waits for the other, and the launch is ~1 s shorter.
-        self.stores = StoreKeeper(env, self.run_dir)
-        self.stores.begin()
-        self.core = LocalCore.start(self.run_dir, env)
+        # The launcher started the Core and the stores before it described the model.
+        assert self.local is not None and self.stores is not None
+        self.core = self.local.core.ready()
         layout = self.placement.layout
         cap = None if self.args.mem_per_worker is None else float(self.args.mem_per_worker) * 2**30
         model = job_model(self.desc, layout, cap)  # the describe run: offers to this job are judged

@@ -20,14 +20,11 @@ from typing import Any, Literal
 
 import torch
 
+from wire.worker_env import DEVICE_INDEX_ENV, DEVICE_SHARED_ENV, VISIBLE_ENV
+
 DeviceKind = Literal["cpu", "cuda", "npu"]
 DEVICE_CHOICES: tuple[str, ...] = ("auto", "cpu", "cuda", "npu")
 BACKEND_OF: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-VISIBLE_ENV: dict[str, str] = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
-# Set by the launcher per worker: the device ordinal (as the process sees it) of its local rank,
-# and "1" when several ranks share one device (their collectives then run over gloo).
-DEVICE_INDEX_ENV = "ELASWAVE_DEVICE_INDEX"
-DEVICE_SHARED_ENV = "ELASWAVE_DEVICE_SHARED"
 
 
 class DeviceUnavailable(RuntimeError):

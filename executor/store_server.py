@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -68,14 +68,15 @@ def connect_first_answering(
 # after every store loss, not only the first.
 STORES_KEY = "elaswave/stores"
 PEER_CONNECT_S = 5.0
+STOP_POLL_S = 0.05  # how soon a signalled store stops serving (seconds)
 
 
 def serve(
-    host: str, port: int, stop: threading.Event, announce: bool = True, peers: tuple[str, ...] = ()
+    host: str, port: int, stopped: Callable[[], bool], announce: bool = True, peers: tuple[str, ...] = ()
 ) -> None:
-    """Host a TCPStore on (host, port) until `stop` is set. Port 0 picks a free port. With
-    `peers`, the job's list of live stores + this one is written under STORES_KEY here and into
-    every live store (`job_list`)."""
+    """Host a TCPStore on (host, port) until `stopped()`, asked every STOP_POLL_S. Port 0 picks a
+    free port. With `peers`, the job's list of live stores + this one is written under STORES_KEY
+    here and into every live store (`job_list`)."""
     store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     me = f"[{host}]:{store.port}" if ":" in host else f"{host}:{store.port}"
     if peers:  # a store started alone knows of no standby: it leaves the workers' own list alone
@@ -89,7 +90,8 @@ def serve(
                 print(f"store {me}: peer {address} did not take the store list: {exc}", file=sys.stderr)
     if announce:
         print(f"PORT {store.port}", flush=True)
-    stop.wait()
+    while not stopped():
+        time.sleep(STOP_POLL_S)
     del store
 
 
@@ -222,13 +224,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
-    stop = threading.Event()
+    # The handlers only append: one that took a lock (Event.set) deadlocked when a second signal
+    # came inside the first's handler (the parent-death SIGTERM, then the launcher's), and the
+    # launcher killed the store 10 s later.
+    signalled: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _frame: signalled.append(signum))
     if args.parent:
         _arm_parent_death(args.parent)
     peers = tuple(a.strip() for a in args.announce_to.split(",") if a.strip())
-    serve(args.host, args.port, stop, peers=peers)
+    serve(args.host, args.port, lambda: bool(signalled), peers=peers)
     return 0
 
 

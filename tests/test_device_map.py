@@ -15,13 +15,12 @@ import torch
 
 from elaswave.device_map import DeviceMapError, map_devices, parse_visible, worker_device_env
 from executor.devices import (
-    DEVICE_INDEX_ENV,
-    DEVICE_SHARED_ENV,
     DeviceUnavailable,
     backend_for,
     rank_device,
     resolve_kind,
 )
+from wire.worker_env import DEVICE_INDEX_ENV, DEVICE_SHARED_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 

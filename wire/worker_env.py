@@ -50,6 +50,12 @@ RESUME_ENV = "ELASWAVE_RESUME_DIR"  # resume from the latest checkpoint in this 
 DESCRIBE_ENV = "ELASWAVE_DESCRIBE_FILE"  # describe mode: write a ModelDescription here and exit
 STOP_FILE_ENV = "ELASWAVE_STOP_FILE"  # launcher's stop request: checkpoint and leave at a boundary
 DESCRIPTION_ENV = "ELASWAVE_DESCRIPTION_FILE"  # the describe run's ModelDescription (unit fingerprints)
+# The launcher's device mapping (elaswave.device_map), read by executor.devices: the device ordinal
+# (as the process sees it) of the worker's local rank, and "1" when several ranks share one device
+# (their collectives then run over gloo); the visibility variable of each accelerator kind.
+DEVICE_INDEX_ENV = "ELASWAVE_DEVICE_INDEX"
+DEVICE_SHARED_ENV = "ELASWAVE_DEVICE_SHARED"
+VISIBLE_ENV: dict[str, str] = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 # Fault injection for chaos tests and drills: "collective@STEP" makes this worker's first attempt
 # at step STEP fail as a collective would with every process alive (the Core then replays the
 # step on the same layout). Never set by the launcher.
