@@ -537,8 +537,15 @@ def test_end_to_end_a_worker_killed_on_a_simulated_node_and_the_job_finishes(tmp
 
 def _launch_tiny(tmp_path: Path, nproc: int) -> tuple[Launcher, Path, Path]:
     """A PP=2 run of the tiny script on one node, checkpointing every 2 steps; returns it once
-    every worker has committed step 5."""
+    every worker has committed step 5. Its steps are paced until the caller `release`s them, so
+    that a loaded machine cannot finish the job before the caller's fault lands."""
     script = _tiny(tmp_path)
+    script.write_text(
+        TINY.replace(
+            "optimizer=elaswave.AdamW(lr=1e-2))",
+            "optimizer=elaswave.AdamW(lr=1e-2),\n                        " + paced_on_step(0.1) + ")",
+        )
+    )
     launcher = Launcher(
         "--nproc-per-node",
         str(nproc),
@@ -570,6 +577,7 @@ def test_a_lost_stage_is_rebuilt_in_place_from_its_backup_and_the_job_finishes(t
     launcher, run_dir, script = _launch_tiny(tmp_path, 2)
     victim = next(m for m in core_job(run_dir, "tiny")["members"] if m["stage"] == 1)
     os.kill(victim["pid"], signal.SIGKILL)
+    release(script)
     code = launcher.wait(timeout_s=120)
     out = launcher.output
     assert code == 0, out[-3000:]
@@ -599,6 +607,7 @@ def test_a_stage_and_its_backup_lost_are_restored_in_place_from_the_last_checkpo
     assert {m["stage"] for m in victims} == {0, 1}
     for m in victims:
         os.kill(m["pid"], signal.SIGKILL)
+    release(script)
     code = launcher.wait(timeout_s=120)
     out = launcher.output
     assert code == 0, out[-3000:]
