@@ -56,6 +56,8 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "mttr": (["--quick"], ["--quick", "--case", "one kill"]),
     # A join with a warm spare and with a cold one, side by side (executor.spare_warmup).
     "join": (["--steps", "200", "--spare", "warm", "cold"], ["--steps", "150"]),
+    # Starting a small job: `elaswave run` against torchrun + DDP, alternately.
+    "launch": (["--repeats", "5"], ["--repeats", "1"]),
 }
 
 

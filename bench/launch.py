@@ -1,0 +1,142 @@
+"""What starting a job costs: `elaswave run` against `torchrun` on the same small model.
+
+    python -m bench.launch [--repeats 5] [--steps 8] [--nproc 4]
+
+Both launch `--nproc` CPU workers of one tiny regression (4 units, 705 parameters, a global
+batch of 8 in 2 micro-batches) for `--steps` steps, alternately, so that both see the same load:
+
+- `elaswave run --nproc-per-node N --pp 2`: describes the model, lays it out, starts its Core, the
+  rendezvous store and its standby, and one agent per worker; the workers train under the step
+  protocol (votes, backups, reports) and the launcher tears everything down;
+- `torchrun --standalone --nproc-per-node N`: the same model under plain DDP, same batch, same
+  optimizer, no fault tolerance at all.
+
+It prints, per launcher, the median wall time from the command to its exit, and for
+`elaswave run` when the Core was up and when the first step began (from its own timestamped
+output). The ratio is the price of starting an elastic job rather than a static one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODEL = """
+import torch
+from torch import nn
+
+def model():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=g)
+    y = x.sum(dim=1, keepdim=True).tanh()
+    torch.manual_seed(0)
+    units = [nn.Linear(8, 16), nn.Sequential(nn.Tanh(), nn.Linear(16, 16)),
+             nn.Sequential(nn.Tanh(), nn.Linear(16, 16)), nn.Sequential(nn.Tanh(), nn.Linear(16, 1))]
+    return units, torch.utils.data.TensorDataset(x, y)
+
+def loss_fn(out, target):
+    return ((out - target) ** 2).mean(dim=1)
+"""
+
+ELASWAVE_SCRIPT = """
+import sys
+import elaswave
+from model import model, loss_fn
+units, data = model()
+elaswave.train(units, loss_fn, data, global_batch=8, micro_batches=2, steps=int(sys.argv[1]),
+               optimizer=elaswave.AdamW(lr=1e-2))
+"""
+
+DDP_SCRIPT = """
+import os, sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from model import model, loss_fn
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+units, data = model()
+net = nn.parallel.DistributedDataParallel(nn.Sequential(*units))
+opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+per_rank = 8 // world
+for step in range(int(sys.argv[1])):
+    x, y = data[step * 8 + rank * per_rank: step * 8 + (rank + 1) * per_rank]
+    opt.zero_grad()
+    for mx, my in zip(x.chunk(2), y.chunk(2)):  # 2 micro-batches, as elaswave's schedule
+        (loss_fn(net(mx), my).sum() / 8 * world).backward()
+    opt.step()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def timed(cmd: list[str], cwd: Path, marks: dict[str, str]) -> tuple[float, dict[str, float]]:
+    """Wall seconds from start to exit, and when each of `marks` (name -> text) was printed."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    seen: dict[str, float] = {}
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        for name, text in marks.items():
+            if name not in seen and text in line:
+                seen[name] = time.monotonic() - started
+    code = proc.wait(timeout=300)
+    if code != 0:
+        raise SystemExit(f"{cmd[:3]} exited with status {code}")
+    return time.monotonic() - started, seen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--nproc", type=int, default=4)
+    args = parser.parse_args(argv)
+    bin_dir = Path(sys.executable).parent
+    with tempfile.TemporaryDirectory(prefix="ew-bench-launch-") as tmp:
+        work = Path(tmp)
+        (work / "model.py").write_text(MODEL)
+        (work / "tiny.py").write_text(ELASWAVE_SCRIPT)
+        (work / "ddp.py").write_text(DDP_SCRIPT)
+        elaswave = [str(bin_dir / "elaswave"), "run", "--nproc-per-node", str(args.nproc), "--pp", "2"]
+        torchrun = [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", str(args.nproc)]
+        marks = {"core_up_s": "Core up", "first_step_s": "] starting", "finished_s": "finished:"}
+        ours: list[float] = []
+        theirs: list[float] = []
+        phases: dict[str, list[float]] = {name: [] for name in marks}
+        for k in range(args.repeats):
+            wall, seen = timed(
+                [*elaswave, "--run-dir", str(work / f"run-{k}"), "tiny.py", str(args.steps)], work, marks
+            )
+            ours.append(wall)
+            for name, at in seen.items():
+                phases[name].append(at)
+            theirs.append(timed([*torchrun, "ddp.py", str(args.steps)], work, {})[0])
+            print(
+                f"[launch] run {k + 1}/{args.repeats}: elaswave run {wall:.2f} s, torchrun {theirs[-1]:.2f} s",
+                flush=True,
+            )
+    ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
+    print(
+        f"[launch] {args.nproc} CPU workers, {args.steps} steps, median of {args.repeats} (load average {os.getloadavg()[0]:.1f})"
+    )
+    print("| launcher | command to exit (s) | Core up (s) | first step begins (s) | job finished (s) |")
+    print("|---|---|---|---|---|")
+    cells = " | ".join(f"{statistics.median(v):.2f}" if v else "-" for v in phases.values())
+    print(f"| elaswave run (PP=2 x DP={args.nproc // 2}) | {ours_s:.2f} | {cells} |")
+    print(f"| torchrun + DDP (DP={args.nproc}) | {theirs_s:.2f} | - | - | - |")
+    print(f"[launch] elaswave run / torchrun: {ours_s / theirs_s:.2f}x the wall time")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
