@@ -101,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--nproc", type=int, default=4)
     args = parser.parse_args(argv)
+    if args.repeats < 1 or args.steps < 1:
+        parser.error(f"--repeats and --steps must be >= 1, got {args.repeats} and {args.steps}")
+    if args.nproc < 2 or 8 % args.nproc:
+        parser.error(
+            f"--nproc must be 2, 4 or 8 (two stages; it divides the global batch of 8), got {args.nproc}"
+        )
     bin_dir = Path(sys.executable).parent
     with tempfile.TemporaryDirectory(prefix="ew-bench-launch-") as tmp:
         work = Path(tmp)
