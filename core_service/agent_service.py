@@ -20,6 +20,7 @@ from fastapi import APIRouter, HTTPException, Path
 from fastapi.params import Depends
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from core_service.agent_session import AgentSession, Registration
 from core_service.grpc_util import (
     HTTP_STATUS,
     Malformed,
@@ -33,7 +34,7 @@ from core_service.grpc_util import (
 from core_service.http_guard import JobName, error_responses, field_error
 from core_service.jobs import UnknownJob
 from core_service.limits import MAX_DETAIL_CHARS, MAX_HOST_CHARS, MAX_OPERATION_CHARS, MAX_REASON_CHARS
-from core_service.membership import WORKER_TOKEN_METADATA, AgentSession, Registration
+from core_service.membership import WORKER_TOKEN_METADATA
 from core_service.model import DeviceInfo, StepReport, WorkerState
 from core_service.node_stream import NodeStream
 from core_service.seams import ServicerCore

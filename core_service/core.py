@@ -39,9 +39,10 @@ from prometheus_client import CollectorRegistry
 from core_service.agent_service import AgentServicer
 from core_service.config import CoreSettings
 from core_service.elaswave_policy import make_policy
-from core_service.engine import Policy, ScheduleEngine
+from core_service.engine import ScheduleEngine
 from core_service.executor_service import ExecutorServicer, PlanFeed
 from core_service.grpc_util import RpcError, generic_handler
+from core_service.job_snapshot import Policy
 from core_service.jobs import Job, JobTable, UnknownJob
 from core_service.membership import Membership
 from core_service.metrics import CoreMetrics
@@ -583,7 +584,7 @@ class Core:
 
     async def _leader_tick(self, now: float) -> list[str]:
         """One sweep and one engine step per job; returns what failed (logged already)."""
-        errors = self._guarded("heartbeat sweep", lambda: self.membership.sweep_heartbeats(now))
+        errors = self._guarded("heartbeat sweep", lambda: self.membership.heartbeats.sweep(now))
         for failure in await self.engine.tick_all(now):
             errors.append(f"job {failure.job}: {failure.error!r}")
         return errors

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from core_service.config import PolicyName
-from core_service.engine import Decision, JobSnapshot, Policy
+from core_service.job_snapshot import Decision, JobSnapshot, Policy
 from core_service.policies import NO_LAYOUT, LayoutPolicy, departed_ranks, going_ranks
 from planners.chameleon.schema import state_from_dict
 from planners.chameleon.state import JobProfile

@@ -15,7 +15,8 @@ largest rank the job ever used + 1, ...); the member gets its rank, stage and DP
 plan is published. No plan leaves fewer ranks than the job's `min_workers` or more than its
 maximum (`Job.rank_limit`): the engine refuses such a decision, whatever the policy.
 
-Policies only return decisions; the engine acts on them (publishes plans, records events). Every
+Policies only return decisions (`core_service.job_snapshot`); the engine acts on them (checks
+them, `core_service.plan_checks`, publishes plans, records events). Every
 call of `tick` makes at most one transition, so tests can step the machine one tick at a time.
 
 Recovery is restartable: every plan goes from the job's committed layout (the newest epoch a
@@ -34,15 +35,21 @@ plan, committed layout, pending changes, an interrupted apply).
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from bisect import bisect_right
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
+from core_service.job_snapshot import Policy, snapshot_of
+from core_service.job_state import (
+    acks_from_events,
+    apply_unfinished,
+    finished_workers,
+    leaving_ranks,
+    ready_spares,
+)
 from core_service.jobs import Job, JobTable
 from core_service.metrics import CoreMetrics
 from core_service.model import (
@@ -52,9 +59,16 @@ from core_service.model import (
     Event,
     JobPhase,
     MemberRecord,
-    PlanFailure,
     RetryRequest,
     WorkerState,
+)
+from core_service.plan_checks import (
+    joiners_of,
+    note_unit_moves,
+    outside_bounds,
+    request_data,
+    standby_ranks,
+    target_of,
 )
 from core_service.recovery import (
     COLLECTIVE_EVENT,
@@ -72,128 +86,13 @@ from planners.layout import Layout, Plan, PlanMode
 
 log = logging.getLogger("elaswave.core.engine")
 
-# Workers whose rank leaves the layout at the next plan (the states LayoutPolicy re-plans for).
-LEAVING_STATES = frozenset({WorkerState.LOST, WorkerState.LEFT, WorkerState.PREEMPTING, WorkerState.DRAINING})
-# Executor acknowledgements as recorded in the event log ("plan_<phase>", see ExecutorService).
-ACK_EVENT_KINDS = frozenset({"plan_received", "plan_paused", "plan_applied", "plan_resumed", "plan_failed"})
 PLAN_RETRY_FIRST_S = 0.5
 PLAN_RETRY_MAX_S = 30.0
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    worker_id: str
-    host: str
-    stage: int
-    dp_rank: int
-    rank: int
-    state: str
-    # Last reported step time: the ElasWave policy sizes a fail-slow straggler's slowdown from it.
-    step_time_s: float | None = None
-
-
-@dataclass(frozen=True)
-class JobSnapshot:
-    """What a policy may look at: plain data, no handles."""
-
-    job: str
-    plan_epoch: int
-    layout: Layout | None  # the job's current target layout (the newest published), if any
-    live: tuple[WorkerView, ...]
-    gone: tuple[WorkerView, ...]
-    changes: tuple[str, ...]  # "kind:worker" of every change since the last plan
-    model_json: str | None = None  # the job's registered model (`elaswave plan` state.json), if any
-    original: Layout | None = None  # the layout the job was created with (its fault-free shape)
-    next_rank: int = 0  # the first rank id the job never used: where new ranks start
-    min_ranks: int = 1  # no plan may have fewer ranks (min_workers) ...
-    max_ranks: int = 0  # ... or more (max_workers, or the creation layout's plus accepted offers)
-    step: int = -1  # the newest step any live worker reported
-    unit_moved_at: tuple[tuple[int, int], ...] = ()  # (unit, step it last moved at)
-    plan_pause_s: float | None = None  # how long the last applied plan took (None: none yet)
-
-    @property
-    def spares(self) -> tuple[WorkerView, ...]:
-        return tuple(w for w in self.live if w.state == WorkerState.SPARE.value)
-
-
-@dataclass(frozen=True)
-class Decision:
-    action: Literal["publish", "none", "refuse"]
-    reason: str
-    policy: str
-    layout: Layout | None = None  # the target layout of a "publish" decision
-    predicted_step_time_s: float = 0.0
-    reasons: tuple[str, ...] = ()
-    alternatives: tuple[dict, ...] = field(default_factory=tuple)
-    joiners: tuple[tuple[int, str], ...] = ()  # (new rank, spare's worker id) the layout takes in
-    # A plan nobody needs (only slow or recovered ranks): the units it moves start their
-    # cool-down (planners.elaswave_payback). Moves forced by a loss or a join start none.
-    optional: bool = False
-
-
-class Policy(Protocol):
-    @property
-    def name(self) -> str: ...
-
-    def decide(self, snapshot: JobSnapshot) -> Decision: ...
 
 
 # (job, plan body, expected epoch) -> new epoch. The store allocates `expected + 1` or refuses
 # (StaleEpoch), so the body can name its epoch before it is stored.
 PublishPlan = Callable[[str, bytes, int], Awaitable[int]]
-
-
-def _current_layout(job: Job) -> Layout | None:
-    parsed = job.parsed_layout()
-    return None if parsed is None else parsed.layout
-
-
-@functools.lru_cache(maxsize=1 << 17)
-def _worker_view(
-    worker_id: str, host: str, stage: int, dp_rank: int, rank: int, state: str, step_time: float | None
-) -> WorkerView:
-    """Views are values: one per distinct content, reused across snapshots. A snapshot is taken
-    on every planning tick, and building 10,000 frozen dataclasses each time dominated the
-    Core's CPU while a large job registered."""
-    return WorkerView(worker_id, host, stage, dp_rank, rank, state, step_time)
-
-
-def snapshot_of(job: Job) -> JobSnapshot:
-    def view(m: MemberRecord) -> WorkerView:
-        step_time = None if m.last_step is None else m.last_step.own_time_s
-        return _worker_view(m.worker_id, m.host, m.stage, m.dp_rank, m.rank, m.state.value, step_time)
-
-    live: list[WorkerView] = []
-    gone: list[WorkerView] = []
-    lost, left = WorkerState.LOST, WorkerState.LEFT
-    used = step = -1
-    # One pass over the members (10,000 of them in a large job), in worker-id order.
-    for m in sorted(job.members.values(), key=lambda m: m.worker_id):
-        (gone if m.state is lost or m.state is left else live).append(view(m))
-        used = max(used, m.rank)
-        if m.last_step is not None:
-            step = max(step, m.last_step.step)
-    layout, original = _current_layout(job), job.original_layout()
-    for known in (layout, original, job.last_plan.old if job.last_plan is not None else None):
-        if known is not None:
-            used = max(used, *known.ranks())
-    fewest, most = job.rank_limit()
-    return JobSnapshot(
-        job=job.name,
-        plan_epoch=job.plan_epoch,
-        layout=layout,
-        live=tuple(live),
-        gone=tuple(gone),
-        changes=tuple(f"{e.kind}:{e.worker_id}" for e in job.pending_changes),
-        model_json=job.model_json,
-        original=original,
-        next_rank=used + 1,
-        min_ranks=fewest,
-        max_ranks=most,
-        step=step,
-        unit_moved_at=tuple(sorted(job.unit_moved_at.items())),
-        plan_pause_s=job.plan_pause_s,
-    )
 
 
 @dataclass
@@ -374,7 +273,7 @@ class ScheduleEngine:
             "changes": list(snapshot.changes),
             "alternatives": list(decision.alternatives),
             "epoch": job.plan_epoch,
-            **_request_data(request),
+            **request_data(request),
         }
         if taken:
             # What caused this plan: its earliest change (the dashboard's MTTR counts from it,
@@ -403,7 +302,7 @@ class ScheduleEngine:
                 {**data, "mode": PlanMode.RESTORE.value, "restore_failures": restore_failures},
             )
             return
-        target = _target(job, decision, request)
+        target = target_of(job, decision, request)
         if target is None and decision.action == "refuse" and not job.live_members():
             # Nobody is left to apply any plan, and the policy can make none: the job cannot go
             # on. FAILED (terminal) with the reason and where to resume from, not RUNNING forever.
@@ -418,15 +317,15 @@ class ScheduleEngine:
             return
         new, reasons, detail, predicted, retry_of = target
         committed = None if job.committed_layout_json is None else Layout.from_json(job.committed_layout_json)
-        refusal = _outside_bounds(snapshot, new)
+        refusal = outside_bounds(snapshot, new)
         joiners: tuple[tuple[int, str], ...] = ()
         if not refusal:
-            joiners, refusal = _joiners(job, committed, new, decision)
+            joiners, refusal = joiners_of(job, committed, new, decision)
         if refusal:
             recovery.restore_failures = restore_failures
             self._settle(job, "refuse", refusal, now, {**data, "ranks": len(new.ranks())})
             return
-        standby = _standby(job, committed, new, request)
+        standby = standby_ranks(job, committed, new, request)
         mode, why = choose_mode(job, committed, new, request, standby)
         in_place_retries = recovery.in_place_retries
         if retry_of is not None and request is not None and request.failed and mode == PlanMode.IN_PLACE:
@@ -466,7 +365,7 @@ class ScheduleEngine:
         recovery.request = None
         if decision.optional:
             old_layout = Layout.from_json(job.layout_json) if job.layout_json else None
-            _note_unit_moves(job, old_layout, new, snapshot.step)
+            note_unit_moves(job, old_layout, new, snapshot.step)
         job.plan_epoch, job.layout_json, job.last_plan = epoch, new.to_json(), plan
         job.acks.setdefault(epoch, {})  # watched from now on (recovery.answered)
         self.metrics.plans_published.labels(policy=decision.policy).inc()
@@ -753,188 +652,9 @@ class ScheduleEngine:
                 membership_change=True,
                 detail="ready before the takeover and not taken in yet: planned for again",
             )
-        if latest_plan is not None and latest_plan[0] == epoch and _apply_unfinished(job, epoch):
+        if latest_plan is not None and latest_plan[0] == epoch and apply_unfinished(job, epoch):
             job.acks[epoch] = acks_from_events(job.events, epoch)
             self._applying[job.name] = _Applying(epoch, now, now + self.apply_timeout_s)
             self._enter(
                 job, JobPhase.APPLYING, now, f"watching the apply of epoch {epoch} again after a takeover"
             )
-
-
-def _note_unit_moves(job: Job, old: Layout | None, new: Layout, step: int) -> None:
-    """Every unit `new` puts on another stage than `old` moved at `step` (the per-unit cool-down,
-    planners.elaswave_payback)."""
-    if old is None or old.num_layers != new.num_layers:
-        return
-    edges_old, edges_new = (0, *old.boundaries), (0, *new.boundaries)
-    for unit in range(new.num_layers):
-        if bisect_right(edges_old, unit) != bisect_right(edges_new, unit):
-            job.unit_moved_at[unit] = max(step, 0)
-
-
-def _outside_bounds(snapshot: JobSnapshot, new: Layout) -> str:
-    """Why `new` is outside the job's bounds on ranks ("" when inside): such a plan is refused
-    and the job waits (below `min_workers`: for spares; the next change plans again)."""
-    ranks = len(new.ranks())
-    if ranks < snapshot.min_ranks:
-        return (
-            f"the plan would leave {ranks} rank(s), below the job's min_workers {snapshot.min_ranks}: "
-            "nothing is published; the job waits for spares to register"
-        )
-    if snapshot.max_ranks and ranks > snapshot.max_ranks:
-        return f"the plan would have {ranks} ranks, above the job's maximum {snapshot.max_ranks}: nothing is published"
-    return ""
-
-
-def _standby(job: Job, committed: Layout | None, new: Layout, request: RetryRequest | None) -> frozenset[int]:
-    """`Plan.standby`: ranks `new` drops whose workers run on (a replica the policy dropped, not
-    a loss or a departure): they hand their live state over with the plan instead of it being
-    read from backups (`planners.applicability.judge`), then leave. A rank a failed collective
-    named is never one: it may be dead before the Core has seen it go."""
-    if committed is None:
-        return frozenset()
-    dropped = set(committed.ranks()).difference(new.ranks())
-    dropped -= request.peers if request is not None else set()
-    return frozenset(
-        m.rank
-        for m in job.members.values()
-        if m.rank in dropped and m.state in (WorkerState.RUNNING, WorkerState.SLOW)
-    )
-
-
-def _joiners(
-    job: Job, committed: Layout | None, new: Layout, decision: Decision
-) -> tuple[tuple[tuple[int, str], ...], str]:
-    """`Plan.joiners`: every rank `new` adds to the committed layout, with its worker (a spare
-    the decision takes in, or one an earlier plan of this apply took in), and why the plan is
-    refused ("" when it is not): a new rank no worker takes, or a worker that is no spare."""
-    if committed is None:
-        return (), ""
-    added = set(new.ranks()).difference(committed.ranks())
-    chosen = dict(decision.joiners)
-    for rank, worker in chosen.items():
-        member = job.members.get(worker)
-        if member is None or member.state is not WorkerState.SPARE:
-            state = "not a member" if member is None else member.state.value
-            return (), f"the plan takes in {worker!r} as rank {rank}, but it is {state}, not a spare"
-        if rank not in added:
-            return (), f"the plan takes in {worker!r} as rank {rank}, which is not a new rank of its layout"
-    if not added:
-        return (), ""
-    holders = {m.rank: m.worker_id for m in job.members.values() if m.rank in added and not m.state.is_gone}
-    out: list[tuple[int, str]] = []
-    for rank in sorted(added):
-        taker = chosen.get(rank, holders.get(rank))
-        if taker is None:
-            return (
-                (),
-                f"rank {rank} of the planned layout is new and no worker takes it: nothing is published",
-            )
-        if rank in chosen and rank in holders:
-            return (), f"rank {rank} is already {holders[rank]!r}'s: a new rank gets a fresh id"
-        out.append((rank, taker))
-    return tuple(out), ""
-
-
-def finished_workers(job: Job) -> list[MemberRecord]:
-    """The workers of the job's layout that finished its work when every worker of the layout has
-    ended (their agents said Leave(finished) after a clean exit), else []. Spares are no workers
-    of the layout; without a layout every non-spare member counts. A worker LOST once another had
-    finished (`Job.work_done`: after the last step committed everywhere) ended too, as did one
-    that left then: the job completes without them rather than wait for a plan nobody needs."""
-    parsed = job.parsed_layout()
-    finished: list[MemberRecord] = []
-    ended: set[int] = set()
-    ended_after_the_work = job.work_done
-    for member in job.members.values():
-        if member.state is WorkerState.SPARE or (parsed is not None and member.rank not in parsed.ranks):
-            continue
-        if member.state is WorkerState.LEFT and member.finished:
-            finished.append(member)
-        elif not (ended_after_the_work and member.state.is_gone):
-            return []
-        ended.add(member.rank)
-    if not finished or (parsed is not None and ended != parsed.ranks):
-        return []  # a rank of the layout has no ended worker (it never registered)
-    return finished
-
-
-def _target(
-    job: Job, decision: Decision, request: RetryRequest | None
-) -> tuple[Layout, tuple[str, ...], str, float, int | None] | None:
-    """What to publish for `decision`: (layout, reasons, event detail, predicted step time, the
-    epoch it retries or None), or None when there is nothing to publish."""
-    if decision.action == "publish" and decision.layout is not None:
-        reasons = decision.reasons or (decision.reason,)
-        return (
-            decision.layout,
-            reasons,
-            decision.reason,
-            decision.predicted_step_time_s,
-            None,
-        )
-    if decision.action == "none" and request is not None and job.layout_json is not None:
-        # The going ranks are planned out already, but the executors went back to their committed
-        # state and wait: they get the same target again under a new epoch.
-        detail = f"retry of epoch {job.plan_epoch} after {request.summary()}"
-        predicted = job.last_plan.predicted_step_time_s if job.last_plan is not None else 0.0
-        return Layout.from_json(job.layout_json), (detail,), detail, predicted, job.plan_epoch
-    return None
-
-
-def _request_data(request: RetryRequest | None) -> dict[str, Any]:
-    """What a decision answering `request` records about it (event data)."""
-    if request is None:
-        return {}
-    return {
-        "failed_workers": sorted(request.failed),
-        "failures": {w: a.failure.value for w, a in sorted(request.failed.items()) if a.failure},
-        "collective_peers": sorted(request.peers),
-        "request": request.summary(),
-    }
-
-
-def leaving_ranks(job: Job) -> list[tuple[MemberRecord, int]]:
-    """Members in a leaving state whose rank is still in the job's current layout."""
-    try:
-        parsed = job.parsed_layout()
-    except (ValueError, KeyError, TypeError) as exc:
-        log.error("job=%s has a layout that cannot be read (%s); nothing re-planned", job.name, exc)
-        return []
-    if parsed is None:
-        return []
-    members = sorted(job.members.values(), key=lambda m: m.worker_id)
-    return [(m, m.rank) for m in members if m.state in LEAVING_STATES and m.rank in parsed.ranks]
-
-
-def ready_spares(job: Job) -> list[MemberRecord]:
-    """Spares whose worker subscribed to plans (SPARE) and that no plan has taken in yet."""
-    members = sorted(job.members.values(), key=lambda m: m.worker_id)
-    return [m for m in members if m.state is WorkerState.SPARE and m.rank < 0]
-
-
-def _apply_unfinished(job: Job, epoch: int) -> bool:
-    """Was the previous leader still applying `epoch`? Publishing always records `plan_published`
-    then `phase_applying`, and a finished apply a later phase event; writes are ordered, so a
-    stored plan whose events are missing (the leader died in between) was still being applied."""
-    events = list(job.events)
-    published = [e.seq for e in events if e.kind == "plan_published" and e.data.get("epoch") == epoch]
-    if not published:
-        pruned = bool(events) and events[0].seq > 1
-        return not pruned  # pruned: the plan is older than the whole kept event log
-    later = [e.kind for e in events if e.kind.startswith("phase_") and e.seq > published[-1]]
-    return not later or later[-1] == "phase_applying"
-
-
-def acks_from_events(events: Iterable[Event], epoch: int) -> dict[str, Ack]:
-    """Each worker's last acknowledged phase of `epoch`, as `ScheduleEngine.acknowledge` recorded it."""
-    acks: dict[str, Ack] = {}
-    for event in events:
-        if event.kind in ACK_EVENT_KINDS and event.worker_id and event.data.get("epoch") == epoch:
-            phase = AckPhase(event.kind.removeprefix("plan_").upper())
-            if phase == AckPhase.FAILED:
-                failure = PlanFailure(event.data.get("failure", PlanFailure.UNSPECIFIED.value))
-                acks[event.worker_id] = Ack(phase, failure, str(event.data.get("reason", event.detail)))
-            else:
-                acks[event.worker_id] = Ack(phase)
-    return acks

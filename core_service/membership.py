@@ -1,17 +1,11 @@
-"""Agent lifecycle and fail-stop / fail-slow detection (docs/architecture.md ("The Core's decisions") detection paths).
+"""Agent lifecycle: registration, reports, departures and the fail-stop paths
+(docs/architecture.md, "The Core's decisions", detection paths).
 
 Paths, fastest first: the agent reports the worker's exit; the agent's stream closes without a
-Leave; the liveness lease expires (node loss, partition, an agent that hangs); heartbeats stop.
-Whichever fires first marks the worker LOST with its reason; the others then find it gone.
-Heartbeats are judged against each stream's own adaptive deadline (core_service.liveness): a
-worker past it whose stream is open on this Core is *late* (noted, its Core-held lease kept
-alive), never LOST, unless its silence reaches the ceiling; only a worker with no stream here is
-LOST at its deadline. Gone members beyond a bound are compacted (core_service.member_bounds).
-A liveness lease the Core holds for an agent only counts while this Core holds it: after a
-failover, the dead leader's leases expire on their own, and the agents they stood for get the
-reconnect grace instead.
-A worker whose heartbeat is late (half its deadline) is sent one ReportNow first, so a merely slow
-agent answers before it is declared lost.
+Leave; the liveness lease expires (`core_service.registry_watch`); heartbeats stop
+(`core_service.heartbeat_sweep`). Whichever fires first marks the worker LOST with its reason;
+the others then find it gone. Gone members beyond a bound are compacted
+(core_service.member_bounds).
 
 The Core also tells agents the device frequency their rank should run at (SetFrequency) when a
 layout carries per-rank frequencies: at registration, and whenever a new plan is stored.
@@ -25,67 +19,31 @@ import hmac
 import json
 import logging
 import secrets
-import time
-from dataclasses import dataclass, field
 
 import grpc
 
+from core_service.agent_session import AgentSession, Registration
 from core_service.grpc_util import RpcError
+from core_service.heartbeat_sweep import HeartbeatSweep
 from core_service.jobs import Job, JobTable, parse_layout, token_digest
 from core_service.liveness import ArrivalWindow
 from core_service.member_bounds import RegistrationBucket, rate_limited
 from core_service.metrics import CoreMetrics
 from core_service.model import (
     SPARE_READY_EVENT,
-    DeviceInfo,
     JobPhase,
     MemberRecord,
     StepReport,
     WorkerState,
 )
 from core_service.persist import registry_call
-from core_service.registry import FenceLost, KVEvent, LeaseNotFound, Registry, RegistryError, WatchHandle
-from planners.layout import Plan
+from core_service.registry import FenceLost, LeaseNotFound, Registry, RegistryError
+from core_service.registry_watch import RegistryWatch
 from wire.v1 import agent_pb2
 
 log = logging.getLogger("elaswave.core.membership")
-# Sweeps further apart than this mean the Core's own loop stalled (a loaded machine, a long GC):
-# heartbeats that arrived meanwhile wait in it uncounted, so that sweep judges nobody.
-SWEEP_STALL_S = 1.0
 # gRPC metadata key an agent presents its worker's credential under when it registers again.
 WORKER_TOKEN_METADATA = "x-elaswave-worker-token"
-
-
-@dataclass
-class AgentSession:
-    """One connected agent stream. Commands for the agent go through `outbox`."""
-
-    job: str
-    worker_id: str
-    session_id: int
-    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
-    handler: asyncio.Task | None = None  # the RPC handler serving this stream
-    lease_id: int | None = None
-    lease_refreshed: float = 0.0
-    # The member's last_heartbeat_unix when ReportNow was last sent: one nudge per silence.
-    nudged_for_heartbeat: float | None = None
-    rejected_reports: int = 0
-    progress_saved_unix: float = 0.0  # when the member's last step was last stored
-    worker_token: str = field(default="", repr=False)  # the worker's credential, sent in the RegisterAck
-    arrivals: ArrivalWindow | None = None  # this stream's heartbeat gaps (its adaptive deadline)
-
-
-@dataclass(frozen=True)
-class Registration:
-    job: str
-    worker_id: str
-    host: str
-    pid: int
-    devices: list[DeviceInfo]
-    stage: int
-    dp_rank: int
-    rank: int
-    holds_own_lease: bool
 
 
 class Membership:
@@ -96,17 +54,13 @@ class Membership:
         self.settings = table.settings
         self.sessions: dict[tuple[str, str], AgentSession] = {}
         self._next_session = 1
-        self._watches: list[WatchHandle] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
         # Set while this Core closes every stream itself (it stops leading or shuts down): those
         # closes say nothing about the workers, and recording them as losses would make the next
         # leader plan healthy workers out before they have had time to reconnect.
         self.closing_streams = False
-        # Per job: no live member can be due for a nudge or a loss before this time (see
-        # `sweep_heartbeats`); the leader tick skips the job's scan until then.
-        self._sweep_due: dict[str, float] = {}
-        self._last_sweep: float | None = None
         self._gone_scanned: dict[str, int] = {}  # per job: gone members left by the last compaction
+        self.heartbeats = HeartbeatSweep(self)  # the leader tick runs `heartbeats.sweep`
+        self.watch = RegistryWatch(self)
 
     # ---- registration -------------------------------------------------------------------------
     def member_limit(self, job: Job) -> int:
@@ -214,7 +168,7 @@ class Membership:
                     del self.sessions[(reg.job, reg.worker_id)]
                 raise
         if job.layout_json is not None:
-            self._send_frequencies(job, self._frequencies(job), [member])
+            self.send_frequencies(job, self._frequencies(job), [member])
         self.table.save_member(job, member)
         kind = "worker_reconnected" if reconnected else ("worker_rejoined" if rejoined else "worker_joined")
         if spare and not reconnected:
@@ -290,7 +244,7 @@ class Membership:
         parsed = job.parsed_layout()
         return {} if parsed is None else parsed.frequencies_mhz
 
-    def _send_frequencies(self, job: Job, frequencies: dict[int, int], members: list[MemberRecord]) -> None:
+    def send_frequencies(self, job: Job, frequencies: dict[int, int], members: list[MemberRecord]) -> None:
         """SetFrequency to each of `members` whose rank the layout pins (DVFS for stragglers,
         ElasWave §5.3); 0 MHz restores the device default."""
         if not frequencies:
@@ -340,9 +294,9 @@ class Membership:
             self._on_time(job, member, now)
         if member.state.is_gone or session.lease_id is None:
             return
-        await self._refresh_lease(job, session, now)
+        await self.refresh_lease(job, session, now)
 
-    async def _refresh_lease(self, job: Job, session: AgentSession, now: float, force: bool = False) -> None:
+    async def refresh_lease(self, job: Job, session: AgentSession, now: float, force: bool = False) -> None:
         """Keeps the Core-held liveness lease alive (at most every third of its TTL, unless `force`)."""
         if session.lease_id is None:
             return
@@ -481,106 +435,6 @@ class Membership:
             self.mark_lost(job, session.worker_id, "agent stream closed without leave", "stream_closed", now)
         await self._drop_lease(session)
 
-    def sweep_heartbeats(self, now: float) -> None:
-        """Compacts gone members beyond the bound, nudges members silent for half their
-        deadline, notes late ones and marks lost those that nothing else keeps alive.
-
-        The leader ticks up to a few hundred times a second while events stream in, and scanning
-        10,000 members each time took a fifth of the Core's loop. A heartbeat only moves a
-        member's last_heartbeat_unix forward and a (re)registration sets it to the present, so
-        no member can become due before the earliest due time the previous scan saw: until
-        then the job is skipped, and a job with members beating at 1 Hz is scanned about once
-        a second (one heap entry per heartbeat would cost every report instead)."""
-        last, self._last_sweep = self._last_sweep, now
-        if last is not None and now - last > SWEEP_STALL_S:
-            # This Core's loop stalled: heartbeats that arrived meanwhile are still queued in it.
-            # Judging silences now would blame the workers for the Core's own pause.
-            log.warning("heartbeat sweep %.2fs after the last one: judging nobody this time", now - last)
-            self._sweep_due.clear()
-            return
-        floor = self.settings.heartbeat_timeout_s
-        for job in self.table.jobs.values():
-            self.compact(job)
-            if now < self._sweep_due.get(job.name, 0.0):
-                continue
-            due = now + floor / 2  # the earliest a member registering from now on can be due
-            for member in job.live_members():
-                due = min(due, self._judge(job, member, now))
-            self._sweep_due[job.name] = due
-
-    def _judge(self, job: Job, member: MemberRecord, now: float) -> float:
-        """Acts on one live member's silence; returns when it next needs looking at."""
-        session = self.sessions.get((job.name, member.worker_id))
-        arrivals = session.arrivals if session is not None else None
-        deadline = arrivals.deadline_s() if arrivals is not None else self.settings.heartbeat_timeout_s
-        ceiling = self.settings.heartbeat_ceiling
-        last = member.last_heartbeat_unix
-        silent = now - last
-        if session is not None and silent > deadline / 2 and silent <= ceiling:
-            self._keep_lease(job, session, now)
-        if silent <= deadline / 2:
-            due = last + deadline / 2
-        elif silent <= deadline:
-            self._nudge(job, member)
-            due = last + deadline
-        elif session is None or silent > ceiling:
-            # No stream on this Core (a takeover's reconnect window ran out), or a stream open but
-            # silent past the ceiling (a hung agent): nothing says this worker is alive.
-            where = "no agent stream on this Core" if session is None else f"past the {ceiling:g}s ceiling"
-            self.mark_lost(
-                job, member.worker_id, f"no heartbeat for {silent:.2f}s ({where})", "heartbeat", now
-            )
-            return now + deadline
-        else:
-            self._nudge(job, member)
-            self._mark_late(job, member, session, silent, deadline, now)
-            due = last + ceiling
-        if session is not None and session.lease_id is not None and silent > deadline / 2:
-            due = min(due, session.lease_refreshed + self.settings.lease_ttl_s / 3)
-        return due
-
-    def _keep_lease(self, job: Job, session: AgentSession, now: float) -> None:
-        """Heartbeats are overdue but the stream is open: the Core-held lease is kept alive
-        meanwhile (heartbeats refresh it otherwise), so that its expiry only ever means that this
-        Core is gone, never that a loaded agent was slow."""
-        if session.lease_id is not None and now - session.lease_refreshed >= self.settings.lease_ttl_s / 3:
-            session.lease_refreshed = now  # one refresh in flight at a time
-            asyncio.ensure_future(self._refresh_lease(job, session, now, force=True))
-
-    def _mark_late(
-        self,
-        job: Job,
-        member: MemberRecord,
-        session: AgentSession,
-        silent: float,
-        deadline: float,
-        now: float,
-    ) -> None:
-        """Heartbeats are past the deadline but the stream is open (and an agent's own lease is
-        alive, or its expiry would have said otherwise): a slow agent, not a dead one. Noted once
-        per episode, with an event and elaswave_heartbeats_late_total."""
-        if member.heartbeat_late_since_unix is not None:
-            return
-        member.heartbeat_late_since_unix = now
-        self.metrics.heartbeats_late.inc()
-        phi = session.arrivals.suspicion(silent) if session.arrivals is not None else 0.0
-        self.table.record(
-            job,
-            "heartbeat_late",
-            worker_id=member.worker_id,
-            detail=f"no heartbeat for {silent:.2f}s (deadline {deadline:.2f}s, phi {phi:.1f}); stream "
-            "open: late, not lost",
-            now=now,
-        )
-
-    def _nudge(self, job: Job, member: MemberRecord) -> None:
-        """Half the deadline without a heartbeat: ask the agent to report now, once per silence."""
-        session = self.sessions.get((job.name, member.worker_id))
-        if session is None or session.nudged_for_heartbeat == member.last_heartbeat_unix:
-            return
-        session.nudged_for_heartbeat = member.last_heartbeat_unix
-        self.send(job.name, member.worker_id, agent_pb2.ConnectResponse(report_now=agent_pb2.ReportNow()))
-
     # ---- bounded state ------------------------------------------------------------------------
     def compact(self, job: Job) -> int:
         """Removes the oldest gone members beyond `gone_members_kept` from the job and the
@@ -627,15 +481,13 @@ class Membership:
                 continue
         return frozenset(ranks)
 
-    # ---- liveness keys ------------------------------------------------------------------------
+    # ---- terms -------------------------------------------------------------------------------
     def start_watching(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        """This Core leads (again): sweep and watch the members it loaded."""
         self.closing_streams = False  # a new term: a stream that closes now is a signal again
-        self._sweep_due.clear()  # members were reloaded with heartbeats of their own
-        self._last_sweep = None
-        self._gone_scanned.clear()  # and their gone members in a new order
-        prefix = self.settings.key_prefix + "/jobs/"
-        self._watches.append(self.registry.watch_prefix(prefix, self._on_registry_event))
+        self.heartbeats.reset()
+        self._gone_scanned.clear()  # the gone members were reloaded in a new order
+        self.watch.start(loop)
 
     def kick_all(self) -> None:
         """Closes every agent stream (this Core stopped leading); agents reconnect elsewhere."""
@@ -645,68 +497,4 @@ class Membership:
                 session.handler.cancel()
 
     def stop_watching(self) -> None:
-        for handle in self._watches:
-            handle.cancel()
-        self._watches.clear()
-
-    def _on_registry_event(self, event: KVEvent) -> None:
-        parts = event.key[len(self.settings.key_prefix) + 1 :].split("/")
-        if len(parts) != 4 or parts[0] != "jobs":
-            return
-        assert self._loop is not None
-        if event.kind == "delete" and parts[2] == "alive":
-            self._loop.call_soon_threadsafe(self._alive_key_deleted, parts[1], parts[3])
-        elif event.kind == "put" and parts[2] == "plans" and event.value is not None:
-            self._loop.call_soon_threadsafe(self._plan_stored, parts[1], event.value)
-
-    def _plan_stored(self, job_name: str, body: bytes) -> None:
-        """A plan was published: agents of the ranks it pins get their frequency."""
-        job = self.table.jobs.get(job_name)
-        if job is None:
-            return
-        try:
-            frequencies = dict(Plan.from_json(body).new.frequencies_mhz)
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("plan of job %s has no readable layout: %s", job_name, exc)
-            return
-        self._send_frequencies(job, frequencies, job.live_members())
-
-    def _alive_key_deleted(self, job_name: str, worker_id: str) -> None:
-        if job_name in self.table.jobs:
-            asyncio.ensure_future(self._check_alive(job_name, worker_id))
-
-    async def _check_alive(self, job_name: str, worker_id: str) -> None:
-        """A liveness key vanished: lost unless it was re-created meanwhile (a re-registration),
-        or the lease behind it said nothing about the worker (see `_lease_holder`)."""
-        holder = self._lease_holder(job_name, worker_id)
-        if holder is None:
-            return
-        key = self.table.job_key(job_name, "alive", worker_id)
-        try:
-            if await registry_call(self.registry, self.registry.get, key) is not None:
-                return
-        except RegistryError as exc:
-            log.warning("cannot confirm liveness key %s: %s", key, exc)
-            return
-        if self._lease_holder(job_name, worker_id) != holder:
-            return  # re-registered (a fresh lease) while the key was read
-        job = self.table.jobs.get(job_name)
-        if job is not None:
-            self.mark_lost(job, worker_id, "liveness lease expired", "lease_expired", time.time())
-
-    def _lease_holder(self, job_name: str, worker_id: str) -> tuple[str, int] | None:
-        """Who keeps the worker's liveness lease alive: ("agent", 0) for its agent's own lease,
-        ("core", lease) for one this Core refreshes on the agent's heartbeats. None when nobody
-        here does, so the key's deletion is no news about the worker: a lease the previous leader
-        held for an agent that has not reconnected to this Core yet expires because that leader
-        died. Such a worker has the reconnect grace, then the heartbeat timeout, to come back."""
-        job = self.table.jobs.get(job_name)
-        member = job.members.get(worker_id) if job is not None else None
-        if member is None or member.state.is_gone:
-            return None
-        if member.holds_own_lease:
-            return ("agent", 0)
-        session = self.sessions.get((job_name, worker_id))
-        if session is None or session.lease_id is None:
-            return None
-        return ("core", session.lease_id)
+        self.watch.stop()

@@ -28,7 +28,7 @@ from core_service.seams import ServicerCore
 from wire.v1 import agent_pb2
 
 if TYPE_CHECKING:
-    from core_service.membership import AgentSession
+    from core_service.agent_session import AgentSession
 
 # A node runs a few dozen workers; the bound keeps one stream from holding a job's worth of
 # sessions, and keeps one gRPC message (4 MB at most) from carrying unbounded work.

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from core_service.engine import Decision, JobSnapshot
+from core_service.job_snapshot import Decision, JobSnapshot
 from core_service.jobs import Job
 from planners.chameleon.schema import state_from_dict
 from planners.chameleon.state import ClusterState

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 
-from core_service.engine import snapshot_of
 from core_service.executor_service import plan_message
 from core_service.grpc_util import RpcError, bearer_token, finite, invalid, require
 from core_service.job_end import JobEndCore, end_job
+from core_service.job_snapshot import snapshot_of
 from core_service.jobs import Job
 from core_service.limits import MAX_DEVICES, MAX_HOST_CHARS, MAX_IDS_PER_REQUEST, MAX_REASON_CHARS
 from core_service.model import MemberRecord, WorkerState
@@ -31,7 +31,7 @@ from planners.layout import Layout, Plan, PlanMode, make_uniform_layout
 from wire.v1 import agent_pb2, common_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
-    from core_service.engine import Policy
+    from core_service.job_snapshot import Policy
     from core_service.offload import PlanningWorker
 
 MAX_DEADLINE_AHEAD_S = 7 * 24 * 3600.0

@@ -10,7 +10,7 @@ import pytest
 
 from core_service.config import ConfigError, FailSlowSettings, load_settings
 from core_service.elaswave_policy import ElasWavePolicy, make_policy
-from core_service.engine import JobSnapshot, WorkerView
+from core_service.job_snapshot import JobSnapshot, WorkerView
 from core_service.model import Ack, AckPhase, JobPhase, StepReport
 from core_service.policies import LayoutPolicy
 from planners.applicability import judge

@@ -8,10 +8,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
+from core_service.agent_session import Registration
 from core_service.config import JobSpec, load_settings
-from core_service.engine import Decision, JobSnapshot, Policy, ScheduleEngine
+from core_service.engine import ScheduleEngine
+from core_service.job_snapshot import Decision, JobSnapshot, Policy
 from core_service.jobs import JobTable
-from core_service.membership import Membership, Registration
+from core_service.membership import Membership
 from core_service.metrics import CoreMetrics
 from core_service.model import Ack, AckPhase, JobPhase, WorkerState
 from core_service.persist import Persister

@@ -20,11 +20,11 @@ import grpc
 import httpx
 import pytest
 
+from core_service.agent_session import Registration
 from core_service.config import CoreSettings, load_settings
 from core_service.core import Core
-from core_service.engine import Policy
+from core_service.job_snapshot import Policy
 from core_service.jobs import Job
-from core_service.membership import Registration
 from core_service.model import JobPhase
 from core_service.registry import MemoryRegistry, PlanStore, Registry
 from planners.layout import Layout, Plan, make_uniform_layout

@@ -13,11 +13,11 @@ import grpc
 import pytest
 from pydantic import SecretStr
 
+from core_service.agent_session import Registration
 from core_service.config import JobSpec
 from core_service.elaswave_policy import ElasWavePolicy
 from core_service.grpc_util import RpcError
 from core_service.jobs import Job
-from core_service.membership import Registration
 from core_service.model import JobPhase, WorkerState
 from core_service.recovery import stored_plans
 from planners.layout import Layout, Plan, make_uniform_layout

@@ -23,9 +23,9 @@ import grpc
 import httpx
 import pytest
 
+from core_service.agent_session import Registration
 from core_service.config import CoreSettings, load_settings
 from core_service.core import Core
-from core_service.membership import Registration
 from core_service.persist import NotDurable
 from core_service.registry import (
     Fence,

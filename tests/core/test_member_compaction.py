@@ -11,10 +11,10 @@ import time
 import grpc
 import pytest
 
+from core_service.agent_session import AgentSession, Registration
 from core_service.config import JobSpec, load_settings
 from core_service.core import Core
 from core_service.grpc_util import RpcError
-from core_service.membership import AgentSession, Registration
 from planners.layout import make_uniform_layout
 
 LAYOUT = make_uniform_layout(num_layers=4, num_stages=1, dp=2, global_batch=4, num_micro_batches=1)

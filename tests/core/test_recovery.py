@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from core_service.engine import snapshot_of
 from core_service.executor_service import report_collective_failure
+from core_service.job_snapshot import snapshot_of
 from core_service.jobs import Job
 from core_service.model import Ack, AckPhase, JobPhase, PlanFailure, WorkerState
 from core_service.policies import resize_for_going

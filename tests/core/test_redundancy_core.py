@@ -7,8 +7,8 @@ import json
 
 from core_service.config import FailSlowSettings
 from core_service.elaswave_policy import ElasWavePolicy
-from core_service.engine import JobSnapshot, WorkerView
 from core_service.failslow import FailSlowDetector
+from core_service.job_snapshot import JobSnapshot, WorkerView
 from core_service.job_view import job_summary
 from core_service.jobs import Job
 from core_service.rendezvous import _placement

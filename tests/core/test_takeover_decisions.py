@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
+from core_service.agent_session import Registration
 from core_service.config import load_settings
 from core_service.core import Core
 from core_service.jobs import Job
-from core_service.membership import Registration
 from core_service.model import Ack, AckPhase, JobPhase, PlanFailure, StepReport
 from core_service.recovery import MAX_IN_PLACE_RETRIES, MAX_RESTORE_FAILURES
 from planners.layout import Layout, Plan, make_uniform_layout
