@@ -80,6 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     worker = parser.add_argument_group("worker")
     worker.add_argument("--pid", type=int, help="watch this running process instead of launching a command")
     worker.add_argument(
+        "--zygote",
+        type=Path,
+        metavar="SOCKET",
+        help="fork the worker from this node's warm zygote (python -m agent.zygote), torch already "
+        "imported; a command it cannot fork starts cold, as without this flag",
+    )
+    worker.add_argument(
         "command", nargs="*", metavar="-- COMMAND", help="worker command to launch, after '--'"
     )
 
@@ -258,6 +265,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         cores=parse_address_list(args.core, "--core"),
         worker_command=tuple(command),
         worker_pid=args.pid,
+        worker_zygote=args.zygote,
         stage=args.stage,
         dp_rank=args.dp_rank,
         rank=args.rank,

@@ -74,6 +74,7 @@ class AgentConfig:
     cores: tuple[Address, ...]
     worker_command: tuple[str, ...] = ()
     worker_pid: int | None = None
+    worker_zygote: Path | None = None  # the node's warm zygote's socket (agent.zygote)
     stage: int = -1
     dp_rank: int = -1
     rank: int = -1

@@ -50,7 +50,7 @@ from agent.lease import AliveLease
 from agent.local_metrics import MetricsReceiver
 from agent.logs import log_event
 from agent.preemption import notice, watch_notice_file
-from agent.worker import ExitStatus, ForeignWorker, LaunchedWorker, Worker
+from agent.worker import ExitStatus, ForeignWorker, ForkedWorker, LaunchedWorker, Worker
 from wire.local_protocol import (
     CONTROL_ENV,
     EXIT_CODE_UNKNOWN,
@@ -228,6 +228,10 @@ class Agent:
                 WORKER_TOKEN_FILE_ENV: str(self.worker_token_file),
             },
         )
+        if self.config.worker_zygote is not None:
+            forked = await ForkedWorker.start(self.config.worker_zygote, self.config.worker_command, env)
+            if forked is not None:
+                return forked
         return await LaunchedWorker.start(self.config.worker_command, env)
 
     def _drained_exit(self, status: ExitStatus) -> bool:

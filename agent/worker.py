@@ -11,17 +11,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import os
 import signal
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
+from agent.zygote import HEADER, WorkerRequest
 from wire.local_protocol import EXIT_CODE_UNKNOWN
 
+log = logging.getLogger("elaswave.agent.worker")
 _FOREIGN_POLL_S = 0.05
+ZYGOTE_ANSWER_S = 10.0  # a fork takes milliseconds; a zygote this slow is treated as absent
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
@@ -136,6 +142,87 @@ class LaunchedWorker(Worker):
         return super().send_signal(signum)
 
 
+class ForkedWorker(Worker):
+    """A worker the node's zygote forked for this agent (`agent.zygote`): torch already imported.
+
+    Its exit status comes over the agent's connection to the zygote, which is also its lifeline:
+    if this agent dies, the connection closes and the zygote kills the worker."""
+
+    launched = True
+
+    def __init__(self, pid: int, conn: socket.socket) -> None:
+        self.pid = pid
+        self._conn = conn
+        self._status: ExitStatus | None = None
+
+    @classmethod
+    async def start(cls, zygote: Path, command: Sequence[str], env: Mapping[str, str]) -> ForkedWorker | None:
+        """The forked worker, or None when the zygote cannot run `command` (it says why, logged)
+        or cannot be reached: the caller starts the worker as its own child instead."""
+        request = WorkerRequest(tuple(command), dict(env), os.getcwd())
+        try:
+            conn, answer = await asyncio.to_thread(_ask_zygote, zygote, request)
+        except OSError as exc:
+            log.warning("worker zygote %s unreachable (%s): starting the worker cold", zygote, exc)
+            return None
+        if not answer.startswith("PID "):
+            conn.close()
+            log.info("worker zygote %s: %s; starting the worker cold", zygote, answer)
+            return None
+        conn.setblocking(False)
+        return cls(int(answer.split()[1]), conn)
+
+    async def wait(self) -> ExitStatus:
+        if self._status is None:
+            loop = asyncio.get_running_loop()
+            received = b""
+            while not received.endswith(b"\n"):
+                chunk = await loop.sock_recv(self._conn, 64)
+                if not chunk:
+                    break
+                received += chunk
+            self._conn.close()
+            text = received.decode(errors="replace").strip()
+            if text.startswith("EXIT "):
+                code = int(text.split()[1])
+            else:  # the zygote died; its workers die with it (parent-death signal)
+                await _gone(self)
+                code = EXIT_CODE_UNKNOWN
+            self._status = ExitStatus(code, describe_exit(code))
+        return self._status
+
+    def send_signal(self, signum: int) -> bool:
+        if self._status is not None:
+            return False
+        return super().send_signal(signum)
+
+
+def _ask_zygote(zygote: Path, request: WorkerRequest) -> tuple[socket.socket, str]:
+    """Sends `request` with this process's stdin, stdout and stderr; the zygote's one-line answer."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.settimeout(ZYGOTE_ANSWER_S)
+        conn.connect(str(zygote))
+        payload = request.to_json()
+        socket.send_fds(conn, [HEADER.pack(len(payload))], [0, 1, 2])
+        conn.sendall(payload)
+        answer = b""
+        while not answer.endswith(b"\n"):
+            chunk = conn.recv(256)
+            if not chunk:
+                raise ConnectionError("the zygote closed the connection without answering")
+            answer += chunk
+    except BaseException:
+        conn.close()
+        raise
+    return conn, answer.decode(errors="replace").strip()
+
+
+async def _gone(worker: Worker) -> None:
+    while worker.is_alive():
+        await asyncio.sleep(_FOREIGN_POLL_S)
+
+
 class ForeignWorker(Worker):
     """A process the agent did not start (``--pid``)."""
 
@@ -177,8 +264,7 @@ class ForeignWorker(Worker):
             loop.remove_reader(fd)
 
     async def _poll_until_gone(self) -> None:
-        while self.is_alive():
-            await asyncio.sleep(_FOREIGN_POLL_S)
+        await _gone(self)
 
     def _zombie_exit_code(self) -> int:
         """Exit status of our pid while it waits as a zombie for its parent (Linux >= 3.5)."""

@@ -247,6 +247,37 @@ class LocalStore:
             self.process.stdout.close()
 
 
+@dataclass
+class WarmWorkers:
+    """This node's worker zygote (`agent.zygote`): torch imported once, each worker forked from
+    it, so a worker's start costs milliseconds of CPU instead of a second. Optional: an agent
+    whose worker it cannot fork, or that finds it gone, starts its worker cold."""
+
+    process: subprocess.Popen[bytes]
+    socket: Path
+
+    @classmethod
+    def begin(cls, socket_dir: Path, env: Mapping[str, str], log: Path) -> WarmWorkers:
+        """Spawn it; returns at once (`ready` waits). `env`: the import-time environment its
+        workers share (the zygote refuses a worker whose differs)."""
+        sock = socket_dir / "zygote.sock"
+        cmd = [sys.executable, "-m", "agent.zygote", "--socket", str(sock), "--preload", "torch"]
+        return cls(spawn(cmd, env, log, signal.SIGTERM), sock)
+
+    def ready(self, timeout_s: float = 10.0) -> Path | None:
+        """Its socket once it accepts workers (at most `timeout_s`), else None: workers start cold."""
+        deadline = time.monotonic() + timeout_s
+        while not self.socket.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
+        return self.socket
+
+    def stop(self) -> None:
+        """After the agents: it kills any worker still running, then exits."""
+        stop_process(self.process, signal.SIGTERM, 5.0)
+
+
 @dataclass(frozen=True)
 class RankSpec:
     rank: int  # < 0 for a spare: its rank comes with the plan that takes it in
@@ -276,6 +307,7 @@ class Agents:
         worker_cmd: list[str],
         env: Mapping[str, str],
         log: Path | None,
+        zygote: Path | None = None,
     ) -> None:
         cmd = [
             sys.executable,
@@ -295,6 +327,7 @@ class Agents:
             str(socket_dir / f"{spec.name}.sock"),
             "--log-level",
             "WARNING",
+            *(() if zygote is None else ("--zygote", str(zygote))),
             "--",
             *worker_cmd,
         ]

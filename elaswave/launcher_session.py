@@ -30,7 +30,7 @@ from elaswave.launcher_control import resume_command
 from elaswave.launcher_describe import clean_env, tail
 from elaswave.launcher_join import SCHEDULER_TOKEN_ENV, rest_verify, stop_job, stopped_by_the_core
 from elaswave.launcher_monitor import Monitor, outcome, write_stop_file
-from elaswave.launcher_procs import LOOPBACK, Agents, CoreStart, LaunchError, LocalCore, RankSpec
+from elaswave.launcher_procs import LOOPBACK, Agents, CoreStart, LaunchError, LocalCore, RankSpec, WarmWorkers
 from elaswave.store_keeper import StoreKeeper
 from planners.described_model import job_model
 from wire import worker_env as we
@@ -130,6 +130,7 @@ class Session:
         self.http: httpx.Client | None = None  # the Core's REST API, local or remote
         self.core_address = self.store_address = ""  # gRPC, store: HOST:PORT
         self.agents = Agents()
+        self.warm: WarmWorkers | None = None  # this node's worker zygote, once started
         self.stop_file = run_dir / "stop.json"
         self._stop_asked_at = 0.0
         self._core_stop_accepted = False
@@ -138,6 +139,9 @@ class Session:
 
     def run(self) -> int:
         try:
+            # It imports torch while the job is created; the agents fork their workers from it.
+            env = clean_env() | {"PYTHONUNBUFFERED": "1"}  # the workers' import-time environment
+            self.warm = WarmWorkers.begin(self.socket_dir, env, self.run_dir / "zygote.log")
             token = self._start()
             self._start_agents(token)
         except LaunchError as exc:
@@ -208,13 +212,16 @@ class Session:
 
     def _start_agents(self, token: str) -> None:
         worker_cmd = [sys.executable, str(self.args.script), *self.args.script_args]
+        zygote = self.warm.ready() if self.warm is not None else None
         mine = self.node_ranks()
         spares = self.joined.spare_worker_ids if self.joined is not None else ()
         for k, worker_id in enumerate(spares):  # a node that came after the job formed
             spec = RankSpec(-1 - k, -1, -1, -1, worker_id)
             log = None if self.args.tee else self.run_dir / f"{worker_id}.log"
             env = self.worker_env(token, spec.rank, worker_id)
-            self.agents.start(spec, self.job, self.core_address, self.socket_dir, worker_cmd, env, log)
+            self.agents.start(
+                spec, self.job, self.core_address, self.socket_dir, worker_cmd, env, log, zygote
+            )
         for stage in self.placement.layout.stages:
             for dp_rank, rank in enumerate(stage.ranks):
                 if rank not in mine:
@@ -229,6 +236,7 @@ class Session:
                     worker_cmd,
                     self.worker_env(token, rank),
                     log,
+                    zygote,
                 )
         where = "this terminal" if self.args.tee else f"{self.run_dir}/rank-R.log"
         print(
@@ -421,6 +429,8 @@ class Session:
     def teardown(self) -> None:
         """Agents first (they still need the Core to say Leave), then the store, the Core last."""
         self.agents.stop()
+        if self.warm is not None:
+            self.warm.stop()
         if self.joined is not None and self.http is not None:
             self.http.close()  # a local Core's client closes with it
         if self.stores is not None:
