@@ -97,6 +97,7 @@ def run_as_main(request: WorkerRequest) -> None:
     atexit handlers, non-daemon threads and the exit status are those of a fresh interpreter."""
     import runpy
 
+    _show_as(request.argv)  # first: it measures the space it may use from the environment block
     os.environ.clear()
     os.environ.update(request.env)
     os.chdir(request.cwd)
@@ -113,6 +114,17 @@ def run_as_main(request: WorkerRequest) -> None:
         sys.argv = list(args)
         sys.path[0] = os.path.dirname(script)
         runpy.run_path(script, run_name="__main__")
+
+
+def _show_as(argv: tuple[str, ...]) -> None:
+    """`ps`, `top` and /proc/PID/cmdline show the worker's own command, not the zygote's (the
+    title takes the space of the zygote's argv and environment block, so /proc/PID/environ no
+    longer reads as an environment: the worker's is in its os.environ)."""
+    try:
+        import setproctitle
+    except ImportError:  # a dependency; without it the worker still runs, under the zygote's title
+        return
+    setproctitle.setproctitle(" ".join(argv))
 
 
 def run_worker(request: WorkerRequest) -> None:

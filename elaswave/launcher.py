@@ -140,6 +140,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--tee", action="store_true", help="workers print to this terminal (default: to <run dir>/rank-R.log)"
     )
     parser.add_argument(
+        "--cold-workers",
+        action="store_true",
+        help="start every worker as its own `python script.py` instead of forking it from this node's "
+        "warm zygote (torch imported once; docs/engine.md, 'Warm starts')",
+    )
+    parser.add_argument(
         "--devices-per-node",
         type=int,
         metavar="N",

@@ -261,7 +261,7 @@ class WarmWorkers:
         """Spawn it; returns at once (`ready` waits). `env`: the import-time environment its
         workers share (the zygote refuses a worker whose differs)."""
         sock = socket_dir / "zygote.sock"
-        cmd = [sys.executable, "-m", "agent.zygote", "--socket", str(sock), "--preload", "torch"]
+        cmd = [sys.executable, "-m", "agent.zygote", "--socket", str(sock), "--preload", "torch,elaswave.api"]
         return cls(spawn(cmd, env, log, signal.SIGTERM), sock)
 
     def ready(self, timeout_s: float = 10.0) -> Path | None:

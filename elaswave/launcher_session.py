@@ -140,8 +140,9 @@ class Session:
     def run(self) -> int:
         try:
             # It imports torch while the job is created; the agents fork their workers from it.
-            env = clean_env() | {"PYTHONUNBUFFERED": "1"}  # the workers' import-time environment
-            self.warm = WarmWorkers.begin(self.socket_dir, env, self.run_dir / "zygote.log")
+            if not self.args.cold_workers:
+                env = clean_env() | {"PYTHONUNBUFFERED": "1"}  # the workers' import-time environment
+                self.warm = WarmWorkers.begin(self.socket_dir, env, self.run_dir / "zygote.log")
             token = self._start()
             self._start_agents(token)
         except LaunchError as exc:

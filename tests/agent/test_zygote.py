@@ -194,6 +194,12 @@ def _start_sleeper(sock: Path, tmp_path: Path) -> tuple[subprocess.Popen[str], i
 
 def test_a_worker_dies_with_its_agent(zygote: tuple[Path, subprocess.Popen[bytes]], tmp_path: Path) -> None:
     client, pid = _start_sleeper(zygote[0], tmp_path)
+    # `ps` shows the worker's own command (its title, set as the fork begins the script).
+    want = f"{sys.executable} {tmp_path / 'w.py'} sleep"
+    deadline = time.monotonic() + 10
+    while (title := Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").decode()) != want:
+        assert time.monotonic() < deadline, title
+        time.sleep(0.02)
     client.kill()  # the agent's kill -9: its connection closes
     client.wait(10)
     assert _wait_gone(pid, 5.0), f"worker {pid} outlived its agent"

@@ -105,7 +105,9 @@ def _start_job(
     script = tmp_path / "tiny.py"
     script.write_text(SCRIPT)
     both = f"127.0.0.1:{first.http_port},127.0.0.1:{second.http_port}"
-    flags = ("--core", both, "--nnodes", "2", "--nproc-per-node", "2", "--pp", "2")
+    # Cold workers: `Workers` tells a rank's process by its argv and environment in /proc, which a
+    # worker forked from the zygote does not keep (docs/engine.md, "Warm starts").
+    flags = ("--core", both, "--nnodes", "2", "--nproc-per-node", "2", "--pp", "2", "--cold-workers")
     common = ("--checkpoint-dir", tmp_path / "ckpt", "--timeout", "60", script, "--steps", str(STEPS))
     a = Launcher(*flags, "--node-id", "node-a", *common, cwd=tmp_path)
     wait_until_waiting(first, "tiny", "node-a", timeout_s=90)  # node-a is node 0: it runs the store

@@ -117,7 +117,7 @@ def test_the_core_lock_has_no_torch_and_the_lock_inputs_cover_the_project() -> N
     names = {re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0].lower().replace("_", "-") for d in project}
     assert names - set(worker) == {"torch"}, "every dependency but torch is in the worker lock"
     # What the Core image leaves out on purpose: the training side.
-    assert names - set(core) == {"torch", "matplotlib"}
+    assert names - set(core) == {"torch", "matplotlib", "setproctitle"}
 
 
 def test_everything_the_core_imports_is_in_the_core_lock_and_torch_is_not() -> None:
