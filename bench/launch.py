@@ -11,7 +11,12 @@ batch of 8 in 2 micro-batches) for `--steps` steps, alternately, so that both se
 - `torchrun --standalone --nproc-per-node N`: the same model under plain DDP, same batch, same
   optimizer, no fault tolerance at all.
 
-It prints, per launcher, the median wall time from the command to its exit, and for
+`elaswave run` runs twice per round: as it starts by default (each worker forked from the
+node's zygote, torch imported once; docs/engine.md, "Warm starts") and with `--cold-workers`
+(each worker its own interpreter).
+
+It prints, per launcher, the median wall time from the command to its exit, the CPU seconds the
+launch used (every process it started, from getrusage of the waited children), and for
 `elaswave run` when the Core was up and when the first step began (from its own timestamped
 output). The ratio is the price of starting an elastic job rather than a static one.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -76,23 +82,30 @@ dist.destroy_process_group()
 """
 
 
-def timed(cmd: list[str], cwd: Path, marks: dict[str, str]) -> tuple[float, dict[str, float]]:
-    """Wall seconds from start to exit, and when each of `marks` (name -> text) was printed."""
+def timed(cmd: list[str], cwd: Path, marks: dict[str, str]) -> tuple[float, float, dict[str, float]]:
+    """Wall seconds from start to exit, CPU seconds of every process it started (waited), and
+    when each of `marks` (name -> text) was printed."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     seen: dict[str, float] = {}
+    lines: list[str] = []
     assert proc.stdout is not None
     for line in proc.stdout:
+        lines.append(line)
         for name, text in marks.items():
             if name not in seen and text in line:
                 seen[name] = time.monotonic() - started
     code = proc.wait(timeout=300)
     if code != 0:
-        raise SystemExit(f"{cmd[:3]} exited with status {code}")
-    return time.monotonic() - started, seen
+        raise SystemExit(f"{cmd[:3]} exited with status {code}:\n{''.join(lines[-30:])}")
+    wall = time.monotonic() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, seen
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,39 +121,58 @@ def main(argv: list[str] | None = None) -> int:
             f"--nproc must be 2, 4 or 8 (two stages; it divides the global batch of 8), got {args.nproc}"
         )
     bin_dir = Path(sys.executable).parent
+    elaswave = [str(bin_dir / "elaswave"), "run", "--nproc-per-node", str(args.nproc), "--pp", "2"]
+    torchrun = [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", str(args.nproc)]
+    marks = {"core_up_s": "Core up", "first_step_s": "] starting", "finished_s": "finished:"}
+    variants = {
+        f"elaswave run (PP=2 x DP={args.nproc // 2})": ([*elaswave], "tiny.py", marks),
+        f"elaswave run --cold-workers (PP=2 x DP={args.nproc // 2})": (
+            [*elaswave, "--cold-workers"],
+            "tiny.py",
+            marks,
+        ),
+        f"torchrun + DDP (DP={args.nproc})": (torchrun, "ddp.py", {}),
+    }
+    walls: dict[str, list[float]] = {name: [] for name in variants}
+    cpus: dict[str, list[float]] = {name: [] for name in variants}
+    phases: dict[str, dict[str, list[float]]] = {name: {m: [] for m in marks} for name in variants}
     with tempfile.TemporaryDirectory(prefix="ew-bench-launch-") as tmp:
         work = Path(tmp)
         (work / "model.py").write_text(MODEL)
         (work / "tiny.py").write_text(ELASWAVE_SCRIPT)
         (work / "ddp.py").write_text(DDP_SCRIPT)
-        elaswave = [str(bin_dir / "elaswave"), "run", "--nproc-per-node", str(args.nproc), "--pp", "2"]
-        torchrun = [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", str(args.nproc)]
-        marks = {"core_up_s": "Core up", "first_step_s": "] starting", "finished_s": "finished:"}
-        ours: list[float] = []
-        theirs: list[float] = []
-        phases: dict[str, list[float]] = {name: [] for name in marks}
-        for k in range(args.repeats):
-            wall, seen = timed(
-                [*elaswave, "--run-dir", str(work / f"run-{k}"), "tiny.py", str(args.steps)], work, marks
-            )
-            ours.append(wall)
-            for name, at in seen.items():
-                phases[name].append(at)
-            theirs.append(timed([*torchrun, "ddp.py", str(args.steps)], work, {})[0])
+        for k in range(args.repeats):  # in turn, so that every variant sees the same load
+            for v, (name, (cmd, script, wanted)) in enumerate(variants.items()):
+                run_dir = ["--run-dir", str(work / f"run-{k}-{v}")] if wanted else []
+                wall, cpu, seen = timed([*cmd, *run_dir, script, str(args.steps)], work, wanted)
+                walls[name].append(wall)
+                cpus[name].append(cpu)
+                for mark, at in seen.items():
+                    phases[name][mark].append(at)
             print(
-                f"[launch] run {k + 1}/{args.repeats}: elaswave run {wall:.2f} s, torchrun {theirs[-1]:.2f} s",
+                f"[launch] round {k + 1}/{args.repeats}: "
+                + ", ".join(f"{name.split(' (')[0]} {walls[name][-1]:.2f} s" for name in variants),
                 flush=True,
             )
-    ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
     print(
-        f"[launch] {args.nproc} CPU workers, {args.steps} steps, median of {args.repeats} (load average {os.getloadavg()[0]:.1f})"
+        f"[launch] {args.nproc} CPU workers, {args.steps} steps, median of {args.repeats} "
+        f"(load average {os.getloadavg()[0]:.1f})"
     )
-    print("| launcher | command to exit (s) | Core up (s) | first step begins (s) | job finished (s) |")
-    print("|---|---|---|---|---|")
-    cells = " | ".join(f"{statistics.median(v):.2f}" if v else "-" for v in phases.values())
-    print(f"| elaswave run (PP=2 x DP={args.nproc // 2}) | {ours_s:.2f} | {cells} |")
-    print(f"| torchrun + DDP (DP={args.nproc}) | {theirs_s:.2f} | - | - | - |")
-    print(f"[launch] elaswave run / torchrun: {ours_s / theirs_s:.2f}x the wall time")
+    print(
+        "| launcher | command to exit (s) | CPU (s) | Core up (s) | first step begins (s) | job finished (s) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name in variants:
+        cells = " | ".join(f"{statistics.median(v):.2f}" if v else "-" for v in phases[name].values())
+        print(
+            f"| {name} | {statistics.median(walls[name]):.2f} | {statistics.median(cpus[name]):.2f} | {cells} |"
+        )
+    warm, cold, ddp = (statistics.median(walls[name]) for name in variants)
+    warm_cpu, cold_cpu = (statistics.median(cpus[name]) for name in list(variants)[:2])
+    print(f"[launch] elaswave run / torchrun: {warm / ddp:.2f}x the wall time")
+    print(
+        f"[launch] warm / cold workers: {warm / cold:.2f}x the wall time, {warm_cpu / cold_cpu:.2f}x the CPU"
+    )
     return 0
 
 

@@ -225,12 +225,14 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     name = job_name(args)
     keeper = None
     local: LocalServices | None = None
-    if args.core is None:  # the Core and the stores start (each imports ~1 s) while the model is described
+    if (
+        args.core is None
+    ):  # the Core, the stores and the zygote start (each imports ~1 s) while the model is described
         from elaswave.launcher_procs import LaunchError  # noqa: PLC0415
         from elaswave.launcher_session import LocalServices  # noqa: PLC0415
 
         try:
-            local = LocalServices.begin(args.run_dir or Path.cwd() / "elaswave-run" / name)
+            local = LocalServices.begin(args.run_dir or Path.cwd() / "elaswave-run" / name, args.cold_workers)
         except LaunchError as exc:
             print(f"elaswave run: error: {exc}", file=sys.stderr)
             return 1

@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,21 +49,23 @@ STOP_RETRY_S = 1.0  # the Core refuses a stop before the first committed step: a
 
 @dataclass
 class LocalServices:
-    """The embedded Core and the rendezvous stores of a one-machine run, started before the
-    model is described: each is a process that imports for about a second, and none needs the
-    layout until the job is created."""
+    """The embedded Core, the rendezvous stores and the worker zygote of a one-machine run,
+    started before the model is described: each is a process that imports for about a second,
+    and none needs the layout until the job is created."""
 
     run_dir: Path
     stores: StoreKeeper
     core: CoreStart
     created: Path | None  # the outermost directory `begin` made for the run directory
+    warm: WarmWorkers | None = None  # None: --cold-workers
+    sockets: Path | None = None  # the zygote's short directory (Unix socket paths <= 107 bytes)
     launched: bool = False  # the job was created: the run directory is the run's record
 
     @classmethod
-    def begin(cls, run_dir: Path) -> LocalServices:
-        """Prepare `run_dir` (`prepare_run_dir`), start the stores (in the keeper's thread) and
-        the Core; returns at once. Raises LaunchError, with whatever started stopped, when a
-        process cannot be spawned."""
+    def begin(cls, run_dir: Path, cold_workers: bool = False) -> LocalServices:
+        """Prepare `run_dir` (`prepare_run_dir`), start the stores (in the keeper's thread), the
+        Core and, unless `cold_workers`, the zygote; returns at once. Raises LaunchError, with
+        whatever started stopped, when a process cannot be spawned."""
         run_dir = run_dir.resolve()
         missing = [d for d in (run_dir, *run_dir.parents) if not d.exists()]
         run_dir = prepare_run_dir(run_dir)
@@ -74,16 +77,33 @@ class LocalServices:
         except LaunchError:
             stores.stop()
             raise
-        return cls(run_dir, stores, core, missing[-1] if missing else None)
+        local = cls(run_dir, stores, core, missing[-1] if missing else None)
+        if not cold_workers:
+            local.sockets = Path(tempfile.mkdtemp(prefix="ew-z-"))
+            try:
+                local.warm = WarmWorkers.begin(local.sockets, warm_env(), run_dir / "zygote.log")
+            except LaunchError:
+                local.stop()
+                raise
+        return local
 
     def stop(self) -> None:
-        """The stores, then the Core (the session's teardown order); safe to call again. Before
-        the job was launched (the model could not be described or laid out), the directories
-        `begin` made go too: nothing of the run is left behind."""
+        """The zygote, the stores, then the Core (the session's teardown order); safe to call
+        again. Before the job was launched (the model could not be described or laid out), the
+        directories `begin` made go too: nothing of the run is left behind."""
+        if self.warm is not None:
+            self.warm.stop()
+        if self.sockets is not None:
+            shutil.rmtree(self.sockets, ignore_errors=True)
         self.stores.stop()
         self.core.stop()
         if not self.launched and self.created is not None:
             shutil.rmtree(self.created, ignore_errors=True)
+
+
+def warm_env() -> dict[str, str]:
+    """The zygote's environment: what its workers' environments share at import time."""
+    return clean_env() | {"PYTHONUNBUFFERED": "1"}
 
 
 def prepare_run_dir(path: Path) -> Path:
@@ -140,9 +160,10 @@ class Session:
     def run(self) -> int:
         try:
             # It imports torch while the job is created; the agents fork their workers from it.
-            if not self.args.cold_workers:
-                env = clean_env() | {"PYTHONUNBUFFERED": "1"}  # the workers' import-time environment
-                self.warm = WarmWorkers.begin(self.socket_dir, env, self.run_dir / "zygote.log")
+            if self.local is not None:  # started before the model was described
+                self.warm = self.local.warm
+            elif not self.args.cold_workers:
+                self.warm = WarmWorkers.begin(self.socket_dir, warm_env(), self.run_dir / "zygote.log")
             token = self._start()
             self._start_agents(token)
         except LaunchError as exc:
