@@ -78,8 +78,18 @@ class WorkerRequest:
 
 def why_not_forked(request: WorkerRequest, own_env: dict[str, str]) -> str:
     """Why this zygote cannot run `request` as its child ("" when it can)."""
-    exe = shutil.which(request.argv[0], path=request.env.get("PATH"))
-    if exe is None or os.path.realpath(exe) != os.path.realpath(sys.executable):
+    command = request.argv[0]
+    if os.sep in command:  # a path: relative to the worker's directory, not the zygote's
+        command = os.path.join(request.cwd, command)
+    exe = shutil.which(command, path=request.env.get("PATH"))
+    # The same file in the same directory: a virtual environment's python is a link to the
+    # base interpreter, and another environment's link to it has other packages.
+    ours = os.path.abspath(sys.executable)
+    if (
+        exe is None
+        or os.path.dirname(os.path.abspath(exe)) != os.path.dirname(ours)
+        or not os.path.samefile(exe, ours)
+    ):
         return f"{request.argv[0]!r} is not this zygote's interpreter {sys.executable}"
     rest = request.argv[1:]
     if not rest or (rest[0].startswith("-") and not (rest[0] == "-m" and len(rest) > 1)):

@@ -131,6 +131,7 @@ def test_a_module_worker_and_a_signal_report_as_the_interpreter_would(
         (["{python}", "-u", "{script}", "0"], {}),  # interpreter options
         (["{python}", "{script}", "0"], {"OMP_NUM_THREADS": "3"}),  # read when torch loads
         (["/bin/sh", "-c", "exit 0"], {}),  # not a Python worker
+        (["{venv}/bin/python", "{script}", "0"], {}),  # the same interpreter in another environment
     ],
 )
 def test_what_the_zygote_cannot_fork_it_declines_and_keeps_serving(
@@ -138,7 +139,10 @@ def test_what_the_zygote_cannot_fork_it_declines_and_keeps_serving(
 ) -> None:
     script = tmp_path / "w.py"
     script.write_text(SCRIPT)
-    filled = [c.format(python=sys.executable, script=script) for c in command]
+    venv = tmp_path / "other-venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
+    filled = [c.format(python=sys.executable, script=script, venv=venv) for c in command]
     declined = _client(zygote[0], filled, tmp_path, **env)
     assert declined.stdout.strip() == "COLD", declined.stdout + declined.stderr
     served = _client(zygote[0], [sys.executable, str(script), "0"], tmp_path)
@@ -187,9 +191,10 @@ def _start_sleeper(sock: Path, tmp_path: Path) -> tuple[subprocess.Popen[str], i
         text=True,
     )
     assert client.stdout is not None
-    line = client.stdout.readline()
-    assert line.startswith("PID "), line
-    return client, int(line.split()[1])
+    for line in client.stdout:  # the worker prints on the same stream, maybe first
+        if line.startswith("PID "):
+            return client, int(line.split()[1])
+    raise AssertionError("the client ended without starting a worker")
 
 
 def test_a_worker_dies_with_its_agent(zygote: tuple[Path, subprocess.Popen[bytes]], tmp_path: Path) -> None:
