@@ -239,7 +239,7 @@ class ForeignWorker(Worker):
         try:
             pidfd = os.pidfd_open(self.pid)
         except (AttributeError, OSError):
-            await self._poll_until_gone()
+            await _gone(self)
         else:
             try:
                 await self._wait_readable(pidfd)
@@ -262,9 +262,6 @@ class ForeignWorker(Worker):
             await exited
         finally:
             loop.remove_reader(fd)
-
-    async def _poll_until_gone(self) -> None:
-        await _gone(self)
 
     def _zombie_exit_code(self) -> int:
         """Exit status of our pid while it waits as a zombie for its parent (Linux >= 3.5)."""

@@ -10,7 +10,7 @@ the socket), `__main__`, interpreter shutdown and exit status.
 
 Run it as
 
-    python -m agent.zygote --socket PATH [--preload torch,elaswave.api] [--parent PID]
+    python -m agent.zygote --socket PATH [--preload torch,elaswave.api]
 
 It prints ``READY`` on one line once it listens. Protocol, one connection per worker (the agent's
 side is `agent.worker.ForkedWorker`): the agent sends a 4-byte big-endian length and that many
@@ -19,7 +19,8 @@ bytes (SCM_RIGHTS). The zygote answers ``PID <pid>`` or ``NO <reason>`` (a comma
 as its own child: the agent then starts the worker the usual way), and ``EXIT <code>`` when the
 worker ends (negative: the signal that killed it). The connection is the agent's lifeline: when
 it closes first (the agent died), the worker is killed, as an agent's own child is by its
-parent-death signal. The worker dies with the zygote too, so nothing outlives the node's launcher.
+parent-death signal. The worker dies with the zygote too (whose starter arms its own parent-death
+signal: `elaswave.launcher_procs.WarmWorkers`), so nothing outlives the node's launcher.
 
 A command is forked only when nothing that the interpreter or torch read at import differs
 between the zygote and the worker (`IMPORT_TIME_ENV`): otherwise the answer is NO.
@@ -346,12 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m agent.zygote", description=__doc__.splitlines()[0])
     parser.add_argument("--socket", type=Path, required=True, help="Unix socket path to listen on")
     parser.add_argument("--preload", default="torch", help="comma-separated modules to import once")
-    parser.add_argument("--parent", type=int, default=0, help="exit when this process dies")
     args = parser.parse_args(argv)
-    if args.parent:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != args.parent:
-            sys.exit(1)
     _preload([m for m in args.preload.split(",") if m])
     args.socket.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
