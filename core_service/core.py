@@ -65,6 +65,7 @@ from core_service.registry import (
 )
 from core_service.rest import build_app
 from core_service.scheduler_service import SchedulerServicer
+from core_service.tcp_listen import tcp_listener
 from wire.v1 import agent_pb2, executor_pb2, scheduler_pb2
 
 log = logging.getLogger("elaswave.core")
@@ -397,12 +398,9 @@ class Core:
         )
 
     async def _start_http(self) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((self.settings.http_host, self.settings.http_port))
+            sock = tcp_listener(self.settings.http_host, self.settings.http_port)
         except OSError as exc:
-            sock.close()
             raise PortTaken(
                 "http_port", self.settings.http_host, self.settings.http_port, exc.strerror
             ) from None
