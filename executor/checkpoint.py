@@ -30,7 +30,6 @@ root must be storage every node sees (a shared filesystem), as for any multi-nod
 from __future__ import annotations
 
 import json
-import math
 import os
 import queue
 import shutil
@@ -47,6 +46,7 @@ from torch import nn
 FORMAT_VERSION = 1
 LATEST = "latest"
 STAGE_DONE = "stage-{stage}.done"
+COMMIT_POLL_S = 0.02  # how often a commit waiting for other stages' shares looks again
 
 
 class CheckpointError(ValueError):
@@ -207,7 +207,11 @@ class CheckpointWriter:
 
     `submit` returns at once (at most `max_pending` payloads wait; beyond that it blocks until the
     oldest is written); `wait(timeout_s)` blocks until every submitted write is finished (and, on
-    the coordinator, committed) or raises TimeoutError."""
+    the coordinator, committed or given up) or raises TimeoutError.
+
+    The coordinator's commit waits for the other stages' shares without holding up its own later
+    writes: a checkpoint whose shares are missing waits aside while the next ones are written and
+    committed, so a stage that is slow, or gone, never stalls training through a full queue."""
 
     def __init__(
         self,
@@ -225,9 +229,13 @@ class CheckpointWriter:
         self.written: list[Path] = []
         self._queue: queue.Queue[tuple[int, StagePayload] | None] = queue.Queue(maxsize=max_pending)
         self._submitted = 0  # payloads submitted so far (each is numbered in order)
-        # (monotonic time, payload number): commits of payloads up to that number stop waiting for
-        # other stages' shares at that time (see give_up_waiting)
-        self._give_up: tuple[float, int] = (math.inf, 0)
+        # (monotonic time, payload number) pairs: commits of payloads up to that number stop
+        # waiting for other stages' shares at that time (see give_up_waiting)
+        self._give_up: list[tuple[float, int]] = []
+        # coordinator only: (payload number, its directory, payload, deadline) of the commits
+        # that wait for other stages' shares; touched by the writer thread only
+        self._awaiting: list[tuple[int, Path, StagePayload, float]] = []
+        self._written = 0  # the number of the last payload taken off the queue
         self.abandoned: list[Path] = []  # checkpoints given up (a stage that wrote none is gone)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"elaswave-ckpt-{run_id}")
         self._thread.start()
@@ -242,21 +250,26 @@ class CheckpointWriter:
         give up `after_s` from now (the job's layout changed: a stage whose ranks are gone will
         never write its share). A given-up checkpoint stays a temporary directory, never the
         latest; checkpoints submitted later are not affected."""
-        self._give_up = (time.monotonic() + max(0.0, after_s), self._submitted)
+        self._give_up.append((time.monotonic() + max(0.0, after_s), self._submitted))
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks:
+        while self._queue.unfinished_tasks or self._awaiting:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"checkpoint writes still running after {timeout_s:g} s")
             time.sleep(0.01)
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=COMMIT_POLL_S if self._awaiting else None)
+            except queue.Empty:
+                self._settle_commits()
+                continue
             try:
                 if item is not None:
                     self._write(*item)
+                self._settle_commits()
             except BaseException as exc:  # noqa: BLE001 - reported by the worker, never crashes training
                 self.errors.append(exc)
             finally:
@@ -266,6 +279,7 @@ class CheckpointWriter:
         return self.root / f".tmp-{step_dir_name(next_step)}-{self.run_id}"
 
     def _write(self, number: int, payload: StagePayload) -> None:
+        self._written = number
         tmp = self._tmp_dir(payload.next_step)
         (tmp / "model").mkdir(parents=True, exist_ok=True)
         (tmp / "optim").mkdir(parents=True, exist_ok=True)
@@ -279,20 +293,36 @@ class CheckpointWriter:
             _save({"exp_avg": m, "exp_avg_sq": v}, tmp / "optim" / f"{name}.pt")
         (tmp / STAGE_DONE.format(stage=payload.stage)).write_text(f"{time.time():.6f}\n")
         if payload.stage == 0:
-            self._commit(tmp, payload, number)
+            self._awaiting.append((number, tmp, payload, time.monotonic() + self.commit_timeout_s))
 
-    def _commit(self, tmp: Path, payload: StagePayload, number: int) -> None:
-        deadline = time.monotonic() + self.commit_timeout_s
-        while not all((tmp / STAGE_DONE.format(stage=s)).exists() for s in range(payload.num_stages)):
-            give_up_at, up_to = self._give_up
-            if number <= up_to and time.monotonic() > give_up_at:
-                self.abandoned.append(tmp)
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"checkpoint {tmp}: not every stage wrote its units within {self.commit_timeout_s:g} s"
-                )
-            time.sleep(0.02)
+    def _settle_commits(self) -> None:
+        """Commit, in order, each awaiting checkpoint whose every stage has written its share;
+        give up those the worker said to (`give_up_waiting`); one past its deadline is an error."""
+        now, still = time.monotonic(), []
+        for entry in self._awaiting:
+            number, tmp, payload, deadline = entry
+            try:
+                if all((tmp / STAGE_DONE.format(stage=s)).exists() for s in range(payload.num_stages)):
+                    self._commit(tmp, payload)
+                elif any(number <= up_to and now > at for at, up_to in self._give_up):
+                    self.abandoned.append(tmp)
+                elif now > deadline:
+                    raise TimeoutError(
+                        f"checkpoint {tmp}: not every stage wrote its units within {self.commit_timeout_s:g} s"
+                    )
+                else:
+                    still.append(entry)
+            except Exception as exc:  # noqa: BLE001 - reported by the worker, never crashes training
+                self.errors.append(exc)
+        self._awaiting = still
+        # a give-up still matters to a payload not written yet or one still waiting
+        self._give_up = [
+            (at, up_to)
+            for at, up_to in self._give_up
+            if up_to > self._written or any(a[0] <= up_to for a in still)
+        ]
+
+    def _commit(self, tmp: Path, payload: StagePayload) -> None:
         meta = CheckpointMeta(
             next_step=payload.next_step,
             step_count=payload.step_count,

@@ -267,14 +267,22 @@ class PlanFollowing:
                     flush=True,
                 )
                 return None
-            if (
-                self.writer is not None
-                and plan.old is not None
-                and set(plan.new.ranks()) != set(plan.old.ranks())
-            ):
-                # A checkpoint in flight waits for every old stage's share: lost ranks send none.
-                self.writer.give_up_waiting(self.args.timeout_s)
+            if self.writer is not None and plan.old is not None:
+                self._give_up_on_gone_writers(plan)
             return self._applied(plan, step, waited, applied, report)
+
+    def _give_up_on_gone_writers(self, plan: Any) -> None:
+        """A checkpoint in flight waits for every old stage's share, written by the stage's first
+        rank. A writer the new layout lacks (and does not hold as a standby) was lost or is
+        leaving: its share comes within RESTORE_COMMIT_WAIT_S (already on disk, or flushed as it
+        departs) or never. Otherwise every writer is alive, and the worker timeout is a bound."""
+        assert self.writer is not None
+        staying = set(plan.new.ranks()) | set(plan.standby)
+        writers = {stage.ranks[0] for stage in plan.old.stages if stage.ranks}
+        if not writers <= staying:
+            self.writer.give_up_waiting(RESTORE_COMMIT_WAIT_S)
+        elif set(plan.new.ranks()) != set(plan.old.ranks()):
+            self.writer.give_up_waiting(self.args.timeout_s)
 
     def _failed(self, epoch: int, step: int, exc: BaseException, failure: str, seconds: float) -> None:
         """Acknowledge plan `epoch` FAILED (`failure`: NOT_APPLICABLE or INTERRUPTED) and keep it."""
