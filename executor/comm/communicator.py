@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import torch
 from torch.distributed import (
@@ -54,6 +55,7 @@ from executor.comm.groups import (
     shrink_is_possible,
     validate_membership,
 )
+from executor.comm.interruptible import call_interruptibly
 from executor.comm.ledger import GroupLedger
 from executor.engine_comm import BACKENDS, make_group
 from executor.staging import Staging, backend_device
@@ -454,15 +456,45 @@ class Communicator:
             if name in shrink:
                 pg = self._shrink(shrink[name], workers)
             else:
-                pg = make_group(
-                    self.backend,
-                    PrefixStore(prefix, self.store),
-                    workers.index(self.worker),
-                    len(workers),
-                    timedelta(seconds=self.timeout_s),
-                )
+                pg = self._rendezvous(name, prefix, workers)
             ledger = GroupLedger(built=self.epoch, workers=workers)
             self._groups[name] = _Group(name=name, workers=workers, pg=pg, ledger=ledger)
+
+    def _rendezvous(self, name: str, prefix: str, workers: tuple[int, ...]) -> ProcessGroup:
+        """The backend's group `name` over `workers`. Gloo's rendezvous, in its constructor,
+        cannot be interrupted (`executor.comm.interruptible`): it runs on a helper thread, over
+        a connection to the store of its own (a store client serves one call at a time, and
+        gloo's waits would hold this thread's checks), while this waits as `wait_keys` does,
+        ended at once by a newer plan (Interrupted) or the epoch's abort (PeerFailure). Other
+        backends connect at their first collective, guarded like any op, so they are built here,
+        as is a group over a store that cannot open a second connection."""
+        own = self._second_connection() if self.backend == "gloo" else None
+        build = partial(
+            make_group,
+            self.backend,
+            PrefixStore(prefix, own or self.store),
+            workers.index(self.worker),
+            len(workers),
+            timedelta(seconds=self.timeout_s),
+        )
+        if own is None:
+            return build()
+        what, abort = f"building {name!r}", self.abort_key(None)
+
+        def check() -> None:
+            self._check_interrupt(what)
+            with _store_errors():
+                if self.store.check([abort]):
+                    raise PeerFailure(what, f"aborted: {self.store.get(abort).decode()}")
+
+        return call_interruptibly(build, check, KEY_POLL_MAX_S, f"elaswave-build-{name}")
+
+    def _second_connection(self) -> Store | None:
+        clone = getattr(self.store, "clone", None)  # c10d stores have it; torch's stubs do not
+        try:
+            return cast(Store, clone()) if clone is not None else None
+        except (NotImplementedError, RuntimeError):
+            return None
 
     def _warm(self, names: list[str]) -> None:
         """One 1-element all-reduce on each group just built or shrunk, in the same sorted order
