@@ -16,6 +16,8 @@ is killed and recovered in place, then a spare (`elaswave agent` without a rank,
 `--spare warm cold` runs the story twice, with a warm spare (`executor.spare_warmup`: it warms up
 before it tells the Core it is ready) and with a cold one (`ELASWAVE_SPARE_WARMUP=0`: it builds
 its rank once the plan names it), and prints the spare's warm-up and its own build after the plan.
+`--workers forked fresh` runs each with every worker and spare forked from the node's zygote (as
+`elaswave run` starts them, the default) and with each a fresh interpreter (`--cold-workers`).
 
 Also checked like the demo (state and losses against the fault-free run); a failed check is
 printed. Timings are wall-clock on a shared machine: compare rows of one run, not runs.
@@ -24,6 +26,7 @@ printed. Timings are wall-clock on a shared machine: compare rows of one run, no
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -109,18 +112,20 @@ def print_result(m: dict[str, Any], checks: list[str]) -> None:
         print(f"  CHECK FAILED: {problem}")
 
 
-def run_once(cfg: StoryConfig, spare: str) -> tuple[dict[str, Any], list[str]]:
-    """One story (a loss, then a join) with a warm or a cold spare; (measurements, failed checks)."""
+def run_once(cfg: StoryConfig, spare: str, workers: str) -> tuple[dict[str, Any], list[str]]:
+    """One story (a loss, then a join) with a warm or a cold spare, its processes forked or fresh;
+    (measurements, failed checks)."""
     os.environ[WARM_UP_ENV] = "1" if spare == "warm" else "0"  # the spare's processes inherit it
     with tempfile.TemporaryDirectory(prefix="elaswave-join-") as tmp:
         run = StoryRun(Path(tmp), cfg)
+        run.warm_workers = workers == "forked"
         try:
             record = run_story(run)
         finally:
             run.stop()
         ref_losses, ref_ckpt = fault_free_run(run)
         report = build_report(record, ref_losses, ref_ckpt)
-    return measure(record, report) | {"spare": spare}, problems(report, record)
+    return measure(record, report) | {"spare": spare, "workers": workers}, problems(report, record)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,15 +138,22 @@ def main(argv: list[str] | None = None) -> int:
         default=["warm"],
         help="run with a warm spare (the default), a cold one (ELASWAVE_SPARE_WARMUP=0), or both in turn",
     )
+    parser.add_argument(
+        "--workers",
+        nargs="+",
+        choices=("forked", "fresh"),
+        default=["forked"],
+        help="workers and spares forked from the node's zygote (the default), fresh interpreters, or both",
+    )
     parser.add_argument("--json", type=Path, help="also write the measurements here")
     args = parser.parse_args(argv)
     cfg = StoryConfig(steps=args.steps, chapters=("kill", "join"))
     cfg.check()
     print(f"# bench.join on {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
     rows, failed = [], False
-    for spare in args.spare:
-        print(f"\n## {spare} spare (load average {load_average()} before)")
-        measured, checks = run_once(cfg, spare)
+    for spare, workers in itertools.product(args.spare, args.workers):
+        print(f"\n## {spare} spare, {workers} processes (load average {load_average()} before)")
+        measured, checks = run_once(cfg, spare, workers)
         print_result(measured, checks)
         print(f"  load average after: {load_average()}")
         rows.append(measured)

@@ -260,11 +260,17 @@ class ChaosRun(TrainDemo):
             if i and fault.gap_s:
                 time.sleep(fault.gap_s)
             if fault.kind == "node":
-                self.agents[rank].kill()  # the agent first: nobody is left to report the worker's exit
+                # The agent frozen first, killed last: nobody is left to report the worker's exit,
+                # and a worker forked from the zygote (which kills it once its agent is gone) is
+                # still there to be killed by this fault.
+                self.agents[rank].send_signal(signal.SIGSTOP)
             try:
                 os.kill(pids[f"rank-{rank}"], signal.SIGKILL)
             except ProcessLookupError:  # it finished first: the schedule was too short to hit it
                 return FaultRecord(fault, fired, missed=f"rank {rank} had already exited")
+            finally:
+                if fault.kind == "node":
+                    self.agents[rank].kill()
         return FaultRecord(fault, fired)
 
     def layout(self) -> Any:

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elaswave.launcher_procs import WarmWorkers
 from harness.control_plane import Demo, states
 from wire.worker_env import (
     CHECKPOINT_DIR_ENV,
@@ -78,7 +81,29 @@ class TrainDemo(Demo):
         self.standby_stores: list[Any] = []  # started with the store when `standbys` > 0
         self.standbys = 0
         self.core_addresses: list[str] = []  # gRPC of every Core (HA); empty: the one started
+        # Workers forked from a zygote, as `elaswave run` starts them (agent.zygote); False: each
+        # worker is a fresh interpreter (a test that reads a worker's /proc environment).
+        self.warm_workers = True
+        self._zygote: WarmWorkers | None = None
+        self._zygote_dir: Path | None = None
         self._launched: tuple[int, int, str] = (0, 0, "")  # gRPC port, store port, job token
+
+    def start_core(self) -> dict[str, Any]:
+        self._begin_zygote()  # it imports torch while the Core starts and the model is described
+        return super().start_core()
+
+    def _begin_zygote(self) -> None:
+        if self.warm_workers and self._zygote is None:
+            # a short directory: a socket's path is limited to ~100 bytes
+            self._zygote_dir = Path(tempfile.mkdtemp(prefix="ew-z-"))
+            env = dict(os.environ, PYTHONUNBUFFERED="1")  # the workers' import-time environment
+            self._zygote = WarmWorkers.begin(self._zygote_dir, env, self.workdir / "zygote.log")
+
+    def zygote_args(self) -> list[str]:
+        """`--zygote SOCKET` for an agent once the zygote accepts workers; none (cold) otherwise."""
+        self._begin_zygote()
+        socket = self._zygote.ready(timeout_s=30.0) if self._zygote is not None else None
+        return ["--zygote", str(socket)] if socket is not None else []
 
     def script_args(self) -> list[str]:
         c = self.cfg
@@ -154,7 +179,8 @@ class TrainDemo(Demo):
         agent = [
             *(sys.executable, "-m", "elaswave.cli", "agent", "--job", "demo", "--worker-id", worker_id),
             *("--core", cores, "--metrics-socket", str(self.workdir / f"{worker_id}.sock")),
-            *("--log-level", "WARNING", *self.agent_args(-1), "--", *self.worker_command(-1)),
+            *("--log-level", "WARNING", *self.zygote_args(), *self.agent_args(-1)),
+            *("--", *self.worker_command(-1)),
         ]
         proc = subprocess.Popen(agent, env=env)
         self.procs.append(proc)
@@ -168,6 +194,7 @@ class TrainDemo(Demo):
         layout_file = self.workdir / "layout.json"
         layout_file.write_text(layout.to_json())
         cores = ",".join(self.core_addresses or [f"127.0.0.1:{grpc_port}"])
+        zygote = self.zygote_args()
         for stage in layout.stages:
             for dp_rank, rank in enumerate(stage.ranks):
                 env = self._worker_env(str(rank), self.result_file(rank))
@@ -194,6 +221,7 @@ class TrainDemo(Demo):
                     str(self.workdir / f"rank-{rank}.sock"),
                     "--log-level",
                     "WARNING",
+                    *zygote,
                     *self.agent_args(rank),
                     "--",
                     *worker,
@@ -220,6 +248,11 @@ class TrainDemo(Demo):
 
     def stop(self) -> None:
         super().stop()
+        if self._zygote is not None:  # after the agents: it kills any worker still running
+            self._zygote.stop()
+            self._zygote = None
+        if self._zygote_dir is not None:
+            shutil.rmtree(self._zygote_dir, ignore_errors=True)
         for store in [self.store, *self.standby_stores]:
             if store is not None:
                 store.stop()

@@ -13,12 +13,12 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from torch import nn
@@ -131,8 +131,11 @@ def test_a_warm_spare_killed_while_it_waits_is_noticed_and_never_planned_for(tmp
         _create_with_room_for_a_spare(run)
         agent = run.start_spare(0)
         run.wait_for("the spare to be warm and ready", lambda _job: _spare_ready(run))
-        worker = psutil.Process(agent.pid).children()[0]
-        worker.send_signal(signal.SIGKILL)  # the spare's worker, as it waits for a plan
+        assert agent.poll() is None
+        # the spare's worker (forked from the zygote: the Core's member view has its pid), as it
+        # waits for a plan
+        [pid] = [m["pid"] for m in run.job()["members"] if m["worker_id"] == "spare-0"]
+        os.kill(pid, signal.SIGKILL)
         job = run.wait_for(
             "the Core to notice the spare is gone",
             lambda j: any(m["worker_id"] == "spare-0" and m["state"] == "LOST" for m in j["members"]),
