@@ -175,6 +175,8 @@ class Communicator:
         # its peers wait for it at the collectives). Helper threads' waits block no compute.
         self.blocked_s = 0.0
         self._owner_thread = threading.get_ident()
+        self._build_store: Store | None = None  # see _second_connection
+        self._build_store_of: Store | None = None
         self._build(sorted(n for n, ws in self.physical.items() if worker in ws))
 
     # ----- introspection -------------------------------------------------------------------
@@ -487,14 +489,25 @@ class Communicator:
                 if self.store.check([abort]):
                     raise PeerFailure(what, f"aborted: {self.store.get(abort).decode()}")
 
-        return call_interruptibly(build, check, KEY_POLL_MAX_S, f"elaswave-build-{name}")
+        try:
+            return call_interruptibly(build, check, KEY_POLL_MAX_S, f"elaswave-build-{name}")
+        except BaseException:
+            self._build_store = None  # the abandoned build may still hold it: the next opens another
+            raise
 
     def _second_connection(self) -> Store | None:
+        """The builds' own connection to the store: one, opened at the first build and kept (a
+        connection per group would pile up on the store server), reopened after an abandoned
+        build and when the worker moves to another store; None where the store has no clone."""
+        if self._build_store is not None and self._build_store_of is self.store:
+            return self._build_store
         clone = getattr(self.store, "clone", None)  # c10d stores have it; torch's stubs do not
         try:
-            return cast(Store, clone()) if clone is not None else None
+            self._build_store = cast(Store, clone()) if clone is not None else None
         except (NotImplementedError, RuntimeError):
-            return None
+            self._build_store = None
+        self._build_store_of = self.store
+        return self._build_store
 
     def _warm(self, names: list[str]) -> None:
         """One 1-element all-reduce on each group just built or shrunk, in the same sorted order
