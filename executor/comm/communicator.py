@@ -481,14 +481,7 @@ class Communicator:
         )
         if own is None:
             return build()
-        what, abort = f"building {name!r}", self.abort_key(None)
-
-        def check() -> None:
-            self._check_interrupt(what)
-            with _store_errors():
-                if self.store.check([abort]):
-                    raise PeerFailure(what, f"aborted: {self.store.get(abort).decode()}")
-
+        check = partial(self._check_stop, f"building {name!r}", self.abort_key(None))
         try:
             return call_interruptibly(build, check, KEY_POLL_MAX_S, f"elaswave-build-{name}")
         except BaseException:
@@ -552,15 +545,19 @@ class Communicator:
             with _store_errors():
                 if self.store.check(list(keys)):
                     return
-                aborted = self.store.check([abort])
-            self._check_interrupt(what)
-            if aborted:
-                raise PeerFailure(what, f"aborted: {self.store.get(abort).decode()}")
+            self._check_stop(what, abort)
             if time.monotonic() > deadline:
                 missing = [k for k in keys if not self.store.check([k])]
                 raise PeerFailure(what, f"no answer within {self.timeout_s}s from {missing}")
             time.sleep(pause)
             pause = min(KEY_POLL_MAX_S, pause * 2)
+
+    def _check_stop(self, what: str, abort: str) -> None:
+        """Raise `Interrupted` if a newer plan ends this wait, `PeerFailure` if `abort` is set."""
+        self._check_interrupt(what)
+        with _store_errors():
+            if self.store.check([abort]):
+                raise PeerFailure(what, f"aborted: {self.store.get(abort).decode()}")
 
     def _check_interrupt(self, what: str) -> None:
         reason = self.interrupt() if self.interrupt is not None else None
