@@ -10,7 +10,7 @@ the socket), `__main__`, interpreter shutdown and exit status.
 
 Run it as
 
-    python -m agent.zygote --socket PATH [--preload torch,elaswave.api]
+    python -m agent.zygote --socket PATH [--preload torch,elaswave.api,executor.warm_runtime]
 
 It prints ``READY`` on one line once it listens. Protocol, one connection per worker (the agent's
 side is `agent.worker.ForkedWorker`): the agent sends a 4-byte big-endian length and that many
@@ -48,6 +48,9 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 HEADER = struct.Struct("!I")
 MAX_REQUEST_BYTES = 16 << 20
 REQUEST_TIMEOUT_S = 10.0
+# A preloaded module's function, called once after every preload: what the module's workers
+# would build lazily (imports inside torch, the garbage collector's freeze), built once per node.
+PREPARE_HOOK = "prepare_zygote"
 # Environment read when the interpreter starts or a library loads (OpenMP's pool size, the
 # allocator, torch's import-time switches): a worker whose values differ is not forked.
 IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "LD_", "MALLOC_", "TORCH_")
@@ -332,15 +335,26 @@ def _answer(conn: socket.socket, line: str) -> None:
 
 
 def _preload(modules: list[str]) -> None:
+    """Import `modules`, then call `prepare_zygote()` of each that defines one (what its workers
+    would otherwise build lazily, built once here: `executor.warm_runtime`)."""
     import importlib
 
+    loaded = []
     for name in modules:
         try:
-            importlib.import_module(name)
+            loaded.append(importlib.import_module(name))
         except Exception as exc:  # noqa: BLE001 - a warm start is an optimisation, never a failure
             print(
                 f"zygote: preloading {name} failed ({exc}); its workers import it themselves", file=sys.stderr
             )
+    for module in loaded:
+        hook = getattr(module, PREPARE_HOOK, None)
+        if not callable(hook):
+            continue
+        try:
+            hook()
+        except Exception as exc:  # noqa: BLE001 - as above: the workers then do it themselves
+            print(f"zygote: {module.__name__}.{PREPARE_HOOK}() failed ({exc})", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:

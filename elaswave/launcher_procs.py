@@ -27,6 +27,9 @@ import httpx
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 LOOPBACK = "127.0.0.1"
+# What the zygote imports once per node; `executor.warm_runtime`'s hook then runs torch's lazy
+# imports and freezes the result for every forked worker (agent.zygote, PREPARE_HOOK).
+ZYGOTE_PRELOAD = "torch,elaswave.api,executor.warm_runtime"
 
 
 class LaunchError(RuntimeError):
@@ -261,7 +264,7 @@ class WarmWorkers:
         """Spawn it; returns at once (`ready` waits). `env`: the import-time environment its
         workers share (the zygote refuses a worker whose differs)."""
         sock = socket_dir / "zygote.sock"
-        cmd = [sys.executable, "-m", "agent.zygote", "--socket", str(sock), "--preload", "torch,elaswave.api"]
+        cmd = [sys.executable, "-m", "agent.zygote", "--socket", str(sock), "--preload", ZYGOTE_PRELOAD]
         return cls(spawn(cmd, env, log, signal.SIGTERM), sock)
 
     def ready(self, timeout_s: float = 10.0) -> Path | None:

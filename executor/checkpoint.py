@@ -35,7 +35,7 @@ import queue
 import shutil
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,9 +229,10 @@ class CheckpointWriter:
         self.written: list[Path] = []
         self._queue: queue.Queue[tuple[int, StagePayload] | None] = queue.Queue(maxsize=max_pending)
         self._submitted = 0  # payloads submitted so far (each is numbered in order)
-        # (monotonic time, payload number) pairs: commits of payloads up to that number stop
-        # waiting for other stages' shares at that time (see give_up_waiting)
-        self._give_up: list[tuple[float, int]] = []
+        # (monotonic time, payload number, stages or None for any): commits of payloads up to
+        # that number that still miss a share of those stages stop waiting at that time
+        # (see give_up_waiting)
+        self._give_up: list[tuple[float, int, frozenset[int] | None]] = []
         # coordinator only: (payload number, its directory, payload, deadline) of the commits
         # that wait for other stages' shares; touched by the writer thread only
         self._awaiting: list[tuple[int, Path, StagePayload, float]] = []
@@ -245,12 +246,15 @@ class CheckpointWriter:
         self._submitted += 1
         self._queue.put((self._submitted, payload))
 
-    def give_up_waiting(self, after_s: float) -> None:
-        """Commits of the checkpoints submitted so far that still wait for other stages' shares
-        give up `after_s` from now (the job's layout changed: a stage whose ranks are gone will
-        never write its share). A given-up checkpoint stays a temporary directory, never the
-        latest; checkpoints submitted later are not affected."""
-        self._give_up.append((time.monotonic() + max(0.0, after_s), self._submitted))
+    def give_up_waiting(self, after_s: float, stages: Collection[int] | None = None) -> None:
+        """Commits of the checkpoints submitted so far that still wait for a share of one of
+        `stages` (None: of any stage) give up `after_s` from now (the job's layout changed: a
+        stage whose writer is gone will never write its share). A share already on disk is still
+        committed: a commit looks at the shares before it looks at the give-ups. A given-up
+        checkpoint stays a temporary directory, never the latest; checkpoints submitted later
+        are not affected."""
+        which = None if stages is None else frozenset(stages)
+        self._give_up.append((time.monotonic() + max(0.0, after_s), self._submitted, which))
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -302,9 +306,15 @@ class CheckpointWriter:
         for entry in self._awaiting:
             number, tmp, payload, deadline = entry
             try:
-                if all((tmp / STAGE_DONE.format(stage=s)).exists() for s in range(payload.num_stages)):
+                missing = {
+                    s for s in range(payload.num_stages) if not (tmp / STAGE_DONE.format(stage=s)).exists()
+                }
+                if not missing:
                     self._commit(tmp, payload)
-                elif any(number <= up_to and now > at for at, up_to in self._give_up):
+                elif any(
+                    number <= up_to and now > at and (stages is None or missing & stages)
+                    for at, up_to, stages in self._give_up
+                ):
                     self.abandoned.append(tmp)
                 elif now > deadline:
                     raise TimeoutError(
@@ -317,8 +327,8 @@ class CheckpointWriter:
         self._awaiting = still
         # a give-up still matters to a payload not written yet or one still waiting
         self._give_up = [
-            (at, up_to)
-            for at, up_to in self._give_up
+            (at, up_to, stages)
+            for at, up_to, stages in self._give_up
             if up_to > self._written or any(a[0] <= up_to for a in still)
         ]
 

@@ -140,6 +140,7 @@ class CoreDrivenWorker(PlanFollowing):
         from executor.step_protocol import StepProtocol  # noqa: PLC0415
         from executor.store_server import connect_first_answering, connect_store  # noqa: PLC0415
         from executor.trainer import Trainer, checkpoint_writer, load_checkpoint  # noqa: PLC0415
+        from executor.warm_runtime import prepare_runtime  # noqa: PLC0415
         from planners.layout import Layout  # noqa: PLC0415
         from wire.local_protocol import (
             ControlReader,  # noqa: PLC0415
@@ -147,6 +148,9 @@ class CoreDrivenWorker(PlanFollowing):
         )
 
         torch.set_num_threads(1)
+        # Before anything a plan may later drop is built: torch's lazy imports of a backward and
+        # a freeze of what the imports made, kept off the first step after a recovery.
+        runtime_warmup = prepare_runtime()
         place = settings.place
         warm: WarmSpare | None = None  # a spare's warm start (before it says it is ready)
         plan_at = 0.0  # when the plan that takes a spare in arrived
@@ -258,6 +262,7 @@ class CoreDrivenWorker(PlanFollowing):
             "compute_s": {},  # committed step -> this rank's own compute (seconds)
             "slowed_s": {},  # committed step -> the injected stretch of it (ELASWAVE_INJECT_SLOW_FILE)
             "clock_factor": {},  # committed step -> the clock factor the stretch used
+            "runtime_warmup": runtime_warmup.as_dict(),
         }
         if place.joining:
             # What building its rank still took once the plan came (the part of the join the

@@ -78,7 +78,10 @@ class PlanFollowing:
         if root is not None:
             # A checkpoint whose other shares are still being written gets a moment to commit; one
             # waiting for a lost stage's share never will (it stays incomplete, never the latest).
+            # A RESTORE's lost ranks are dead, not departing: a share their stage has not written
+            # yet will never come, so that checkpoint is given up at once (after one more look).
             if self.writer is not None:
+                self.writer.give_up_waiting(0.0, self._stages_without_writer(plan))
                 self.writer.give_up_waiting(RESTORE_COMMIT_WAIT_S)
                 with contextlib.suppress(TimeoutError):
                     self.writer.wait(timeout_s=self.args.timeout_s)
@@ -277,12 +280,19 @@ class PlanFollowing:
         leaving: its share comes within RESTORE_COMMIT_WAIT_S (already on disk, or flushed as it
         departs) or never. Otherwise every writer is alive, and the worker timeout is a bound."""
         assert self.writer is not None
-        staying = set(plan.new.ranks()) | set(plan.standby)
-        writers = {stage.ranks[0] for stage in plan.old.stages if stage.ranks}
-        if not writers <= staying:
+        if self._stages_without_writer(plan):
             self.writer.give_up_waiting(RESTORE_COMMIT_WAIT_S)
         elif set(plan.new.ranks()) != set(plan.old.ranks()):
             self.writer.give_up_waiting(self.args.timeout_s)
+
+    @staticmethod
+    def _stages_without_writer(plan: Any) -> set[int]:
+        """Stages of the old layout whose writer (the stage's first rank) the new layout lacks
+        and does not hold as a standby: lost or leaving."""
+        if plan.old is None:
+            return set()
+        staying = set(plan.new.ranks()) | set(plan.standby)
+        return {i for i, stage in enumerate(plan.old.stages) if stage.ranks and stage.ranks[0] not in staying}
 
     def _failed(self, epoch: int, step: int, exc: BaseException, failure: str, seconds: float) -> None:
         """Acknowledge plan `epoch` FAILED (`failure`: NOT_APPLICABLE or INTERRUPTED) and keep it."""

@@ -7,6 +7,7 @@ and exit status with the same command run cold by the interpreter.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -225,3 +226,61 @@ def test_workers_die_with_the_zygote_and_their_agents_hear_of_it(tmp_path: Path)
     assert _wait_gone(pid, 5.0), f"worker {pid} outlived the zygote"
     out, _ = client.communicate(timeout=20)
     assert out.strip().splitlines()[-1] == f"RESULT {EXIT_CODE_UNKNOWN}"
+
+
+HOOKED = """\
+calls = []
+def prepare_zygote():
+    calls.append(len(calls) + 1)
+"""
+BROKEN = "def prepare_zygote():\n    raise RuntimeError('nope')\n"
+PROBE = """\
+import gc, json, sys
+hooked = sys.modules.get("hooked")
+print(json.dumps({"calls": hooked.calls if hooked else None, "frozen": gc.get_freeze_count(),
+                  "symbolic_shapes": "torch.fx.experimental.symbolic_shapes" in sys.modules}), flush=True)
+"""
+
+
+def test_preloaded_modules_prepare_once_before_the_forks_and_a_failing_hook_is_only_reported(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "hooked.py").write_text(HOOKED)
+    (tmp_path / "broken.py").write_text(BROKEN)
+    (tmp_path / "probe.py").write_text(PROBE)
+    sock, log = tmp_path / "z.sock", tmp_path / "zygote.log"
+    preload = "hooked,broken,executor.warm_runtime"
+    env = _env(PYTHONPATH=f"{REPO}:{tmp_path}")
+    zygote = subprocess.Popen(
+        [sys.executable, "-m", "agent.zygote", "--socket", str(sock), "--preload", preload],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("wb"),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            assert zygote.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        seen = []
+        for _ in range(2):
+            forked = subprocess.run(
+                [sys.executable, str(CLIENT), str(sock), "--", sys.executable, str(tmp_path / "probe.py")],
+                env=env,
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            pids, lines = _split(forked.stdout)
+            assert len(pids) == 1 and lines[-1] == "RESULT 0", forked.stdout + forked.stderr
+            seen.append(json.loads(lines[0]))
+    finally:
+        zygote.terminate()
+        zygote.wait(10)
+    # Both workers were forked after the hooks ran, once: torch's lazy import done, heap frozen.
+    for probe in seen:
+        assert probe["calls"] == [1]
+        assert probe["symbolic_shapes"] is True
+        assert probe["frozen"] > 10_000
+    assert "zygote: broken.prepare_zygote() failed (nope)" in log.read_text()

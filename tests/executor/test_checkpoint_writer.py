@@ -10,6 +10,7 @@ plans make the workers give up a checkpoint in flight at once (a stage's writer 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -162,3 +163,49 @@ def test_a_plan_without_a_stage_writer_gives_up_its_checkpoints_in_flight_at_onc
         with pytest.raises(TimeoutError):
             coordinator.wait(1.0)
         assert coordinator.abandoned == []
+
+
+def test_a_give_up_for_some_stages_abandons_only_checkpoints_missing_their_share(
+    writers: tuple[CheckpointWriter, CheckpointWriter], tmp_path: Path
+) -> None:
+    coordinator, stage1 = writers
+    root = tmp_path / "ckpt"
+    submit_all(coordinator, [payload(2, 0), payload(4, 0)])
+    submit_all(stage1, [payload(4, 1)])  # stage 1 wrote step 4's share, never step 2's
+    stage1.wait(10)
+    coordinator.give_up_waiting(0.0, {0})  # stage 0 wrote everything it owes: nothing to give up
+    with pytest.raises(TimeoutError):
+        coordinator.wait(0.5)
+    assert coordinator.abandoned == []
+    coordinator.give_up_waiting(0.0, {1})
+    coordinator.wait(10)
+    assert coordinator.abandoned == [root / f".tmp-{step_dir_name(2)}-run1"]
+    assert [p.name for p in coordinator.written] == [step_dir_name(4)]
+
+
+class Restorer(Follower):
+    """What `_restore_source` reads besides the writer: the checkpoint root and a real store."""
+
+    def __init__(self, writer: CheckpointWriter, root: Path) -> None:
+        super().__init__(writer)
+        self.settings = SimpleNamespace(checkpoint_dir=root)
+        self.resumed_from = None
+        self.comm = SimpleNamespace(namespace="job", store=torch.distributed.HashStore())
+
+
+def test_a_restore_names_the_last_complete_checkpoint_without_waiting_for_a_lost_writer(
+    writers: tuple[CheckpointWriter, CheckpointWriter], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The grace a live stage's share gets: the lost stage's checkpoint must not wait it out.
+    monkeypatch.setattr(worker_recovery, "RESTORE_COMMIT_WAIT_S", 60.0)
+    coordinator, stage1 = writers
+    root = tmp_path / "ckpt"
+    submit_all(stage1, [payload(2, 1)])
+    stage1.wait(10)
+    submit_all(coordinator, [payload(2, 0), payload(4, 0)])  # stage 1's writer died before step 4's
+    plan = Plan(1, OLD, without(OLD, 2, 3), ("test",), 0.0)  # stage 1 lost with both its ranks
+    started = time.monotonic()
+    source = Restorer(coordinator, root)._restore_source(plan)
+    assert time.monotonic() - started < 10.0
+    assert source == root / step_dir_name(2)
+    assert coordinator.abandoned == [root / f".tmp-{step_dir_name(4)}-run1"]

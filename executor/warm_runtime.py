@@ -1,0 +1,82 @@
+"""What the runtime builds lazily, built before a worker's first step (issue 23, item 3).
+
+The first step after a recovery cost ~3x a fault-free step (`bench.mttr`, one kill at
+PP=2 x DP=4 on 2 CPU cores: 290-380 ms against ~100). Timing each pipeline operation of that
+step found two causes, neither in the engine's own work:
+
+- **A lazy import in the backward.** `torch.autograd.backward` imports
+  `torch.fx.experimental.symbolic_shapes`, and with it sympy, the first time it is given
+  explicit output gradients (`torch.autograd._make_grads`). A first or middle pipeline stage
+  does that from its first step; a last stage never does. A rank that a plan moves off the
+  last stage (a regroup into more stages) paid ~0.3 s of import inside its first backward,
+  and every other rank waited for it through the pipeline. `warm_autograd` runs one such
+  backward on a one-element tensor.
+- **Full garbage collections.** Python's generation-2 collection walks every object the
+  interpreter tracks: ~180,000 once torch and the engine are imported, 0.3-0.4 s per collection
+  with 8 workers on 2 cores. A recovery allocates enough (plans, groups, new buffers) to trigger
+  one, so it landed in the apply or the first step of every worker at about the same time.
+  `freeze_imports` collects once and moves what exists into the permanent generation
+  (`gc.freeze`), out of every later collection's walk.
+
+What is frozen is what the imports built: modules, classes, functions, the warm-up's own
+objects. The worker freezes before it builds its units, groups or optimizer, so those stay
+collectable: a unit a plan moves away is freed even if it sits in a reference cycle.
+
+`agent.zygote` calls `prepare_zygote` after preloading this module: the import and the freeze
+are then paid once per node, and a forked worker's own `prepare_runtime` only walks what the
+fork added. Frozen objects are also never written by the collector, so the forked workers keep
+sharing those pages with the zygote (copy-on-write).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RuntimeWarmup:
+    """What `prepare_runtime` did, for the worker's results."""
+
+    autograd_s: float  # the backward with explicit gradients (its lazy imports)
+    freeze_s: float  # the collection before the freeze
+    frozen_objects: int  # objects in the permanent generation after it
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "autograd_s": self.autograd_s,
+            "freeze_s": self.freeze_s,
+            "frozen_objects": self.frozen_objects,
+        }
+
+
+def warm_autograd() -> None:
+    """One backward with an explicit output gradient: what torch imports for it, it imports now."""
+    x = torch.zeros(1, requires_grad=True)
+    torch.autograd.backward([x * 2.0], [torch.ones(1)])
+
+
+def freeze_imports() -> int:
+    """Collect once, then move every tracked object out of later collections' walk; returns
+    how many objects are frozen. Call it before building what may become garbage (module
+    docstring)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def prepare_runtime() -> RuntimeWarmup:
+    """`warm_autograd`, then `freeze_imports` (so the import's objects are frozen too)."""
+    start = time.perf_counter()
+    warm_autograd()
+    warmed = time.perf_counter()
+    frozen = freeze_imports()
+    return RuntimeWarmup(warmed - start, time.perf_counter() - warmed, frozen)
+
+
+def prepare_zygote() -> None:
+    """`agent.zygote`'s hook for a preloaded module: what every forked worker would build."""
+    prepare_runtime()
