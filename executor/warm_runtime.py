@@ -19,8 +19,11 @@ step found two causes, neither in the engine's own work:
   (`gc.freeze`), out of every later collection's walk.
 
 What is frozen is what the imports built: modules, classes, functions, the warm-up's own
-objects. The worker freezes before it builds its units, groups or optimizer, so those stay
-collectable: a unit a plan moves away is freed even if it sits in a reference cycle.
+objects, and what the user's script made before it handed over (its data, its unit factories).
+A frozen object is still freed when its last reference goes; only a reference cycle among
+frozen objects is never collected. The worker freezes before it builds its units, groups or
+optimizer, so those stay fully collectable: a unit a plan moves away is freed even if it sits
+in a reference cycle.
 
 `agent.zygote` calls `prepare_zygote` after preloading this module: the import and the freeze
 are then paid once per node, and a forked worker's own `prepare_runtime` only walks what the
