@@ -48,13 +48,6 @@ class RuntimeWarmup:
     freeze_s: float  # the collection before the freeze
     frozen_objects: int  # objects in the permanent generation after it
 
-    def as_dict(self) -> dict[str, float | int]:
-        return {
-            "autograd_s": self.autograd_s,
-            "freeze_s": self.freeze_s,
-            "frozen_objects": self.frozen_objects,
-        }
-
 
 def warm_autograd() -> None:
     """One backward with an explicit output gradient: what torch imports for it, it imports now."""

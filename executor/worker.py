@@ -50,7 +50,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -262,7 +262,7 @@ class CoreDrivenWorker(PlanFollowing):
             "compute_s": {},  # committed step -> this rank's own compute (seconds)
             "slowed_s": {},  # committed step -> the injected stretch of it (ELASWAVE_INJECT_SLOW_FILE)
             "clock_factor": {},  # committed step -> the clock factor the stretch used
-            "runtime_warmup": runtime_warmup.as_dict(),
+            "runtime_warmup": asdict(runtime_warmup),
         }
         if place.joining:
             # What building its rank still took once the plan came (the part of the join the

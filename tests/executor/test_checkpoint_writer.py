@@ -85,14 +85,20 @@ def test_a_missing_share_does_not_hold_up_later_checkpoints_and_is_given_up(
     assert coordinator.errors == [] and stage1.errors == []
 
 
+def step_2_lacks_stage_1s_share(writers: tuple[CheckpointWriter, CheckpointWriter]) -> None:
+    """Steps 2 and 4 gathered by both stages; stage 1 has written step 4's share, not step 2's."""
+    coordinator, stage1 = writers
+    submit_all(coordinator, [payload(2, 0), payload(4, 0)])
+    submit_all(stage1, [payload(4, 1)])
+    stage1.wait(10)
+
+
 def test_a_late_share_commits_without_moving_latest_back(
     writers: tuple[CheckpointWriter, CheckpointWriter], tmp_path: Path
 ) -> None:
     coordinator, stage1 = writers
     root = tmp_path / "ckpt"
-    submit_all(coordinator, [payload(2, 0), payload(4, 0)])
-    submit_all(stage1, [payload(4, 1)])
-    stage1.wait(10)
+    step_2_lacks_stage_1s_share(writers)
     with pytest.raises(TimeoutError):
         coordinator.wait(0.3)
     submit_all(stage1, [payload(2, 1)])  # a slow stage's share of step 2 arrives after step 4's
@@ -168,11 +174,9 @@ def test_a_plan_without_a_stage_writer_gives_up_its_checkpoints_in_flight_at_onc
 def test_a_give_up_for_some_stages_abandons_only_checkpoints_missing_their_share(
     writers: tuple[CheckpointWriter, CheckpointWriter], tmp_path: Path
 ) -> None:
-    coordinator, stage1 = writers
+    coordinator = writers[0]
     root = tmp_path / "ckpt"
-    submit_all(coordinator, [payload(2, 0), payload(4, 0)])
-    submit_all(stage1, [payload(4, 1)])  # stage 1 wrote step 4's share, never step 2's
-    stage1.wait(10)
+    step_2_lacks_stage_1s_share(writers)
     coordinator.give_up_waiting(0.0, {0})  # stage 0 wrote everything it owes: nothing to give up
     with pytest.raises(TimeoutError):
         coordinator.wait(0.5)

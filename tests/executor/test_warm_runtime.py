@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
 
 PROBE = """\
-import gc, json, sys, weakref
+import dataclasses, gc, json, sys, weakref
 import torch
 from executor.warm_runtime import prepare_runtime
 
@@ -38,7 +38,7 @@ print(json.dumps({
     "grad": x.grad.tolist(),
     "cycle_freed": gone() is None,
     "frozen": gc.get_freeze_count(),
-    "warmup": warmup.as_dict() if warmup else None,
+    "warmup": dataclasses.asdict(warmup) if warmup else None,
 }))
 """
 
