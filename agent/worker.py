@@ -22,12 +22,12 @@ from pathlib import Path
 
 import psutil
 
-from agent.zygote import HEADER, WorkerRequest
+from agent.zygote import WorkerRequest
+from agent.zygote_client import ask_zygote
 from wire.local_protocol import EXIT_CODE_UNKNOWN
 
 log = logging.getLogger("elaswave.agent.worker")
 _FOREIGN_POLL_S = 0.05
-ZYGOTE_ANSWER_S = 10.0  # a fork takes milliseconds; a zygote this slow is treated as absent
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
@@ -161,7 +161,7 @@ class ForkedWorker(Worker):
         or cannot be reached: the caller starts the worker as its own child instead."""
         request = WorkerRequest(tuple(command), dict(env), os.getcwd())
         try:
-            conn, answer = await asyncio.to_thread(_ask_zygote, zygote, request)
+            conn, answer = await asyncio.to_thread(ask_zygote, zygote, request)
         except OSError as exc:
             log.warning("worker zygote %s unreachable (%s): starting the worker cold", zygote, exc)
             return None
@@ -195,27 +195,6 @@ class ForkedWorker(Worker):
         if self._status is not None:
             return False
         return super().send_signal(signum)
-
-
-def _ask_zygote(zygote: Path, request: WorkerRequest) -> tuple[socket.socket, str]:
-    """Sends `request` with this process's stdin, stdout and stderr; the zygote's one-line answer."""
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.settimeout(ZYGOTE_ANSWER_S)
-        conn.connect(str(zygote))
-        payload = request.to_json()
-        socket.send_fds(conn, [HEADER.pack(len(payload))], [0, 1, 2])
-        conn.sendall(payload)
-        answer = b""
-        while not answer.endswith(b"\n"):
-            chunk = conn.recv(256)
-            if not chunk:
-                raise ConnectionError("the zygote closed the connection without answering")
-            answer += chunk
-    except BaseException:
-        conn.close()
-        raise
-    return conn, answer.decode(errors="replace").strip()
 
 
 async def _gone(worker: Worker) -> None:

@@ -399,13 +399,14 @@ def start_node_stores(args: argparse.Namespace, name: str) -> StoreKeeper:
     """This node's rendezvous store(s) for a job joined through the Cores, started in the
     background: one, or the store and its standby where the job has one node; the rendezvous
     keeps those the job uses. Raises JoinError when this node's address cannot be told."""
-    from elaswave.launcher_describe import clean_env  # noqa: PLC0415
     from elaswave.launcher_join import store_host  # noqa: PLC0415
+    from elaswave.launcher_session import warm_env  # noqa: PLC0415
     from elaswave.store_keeper import StoreKeeper  # noqa: PLC0415
 
     log_dir = (args.run_dir or Path.cwd() / "elaswave-run" / name).resolve() / f"stores-{args.node_id}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    keeper = StoreKeeper(clean_env(), log_dir, host=store_host(args))
+    # The zygote's environment: the session forks the replacements from it once it is up.
+    keeper = StoreKeeper(warm_env(), log_dir, host=store_host(args))
     keeper.begin(1 if args.nnodes > 1 else 2)  # `keeper.started()` waits for them
     return keeper
 

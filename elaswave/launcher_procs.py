@@ -16,14 +16,16 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import httpx
+
+from agent.zygote_client import ZygoteChild
+from executor.store_process import StoreProcess, announce_args, launch
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 LOOPBACK = "127.0.0.1"
@@ -73,7 +75,7 @@ def spawn(
             out.close()  # the child holds its own copy
 
 
-def stop_process(proc: subprocess.Popen[Any], signum: int, timeout_s: float) -> None:
+def stop_process(proc: StoreProcess, signum: int, timeout_s: float) -> None:
     """`signum`, then SIGKILL after `timeout_s`; blocks at most about 2 x timeout_s."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
@@ -194,9 +196,10 @@ class CoreStart:
 
 @dataclass
 class LocalStore:
-    """The executors' rendezvous store (`executor.store_server`) in its own process."""
+    """The executors' rendezvous store (`executor.store_server`) in its own process: forked from
+    this node's zygote where there is one (milliseconds), else a child importing torch."""
 
-    process: subprocess.Popen[bytes]
+    process: StoreProcess
     port: int
     host: str = LOOPBACK
 
@@ -208,36 +211,22 @@ class LocalStore:
         timeout_s: float = 60.0,
         peers: tuple[str, ...] = (),
         host: str = LOOPBACK,
+        zygote: WarmWorkers | None = None,
     ) -> LocalStore:
-        """Start it and wait (at most `timeout_s`: it imports torch) for the port it bound;
-        `peers`: the job's live stores, which learn the new store list from it; `host`: where
-        the workers reach it (this node's address for the other nodes of a job)."""
-        # It arms its own parent-death signal (`--parent`): no preexec_fn, since a replacement is
-        # forked from the store keeper's thread while other threads run.
-        cmd = [sys.executable, "-m", "executor.store_server", "--host", host, "--port", "0"]
-        cmd += ["--parent", str(os.getpid())]
-        if peers:
-            cmd += ["--announce-to", ",".join(peers)]
-        with log.open("ab") as err:  # the child keeps its own copy
-            proc = subprocess.Popen(
-                cmd,
-                env=dict(env),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                start_new_session=True,
-            )
-        assert proc.stdout is not None
-        lines: list[bytes] = []
-        reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
-        reader.start()
-        reader.join(timeout_s)
-        text = lines[0].decode(errors="replace").strip() if lines else ""
-        if not text.startswith("PORT "):
-            stop_process(proc, signal.SIGTERM, 5.0)
-            why = "timed out" if not lines else f"said {text!r}"
-            raise LaunchError(f"the rendezvous store did not start ({why}); see {log}")
-        return cls(proc, int(text.split()[1]), host)
+        """Start it and wait (at most `timeout_s`: a cold store imports torch) for the port it
+        bound; `peers`: the job's live stores, which learn the new store list from it; `host`:
+        where the workers reach it (this node's address for the other nodes of a job)."""
+        # A cold one arms its own parent-death signal (`--parent`, executor.store_server.launch):
+        # no preexec_fn, since a replacement is started from the store keeper's thread while
+        # other threads run.
+        args = ["--host", host, *announce_args(peers)]
+        spawn = zygote.fork if zygote is not None else None
+        try:
+            with log.open("ab") as err:  # the child keeps its own copy
+                proc, port = launch(args, timeout_s, env, err.fileno(), spawn, new_session=True)
+        except (OSError, RuntimeError) as exc:
+            raise LaunchError(f"the rendezvous store did not start ({exc}); see {log}") from exc
+        return cls(proc, port, host)
 
     @property
     def address(self) -> str:
@@ -246,8 +235,6 @@ class LocalStore:
 
     def stop(self) -> None:
         stop_process(self.process, signal.SIGTERM, 10.0)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
 
 
 @dataclass
@@ -275,6 +262,15 @@ class WarmWorkers:
                 return None
             time.sleep(0.02)
         return self.socket
+
+    def fork(
+        self, argv: Sequence[str], env: Mapping[str, str], stdio: tuple[int, int, int]
+    ) -> ZygoteChild | None:
+        """`argv` forked from the zygote (a helper such as a rendezvous store: `LocalStore`),
+        or None when it is not up within `ready`'s wait or declines: start it cold then. The
+        child dies with this process (the zygote's lifeline) or with the zygote."""
+        socket = self.ready()
+        return ZygoteChild.fork(socket, argv, env, stdio) if socket is not None else None
 
     def stop(self) -> None:
         """After the agents: it kills any worker still running, then exits."""

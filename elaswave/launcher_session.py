@@ -63,29 +63,33 @@ class LocalServices:
 
     @classmethod
     def begin(cls, run_dir: Path, cold_workers: bool = False) -> LocalServices:
-        """Prepare `run_dir` (`prepare_run_dir`), start the stores (in the keeper's thread), the
-        Core and, unless `cold_workers`, the zygote; returns at once. Raises LaunchError, with
-        whatever started stopped, when a process cannot be spawned."""
+        """Prepare `run_dir` (`prepare_run_dir`), start the zygote (unless `cold_workers`), the
+        stores (in the keeper's thread, forked from the zygote once it is up) and the Core;
+        returns at once. Raises LaunchError, with whatever started stopped, when a process cannot
+        be spawned."""
         run_dir = run_dir.resolve()
         missing = [d for d in (run_dir, *run_dir.parents) if not d.exists()]
         run_dir = prepare_run_dir(run_dir)
-        env = clean_env()
-        stores = StoreKeeper(env, run_dir)
+        warm, sockets = None, None
+        if not cold_workers:  # first: the stores are forked from it once it has imported torch
+            sockets = Path(tempfile.mkdtemp(prefix="ew-z-"))
+            try:
+                warm = WarmWorkers.begin(sockets, warm_env(), run_dir / "zygote.log")
+            except LaunchError:
+                shutil.rmtree(sockets, ignore_errors=True)
+                raise
+        stores = StoreKeeper(warm_env(), run_dir, zygote=warm)
         stores.begin()
         try:
-            core = CoreStart.begin(run_dir, env)
+            core = CoreStart.begin(run_dir, clean_env())
         except LaunchError:
             stores.stop()
+            if warm is not None:
+                warm.stop()
+            if sockets is not None:
+                shutil.rmtree(sockets, ignore_errors=True)
             raise
-        local = cls(run_dir, stores, core, missing[-1] if missing else None)
-        if not cold_workers:
-            local.sockets = Path(tempfile.mkdtemp(prefix="ew-z-"))
-            try:
-                local.warm = WarmWorkers.begin(local.sockets, warm_env(), run_dir / "zygote.log")
-            except LaunchError:
-                local.stop()
-                raise
-        return local
+        return cls(run_dir, stores, core, missing[-1] if missing else None, warm, sockets)
 
     def stop(self) -> None:
         """The zygote, the stores, then the Core (the session's teardown order); safe to call
@@ -164,6 +168,8 @@ class Session:
                 self.warm = self.local.warm
             elif not self.args.cold_workers:
                 self.warm = WarmWorkers.begin(self.socket_dir, warm_env(), self.run_dir / "zygote.log")
+                if self.stores is not None:  # a joined node's: its replacements are forked
+                    self.stores.zygote = self.warm
             token = self._start()
             self._start_agents(token)
         except LaunchError as exc:

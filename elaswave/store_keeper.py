@@ -13,7 +13,8 @@ standby the second loss would end the job, so the keeper watches the stores it s
 one exits, starts a replacement here with `--announce-to` the job's stores still alive: the
 replacement writes the new list into them and into itself (`executor.store_server.STORES_KEY`),
 and the workers re-read it before every plan and every few steps. Replacements start in one
-thread that lives as long as the keeper (a store imports torch: a few seconds), so the launcher's
+thread that lives as long as the keeper (forked from the node's zygote, a store is up in
+milliseconds; started cold, it imports torch: a few seconds), so the launcher's
 progress loop never waits for them; one thread for all because a child's parent-death signal
 (`LocalStore`) fires when the thread that forked it ends, not the process.
 
@@ -34,7 +35,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-from elaswave.launcher_procs import LOOPBACK, LaunchError, LocalStore
+from elaswave.launcher_procs import LOOPBACK, LaunchError, LocalStore, WarmWorkers
 
 STANDBYS = 1
 START_S = 60.0  # one store's start (it imports torch)
@@ -47,8 +48,13 @@ class StoreKeeper:
     """Starts stores (`start`), keeps the job's (`adopt`), replaces any that exits (`poll`,
     non-blocking), stops them."""
 
-    def __init__(self, env: Mapping[str, str], log_dir: Path, host: str = LOOPBACK) -> None:
+    def __init__(
+        self, env: Mapping[str, str], log_dir: Path, host: str = LOOPBACK, zygote: WarmWorkers | None = None
+    ) -> None:
+        """`env`: the stores' environment (the zygote's, so that it forks them); `zygote`: this
+        node's, to fork stores from (None: each starts cold; the launcher may set it later)."""
         self.env, self.log_dir, self.host = dict(env), log_dir, host
+        self.zygote = zygote
         self.stores: list[LocalStore] = []  # the ones this keeper runs
         self.job_stores: list[str] = []  # the job's list, in the workers' order (some on other nodes)
         self.replaced = 0
@@ -87,7 +93,7 @@ class StoreKeeper:
 
     def _start_first(self) -> None:
         try:
-            first = LocalStore.start(self.env, self.log_dir / "store.log", host=self.host)
+            first = LocalStore.start(self.env, self.log_dir / "store.log", host=self.host, zygote=self.zygote)
             with self._lock:
                 self.stores.append(first)
             for _ in range(self._first - 1):
@@ -212,7 +218,9 @@ class StoreKeeper:
                 )
 
     def _new(self, peers: tuple[str, ...]) -> LocalStore:
-        return LocalStore.start(self.env, self.log_dir / "store-standby.log", peers=peers, host=self.host)
+        return LocalStore.start(
+            self.env, self.log_dir / "store-standby.log", peers=peers, host=self.host, zygote=self.zygote
+        )
 
     def stop(self) -> None:
         if self._thread.is_alive():

@@ -17,13 +17,14 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
 from torch.distributed import DistNetworkError, TCPStore
+
+from executor.store_process import Spawn, StoreProcess, announce_args, launch
 
 DEFAULT_HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -90,6 +91,11 @@ def serve(
                 print(f"store {me}: peer {address} did not take the store list: {exc}", file=sys.stderr)
     if announce:
         print(f"PORT {store.port}", flush=True)
+        # The starter reads that one line and closes its end (`launch`): later output would
+        # hit a closed pipe, so the rest goes nowhere (messages go to stderr, the store's log).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
     while not stopped():
         time.sleep(STOP_POLL_S)
     del store
@@ -126,33 +132,25 @@ def job_list(peers: tuple[str, ...]) -> tuple[dict[str, TCPStore], list[str]]:
 
 @dataclass
 class StoreServer:
-    """Handle on a store server running in a child process (tests, benchmarks, the demo)."""
+    """Handle on a store server running in another process (tests, benchmarks, the demo)."""
 
-    process: subprocess.Popen[str]
+    process: StoreProcess
     host: str
     port: int
 
     @classmethod
     def start(
-        cls, host: str = DEFAULT_HOST, timeout_s: float = 30.0, peers: tuple[str, ...] = ()
+        cls,
+        host: str = DEFAULT_HOST,
+        timeout_s: float = 30.0,
+        peers: tuple[str, ...] = (),
+        spawn: Spawn | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> StoreServer:
-        """Spawn `python -m executor.store_server` and wait (at most timeout_s) for its port;
-        `peers`: the job's live stores, which learn the new list (`serve`)."""
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "executor.store_server",
-                "--host",
-                host,
-                "--port",
-                "0",
-                *announce_args(peers),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        port = _read_port(proc, timeout_s)
+        """Start one (`launch`: forked by `spawn` where it accepts, with `env`, default this
+        process's) and wait at most timeout_s for its port; `peers`: the job's live stores, which
+        learn the new list (`serve`)."""
+        proc, port = launch(["--host", host, *announce_args(peers)], timeout_s, env, spawn=spawn)
         return cls(process=proc, host=host, port=port)
 
     @property
@@ -170,28 +168,6 @@ class StoreServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=timeout_s)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
-
-
-def announce_args(peers: tuple[str, ...]) -> list[str]:
-    """The command-line arguments that make a new store announce itself to `peers`."""
-    return ["--announce-to", ",".join(peers)] if peers else []
-
-
-def _read_port(proc: subprocess.Popen[str], timeout_s: float) -> int:
-    stdout = proc.stdout
-    assert stdout is not None
-    result: list[str] = []
-    reader = threading.Thread(target=lambda: result.append(stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    line = result[0].strip() if result else ""
-    if not line.startswith("PORT "):
-        proc.kill()
-        proc.wait(timeout=timeout_s)
-        raise RuntimeError(f"store server did not announce its port within {timeout_s}s (got {line!r})")
-    return int(line.split()[1])
 
 
 def _arm_parent_death(parent: int) -> None:

@@ -139,11 +139,14 @@ class TrainDemo(Demo):
     def start_store(self) -> int:
         from executor.store_server import StoreServer  # noqa: PLC0415
 
-        self.store = StoreServer.start()
+        # Forked from the workers' zygote, as `elaswave run` starts them (elaswave.store_keeper).
+        spawn = self._zygote.fork if self._zygote is not None else None
+        env = dict(os.environ, PYTHONUNBUFFERED="1")  # the zygote's import-time environment
+        self.store = StoreServer.start(spawn=spawn, env=env)
         self.standby_stores = []
         for _ in range(self.standbys):  # each announces the list so far (executor.store_server)
             peers = (self.store.address, *(s.address for s in self.standby_stores))
-            self.standby_stores.append(StoreServer.start(peers=peers))
+            self.standby_stores.append(StoreServer.start(peers=peers, spawn=spawn, env=env))
         return self.store.port
 
     def _worker_env(self, rank: str, results: Path) -> dict[str, str]:

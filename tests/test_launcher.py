@@ -635,8 +635,8 @@ def test_the_store_lost_twice_is_replaced_and_the_job_trains_like_the_single_pro
     standby in place and the launcher starts a new standby, whose address the workers learn from
     the store; then that one is killed too, and the job still finishes like the reference."""
     script = _tiny(tmp_path)
-    # Slow steps (workers only): the new standby (a process importing torch, 10-15 s on a loaded
-    # 2-core machine) is up well before the job ends.
+    # Slow steps (workers only): each new standby (forked from the zygote: milliseconds; cold it
+    # would import torch, 10-15 s on a loaded 2-core machine) is up well before the job ends.
     script.write_text(
         TINY.replace(
             "optimizer=elaswave.AdamW(lr=1e-2))",
@@ -653,10 +653,12 @@ def test_the_store_lost_twice_is_replaced_and_the_job_trains_like_the_single_pro
         timeout_s=120,
     )
     first, standby = _local_stores(launcher)
+    assert all(_forked_by_zygote(store) for store in (first, standby))
     first.kill()
     at = max(_member_steps(run_dir, "tiny").values())
     launcher.wait_for("a new standby store", lambda: "new standby store on" in launcher.output, timeout_s=150)
     ready = max(_member_steps(run_dir, "tiny").values())
+    assert _forked_by_zygote(_local_stores(launcher)[-1])  # the replacement too: no torch import
     launcher.wait_for(
         "every worker 10 steps on (it re-reads the store list every 8)",
         lambda: min(_member_steps(run_dir, "tiny").values(), default=-1) >= max(at, ready) + 10,
@@ -689,13 +691,19 @@ STORE_LOSS_STEPS = 150
 
 def _local_stores(launcher: Launcher) -> list[psutil.Process]:
     """The launcher's store processes, oldest first."""
-    children = psutil.Process(launcher.proc.pid).children()
+    children = psutil.Process(launcher.proc.pid).children(recursive=True)  # forked by its zygote
     return sorted((c for c in children if _runs(c, "executor.store_server")), key=lambda c: c.create_time())
+
+
+def _forked_by_zygote(process: psutil.Process) -> bool:
+    parent = process.parent()
+    return parent is not None and _runs(parent, "agent.zygote")
 
 
 def _runs(process: psutil.Process, module: str) -> bool:
     """Whether `process` is alive (not a zombie waiting to be reaped) and runs `module`."""
     try:
-        return process.status() != psutil.STATUS_ZOMBIE and module in process.cmdline()
+        # a zygote's child shows its command as one string (agent.zygote sets its title)
+        return process.status() != psutil.STATUS_ZOMBIE and module in " ".join(process.cmdline())
     except psutil.Error:
         return False

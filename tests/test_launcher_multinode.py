@@ -375,7 +375,7 @@ def _listening_port(store: psutil.Process) -> int:
 
 def _node_stores(launcher: Launcher) -> list[psutil.Process]:
     """The store processes a launcher runs, oldest first."""
-    children = psutil.Process(launcher.proc.pid).children()
+    children = psutil.Process(launcher.proc.pid).children(recursive=True)  # forked by its zygote
     return sorted((c for c in children if _runs(c, "executor.store_server")), key=lambda c: c.create_time())
 
 
@@ -410,7 +410,8 @@ def test_the_resume_command_of_a_joined_node_names_a_new_job() -> None:
 def _runs(process: psutil.Process, module: str) -> bool:
     """Whether `process` is alive (not a zombie waiting to be reaped) and runs `module`."""
     try:
-        return process.status() != psutil.STATUS_ZOMBIE and module in process.cmdline()
+        # a zygote's child shows its command as one string (agent.zygote sets its title)
+        return process.status() != psutil.STATUS_ZOMBIE and module in " ".join(process.cmdline())
     except psutil.Error:
         return False
 

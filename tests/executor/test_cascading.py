@@ -27,11 +27,12 @@ import pytest
 from executor.comm import Communicator, PeerFailure, groups_for_stages
 from executor.fabric.trainer_state import FabricParticipant
 from executor.step_protocol import PlanInterrupted, StepProtocol, plan_key
-from executor.store_server import StoreServer, connect_store
+from executor.store_server import connect_store
 from executor.trainer import Trainer
 from planners.dataflow import resize_after_loss
 from planners.layout import Plan
 from tests.executor.ft_procs import collect, spawn
+from tests.executor.stores import start_store
 from tests.executor.test_failstop import (
     CFG,
     FAIL_STEP,
@@ -140,7 +141,7 @@ def _worker(worker: int, port: int, sc: Cascade) -> dict[str, Any]:
 def _run(sc: Cascade) -> dict[int, dict[str, Any]]:
     """This process plays the Core: a plan for the workers that died mid-step, then (if some die
     during that recovery) a second plan for all of them once they are gone."""
-    server = StoreServer.start()
+    server = start_store()
     try:
         store = connect_store("127.0.0.1", server.port)
         procs, results = spawn(_worker, WORKERS, server.port, sc)

@@ -19,8 +19,9 @@ from torch.distributed import TCPStore
 from executor.comm import Communicator, MembershipError, PeerFailure, groups_for_stages
 from executor.comm.groups import WORLD_GROUP, decide_edit, physical_groups, shrink_exclusions
 from executor.engine_comm import groups_for_stage_ranks
-from executor.store_server import StoreServer, connect_store
+from executor.store_server import connect_store
 from tests.executor.ft_procs import collect, kill9, spawn
+from tests.executor.stores import start_store
 
 BEFORE = [[0, 1], [2, 3], [4, 5]]
 GROUP_TIMEOUT_S = 30.0
@@ -85,7 +86,7 @@ def _edit_worker(worker: int, port: int, mode: str) -> dict[str, object]:
 @pytest.mark.parametrize("mode", ["partial", "full"])
 def test_edit_after_kill(mode: str) -> None:
     """Stages [[0,1],[2,3],[4,5]]: groups dp/0..2 and one link per adjacent-stage worker pair."""
-    server = StoreServer.start()
+    server = start_store()
     try:
         procs, results = spawn(_edit_worker, list(range(6)), server.port, mode)
         store = server.connect()
@@ -263,7 +264,7 @@ def _hung_peer_worker(worker: int, port: int) -> dict[str, object]:
 def test_hung_peer_releases_survivors_within_the_timeout() -> None:
     """A peer that hangs (SIGSTOP: no socket error ever comes) cannot block the others for
     longer than the communicator timeout: they get PeerFailure, not a hang."""
-    server = StoreServer.start()
+    server = start_store()
     try:
         procs, results = spawn(_hung_peer_worker, [0, 1, 2], server.port)
         store = server.connect()
@@ -293,7 +294,7 @@ class _ResetConnection:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("op", ["send", "all_reduce"])
 def test_an_op_that_fails_when_issued_is_a_peer_failure_and_aborts_the_epoch(op: str) -> None:
-    server = StoreServer.start()
+    server = start_store()
     try:
         # Both members build the group together (two threads, one store); then worker 0's peer
         # connection is "reset".

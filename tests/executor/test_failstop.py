@@ -31,12 +31,13 @@ from executor.comm.groups import WORLD_GROUP, physical_groups
 from executor.fabric.trainer_state import FabricParticipant, shard_state_of
 from executor.optim import OptimizerConfig
 from executor.step_protocol import StepProtocol, plan_key
-from executor.store_server import StoreServer, connect_store
+from executor.store_server import connect_store
 from executor.trainer import Trainer, TrainSpec
 from planners.dataflow import resize_after_loss
 from planners.layout import Layout, Plan, make_uniform_layout
 from tests.executor.engine_cases import NUM_UNITS, gpt_spec
 from tests.executor.ft_procs import collect, spawn
+from tests.executor.stores import start_store
 
 STEPS, FAIL_STEP, VICTIM = 8, 4, 4
 WORKERS = list(range(6))
@@ -245,7 +246,7 @@ def _run(sc: Scenario) -> dict[int, dict[str, Any]]:
     abort and publishes the plan for the survivors; with `relayout_at` it publishes the plan up
     front. Each worker that edited its groups gets the op ledgers it published for the edit
     (`ledger`), read back from the store."""
-    server = StoreServer.start()
+    server = start_store()
     try:
         store = connect_store("127.0.0.1", server.port)
         plan = sc.plan()
@@ -553,7 +554,7 @@ def _decide_all(protos: list[StepProtocol], **kw: Any) -> list[bool]:
 
 @pytest.mark.timeout(60)
 def test_commit_decision_is_one_value_for_all() -> None:
-    server = StoreServer.start()
+    server = start_store()
     try:
         protos = _protocols(server.port, 3)
         for p in protos:
@@ -603,7 +604,7 @@ def test_commit_decision_is_one_value_for_all() -> None:
 def test_protocol_refuses_out_of_order_use() -> None:
     from executor.step_protocol import StepProtocolError
 
-    server = StoreServer.start()
+    server = start_store()
     try:
         (proto,) = _protocols(server.port, 1)
         with pytest.raises(StepProtocolError, match="begin_step"):

@@ -21,8 +21,9 @@ import torch
 from executor.comm import Communicator, groups_for_stages
 from executor.plan_acks import BackgroundAcks
 from executor.step_phases import KEPT, StepPhases
-from executor.store_server import StoreServer, connect_store
+from executor.store_server import connect_store
 from tests.executor.ft_procs import collect, spawn
+from tests.executor.stores import start_store
 
 BEFORE = [[0, 1], [2, 3]]
 AFTER = [[0, 1, 4], [2, 3]]  # worker 4 joins stage 0: dp/0 and the links to stage 1 are new
@@ -56,7 +57,7 @@ def _worker(worker: int, port: int) -> dict[str, Any]:
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_an_edit_runs_one_op_on_every_group_it_built_and_none_on_those_it_kept() -> None:
-    server = StoreServer.start()
+    server = start_store()
     try:
         procs, results = spawn(_worker, list(range(5)), server.port)
         got = collect(procs, results, list(range(5)), timeout_s=90)

@@ -33,13 +33,14 @@ import pytest
 from executor.comm import Communicator, PeerFailure, groups_for_stages
 from executor.fabric.trainer_state import FabricParticipant, shard_state_of
 from executor.step_protocol import PlanInterrupted, StepProtocol, plan_key
-from executor.store_server import StoreServer, connect_store
+from executor.store_server import connect_store
 from executor.trainer import Trainer, TrainSpec
 from planners.applicability import judge
 from planners.dataflow import resize_after_loss
 from planners.layout import Layout, Plan, StageLayout
 from planners.zero import joiner_bytes
 from tests.executor.ft_procs import collect, spawn
+from tests.executor.stores import start_store
 from tests.executor.test_failstop import (
     BATCH,
     CFG,
@@ -244,7 +245,7 @@ class _NoState:
 def _run(
     kill: bool, dying: int | None = None, case: Case = LOSE_A_RANK, precision: str = "fp32"
 ) -> dict[int, dict[str, Any]]:
-    server = StoreServer.start()
+    server = start_store()
     try:
         store = connect_store("127.0.0.1", server.port)
         workers = [*WORKERS, JOINER] if kill else WORKERS

@@ -16,9 +16,10 @@ import torch
 from executor.comm import Communicator, MembershipError, PeerFailure, groups_for_stages
 from executor.launch import JobSpec, job_losses, merged_state, run_job
 from executor.nonblocking_migration import MIGRATE_TAG
-from executor.store_server import StoreServer, connect_store
+from executor.store_server import connect_store
 from tests.executor.engine_cases import gpt_block_numel, gpt_spec, layout, max_state_diff, states_equal
 from tests.executor.ft_procs import collect, spawn
+from tests.executor.stores import start_store
 
 RANKS = [(0, 1), (2, 3)]
 STEPS = 7
@@ -105,7 +106,7 @@ def _posted_link_worker(worker: int, port: int) -> dict[str, object]:
 @pytest.mark.multiproc
 @pytest.mark.timeout(60)
 def test_posted_link_ops_are_guarded_and_counted() -> None:
-    server = StoreServer.start()
+    server = start_store()
     try:
         procs, results = spawn(_posted_link_worker, [0, 1, 2], server.port)
         got = collect(procs, results, [0, 1, 2], timeout_s=45)

@@ -12,7 +12,7 @@ from executor.fabric.overlap import UnrecoverableLoss, remap_plan
 from executor.fabric.remap import live_remap
 from executor.fabric.snapshot import RingSnapshot
 from executor.fabric.state import ShardState
-from executor.store_server import StoreServer, connect_store
+from executor.store_server import connect_store
 from planners.zero import layout_ownership, shard_transfers
 from tests.executor.fabric_workload import (
     LAYER_NUMEL,
@@ -24,6 +24,7 @@ from tests.executor.fabric_workload import (
     update_fn,
 )
 from tests.executor.ft_procs import collect, spawn
+from tests.executor.stores import start_store
 
 OLD, NEW, LOST, STEPS, MORE = (0, 1, 2), (0, 2), 1, 5, 3
 
@@ -66,7 +67,7 @@ def _gather(parts: list[dict[str, tuple[int, int, np.ndarray]]]) -> dict[str, np
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_lost_worker_rebuilt_from_snapshot_bitwise() -> None:
-    server = StoreServer.start()
+    server = start_store()
     try:
         procs, results = spawn(_remap_worker, list(OLD), server.port)
         got = collect(procs, results, list(OLD), timeout_s=90)

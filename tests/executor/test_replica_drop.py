@@ -30,13 +30,14 @@ import pytest
 from executor.comm import Communicator, PeerFailure, groups_for_stages
 from executor.fabric.trainer_state import FabricParticipant, shard_state_of
 from executor.step_protocol import StepProtocol, plan_key
-from executor.store_server import StoreServer, connect_store
+from executor.store_server import connect_store
 from executor.trainer import Trainer
 from planners.applicability import handover_pairs, judge
 from planners.backup import backup_holders
 from planners.dataflow import resize_after_loss
 from planners.layout import Layout, Plan
 from tests.executor.ft_procs import collect, spawn
+from tests.executor.stores import start_store
 from tests.executor.test_failstop import (
     BATCH,
     CFG,
@@ -151,7 +152,7 @@ def _worker(worker: int, port: int, drop: bool) -> dict[str, Any]:
 
 
 def _run(drop: bool) -> dict[int, dict[str, Any]]:
-    server = StoreServer.start()
+    server = start_store()
     try:
         store = connect_store("127.0.0.1", server.port)
         if drop:

@@ -47,7 +47,7 @@ from executor.comm import Communicator, PeerFailure, groups_for_stages
 from executor.fabric.snapshot import SNAPSHOT_TAG
 from executor.fabric.trainer_state import FabricParticipant, shard_state_of
 from executor.step_protocol import StepProtocol, plan_key
-from executor.store_server import StoreServer, connect_store
+from executor.store_server import connect_store
 from executor.trainer import Trainer
 from planners.applicability import judge
 from planners.backup import backup_holder_sets, protected_by
@@ -55,6 +55,7 @@ from planners.dataflow import resize_after_loss
 from planners.layout import Layout, Plan, PlanMode
 from planners.reprotect import ReprotectWindow, backup_pairs, reseed_pairs
 from tests.executor.ft_procs import collect, spawn
+from tests.executor.stores import start_store
 from tests.executor.test_failstop import (
     CFG,
     STEPS,
@@ -187,7 +188,7 @@ def _reported(store: Any, epoch: int, workers: list[int]) -> list[Any]:
 
 def _run_faulty() -> tuple[dict[int, dict[str, Any]], Plan]:
     """The job above; returns the survivors' results and the plan the Core's rule chose."""
-    server = StoreServer.start()
+    server = start_store()
     try:
         store = connect_store("127.0.0.1", server.port)
         procs, results = spawn(_worker, WORKERS, server.port)
@@ -221,7 +222,7 @@ def _run_first_seed_fault() -> tuple[dict[int, dict[str, Any]], list[str]]:
     """SEED_VICTIM dies in its first seed; this process publishes the in-place plan a Core that
     never heard of the first seed would, then the RESTORE. Returns the survivors' results and the
     reasons they gave for refusing the first plan."""
-    server = StoreServer.start()
+    server = start_store()
     try:
         store = connect_store("127.0.0.1", server.port)
         procs, results = spawn(_worker, WORKERS, server.port, SEED_VICTIM)

@@ -18,8 +18,9 @@ import pytest
 from torch.distributed import PrefixStore
 
 from executor.checkpoint import LATEST
-from executor.store_server import StoreServer, connect_store
+from executor.store_server import connect_store
 from executor.worker_recovery import PlanFollowing
+from tests.executor.stores import start_store
 
 
 class Follower(PlanFollowing):
@@ -44,7 +45,7 @@ def _checkpoint(root: Path, step: int) -> Path:
 
 @pytest.fixture(scope="module")
 def server() -> Any:
-    server = StoreServer.start()
+    server = start_store()
     try:
         yield server
     finally:

@@ -16,11 +16,12 @@ from executor.fabric.snapshot import RingSnapshot, SnapshotError, ring_holder
 from executor.fabric.state import ShardState
 from executor.fabric.trainer_state import FabricParticipant, shard_state_of
 from executor.step_protocol import StepProtocol
-from executor.store_server import StoreServer, connect_store
+from executor.store_server import connect_store
 from executor.trainer import Trainer
 from tests.executor import engine_cases
 from tests.executor.fabric_workload import grads_for, initial_state, layout_for, live_update, update_fn
 from tests.executor.ft_procs import collect, spawn
+from tests.executor.stores import start_store
 
 WORKERS = (0, 1, 2)
 STEPS = 20
@@ -59,7 +60,7 @@ def _snapshot_worker(worker: int, port: int) -> dict[str, object]:
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_ring_snapshot_equals_live_shard_bitwise() -> None:
-    server = StoreServer.start()
+    server = start_store()
     try:
         procs, results = spawn(_snapshot_worker, list(WORKERS), server.port)
         got = collect(procs, results, list(WORKERS), timeout_s=90)
@@ -143,7 +144,7 @@ def test_engine_ring_snapshot_equals_live_shard_bitwise() -> None:
     """The real trainer (PP=2 x DP=2, dropout on, ZeRO-1 interleaved) for 20 committed steps, one
     more attempt rolled back: every neighbour's snapshot equals the live shard it protects bit
     for bit, the live shards moved away from their initial values, and the checksums agreed."""
-    server = StoreServer.start()
+    server = start_store()
     try:
         procs, results = spawn(_engine_snapshot_worker, ENGINE_WORKERS, server.port)
         got = collect(procs, results, ENGINE_WORKERS, timeout_s=90)

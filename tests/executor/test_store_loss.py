@@ -23,6 +23,7 @@ from executor.comm import StoreLost
 from executor.step_protocol import COMMIT, DecisionUnknown, StepProtocol
 from executor.store_server import StoreServer, connect_store
 from planners.layout import Plan, make_uniform_layout
+from tests.executor.stores import start_store
 from tests.executor.test_failstop import _protocols
 
 pytestmark = pytest.mark.timeout(90)
@@ -48,7 +49,7 @@ def _decide(proto: StepProtocol) -> bool | DecisionUnknown:
 
 
 def test_a_decision_lost_with_the_store_is_settled_on_the_standby() -> None:
-    primary, standby = StoreServer.start(), StoreServer.start()
+    primary, standby = start_store(), start_store()
     try:
         protos = _protocols(primary.port, 3)
         for p in protos:
@@ -88,7 +89,7 @@ def test_a_decision_lost_with_the_store_is_settled_on_the_standby() -> None:
 
 
 def test_a_decision_nobody_read_is_rolled_back_everywhere() -> None:
-    primary, standby = StoreServer.start(), StoreServer.start()
+    primary, standby = start_store(), start_store()
     try:
         protos = _protocols(primary.port, 3)
         for p in protos:

@@ -1,7 +1,7 @@
 """A store server stops at once on SIGTERM, however many signals come and on whichever thread.
 
-The launcher's stores get two SIGTERMs when a job ends: the parent-death signal (the keeper
-thread that started them exits) and the launcher's own. A handler that took a lock
+A cold store gets two SIGTERMs when a job ends: the parent-death signal (the launcher's keeper
+thread that started it exits) and the launcher's own. A handler that took a lock
 (`threading.Event.set`) deadlocked when the second signal landed inside the first's handler, and
 the launcher waited 10 s before it killed the store, on about one `elaswave run` in three. Here a
 real store with a connected client (so TCPStore's threads run) gets bursts of signals; it must
@@ -17,6 +17,7 @@ import time
 import pytest
 
 from executor.store_server import StoreServer
+from tests.executor.stores import start_store
 
 pytestmark = pytest.mark.multiproc
 
@@ -28,7 +29,8 @@ EXIT_WITHIN_S = 3.0  # the launcher waits 10 s before it kills a store
 @pytest.mark.timeout(120)
 def test_a_store_signalled_again_while_it_handles_a_signal_still_exits_at_once() -> None:
     for burst in range(BURSTS):
-        server = StoreServer.start()
+        # the launcher's stores are forked from its zygote; a cold one (its `--parent` set) once
+        server = StoreServer.start() if burst == 0 else start_store()
         client = server.connect()
         client.set("key", "value")  # TCPStore's server threads are busy with a live client
         signals = (signal.SIGTERM, signal.SIGINT) if burst % 2 else (signal.SIGTERM,)
