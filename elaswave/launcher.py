@@ -268,7 +268,10 @@ def _describe_and_launch(
     from planners.placement import PlacementError, plan_placement  # noqa: PLC0415
 
     try:
-        desc = describe(args.script, args.script_args, args.describe_timeout)
+        # forked from the zygote `local` started (a joined node's starts later: cold there)
+        warm = local.warm if local is not None else None
+        spawn = warm.fork if warm is not None else None
+        desc = describe(args.script, args.script_args, args.describe_timeout, spawn=spawn)
     except DescribeError as exc:
         if keeper is not None:
             keeper.stop()

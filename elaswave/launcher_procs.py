@@ -25,7 +25,8 @@ from typing import Any, BinaryIO
 import httpx
 
 from agent.zygote_client import ZygoteChild
-from executor.store_process import StoreProcess, announce_args, launch
+from executor.child_process import ChildProcess
+from executor.store_process import announce_args, launch
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 LOOPBACK = "127.0.0.1"
@@ -75,7 +76,7 @@ def spawn(
             out.close()  # the child holds its own copy
 
 
-def stop_process(proc: StoreProcess, signum: int, timeout_s: float) -> None:
+def stop_process(proc: ChildProcess, signum: int, timeout_s: float) -> None:
     """`signum`, then SIGKILL after `timeout_s`; blocks at most about 2 x timeout_s."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
@@ -199,7 +200,7 @@ class LocalStore:
     """The executors' rendezvous store (`executor.store_server`) in its own process: forked from
     this node's zygote where there is one (milliseconds), else a child importing torch."""
 
-    process: StoreProcess
+    process: ChildProcess
     port: int
     host: str = LOOPBACK
 

@@ -15,31 +15,9 @@ import select
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
 
-
-class StoreProcess(Protocol):
-    """What a store's starter holds: a `subprocess.Popen`, or a child the node's zygote forked
-    (`agent.zygote_client.ZygoteChild`), which has the same face."""
-
-    pid: int
-    returncode: int | None
-
-    def poll(self) -> int | None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
-
-    def send_signal(self, signum: int) -> None: ...
-
-    def terminate(self) -> None: ...
-
-    def kill(self) -> None: ...
-
-
-# Forks `argv` with this environment and these descriptors as its stdin, stdout, stderr (a warm
-# parent that has imported torch already: agent.zygote); None where it declines.
-Spawn = Callable[[Sequence[str], Mapping[str, str], tuple[int, int, int]], StoreProcess | None]
+from executor.child_process import ChildProcess, Spawn
 
 
 def launch(
@@ -49,7 +27,7 @@ def launch(
     stderr: int | None = None,
     spawn: Spawn | None = None,
     new_session: bool = False,
-) -> tuple[StoreProcess, int]:
+) -> tuple[ChildProcess, int]:
     """Start `python -m executor.store_server --port 0 ARGS` and wait (at most `timeout_s`) for
     the port it bound: forked by `spawn` where given and it accepts (milliseconds), else as this
     process's child, which imports torch itself (a second or more of CPU) and gets `--parent`
@@ -59,7 +37,7 @@ def launch(
     argv = [sys.executable, "-m", "executor.store_server", "--port", "0", *args]
     environ = dict(os.environ if env is None else env)
     read_end, write_end = os.pipe()
-    proc: StoreProcess | None = None
+    proc: ChildProcess | None = None
     try:
         with open(os.devnull, "rb") as null:
             stdio = (null.fileno(), write_end, 2 if stderr is None else stderr)

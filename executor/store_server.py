@@ -24,7 +24,8 @@ from datetime import timedelta
 
 from torch.distributed import DistNetworkError, TCPStore
 
-from executor.store_process import Spawn, StoreProcess, announce_args, launch
+from executor.child_process import ChildProcess, Spawn
+from executor.store_process import announce_args, launch
 
 DEFAULT_HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -134,7 +135,7 @@ def job_list(peers: tuple[str, ...]) -> tuple[dict[str, TCPStore], list[str]]:
 class StoreServer:
     """Handle on a store server running in another process (tests, benchmarks, the demo)."""
 
-    process: StoreProcess
+    process: ChildProcess
     host: str
     port: int
 

@@ -130,7 +130,9 @@ class TrainDemo(Demo):
             raise FileNotFoundError(
                 f"the GPT example is not at {GPT_SCRIPT}: run the demo from a source checkout"
             )
-        desc = describe(GPT_SCRIPT, self.script_args(), timeout_s=self.timeout_s)
+        self._begin_zygote()  # the describe run is forked from it, as under `elaswave run`
+        spawn = self._zygote.fork if self._zygote is not None else None
+        desc = describe(GPT_SCRIPT, self.script_args(), timeout_s=self.timeout_s, spawn=spawn)
         numel = tuple(u.numel for u in desc.units)
         return make_uniform_layout(
             len(numel), self.cfg.pp, self.cfg.dp, self.cfg.global_batch, self.cfg.micro_batches, numel

@@ -148,6 +148,29 @@ def test_a_script_that_fails_while_describing_shows_its_stderr(tmp_path: Path) -
     assert "loading data" in run.stderr and "no such dataset: foo" in run.stderr
 
 
+PARENT_SCRIPT = """\
+import os, sys
+with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+    parent = f.read().replace(b"\\0", b" ").decode()
+open(sys.argv[1], "w").write(parent)
+raise SystemExit("described nothing")
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cold", [False, True], ids=["zygote", "cold-workers"])
+def test_the_describe_run_is_forked_from_the_zygote_unless_workers_start_cold(
+    tmp_path: Path, cold: bool
+) -> None:
+    script, parent = tmp_path / "who.py", tmp_path / "parent.txt"
+    script.write_text(PARENT_SCRIPT)
+    run = elaswave_run(*(["--cold-workers"] if cold else []), script, str(parent), cwd=tmp_path)
+    assert run.returncode != 0
+    assert "who.py exited with status 1 while describing its model" in run.stderr
+    assert "described nothing" in run.stderr  # its stderr, whichever process started it
+    assert ("agent.zygote" in parent.read_text()) is not cold, parent.read_text()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("flags", "message"),

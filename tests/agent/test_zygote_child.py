@@ -22,7 +22,8 @@ import pytest
 from torch.distributed import TCPStore
 
 from agent.zygote_client import ZygoteChild
-from executor.store_process import Spawn, launch
+from executor.child_process import Spawn
+from executor.store_process import launch
 from wire.local_protocol import EXIT_CODE_UNKNOWN
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.multiproc]
