@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -236,7 +237,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
         except LaunchError as exc:
             print(f"elaswave run: error: {exc}", file=sys.stderr)
             return 1
-    else:  # this node's store starts (it imports torch) while the model is described
+    else:  # this node's zygote and store start while the model is described
         from elaswave.launcher_join import JoinError, default_node_id  # noqa: PLC0415
 
         args.node_id = args.node_id or default_node_id()
@@ -254,6 +255,9 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     finally:
         if local is not None:  # stopped by the session already, unless it never began
             local.stop()
+        if keeper is not None and keeper.zygote is not None:  # likewise
+            keeper.zygote.stop()
+            shutil.rmtree(keeper.zygote.socket.parent, ignore_errors=True)
 
 
 def _describe_and_launch(
@@ -268,8 +272,8 @@ def _describe_and_launch(
     from planners.placement import PlacementError, plan_placement  # noqa: PLC0415
 
     try:
-        # forked from the zygote `local` started (a joined node's starts later: cold there)
-        warm = local.warm if local is not None else None
+        # forked from this node's zygote (`LocalServices`, or `start_node_stores` on a joined node)
+        warm = local.warm if local is not None else keeper.zygote if keeper is not None else None
         spawn = warm.fork if warm is not None else None
         desc = describe(args.script, args.script_args, args.describe_timeout, spawn=spawn)
     except DescribeError as exc:
@@ -403,13 +407,23 @@ def start_node_stores(args: argparse.Namespace, name: str) -> StoreKeeper:
     background: one, or the store and its standby where the job has one node; the rendezvous
     keeps those the job uses. Raises JoinError when this node's address cannot be told."""
     from elaswave.launcher_join import store_host  # noqa: PLC0415
+    from elaswave.launcher_procs import LaunchError, WarmWorkers  # noqa: PLC0415
     from elaswave.launcher_session import warm_env  # noqa: PLC0415
     from elaswave.store_keeper import StoreKeeper  # noqa: PLC0415
 
     log_dir = (args.run_dir or Path.cwd() / "elaswave-run" / name).resolve() / f"stores-{args.node_id}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    # The zygote's environment: the session forks the replacements from it once it is up.
-    keeper = StoreKeeper(warm_env(), log_dir, host=store_host(args))
+    # This node's zygote first: the stores, the describe run and the workers are forked from it.
+    # The keeper holds it until the session takes it over (`Session.run`); `_run` stops it.
+    zygote = None
+    if not args.cold_workers:
+        try:
+            zygote = WarmWorkers.begin(
+                Path(tempfile.mkdtemp(prefix="ew-z-")), warm_env(), log_dir / "zygote.log"
+            )
+        except LaunchError as exc:  # optional: everything then starts cold
+            print(f"[elaswave] no worker zygote ({exc}): processes start cold", file=sys.stderr, flush=True)
+    keeper = StoreKeeper(warm_env(), log_dir, host=store_host(args), zygote=zygote)
     keeper.begin(1 if args.nnodes > 1 else 2)  # `keeper.started()` waits for them
     return keeper
 

@@ -166,10 +166,10 @@ class Session:
             # It imports torch while the job is created; the agents fork their workers from it.
             if self.local is not None:  # started before the model was described
                 self.warm = self.local.warm
+            elif self.stores is not None and self.stores.zygote is not None:  # a joined node's, likewise
+                self.warm = self.stores.zygote
             elif not self.args.cold_workers:
                 self.warm = WarmWorkers.begin(self.socket_dir, warm_env(), self.run_dir / "zygote.log")
-                if self.stores is not None:  # a joined node's: its replacements are forked
-                    self.stores.zygote = self.warm
             token = self._start()
             self._start_agents(token)
         except LaunchError as exc:

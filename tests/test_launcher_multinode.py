@@ -281,8 +281,12 @@ def test_two_nodes_train_one_job_like_the_single_process_run_through_a_store_los
         lambda: len(s := _member_steps_remote(proc)) == 4 and min(s.values()) >= 3,
         timeout_s=150,
     )
-    # the job's store and its standby, each in its own process beside its node's launcher
+    # the job's store and its standby, each in its own process beside its node's launcher, forked
+    # from that node's zygote (which each joined launcher starts before its describe run)
     first, standby = _node_stores(nodes[0])[0], _node_stores(nodes[1])[0]
+    for store in (first, standby):
+        parent = store.parent()
+        assert parent is not None and _runs(parent, "agent.zygote"), store.cmdline()
     assert proc.job("tiny")["stores"] == [f"127.0.0.1:{_listening_port(p)}" for p in (first, standby)]
     first_address = f"127.0.0.1:{_listening_port(first)}"
     first.kill()
