@@ -4,7 +4,7 @@ Two kinds of client: an agent's worker (`agent.worker.ForkedWorker`, asynchronou
 launcher's helper processes, such as a job's rendezvous stores (`ZygoteChild`, with the face of
 a `subprocess.Popen`). A store forked this way starts in milliseconds instead of importing torch
 for a second or more of CPU, so a lost standby store is replaced before the next loss can come
-(docs/failures.md, "The store").
+(docs/engine.md, "Warm starts").
 
 The connection that carried the request stays open for the child's life: the zygote writes the
 child's exit status on it, and kills the child when it closes first (its owner died), so a forked

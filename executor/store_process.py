@@ -4,7 +4,7 @@ Torch-free, so that a launcher can start stores without importing torch itself. 
 either this process's child (`python -m executor.store_server`, which imports torch: a second or
 more of CPU, 10-15 s on a loaded machine) or forked by the node's zygote, which has imported
 torch already (`agent.zygote`; the caller passes its `Spawn`): then it is up in milliseconds, and
-a lost standby is replaced long before the next loss can come (docs/failures.md, "The store").
+a lost standby is replaced long before the next loss can come (docs/engine.md, "Warm starts").
 """
 
 from __future__ import annotations
