@@ -22,8 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from agent.zygote import WorkerRequest
-from agent.zygote_client import ask_zygote
+from agent.zygote_client import fork_by_zygote
 from wire.local_protocol import EXIT_CODE_UNKNOWN
 
 log = logging.getLogger("elaswave.agent.worker")
@@ -159,18 +158,12 @@ class ForkedWorker(Worker):
     async def start(cls, zygote: Path, command: Sequence[str], env: Mapping[str, str]) -> ForkedWorker | None:
         """The forked worker, or None when the zygote cannot run `command` (it says why, logged)
         or cannot be reached: the caller starts the worker as its own child instead."""
-        request = WorkerRequest(tuple(command), dict(env), os.getcwd())
-        try:
-            conn, answer = await asyncio.to_thread(ask_zygote, zygote, request)
-        except OSError as exc:
-            log.warning("worker zygote %s unreachable (%s): starting the worker cold", zygote, exc)
+        forked = await asyncio.to_thread(fork_by_zygote, zygote, command, env)
+        if forked is None:
             return None
-        if not answer.startswith("PID "):
-            conn.close()
-            log.info("worker zygote %s: %s; starting the worker cold", zygote, answer)
-            return None
+        pid, conn = forked
         conn.setblocking(False)
-        return cls(int(answer.split()[1]), conn)
+        return cls(pid, conn)
 
     async def wait(self) -> ExitStatus:
         if self._status is None:

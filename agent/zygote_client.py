@@ -60,6 +60,30 @@ def ask_zygote(
     return conn, answer.decode(errors="replace").strip()
 
 
+def fork_by_zygote(
+    zygote: Path,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    stdio: Sequence[int] = STANDARD_STREAMS,
+    cwd: str | None = None,
+) -> tuple[int, socket.socket] | None:
+    """Ask the zygote at `zygote` to fork `argv` with `env`, `stdio` and `cwd` (default this
+    process's): the child's pid and the connection that will carry its exit status, or None,
+    with the reason logged, when the zygote cannot be reached or declines (the caller then starts
+    the command itself). Blocks at most ZYGOTE_ANSWER_S."""
+    request = WorkerRequest(tuple(argv), dict(env), cwd or os.getcwd())
+    try:
+        conn, answer = ask_zygote(zygote, request, stdio)
+    except OSError as exc:
+        log.warning("zygote %s unreachable (%s): starting %s cold", zygote, exc, list(argv[:3]))
+        return None
+    if not answer.startswith("PID "):
+        conn.close()
+        log.info("zygote %s: %s; starting %s cold", zygote, answer, list(argv[:3]))
+        return None
+    return int(answer.split()[1]), conn
+
+
 class ZygoteChild:
     """A process the zygote forked for this one, used as a `subprocess.Popen` is: `pid`,
     `returncode`, `poll`, `wait`, `send_signal`, `terminate`, `kill`.
@@ -83,20 +107,9 @@ class ZygoteChild:
         stdio: Sequence[int] = STANDARD_STREAMS,
         cwd: str | None = None,
     ) -> ZygoteChild | None:
-        """`argv` forked by the zygote at `zygote` with `env`, `stdio` and `cwd` (default this
-        process's); None, with the reason logged, when the zygote cannot be reached or declines
-        (the caller then starts the command itself). Blocks at most ZYGOTE_ANSWER_S."""
-        request = WorkerRequest(tuple(argv), dict(env), cwd or os.getcwd())
-        try:
-            conn, answer = ask_zygote(zygote, request, stdio)
-        except OSError as exc:
-            log.warning("zygote %s unreachable (%s): starting %s cold", zygote, exc, argv[:3])
-            return None
-        if not answer.startswith("PID "):
-            conn.close()
-            log.info("zygote %s: %s; starting %s cold", zygote, answer, argv[:3])
-            return None
-        return cls(int(answer.split()[1]), conn)
+        """`argv` forked by the zygote (`fork_by_zygote`), or None where it is not."""
+        forked = fork_by_zygote(zygote, argv, env, stdio, cwd)
+        return None if forked is None else cls(*forked)
 
     def poll(self) -> int | None:
         """The exit code once the child has ended (negative: the signal), else None. Non-blocking."""

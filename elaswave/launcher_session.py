@@ -69,6 +69,7 @@ class LocalServices:
         be spawned."""
         run_dir = run_dir.resolve()
         missing = [d for d in (run_dir, *run_dir.parents) if not d.exists()]
+        created = missing[-1] if missing else None
         run_dir = prepare_run_dir(run_dir)
         warm, sockets = None, None
         if not cold_workers:  # first: the stores are forked from it once it has imported torch
@@ -76,33 +77,44 @@ class LocalServices:
             try:
                 warm = WarmWorkers.begin(sockets, warm_env(), run_dir / "zygote.log")
             except LaunchError:
-                shutil.rmtree(sockets, ignore_errors=True)
+                stop_local_services(None, sockets, None, None, created)
                 raise
         stores = StoreKeeper(warm_env(), run_dir, zygote=warm)
         stores.begin()
         try:
             core = CoreStart.begin(run_dir, clean_env())
         except LaunchError:
-            stores.stop()
-            if warm is not None:
-                warm.stop()
-            if sockets is not None:
-                shutil.rmtree(sockets, ignore_errors=True)
+            stop_local_services(warm, sockets, stores, None, created)
             raise
-        return cls(run_dir, stores, core, missing[-1] if missing else None, warm, sockets)
+        return cls(run_dir, stores, core, created, warm, sockets)
 
     def stop(self) -> None:
         """The zygote, the stores, then the Core (the session's teardown order); safe to call
         again. Before the job was launched (the model could not be described or laid out), the
         directories `begin` made go too: nothing of the run is left behind."""
-        if self.warm is not None:
-            self.warm.stop()
-        if self.sockets is not None:
-            shutil.rmtree(self.sockets, ignore_errors=True)
-        self.stores.stop()
-        self.core.stop()
-        if not self.launched and self.created is not None:
-            shutil.rmtree(self.created, ignore_errors=True)
+        created = None if self.launched else self.created
+        stop_local_services(self.warm, self.sockets, self.stores, self.core, created)
+
+
+def stop_local_services(
+    warm: WarmWorkers | None,
+    sockets: Path | None,
+    stores: StoreKeeper | None,
+    core: CoreStart | None,
+    created: Path | None,
+) -> None:
+    """Stop whichever of a one-machine run's services were started, in the session's teardown
+    order, and remove `created` (the directories made for a run that never launched)."""
+    if warm is not None:
+        warm.stop()
+    if sockets is not None:
+        shutil.rmtree(sockets, ignore_errors=True)
+    if stores is not None:
+        stores.stop()
+    if core is not None:
+        core.stop()
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
 
 
 def warm_env() -> dict[str, str]:
@@ -163,13 +175,12 @@ class Session:
 
     def run(self) -> int:
         try:
-            # It imports torch while the job is created; the agents fork their workers from it.
-            if self.local is not None:  # started before the model was described
+            # Started before the model was described (`LocalServices.begin`, or a joined node's
+            # `start_node_stores`); None: --cold-workers, or a joined node's zygote failed to start.
+            if self.local is not None:
                 self.warm = self.local.warm
-            elif self.stores is not None and self.stores.zygote is not None:  # a joined node's, likewise
+            elif self.stores is not None:
                 self.warm = self.stores.zygote
-            elif not self.args.cold_workers:
-                self.warm = WarmWorkers.begin(self.socket_dir, warm_env(), self.run_dir / "zygote.log")
             token = self._start()
             self._start_agents(token)
         except LaunchError as exc:

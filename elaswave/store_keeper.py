@@ -30,12 +30,12 @@ stores it in the job's spec in the registry.
 from __future__ import annotations
 
 import queue
-import socket
 import threading
 from collections.abc import Mapping
 from pathlib import Path
 
 from elaswave.launcher_procs import LOOPBACK, LaunchError, LocalStore, WarmWorkers
+from executor.store_process import accepts_connections
 
 STANDBYS = 1
 START_S = 60.0  # one store's start (it imports torch)
@@ -191,14 +191,11 @@ class StoreKeeper:
             self._replace(peers, short)
 
     def _answers(self, address: str) -> bool:
-        host, _, port = address.rpartition(":")
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S):
-                self._misses.pop(address, None)
-                return True
-        except (OSError, ValueError):
-            self._misses[address] = self._misses.get(address, 0) + 1
-            return self._misses[address] < PROBE_MISSES
+        if accepts_connections(address, PROBE_TIMEOUT_S):
+            self._misses.pop(address, None)
+            return True
+        self._misses[address] = self._misses.get(address, 0) + 1
+        return self._misses[address] < PROBE_MISSES
 
     def _replace(self, peers: tuple[str, ...], count: int) -> None:
         for _ in range(count):

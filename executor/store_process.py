@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import socket
 import subprocess
 import sys
 import time
@@ -66,6 +67,16 @@ def launch(
         why = "timed out" if not line else f"said {line!r}"
         raise RuntimeError(f"the store server did not announce its port within {timeout_s:g} s ({why})")
     return proc, int(line.split()[1])
+
+
+def accepts_connections(address: str, timeout_s: float) -> bool:
+    """Whether "host:port" accepts a TCP connection within `timeout_s` (closed at once)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def announce_args(peers: tuple[str, ...]) -> list[str]:

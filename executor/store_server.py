@@ -25,7 +25,7 @@ from datetime import timedelta
 from torch.distributed import DistNetworkError, TCPStore
 
 from executor.child_process import ChildProcess, Spawn
-from executor.store_process import announce_args, launch
+from executor.store_process import accepts_connections, announce_args, launch
 
 DEFAULT_HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -55,6 +55,8 @@ def connect_first_answering(
         for index, address in enumerate(addresses):
             host, port = address.rsplit(":", 1)
             left = deadline - time.monotonic()
+            if not accepts_connections(address, min(PEER_PROBE_S, max(0.1, left))):
+                continue  # refused at once: TCPStore would retry it for the whole attempt
             try:
                 return index, connect_store(host.strip("[]"), int(port), max(0.1, min(attempt_s, left)))
             except (DistNetworkError, RuntimeError):
@@ -70,6 +72,10 @@ def connect_first_answering(
 # after every store loss, not only the first.
 STORES_KEY = "elaswave/stores"
 PEER_CONNECT_S = 5.0
+# A dead store's port refuses at once, but TCPStore's client retries a refused connect with
+# back-off until its timeout (two tries of PEER_CONNECT_S each): a plain TCP connect first tells
+# a gone store from a slow one in milliseconds (a live host's kernel accepts even when loaded).
+PEER_PROBE_S = 1.0
 STOP_POLL_S = 0.05  # how soon a signalled store stops serving (seconds)
 
 
@@ -113,6 +119,10 @@ def job_list(peers: tuple[str, ...]) -> tuple[dict[str, TCPStore], list[str]]:
     while untried := [a for a in candidates if a not in live and a not in down]:
         address = untried[0]  # the list grows by what the first live peer holds
         peer_host, _, peer_port = address.rpartition(":")
+        if not accepts_connections(address, PEER_PROBE_S):
+            print(f"store list: {address} refuses connections; left out", file=sys.stderr)
+            down.add(address)
+            continue
         try:
             client = connect_store(peer_host.strip("[]"), int(peer_port), PEER_CONNECT_S)
         except (RuntimeError, ValueError) as exc:

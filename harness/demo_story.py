@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from harness.chaos import ChaosRun, ChaosScenario, Fault
 from harness.control_plane import states
-from harness.training import last_step, launch_job, live_members
+from harness.training import last_step, launch_job, live_members, wait_departures
 from wire.worker_env import INJECT_SLOW_FILE_ENV
 
 EventKind = Literal["kill", "straggler", "preempt", "node", "join"]
@@ -306,6 +306,7 @@ def run_story(run: StoryRun) -> StoryRecord:
     gone = {r for ev in events if ev.kind in ("kill", "node") for r in ev.ranks}
     finishers = [r for r in range(cfg.pp * cfg.dp) if r not in gone]
     results = run.wait_results(finishers)  # the preempted worker writes its results as it leaves
+    departing = [f"rank-{r}" for r in finishers]
     for index in range(run.spares):  # a joiner's results are keyed by the rank it was given
         path = run.spare_result_file(index)
         while not path.exists():
@@ -314,7 +315,8 @@ def run_story(run: StoryRun) -> StoryRecord:
         spare = json.loads(path.read_text())
         results[int(spare["rank"])] = spare
         finishers.append(int(spare["rank"]))
-    wait_departures(run, [f"rank-{r}" for r in finishers])
+        departing.append(f"spare-{index}")  # its worker id: the rank it took is not in its name
+    wait_departures(run, departing)
     job = run.job()
     return StoryRecord(
         cfg,
@@ -329,14 +331,6 @@ def run_story(run: StoryRun) -> StoryRecord:
         started,
         job["phase"],
     )
-
-
-def wait_departures(run: StoryRun, workers: list[str], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not all(
-        states(run.job()).get(w) in ("LEFT", "LOST") for w in workers
-    ):
-        time.sleep(0.05)
 
 
 def step_trace(results: dict[str, Any]) -> list[dict[str, Any]]:

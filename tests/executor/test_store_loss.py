@@ -13,6 +13,7 @@ Three workers' step protocols over a real store server; the store is killed at c
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 
 from executor.comm import StoreLost
 from executor.step_protocol import COMMIT, DecisionUnknown, StepProtocol
-from executor.store_server import StoreServer, connect_store
+from executor.store_server import PEER_CONNECT_S, STORES_KEY, StoreServer, connect_store
 from planners.layout import Plan, make_uniform_layout
 from tests.executor.stores import start_store
 from tests.executor.test_failstop import _protocols
@@ -111,3 +112,29 @@ def test_a_decision_nobody_read_is_rolled_back_everywhere() -> None:
     finally:
         primary.stop()
         standby.stop()
+
+
+def test_a_new_standby_leaves_out_the_dead_store_its_peer_still_lists_without_waiting_on_it() -> None:
+    """After the store dies, the survivor still lists it first; the launcher's new standby reads
+    that list (`store_server.job_list`) and must leave the dead one out at once: TCPStore's own
+    client retries a refused port for two PEER_CONNECT_S attempts, so the standby (and with it
+    the job's protection against the next store loss) came up only ~10 s later."""
+    primary = start_store()
+    standby = start_store(peers=(primary.address,))
+    replacement = None
+    try:
+        listed = connect_store("127.0.0.1", standby.port).get(STORES_KEY).decode()
+        assert listed == f"{primary.address},{standby.address}"
+        primary.process.kill()
+        primary.process.wait(timeout=10)
+        started = time.monotonic()
+        replacement = start_store(peers=(standby.address,))
+        took_s = time.monotonic() - started
+        expected = f"{standby.address},{replacement.address}"
+        for store in (standby, replacement):
+            assert connect_store("127.0.0.1", store.port).get(STORES_KEY).decode() == expected
+        assert took_s < PEER_CONNECT_S, f"the new standby waited {took_s:.1f} s on the dead store"
+    finally:
+        for store in (primary, standby, replacement):
+            if store is not None:
+                store.stop()
