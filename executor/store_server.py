@@ -29,6 +29,10 @@ from executor.store_process import accepts_connections, announce_args, launch
 
 DEFAULT_HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# A dead store's port refuses at once, but TCPStore's client retries a refused connect with
+# back-off until its timeout (two tries of PEER_CONNECT_S each): a plain TCP connect first tells
+# a gone store from a slow one in milliseconds (a live host's kernel accepts even when loaded).
+PEER_PROBE_S = 1.0
 
 
 def connect_store(host: str, port: int, timeout_s: float = 30.0) -> TCPStore:
@@ -36,6 +40,17 @@ def connect_store(host: str, port: int, timeout_s: float = 30.0) -> TCPStore:
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def connect_live(address: str, timeout_s: float) -> TCPStore:
+    """A client of the store at "host:port" within `timeout_s`. A plain TCP connect first
+    (at most PEER_PROBE_S): a dead store's port refuses at once, where TCPStore's own client
+    retries a refused connect with back-off for its whole timeout. Raises ConnectionError for
+    a port that refuses or does not answer, DistNetworkError/RuntimeError as `connect_store`."""
+    if not accepts_connections(address, min(PEER_PROBE_S, timeout_s)):
+        raise ConnectionError(f"{address} refuses connections")
+    host, _, port = address.rpartition(":")
+    return connect_store(host.strip("[]"), int(port), timeout_s)
 
 
 def connect_first_answering(
@@ -53,13 +68,10 @@ def connect_first_answering(
     deadline = time.monotonic() + timeout_s
     while True:
         for index, address in enumerate(addresses):
-            host, port = address.rsplit(":", 1)
             left = deadline - time.monotonic()
-            if not accepts_connections(address, min(PEER_PROBE_S, max(0.1, left))):
-                continue  # refused at once: TCPStore would retry it for the whole attempt
             try:
-                return index, connect_store(host.strip("[]"), int(port), max(0.1, min(attempt_s, left)))
-            except (DistNetworkError, RuntimeError):
+                return index, connect_live(address, max(0.1, min(attempt_s, left)))
+            except (ConnectionError, DistNetworkError, RuntimeError):
                 continue
         if time.monotonic() >= deadline:
             raise TimeoutError(f"no store of {list(addresses)} answered within {timeout_s:g} s")
@@ -72,10 +84,6 @@ def connect_first_answering(
 # after every store loss, not only the first.
 STORES_KEY = "elaswave/stores"
 PEER_CONNECT_S = 5.0
-# A dead store's port refuses at once, but TCPStore's client retries a refused connect with
-# back-off until its timeout (two tries of PEER_CONNECT_S each): a plain TCP connect first tells
-# a gone store from a slow one in milliseconds (a live host's kernel accepts even when loaded).
-PEER_PROBE_S = 1.0
 STOP_POLL_S = 0.05  # how soon a signalled store stops serving (seconds)
 
 
@@ -118,14 +126,9 @@ def job_list(peers: tuple[str, ...]) -> tuple[dict[str, TCPStore], list[str]]:
     candidates = list(peers)
     while untried := [a for a in candidates if a not in live and a not in down]:
         address = untried[0]  # the list grows by what the first live peer holds
-        peer_host, _, peer_port = address.rpartition(":")
-        if not accepts_connections(address, PEER_PROBE_S):
-            print(f"store list: {address} refuses connections; left out", file=sys.stderr)
-            down.add(address)
-            continue
         try:
-            client = connect_store(peer_host.strip("[]"), int(peer_port), PEER_CONNECT_S)
-        except (RuntimeError, ValueError) as exc:
+            client = connect_live(address, PEER_CONNECT_S)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
             print(f"store list: {address} does not answer ({exc}); left out", file=sys.stderr)
             down.add(address)
             continue

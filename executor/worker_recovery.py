@@ -98,7 +98,7 @@ class PlanFollowing:
         from torch.distributed import DistNetworkError  # noqa: PLC0415
 
         from executor.comm import StoreLost  # noqa: PLC0415
-        from executor.store_server import connect_store  # noqa: PLC0415
+        from executor.store_server import connect_live  # noqa: PLC0415
 
         try:
             self.comm.store.check([f"{self.comm.namespace}/alive"])
@@ -109,10 +109,9 @@ class PlanFollowing:
         n = len(self.store_addresses)
         for offset in range(1, n):
             index = (self._store_index + offset) % n
-            host, port = self.store_addresses[index].rsplit(":", 1)
             try:
-                store = connect_store(host, int(port), timeout_s=STORE_CONNECT_S)
-            except (DistNetworkError, RuntimeError):
+                store = connect_live(self.store_addresses[index], STORE_CONNECT_S)
+            except (ConnectionError, DistNetworkError, RuntimeError):
                 continue
             self._move_store(index, store)
             return
