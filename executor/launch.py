@@ -188,8 +188,9 @@ def run_job(spec: JobSpec) -> dict[int, RankResult]:
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=spec.timeout_s)
     )
     ctx = mp.get_context("forkserver")
-    # The fork server imports torch and the engine once; each rank is then a cheap fork of it.
-    ctx.set_forkserver_preload(["torch", "executor.launch"])
+    # The fork server imports torch and the engine once and warms the runtime
+    # (executor.forkserver_warm); each rank is then a cheap fork of it.
+    ctx.set_forkserver_preload(["torch", "executor.launch", "executor.forkserver_warm"])
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, spec, store.port, results), daemon=True) for r in ranks]
     for p in procs:

@@ -13,7 +13,9 @@ from typing import Any
 # Workers are forked from a fork server that imported torch and the engine once (fast starts,
 # and no state inherited from the pytest process).
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "executor.trainer", "executor.comm", "executor.fabric"])
+CTX.set_forkserver_preload(
+    ["torch", "executor.trainer", "executor.comm", "executor.fabric", "executor.forkserver_warm"]
+)
 
 
 def run_worker(target: Callable[..., Any], worker: int, results: Any, *args: Any) -> None:
