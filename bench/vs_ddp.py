@@ -696,8 +696,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from executor.store_server import StoreServer  # noqa: PLC0415
 
+    # Warmed as `elaswave run`'s zygote warms its workers (executor.warm_runtime): the engine's
+    # workers and the baselines' alike, so neither pays a lazy import or a full collection of
+    # the imports' objects inside a timed step.
     mp.get_context("forkserver").set_forkserver_preload(
-        ["torch", "executor.trainer", "executor.fabric", "torch.distributed.pipelining"]
+        [
+            "torch",
+            "executor.trainer",
+            "executor.fabric",
+            "torch.distributed.pipelining",
+            "executor.forkserver_warm",
+        ]
     )
     print(f"# ElasWave vs DDP / torch pipelining, fault-free, gloo on CPU\n\n- machine: {machine()}")
     print(
