@@ -1,6 +1,7 @@
 """What a worker builds before its first step (executor.warm_runtime), in a fresh interpreter
 each: torch's lazy import of a backward with explicit gradients is done, the imports are frozen
-out of the collector's walk, and what is built afterwards is still collected."""
+out of the collector's walk, and what is built afterwards is still collected. A rank forked from
+a fork server that preloads `executor.forkserver_warm` inherits all of it."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import dataclasses, gc, json, sys, weakref
 import torch
 from executor.warm_runtime import prepare_runtime
 
-warmup = prepare_runtime() if sys.argv[1] == "prepared" else None
+MODE = globals().get("MODE") or sys.argv[1]  # "forked": run by FORKED in its forked rank
+warmup = prepare_runtime() if MODE == "prepared" else None
 before = set(sys.modules)
 x = torch.ones(3, requires_grad=True)
 torch.autograd.backward([x * 3.0], [torch.full((3,), 2.0)])  # a middle stage's backward
@@ -39,13 +41,27 @@ print(json.dumps({
     "cycle_freed": gone() is None,
     "frozen": gc.get_freeze_count(),
     "warmup": dataclasses.asdict(warmup) if warmup else None,
-}))
+}), flush=True)
+"""
+
+# One rank forked from a fork server that preloads the warm-up, as `tests/executor/ft_procs.py`
+# and `executor.launch` start theirs; the rank runs PROBE.
+FORKED = """\
+import multiprocessing as mp, sys
+ctx = mp.get_context("forkserver")
+ctx.set_forkserver_preload(["torch", "executor.forkserver_warm"])
+if __name__ == "__main__":
+    rank = ctx.Process(target=exec, args=(sys.argv[1], {"__name__": "probe", "MODE": "forked"}))
+    rank.start()
+    rank.join(90)
+    sys.exit(rank.exitcode)
 """
 
 
 def _probe(mode: str) -> dict:
+    argv = ["-c", FORKED, PROBE] if mode == "forked" else ["-c", PROBE, mode]
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, mode],
+        [sys.executable, *argv],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -64,3 +80,11 @@ def test_after_prepare_a_backward_with_gradients_imports_nothing_and_later_cycle
     assert prepared["grad"] == cold["grad"] == [6.0, 6.0, 6.0]
     assert prepared["frozen"] == prepared["warmup"]["frozen_objects"] > 10_000
     assert prepared["cycle_freed"] and cold["cycle_freed"]
+
+
+def test_a_rank_forked_from_a_warmed_fork_server_imports_nothing_in_its_first_backward() -> None:
+    forked = _probe("forked")
+    assert forked["imported"] == []
+    assert forked["grad"] == [6.0, 6.0, 6.0]
+    assert forked["frozen"] > 10_000  # the fork server's freeze, inherited
+    assert forked["cycle_freed"]
