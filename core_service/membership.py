@@ -326,7 +326,6 @@ class Membership:
     def step(self, session: AgentSession, report: StepReport) -> None:
         job = self.table.get(session.job)
         member = job.member(session.worker_id)
-        first_step = member.last_step is None
         member.last_step = report
         # Progress survives a takeover: the member (with its last step) is stored at most every
         # progress_persist_s; state changes store it too (issue 27: members read 0 after one).
@@ -336,12 +335,15 @@ class Membership:
         if report.checkpoint:
             self.checkpoint_written(job, member.worker_id, report.checkpoint, report.received_unix)
         member.stage, member.dp_rank = report.stage, report.dp_rank
-        if member.state == WorkerState.JOINING and first_step:
+        # Any step report, not only a member's first: after a takeover the stored member can hold
+        # a step and still say JOINING (the leader died between storing the step and storing the
+        # state change), and it must not stay JOINING while it trains.
+        if member.state == WorkerState.JOINING:
             self.table.set_state(
                 job,
                 member,
                 WorkerState.RUNNING,
-                "first step reported",
+                f"step {report.step} reported",
                 now=report.received_unix,
                 kind="worker_running",
             )

@@ -186,6 +186,9 @@ def test_leader_core_killed_standby_takes_over_with_membership_intact(cluster: d
         20,
         "three agents to reconnect",
     )
+    # A member the dead leader stored as JOINING (killed before its move to RUNNING was stored)
+    # is RUNNING again at its next step report.
+    wait_until(lambda: all_running(standby, 3), 5, "three running workers on the new leader")
     after = standby.job("train")
     assert {m["worker_id"]: m["state"] for m in after["members"]} == {
         "w0": "RUNNING",
@@ -193,6 +196,8 @@ def test_leader_core_killed_standby_takes_over_with_membership_intact(cluster: d
         "w2": "RUNNING",
     }
     assert {m["worker_id"]: m["pid"] for m in after["members"]} == pids
+    kinds = [e["kind"] for e in standby.http.get("/api/v1/jobs/train/events").json()["events"]]
+    assert "worker_lost" not in kinds
     # The event history written by the dead leader is still there, in order.
     old_events = [
         (e["seq"], e["kind"]) for e in standby.http.get("/api/v1/jobs/train/events").json()["events"]

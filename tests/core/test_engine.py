@@ -15,7 +15,7 @@ from core_service.job_snapshot import Decision, JobSnapshot, Policy
 from core_service.jobs import JobTable
 from core_service.membership import Membership
 from core_service.metrics import CoreMetrics
-from core_service.model import Ack, AckPhase, JobPhase, WorkerState
+from core_service.model import Ack, AckPhase, JobPhase, StepReport, WorkerState
 from core_service.persist import Persister
 from core_service.policies import LayoutPolicy
 from core_service.recovery import stored_plans
@@ -318,3 +318,39 @@ def test_restore_takes_the_newest_plan_replans_unplanned_losses_and_resumes_the_
         await old.persister.stop(5.0)
 
     run(scenario())
+
+
+async def _stored_joining_with_a_step(layout: Layout) -> tuple[MemoryRegistry, str]:
+    """The old leader's term: w0 registered, its first step stored, its move to RUNNING not."""
+    old = Harness(layout, default_job=False)
+    old.persister.start()
+    job = old.add_job("j", layout)
+    session = await old.membership.register(W0, now=0.0)
+    member = job.members["w0"]
+    member.last_step = StepReport(0, 0.1, 0.1, 2.0, 2, 0, 0, 1.0)
+    old.table.save_member(job, member)  # the first of the step's two writes
+    await old.persister.wait_durable(5.0)
+    await old.persister.stop()
+    return old.registry, session.worker_token
+
+
+W0 = Registration("j", "w0", "host", 100, [], 0, 0, 0, holds_own_lease=False)
+
+
+@pytest.mark.timeout(30)
+def test_a_member_stored_joining_with_a_step_runs_at_its_next_step_after_a_takeover() -> None:
+    """The leader stores a member's first step, then its move to RUNNING; killed between the two
+    writes (a CI run caught it), the next leader loads a member that says JOINING and has
+    stepped. Its next step report must make it RUNNING (it stayed JOINING for good)."""
+    layout = make_uniform_layout(num_layers=4, num_stages=1, dp=1, global_batch=2, num_micro_batches=1)
+    registry, worker_token = run(_stored_joining_with_a_step(layout))
+    new = Harness(layout, registry=registry, default_job=False)
+    new.table.load_from_registry(now=2.0)
+    job = new.table.get("j")
+    assert job.members["w0"].state is WorkerState.JOINING and job.members["w0"].last_step is not None
+    session = run(
+        new.membership.register(W0, now=2.0, presented=worker_token)
+    )  # reconnects to the new leader
+    new.membership.step(session, StepReport(1, 0.1, 0.1, 1.9, 2, 0, 0, 3.0))
+    assert job.members["w0"].state is WorkerState.RUNNING
+    assert [e.detail for e in job.events if e.kind == "worker_running"] == ["step 1 reported"]
