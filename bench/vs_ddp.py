@@ -695,19 +695,12 @@ def main(argv: list[str] | None = None) -> int:
         CFG = dataclasses.replace(CFG, hidden=args.hidden)
 
     from executor.store_server import StoreServer  # noqa: PLC0415
+    from executor.warm_runtime import warm_forkserver  # noqa: PLC0415
 
-    # Warmed as `elaswave run`'s zygote warms its workers (executor.warm_runtime): the engine's
+    # Warmed as `elaswave run`'s zygote warms its workers: the engine's
     # workers and the baselines' alike, so neither pays a lazy import or a full collection of
     # the imports' objects inside a timed step.
-    mp.get_context("forkserver").set_forkserver_preload(
-        [
-            "torch",
-            "executor.trainer",
-            "executor.fabric",
-            "torch.distributed.pipelining",
-            "executor.forkserver_warm",
-        ]
-    )
+    warm_forkserver(["torch", "executor.trainer", "executor.fabric", "torch.distributed.pipelining"])
     print(f"# ElasWave vs DDP / torch pipelining, fault-free, gloo on CPU\n\n- machine: {machine()}")
     print(
         f"- model: GPT example, hidden {CFG.hidden}, {CFG.num_heads} heads, {CFG.num_layers} blocks, "

@@ -6,8 +6,7 @@ explicit output gradients, then a freeze of what the imports built). Every rank 
 inherits both, as the workers `agent.zygote` forks do; without it each first or middle pipeline
 stage rank imported sympy (~480 modules, ~0.5 s of CPU) inside its first backward.
 
-Use: `ctx.set_forkserver_preload(["torch", ..., "executor.forkserver_warm"])`, last, so that
-what the other preloads import is frozen too.
+Use `executor.warm_runtime.warm_forkserver(preload)`, which preloads this module last.
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 
 from executor.checkpoint import CheckpointWriter
@@ -28,6 +27,7 @@ from executor.engine_comm import BACKENDS, EngineComm, StaticComm, groups_for_st
 from executor.migration import migrate
 from executor.nonblocking_migration import NonBlockingMigration
 from executor.trainer import Trainer, TrainSpec, checkpoint_payload, checkpoint_writer, load_checkpoint
+from executor.warm_runtime import warm_forkserver
 from planners.layout import Layout
 
 
@@ -187,10 +187,9 @@ def run_job(spec: JobSpec) -> dict[int, RankResult]:
     store = TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=spec.timeout_s)
     )
-    ctx = mp.get_context("forkserver")
-    # The fork server imports torch and the engine once and warms the runtime
-    # (executor.forkserver_warm); each rank is then a cheap fork of it.
-    ctx.set_forkserver_preload(["torch", "executor.launch", "executor.forkserver_warm"])
+    # The fork server imports torch and the engine once and warms the runtime; each rank is then
+    # a cheap fork of it.
+    ctx = warm_forkserver(["torch", "executor.launch"])
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, spec, store.port, results), daemon=True) for r in ranks]
     for p in procs:

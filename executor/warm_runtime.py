@@ -34,8 +34,11 @@ sharing those pages with the zygote (copy-on-write).
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing.context import ForkServerContext
 
 import torch
 
@@ -76,3 +79,13 @@ def prepare_runtime() -> RuntimeWarmup:
 def prepare_zygote() -> None:
     """`agent.zygote`'s hook for a preloaded module: what every forked worker would build."""
     prepare_runtime()
+
+
+def warm_forkserver(preload: Sequence[str]) -> ForkServerContext:
+    """The `forkserver` multiprocessing context, its server set to import `preload` and then
+    `executor.forkserver_warm` (last, so what `preload` imports is frozen too): every process it
+    forks starts as warm as a worker `agent.zygote` forks. Takes effect if this process's fork
+    server has not started yet (it is shared by every caller)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([*preload, "executor.forkserver_warm"])
+    return ctx

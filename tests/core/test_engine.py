@@ -348,9 +348,8 @@ def test_a_member_stored_joining_with_a_step_runs_at_its_next_step_after_a_takeo
     new.table.load_from_registry(now=2.0)
     job = new.table.get("j")
     assert job.members["w0"].state is WorkerState.JOINING and job.members["w0"].last_step is not None
-    session = run(
-        new.membership.register(W0, now=2.0, presented=worker_token)
-    )  # reconnects to the new leader
+    # The agent reconnects to the new leader with its credential.
+    session = run(new.membership.register(W0, now=2.0, presented=worker_token))
     new.membership.step(session, StepReport(1, 0.1, 0.1, 1.9, 2, 0, 0, 3.0))
     assert job.members["w0"].state is WorkerState.RUNNING
     assert [e.detail for e in job.events if e.kind == "worker_running"] == ["step 1 reported"]

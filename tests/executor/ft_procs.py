@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -10,12 +9,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-# Workers are forked from a fork server that imported torch and the engine once (fast starts,
-# and no state inherited from the pytest process).
-CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(
-    ["torch", "executor.trainer", "executor.comm", "executor.fabric", "executor.forkserver_warm"]
-)
+from executor.warm_runtime import warm_forkserver
+
+# Workers are forked from a fork server that imported torch and the engine once and warmed the
+# runtime (fast starts, no lazy import in a first backward, no state inherited from pytest).
+CTX = warm_forkserver(["torch", "executor.trainer", "executor.comm", "executor.fabric"])
 
 
 def run_worker(target: Callable[..., Any], worker: int, results: Any, *args: Any) -> None:

@@ -44,12 +44,12 @@ print(json.dumps({
 }), flush=True)
 """
 
-# One rank forked from a fork server that preloads the warm-up, as `tests/executor/ft_procs.py`
+# One rank forked from a fork server that preloads the warm-up (`warm_forkserver`), as `tests/executor/ft_procs.py`
 # and `executor.launch` start theirs; the rank runs PROBE.
 FORKED = """\
-import multiprocessing as mp, sys
-ctx = mp.get_context("forkserver")
-ctx.set_forkserver_preload(["torch", "executor.forkserver_warm"])
+import sys
+from executor.warm_runtime import warm_forkserver
+ctx = warm_forkserver(["torch"])
 if __name__ == "__main__":
     rank = ctx.Process(target=exec, args=(sys.argv[1], {"__name__": "probe", "MODE": "forked"}))
     rank.start()
