@@ -177,5 +177,7 @@ class OptimizerConfig:
         v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         bias1 = 1.0 - beta1**step
         bias2_sqrt = math.sqrt(1.0 - beta2**step)
-        denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
+        # One temporary, divided in place: the same arithmetic as `(v.sqrt() / c).add_(eps)`
+        # with one allocation fewer (a snapshot holder runs this on a host core every step).
+        denom = v.sqrt().div_(bias2_sqrt).add_(self.eps)
         p.addcdiv_(m, denom, value=-lr / bias1)

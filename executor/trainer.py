@@ -452,22 +452,25 @@ class Trainer:
         """Everything a rollback needs on this rank: parameters, optimizer shards, step counters."""
         return self.rollback_state_copier()()
 
-    def rollback_state_copier(self) -> Callable[[], dict[str, Any]]:
+    def rollback_state_copier(self, reuse: Mapping[str, Any] | None = None) -> Callable[[], dict[str, Any]]:
         """`state_dict_for_rollback` in two halves: the counters, layout and loss scale are read
         now; the returned function copies the tensors (parameters, optimizer shards). It may run
         later, on another thread, as long as nothing has written them in between: the next step
         writes them only in its optimizer update (after the gradient hook), so the copy of a
-        committed step can overlap the next step's forward and backward."""
+        committed step can overlap the next step's forward and backward. `reuse`: an earlier
+        rollback state that nothing reads any more; its tensors are overwritten where they fit
+        (the copy of every step then writes into the same memory, `flat_units.copy_reusing`)."""
         head = {
             "layout": self.layout,
             "next_step": self.next_step,
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
         }
         units = dict(self.model.units.items())
-        optimizer_copy = self.optimizer.state_copier()
+        optimizer_copy = self.optimizer.state_copier(None if reuse is None else reuse["optimizer"])
+        old_params: Mapping[str, torch.Tensor] = {} if reuse is None else reuse["params"]
 
         def copy_tensors() -> dict[str, Any]:
-            params = {n: flat_params(u) for n, u in units.items()}  # a copy (one clone of a flat buffer)
+            params = {n: flat_params(u, old_params.get(n)) for n, u in units.items()}
             return {**head, "params": params, "optimizer": optimizer_copy()}
 
         return copy_tensors

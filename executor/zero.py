@@ -40,7 +40,7 @@ from torch import nn
 
 from executor.comm.groups import WORLD_GROUP
 from executor.engine_comm import EngineComm, all_to_all_v
-from executor.flat_units import FlatUnit
+from executor.flat_units import FlatUnit, copy_reusing
 from executor.flat_units import assign_flat as assign_flat  # re-exported: the flat-vector helpers
 from executor.flat_units import flat_grads as flat_grads
 from executor.flat_units import flat_params as flat_params
@@ -279,18 +279,19 @@ class ShardedOptimizer:
         """Copy of my shards and the step count (for rollback)."""
         return self.state_copier()()
 
-    def state_copier(self) -> Callable[[], dict[str, Any]]:
+    def state_copier(self, reuse: Mapping[str, Any] | None = None) -> Callable[[], dict[str, Any]]:
         """`state()` with the step count read now and the moments copied when the returned
-        function runs (before the next update writes them; see Trainer.rollback_state_copier)."""
+        function runs (before the next update writes them; see Trainer.rollback_state_copier),
+        into the tensors of `reuse` (an earlier `state()` nothing reads any more) where they fit."""
         step_count, shards = self.step_count, dict(self.shards)
+        old = {} if reuse is None else reuse["shards"]
 
         def copy_moments() -> dict[str, Any]:
-            return {
-                "step_count": step_count,
-                "shards": {
-                    n: (sh.lo, sh.hi, sh.exp_avg.clone(), sh.exp_avg_sq.clone()) for n, sh in shards.items()
-                },
-            }
+            out = {}
+            for n, sh in shards.items():
+                _lo, _hi, m, v = old.get(n, (0, 0, None, None))
+                out[n] = (sh.lo, sh.hi, copy_reusing(sh.exp_avg, m), copy_reusing(sh.exp_avg_sq, v))
+            return {"step_count": step_count, "shards": out}
 
         return copy_moments
 

@@ -64,6 +64,7 @@ class SnapshotStats:
     post_s: float = 0.0  # critical path: concatenating the gradient shards and posting the ops
     finish_wait_s: float = 0.0  # critical path: waiting for the exchange before the commit vote
     update_s: float = 0.0  # background thread: AdamW on the host copy (competes for host cores)
+    update_cpu_s: float = 0.0  # background thread: the CPU time of the same (what it takes from the step)
     verify_s: float = 0.0  # critical path, every `verify_every` steps: checksums and their all-reduce
     verifies: int = 0  # checksum checks run (verify_s / verifies is the cost of one)
 
@@ -381,7 +382,7 @@ class ShardBackups:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 with self._lock:
                     if isinstance(item, _Seed):
@@ -399,6 +400,7 @@ class ShardBackups:
             except BaseException as exc:  # noqa: BLE001 - surfaced by flush()
                 self._errors.append(exc)
             self.stats.update_s += time.perf_counter() - t0
+            self.stats.update_cpu_s += time.thread_time() - c0
 
     def _apply(self, state: ShardState, grads: Mapping[str, torch.Tensor], step: int) -> None:
         """The live optimizer's own update of committed step `step` on one copy."""

@@ -196,6 +196,7 @@ class FabricParticipant:
         self._committed_state: dict[str, Any] = trainer.get_state()
         self._committing: Future[dict[str, Any]] | None = None
         self._copier: ThreadPoolExecutor | None = None
+        self.rollback_copy_cpu_s = 0.0  # the helper thread's CPU time for the copies, summed
         self._base: CommittedPoint | None = None  # set by the first plan after a commit
         # A joiner (growth) holds no group and no state until the plan that takes it in: its
         # trainer's fresh parameters are never used, and its backups are formed by that plan.
@@ -317,14 +318,28 @@ class FabricParticipant:
         """Take the rollback copy of the step just committed off the critical path (ElasWave §5:
         the commit waits only for what it must). Host memory only: on an accelerator the copy
         stays on the main thread, whose stream orders it before the next update's writes."""
-        copier = self.trainer.rollback_state_copier()
         self._wait_committed_copy()  # the previous copy (a step without an update never joined it)
+        # The copy being replaced is dead once this step has committed: a rollback now goes to
+        # this step, and the live state is not written until this copy lands (the gradient hook
+        # waits for it). So it becomes the new copy's memory, unless the plan being left still
+        # holds it as its committed point (`_base`, dropped with this commit: copy afresh once).
+        retired = self._committed_state
+        reuse = None if self._base is not None and self._base.state is retired else retired
+        copier = self.trainer.rollback_state_copier(reuse)
         if self.trainer.device.type != "cpu":
             self._committed_state = copier()
             return
         if self._copier is None:
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollback-copy")
-        self._committing = self._copier.submit(copier)
+        self._committing = self._copier.submit(self._timed_copy, copier)
+
+    def _timed_copy(self, copier: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Run `copier` on the helper thread and count its CPU time (bench.vs_ddp itemises it)."""
+        c0 = time.thread_time()
+        try:
+            return copier()
+        finally:
+            self.rollback_copy_cpu_s += time.thread_time() - c0
 
     @property
     def committed_layout(self) -> Layout:

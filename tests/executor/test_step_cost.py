@@ -54,6 +54,37 @@ def test_the_rollback_copy_taken_at_the_gradient_hook_is_the_committed_state() -
     assert not _equal(trainer.state_dict_for_rollback(), committed)
 
 
+def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:
+    shards = state["optimizer"]["shards"]
+    return [*state["params"].values(), *(t for n in shards for t in shards[n][2:])]
+
+
+def test_the_rollback_copy_of_a_step_reuses_the_memory_of_the_copy_it_replaces() -> None:
+    trainer = _trainer()
+    trainer.train_step(0)
+    retired = trainer.state_dict_for_rollback()
+    trainer.train_step(1)
+    committed = trainer.state_dict_for_rollback()
+    assert not _equal(retired, committed)  # step 1's update changed what the copy holds
+    copy = trainer.rollback_state_copier(reuse=retired)()
+    assert _equal(copy, committed)
+    # every tensor was written in place: the same memory, now holding step 1's state
+    assert [t.data_ptr() for t in _tensors(copy)] == [t.data_ptr() for t in _tensors(retired)]
+
+
+def test_a_rollback_copy_reusing_a_state_of_other_shapes_copies_afresh() -> None:
+    trainer = _trainer()
+    trainer.train_step(0)
+    committed = trainer.state_dict_for_rollback()
+    other = trainer.state_dict_for_rollback()
+    first = next(iter(other["params"]))
+    other["params"][first] = torch.zeros(3)  # another layout's slice of that unit
+    copy = trainer.rollback_state_copier(reuse=other)()
+    assert _equal(copy, committed)
+    assert copy["params"][first].data_ptr() != other["params"][first].data_ptr()
+    assert torch.equal(other["params"][first], torch.zeros(3))  # left as it was
+
+
 def test_range_views_are_the_flat_vectors_slices_and_write_through() -> None:
     unit = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     flat = flat_params(unit)

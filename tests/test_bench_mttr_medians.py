@@ -1,0 +1,48 @@
+"""`bench.mttr --repeats N`: the medians per case and issue 23's goals judged on them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.mttr import PHASES, medians
+
+
+def _run(
+    case: str, mttr: float | None, step: float | None, first: float | None, *, bad: bool = False
+) -> dict[str, Any]:
+    return {
+        "config": "PP=2 x DP=4",
+        "case": case,
+        "mttr_s": mttr,
+        "phases": {p: (mttr or 0.0) / len(PHASES) for p in PHASES},
+        "fault_free_step_s": step,
+        "first_step_s": first,
+        "problems": ["final state differs"] if bad else [],
+    }
+
+
+def test_medians_group_by_case_and_judge_the_goals_on_the_medians() -> None:
+    rows = [
+        _run("one kill", 0.40, 0.10, 0.20),
+        _run("one kill", 0.25, 0.10, 0.12),  # the median run: 0.25 s <= 0.2 + 0.1 s
+        _run("one kill", 0.28, 0.12, 0.11),
+        _run("whole stage", 0.50, 0.10, 0.30, bad=True),
+        _run("whole stage", None, None, None),  # a run that did not recover: left out of medians
+    ]
+    kill, stage = medians(rows)
+
+    assert (kill["case"], kill["runs"], kill["failed_checks"]) == ("one kill", 3, 0)
+    assert kill["mttr_s"] == 0.28 and kill["fault_free_step_s"] == 0.10
+    assert abs(kill["mttr_goal_s"] - 0.30) < 1e-12 and kill["mttr_goal_met"] is True
+    assert abs(kill["first_step_ratio"] - 1.2) < 1e-12 and kill["first_step_goal_met"] is True
+    assert abs(kill["phases"]["state"] - 0.28 / len(PHASES)) < 1e-12
+
+    assert (stage["case"], stage["runs"], stage["failed_checks"]) == ("whole stage", 2, 1)
+    assert stage["mttr_s"] == 0.50 and stage["mttr_goal_met"] is False
+    assert abs(stage["first_step_ratio"] - 3.0) < 1e-12 and stage["first_step_goal_met"] is False
+
+
+def test_a_case_with_no_recovered_run_has_no_verdict() -> None:
+    (only,) = medians([_run("the store", None, None, None)])
+    assert only["mttr_s"] is None and only["mttr_goal_met"] is None
+    assert only["first_step_ratio"] is None and only["first_step_goal_met"] is None
