@@ -19,7 +19,7 @@ from the latest checkpoint). Configurations PP=2 x DP=4 and PP=4 x DP=2.
 `--quick` runs the first configuration only. Timings are wall-clock on a shared machine: compare
 rows of one run, not runs. `--repeats N` runs every case N times and adds a table of medians
 per case, with issue 23's goal for it: MTTR <= 0.2 s + one fault-free step (the median of that
-case's later steps), the first step after the recovery <= 1.5x a later one.
+case's steps before the fault), the first step after the recovery <= 1.5x a later one.
 """
 
 from __future__ import annotations
@@ -114,12 +114,27 @@ def first_step(outcome: ChaosOutcome, workdir: Path) -> tuple[float | None, floa
     return first, statistics.median(later) if later else None
 
 
+def pre_fault_step(outcome: ChaosOutcome, workdir: Path) -> float | None:
+    """The median step before the fault (commit to commit, the latest commit of each step over
+    the survivors' result files): the fault-free step of issue 23's MTTR goal. The later steps
+    run on the recovered layout, with fewer workers, and are slower."""
+    fired = outcome.faults[0].fired_unix
+    per_step: dict[int, float] = {}
+    for f in sorted(workdir.glob("rank-*.json")):
+        for s, t in json.loads(f.read_text()).get("committed_unix", {}).items():
+            if t < fired:
+                per_step[int(s)] = max(per_step.get(int(s), 0.0), t)
+    steps = [per_step[s] - per_step[s - 1] for s in sorted(per_step) if s - 1 in per_step]
+    return statistics.median(steps) if steps else None
+
+
 def row(case: str, outcome: ChaosOutcome, workdir: Path) -> dict[str, Any]:
     record = outcome.faults[0]
     first, fault_free = first_step(outcome, workdir)
     return {
         "first_step_s": first,
         "fault_free_step_s": fault_free,
+        "pre_fault_step_s": pre_fault_step(outcome, workdir),
         "case": case,
         "config": f"PP={outcome.scenario.pp} x DP={outcome.scenario.dp}",
         "mttr_s": record.mttr_s,
@@ -171,7 +186,7 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for (config, case), runs in groups.items():
         mttr = _median([r["mttr_s"] for r in runs])
-        step = _median([r["fault_free_step_s"] for r in runs])
+        step = _median([r["pre_fault_step_s"] for r in runs])
         ratios = [
             r["first_step_s"] / r["fault_free_step_s"]
             for r in runs
@@ -186,7 +201,7 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "failed_checks": sum(1 for r in runs if r["problems"]),
                 "mttr_s": mttr,
                 "phases": {p: _median([r["phases"].get(p) for r in runs]) for p in PHASES},
-                "fault_free_step_s": step,
+                "pre_fault_step_s": step,
                 "first_step_ratio": ratio,
                 "mttr_goal_s": None if step is None else MTTR_GOAL_FIXED_S + step,
                 "mttr_goal_met": None if mttr is None or step is None else mttr <= MTTR_GOAL_FIXED_S + step,
@@ -198,8 +213,8 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def print_medians(summary: list[dict[str, Any]]) -> None:
     print(
-        f"\nmedians per case; goals: MTTR <= {MTTR_GOAL_FIXED_S * 1e3:.0f} ms + one step, "
-        f"first step <= {FIRST_STEP_GOAL}x"
+        f"\nmedians per case; goals: MTTR <= {MTTR_GOAL_FIXED_S * 1e3:.0f} ms + one step before "
+        f"the fault, the first step after it <= {FIRST_STEP_GOAL}x a later one"
     )
     print(
         f"{'config':<14} {'case':<22} {'runs':>4} {'MTTR':>7} "
@@ -219,7 +234,7 @@ def print_medians(summary: list[dict[str, Any]]) -> None:
         failed = f"  {m['failed_checks']} CHECKS FAILED" if m["failed_checks"] else ""
         print(
             f"{m['config']:<14} {m['case']:<22} {m['runs']:>4} {ms(m['mttr_s']):>7} {phases} "
-            f"{ms(m['fault_free_step_s']):>7} {ms(m['mttr_goal_s']):>7} {yes(m['mttr_goal_met']):>4} "
+            f"{ms(m['pre_fault_step_s']):>7} {ms(m['mttr_goal_s']):>7} {yes(m['mttr_goal_met']):>4} "
             f"{ratio:>6} {yes(m['first_step_goal_met']):>4}{failed}"
         )
 
