@@ -193,18 +193,22 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if r["first_step_s"] is not None and r["fault_free_step_s"]
         ]
         ratio = _median(list(ratios))
+        unrecovered = sum(1 for r in runs if r["mttr_s"] is None)
         out.append(
             {
                 "config": config,
                 "case": case,
                 "runs": len(runs),
                 "failed_checks": sum(1 for r in runs if r["problems"]),
+                "unrecovered": unrecovered,  # runs with no MTTR: the goal is not met if any
                 "mttr_s": mttr,
                 "phases": {p: _median([r["phases"].get(p) for r in runs]) for p in PHASES},
                 "pre_fault_step_s": step,
                 "first_step_ratio": ratio,
                 "mttr_goal_s": None if step is None else MTTR_GOAL_FIXED_S + step,
-                "mttr_goal_met": None if mttr is None or step is None else mttr <= MTTR_GOAL_FIXED_S + step,
+                "mttr_goal_met": None
+                if mttr is None or step is None
+                else not unrecovered and mttr <= MTTR_GOAL_FIXED_S + step,
                 "first_step_goal_met": None if ratio is None else ratio <= FIRST_STEP_GOAL,
             }
         )
@@ -232,6 +236,7 @@ def print_medians(summary: list[dict[str, Any]]) -> None:
         phases = " ".join(f"{ms(m['phases'][p]):>12}" for p in PHASES)
         ratio = "-" if m["first_step_ratio"] is None else f"{m['first_step_ratio']:.2f}x"
         failed = f"  {m['failed_checks']} CHECKS FAILED" if m["failed_checks"] else ""
+        failed += f"  {m['unrecovered']} NOT RECOVERED" if m["unrecovered"] else ""
         print(
             f"{m['config']:<14} {m['case']:<22} {m['runs']:>4} {ms(m['mttr_s']):>7} {phases} "
             f"{ms(m['pre_fault_step_s']):>7} {ms(m['mttr_goal_s']):>7} {yes(m['mttr_goal_met']):>4} "

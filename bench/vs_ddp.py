@@ -439,6 +439,8 @@ def _engine_worker(
     for step in range(steps):
         if step == WARMUP:
             prof.reset()
+            if participant is not None and participant.snapshot is not None:
+                participant.snapshot.flush()  # the warm-up's updates counted before, as at the end
             helpers_at_warmup = helper_thread_cpu(participant)
         times.start()
         if proto is not None:

@@ -40,8 +40,19 @@ def test_medians_group_by_case_and_judge_the_goals_on_the_medians() -> None:
     assert abs(kill["phases"]["state"] - 0.28 / len(PHASES)) < 1e-12
 
     assert (stage["case"], stage["runs"], stage["failed_checks"]) == ("whole stage", 2, 1)
+    assert stage["unrecovered"] == 1 and kill["unrecovered"] == 0
     assert stage["mttr_s"] == 0.50 and stage["mttr_goal_met"] is False
     assert abs(stage["first_step_ratio"] - 3.0) < 1e-12 and stage["first_step_goal_met"] is False
+
+
+def test_a_run_that_never_recovered_fails_the_goal_however_fast_the_others_were() -> None:
+    rows = [
+        _run("one kill", 0.21, 0.10, 0.10),
+        _run("one kill", 0.22, 0.10, 0.10),
+        _run("one kill", None, None, None),
+    ]
+    (kill,) = medians(rows)
+    assert kill["mttr_s"] == 0.215 and kill["unrecovered"] == 1 and kill["mttr_goal_met"] is False
 
 
 def test_a_case_with_no_recovered_run_has_no_verdict() -> None:
