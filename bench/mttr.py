@@ -77,19 +77,29 @@ def cases(pp: int, dp: int) -> list[tuple[str, ChaosScenario]]:
     ]
 
 
-def first_step(outcome: ChaosOutcome, workdir: Path) -> tuple[float | None, float | None]:
+def survivor_results(workdir: Path) -> list[dict[str, Any]]:
+    """The survivors' result files: a killed rank wrote none, or a partial one (a node's agent)."""
+    results = (json.loads(f.read_text()) for f in sorted(workdir.glob("rank-*.json")))
+    return [res for res in results if "committed_unix" in res]
+
+
+def latest_commits(results: list[dict[str, Any]], before: float | None = None) -> dict[int, float]:
+    """Step -> its latest commit time over the ranks (only commits before `before`, if given)."""
+    per_step: dict[int, float] = {}
+    for res in results:
+        for s, t in res["committed_unix"].items():
+            if before is None or t < before:
+                per_step[int(s)] = max(per_step.get(int(s), 0.0), t)
+    return per_step
+
+
+def first_step(outcome: ChaosOutcome, results: list[dict[str, Any]]) -> tuple[float | None, float | None]:
     """(first step after the recovery, median fault-free step) in seconds, from the survivors'
-    result files: the first step runs from the slowest survivor's end of the plan's apply to the
+    results: the first step runs from the slowest survivor's end of the plan's apply to the
     last survivor's commit after it; a fault-free step is the job's commit-to-commit interval
     (latest commit of step s - latest of step s - 1) over the later steps on the same layout, so
     the ratio is what the first step's cold start costs."""
     record = outcome.faults[0]
-    # Survivors' files only: a killed rank wrote none, or a partial one (a node's agent).
-    results = [
-        res
-        for res in (json.loads(f.read_text()) for f in sorted(workdir.glob("rank-*.json")))
-        if "committed_unix" in res
-    ]
     applied = [
         r["applied_unix"]
         for res in results
@@ -102,10 +112,7 @@ def first_step(outcome: ChaosOutcome, workdir: Path) -> tuple[float | None, floa
     firsts = [min((t for t in res["committed_unix"].values() if t > ready), default=None) for res in results]
     done = [t for t in firsts if t is not None]
     first = max(done) - ready if done else None
-    per_step: dict[int, float] = {}
-    for res in results:
-        for s, t in res["committed_unix"].items():
-            per_step[int(s)] = max(per_step.get(int(s), 0.0), t)
+    per_step = latest_commits(results)
     later = [
         per_step[s] - per_step[s - 1]
         for s in sorted(per_step)
@@ -114,27 +121,23 @@ def first_step(outcome: ChaosOutcome, workdir: Path) -> tuple[float | None, floa
     return first, statistics.median(later) if later else None
 
 
-def pre_fault_step(outcome: ChaosOutcome, workdir: Path) -> float | None:
+def pre_fault_step(outcome: ChaosOutcome, results: list[dict[str, Any]]) -> float | None:
     """The median step before the fault (commit to commit, the latest commit of each step over
-    the survivors' result files): the fault-free step of issue 23's MTTR goal. The later steps
-    run on the recovered layout, with fewer workers, and are slower."""
-    fired = outcome.faults[0].fired_unix
-    per_step: dict[int, float] = {}
-    for f in sorted(workdir.glob("rank-*.json")):
-        for s, t in json.loads(f.read_text()).get("committed_unix", {}).items():
-            if t < fired:
-                per_step[int(s)] = max(per_step.get(int(s), 0.0), t)
+    the survivors): the fault-free step of issue 23's MTTR goal. The later steps run on the
+    recovered layout, with fewer workers, and are slower."""
+    per_step = latest_commits(results, before=outcome.faults[0].fired_unix)
     steps = [per_step[s] - per_step[s - 1] for s in sorted(per_step) if s - 1 in per_step]
     return statistics.median(steps) if steps else None
 
 
 def row(case: str, outcome: ChaosOutcome, workdir: Path) -> dict[str, Any]:
     record = outcome.faults[0]
-    first, fault_free = first_step(outcome, workdir)
+    results = survivor_results(workdir)
+    first, fault_free = first_step(outcome, results)
     return {
         "first_step_s": first,
         "fault_free_step_s": fault_free,
-        "pre_fault_step_s": pre_fault_step(outcome, workdir),
+        "pre_fault_step_s": pre_fault_step(outcome, results),
         "case": case,
         "config": f"PP={outcome.scenario.pp} x DP={outcome.scenario.dp}",
         "mttr_s": record.mttr_s,

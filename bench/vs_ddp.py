@@ -439,8 +439,6 @@ def _engine_worker(
     for step in range(steps):
         if step == WARMUP:
             prof.reset()
-            if participant is not None and participant.snapshot is not None:
-                participant.snapshot.flush()  # the warm-up's updates counted before, as at the end
             helpers_at_warmup = helper_thread_cpu(participant)
         times.start()
         if proto is not None:
@@ -453,9 +451,6 @@ def _engine_worker(
         times.stop()
         if step in (0, steps - 1) and result.loss is not None:  # known on last-stage ranks
             checked[step] = result.loss
-    if participant is not None and participant.snapshot is not None:
-        participant.snapshot.flush()  # the last commit's update is counted (a rollback copy may
-        # still run: its CPU falls outside, as the one running at the warm-up's end falls inside)
     for label, cpu in helper_thread_cpu(participant).items():
         prof.totals[label] = [0.0, cpu - helpers_at_warmup.get(label, 0.0)]
     return times, checked
@@ -467,10 +462,14 @@ HELPER_ROLLBACK = "other thread: the rollback copy (parameters + own optimizer s
 
 def helper_thread_cpu(participant: Any) -> dict[str, float]:
     """CPU seconds the fault-tolerant path's helper threads have spent so far (none on the static
-    path): off the critical path, but on the same cores as the step."""
+    path): off the critical path, but on the same cores as the step. The snapshot's queued updates
+    are applied first, so the warm-up's and the last commit's are counted alike (a rollback copy
+    may still run: its CPU falls outside, as the one running at the warm-up's end falls inside)."""
     if participant is None:
         return {}
     snapshot = participant.snapshot
+    if snapshot is not None:
+        snapshot.flush()
     return {
         HELPER_SNAPSHOT: 0.0 if snapshot is None else snapshot.stats.update_cpu_s,
         HELPER_ROLLBACK: participant.rollback_copy_cpu_s,
