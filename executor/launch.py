@@ -26,6 +26,7 @@ from executor.devices import device_count, rank_device
 from executor.engine_comm import BACKENDS, EngineComm, StaticComm, groups_for_stage_ranks
 from executor.migration import migrate
 from executor.nonblocking_migration import NonBlockingMigration
+from executor.store_server import master_store
 from executor.trainer import Trainer, TrainSpec, checkpoint_payload, checkpoint_writer, load_checkpoint
 from executor.warm_runtime import warm_forkserver
 from planners.layout import Layout
@@ -184,9 +185,7 @@ def run_job(spec: JobSpec) -> dict[int, RankResult]:
     ranks = spec.layout.ranks()
     if sorted(ranks) != list(range(len(ranks))):
         raise ValueError(f"launch needs ranks 0..N-1, layout has {sorted(ranks)}")
-    store = TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=spec.timeout_s)
-    )
+    store = master_store("127.0.0.1", 0, spec.timeout_s)  # no DNS query per accepted rank
     # The fork server imports torch and the engine once and warms the runtime; each rank is then
     # a cheap fork of it.
     ctx = warm_forkserver(["torch", "executor.launch"])

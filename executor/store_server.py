@@ -15,6 +15,7 @@ import argparse
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -85,6 +86,49 @@ def connect_first_answering(
 STORES_KEY = "elaswave/stores"
 PEER_CONNECT_S = 5.0
 STOP_POLL_S = 0.05  # how soon a signalled store stops serving (seconds)
+LISTEN_BACKLOG = 4096  # connections the kernel queues before the store's loop accepts them
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The store's listening socket, of the family its clients reach `host` by, on every address
+    of that family. TCPStore's server names each client it accepts (`getnameinfo`, a reverse DNS
+    query) on its one event loop thread: on its own dual-stack socket every IPv4 client is
+    "::ffff:a.b.c.d", which no hosts file lists, so even a loopback client costs a DNS query, and
+    one query the resolver loses stalls every client of the store for the resolver's timeout
+    (5 s by default). That is what made losing the store cost 5 s (docs/benchmarks.md). On an
+    IPv4 socket a loopback client is 127.0.0.1, which /etc/hosts names without DNS."""
+    bare = host.strip("[]")
+    try:
+        families = {info[0] for info in socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM)}
+    except socket.gaierror as exc:
+        raise ValueError(f"store host {host!r} does not resolve: {exc}") from None
+    ipv4 = socket.AF_INET in families
+    sock = socket.socket(socket.AF_INET if ipv4 else socket.AF_INET6, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if not ipv4:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(("0.0.0.0" if ipv4 else "::", port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def master_store(host: str, port: int, timeout_s: float) -> TCPStore:
+    """A TCPStore server in this process on `listening_socket(host, port)` (port 0: a free one,
+    `store.port`), with its own client of `timeout_s` per call."""
+    listener = listening_socket(host, port)
+    bound = listener.getsockname()[1]
+    return TCPStore(
+        host.strip("[]"),
+        bound,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=listener.detach(),  # the store's server owns the descriptor from here
+    )
 
 
 def serve(
@@ -93,7 +137,7 @@ def serve(
     """Host a TCPStore on (host, port) until `stopped()`, asked every STOP_POLL_S. Port 0 picks a
     free port. With `peers`, the job's list of live stores + this one is written under STORES_KEY
     here and into every live store (`job_list`)."""
-    store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    store = master_store(host, port, timeout_s=30.0)
     me = f"[{host}]:{store.port}" if ":" in host else f"{host}:{store.port}"
     if peers:  # a store started alone knows of no standby: it leaves the workers' own list alone
         live, listed = job_list(peers)
