@@ -55,12 +55,14 @@ from executor.comm.groups import (
     shrink_is_possible,
     validate_membership,
 )
-from executor.comm.interruptible import call_interruptibly
+from executor.comm.interruptible import calls_interruptibly
 from executor.comm.ledger import GroupLedger
 from executor.engine_comm import BACKENDS, make_group
 from executor.staging import Staging, backend_device
 
 ABORT_POLL_S = 0.02
+# Gloo groups an edit builds at once, each over a store connection of its own (`_build`).
+PARALLEL_BUILDS = 4
 # Polling of store keys during recovery: fast at first (the keys are usually there within ms),
 # never slower than the abort poll.
 KEY_POLL_FIRST_S, KEY_POLL_MAX_S = 0.001, ABORT_POLL_S
@@ -175,8 +177,8 @@ class Communicator:
         # its peers wait for it at the collectives). Helper threads' waits block no compute.
         self.blocked_s = 0.0
         self._owner_thread = threading.get_ident()
-        self._build_store: Store | None = None  # see _second_connection
-        self._build_store_of: Store | None = None
+        self._build_stores: list[Store] = []  # see _build_connections
+        self._build_stores_of: Store | None = None
         self._build(sorted(n for n, ws in self.physical.items() if worker in ws))
 
     # ----- introspection -------------------------------------------------------------------
@@ -443,64 +445,85 @@ class Communicator:
 
     def _build(self, names: list[str], shrink: dict[str, _Group] | None = None) -> None:
         """Build `names` under this epoch's prefix and shrink the groups in `shrink` (old handles)
-        to their new member lists, in one sorted pass: identical order on every worker, so two
-        workers never wait on each other's second group while holding their first (lock
-        ordering) -- a shrink is collective over the survivors just as a build is."""
+        to their new member lists.
+
+        Every member first announces itself on every group, and one wait covers them all: a
+        member that died or left for a newer plan is a recorded absence (bounded,
+        interruptible), not a wait inside the backend's rendezvous. Gloo's rendezvous, which
+        connects every pair of members in its constructor, then runs for up to
+        `PARALLEL_BUILDS` groups at once, started in sorted order as earlier ones finish: the
+        smallest group not yet built is in flight on each of its members, so the builds cannot
+        wait on each other in a cycle, and an edit costs about its slowest group's rendezvous,
+        not the sum of them all (issue 23: most of a recovery's communicator phase). Shrinks,
+        collective over the survivors, run one by one in the same sorted order on every worker."""
         shrink = shrink or {}
-        for name in sorted([*names, *shrink]):
+        order = sorted([*names, *shrink])
+        prefix = {name: f"{self.namespace}/e{self.epoch}/{name}" for name in order}
+        for name in order:
+            self.store.set(f"{prefix[name]}/joined/{self.worker}", "1")
+        self.wait_keys(
+            [f"{prefix[n]}/joined/{w}" for n in order for w in self.physical[n]],
+            f"building {', '.join(repr(n) for n in order)}",
+        )
+        built = self._rendezvous_all([n for n in order if n not in shrink], prefix)
+        for name in order:
             workers = self.physical[name]
-            prefix = f"{self.namespace}/e{self.epoch}/{name}"
-            # Every member announces itself before the backend's own rendezvous, which cannot be
-            # interrupted: a member that died or left for a newer plan is a recorded absence
-            # (bounded, interruptible), not a wait inside gloo.
-            self.store.set(f"{prefix}/joined/{self.worker}", "1")
-            self.wait_keys([f"{prefix}/joined/{w}" for w in workers], f"building {name!r}")
-            if name in shrink:
-                pg = self._shrink(shrink[name], workers)
-            else:
-                pg = self._rendezvous(name, prefix, workers)
+            pg = self._shrink(shrink[name], workers) if name in shrink else built[name]
             ledger = GroupLedger(built=self.epoch, workers=workers)
             self._groups[name] = _Group(name=name, workers=workers, pg=pg, ledger=ledger)
 
-    def _rendezvous(self, name: str, prefix: str, workers: tuple[int, ...]) -> ProcessGroup:
-        """The backend's group `name` over `workers`. Gloo's rendezvous, in its constructor,
-        cannot be interrupted (`executor.comm.interruptible`): it runs on a helper thread, over
-        a connection to the store of its own (a store client serves one call at a time, and
-        gloo's waits would hold this thread's checks), while this waits as `wait_keys` does,
-        ended at once by a newer plan (Interrupted) or the epoch's abort (PeerFailure). Other
-        backends connect at their first collective, guarded like any op, so they are built here,
-        as is a group over a store that cannot open a second connection."""
-        own = self._second_connection() if self.backend == "gloo" else None
-        build = partial(
-            make_group,
-            self.backend,
-            PrefixStore(prefix, own or self.store),
-            workers.index(self.worker),
-            len(workers),
-            timedelta(seconds=self.timeout_s),
-        )
-        if own is None:
-            return build()
-        check = partial(self._check_stop, f"building {name!r}", self.abort_key(None))
+    def _rendezvous_all(self, names: list[str], prefix: dict[str, str]) -> dict[str, ProcessGroup]:
+        """The backend's groups `names` (sorted), each over its members. Gloo's rendezvous cannot
+        be interrupted (`executor.comm.interruptible`): each runs on a helper thread, over a
+        connection to the store of its own (a store client serves one call at a time, and gloo's
+        waits would hold the other builds' and this thread's checks), while this waits as
+        `wait_keys` does, ended at once by a newer plan (Interrupted) or the epoch's abort
+        (PeerFailure). Other backends connect at their first collective, guarded like any op, so
+        they are built here, as are groups over a store that cannot open more connections."""
+        conns = self._build_connections(min(len(names), PARALLEL_BUILDS)) if self.backend == "gloo" else []
+        free: queue.SimpleQueue[Store] = queue.SimpleQueue()
+        for conn in conns:
+            free.put(conn)
+
+        def build(name: str, store: Store | None = None) -> ProcessGroup:
+            workers = self.physical[name]
+            own = store if store is not None else free.get_nowait()  # one per build in flight
+            try:
+                return make_group(
+                    self.backend,
+                    PrefixStore(prefix[name], own),
+                    workers.index(self.worker),
+                    len(workers),
+                    timedelta(seconds=self.timeout_s),
+                )
+            finally:
+                if store is None:
+                    free.put(own)
+
+        if not conns:
+            return {name: build(name, self.store) for name in names}
+        check = partial(self._check_stop, f"building {names}", self.abort_key(None))
+        calls = {name: partial(build, name) for name in names}
         try:
-            return call_interruptibly(build, check, KEY_POLL_MAX_S, f"elaswave-build-{name}")
+            return calls_interruptibly(calls, check, KEY_POLL_MAX_S, len(conns))
         except BaseException:
-            self._build_store = None  # the abandoned build may still hold it: the next opens another
+            self._build_stores = []  # abandoned builds may still hold them: the next opens others
             raise
 
-    def _second_connection(self) -> Store | None:
-        """The builds' own connection to the store: one, opened at the first build and kept (a
-        connection per group would pile up on the store server), reopened after an abandoned
-        build and when the worker moves to another store; None where the store has no clone."""
-        if self._build_store is not None and self._build_store_of is self.store:
-            return self._build_store
+    def _build_connections(self, count: int) -> list[Store]:
+        """`count` connections of the builds' own to the store, opened as the edits need them and
+        kept (a connection per group would pile up on the store server; a group holds the store
+        it was built over); reopened after abandoned builds and when the worker moves to another
+        store. Empty where the store has no clone."""
+        if self._build_stores_of is not self.store:
+            self._build_stores, self._build_stores_of = [], self.store
         clone = getattr(self.store, "clone", None)  # c10d stores have it; torch's stubs do not
-        try:
-            self._build_store = cast(Store, clone()) if clone is not None else None
-        except (NotImplementedError, RuntimeError):
-            self._build_store = None
-        self._build_store_of = self.store
-        return self._build_store
+        while len(self._build_stores) < count and clone is not None:
+            try:
+                self._build_stores.append(cast(Store, clone()))
+            except (NotImplementedError, RuntimeError):
+                return []
+        return self._build_stores[:count] if clone is not None else []
 
     def _warm(self, names: list[str]) -> None:
         """One 1-element all-reduce on each group just built or shrunk, in the same sorted order

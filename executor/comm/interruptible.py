@@ -9,8 +9,9 @@ caller stops waiting for ends on its thread by itself, bounded by its own timeou
 
 from __future__ import annotations
 
+import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -21,21 +22,52 @@ def call_interruptibly(call: Callable[[], T], check: Callable[[], None], poll_s:
 
     Blocks until then, calling `check()` every `poll_s` seconds: what `check` raises is raised
     here at once, and the call is left to finish (or fail) unobserved."""
-    result: list[T] = []
-    failed: list[BaseException] = []
-    done = threading.Event()
+    return calls_interruptibly({name: call}, check, poll_s, 1)[name]
 
-    def run() -> None:
+
+def calls_interruptibly(
+    calls: Mapping[str, Callable[[], T]], check: Callable[[], None], poll_s: float, at_once: int
+) -> dict[str, T]:
+    """Every `calls[name]()` on a daemon thread named `name`, at most `at_once` running at a
+    time, started in the mapping's order (each as soon as an earlier one returns); their results
+    by name once all have returned.
+
+    Blocks until then, calling `check()` every `poll_s` seconds: what `check` raises, or the first
+    call's error, is raised here at once; the calls still running are left to finish (or fail)
+    unobserved, and those not started never start."""
+    if at_once < 1:
+        raise ValueError(f"at_once must be >= 1, got {at_once}")
+    results: dict[str, T] = {}
+    failed: list[BaseException] = []
+    finished: queue.SimpleQueue[str] = queue.SimpleQueue()
+    pending = list(calls)
+
+    def run(name: str) -> None:
         try:
-            result.append(call())
+            results[name] = calls[name]()
         except BaseException as exc:  # noqa: BLE001 - raised again on the waiting thread
             failed.append(exc)
         finally:
-            done.set()
+            finished.put(name)
 
-    threading.Thread(target=run, daemon=True, name=name).start()
-    while not done.wait(poll_s):
-        check()
-    if failed:
-        raise failed[0]
-    return result[0]
+    def start() -> None:
+        name = pending.pop(0)
+        threading.Thread(target=run, args=(name,), daemon=True, name=name).start()
+
+    running = 0
+    while pending and running < at_once:
+        start()
+        running += 1
+    while running:
+        try:
+            finished.get(timeout=poll_s)
+        except queue.Empty:
+            check()
+            continue
+        running -= 1
+        if failed:
+            raise failed[0]
+        if pending:
+            start()
+            running += 1
+    return results

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 
 import pytest
 from torch.distributed import TCPStore
 
 from executor.comm import Communicator, PeerFailure
 from executor.comm.errors import Interrupted
-from executor.comm.interruptible import call_interruptibly
+from executor.comm.interruptible import call_interruptibly, calls_interruptibly
 
 GROUP_TIMEOUT_S = 30.0
 BOUND_S = 5.0  # far below the group timeout, generous on a loaded machine
@@ -58,3 +59,46 @@ def test_a_member_that_announced_itself_and_died_fails_the_build_at_the_abort_no
     with pytest.raises(PeerFailure, match="worker 1 lost"):
         Communicator(store, 0, {"world": (0, 1)}, timeout_s=GROUP_TIMEOUT_S)
     assert time.monotonic() - t0 < BOUND_S
+
+
+def test_calls_run_at_most_so_many_at_once_in_order_and_all_results_come_back() -> None:
+    lock = threading.Lock()
+    running, peak, started = [0], [0], []
+
+    def call(name: str) -> str:
+        with lock:
+            started.append(name)
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return name.upper()
+
+    names = ["a", "b", "c", "d", "e"]
+    got = calls_interruptibly({n: partial(call, n) for n in names}, lambda: None, 0.01, 2)
+    assert got == {n: n.upper() for n in names}
+    assert peak[0] == 2 and started[:2] == ["a", "b"] and sorted(started) == names
+
+
+def test_the_first_failing_call_ends_the_wait_and_later_calls_never_start() -> None:
+    started: list[str] = []
+    release = threading.Event()
+
+    def slow() -> None:
+        started.append("slow")
+        release.wait(60)
+
+    def boom() -> None:
+        started.append("boom")
+        raise RuntimeError("connect refused")
+
+    def late() -> None:
+        started.append("late")
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="connect refused"):
+        calls_interruptibly({"slow": slow, "boom": boom, "late": late}, lambda: None, 0.01, 2)
+    assert time.monotonic() - t0 < BOUND_S
+    assert "late" not in started
+    release.set()
