@@ -192,7 +192,7 @@ class PlanFollowing:
         as a collective failure without a peer, which replays the step on the same layout."""
         from executor.plan_client import PlanTimeout  # noqa: PLC0415
 
-        quick = min(NO_PLAN_REPORT_S, self.args.timeout_s)
+        quick = 0.0 if self._failed_on_the_store_alone(step) else min(NO_PLAN_REPORT_S, self.args.timeout_s)
         try:
             return self.plans.wait_plan(newer_than, timeout_s=quick)
         except PlanTimeout:
@@ -201,6 +201,14 @@ class PlanFollowing:
                     -1, step, "step", f"no plan {quick:g} s after step {step} failed"
                 )
         return self.plans.wait_plan(newer_than, timeout_s=max(0.0, self.args.timeout_s - quick))
+
+    def _failed_on_the_store_alone(self, step: int) -> bool:
+        """Whether every failure recorded at `step` was the store's. No agent reports a store's
+        loss (the store is no worker), so no plan can come before a worker reports it: waiting
+        NO_PLAN_REPORT_S for one only delays the recovery. A store lost with workers (its node
+        gone) also fails collectives on other groups: then the agents' reports are awaited."""
+        failures = [f for f in self.results["failures"] if f["step"] == step]
+        return bool(failures) and all(f["group"] == "store" for f in failures)
 
     def _recover(self, step: int) -> int | None:
         """Wait for the Core's plan and apply it from the last committed state; the step to run
