@@ -57,6 +57,7 @@ from executor.comm.groups import (
 )
 from executor.comm.interruptible import calls_interruptibly
 from executor.comm.ledger import GroupLedger
+from executor.comm.reaper import GroupReaper
 from executor.engine_comm import BACKENDS, make_group
 from executor.staging import Staging, backend_device
 
@@ -168,6 +169,7 @@ class Communicator:
         self.physical = physical_groups(self.membership, pp_links)
         self._groups: dict[str, _Group] = {}
         self._graveyard: list[ProcessGroup] = []  # groups with abandoned ops; never destroyed
+        self._reaper: GroupReaper | None = None  # destroys dropped groups (`_retire_dropped`)
         # Asked at every poll of every wait: a reason (str) makes the wait raise `Interrupted`. The
         # worker sets it to "a newer plan exists", so no wait of a superseded recovery runs on.
         self.interrupt: Callable[[], str | None] | None = None
@@ -390,14 +392,18 @@ class Communicator:
         self.membership, self.physical = new, physical
         self._groups = {n: old_groups[n] for n in decision.reuse}
         for name in decision.drop:
-            g = old_groups[name]
+            dropped = old_groups[name]
             if self.backend != "gloo":
-                abort_group(g.pg)  # free its device communicator first (comm.device_groups)
-            elif g.ledger.pending or g.ledger.failed:
-                self._graveyard.append(g.pg)
-        with _store_errors():
-            self._build(list(decision.rebuild), shrink={n: old_groups[n] for n in decision.shrink})
-        self._warm(sorted([*decision.rebuild, *decision.shrink]))
+                abort_group(dropped.pg)  # free its device communicator first (comm.device_groups)
+            elif dropped.ledger.pending or dropped.ledger.failed:
+                self._graveyard.append(dropped.pg)
+            del dropped
+        try:
+            with _store_errors():
+                self._build(list(decision.rebuild), shrink={n: old_groups[n] for n in decision.shrink})
+            self._warm(sorted([*decision.rebuild, *decision.shrink]))
+        finally:
+            self._retire_dropped(old_groups)
         return EditReport(
             epoch=self.epoch,
             rebuilt=decision.rebuild,
@@ -407,6 +413,23 @@ class Communicator:
             seconds=time.perf_counter() - t0,
             shrunk=decision.shrink,
         )
+
+    def _retire_dropped(self, old_groups: dict[str, _Group]) -> None:
+        """Hand every group of `old_groups` that this worker no longer holds (dropped, rebuilt
+        under a new epoch, or shrunk into a new handle) to the reaper's thread, which destroys
+        it there (`executor.comm.reaper`: 59-85 ms a recovery on the worker's path before). The
+        entries leave `old_groups`, so the reaper holds the last reference; a group in the
+        graveyard (ops left unmatched) stays alive there, as before."""
+        kept = {id(g) for g in self._groups.values()}
+        retired = [old_groups.pop(name) for name in list(old_groups) if id(old_groups[name]) not in kept]
+        if retired:
+            if self._reaper is None:
+                self._reaper = GroupReaper()
+            self._reaper.retire(retired)
+
+    def drain_retired(self, timeout_s: float = 10.0) -> bool:
+        """Whether every group dropped so far has been destroyed, waiting at most `timeout_s`."""
+        return self._reaper is None or self._reaper.drain(timeout_s)
 
     def _decide(self, new: Membership, target: int) -> EditDecision:
         full = self.mode is RebuildMode.FULL
