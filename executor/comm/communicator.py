@@ -397,7 +397,7 @@ class Communicator:
                 abort_group(dropped.pg)  # free its device communicator first (comm.device_groups)
             elif dropped.ledger.pending or dropped.ledger.failed:
                 self._graveyard.append(dropped.pg)
-            del dropped
+            del dropped  # a name left holding the last one would destroy it here, at return
         try:
             with _store_errors():
                 self._build(list(decision.rebuild), shrink={n: old_groups[n] for n in decision.shrink})

@@ -12,7 +12,7 @@ and still serve many clients that connect at once; bad hosts are refused with a 
 from __future__ import annotations
 
 import socket
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -44,27 +44,16 @@ def test_the_store_listens_on_ipv4_and_serves_clients_that_connect_at_once() -> 
         assert server.port not in _listening_ports("tcp6"), (
             "the store listens on a dual-stack socket: its IPv4 clients are ::ffff: addresses"
         )
-        errors: list[BaseException] = []
 
-        def client(i: int) -> None:
-            try:
-                store = server.connect(timeout_s=20.0)
-                store.set(f"k{i}", str(i))
-                store.wait([f"k{j}" for j in range(CONCURRENT_CLIENTS)])
-                assert (
-                    store.get(f"k{(i + 1) % CONCURRENT_CLIENTS}")
-                    == str((i + 1) % CONCURRENT_CLIENTS).encode()
-                )
-            except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
-                errors.append(exc)
+        def client(i: int) -> bytes:
+            store = server.connect(timeout_s=20.0)
+            store.set(f"k{i}", str(i))
+            store.wait([f"k{j}" for j in range(CONCURRENT_CLIENTS)])
+            return store.get(f"k{(i + 1) % CONCURRENT_CLIENTS}")
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(CONCURRENT_CLIENTS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
-        assert not errors, errors
-        assert not any(t.is_alive() for t in threads)
+        with ThreadPoolExecutor(CONCURRENT_CLIENTS) as pool:  # a client's error is raised here
+            got = list(pool.map(client, range(CONCURRENT_CLIENTS), timeout=30))
+        assert got == [str((i + 1) % CONCURRENT_CLIENTS).encode() for i in range(CONCURRENT_CLIENTS)]
     finally:
         server.stop()
 
