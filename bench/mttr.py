@@ -130,11 +130,24 @@ def pre_fault_step(outcome: ChaosOutcome, results: list[dict[str, Any]]) -> floa
     return statistics.median(steps) if steps else None
 
 
+def shape_after(results: list[dict[str, Any]]) -> list[int]:
+    """Ranks per stage of the layout the survivors ended on (stage order): which shape the plan
+    chose, beside what a step on it cost."""
+    per_stage: dict[int, int] = {}
+    for res in results:
+        stages = res.get("stage_of_step") or {}
+        if stages:
+            last = stages[max(stages, key=int)]
+            per_stage[last] = per_stage.get(last, 0) + 1
+    return [per_stage[s] for s in sorted(per_stage)]
+
+
 def row(case: str, outcome: ChaosOutcome, workdir: Path) -> dict[str, Any]:
     record = outcome.faults[0]
     results = survivor_results(workdir)
     first, fault_free = first_step(outcome, results)
     return {
+        "shape_after": shape_after(results),
         "first_step_s": first,
         "fault_free_step_s": fault_free,
         "pre_fault_step_s": pre_fault_step(outcome, results),
@@ -154,7 +167,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     head = (
         f"{'config':<14} {'case':<22} {'MTTR':>7} "
         + " ".join(f"{p:>12}" for p in PHASES)
-        + f" {'1st step':>9} {'step':>7} {'ratio':>6}  plan"
+        + f" {'1st step':>9} {'step':>7} {'ratio':>6} {'after/before':>12}  plan"
     )
     print(head)
     for r in rows:
@@ -168,7 +181,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             if first is not None and step
             else f" {'-':>9} {'-':>7} {'-':>6}"
         )
-        print(f"{r['config']:<14} {r['case']:<22} {mttr:>7} {phases}{steps}  {how}{flag}")
+        before = r["pre_fault_step_s"]
+        # A later step on the new layout over a step before the fault: what the chosen shape costs.
+        kept = f" {step / before:11.2f}x" if step and before else f" {'-':>12}"
+        shape = f" stages of {r['shape_after']} ranks" if r["shape_after"] else ""
+        print(f"{r['config']:<14} {r['case']:<22} {mttr:>7} {phases}{steps}{kept}  {how}{shape}{flag}")
 
 
 MTTR_GOAL_FIXED_S = 0.2  # issue 23: MTTR <= 0.2 s + one fault-free step
@@ -247,9 +264,19 @@ def print_medians(summary: list[dict[str, Any]]) -> None:
         )
 
 
+def _shape(parser: argparse.ArgumentParser, text: str) -> tuple[int, int]:
+    pp, _, dp = text.partition("x")
+    if not (pp.isdigit() and dp.isdigit() and int(pp) >= 1 and int(dp) >= 1):
+        parser.error(f"--config takes PPxDP with positive integers, e.g. 4x2; got {text!r}")
+    return int(pp), int(dp)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="PP=2 x DP=4 only")
+    parser.add_argument(
+        "--config", nargs="+", default=None, metavar="PPxDP", help="only these shapes, e.g. 4x2 (8 workers)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--case", nargs="+", default=None, metavar="CASE", help="only these cases (by name)")
     parser.add_argument(
@@ -259,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     configs = [(2, 4)] if args.quick else [(2, 4), (4, 2)]
+    if args.config is not None:
+        configs = [_shape(parser, c) for c in args.config]
     print(
         f"machine: {platform.machine()}, {platform.processor() or 'cpu'}, {os.cpu_count()} cores, "
         f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at start; "

@@ -12,6 +12,13 @@ sending to r_{i+1} ranks by sample range, a link carries at most max(m_i, m_{i+1
 The paper writes the exposed communication without the clamp; we clamp at zero because overlap
 can hide communication but never make it negative.
 
+The step adds the gradient synchronisation after the last backward, as Chameleon's eq. (10)
+prices it and `planners.chameleon.stepmodel.sync_time` does for every policy's candidate: each
+stage's DP group exchanges 2 (D-1)/D of its weights' bytes per device (a ring all-reduce, or
+ZeRO-1's reduce-scatter of the gradients plus all-gather of the updated weights), stages in
+parallel on their own devices, charged in full. Without it a plan that regroups ranks into fewer,
+wider stages (PP=1: no pipeline bubble) looked free of the exchange that grows with it.
+
 Memory of a stage (ZeRO-1): weights + gradients of its layers, its 1/D share of optimizer state,
 and activations of the micro-batches in flight under 1F1B (min(P - i, M) for 0-based stage i).
 """
@@ -103,6 +110,11 @@ class LinkModel:
     latency_s: float = 0.0
     sigma_f: float = 0.0
     sigma_b: float = 0.0
+    dp_bytes_per_s: float = math.inf  # bytes/s per device of the DP exchange; inf: not priced
+
+    def __post_init__(self) -> None:
+        if not self.dp_bytes_per_s > 0:
+            raise ValueError(f"LinkModel.dp_bytes_per_s must be > 0 (inf: free), got {self.dp_bytes_per_s}")
 
     def transfer_s(self, samples: int) -> float:
         return self.latency_s + samples * self.boundary_bytes_per_sample / self.bandwidth_bytes_per_s
@@ -183,9 +195,20 @@ class CostModel:
 
     def step_time(self, layout: Layout) -> float:
         """1F1B step estimate: warm-up and cool-down pass through every stage once, the steady
-        phase repeats the slowest mini-step M-1 times."""
+        phase repeats the slowest mini-step M-1 times; then the DP exchange (`sync_time`)."""
         times = self.stage_times(layout)
-        return sum(times) + (layout.num_micro_batches - 1) * max(times)
+        return sum(times) + (layout.num_micro_batches - 1) * max(times) + self.sync_time(layout)
+
+    def sync_time(self, layout: Layout) -> float:
+        """Seconds of the slowest stage's DP exchange: 2 (D-1)/D of its weights' bytes per device
+        at `LinkModel.dp_bytes_per_s` (0 when that is inf, or every stage has DP size 1)."""
+        if math.isinf(self.link.dp_bytes_per_s):
+            return 0.0
+        numel = layout.layer_numel
+        ring = max(
+            2 * (s.dp_size - 1) / s.dp_size * sum(numel[s.layer_start : s.layer_stop]) for s in layout.stages
+        )
+        return ring * self.memory.weight_bytes_per_param / self.link.dp_bytes_per_s
 
     def layer_mem_bytes(self, layout: Layout, stage: int, micro_batch: int | None = None) -> np.ndarray:
         """Per-layer bytes if `stage` held that layer (params, grads, optimizer share, activations)."""

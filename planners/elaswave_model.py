@@ -4,7 +4,10 @@ Cost model: from the job's registered profile (`elaswave plan` state.json, a `Jo
 it has one for this many layers; otherwise a uniform model in which every block costs the same
 per sample (backward twice forward), so a stage's mini-step is proportional to blocks x
 micro-batch size. The uniform model is scaled to seconds by the median step time the workers
-last reported under the current layout; without reports its times are in model units.
+last reported under the current layout; without reports its times are in model units. Where the
+reports also carry the step's wall time, the compute is scaled to the ranks' own compute and
+what the wall step has beyond the predicted 1F1B pipeline is priced as the DP exchange
+(`planners.costmodel.CostModel.sync_time`), so a plan that widens the DP groups pays for it.
 
 Fail-slow ranks are costed by their slowdown (step time over the median of their stage peers,
 measured at their current clock), modelled as a lower effective clock (compute ~ 1/f, as
@@ -13,6 +16,7 @@ planners.costmodel does for DVFS).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -45,8 +49,9 @@ class RankReport:
     fail-slow detector flags it."""
 
     rank: int
-    step_time_s: float | None = None
+    step_time_s: float | None = None  # its own compute where reported, else the wall step
     slow: bool = False
+    wall_step_time_s: float | None = None  # the step's wall time, waits on peers included
 
 
 @dataclass(frozen=True)
@@ -64,13 +69,16 @@ def job_model(
         if profile.num_layers == layout.num_layers:
             return registered_model(profile, layout)
         why_none = f"its registered model has {profile.num_layers} layers, the layout {layout.num_layers}"
-    measured = [r.step_time_s for r in reports if r.step_time_s and not r.slow]
-    return uniform_model(layout, measured, why_none)
+    healthy = [r for r in reports if r.step_time_s and not r.slow]
+    measured = [r.step_time_s for r in healthy if r.step_time_s]
+    walls = [r.wall_step_time_s for r in healthy if r.wall_step_time_s]
+    return uniform_model(layout, measured, why_none, walls)
 
 
 def registered_model(profile: JobProfile, layout: Layout) -> JobModel:
     """eq. (1) from the state.json profile: per-sample layer times at the nominal clock, P2P per
-    sample, memory per byte of the layout's element counts."""
+    sample, the DP exchange at the profile's all-reduce bandwidth, memory per byte of the
+    layout's element counts."""
     fwd = tuple((t,) for t in profile.layer_fwd_s)
     bwd = tuple((t,) for t in profile.layer_bwd_s)
     layers = LayerProfile((1,), fwd, bwd, ref_mhz=profile.freq_nominal_mhz)
@@ -81,20 +89,27 @@ def registered_model(profile: JobProfile, layout: Layout) -> JobModel:
         per_param,
         per_param * profile.optimizer_bytes_per_param_byte,
     )
-    link = LinkModel(boundary_bytes_per_sample=profile.p2p_s_per_sample, bandwidth_bytes_per_s=1.0)
+    link = LinkModel(
+        boundary_bytes_per_sample=profile.p2p_s_per_sample,
+        bandwidth_bytes_per_s=1.0,
+        dp_bytes_per_s=profile.allreduce_bytes_per_s,
+    )
     return JobModel(
         CostModel(layers, memory, link),
         profile.freq_nominal_mhz,
         profile.freq_max_mhz,
         "s",
-        "cost model: the job's registered profile (eq. 1)",
+        "cost model: the job's registered profile (eq. 1 and the DP exchange)",
     )
 
 
-def uniform_model(layout: Layout, measured_step_s: Sequence[float], why: str) -> JobModel:
+def uniform_model(
+    layout: Layout, measured_step_s: Sequence[float], why: str, measured_wall_s: Sequence[float] = ()
+) -> JobModel:
     """Every block costs the same per sample (backward = 2 x forward), no exposed P2P; memory from
     the layout's element counts with MemoryProfile's defaults. Scaled so the current layout's
-    predicted step time equals the median of `measured_step_s`."""
+    predicted step time equals the median of `measured_step_s`; with `measured_wall_s` as well,
+    see `_with_exchange`."""
     base = f"cost model: uniform blocks ({why}): a stage's mini-step ~ blocks x micro-batch size"
     cost = _uniform_cost(layout.num_layers, 1.0)
     predicted = cost.step_time(layout)
@@ -103,6 +118,10 @@ def uniform_model(layout: Layout, measured_step_s: Sequence[float], why: str) ->
             cost, DEFAULT_NOMINAL_MHZ, DEFAULT_MAX_MHZ, "model units", base + "; times in model units"
         )
     median = statistics.median(measured_step_s)
+    exchanged = _with_exchange(layout, cost, median, measured_wall_s)
+    if exchanged is not None:
+        scaled, note = exchanged
+        return JobModel(scaled, DEFAULT_NOMINAL_MHZ, DEFAULT_MAX_MHZ, "s", base + note)
     return JobModel(
         _uniform_cost(layout.num_layers, median / predicted),
         DEFAULT_NOMINAL_MHZ,
@@ -112,12 +131,45 @@ def uniform_model(layout: Layout, measured_step_s: Sequence[float], why: str) ->
     )
 
 
-def _uniform_cost(num_layers: int, seconds_per_block_sample: float) -> CostModel:
+def _with_exchange(
+    layout: Layout, unit_cost: CostModel, median_own_s: float, measured_wall_s: Sequence[float]
+) -> tuple[CostModel, str] | None:
+    """The uniform model priced from both times a worker reports: its own compute (waits on
+    peers excluded) sets the seconds per block-sample, so that a rank's predicted busy time
+    (M mini-steps of its stage) has the measured median; the median wall step beyond the 1F1B
+    pipeline this predicts (bubble included) is the DP exchange's, which sets the exchange's
+    bandwidth over the bytes the widest exchange moves. None when the wall step has nothing
+    beyond the pipeline or no stage exchanges (DP 1 everywhere): nothing to price it from."""
+    ring_bytes = _uniform_cost(layout.num_layers, 1.0, dp_bytes_per_s=1.0).sync_time(layout)
+    if not measured_wall_s or ring_bytes <= 0:
+        return None
+    stage_busy = [layout.num_micro_batches * t for t in unit_cost.stage_times(layout)]
+    busy = statistics.median(stage_busy[layout.stage_of_rank(r)] for r in layout.ranks())
+    if busy <= 0:
+        return None
+    per_block_sample = median_own_s / busy
+    pipeline = unit_cost.step_time(layout) * per_block_sample
+    wall = statistics.median(measured_wall_s)
+    exchange = wall - pipeline
+    if exchange <= 0:
+        return None
+    bandwidth = ring_bytes / exchange
+    note = (
+        f"; compute scaled to the reported median own compute {median_own_s:.4g} s, the DP exchange"
+        f" to the median wall step {wall:.4g} s beyond the predicted pipeline {pipeline:.4g} s"
+        f" ({exchange:.4g} s at {bandwidth:.3g} B/s per device)"
+    )
+    return _uniform_cost(layout.num_layers, per_block_sample, bandwidth), note
+
+
+def _uniform_cost(
+    num_layers: int, seconds_per_block_sample: float, dp_bytes_per_s: float = math.inf
+) -> CostModel:
     fwd, bwd = ((seconds_per_block_sample,),) * num_layers, ((2 * seconds_per_block_sample,),) * num_layers
     return CostModel(
         LayerProfile((1,), fwd, bwd, ref_mhz=DEFAULT_NOMINAL_MHZ),
         MemoryProfile((0.0,) * num_layers),
-        LinkModel(0.0, 1.0),
+        LinkModel(0.0, 1.0, dp_bytes_per_s=dp_bytes_per_s),
     )
 
 

@@ -78,3 +78,20 @@ def test_memory_model_zero1_and_in_flight_activations() -> None:
     shrunk = resize_after_loss(lay, [0]).layout  # DP 1: whole optimizer state, micro-batch 4
     assert cost.stage_memory_bytes(shrunk, 0) == pytest.approx(100 * 16 + 2 * 4 * 10 + 5)
     assert math.isfinite(cost.stage_memory_bytes(shrunk, 1))
+
+
+def test_the_dp_exchange_is_priced_per_stage_and_free_by_default() -> None:
+    mem = MemoryProfile(act_bytes_per_sample=(0.0, 0.0), weight_bytes_per_param=2)
+    lay = make_uniform_layout(2, 2, 2, global_batch=8, num_micro_batches=2, layer_numel=(100, 300))
+    free = CostModel(_profile(), mem, LinkModel(1e6, 1e9))
+    priced = CostModel(_profile(), mem, LinkModel(1e6, 1e9, dp_bytes_per_s=1e3))
+    assert free.sync_time(lay) == 0.0
+    # The slowest stage's ring: 2 (D-1)/D of its 300 elements x 2 bytes, at 1e3 bytes/s.
+    assert priced.sync_time(lay) == pytest.approx(2 * (1 / 2) * 300 * 2 / 1e3)
+    assert priced.step_time(lay) == pytest.approx(free.step_time(lay) + priced.sync_time(lay))
+    wide = make_uniform_layout(2, 1, 4, global_batch=8, num_micro_batches=2, layer_numel=(100, 300))
+    assert priced.sync_time(wide) == pytest.approx(2 * (3 / 4) * 400 * 2 / 1e3)  # one stage, DP 4
+    alone = make_uniform_layout(2, 2, 1, global_batch=8, num_micro_batches=2, layer_numel=(100, 300))
+    assert priced.sync_time(alone) == 0.0  # DP 1: nothing to exchange
+    with pytest.raises(ValueError, match="dp_bytes_per_s must be > 0"):
+        LinkModel(1.0, 1.0, dp_bytes_per_s=0.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,8 @@ import planners.elaswave_policy as policy_module
 import planners.elaswave_replicas as replicas_module
 from elaswave.cli import main
 from planners.applicability import judge
-from planners.elaswave_model import uniform_model
-from planners.elaswave_policy import ElasWaveInput, plan_elaswave
+from planners.elaswave_model import JobModel, RankReport, job_model, uniform_model
+from planners.elaswave_policy import ElasWaveInput, ElasWavePlan, plan_elaswave
 from planners.elaswave_reasons import Outcome, Step
 from planners.layout import make_uniform_layout
 
@@ -66,3 +67,33 @@ def test_elaswave_plan_with_no_applicable_plan_says_so(
     assert result["policy"] is None and result["plan"] is None
     assert result["reason"].startswith("no policy's plan applies: ")
     assert [a["applicable"] for a in result["alternatives"]] == [False, False]
+
+
+def _after_one_kill(walls: list[float | None]) -> tuple[ElasWavePlan, JobModel]:
+    """PP=4 x DP=2 over 6 units, rank 7 lost; every survivor reports 30 ms of its own compute
+    and the given wall step (`bench.mttr`'s one kill at this shape, on 2 shared cores)."""
+    layout = make_uniform_layout(num_layers=6, num_stages=4, dp=2, global_batch=16, num_micro_batches=2)
+    layout = layout.replace(layer_numel=(5000,) * 6)
+    reports = tuple(RankReport(r, 0.03, False, wall) for r, wall in zip(range(7), walls, strict=True))
+    model = job_model(layout, None, "test", reports)
+    return plan_elaswave(ElasWaveInput(layout, (7,), model)), model
+
+
+def test_a_wall_step_beyond_the_pipeline_prices_the_dp_exchange_that_widening_stages_grows() -> None:
+    # Own compute alone: the uniform model sees no exchange and regroups the 7 survivors into
+    # one stage of DP 7 (no bubble), which ran 1.4-1.6x slower on the 2-core machine.
+    blind, model = _after_one_kill([None] * 7)
+    assert blind.layout is not None and blind.layout.num_stages == 1
+    assert math.isinf(model.cost.link.dp_bytes_per_s) and "scaled to the reported median" in model.reason
+    # The same compute with a 160 ms wall step: 80 ms are the 1F1B pipeline (bubble included),
+    # the other 80 ms the widest exchange's 2 x 1/2 x 10,000 elements x 2 bytes.
+    priced, model = _after_one_kill([0.16] * 7)
+    assert model.cost.link.dp_bytes_per_s == pytest.approx(20_000 / 0.08)
+    assert "0.08 s at 2.5e+05 B/s per device" in model.reason
+    assert priced.layout is not None and priced.layout.num_stages > 1
+    widest = max(s.dp_size for s in priced.layout.stages)
+    assert widest <= 2 and model.cost.step_time(priced.layout) < model.cost.step_time(blind.layout)
+    assert priced.predicted_step_time_s == pytest.approx(model.cost.step_time(priced.layout))
+    # A wall step the pipeline alone explains leaves nothing to price the exchange from.
+    _, model = _after_one_kill([0.06] * 7)
+    assert math.isinf(model.cost.link.dp_bytes_per_s)
