@@ -65,14 +65,35 @@ def job_model(
 ) -> JobModel:
     """The registered profile's model when it fits this layout, else the calibrated uniform one.
     `why_none` says why there is no profile when `profile` is None."""
-    if profile is not None:
-        if profile.num_layers == layout.num_layers:
-            return registered_model(profile, layout)
-        why_none = f"its registered model has {profile.num_layers} layers, the layout {layout.num_layers}"
     healthy = [r for r in reports if r.step_time_s and not r.slow]
     measured = [r.step_time_s for r in healthy if r.step_time_s]
     walls = [r.wall_step_time_s for r in healthy if r.wall_step_time_s]
+    if profile is not None:
+        if profile.num_layers == layout.num_layers:
+            return _slower_exchange_if_measured(registered_model(profile, layout), layout, measured, walls)
+        why_none = f"its registered model has {profile.num_layers} layers, the layout {layout.num_layers}"
     return uniform_model(layout, measured, why_none, walls)
+
+
+def _slower_exchange_if_measured(
+    model: JobModel, layout: Layout, measured_own_s: Sequence[float], measured_wall_s: Sequence[float]
+) -> JobModel:
+    """The registered model with the DP exchange at the bandwidth the reports show, where that
+    is lower than the profile's: a profile's `allreduce_bytes_per_s` defaults to a fast
+    accelerator fabric (25 GB/s), which a CPU job over gloo, or a congested network, is far from."""
+    if not measured_own_s:
+        return model
+    found = measured_exchange(layout, model.cost, statistics.median(measured_own_s), measured_wall_s)
+    if found is None:
+        return model
+    # The profile's times stay as registered; the exchange joins them in the same units, in the
+    # ratio to compute the workers measured (compute_scale: measured over the profile's).
+    bandwidth = found.bytes_per_s * found.compute_scale
+    if bandwidth >= model.cost.link.dp_bytes_per_s:
+        return model
+    cost = replace(model.cost, link=replace(model.cost.link, dp_bytes_per_s=bandwidth))
+    note = f"measured: {found.note()}; {bandwidth:.3g} B/s at the profile's compute times"
+    return replace(model, cost=cost, reason=f"{model.reason}; {note}")
 
 
 def registered_model(profile: JobProfile, layout: Layout) -> JobModel:
@@ -131,35 +152,61 @@ def uniform_model(
     )
 
 
-def _with_exchange(
-    layout: Layout, unit_cost: CostModel, median_own_s: float, measured_wall_s: Sequence[float]
-) -> tuple[CostModel, str] | None:
-    """The uniform model priced from both times a worker reports: its own compute (waits on
-    peers excluded) sets the seconds per block-sample, so that a rank's predicted busy time
-    (M mini-steps of its stage) has the measured median; the median wall step beyond the 1F1B
-    pipeline this predicts (bubble included) is the DP exchange's, which sets the exchange's
-    bandwidth over the bytes the widest exchange moves. None when the wall step has nothing
-    beyond the pipeline or no stage exchanges (DP 1 everywhere): nothing to price it from."""
-    ring_bytes = _uniform_cost(layout.num_layers, 1.0, dp_bytes_per_s=1.0).sync_time(layout)
+@dataclass(frozen=True)
+class MeasuredExchange:
+    """What the workers' reports say a step spends in the DP exchange under `layout`."""
+
+    compute_scale: float  # the ranks' measured own compute over the model's predicted busy time
+    pipeline_s: float  # the 1F1B pipeline the measured compute predicts, bubble included
+    wall_s: float  # the median reported wall step
+    bytes_per_s: float  # the exchange's bandwidth per device that explains the rest
+
+    @property
+    def exchange_s(self) -> float:
+        return self.wall_s - self.pipeline_s
+
+    def note(self) -> str:
+        return (
+            f"the DP exchange to the median wall step {self.wall_s:.4g} s beyond the predicted pipeline"
+            f" {self.pipeline_s:.4g} s ({self.exchange_s:.4g} s at {self.bytes_per_s:.3g} B/s per device)"
+        )
+
+
+def measured_exchange(
+    layout: Layout, cost: CostModel, median_own_s: float, measured_wall_s: Sequence[float]
+) -> MeasuredExchange | None:
+    """The DP exchange priced from both times a worker reports. Its own compute (waits on peers
+    excluded) scales `cost`'s compute so that a rank's predicted busy time (M mini-steps of its
+    stage) has the measured median; the median wall step beyond the 1F1B pipeline this predicts
+    (bubble included) is the exchange's, over the bytes the widest stage's exchange moves. None
+    when the wall step has nothing beyond the pipeline or no stage exchanges (DP 1 everywhere):
+    nothing to price it from."""
+    bytes_cost = replace(cost, link=replace(cost.link, dp_bytes_per_s=1.0))
+    ring_bytes = bytes_cost.sync_time(layout)
     if not measured_wall_s or ring_bytes <= 0:
         return None
-    stage_busy = [layout.num_micro_batches * t for t in unit_cost.stage_times(layout)]
+    stage_busy = [layout.num_micro_batches * t for t in cost.stage_times(layout)]
     busy = statistics.median(stage_busy[layout.stage_of_rank(r)] for r in layout.ranks())
     if busy <= 0:
         return None
-    per_block_sample = median_own_s / busy
-    pipeline = unit_cost.step_time(layout) * per_block_sample
+    scale = median_own_s / busy
+    pipeline = (cost.step_time(layout) - cost.sync_time(layout)) * scale
     wall = statistics.median(measured_wall_s)
-    exchange = wall - pipeline
-    if exchange <= 0:
+    if wall <= pipeline:
         return None
-    bandwidth = ring_bytes / exchange
-    note = (
-        f"; compute scaled to the reported median own compute {median_own_s:.4g} s, the DP exchange"
-        f" to the median wall step {wall:.4g} s beyond the predicted pipeline {pipeline:.4g} s"
-        f" ({exchange:.4g} s at {bandwidth:.3g} B/s per device)"
-    )
-    return _uniform_cost(layout.num_layers, per_block_sample, bandwidth), note
+    return MeasuredExchange(scale, pipeline, wall, ring_bytes / (wall - pipeline))
+
+
+def _with_exchange(
+    layout: Layout, unit_cost: CostModel, median_own_s: float, measured_wall_s: Sequence[float]
+) -> tuple[CostModel, str] | None:
+    """The uniform model in seconds per block-sample from the measured compute, with the DP
+    exchange `measured_exchange` finds (None: it finds none)."""
+    found = measured_exchange(layout, unit_cost, median_own_s, measured_wall_s)
+    if found is None:
+        return None
+    note = f"; compute scaled to the reported median own compute {median_own_s:.4g} s, {found.note()}"
+    return _uniform_cost(layout.num_layers, found.compute_scale, found.bytes_per_s), note
 
 
 def _uniform_cost(

@@ -13,6 +13,7 @@ import planners.elaswave_policy as policy_module
 import planners.elaswave_replicas as replicas_module
 from elaswave.cli import main
 from planners.applicability import judge
+from planners.chameleon.state import JobProfile
 from planners.elaswave_model import JobModel, RankReport, job_model, uniform_model
 from planners.elaswave_policy import ElasWaveInput, ElasWavePlan, plan_elaswave
 from planners.elaswave_reasons import Outcome, Step
@@ -97,3 +98,38 @@ def test_a_wall_step_beyond_the_pipeline_prices_the_dp_exchange_that_widening_st
     # A wall step the pipeline alone explains leaves nothing to price the exchange from.
     _, model = _after_one_kill([0.06] * 7)
     assert math.isinf(model.cost.link.dp_bytes_per_s)
+
+
+def test_reports_lower_a_registered_profiles_exchange_bandwidth_never_raise_it() -> None:
+    layout = make_uniform_layout(num_layers=6, num_stages=4, dp=2, global_batch=16, num_micro_batches=2)
+    layout = layout.replace(layer_numel=(5000,) * 6)
+    # 1 + 2 ms per sample per unit, 4 bytes per element: a rank's busy time is 2 micro-batches
+    # x 3 ms x its units x 4 samples, 48 ms on the 2-unit stages and 24 on the others.
+    profile = JobProfile(
+        layer_fwd_s=(1e-3,) * 6,
+        layer_bwd_s=(2e-3,) * 6,
+        layer_param_bytes=(20_000.0,) * 6,
+        layer_act_bytes=(100.0,) * 6,
+        mem_cap_bytes=1e9,
+    )
+
+    def plan(walls: list[float | None]) -> tuple[ElasWavePlan, JobModel]:
+        reports = tuple(RankReport(r, 0.03, False, wall) for r, wall in zip(range(7), walls, strict=True))
+        model = job_model(layout, profile, "", reports)
+        return plan_elaswave(ElasWaveInput(layout, (7,), model)), model
+
+    # At the profile's default 25 GB/s the exchange is free enough to regroup into DP 7.
+    blind, model = plan([None] * 7)
+    assert model.cost.link.dp_bytes_per_s == profile.allreduce_bytes_per_s
+    assert blind.layout is not None and [s.dp_size for s in blind.layout.stages] == [7]
+    # Workers measure 30 ms of compute (the profile predicts a median 36 ms of busy time: x5/6)
+    # in 160 ms steps. The pipeline (96 ms of the profile's, 80 measured) leaves 80 ms to the
+    # widest exchange's 2 x 1/2 x 10,000 elements x 4 bytes: 5e5 B/s, x5/6 at the profile's times.
+    priced, model = plan([0.16] * 7)
+    assert model.cost.link.dp_bytes_per_s == pytest.approx(40_000 / 0.08 * 5 / 6)
+    assert "measured: the DP exchange to the median wall step 0.16 s" in model.reason
+    assert priced.layout is not None and max(s.dp_size for s in priced.layout.stages) <= 2
+    # A measured bandwidth above the profile's (1 us beyond the pipeline: 3.3e10 B/s) leaves it.
+    _, model = plan([0.080001] * 7)
+    assert model.cost.link.dp_bytes_per_s == profile.allreduce_bytes_per_s
+    assert "measured" not in model.reason
