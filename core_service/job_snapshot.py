@@ -27,8 +27,6 @@ class WorkerView:
     state: str
     # Last reported step time: the ElasWave policy sizes a fail-slow straggler's slowdown from it.
     step_time_s: float | None = None
-    # The same step's wall time, waits on peers included: what the step costs beyond compute.
-    wall_step_time_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -84,26 +82,18 @@ def _current_layout(job: Job) -> Layout | None:
 
 @functools.lru_cache(maxsize=1 << 17)
 def _worker_view(
-    worker_id: str,
-    host: str,
-    stage: int,
-    dp_rank: int,
-    rank: int,
-    state: str,
-    step_time: float | None,
-    wall_time: float | None,
+    worker_id: str, host: str, stage: int, dp_rank: int, rank: int, state: str, step_time: float | None
 ) -> WorkerView:
     """Views are values: one per distinct content, reused across snapshots. A snapshot is taken
     on every planning tick, and building 10,000 frozen dataclasses each time dominated the
     Core's CPU while a large job registered."""
-    return WorkerView(worker_id, host, stage, dp_rank, rank, state, step_time, wall_time)
+    return WorkerView(worker_id, host, stage, dp_rank, rank, state, step_time)
 
 
 def snapshot_of(job: Job) -> JobSnapshot:
     def view(m: MemberRecord) -> WorkerView:
-        last = m.last_step
-        own, wall = (None, None) if last is None else (last.own_time_s, last.step_time_s)
-        return _worker_view(m.worker_id, m.host, m.stage, m.dp_rank, m.rank, m.state.value, own, wall)
+        step_time = None if m.last_step is None else m.last_step.own_time_s
+        return _worker_view(m.worker_id, m.host, m.stage, m.dp_rank, m.rank, m.state.value, step_time)
 
     live: list[WorkerView] = []
     gone: list[WorkerView] = []

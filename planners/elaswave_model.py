@@ -4,10 +4,7 @@ Cost model: from the job's registered profile (`elaswave plan` state.json, a `Jo
 it has one for this many layers; otherwise a uniform model in which every block costs the same
 per sample (backward twice forward), so a stage's mini-step is proportional to blocks x
 micro-batch size. The uniform model is scaled to seconds by the median step time the workers
-last reported under the current layout; without reports its times are in model units. Where the
-reports also carry the step's wall time, the compute is scaled to the ranks' own compute and
-what the wall step has beyond the predicted 1F1B pipeline is priced as the DP exchange
-(`planners.costmodel.CostModel.sync_time`), so a plan that widens the DP groups pays for it.
+last reported under the current layout; without reports its times are in model units.
 
 Fail-slow ranks are costed by their slowdown (step time over the median of their stage peers,
 measured at their current clock), modelled as a lower effective clock (compute ~ 1/f, as
@@ -16,7 +13,6 @@ planners.costmodel does for DVFS).
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -49,9 +45,8 @@ class RankReport:
     fail-slow detector flags it."""
 
     rank: int
-    step_time_s: float | None = None  # its own compute where reported, else the wall step
+    step_time_s: float | None = None
     slow: bool = False
-    wall_step_time_s: float | None = None  # the step's wall time, waits on peers included
 
 
 @dataclass(frozen=True)
@@ -65,35 +60,12 @@ def job_model(
 ) -> JobModel:
     """The registered profile's model when it fits this layout, else the calibrated uniform one.
     `why_none` says why there is no profile when `profile` is None."""
-    healthy = [r for r in reports if r.step_time_s and not r.slow]
-    measured = [r.step_time_s for r in healthy if r.step_time_s]
-    walls = [r.wall_step_time_s for r in healthy if r.wall_step_time_s]
     if profile is not None:
         if profile.num_layers == layout.num_layers:
-            return _slower_exchange_if_measured(registered_model(profile, layout), layout, measured, walls)
+            return registered_model(profile, layout)
         why_none = f"its registered model has {profile.num_layers} layers, the layout {layout.num_layers}"
-    return uniform_model(layout, measured, why_none, walls)
-
-
-def _slower_exchange_if_measured(
-    model: JobModel, layout: Layout, measured_own_s: Sequence[float], measured_wall_s: Sequence[float]
-) -> JobModel:
-    """The registered model with the DP exchange at the bandwidth the reports show, where that
-    is lower than the profile's: a profile's `allreduce_bytes_per_s` defaults to a fast
-    accelerator fabric (25 GB/s), which a CPU job over gloo, or a congested network, is far from."""
-    if not measured_own_s:
-        return model
-    found = measured_exchange(layout, model.cost, statistics.median(measured_own_s), measured_wall_s)
-    if found is None:
-        return model
-    # The profile's times stay as registered; the exchange joins them in the same units, in the
-    # ratio to compute the workers measured (compute_scale: measured over the profile's).
-    bandwidth = found.bytes_per_s * found.compute_scale
-    if bandwidth >= model.cost.link.dp_bytes_per_s:
-        return model
-    cost = replace(model.cost, link=replace(model.cost.link, dp_bytes_per_s=bandwidth))
-    note = f"measured: {found.note()}; {bandwidth:.3g} B/s at the profile's compute times"
-    return replace(model, cost=cost, reason=f"{model.reason}; {note}")
+    measured = [r.step_time_s for r in reports if r.step_time_s and not r.slow]
+    return uniform_model(layout, measured, why_none)
 
 
 def registered_model(profile: JobProfile, layout: Layout) -> JobModel:
@@ -124,13 +96,12 @@ def registered_model(profile: JobProfile, layout: Layout) -> JobModel:
     )
 
 
-def uniform_model(
-    layout: Layout, measured_step_s: Sequence[float], why: str, measured_wall_s: Sequence[float] = ()
-) -> JobModel:
-    """Every block costs the same per sample (backward = 2 x forward), no exposed P2P; memory from
-    the layout's element counts with MemoryProfile's defaults. Scaled so the current layout's
-    predicted step time equals the median of `measured_step_s`; with `measured_wall_s` as well,
-    see `_with_exchange`."""
+def uniform_model(layout: Layout, measured_step_s: Sequence[float], why: str) -> JobModel:
+    """Every block costs the same per sample (backward = 2 x forward), no exposed P2P and no DP
+    exchange priced (the reports do not say what it costs: see docs/benchmarks.md, "The DP
+    exchange in the plan's step"); memory from the layout's element counts with MemoryProfile's
+    defaults. Scaled so the current layout's predicted step time equals the median of
+    `measured_step_s`."""
     base = f"cost model: uniform blocks ({why}): a stage's mini-step ~ blocks x micro-batch size"
     cost = _uniform_cost(layout.num_layers, 1.0)
     predicted = cost.step_time(layout)
@@ -139,10 +110,6 @@ def uniform_model(
             cost, DEFAULT_NOMINAL_MHZ, DEFAULT_MAX_MHZ, "model units", base + "; times in model units"
         )
     median = statistics.median(measured_step_s)
-    exchanged = _with_exchange(layout, cost, median, measured_wall_s)
-    if exchanged is not None:
-        scaled, note = exchanged
-        return JobModel(scaled, DEFAULT_NOMINAL_MHZ, DEFAULT_MAX_MHZ, "s", base + note)
     return JobModel(
         _uniform_cost(layout.num_layers, median / predicted),
         DEFAULT_NOMINAL_MHZ,
@@ -152,71 +119,12 @@ def uniform_model(
     )
 
 
-@dataclass(frozen=True)
-class MeasuredExchange:
-    """What the workers' reports say a step spends in the DP exchange under `layout`."""
-
-    compute_scale: float  # the ranks' measured own compute over the model's predicted busy time
-    pipeline_s: float  # the 1F1B pipeline the measured compute predicts, bubble included
-    wall_s: float  # the median reported wall step
-    bytes_per_s: float  # the exchange's bandwidth per device that explains the rest
-
-    @property
-    def exchange_s(self) -> float:
-        return self.wall_s - self.pipeline_s
-
-    def note(self) -> str:
-        return (
-            f"the DP exchange to the median wall step {self.wall_s:.4g} s beyond the predicted pipeline"
-            f" {self.pipeline_s:.4g} s ({self.exchange_s:.4g} s at {self.bytes_per_s:.3g} B/s per device)"
-        )
-
-
-def measured_exchange(
-    layout: Layout, cost: CostModel, median_own_s: float, measured_wall_s: Sequence[float]
-) -> MeasuredExchange | None:
-    """The DP exchange priced from both times a worker reports. Its own compute (waits on peers
-    excluded) scales `cost`'s compute so that a rank's predicted busy time (M mini-steps of its
-    stage) has the measured median; the median wall step beyond the 1F1B pipeline this predicts
-    (bubble included) is the exchange's, over the bytes the widest stage's exchange moves. None
-    when the wall step has nothing beyond the pipeline or no stage exchanges (DP 1 everywhere):
-    nothing to price it from."""
-    bytes_cost = replace(cost, link=replace(cost.link, dp_bytes_per_s=1.0))
-    ring_bytes = bytes_cost.sync_time(layout)
-    if not measured_wall_s or ring_bytes <= 0:
-        return None
-    stage_busy = [layout.num_micro_batches * t for t in cost.stage_times(layout)]
-    busy = statistics.median(stage_busy[layout.stage_of_rank(r)] for r in layout.ranks())
-    if busy <= 0:
-        return None
-    scale = median_own_s / busy
-    pipeline = (cost.step_time(layout) - cost.sync_time(layout)) * scale
-    wall = statistics.median(measured_wall_s)
-    if wall <= pipeline:
-        return None
-    return MeasuredExchange(scale, pipeline, wall, ring_bytes / (wall - pipeline))
-
-
-def _with_exchange(
-    layout: Layout, unit_cost: CostModel, median_own_s: float, measured_wall_s: Sequence[float]
-) -> tuple[CostModel, str] | None:
-    """The uniform model in seconds per block-sample from the measured compute, with the DP
-    exchange `measured_exchange` finds (None: it finds none)."""
-    found = measured_exchange(layout, unit_cost, median_own_s, measured_wall_s)
-    if found is None:
-        return None
-    note = f"; compute scaled to the reported median own compute {median_own_s:.4g} s, {found.note()}"
-    return _uniform_cost(layout.num_layers, found.compute_scale, found.bytes_per_s), note
-
-
-def _uniform_cost(
-    num_layers: int, seconds_per_block_sample: float, dp_bytes_per_s: float = math.inf
-) -> CostModel:
+def _uniform_cost(num_layers: int, seconds_per_block_sample: float) -> CostModel:
     fwd, bwd = ((seconds_per_block_sample,),) * num_layers, ((2 * seconds_per_block_sample,),) * num_layers
     return CostModel(
         LayerProfile((1,), fwd, bwd, ref_mhz=DEFAULT_NOMINAL_MHZ),
         MemoryProfile((0.0,) * num_layers),
-        LinkModel(0.0, 1.0, dp_bytes_per_s=dp_bytes_per_s),
+        LinkModel(0.0, 1.0),
     )
 
 
