@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from executor.warm_runtime import warm_forkserver
+from tests.executor.stores import start_store
 
 # Workers are forked from a fork server that imported torch and the engine once and warmed the
 # runtime (fast starts, no lazy import in a first backward, no state inherited from pytest).
@@ -66,3 +67,16 @@ def collect(procs: dict[int, Any], results: Any, expect: list[int], timeout_s: f
 
 def kill9(procs: dict[int, Any], worker: int) -> None:
     os.kill(procs[worker].pid, signal.SIGKILL)
+
+
+def run_on_store(
+    target: Callable[..., Any], workers: list[int], timeout_s: float, *args: Any
+) -> dict[int, Any]:
+    """`target(worker, store_port, *args)` in one process per worker on a fresh store: their
+    results (`collect`), the store stopped whatever happens."""
+    server = start_store()
+    try:
+        procs, results = spawn(target, workers, server.port, *args)
+        return collect(procs, results, workers, timeout_s=timeout_s)
+    finally:
+        server.stop()

@@ -19,8 +19,7 @@ import torch
 from executor.comm import Communicator
 from executor.comm.reaper import GroupReaper
 from executor.store_server import connect_store
-from tests.executor.ft_procs import collect, spawn
-from tests.executor.stores import start_store
+from tests.executor.ft_procs import run_on_store
 
 BEFORE = {"world": (0, 1, 2), "dp/0": (0, 1), "dp/1": (1, 2)}
 AFTER = {"world": (0, 1), "dp/0": (0, 1)}  # worker 2 leaves: world rebuilt, dp/1 dropped
@@ -53,12 +52,7 @@ def _worker(worker: int, port: int) -> dict[str, Any]:
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_dropped_and_rebuilt_groups_are_destroyed_on_the_reapers_thread() -> None:
-    server = start_store()
-    try:
-        procs, results = spawn(_worker, [0, 1, 2], server.port)
-        got = collect(procs, results, [0, 1, 2], timeout_s=90)
-    finally:
-        server.stop()
+    got = run_on_store(_worker, [0, 1, 2], 90)
     for w in (0, 1):
         r = got[w]
         assert r["drained"]

@@ -18,8 +18,7 @@ from executor.launch import JobSpec, job_losses, merged_state, run_job
 from executor.nonblocking_migration import MIGRATE_TAG
 from executor.store_server import connect_store
 from tests.executor.engine_cases import gpt_block_numel, gpt_spec, layout, max_state_diff, states_equal
-from tests.executor.ft_procs import collect, spawn
-from tests.executor.stores import start_store
+from tests.executor.ft_procs import run_on_store
 
 RANKS = [(0, 1), (2, 3)]
 STEPS = 7
@@ -106,12 +105,7 @@ def _posted_link_worker(worker: int, port: int) -> dict[str, object]:
 @pytest.mark.multiproc
 @pytest.mark.timeout(60)
 def test_posted_link_ops_are_guarded_and_counted() -> None:
-    server = start_store()
-    try:
-        procs, results = spawn(_posted_link_worker, [0, 1, 2], server.port)
-        got = collect(procs, results, [0, 1, 2], timeout_s=45)
-    finally:
-        server.stop()
+    got = run_on_store(_posted_link_worker, [0, 1, 2], 45)
     assert got[0]["channels"] == {1: ("link/0-1", 2, 1), 2: ("link/0-2", 2, 1)}
     assert got[1]["channels"] == {0: ("link/0-1", 2, 0)}
     assert got[2]["channels"] == {0: ("link/0-2", 2, 0)}

@@ -23,8 +23,7 @@ from tests.executor.fabric_workload import (
     unit_name,
     update_fn,
 )
-from tests.executor.ft_procs import collect, spawn
-from tests.executor.stores import start_store
+from tests.executor.ft_procs import run_on_store
 
 OLD, NEW, LOST, STEPS, MORE = (0, 1, 2), (0, 2), 1, 5, 3
 
@@ -67,12 +66,7 @@ def _gather(parts: list[dict[str, tuple[int, int, np.ndarray]]]) -> dict[str, np
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_lost_worker_rebuilt_from_snapshot_bitwise() -> None:
-    server = start_store()
-    try:
-        procs, results = spawn(_remap_worker, list(OLD), server.port)
-        got = collect(procs, results, list(OLD), timeout_s=90)
-    finally:
-        server.stop()
+    got = run_on_store(_remap_worker, list(OLD), 90)
     before = _gather([got[w]["pre"] for w in OLD])
     after = _gather([got[w]["post"] for w in NEW])
     for layer in before:

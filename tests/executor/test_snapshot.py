@@ -20,8 +20,7 @@ from executor.store_server import connect_store
 from executor.trainer import Trainer
 from tests.executor import engine_cases
 from tests.executor.fabric_workload import grads_for, initial_state, layout_for, live_update, update_fn
-from tests.executor.ft_procs import collect, spawn
-from tests.executor.stores import start_store
+from tests.executor.ft_procs import run_on_store
 
 WORKERS = (0, 1, 2)
 STEPS = 20
@@ -60,12 +59,7 @@ def _snapshot_worker(worker: int, port: int) -> dict[str, object]:
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_ring_snapshot_equals_live_shard_bitwise() -> None:
-    server = start_store()
-    try:
-        procs, results = spawn(_snapshot_worker, list(WORKERS), server.port)
-        got = collect(procs, results, list(WORKERS), timeout_s=90)
-    finally:
-        server.stop()
+    got = run_on_store(_snapshot_worker, list(WORKERS), 90)
     for w in WORKERS:
         holder = ring_holder(WORKERS, w)
         assert got[holder]["protected"] == w and got[holder]["step"] == STEPS
@@ -144,12 +138,7 @@ def test_engine_ring_snapshot_equals_live_shard_bitwise() -> None:
     """The real trainer (PP=2 x DP=2, dropout on, ZeRO-1 interleaved) for 20 committed steps, one
     more attempt rolled back: every neighbour's snapshot equals the live shard it protects bit
     for bit, the live shards moved away from their initial values, and the checksums agreed."""
-    server = start_store()
-    try:
-        procs, results = spawn(_engine_snapshot_worker, ENGINE_WORKERS, server.port)
-        got = collect(procs, results, ENGINE_WORKERS, timeout_s=90)
-    finally:
-        server.stop()
+    got = run_on_store(_engine_snapshot_worker, ENGINE_WORKERS, 90)
     dp_groups = [s.ranks for s in _engine_layout().stages]
     for w in ENGINE_WORKERS:
         (group,) = [g for g in dp_groups if w in g]
