@@ -43,10 +43,16 @@ def etcd_registry_url(etcd_server: EtcdServer) -> str:
     return etcd_server.url
 
 
+# The registry's default connect timeout (2 s per endpoint) fails fast on a dead endpoint. The
+# suite's own etcd is alive but shares 2 loaded cores with every test: a 2 s handshake once failed
+# a fixture right after the wipe. Tests of dead endpoints pass their own connect_timeout.
+SESSION_ETCD_CONNECT_TIMEOUT_S = 15.0
+
+
 @pytest.fixture
 def etcd_registry(etcd_registry_url: str) -> Iterator[EtcdRegistry]:
     """An EtcdRegistry on the emptied session etcd; closed after the test."""
-    reg = EtcdRegistry(parse_etcd_url(etcd_registry_url)[0])
+    reg = EtcdRegistry(parse_etcd_url(etcd_registry_url)[0], connect_timeout_s=SESSION_ETCD_CONNECT_TIMEOUT_S)
     yield reg
     reg.close()
 
@@ -62,6 +68,8 @@ def registry_url(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def registry(registry_url: str) -> Iterator[Registry]:
     """A fresh, empty registry of each backend; closed after the test."""
+    if registry_url.startswith("etcd://"):
+        registry_url += f"?connect_timeout={SESSION_ETCD_CONNECT_TIMEOUT_S:g}"
     reg = open_registry(registry_url)
     yield reg
     reg.close()

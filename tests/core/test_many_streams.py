@@ -8,6 +8,8 @@ by the server rejected the rest with INTERNAL, which failed most of a 10,000-age
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -27,34 +29,73 @@ async def _requests(worker_id: str, stop: asyncio.Event) -> AsyncIterator[agent_
     await stop.wait()
 
 
-async def _burst(address: str, job_token: str, streams: int, connections: int, core: CoreProcess) -> int:
-    """Opens every stream at once; returns how many were acknowledged. Cancels them all at the end."""
+# A stream the overloaded Core could not serve in time (its first message not read within 10 s,
+# its connection closed by a missed keepalive: INVALID_ARGUMENT, CANCELLED, UNAVAILABLE) is
+# reconnected by a real agent (agent/core_link.py), so the test reconnects it too. The refusal
+# the regression was about never is: grpc's "Too many pending requests" (RESOURCE_EXHAUSTED).
+NEVER_IN_A_BURST = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+BURST_DEADLINE_S = 90.0
+
+
+async def _first_replies(
+    stubs: list[agent_pb2_grpc.AgentServiceStub], ids: list[int], job_token: str, stop: asyncio.Event
+) -> tuple[list[grpc.aio.StreamStreamCall], list[object]]:
+    calls = [
+        stubs[i % len(stubs)].Connect(
+            _requests(f"s{i}", stop), metadata=[("authorization", f"Bearer {job_token}")]
+        )
+        for i in ids
+    ]
+    firsts = await asyncio.gather(*(c.read() for c in calls), return_exceptions=True)
+    return calls, firsts
+
+
+async def _burst(
+    address: str, job_token: str, streams: int, connections: int, core: CoreProcess
+) -> Counter[str]:
+    """Opens every stream at once and reconnects the ones that failed, until each is acknowledged;
+    returns the first round's failures by status. Cancels every stream at the end."""
     options = [("grpc.use_local_subchannel_pool", 1)]  # one TCP connection per channel
     channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(connections)]
     stop = asyncio.Event()
     stubs = [agent_pb2_grpc.AgentServiceStub(ch) for ch in channels]
-    calls = [
-        stubs[i % connections].Connect(
-            _requests(f"s{i}", stop), metadata=[("authorization", f"Bearer {job_token}")]
-        )
-        for i in range(streams)
-    ]
+    pending, first_round = list(range(streams)), Counter[str]()
+    opened: list[grpc.aio.StreamStreamCall] = []
+    deadline = time.monotonic() + BURST_DEADLINE_S
     try:
-        firsts = await asyncio.wait_for(
-            asyncio.gather(*(c.read() for c in calls), return_exceptions=True), 60
-        )
+        while pending and time.monotonic() < deadline:
+            calls, firsts = await asyncio.wait_for(
+                _first_replies(stubs, pending, job_token, stop), deadline - time.monotonic()
+            )
+            opened += calls
+            failed = [i for i, f in zip(pending, firsts, strict=True) if not _acknowledged(f)]
+            if len(pending) == streams:
+                first_round.update(_status(firsts[pending.index(i)]) for i in failed)
+                assert not any(code.name in k for k in first_round for code in NEVER_IN_A_BURST), first_round
+            pending = failed
+        assert not pending, f"{len(pending)} streams never registered; first round: {first_round}"
         members = await asyncio.to_thread(core.states, "fan")
-        assert len(members) == streams and "LOST" not in members.values()
-        return sum(1 for f in firsts if isinstance(f, agent_pb2.ConnectResponse) and f.HasField("ack"))
+        assert len(members) == streams and "LOST" not in members.values(), first_round
+        return first_round
     finally:
         stop.set()
-        for c in calls:
+        for c in opened:
             c.cancel()  # vanish without a Leave
         for ch in channels:
             await ch.close()
 
 
-@pytest.mark.timeout(150)
+def _acknowledged(reply: object) -> bool:
+    return isinstance(reply, agent_pb2.ConnectResponse) and reply.HasField("ack")
+
+
+def _status(reply: object) -> str:
+    if isinstance(reply, grpc.aio.AioRpcError):
+        return f"{reply.code().name}: {reply.details()}"
+    return repr(reply)
+
+
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     "streams, connections", [(400, 1), (3500, 35)], ids=["400-on-one-connection", "3500-burst"]
 )
@@ -73,7 +114,8 @@ def test_stream_bursts_register_and_are_declared_lost(tmp_path: Path, streams: i
     try:
         core.wait_leader()
         job_token = create_job(core, token, "fan")
-        assert asyncio.run(_burst(core.grpc_address, job_token, streams, connections, core)) == streams
+        first_round = asyncio.run(_burst(core.grpc_address, job_token, streams, connections, core))
+        print(f"first round failures (reconnected): {dict(first_round)}")
         wait_until(lambda: set(core.states("fan").values()) == {"LOST"}, 60, "every vanished stream LOST")
     finally:
         core.stop()
