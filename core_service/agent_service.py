@@ -333,7 +333,8 @@ class AgentServicer:
         member = job.member(session.worker_id)
         name = agent_pb2.ProbeKind.Name(probe.kind).removeprefix("PROBE_KIND_").lower()
         was_healthy = member.probes.get(name, {}).get("healthy", True)
-        member.probes[name] = {"healthy": probe.healthy, "detail": probe.detail, "at": now}
+        # Replaced, never changed in place: the REST API serialises members on another thread.
+        member.probes = {**member.probes, name: {"healthy": probe.healthy, "detail": probe.detail, "at": now}}
         if not probe.healthy and was_healthy:
             self.core.table.record(
                 job, "probe_unhealthy", worker_id=session.worker_id, detail=f"{name}: {probe.detail}", now=now

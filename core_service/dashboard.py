@@ -185,7 +185,7 @@ def dashboard_router(core: DashboardCore, reads: Sequence[params.Depends]) -> AP
         dependencies=list(reads),
         tags=["dashboard"],
     )
-    def stage_members(job: JobName, stage: int) -> dict[str, Any]:
+    async def stage_members(job: JobName, stage: int) -> dict[str, Any]:  # on the loop, as the jobs' writer
         """One stage's members (state, health, memory, last step), in DP order."""
         return {"job": job, "stage": stage, "members": members_of_stage(data.job(job), stage, time.time())}
 

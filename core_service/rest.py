@@ -153,7 +153,7 @@ def build_app(core: RestCore) -> FastAPI:
         return Response(generate_latest(core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/api/v1/jobs", dependencies=reads, responses=read_errors)
-    def list_jobs() -> dict[str, Any]:
+    async def list_jobs() -> dict[str, Any]:  # on the loop, which is the only writer of the jobs
         return {"jobs": [job_summary(j) for j in sorted(core.table.jobs.values(), key=lambda j: j.name)]}
 
     @app.post(
@@ -173,18 +173,23 @@ def build_app(core: RestCore) -> FastAPI:
         a plan may take in) and FlexTrain's scale table (computed off the loop, cached)."""
         record = job_or_404(job)
         scale = await scale_tables.get(record)
+        # Read on the loop, the only writer: the summary, and the member list as one C-level copy
+        # (no other thread can run during it). Iterating `record.members` on the worker thread
+        # raced registrations ("dictionary changed size during iteration": HTTP 500 in a burst).
+        summary, members = job_summary(record), list(record.members.values())
+        layout, committed = record.layout_json, record.committed_layout_json
 
-        def view() -> dict[str, Any]:  # 10,000 members: serialised off the event loop
-            members = sorted(record.members.values(), key=lambda m: m.worker_id)
+        def view() -> dict[str, Any]:
+            # 10,000 members: serialised off the event loop. A member's fields are only ever
+            # replaced, never changed in place, so reading them here is safe.
+            members.sort(key=lambda m: m.worker_id)
             return {
-                **job_summary(record),
+                **summary,
                 "members": [m.public() for m in members],
                 "spares": [spare_view(m) for m in members if m.state is WorkerState.SPARE],
                 "scale_table": scale,
-                "layout": None if record.layout_json is None else json.loads(record.layout_json),
-                "committed_layout": None
-                if record.committed_layout_json is None
-                else json.loads(record.committed_layout_json),
+                "layout": None if layout is None else json.loads(layout),
+                "committed_layout": None if committed is None else json.loads(committed),
             }
 
         return await asyncio.to_thread(view)

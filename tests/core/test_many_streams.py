@@ -8,12 +8,14 @@ by the server rejected the rest with INTERNAL, which failed most of a 10,000-age
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from tests.core.procs import CoreProcess, create_job, new_token, wait_until
@@ -35,6 +37,28 @@ async def _requests(worker_id: str, stop: asyncio.Event) -> AsyncIterator[agent_
 # the regression was about never is: grpc's "Too many pending requests" (RESOURCE_EXHAUSTED).
 NEVER_IN_A_BURST = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 BURST_DEADLINE_S = 90.0
+
+
+# The views that read a job's members, read while the burst registers (a view built on another
+# thread than the loop once raced the registrations: HTTP 500, "dictionary changed size").
+VIEWS = ("/api/v1/jobs/fan", "/api/v1/jobs", "/api/v1/dashboard/jobs/fan/stages/0/members")
+
+
+def _read_views_until(http_base: str, stop: threading.Event, errors: list[str]) -> None:
+    """GETs every view in turn until `stop`; records every answer other than 200. A read that
+    times out on the loaded machine is no answer, and not an error."""
+    with httpx.Client(base_url=http_base, timeout=30.0) as http:
+        while not stop.is_set():
+            for path in VIEWS:
+                try:
+                    response = http.get(path)
+                except httpx.TimeoutException:
+                    continue
+                except httpx.TransportError as exc:
+                    errors.append(f"GET {path}: {exc!r}")
+                    continue
+                if response.status_code != 200:
+                    errors.append(f"GET {path}: {response.status_code} {response.text[:200]}")
 
 
 async def _first_replies(
@@ -62,6 +86,11 @@ async def _burst(
     pending, first_round = list(range(streams)), Counter[str]()
     opened: list[grpc.aio.StreamStreamCall] = []
     deadline = time.monotonic() + BURST_DEADLINE_S
+    reading, view_errors = threading.Event(), list[str]()
+    reader = threading.Thread(
+        target=_read_views_until, args=(f"http://127.0.0.1:{core.http_port}", reading, view_errors)
+    )
+    reader.start()
     try:
         while pending and time.monotonic() < deadline:
             calls, firsts = await asyncio.wait_for(
@@ -73,11 +102,16 @@ async def _burst(
                 first_round.update(_status(firsts[pending.index(i)]) for i in failed)
                 assert not any(code.name in k for k in first_round for code in NEVER_IN_A_BURST), first_round
             pending = failed
+        reading.set()
+        await asyncio.to_thread(reader.join, 60)
+        assert not view_errors, view_errors[:3]
         assert not pending, f"{len(pending)} streams never registered; first round: {first_round}"
         members = await asyncio.to_thread(core.states, "fan")
         assert len(members) == streams and "LOST" not in members.values(), first_round
         return first_round
     finally:
+        reading.set()
+        reader.join(60)
         stop.set()
         for c in opened:
             c.cancel()  # vanish without a Leave
