@@ -31,8 +31,8 @@ async def _requests(worker_id: str, stop: asyncio.Event) -> AsyncIterator[agent_
     await stop.wait()
 
 
-# A stream the overloaded Core could not serve in time (its first message not read within 10 s,
-# its connection closed by a missed keepalive: INVALID_ARGUMENT, CANCELLED, UNAVAILABLE) is
+# A stream the overloaded machine could not serve in time (its first message not read within
+# 10 s: INVALID_ARGUMENT; or CANCELLED, seen beside busy loops with the keepalive off too) is
 # reconnected by a real agent (agent/core_link.py), so the test reconnects it too. The refusal
 # the regression was about never is: grpc's "Too many pending requests" (RESOURCE_EXHAUSTED).
 NEVER_IN_A_BURST = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
@@ -97,11 +97,16 @@ async def _burst(
                 _first_replies(stubs, pending, job_token, stop), deadline - time.monotonic()
             )
             opened += calls
-            failed = [i for i, f in zip(pending, firsts, strict=True) if not _acknowledged(f)]
+            failed = [(i, f) for i, f in zip(pending, firsts, strict=True) if not _acknowledged(f)]
             if len(pending) == streams:
-                first_round.update(_status(firsts[pending.index(i)]) for i in failed)
-                assert not any(code.name in k for k in first_round for code in NEVER_IN_A_BURST), first_round
-            pending = failed
+                first_round.update(_status(f) for _, f in failed)
+                refused = [
+                    f
+                    for _, f in failed
+                    if isinstance(f, grpc.aio.AioRpcError) and f.code() in NEVER_IN_A_BURST
+                ]
+                assert not refused, first_round
+            pending = [i for i, _ in failed]
         reading.set()
         await asyncio.to_thread(reader.join, 60)
         assert not view_errors, view_errors[:3]
