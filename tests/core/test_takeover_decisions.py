@@ -34,7 +34,10 @@ LAYOUT = make_uniform_layout(num_layers=4, num_stages=2, dp=2, global_batch=8, n
 
 
 def core_settings(core_id: str, etcd_url: str, **knobs: Any) -> Any:
-    # No heartbeat loss: the members registered in-process send no heartbeats.
+    # No heartbeat loss: the members registered in-process send no heartbeats. A long leader
+    # TTL (and so loop-stall bound): these tests stop the leader on purpose, and it resigns at
+    # once; with the 2 s default, a CI machine that starved a leader's keepalive thread or its
+    # loop (these tests read etcd on it) for 2 s deposed it mid-scenario ("0 leaders").
     return load_settings(
         dev_mode=True,
         core_id=core_id,
@@ -44,6 +47,7 @@ def core_settings(core_id: str, etcd_url: str, **knobs: Any) -> Any:
         scheduler_token=SCHEDULER,
         heartbeat_timeout_s=600.0,
         lease_ttl_s=600.0,
+        leader_ttl_s=20.0,
         **knobs,
     )
 
