@@ -153,7 +153,9 @@ def rank_reports(snapshot: JobSnapshot, layout: Layout) -> tuple[RankReport, ...
     """The live workers of the layout as the planner sees them."""
     in_layout = set(layout.ranks())
     return tuple(
-        RankReport(w.rank, w.step_time_s, w.state == "SLOW") for w in snapshot.live if w.rank in in_layout
+        RankReport(w.rank, w.step_time_s, w.state == "SLOW", w.wall_step_s)
+        for w in snapshot.live
+        if w.rank in in_layout
     )
 
 

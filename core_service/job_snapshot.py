@@ -25,8 +25,12 @@ class WorkerView:
     dp_rank: int
     rank: int
     state: str
-    # Last reported step time: the ElasWave policy sizes a fail-slow straggler's slowdown from it.
+    # Last reported step time (own compute): the ElasWave policy sizes a fail-slow straggler's
+    # slowdown from it.
     step_time_s: float | None = None
+    # Last reported wall step time: the uniform cost model charges what compute leaves of it per
+    # mini-step (planners.elaswave_model.uniform_model).
+    wall_step_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -82,18 +86,26 @@ def _current_layout(job: Job) -> Layout | None:
 
 @functools.lru_cache(maxsize=1 << 17)
 def _worker_view(
-    worker_id: str, host: str, stage: int, dp_rank: int, rank: int, state: str, step_time: float | None
+    worker_id: str,
+    host: str,
+    stage: int,
+    dp_rank: int,
+    rank: int,
+    state: str,
+    step_time: float | None,
+    wall: float | None,
 ) -> WorkerView:
     """Views are values: one per distinct content, reused across snapshots. A snapshot is taken
     on every planning tick, and building 10,000 frozen dataclasses each time dominated the
     Core's CPU while a large job registered."""
-    return WorkerView(worker_id, host, stage, dp_rank, rank, state, step_time)
+    return WorkerView(worker_id, host, stage, dp_rank, rank, state, step_time, wall)
 
 
 def snapshot_of(job: Job) -> JobSnapshot:
     def view(m: MemberRecord) -> WorkerView:
-        step_time = None if m.last_step is None else m.last_step.own_time_s
-        return _worker_view(m.worker_id, m.host, m.stage, m.dp_rank, m.rank, m.state.value, step_time)
+        step = m.last_step
+        own, wall = (None, None) if step is None else (step.own_time_s, step.step_time_s)
+        return _worker_view(m.worker_id, m.host, m.stage, m.dp_rank, m.rank, m.state.value, own, wall)
 
     live: list[WorkerView] = []
     gone: list[WorkerView] = []

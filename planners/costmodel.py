@@ -148,6 +148,28 @@ class CostModel:
     profile: LayerProfile
     memory: MemoryProfile
     link: LinkModel
+    # Seconds every mini-step costs beyond eq. (1), whatever its blocks and samples: hop latency,
+    # kernel launches, the schedule's waits. A profiled model has none; the uniform model charges
+    # here what the measured wall step has beyond the blocks' compute (planners.elaswave_model),
+    # so a shape with more mini-steps (stages or slots) pays for each.
+    ministep_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.ministep_overhead_s) and self.ministep_overhead_s >= 0):
+            raise ValueError(
+                f"CostModel.ministep_overhead_s must be finite and >= 0, got {self.ministep_overhead_s}"
+            )
+
+    def ministep(
+        self,
+        tf: np.ndarray | float,
+        tb: np.ndarray | float,
+        p2p_f: np.ndarray | float,
+        p2p_b: np.ndarray | float,
+    ) -> np.ndarray | float:
+        """Eq. (1) with this model's overlap factors, plus its fixed mini-step overhead."""
+        link = self.link
+        return ministep_time(tf, tb, p2p_f, p2p_b, link.sigma_f, link.sigma_b) + self.ministep_overhead_s
 
     def conditions(self, layout: Layout) -> tuple[StageConditions, ...]:
         sizes = micro_batch_sizes(layout)
@@ -185,7 +207,7 @@ class CostModel:
     def stage_time(self, cond: StageConditions, layer_start: int, layer_stop: int) -> float:
         fwd, bwd = self.stage_compute(cond)
         tf, tb = float(fwd[layer_start:layer_stop].sum()), float(bwd[layer_start:layer_stop].sum())
-        return float(ministep_time(tf, tb, cond.p2p_f_s, cond.p2p_b_s, self.link.sigma_f, self.link.sigma_b))
+        return float(self.ministep(tf, tb, cond.p2p_f_s, cond.p2p_b_s))
 
     def stage_times(self, layout: Layout) -> tuple[float, ...]:
         return tuple(

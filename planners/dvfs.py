@@ -15,7 +15,7 @@ from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
-from planners.costmodel import CostModel, ministep_time
+from planners.costmodel import CostModel
 from planners.layout import Layout
 
 Status = Literal["ACHIEVABLE", "UNACHIEVABLE"]
@@ -141,12 +141,13 @@ def model_frequency_guess(compute_s: float, other_s: float, f_cur: int, target_s
 
 
 def stage_time_split(cost: CostModel, layout: Layout, stage: int) -> tuple[float, float]:
-    """(compute, exposed communication) seconds of `stage`'s mini-step under eq. (1)."""
+    """(compute, the rest: exposed communication and the fixed overhead) seconds of `stage`'s
+    mini-step under eq. (1); an up-clock shortens only the first."""
     cond = cost.conditions(layout)[stage]
     s = layout.stages[stage]
     fwd, bwd = cost.stage_compute(cond)
     tf, tb = float(fwd[s.layer_start : s.layer_stop].sum()), float(bwd[s.layer_start : s.layer_stop].sum())
-    total = float(ministep_time(tf, tb, cond.p2p_f_s, cond.p2p_b_s, cost.link.sigma_f, cost.link.sigma_b))
+    total = float(cost.ministep(tf, tb, cond.p2p_f_s, cond.p2p_b_s))
     return tf + tb, total - tf - tb
 
 

@@ -45,8 +45,9 @@ class RankReport:
     fail-slow detector flags it."""
 
     rank: int
-    step_time_s: float | None = None
+    step_time_s: float | None = None  # the rank's own compute (its wall step where not reported)
     slow: bool = False
+    wall_step_s: float | None = None  # the whole step as the rank saw it, waits on peers included
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,10 @@ def job_model(
         if profile.num_layers == layout.num_layers:
             return registered_model(profile, layout)
         why_none = f"its registered model has {profile.num_layers} layers, the layout {layout.num_layers}"
-    measured = [r.step_time_s for r in reports if r.step_time_s and not r.slow]
-    return uniform_model(layout, measured, why_none)
+    healthy = [r for r in reports if not r.slow]
+    measured = [r.step_time_s for r in healthy if r.step_time_s]
+    walls = [r.wall_step_s for r in healthy if r.wall_step_s]
+    return uniform_model(layout, measured, why_none, walls)
 
 
 def registered_model(profile: JobProfile, layout: Layout) -> JobModel:
@@ -96,12 +99,18 @@ def registered_model(profile: JobProfile, layout: Layout) -> JobModel:
     )
 
 
-def uniform_model(layout: Layout, measured_step_s: Sequence[float], why: str) -> JobModel:
+def uniform_model(
+    layout: Layout, measured_step_s: Sequence[float], why: str, measured_wall_s: Sequence[float] = ()
+) -> JobModel:
     """Every block costs the same per sample (backward = 2 x forward), no exposed P2P and no DP
     exchange priced (the reports do not say what it costs: see docs/benchmarks.md, "The DP
     exchange in the plan's step"); memory from the layout's element counts with MemoryProfile's
     defaults. Scaled so the current layout's predicted step time equals the median of
-    `measured_step_s`."""
+    `measured_step_s` (the ranks' own compute). What the median wall step `measured_wall_s` has
+    beyond that is charged per mini-step (`CostModel.ministep_overhead_s`), so the current
+    layout's prediction is its wall step: on a machine where hops and launches dominate a step,
+    a shape with more stages or slots is priced with them, not as free (docs/benchmarks.md, "The
+    mini-step overhead")."""
     base = f"cost model: uniform blocks ({why}): a stage's mini-step ~ blocks x micro-batch size"
     cost = _uniform_cost(layout.num_layers, 1.0)
     predicted = cost.step_time(layout)
@@ -110,21 +119,32 @@ def uniform_model(layout: Layout, measured_step_s: Sequence[float], why: str) ->
             cost, DEFAULT_NOMINAL_MHZ, DEFAULT_MAX_MHZ, "model units", base + "; times in model units"
         )
     median = statistics.median(measured_step_s)
+    reason = base + f"; scaled to the reported median step time {median:.4g} s"
+    overhead = 0.0
+    if measured_wall_s:
+        wall = statistics.median(measured_wall_s)
+        slots = layout.num_micro_batches + layout.num_stages - 1  # the 1F1B schedule's mini-steps
+        overhead = max(0.0, wall - median) / slots
+        reason += (
+            f"; the rest of the median wall step {wall:.4g} s charged as {overhead:.4g} s per "
+            f"mini-step ({slots} in this layout: hops, launches, waits)"
+        )
     return JobModel(
-        _uniform_cost(layout.num_layers, median / predicted),
+        _uniform_cost(layout.num_layers, median / predicted, overhead),
         DEFAULT_NOMINAL_MHZ,
         DEFAULT_MAX_MHZ,
         "s",
-        base + f"; scaled to the reported median step time {median:.4g} s",
+        reason,
     )
 
 
-def _uniform_cost(num_layers: int, seconds_per_block_sample: float) -> CostModel:
+def _uniform_cost(num_layers: int, seconds_per_block_sample: float, overhead_s: float = 0.0) -> CostModel:
     fwd, bwd = ((seconds_per_block_sample,),) * num_layers, ((2 * seconds_per_block_sample,),) * num_layers
     return CostModel(
         LayerProfile((1,), fwd, bwd, ref_mhz=DEFAULT_NOMINAL_MHZ),
         MemoryProfile((0.0,) * num_layers),
         LinkModel(0.0, 1.0),
+        ministep_overhead_s=overhead_s,
     )
 
 

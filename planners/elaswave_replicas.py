@@ -16,7 +16,8 @@ change (smaller shares only where nothing else fits memory: in a model where com
 micro-batch, smaller shares would buy a shorter bubble the configured job never had); and with a
 whole replica dropped (every stage cut to the smallest stage's DP size, the surplus ranks leave
 the layout, idle until a join takes them back), re-slotted likewise; and the live ranks regrouped
-into 1..2P stages of equal DP size, the same count P included (a stage thinned by earlier losses
+into 1..2P stages of equal DP size, the same count P included (only P where the cost model
+prices no DP exchange, unless nothing else fits memory: `_stage_counts`) (a stage thinned by earlier losses
 takes ranks from the others; a shorter pipeline where fewer stages fit memory, a longer one where
 the stages in force are few for the ranks left: the executor reaches any layout over the
 surviving ranks in place, `planners.applicability`, rebuilding where a live rank changes stage),
@@ -120,6 +121,35 @@ def _reslotted(
     return out
 
 
+def _stage_counts(layout: Layout, model: JobModel) -> tuple[list[int], list[int]]:
+    """(the stage counts a regroup may take, those it may take only when nothing else fits
+    memory): 1..2P, or only P when the model prices no DP exchange.
+
+    Another stage count changes every rank's share of the DP exchange (P -> 1: each rank
+    exchanges all the weights) and the pipeline's hops. The uniform model (no profile registered)
+    knows neither, so it saw only the blocks' compute and the bubble: at PP=2 x DP=4 on 2 CPU
+    cores it regrouped a loss into PP=1 x DP=7 and the job stepped 1.8x slower."""
+    p = layout.num_stages
+    every = list(range(1, 2 * p + 1))
+    if math.isfinite(model.cost.link.dp_bytes_per_s):
+        return every, []
+    return [p], [n for n in every if n != p]
+
+
+def _regroups(layout: Layout, counts: list[int]) -> list[tuple[str, Layout]]:
+    shapes = []
+    for stages in counts:
+        regrouped = restage(layout, stages)
+        if regrouped is not None:
+            shapes.append((f"{stages} stages of equal DP size", regrouped))
+    return shapes
+
+
+def _priced(shapes: list[tuple[str, Layout]], factors: dict[int, float], model: JobModel) -> list[Shaped]:
+    priced = (_price(name, shaped, factors, model) for name, shaped in shapes)
+    return [p for p in priced if p is not None]
+
+
 def shape_replicas(
     layout: Layout,
     factors: dict[int, float],
@@ -140,18 +170,16 @@ def shape_replicas(
     shapes = [("thin every stage", layout)]
     if dropped is not None:
         shapes.append((f"drop ranks {list(dropped[1])} (a replica)", dropped[0]))
-    p = layout.num_stages
     # Fewer stages, or as many regrouped to equal DP sizes (a stage thinned by earlier losses
     # takes ranks from the others): the executor rebuilds any layout in which a live rank changes
     # stage from live shards and backups (`executor.fabric.relayout.needs_rebuild`).
-    for stages in range(1, 2 * p + 1):
-        regrouped = restage(layout, stages)
-        if regrouped is not None:
-            shapes.append((f"{stages} stages of equal DP size", regrouped))
-    options: list[Shaped] = []
-    for name, shaped in shapes[1:]:
-        priced = _price(name, shaped, factors, model)
-        options += [priced] if priced is not None else []
+    counts, unpriced = _stage_counts(layout, model)
+    shapes += _regroups(layout, counts)
+    options = _priced(shapes[1:], factors, model)
+    if unpriced and not (as_is.fits or any(o.fits for o in options)):
+        extra = _regroups(layout, unpriced)  # memory: any stage count that fits
+        shapes += extra
+        options += _priced(extra, factors, model)
     low, high = shares
     for m in range(high, 0, -1):
         if m < low and (as_is.fits or any(o.fits for o in options)):

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from planners.costmodel import CostModel, ministep_time
+from planners.costmodel import CostModel
 from planners.layout import Layout
 
 SegmentMatrix = Callable[[int], np.ndarray]  # stage p -> (L+1, L+1) matrix over [k, l)
@@ -238,11 +238,7 @@ def segment_tables(layout: Layout, cost: CostModel) -> SegmentTables:
     fwd, bwd = np.stack([f for f, _ in compute]), np.stack([b for _, b in compute])
     p2p_f = np.array([c.p2p_f_s for c in conds])[:, None, None]
     p2p_b = np.array([c.p2p_b_s for c in conds])[:, None, None]
-    times = np.asarray(
-        ministep_time(
-            _segment_sums(fwd), _segment_sums(bwd), p2p_f, p2p_b, cost.link.sigma_f, cost.link.sigma_b
-        )
-    )
+    times = np.asarray(cost.ministep(_segment_sums(fwd), _segment_sums(bwd), p2p_f, p2p_b))
     layer_mem = np.stack([cost.layer_mem_bytes(layout, p, c.micro_batch) for p, c in enumerate(conds)])
     return SegmentTables(times, np.asarray(cost.memory.stage_base_bytes + _segment_sums(layer_mem)))
 

@@ -14,6 +14,8 @@ from core_service.job_snapshot import JobSnapshot, WorkerView
 from core_service.model import Ack, AckPhase, JobPhase, StepReport
 from core_service.policies import LayoutPolicy
 from planners.applicability import judge
+from planners.dataflow import resize_after_loss
+from planners.elaswave_replicas import restage
 from planners.layout import Layout, Plan, PlanMode, StageLayout, make_uniform_layout
 from planners.validation import validate
 from tests.core.test_engine import Harness, run
@@ -225,17 +227,19 @@ def test_memory_caps_keep_a_block_where_it_is() -> None:
         num_micro_batches=2,
         stage_mem_cap_bytes=(20.0, 1e9),
     )
-    # Algorithm 1's memory constraint alone: the DP shape step off (with it, regrouping the five
-    # ranks into 3 stages is predicted faster, 45 vs 48 model units, and keeps every cap).
+    # Algorithm 1's memory constraint alone: the DP shape step off.
     decision = ElasWavePolicy(replicas=False).decide(_snapshot(capped, 4, None))
     assert decision.action == "publish"
     new = decision.layout
     assert new is not None
     assert new.boundaries == (2,) and new.stages[1].ranks == (3, 5)
-    shaped = ElasWavePolicy().decide(_snapshot(capped, 4, None)).layout
-    assert shaped is not None and shaped.num_stages == 3
-    assert shaped.stage_mem_cap_bytes == (20.0, 20.0, 1e9)  # a stage's cap: its ranks' tightest
     assert any(r.startswith("no unit moves") for r in decision.reasons), decision.reasons
+    # With it: regrouping the five ranks into 3 stages keeps every cap (a stage's cap is its
+    # ranks' tightest), but the uniform model prices no DP exchange, so the stage count stays.
+    shaped = ElasWavePolicy().decide(_snapshot(capped, 4, None)).layout
+    assert shaped is not None and shaped.num_stages == 2
+    regrouped = restage(resize_after_loss(capped, [4]).layout, 3)
+    assert regrouped is not None and regrouped.stage_mem_cap_bytes == (20.0, 20.0, 1e9)
 
 
 @pytest.mark.timeout(60)
@@ -277,5 +281,33 @@ def test_a_unit_moved_for_a_straggler_does_not_move_back_in_its_cool_down() -> N
             assert phase == JobPhase.RUNNING and h.job.plan_epoch == 1
             decision = [e for e in h.job.events if e.kind.startswith("decision_")][-1]
             assert "cool-down" in decision.detail, decision.detail
+
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_the_wall_step_the_workers_report_prices_a_loss() -> None:
+    """The workers report their wall step and their own compute (0.2275 s and 0.034 s, as bench.mttr's
+    one kill at PP=2 x DP=4 measured on 2 CPU cores); the policy charges the difference per
+    mini-step, keeps the stage count, and predicts about the step the job then ran."""
+    layout = make_uniform_layout(num_layers=6, num_stages=2, dp=4, global_batch=16, num_micro_batches=2)
+    h = Harness(layout, ElasWavePolicy())
+
+    async def scenario() -> None:
+        await h.join_layout("j", layout)
+        await settle(h, 1.0)
+        for worker, member in sorted(h.job.members.items()):
+            session = h.membership.sessions[("j", worker)]
+            report = StepReport(3, 0.2275, 0.034, None, 2, member.stage, member.dp_rank, 3.0)
+            h.membership.step(session, report)
+        assert h.membership.mark_lost(h.job, "j-w5", "killed", "process_exit", 4.0)
+        assert await h.engine.tick(h.job, 5.0) == JobPhase.PLANNING
+        assert await h.engine.tick(h.job, 5.1) == JobPhase.APPLYING
+        _, plan, new = published(h)
+        assert new.num_stages == 2 and new.dp_sizes == (4, 3), plan.reasons
+        assert any(
+            "median wall step 0.2275 s charged as 0.0645 s per mini-step" in r for r in plan.reasons
+        ), plan.reasons
+        assert 0.2275 < plan.predicted_step_time_s < 0.25
 
     run(scenario())

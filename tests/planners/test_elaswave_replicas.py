@@ -47,3 +47,44 @@ def test_a_join_restores_the_fault_free_shape_after_a_reshape() -> None:
     assert back.layout.dp_sizes == LAYOUT.dp_sizes and back.layout.num_micro_batches == 4
     assert back.layout.stages[1].ranks == (4, 12, 6, 7)  # the newcomer in the lost rank's place
     assert any(r.step is Step.REPLICA and "fault-free shape" in r.text for r in back.reasons)
+
+
+# ---- what the uniform model cannot price (measured at PP=2 x DP=4 on 2 CPU cores) -----------------
+KILL_24 = make_uniform_layout(num_layers=6, num_stages=2, dp=4, global_batch=16, num_micro_batches=2)
+
+
+def test_the_uniform_model_charges_the_wall_step_beyond_compute_per_mini_step() -> None:
+    # bench.mttr's one kill: the ranks computed 0.034 s of a 0.2275 s step.
+    model = uniform_model(KILL_24, [0.030, 0.034, 0.036], "test", [0.2275, 0.2275, 0.23])
+    slots = KILL_24.num_micro_batches + KILL_24.num_stages - 1
+    assert abs(model.cost.ministep_overhead_s - (0.2275 - 0.034) / slots) < 1e-12
+    assert abs(model.cost.step_time(KILL_24) - 0.2275) < 1e-9  # the layout's prediction is its wall step
+    assert "charged as 0.0645 s per mini-step (3 in this layout" in model.reason
+    # Without wall times, or a wall step no longer than compute, nothing is charged.
+    assert uniform_model(KILL_24, [0.034], "test").cost.ministep_overhead_s == 0.0
+    assert uniform_model(KILL_24, [0.034], "test", [0.02]).cost.ministep_overhead_s == 0.0
+
+
+def test_without_a_priced_exchange_a_loss_keeps_the_stage_count() -> None:
+    # Uncharged, the model regrouped this loss into 4 stages of 8 slots, then into PP=1 x DP=7; the
+    # job stepped 2.5x and 1.8x slower. Charged, and with the stage count kept, it thins stage 1.
+    model = uniform_model(KILL_24, [0.034], "test", [0.2275])
+    plan = plan_elaswave(ElasWaveInput(KILL_24, (5,), model))
+    assert plan.layout is not None and plan.layout.num_stages == 2 and plan.layout.num_micro_batches == 2
+    assert plan.layout.dp_sizes == (4, 3)
+    kept = [r.text for r in plan.reasons if r.step is Step.REPLICA]
+    assert kept and kept[0].startswith("DP shape kept"), kept
+    assert 0.2275 < plan.predicted_step_time_s < 0.2275 * 1.1
+
+
+def test_without_a_priced_exchange_another_stage_count_is_taken_when_nothing_else_fits_memory() -> None:
+    # Uniform memory per block: 1 element x (2 + 2 + 12 / DP) bytes. One stage of 4 blocks at
+    # DP=4 holds 28 bytes <= 30; at DP=3 32 > 30 and no single-stage shape fits. Two stages (DP 2
+    # and 1, three blocks and one: 30 and 16 bytes) do.
+    layout = make_uniform_layout(
+        num_layers=4, num_stages=1, dp=4, global_batch=8, num_micro_batches=2, stage_mem_cap_bytes=(30.0,)
+    )
+    model = uniform_model(layout, [0.03], "test", [0.1])
+    plan = plan_elaswave(ElasWaveInput(layout, (3,), model))
+    assert plan.layout is not None and plan.layout.num_stages == 2, plan.reasons
+    assert any(r.step is Step.REPLICA and "2 stages" in r.text for r in plan.reasons), plan.reasons
