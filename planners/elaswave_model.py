@@ -37,6 +37,11 @@ class JobModel:
     max_mhz: int
     unit: str  # "s", or "model units" for an uncalibrated uniform model
     reason: str
+    # The share of the measured wall step (median over the ranks) that the model's own terms
+    # predict for the layout it was measured on; the rest is `cost.ministep_overhead_s`. None:
+    # no wall step measured. A model that explains little of the step cannot be trusted with a
+    # shape whose stage count differs (planners.elaswave_replicas).
+    explained_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,12 +68,40 @@ def job_model(
     `why_none` says why there is no profile when `profile` is None."""
     if profile is not None:
         if profile.num_layers == layout.num_layers:
-            return registered_model(profile, layout)
+            return reconciled(registered_model(profile, layout), layout, reports)
         why_none = f"its registered model has {profile.num_layers} layers, the layout {layout.num_layers}"
-    healthy = [r for r in reports if not r.slow]
-    measured = [r.step_time_s for r in healthy if r.step_time_s]
-    walls = [r.wall_step_s for r in healthy if r.wall_step_s]
-    return uniform_model(layout, measured, why_none, walls)
+    measured = [r.step_time_s for r in reports if r.step_time_s and not r.slow]
+    return reconciled(uniform_model(layout, measured, why_none), layout, reports)
+
+
+def reconciled(model: JobModel, layout: Layout, reports: Sequence[RankReport]) -> JobModel:
+    """`model` with what the median wall step its healthy ranks reported for `layout` has beyond
+    the model's own prediction for it (fail-slow ranks costed) charged per mini-step
+    (`CostModel.ministep_overhead_s`: hops, launches, waits that no term of eq. (1) names), and
+    the share it explains. Unchanged without wall steps or in model units. A shape with more
+    mini-steps then pays for each, and the current layout is predicted at its measured step
+    (docs/benchmarks.md, "The mini-step overhead")."""
+    walls = [r.wall_step_s for r in reports if r.wall_step_s and not r.slow]
+    if not walls or model.unit != "s":
+        return model
+    factors = {
+        r: s.factor for r, s in slowdowns(layout, reports, (), model.nominal_mhz, DEFAULT_SLOWDOWN).items()
+    }
+    predicted = model.cost.step_time(costing(layout, factors, model.nominal_mhz, current_clocks=True))
+    wall = statistics.median(walls)
+    if predicted <= 0 or wall <= 0:
+        return model
+    slots = layout.num_micro_batches + layout.num_stages - 1  # the 1F1B schedule's mini-steps
+    overhead = max(0.0, wall - predicted) / slots
+    share = min(1.0, predicted / wall)
+    return replace(
+        model,
+        cost=replace(model.cost, ministep_overhead_s=model.cost.ministep_overhead_s + overhead),
+        reason=model.reason
+        + f"; it predicts {share:.0%} of the median wall step {wall:.4g} s, the rest charged as "
+        f"{overhead:.4g} s per mini-step ({slots} in this layout: hops, launches, waits)",
+        explained_share=share,
+    )
 
 
 def registered_model(profile: JobProfile, layout: Layout) -> JobModel:
@@ -99,18 +132,13 @@ def registered_model(profile: JobProfile, layout: Layout) -> JobModel:
     )
 
 
-def uniform_model(
-    layout: Layout, measured_step_s: Sequence[float], why: str, measured_wall_s: Sequence[float] = ()
-) -> JobModel:
+def uniform_model(layout: Layout, measured_step_s: Sequence[float], why: str) -> JobModel:
     """Every block costs the same per sample (backward = 2 x forward), no exposed P2P and no DP
     exchange priced (the reports do not say what it costs: see docs/benchmarks.md, "The DP
     exchange in the plan's step"); memory from the layout's element counts with MemoryProfile's
     defaults. Scaled so the current layout's predicted step time equals the median of
-    `measured_step_s` (the ranks' own compute). What the median wall step `measured_wall_s` has
-    beyond that is charged per mini-step (`CostModel.ministep_overhead_s`), so the current
-    layout's prediction is its wall step: on a machine where hops and launches dominate a step,
-    a shape with more stages or slots is priced with them, not as free (docs/benchmarks.md, "The
-    mini-step overhead")."""
+    `measured_step_s` (the ranks' own compute); `job_model` then reconciles it with their wall
+    step."""
     base = f"cost model: uniform blocks ({why}): a stage's mini-step ~ blocks x micro-batch size"
     cost = _uniform_cost(layout.num_layers, 1.0)
     predicted = cost.step_time(layout)
@@ -119,32 +147,21 @@ def uniform_model(
             cost, DEFAULT_NOMINAL_MHZ, DEFAULT_MAX_MHZ, "model units", base + "; times in model units"
         )
     median = statistics.median(measured_step_s)
-    reason = base + f"; scaled to the reported median step time {median:.4g} s"
-    overhead = 0.0
-    if measured_wall_s:
-        wall = statistics.median(measured_wall_s)
-        slots = layout.num_micro_batches + layout.num_stages - 1  # the 1F1B schedule's mini-steps
-        overhead = max(0.0, wall - median) / slots
-        reason += (
-            f"; the rest of the median wall step {wall:.4g} s charged as {overhead:.4g} s per "
-            f"mini-step ({slots} in this layout: hops, launches, waits)"
-        )
     return JobModel(
-        _uniform_cost(layout.num_layers, median / predicted, overhead),
+        _uniform_cost(layout.num_layers, median / predicted),
         DEFAULT_NOMINAL_MHZ,
         DEFAULT_MAX_MHZ,
         "s",
-        reason,
+        base + f"; scaled to the reported median step time {median:.4g} s",
     )
 
 
-def _uniform_cost(num_layers: int, seconds_per_block_sample: float, overhead_s: float = 0.0) -> CostModel:
+def _uniform_cost(num_layers: int, seconds_per_block_sample: float) -> CostModel:
     fwd, bwd = ((seconds_per_block_sample,),) * num_layers, ((2 * seconds_per_block_sample,),) * num_layers
     return CostModel(
         LayerProfile((1,), fwd, bwd, ref_mhz=DEFAULT_NOMINAL_MHZ),
         MemoryProfile((0.0,) * num_layers),
         LinkModel(0.0, 1.0),
-        ministep_overhead_s=overhead_s,
     )
 
 

@@ -16,12 +16,13 @@ change (smaller shares only where nothing else fits memory: in a model where com
 micro-batch, smaller shares would buy a shorter bubble the configured job never had); and with a
 whole replica dropped (every stage cut to the smallest stage's DP size, the surplus ranks leave
 the layout, idle until a join takes them back), re-slotted likewise; and the live ranks regrouped
-into 1..2P stages of equal DP size, the same count P included (only P where the cost model
-prices no DP exchange, unless nothing else fits memory: `_stage_counts`) (a stage thinned by earlier losses
+into 1..2P stages of equal DP size, the same count P included (a stage thinned by earlier losses
 takes ranks from the others; a shorter pipeline where fewer stages fit memory, a longer one where
 the stages in force are few for the ranks left: the executor reaches any layout over the
 surviving ranks in place, `planners.applicability`, rebuilding where a live rank changes stage),
-re-slotted likewise. A regrouped stage's memory cap is the tightest of its ranks' old stages'. Each candidate is priced after Algorithm 1
+re-slotted likewise; only P where the cost model prices no DP exchange or explains too little of
+the measured step, unless nothing else fits memory (`_stage_counts`). A regrouped stage's memory
+cap is the tightest of its ranks' old stages'. Each candidate is priced after Algorithm 1
 (`planners.elaswave_graph.repartition`: thinning's benefit comes with the re-partition); one
 over its stages' memory caps is only taken when every candidate is. The fastest wins; a change
 must buy `min_gain` unless it is the only one that fits memory. On a join the same step runs on
@@ -39,6 +40,9 @@ from planners.elaswave_model import JobModel, costing
 from planners.elaswave_reasons import Outcome, Reason, Step
 from planners.layout import Layout, SampleRange, StageLayout, split_evenly
 from planners.validation import validate
+
+# The least share of the measured wall step a model must predict to price another stage count.
+TRUSTED_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -123,15 +127,19 @@ def _reslotted(
 
 def _stage_counts(layout: Layout, model: JobModel) -> tuple[list[int], list[int]]:
     """(the stage counts a regroup may take, those it may take only when nothing else fits
-    memory): 1..2P, or only P when the model prices no DP exchange.
+    memory): 1..2P where the model prices the DP exchange and explains at least
+    `TRUSTED_SHARE` of the measured step, else only P.
 
     Another stage count changes every rank's share of the DP exchange (P -> 1: each rank
-    exchanges all the weights) and the pipeline's hops. The uniform model (no profile registered)
-    knows neither, so it saw only the blocks' compute and the bubble: at PP=2 x DP=4 on 2 CPU
-    cores it regrouped a loss into PP=1 x DP=7 and the job stepped 1.8x slower."""
+    exchanges all the weights), the pipeline's hops, and how long ranks wait for each other. The
+    uniform model (no profile registered) prices no exchange, and a profile of compute alone
+    (a describe run's) prices what the ranks measure, 15 % of a step on 2 CPU cores. With the
+    rest charged per mini-step, a loss at PP=2 x DP=4 there was regrouped into PP=1 x DP=7 (the
+    fewest mini-steps) and the job stepped 1.8x slower."""
     p = layout.num_stages
     every = list(range(1, 2 * p + 1))
-    if math.isfinite(model.cost.link.dp_bytes_per_s):
+    share = model.explained_share
+    if math.isfinite(model.cost.link.dp_bytes_per_s) and (share is None or share >= TRUSTED_SHARE):
         return every, []
     return [p], [n for n in every if n != p]
 

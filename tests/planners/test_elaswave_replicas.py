@@ -4,13 +4,16 @@ the global batch kept; a join brings the fault-free shape back (planners.elaswav
 
 from __future__ import annotations
 
+import pytest
+
+from planners.chameleon.state import JobProfile
 from planners.dataflow import micro_batch_sizes, resize_after_loss
-from planners.elaswave_model import uniform_model
+from planners.elaswave_model import RankReport, job_model, uniform_model
 from planners.elaswave_policy import ElasWaveInput, ElasWaveSettings, plan_elaswave
 from planners.elaswave_policy_join import Joins, Spare
 from planners.elaswave_reasons import Outcome, Step
-from planners.elaswave_replicas import drop_replica, restage, shape_replicas
-from planners.layout import make_uniform_layout
+from planners.elaswave_replicas import TRUSTED_SHARE, drop_replica, restage, shape_replicas
+from planners.layout import Layout, make_uniform_layout
 
 LAYOUT = make_uniform_layout(num_layers=12, num_stages=3, dp=4, global_batch=48, num_micro_batches=4)
 
@@ -49,32 +52,63 @@ def test_a_join_restores_the_fault_free_shape_after_a_reshape() -> None:
     assert any(r.step is Step.REPLICA and "fault-free shape" in r.text for r in back.reasons)
 
 
-# ---- what the uniform model cannot price (measured at PP=2 x DP=4 on 2 CPU cores) -----------------
+# ---- what a model does not explain of the measured step (PP=2 x DP=4 on 2 CPU cores) ---------------
 KILL_24 = make_uniform_layout(num_layers=6, num_stages=2, dp=4, global_batch=16, num_micro_batches=2)
+# A profile of compute alone, as a describe run registers: 1 ms forward, 2 ms backward per sample.
+COMPUTE_ONLY = JobProfile(
+    layer_fwd_s=(1e-3,) * 6,
+    layer_bwd_s=(2e-3,) * 6,
+    layer_param_bytes=(20_000.0,) * 6,
+    layer_act_bytes=(100.0,) * 6,
+    mem_cap_bytes=1e9,
+)
+
+
+def reports(layout: Layout, compute_s: float, wall_s: float) -> tuple[RankReport, ...]:
+    return tuple(RankReport(r, compute_s, False, wall_s) for r in layout.ranks())
 
 
 def test_the_uniform_model_charges_the_wall_step_beyond_compute_per_mini_step() -> None:
     # bench.mttr's one kill: the ranks computed 0.034 s of a 0.2275 s step.
-    model = uniform_model(KILL_24, [0.030, 0.034, 0.036], "test", [0.2275, 0.2275, 0.23])
+    model = job_model(KILL_24, None, "test", reports(KILL_24, 0.034, 0.2275))
     slots = KILL_24.num_micro_batches + KILL_24.num_stages - 1
-    assert abs(model.cost.ministep_overhead_s - (0.2275 - 0.034) / slots) < 1e-12
-    assert abs(model.cost.step_time(KILL_24) - 0.2275) < 1e-9  # the layout's prediction is its wall step
-    assert "charged as 0.0645 s per mini-step (3 in this layout" in model.reason
-    # Without wall times, or a wall step no longer than compute, nothing is charged.
-    assert uniform_model(KILL_24, [0.034], "test").cost.ministep_overhead_s == 0.0
-    assert uniform_model(KILL_24, [0.034], "test", [0.02]).cost.ministep_overhead_s == 0.0
+    assert model.cost.ministep_overhead_s == pytest.approx((0.2275 - 0.034) / slots)
+    assert model.cost.step_time(KILL_24) == pytest.approx(0.2275)  # predicted at its wall step
+    assert model.explained_share == pytest.approx(0.034 / 0.2275)
+    assert "predicts 15% of the median wall step 0.2275 s, the rest charged as 0.0645 s" in model.reason
+    # Without wall times, or a wall step no longer than predicted, nothing is charged.
+    assert job_model(KILL_24, None, "test", reports(KILL_24, 0.034, 0.0)).cost.ministep_overhead_s == 0.0
+    fast = job_model(KILL_24, None, "test", reports(KILL_24, 0.034, 0.02))
+    assert fast.cost.ministep_overhead_s == 0.0 and fast.explained_share == 1.0
 
 
 def test_without_a_priced_exchange_a_loss_keeps_the_stage_count() -> None:
     # Uncharged, the model regrouped this loss into 4 stages of 8 slots, then into PP=1 x DP=7; the
     # job stepped 2.5x and 1.8x slower. Charged, and with the stage count kept, it thins stage 1.
-    model = uniform_model(KILL_24, [0.034], "test", [0.2275])
+    model = job_model(KILL_24, None, "test", reports(KILL_24, 0.034, 0.2275))
     plan = plan_elaswave(ElasWaveInput(KILL_24, (5,), model))
     assert plan.layout is not None and plan.layout.num_stages == 2 and plan.layout.num_micro_batches == 2
     assert plan.layout.dp_sizes == (4, 3)
     kept = [r.text for r in plan.reasons if r.step is Step.REPLICA]
     assert kept and kept[0].startswith("DP shape kept"), kept
     assert 0.2275 < plan.predicted_step_time_s < 0.2275 * 1.1
+
+
+def test_a_profile_that_explains_little_of_the_step_keeps_the_stage_count() -> None:
+    # Unmeasured (the simulator's case) the profile is trusted: it regroups the loss into 4
+    # stages of 8 slots, as the uncharged uniform model did.
+    trusted = plan_elaswave(ElasWaveInput(KILL_24, (5,), job_model(KILL_24, COMPUTE_ONLY, "", ())))
+    assert trusted.layout is not None and trusted.layout.dp_sizes == (2, 2, 2, 1)
+    # Measured at its own prediction it is trusted still; at 0.2275 s it explains a quarter of
+    # the step: two stages stay.
+    predicted = job_model(KILL_24, COMPUTE_ONLY, "", ()).cost.step_time(KILL_24)
+    agreed = job_model(KILL_24, COMPUTE_ONLY, "", reports(KILL_24, predicted, predicted))
+    assert agreed.explained_share == 1.0 and agreed.cost.ministep_overhead_s == 0.0
+    assert plan_elaswave(ElasWaveInput(KILL_24, (5,), agreed)).layout == trusted.layout
+    measured = job_model(KILL_24, COMPUTE_ONLY, "", reports(KILL_24, predicted, 0.2275))
+    assert measured.explained_share is not None and measured.explained_share < TRUSTED_SHARE
+    plan = plan_elaswave(ElasWaveInput(KILL_24, (5,), measured))
+    assert plan.layout is not None and plan.layout.dp_sizes == (4, 3), plan.reasons
 
 
 def test_without_a_priced_exchange_another_stage_count_is_taken_when_nothing_else_fits_memory() -> None:
@@ -84,7 +118,7 @@ def test_without_a_priced_exchange_another_stage_count_is_taken_when_nothing_els
     layout = make_uniform_layout(
         num_layers=4, num_stages=1, dp=4, global_batch=8, num_micro_batches=2, stage_mem_cap_bytes=(30.0,)
     )
-    model = uniform_model(layout, [0.03], "test", [0.1])
+    model = job_model(layout, None, "test", reports(layout, 0.03, 0.1))
     plan = plan_elaswave(ElasWaveInput(layout, (3,), model))
     assert plan.layout is not None and plan.layout.num_stages == 2, plan.reasons
     assert any(r.step is Step.REPLICA and "2 stages" in r.text for r in plan.reasons), plan.reasons
