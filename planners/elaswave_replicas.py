@@ -133,9 +133,9 @@ def _stage_counts(layout: Layout, model: JobModel) -> tuple[list[int], list[int]
     Another stage count changes every rank's share of the DP exchange (P -> 1: each rank
     exchanges all the weights), the pipeline's hops, and how long ranks wait for each other. The
     uniform model (no profile registered) prices no exchange, and a profile of compute alone
-    (a describe run's) prices what the ranks measure, 15 % of a step on 2 CPU cores. With the
-    rest charged per mini-step, a loss at PP=2 x DP=4 there was regrouped into PP=1 x DP=7 (the
-    fewest mini-steps) and the job stepped 1.8x slower."""
+    (a describe run's) prices no more than the ranks' compute, which was 15 % of a step on 2 CPU
+    cores. With the rest charged per mini-step, a loss at PP=2 x DP=4 there was regrouped into
+    PP=1 x DP=7 (the fewest mini-steps) and the job stepped 1.8x slower."""
     p = layout.num_stages
     every = list(range(1, 2 * p + 1))
     share = model.explained_share
