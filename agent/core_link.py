@@ -6,6 +6,8 @@ Core commands go to the agent's callbacks. On any failure it reconnects across t
 backoff (see ``agent.backoff``) and registers again. Reports that must not be lost
 (``send_critical``: preemption, worker exit) are re-sent after every re-registration; the rest
 (metrics, probes) sit in a bounded queue while no Core is connected, oldest dropped first.
+A Core that answers nothing, not even an echo, for the silence bound is left for the next Core
+of the list; the only Core an agent knows is waited out instead (``_silence_limit_s``).
 Every network wait is bounded (docs/architecture.md ("Promises and rules"): no unbounded retries or blocking calls).
 """
 
@@ -28,6 +30,9 @@ from agent.logs import log_event
 from wire.v1 import agent_pb2, agent_pb2_grpc
 
 OUTBOX_LIMIT = 1000
+# The longest a stream to the only Core an agent knows is kept while the Core answers nothing:
+# the Core's default heartbeat ceiling, past which the Core itself judges a silent worker lost.
+LONE_CORE_PATIENCE_S = 30.0
 
 
 # gRPC metadata key the worker's own credential is presented under when registering again
@@ -66,6 +71,8 @@ class CoreLink:
         self._on_worker_token = on_worker_token
         self.worker_token: str | None = None  # presented on every later registration
         self._last_heard = 0.0  # monotonic: when the Core last sent anything on this stream
+        self._streaming_to: Address | None = None  # the Core of the current stream
+        self._waiting_out = False  # silent past the bound, the stream kept (see _silence_limit_s)
         self._config = config
         self._build_register = build_register
         self._handlers = handlers
@@ -184,6 +191,7 @@ class CoreLink:
         if self.worker_token:
             metadata += ((WORKER_TOKEN_METADATA, self.worker_token),)
         self._leave_written = False
+        self._streaming_to, self._waiting_out = address, False
         async with self._channel(address) as channel:
             call = agent_pb2_grpc.AgentServiceStub(channel).Connect(metadata=metadata)
             try:
@@ -256,6 +264,9 @@ class CoreLink:
             if response is grpc.aio.EOF:
                 raise StreamRefused("core closed the stream")
             self._last_heard = time.monotonic()
+            if self._waiting_out:
+                self._waiting_out = False
+                log_event(logging.INFO, "core_answers_again")
             if response.WhichOneof("body") == "echo":
                 continue  # the Core answers: that is all an echo says
             await self._dispatch(response)
@@ -291,10 +302,19 @@ class CoreLink:
         while True:
             now = time.monotonic()
             silent = now - self._last_heard
-            if silent > self._config.silence_bound_s:
+            give_up_at = self._silence_limit_s()
+            if silent > give_up_at:
                 raise CoreSilent(
-                    f"the Core answered nothing (not even an echo) for {silent:.1f} s "
-                    f"(bound {self._config.silence_bound_s} s)"
+                    f"the Core answered nothing (not even an echo) for {silent:.1f} s (bound {give_up_at:g} s)"
+                )
+            if silent > self._config.silence_bound_s and not self._waiting_out:
+                self._waiting_out = True
+                log_event(
+                    logging.WARNING,
+                    "core_silent_waiting",
+                    silent_s=round(silent, 1),
+                    give_up_after_s=give_up_at,
+                    reason="no other Core to move to; dropping the stream would read as this worker's failure",
                 )
             if self._critical:
                 # Pop only once written: a stream that breaks mid-write must not lose it.
@@ -320,11 +340,26 @@ class CoreLink:
                 return
             else:
                 self._wakeup.clear()
-                until_silent = self._config.silence_bound_s - silent
+                until_check = (give_up_at if self._waiting_out else self._config.silence_bound_s) - silent
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(
-                        self._wakeup.wait(), max(0.0, min(next_heartbeat - now, until_silent)) + 0.001
+                        self._wakeup.wait(), max(0.0, min(next_heartbeat - now, until_check)) + 0.001
                     )
+
+    def _silence_limit_s(self) -> float:
+        """How long the Core may answer nothing before this stream is dropped.
+
+        With another Core to move to (a standby may have taken over from a hung leader), the
+        silence bound. With none, dropping the stream gains nothing and costs the worker: a Core
+        that was only stalled (a loaded machine, a paused process) reads the closed stream as this
+        worker's failure when it runs again. So a lone Core's stream is kept, asking for echoes,
+        until LONE_CORE_PATIENCE_S: past that even the Core would call the worker lost, and the
+        connection is likely half-open (the Core's host vanished), so reconnecting is right."""
+        bound = self._config.silence_bound_s
+        streaming_to = self._streaming_to
+        if any(address != streaming_to for address in self._config.cores):
+            return bound
+        return max(LONE_CORE_PATIENCE_S, bound)
 
     def _heartbeat(self, echo: bool = False) -> agent_pb2.ConnectRequest:
         self._heartbeat_seq += 1

@@ -274,6 +274,26 @@ class Membership:
             raise
         session.lease_id, session.lease_refreshed = lease, now
 
+    async def regrant_lease(self, job: Job, session: AgentSession, now: float) -> None:
+        """The lease this Core held for `session` lapsed while its stream is open (see
+        `RegistryWatch._check_alive`): grants a new one, so the liveness key is back."""
+        member = job.members.get(session.worker_id)
+        if self.sessions.get((session.job, session.worker_id)) is not session or member is None:
+            return
+        if member.state.is_gone:
+            return
+        self.metrics.lease_regrants.inc()
+        log.warning(
+            "job %s worker %s: the liveness lease this Core held for it lapsed while its stream is "
+            "open (this Core did not refresh it in time); granting a new one",
+            job.name,
+            session.worker_id,
+        )
+        try:
+            await self._grant_lease(job, session, now)
+        except RegistryError as exc:  # the next heartbeat's refresh grants it (refresh_lease)
+            log.warning("granting the liveness lease of %s/%s again: %s", job.name, session.worker_id, exc)
+
     async def _drop_lease(self, session: AgentSession) -> None:
         if session.lease_id is None:
             return

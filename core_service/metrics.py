@@ -108,6 +108,12 @@ class CoreMetrics:
             "Leader leases given up because the Core's event loop stalled past its bound.",
             registry=registry,
         )
+        self.lease_regrants = Counter(
+            "elaswave_liveness_lease_regrants_total",
+            "Liveness leases the Core held for a connected agent that lapsed (the Core did not "
+            "refresh them in time) and were granted again instead of taken as losses.",
+            registry=registry,
+        )
         self.planning_stopped = Counter(
             "elaswave_planning_stopped_total",
             "Planning calls stopped (their process killed) at their deadline or when the client left.",

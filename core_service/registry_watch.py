@@ -1,9 +1,11 @@
 """The Core's watch on the job keys in the registry: liveness keys that vanish, plans stored.
 
 A liveness key is deleted when the lease behind it expires (node loss, partition, an agent that
-hangs): the worker is LOST unless it registered again meanwhile. A lease the Core holds for an
-agent only counts while this Core holds it: after a failover, the dead leader's leases expire on
-their own, and the agents they stood for get the reconnect grace instead (`lease_holder`).
+hangs): the worker is LOST unless it registered again meanwhile. That holds for an agent's own
+lease. A lease the Core holds for an agent is never news about the worker: after a failover the
+dead leader's leases expire on their own, and the agents they stood for get the reconnect grace
+instead (`lease_holder`); one this Core holds for a connected agent lapses only when this Core
+failed to refresh it, and is granted again.
 A stored plan sends each agent whose rank it pins its device frequency (ElasWave §5.3).
 """
 
@@ -34,6 +36,8 @@ class WatchedMembers(Protocol):
     sessions: dict[tuple[str, str], AgentSession]
 
     def mark_lost(self, job: Job, worker_id: str, reason: str, path: str, now: float) -> bool: ...
+
+    async def regrant_lease(self, job: Job, session: AgentSession, now: float) -> None: ...
 
     def send_frequencies(
         self, job: Job, frequencies: dict[int, int], members: list[MemberRecord]
@@ -101,8 +105,16 @@ class RegistryWatch:
         if self.lease_holder(job_name, worker_id) != holder:
             return  # re-registered (a fresh lease) while the key was read
         job = self.members.table.jobs.get(job_name)
-        if job is not None:
-            self.members.mark_lost(job, worker_id, "liveness lease expired", "lease_expired", time.time())
+        if job is None:
+            return
+        session = self.members.sessions.get((job_name, worker_id))
+        if holder[0] == "core" and session is not None:
+            # This Core refreshes the lease while the stream is open, heartbeats or not (up to
+            # the ceiling, where the sweep judges): only this Core can have let it lapse (its own
+            # stall, a registry it could not reach), which says nothing about the worker.
+            await self.members.regrant_lease(job, session, time.time())
+            return
+        self.members.mark_lost(job, worker_id, "liveness lease expired", "lease_expired", time.time())
 
     def lease_holder(self, job_name: str, worker_id: str) -> tuple[str, int] | None:
         """Who keeps the worker's liveness lease alive: ("agent", 0) for its agent's own lease,
