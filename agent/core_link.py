@@ -71,7 +71,7 @@ class CoreLink:
         self._on_worker_token = on_worker_token
         self.worker_token: str | None = None  # presented on every later registration
         self._last_heard = 0.0  # monotonic: when the Core last sent anything on this stream
-        self._streaming_to: Address | None = None  # the Core of the current stream
+        self._give_up_after_s = config.silence_bound_s  # for the current stream: _silence_limit_s
         self._waiting_out = False  # silent past the bound, the stream kept (see _silence_limit_s)
         self._config = config
         self._build_register = build_register
@@ -191,7 +191,7 @@ class CoreLink:
         if self.worker_token:
             metadata += ((WORKER_TOKEN_METADATA, self.worker_token),)
         self._leave_written = False
-        self._streaming_to, self._waiting_out = address, False
+        self._give_up_after_s, self._waiting_out = self._silence_limit_s(address), False
         async with self._channel(address) as channel:
             call = agent_pb2_grpc.AgentServiceStub(channel).Connect(metadata=metadata)
             try:
@@ -302,7 +302,7 @@ class CoreLink:
         while True:
             now = time.monotonic()
             silent = now - self._last_heard
-            give_up_at = self._silence_limit_s()
+            give_up_at = self._give_up_after_s
             if silent > give_up_at:
                 raise CoreSilent(
                     f"the Core answered nothing (not even an echo) for {silent:.1f} s (bound {give_up_at:g} s)"
@@ -346,8 +346,8 @@ class CoreLink:
                         self._wakeup.wait(), max(0.0, min(next_heartbeat - now, until_check)) + 0.001
                     )
 
-    def _silence_limit_s(self) -> float:
-        """How long the Core may answer nothing before this stream is dropped.
+    def _silence_limit_s(self, address: Address) -> float:
+        """How long the Core at `address` may answer nothing before its stream is dropped.
 
         With another Core to move to (a standby may have taken over from a hung leader), the
         silence bound. With none, dropping the stream gains nothing and costs the worker: a Core
@@ -356,8 +356,7 @@ class CoreLink:
         until LONE_CORE_PATIENCE_S: past that even the Core would call the worker lost, and the
         connection is likely half-open (the Core's host vanished), so reconnecting is right."""
         bound = self._config.silence_bound_s
-        streaming_to = self._streaming_to
-        if any(address != streaming_to for address in self._config.cores):
+        if any(other != address for other in self._config.cores):
             return bound
         return max(LONE_CORE_PATIENCE_S, bound)
 

@@ -278,9 +278,8 @@ class Membership:
         """The lease this Core held for `session` lapsed while its stream is open (see
         `RegistryWatch._check_alive`): grants a new one, so the liveness key is back."""
         member = job.members.get(session.worker_id)
-        if self.sessions.get((session.job, session.worker_id)) is not session or member is None:
-            return
-        if member.state.is_gone:
+        current = self.sessions.get((session.job, session.worker_id)) is session
+        if not current or member is None or member.state.is_gone:
             return
         self.metrics.lease_regrants.inc()
         log.warning(
