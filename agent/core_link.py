@@ -73,6 +73,8 @@ class CoreLink:
         self._last_heard = 0.0  # monotonic: when the Core last sent anything on this stream
         self._give_up_after_s = config.silence_bound_s  # for the current stream: _silence_limit_s
         self._waiting_out = False  # silent past the bound, the stream kept (see _silence_limit_s)
+        self._echo_asked_at: float | None = None  # monotonic: the first echo asked for, unanswered
+        self._commands: asyncio.Queue[agent_pb2.ConnectResponse] = asyncio.Queue()
         self._config = config
         self._build_register = build_register
         self._handlers = handlers
@@ -128,6 +130,14 @@ class CoreLink:
 
     async def run(self) -> None:
         """Connect, serve, reconnect, until Leave has been delivered or ``leave`` gave up."""
+        commands = asyncio.create_task(self._run_commands())
+        try:
+            await self._connect_until_done()
+        finally:
+            commands.cancel()
+            await asyncio.gather(commands, return_exceptions=True)
+
+    async def _connect_until_done(self) -> None:
         while not self._stopping and not self._left.is_set():
             address = self._rotation.current()
             hint = None
@@ -192,6 +202,7 @@ class CoreLink:
             metadata += ((WORKER_TOKEN_METADATA, self.worker_token),)
         self._leave_written = False
         self._give_up_after_s, self._waiting_out = self._silence_limit_s(address), False
+        self._echo_asked_at = None
         async with self._channel(address) as channel:
             call = agent_pb2_grpc.AgentServiceStub(channel).Connect(metadata=metadata)
             try:
@@ -267,9 +278,17 @@ class CoreLink:
             if self._waiting_out:
                 self._waiting_out = False
                 log_event(logging.INFO, "core_answers_again")
+            self._echo_asked_at = None
             if response.WhichOneof("body") == "echo":
                 continue  # the Core answers: that is all an echo says
-            await self._dispatch(response)
+            # Handlers run on their own task: one that takes a while (probes on a loaded host)
+            # must not stop this loop from seeing that the Core answers.
+            self._commands.put_nowait(response)
+
+    async def _run_commands(self) -> None:
+        """Runs the Core's commands in the order they came, each to completion before the next."""
+        while True:
+            await self._dispatch(await self._commands.get())
 
     async def _dispatch(self, response: agent_pb2.ConnectResponse) -> None:
         kind = response.WhichOneof("body")
@@ -303,7 +322,7 @@ class CoreLink:
             now = time.monotonic()
             silent = now - self._last_heard
             give_up_at = self._give_up_after_s
-            if silent > give_up_at:
+            if silent > give_up_at and self._echo_unanswered(now):
                 raise CoreSilent(
                     f"the Core answered nothing (not even an echo) for {silent:.1f} s (bound {give_up_at:g} s)"
                 )
@@ -324,7 +343,10 @@ class CoreLink:
             elif now >= next_heartbeat or self._beat_now:
                 self._beat_now = False
                 # Halfway to the silence bound, ask the Core to answer this one.
-                await self._write(call, self._heartbeat(echo=silent >= self._config.silence_bound_s / 2))
+                echo = silent >= self._config.silence_bound_s / 2
+                await self._write(call, self._heartbeat(echo=echo))
+                if echo and self._echo_asked_at is None:
+                    self._echo_asked_at = time.monotonic()
                 next_heartbeat = (
                     max(next_heartbeat + interval, now) if now >= next_heartbeat else next_heartbeat
                 )
@@ -341,10 +363,23 @@ class CoreLink:
             else:
                 self._wakeup.clear()
                 until_check = (give_up_at if self._waiting_out else self._config.silence_bound_s) - silent
+                if self._echo_asked_at is not None:
+                    until_check = max(until_check, self._echo_asked_at + self._echo_grace_s() - now)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(
                         self._wakeup.wait(), max(0.0, min(next_heartbeat - now, until_check)) + 0.001
                     )
+
+    def _echo_grace_s(self) -> float:
+        """How long an echo asked for has to come back: half the silence bound, as long as the
+        silence that made the agent ask."""
+        return self._config.silence_bound_s / 2
+
+    def _echo_unanswered(self, now: float) -> bool:
+        """Whether an echo this agent asked for has gone unanswered for its grace. Silence alone
+        is not enough: an agent whose own process stalled (a loaded host) wakes up to a long
+        silence that says nothing about the Core, which has not been asked yet."""
+        return self._echo_asked_at is not None and now - self._echo_asked_at >= self._echo_grace_s()
 
     def _silence_limit_s(self, address: Address) -> float:
         """How long the Core at `address` may answer nothing before its stream is dropped.
