@@ -13,14 +13,16 @@ Every op is bounded: groups are created with a timeout and each wait passes it a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch.distributed import AllToAllOptions, PrefixStore, ProcessGroup, ProcessGroupGloo, Store
 
 from executor.staging import Staging
+
+T = TypeVar("T")
 
 
 def dp_group_name(stage: int) -> str:
@@ -64,7 +66,11 @@ class EngineComm(Protocol):
 
     def all_gather(self, name: str, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> None: ...
 
-    def wait(self, name: str, work: object, has_future: bool = True) -> None: ...
+    def issue(self, name: str, op: Callable[[ProcessGroup], T]) -> T:
+        """`op(group(name))`, an op waited for later by `wait(name, ..., issued=n)`."""
+        ...
+
+    def wait(self, name: str, work: object, has_future: bool = True, issued: int = 0) -> None: ...
 
     def post_exchange(
         self,
@@ -173,7 +179,10 @@ class StaticComm:
     def all_gather(self, name: str, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> None:
         self.group(name).allgather([list(outputs)], [tensor]).wait(self.timeout)
 
-    def wait(self, name: str, work: object, has_future: bool = True) -> None:
+    def issue(self, name: str, op: Callable[[ProcessGroup], T]) -> T:
+        return op(self.group(name))
+
+    def wait(self, name: str, work: object, has_future: bool = True, issued: int = 0) -> None:
         work.wait(self.timeout)  # type: ignore[attr-defined]
 
     def post_exchange(
@@ -196,9 +205,9 @@ class StaticComm:
 
 
 class WorkSet:
-    """Several works issued on one group, waited for as one guarded op: `comm.wait(name,
-    WorkSet(works))` counts one collective (the per-unit exchanges of a ZeRO-1 step are one
-    reduce-scatter and one all-gather to the communicator's ledger and failure detection)."""
+    """Several works issued on one group (`comm.issue`), waited for as one guarded op:
+    `comm.wait(name, WorkSet(works), issued=len(works))` (the per-bucket exchanges of a ZeRO-1
+    step are one reduce-scatter and one all-gather to failure detection)."""
 
     def __init__(self, works: Sequence[Any]) -> None:
         self.works = list(works)
@@ -225,8 +234,9 @@ def all_to_all_v(
     if len(inputs) == 1:  # a group of one: nothing to exchange
         recv.copy_(send)
     else:
-        work = comm.group(name).alltoall_base(
-            recv, send, list(output_sizes), [t.numel() for t in inputs], AllToAllOptions()
+        sizes = [t.numel() for t in inputs]
+        work = comm.issue(
+            name, lambda pg: pg.alltoall_base(recv, send, list(output_sizes), sizes, AllToAllOptions())
         )
-        comm.wait(name, work)
+        comm.wait(name, work, issued=1)
     return list(recv.split(list(output_sizes)))

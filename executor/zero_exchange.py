@@ -13,8 +13,10 @@ slices); this module moves the bytes. Each unit of the stage has one personalise
 - all-gather: posted right after the owner updated the unit's slice (so it overlaps the next
   unit's update), received straight into the unit's flat parameter buffer.
 
-Each direction is waited for as one guarded op (`engine_comm.WorkSet`): to the communicator's
-ledger and failure detection a step still has one reduce-scatter and one all-gather.
+Each direction is waited for as one guarded op (`engine_comm.WorkSet`): to failure detection a
+step still has one reduce-scatter and one all-gather. Each exchange is posted through
+`comm.issue`, so the op ledger counts it from then on: one posted and never waited for (a step
+abandoned mid-backward) makes the next edit rebuild the DP group (docs/engine.md).
 
 Units smaller than `BUCKET_MIN_ELEMENTS` are bucketed with their neighbours in launch order (a
 fixed cost per exchange, as DDP's buckets): a bucket of several units, or of a unit without a
@@ -203,7 +205,7 @@ class UnitExchange:
         self.launcher.reset()
         works = [work for _recv, work in posted.values() if work is not None]
         if works:
-            self.comm.wait(self.group, WorkSet(works))  # one guarded op, as one exchange was
+            self.comm.wait(self.group, WorkSet(works), issued=len(works))  # one guarded op
         out: dict[str, torch.Tensor] = {}
         for i, bucket in enumerate(self.buckets):
             recv, _work = posted[i]
@@ -275,7 +277,7 @@ class UnitExchange:
             )
             piggybacked = list(recv.chunk(self.dp_size))
         if g.posted:
-            self.comm.wait(self.group, WorkSet([work for _i, _r, work in g.posted]))
+            self.comm.wait(self.group, WorkSet([work for _i, _r, work in g.posted]), issued=len(g.posted))
         received: dict[str, list[torch.Tensor]] = {}
         for i, recv, _work in g.posted:
             if i < 0:
@@ -305,8 +307,9 @@ class UnitExchange:
         default an equal share) go to rank k, `out_sizes[k]` from rank k land in `out`, in order.
         Returns the work to wait on (through `comm.wait`, which guards it)."""
         sent_sizes = [sent.numel() // self.dp_size] * self.dp_size if sent_sizes is None else sent_sizes
-        return self.comm.group(self.group).alltoall_base(
-            out, sent, list(out_sizes), list(sent_sizes), AllToAllOptions()
+        return self.comm.issue(
+            self.group,
+            lambda pg: pg.alltoall_base(out, sent, list(out_sizes), list(sent_sizes), AllToAllOptions()),
         )
 
     def write_back(self, received: Mapping[str, Sequence[torch.Tensor]]) -> None:

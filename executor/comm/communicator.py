@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
 from functools import partial
-from typing import Any, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 from torch.distributed import (
@@ -60,6 +60,8 @@ from executor.comm.ledger import GroupLedger
 from executor.comm.reaper import GroupReaper
 from executor.engine_comm import BACKENDS, make_group
 from executor.staging import Staging, backend_device
+
+T = TypeVar("T")
 
 ABORT_POLL_S = 0.02
 # Gloo groups an edit builds at once, each over a store connection of its own (`_build`).
@@ -354,10 +356,28 @@ class Communicator:
                 return name
         raise MembershipError(f"no group of worker {self.worker} holds both workers {a} and {b}")
 
-    def wait(self, name: str, work: object, has_future: bool = True) -> None:
-        """Guard a work the caller issued itself on `group(name)` (counted as one collective)."""
+    def issue(self, name: str, op: Callable[[ProcessGroup], T]) -> T:
+        """`op(group(name))`: a collective the caller issues itself and waits for later, through
+        `wait(name, ..., issued=n)`. Never blocks. It counts in the group's ledger at once, as
+        a collective and as pending, until that wait: a step abandoned between the two (a
+        bucket's reduce-scatter posted by the backward's hook, then a pipeline peer lost) leaves
+        its members with different numbers of ops on the group, which gloo matches by order,
+        so the edit must rebuild it; reused, its next op would pair with a stale one and hang
+        until the group timeout. PeerFailure if the backend refuses the op (a dead peer)."""
         g = self._handle(name)
         g.ledger.collectives += 1
+        g.ledger.pending += 1
+        try:
+            return op(g.pg)
+        except Exception as exc:  # noqa: BLE001 - a dead peer can fail the op before it is queued
+            self._fail(g, str(exc).splitlines()[0][:300])
+
+    def wait(self, name: str, work: object, has_future: bool = True, issued: int = 0) -> None:
+        """Guard a work the caller issued on `group(name)` (counted as one collective), or the
+        `issued` ops it posted through `issue` (already counted, waited for here as one)."""
+        g = self._handle(name)
+        g.ledger.collectives += 1
+        g.ledger.pending -= issued  # now pending as the one op `_wait` counts
         self._wait(g, work, has_future)
 
     # ----- edits ---------------------------------------------------------------------------
@@ -680,7 +700,7 @@ class Communicator:
             self._fail(g, str(errors[0]).splitlines()[0][:300])
         g.ledger.pending -= 1
 
-    def _fail(self, g: _Group, reason: str) -> None:
+    def _fail(self, g: _Group, reason: str) -> NoReturn:
         g.ledger.failed = True
         # The store being unreachable must not mask the failure itself.
         with contextlib.suppress(Exception):

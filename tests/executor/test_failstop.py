@@ -140,9 +140,9 @@ class KillingCommunicator(Communicator):
         self._tick(f"p2p {[s[0] for s in sends]} {[r[0] for r in recvs]}")
         return super().post_exchange(sends, recvs)
 
-    def wait(self, name: str, work: object, has_future: bool = True) -> None:
+    def wait(self, name: str, work: object, has_future: bool = True, issued: int = 0) -> None:
         self._tick(f"collective on {name}")
-        super().wait(name, work, has_future)
+        super().wait(name, work, has_future, issued)
 
     def all_gather(self, name: str, outputs: Any, tensor: torch.Tensor) -> None:
         self._tick(f"all_gather on {name}")

@@ -95,9 +95,9 @@ class KillAt(Communicator):
         self._tick()
         return super().post_exchange(sends, recvs)
 
-    def wait(self, name: str, work: object, has_future: bool = True) -> None:
+    def wait(self, name: str, work: object, has_future: bool = True, issued: int = 0) -> None:
         self._tick()
-        super().wait(name, work, has_future)
+        super().wait(name, work, has_future, issued)
 
 
 class KillInFirstSeed(Communicator):
