@@ -365,12 +365,9 @@ class Communicator:
         so the edit must rebuild it; reused, its next op would pair with a stale one and hang
         until the group timeout. PeerFailure if the backend refuses the op (a dead peer)."""
         g = self._handle(name)
-        g.ledger.collectives += 1
+        work = self._issue_counted(g, lambda: op(g.pg))
         g.ledger.pending += 1
-        try:
-            return op(g.pg)
-        except Exception as exc:  # noqa: BLE001 - a dead peer can fail the op before it is queued
-            self._fail(g, str(exc).splitlines()[0][:300])
+        return work
 
     def wait(self, name: str, work: object, has_future: bool = True, issued: int = 0) -> None:
         """Guard a work the caller issued on `group(name)` (counted as one collective), or the
@@ -648,12 +645,15 @@ class Communicator:
             ) from None
 
     def _collective(self, g: _Group, issue: Callable[[], object]) -> None:
+        self._wait(g, self._issue_counted(g, issue), has_future=True)
+
+    def _issue_counted(self, g: _Group, issue: Callable[[], T]) -> T:
+        """`issue()`, counted as one collective on `g`; PeerFailure if the backend refuses it."""
         g.ledger.collectives += 1
         try:
-            work = issue()
+            return issue()
         except Exception as exc:  # noqa: BLE001 - a dead peer can fail the op before it is queued
             self._fail(g, str(exc).splitlines()[0][:300])
-        self._wait(g, work, has_future=True)
 
     def _wait(self, g: _Group, work: object, has_future: bool) -> None:
         done = threading.Event()
