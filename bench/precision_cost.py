@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -101,17 +102,34 @@ def _plain_torch_step_s(spec: TrainSpec, batch: int, steps: int) -> float:
 
 def bench_300m(steps: int = 6, batch: int = 16) -> dict[str, Any]:
     """(d) of `make gpu-check`; see the module docstring. 16 x 512 tokens a step keeps the GPU
-    busy long enough that per-step host work does not dominate either loop."""
+    busy long enough that per-step host work does not dominate either loop. Each phase's end goes
+    to stderr, so a run stopped by the check's budget still says how far it got."""
+    started = time.perf_counter()
+
+    def phase(what: str) -> None:
+        print(f"bench_300m: {what} at {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+
     cfg = ModelConfig(vocab_size=32000, seq_len=512, hidden=1024, num_heads=16, num_layers=24)
     spec = gpt_train_spec(cfg, "bf16", "cuda", tokens=1 << 20)
     params = sum(p.numel for p in spec.unit_probes())
+    phase(f"spec and probes ({params / 1e6:.0f} M parameters)")
     plain = _plain_torch_step_s(spec, batch, steps)
+    phase(f"plain torch, {plain:.3f} s/step")
     torch.cuda.empty_cache()
     trainer = single_rank_trainer(spec, batch, 1)
     timed_steps(trainer, 0, 2)
+    phase("engine built and warmed")
     engine = timed_steps(trainer, 2, steps)
+    phase(f"engine, {engine:.3f} s/step")
     stager = HostStager()
-    trainer.set_grad_hook(lambda _step, grads: [stager.stage(g) for g in grads.values()])
+    staged_grads: dict[str, torch.Tensor] = {}
+
+    def stage_all(_step: int, grads: dict[str, torch.Tensor]) -> None:
+        staged_grads.update(grads)
+        for g in grads.values():
+            stager.stage(g)
+
+    trainer.set_grad_hook(stage_all)
     first = 2 + steps
     synchronize(trainer.device)
     t0 = time.perf_counter()
@@ -120,6 +138,15 @@ def bench_300m(steps: int = 6, batch: int = 16) -> dict[str, Any]:
         stager.wait()  # the commit waits for the copies
     synchronize(trainer.device)
     staged = (time.perf_counter() - t0) / steps
+    phase(f"engine with staging, {staged:.3f} s/step")
+    # The copies alone, nothing else on the GPU: what the staging costs at this link's speed.
+    copied = sum(g.numel() * g.element_size() for g in staged_grads.values())
+    t0 = time.perf_counter()
+    for g in staged_grads.values():
+        stager.stage(g)
+    stager.wait()
+    copy_s = time.perf_counter() - t0
+    phase(f"{copied / 1e9:.2f} GB staged alone in {copy_s:.3f} s")
     trainer.data.close()
     return {
         "params": params,
@@ -127,6 +154,8 @@ def bench_300m(steps: int = 6, batch: int = 16) -> dict[str, Any]:
         "engine_step_s": engine,
         "engine_vs_torch": plain / engine,
         "snapshot_staging_overhead": max(0.0, staged - engine) / engine,
+        "staged_bytes": copied,
+        "staging_alone_s": copy_s,
     }
 
 

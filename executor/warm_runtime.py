@@ -9,8 +9,9 @@ step found two causes, neither in the engine's own work:
   explicit output gradients (`torch.autograd._make_grads`). A first or middle pipeline stage
   does that from its first step; a last stage never does. A rank that a plan moves off the
   last stage (a regroup into more stages) paid ~0.3 s of import inside its first backward,
-  and every other rank waited for it through the pipeline. `warm_autograd` runs one such
-  backward on a one-element tensor.
+  and every other rank waited for it through the pipeline. `warm_autograd` imports those
+  modules. It runs no backward: a backward initialises CUDA, and a zygote or fork server must
+  not, or the workers it forks cannot use the GPU.
 - **Full garbage collections.** Python's generation-2 collection walks every object the
   interpreter tracks: ~180,000 once torch and the engine are imported, 0.3-0.4 s per collection
   with 8 workers on 2 cores. A recovery allocates enough (plans, groups, new buffers) to trigger
@@ -34,28 +35,39 @@ sharing those pages with the zygote (copy-on-write).
 from __future__ import annotations
 
 import gc
+import importlib
 import multiprocessing
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.context import ForkServerContext
 
-import torch
-
 
 @dataclass(frozen=True)
 class RuntimeWarmup:
     """What `prepare_runtime` did, for the worker's results."""
 
-    autograd_s: float  # the backward with explicit gradients (its lazy imports)
+    autograd_s: float  # the imports of a backward with explicit gradients
     freeze_s: float  # the collection before the freeze
     frozen_objects: int  # objects in the permanent generation after it
 
 
+# What `torch.autograd.backward` imports the first time it is given explicit output gradients
+# (`torch.autograd._make_grads`); tests/executor/test_warm_runtime.py checks that a backward
+# after the warm-up imports nothing more.
+LAZY_BACKWARD_IMPORTS = ("torch.fx.experimental.symbolic_shapes", "torch.nested._internal.nested_tensor")
+
+
 def warm_autograd() -> None:
-    """One backward with an explicit output gradient: what torch imports for it, it imports now."""
-    x = torch.zeros(1, requires_grad=True)
-    torch.autograd.backward([x * 2.0], [torch.ones(1)])
+    """Import what a backward with explicit output gradients imports lazily, without running one.
+
+    A backward would start the autograd engine's device threads, which ask CUDA how many devices
+    there are; that initialises the CUDA driver in this process, and a process forked from it
+    (every worker of a zygote or a fork server) then fails its own CUDA initialisation
+    ("CUDA error: initialization error", seen by `make gpu-check` (c) on an H200).
+    """
+    for module in LAZY_BACKWARD_IMPORTS:
+        importlib.import_module(module)
 
 
 def freeze_imports() -> int:

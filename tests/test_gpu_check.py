@@ -41,3 +41,21 @@ def test_a_check_that_cannot_run_reports_a_fail_result() -> None:
     run = _run("--child", "a")
     assert run.returncode == 0
     assert run.stdout.strip().splitlines()[-1].startswith('GPU-CHECK-RESULT {"status": "FAIL"')
+
+
+def test_a_workers_failure_is_summarised_by_its_last_line() -> None:
+    """A failed rank's traceback arrives inside the harness's AssertionError: the check's line
+    keeps its first line and the worker's own error (the H200 run's first report said only
+    "worker 3 failed:")."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from gpu_check import failure_summary
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    worker_traceback = 'Traceback (most recent call last):\n  File "x.py", line 1\nRuntimeError: CUDA error: initialization error\n'
+    exc = AssertionError(f"worker 3 failed:\n{worker_traceback}")
+    assert (
+        failure_summary(exc)
+        == "AssertionError: worker 3 failed: ... RuntimeError: CUDA error: initialization error"
+    )
+    assert failure_summary(ValueError("")) == "ValueError: "

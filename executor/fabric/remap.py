@@ -16,6 +16,17 @@ own replicated copy: a snapshot that drifted from the job is refused, not instal
 whose workers hold only their own parameter slice (the synthetic fabric workload of the tests)
 passes no `params`, and parameters travel with the moments (3 rows). All workers of one remap
 must use the same mode (the integrity check compares it).
+
+Backups replayed off the live device. A backup is a host copy that its holder updates on the
+host CPU (§5.1); the live optimizer runs where the parameters live. On the CPU both run the same
+code on the same kind of core, so a backup is bitwise its owner's shard and the check above is
+bitwise. On a GPU they are not: the GPU's AdamW rounds differently (fused multiply-adds), so a
+backup drifts from its shard by round-off each step (`make gpu-check` (c) on an H200 found its
+parameters unequal). With `backups_exact=False` an interval read from a backup then carries its
+parameter row too (3 rows), the receiver checks that it is within `BACKUP_DRIFT_REL` of its own
+replicated copy, and installs its replicated parameters with the backup's moments: parameters
+stay bitwise consistent, the recovered moments are round-off close. Intervals read from a live
+shard stay bitwise checked.
 """
 
 from __future__ import annotations
@@ -33,6 +44,10 @@ from executor.fabric.state import ShardState, UnitShard
 from planners.layout import Layout
 
 REMAP_TAG = 9000
+# How far (relative, in the 2-norm) a backup's parameters replayed on the host may be from the
+# replicated copy on a device: round-off is about 1e-7 a step, a verify repairs the drift every
+# `verify_every` steps, and one missed AdamW step moves typical parameters by 1e-3 or more.
+BACKUP_DRIFT_REL = 1e-4
 
 # The backups a worker keeps: owner -> its shard, or the single ring snapshot, or none.
 Backups = Mapping[int, ShardState] | ShardState | None
@@ -72,6 +87,7 @@ def live_remap(
     new_own: Ownership | None = None,
     params: Mapping[str, torch.Tensor] | None = None,
     device: torch.device | str = "cpu",
+    backups_exact: bool = True,
 ) -> ShardState:
     """Return this worker's state under `new` (all workers of `new` call this after
     `comm.apply_edit`). `mine` is its live state at committed step `step` (None for a joining
@@ -80,46 +96,56 @@ def live_remap(
     replicated parameters of its units under `new` (moments-only mode, see the module
     docstring). Blocks on the store and on p2p transfers, each bounded by `timeout_s` / the
     communicator timeout (PeerFailure). Ownership maps default to the planners' block ownership.
-    What arrives is received into and assembled on `device` (the trainer's)."""
+    What arrives is received into and assembled on `device` (the trainer's). `backups_exact`:
+    whether backups are bitwise their owners' shards (every worker of the remap passes the
+    same; module docstring, "Backups replayed off the live device")."""
     old_own = block_ownership(old) if old_own is None else old_own
     new_own = block_ownership(new) if new_own is None else new_own
     plan = remap_plan(old, new, lost, old_own, new_own)
     check_integrity(
         comm, new, plan, mine, snapshot, step, timeout_s, "moments" if params is not None else "all"
     )
-    rows = 3 if params is None else 2
+
+    def rows_of(t: RemapTransfer) -> int:
+        return 3 if params is None or (t.from_snapshot and not backups_exact) else 2
+
     sends: list[tuple[str, torch.Tensor, int, int]] = []
     recvs: list[tuple[str, torch.Tensor, int, int]] = []
     pieces: list[tuple[str, int, torch.Tensor]] = []
     received: list[tuple[RemapTransfer, torch.Tensor, torch.Tensor]] = []
     for i, t in enumerate(plan):
         tag = REMAP_TAG + 2 * i  # + 1: the parameter digest of the same interval
+        rows = rows_of(t)
         if t.src == comm.worker:
             data = _read(backup_of(snapshot, t.owner) if t.from_snapshot else mine, t)
             if t.dst == comm.worker:
                 if params is not None:
-                    _check_param_digest(params, t, _digest(data[0]), comm.worker)
+                    data = _checked_moments(params, t, data, comm.worker, exact=rows == 2)
                 pieces.append((t.unit, t.lo, data))
                 continue
             group = comm.group_with(t.src, t.dst)
             sends.append((group, data[3 - rows :].reshape(-1).contiguous(), t.dst, tag))
-            if params is not None:
+            if params is not None and rows == 2:
                 sends.append((group, _digest(data[0]), t.dst, tag + 1))
         elif t.dst == comm.worker:
             group = comm.group_with(t.src, t.dst)
             buf, digest = torch.empty(rows * t.size, device=device), torch.zeros(32, dtype=torch.uint8)
             recvs.append((group, buf, t.src, tag))
-            if params is not None:
+            if params is not None and rows == 2:
                 recvs.append((group, digest, t.src, tag + 1))
             received.append((t, buf, digest))
     comm.exchange_many(sends, recvs)
     for t, buf, digest in received:
         if params is None:
             pieces.append((t.unit, t.lo, buf.view(3, t.size)))
-            continue
-        _check_param_digest(params, t, digest, comm.worker)
-        param = params[t.unit][t.lo : t.hi].detach().to(buf.device, torch.float32).reshape(1, -1)
-        pieces.append((t.unit, t.lo, torch.cat([param, buf.view(2, t.size)])))
+        elif rows_of(t) == 3:
+            pieces.append(
+                (t.unit, t.lo, _checked_moments(params, t, buf.view(3, t.size), comm.worker, False))
+            )
+        else:
+            _check_param_digest(params, t, digest, comm.worker)
+            param = params[t.unit][t.lo : t.hi].detach().to(buf.device, torch.float32).reshape(1, -1)
+            pieces.append((t.unit, t.lo, torch.cat([param, buf.view(2, t.size)])))
     if mine is not None:
         for unit, lo, hi in owned_by(new_own, comm.worker):
             kept = mine.units.get(unit)
@@ -147,6 +173,37 @@ def _check_param_digest(
         raise RemapError(
             f"worker {worker}: parameters of {t.unit} [{t.lo}, {t.hi}) in the {where} differ "
             "from the replicated copy (not at the same committed step?)"
+        )
+
+
+def _checked_moments(
+    params: Mapping[str, torch.Tensor], t: RemapTransfer, rows: torch.Tensor, worker: int, exact: bool
+) -> torch.Tensor:
+    """`rows` (parameters, exp_avg, exp_avg_sq of one interval) with my replicated parameters in
+    place of the sender's, once its parameters passed the check: bitwise (`exact`), else within
+    `BACKUP_DRIFT_REL` (a backup replayed on the host, module docstring)."""
+    if exact:
+        _check_param_digest(params, t, _digest(rows[0]), worker)
+    else:
+        _check_param_drift(params, t, rows[0], worker)
+    param = params[t.unit][t.lo : t.hi].detach().to(rows.device, torch.float32).reshape(1, -1)
+    return torch.cat([param, rows[1:]])
+
+
+def _check_param_drift(
+    params: Mapping[str, torch.Tensor], t: RemapTransfer, sent: torch.Tensor, worker: int
+) -> None:
+    """Integrity of a backup replayed on the host: its parameter slice is within
+    `BACKUP_DRIFT_REL` of my replicated copy."""
+    if t.unit not in params:
+        raise RemapError(f"worker {worker} receives {t.unit} [{t.lo}, {t.hi}) but holds no parameters of it")
+    mine = params[t.unit][t.lo : t.hi].detach().to(sent.device, torch.float64)
+    drift = float((sent.double() - mine).norm() / mine.norm().clamp_min(1e-30))
+    if not drift <= BACKUP_DRIFT_REL:  # NaN fails too
+        raise RemapError(
+            f"worker {worker}: parameters of {t.unit} [{t.lo}, {t.hi}) in the snapshot of worker "
+            f"{t.owner} on worker {t.src} are {drift:.1e} (relative) from the replicated copy, more "
+            f"than a host replay's round-off ({BACKUP_DRIFT_REL:.0e}): not at the same committed step?"
         )
 
 

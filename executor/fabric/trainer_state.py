@@ -163,6 +163,10 @@ class FabricParticipant:
         self.snapshots, self.verify_every = snapshots, verify_every
         self.migration, self.shadow_slots = migration, shadow_slots
         self.snapshot: ShardBackups | None = None
+        # Backups are replayed on the host CPU (§5.1): bitwise their shards only where the live
+        # optimizer runs on the CPU too; on a GPU a remap accepts their round-off drift
+        # (executor.fabric.remap, "Backups replayed off the live device").
+        self.exact_backups = trainer.device.type == "cpu"
         self._seeded_layout: Layout | None = None
         # Re-protection after a plan (module docstring): the copies the last install re-seeds in
         # the background, the window of the layout in force while they are missing, every window
@@ -553,6 +557,7 @@ class FabricParticipant:
             new_own=engine_ownership(target, names),
             params=params,
             device=self.trainer.device,
+            backups_exact=self.exact_backups,
         )
         shards = {name: ZeroShard(0, 0, torch.zeros(0), torch.zeros(0)) for name in params}
         for name, sh in remapped.units.items():

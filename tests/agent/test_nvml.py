@@ -1,5 +1,5 @@
 """The agent's device readers (agent.nvml). In CI (no GPU, no NPU) only the parsing of readings is
-tested, and those readings are transcribed, not captured (tests/agent/recorded/README.md); the
+tested, on readings transcribed by hand and one captured on an H200 (tests/agent/recorded/README.md); the
 live NVML test runs where pynvml and a driver are present and is skipped, saying so, elsewhere."""
 
 from __future__ import annotations
@@ -55,3 +55,16 @@ def test_live_nvml_reading_where_a_driver_is_present() -> None:
         pytest.skip("no live NVML here (pynvml not installed or no NVIDIA driver): parsing is tested above")
     readings = reader.read()
     assert readings and all(r.memory_total_bytes > 0 and r.sm_clock_mhz >= 0 for r in readings)
+
+
+def test_parses_an_nvml_reading_captured_on_an_h200() -> None:
+    """Captured by `make gpu-check` on an idle H200 (2026-11-30), not transcribed: the reader's
+    raw shape and the parser agree on a real driver's values."""
+    (idle,) = (parse_nvml(r) for r in json.loads((RECORDED / "nvml_h200_captured.json").read_text()))
+    assert idle.name == "NVIDIA H200" and idle.healthy and idle.throttle == ("gpu_idle",)
+    assert (idle.memory_used_bytes, idle.memory_total_bytes, idle.sm_clock_mhz) == (
+        648347648,
+        150754820096,
+        345,
+    )
+    assert idle.ecc_uncorrected == 0 and idle.problems == ()

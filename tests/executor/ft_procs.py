@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +31,10 @@ def run_worker(target: Callable[..., Any], worker: int, results: Any, *args: Any
     results.close()
     results.join_thread()
     # Skip interpreter teardown: a gloo group with an abandoned op blocks its destructor until
-    # the group timeout, and the test already has what it needs.
+    # the group timeout, and the test already has what it needs. Flush first: os._exit drops
+    # what a worker printed into a pipe's buffer (make gpu-check keeps it in the check's log).
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)
 
 

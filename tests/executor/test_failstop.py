@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -90,6 +92,9 @@ class Scenario:
     overflow_steps: tuple[int, ...] = ()  # fp16: block_1 overflows at these steps (precision_cases)
     # "cuda": every worker on cuda:0 of this machine, collectives over gloo (make gpu-check (c))
     device_kind: str = "cpu"
+    # Every backup replay drifts by one ulp per step, as a host replay of a GPU update does by
+    # round-off; the remap then accepts drift (FabricParticipant.exact_backups off)
+    drifting_backups: bool = False
 
     def spec(self) -> TrainSpec:
         base = CLIP_CFG if self.clip else CFG
@@ -156,6 +161,18 @@ def _state_numpy(state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _drifting(update: Callable[..., None]) -> Callable[..., None]:
+    """`update`, then each of the slice's parameters and moments one ulp up: the round-off by
+    which a backup replayed on the host drifts from a shard updated on a GPU."""
+
+    def drifted(unit: str, lo: int, param: torch.Tensor, grad: torch.Tensor, *moments_and_step: Any) -> None:
+        update(unit, lo, param, grad, *moments_and_step)
+        for t in (param, *moments_and_step[:2]):
+            t.copy_(torch.nextafter(t, torch.full_like(t, math.inf)))
+
+    return drifted
+
+
 def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
     """One worker of a job (see `Scenario`)."""
     inject = sc.kill_at_op > 0
@@ -163,6 +180,9 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
     store = connect_store("127.0.0.1", port)
     cls = KillingCommunicator if inject and worker in sc.victims else Communicator
     spec = sc.spec()
+    if spec.device_kind == "cuda":  # runs compared bit for bit: no atomics-ordered kernels
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     world = spec.needs_world_group
     comm = cls(
         store, worker, groups_for_stages([s.ranks for s in layout.stages], world=world), timeout_s=TIMEOUT_S
@@ -171,6 +191,9 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
         comm.kill_at_op = sc.kill_at_op
     trainer = Trainer(spec, layout, worker, comm, spec.local_device())
     participant = FabricParticipant(trainer, comm, verify_every=2, migration=sc.migration)
+    if sc.drifting_backups:
+        participant.exact_backups = False
+        trainer.update_slice = _drifting(trainer.update_slice)  # type: ignore[method-assign]
     proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
     losses: dict[int, float | None] = {}
     samples: dict[int, list[int]] = {}
@@ -471,6 +494,44 @@ def _check_kill_recovery(sc: Scenario, loss_rel: float = 1e-4) -> dict[int, dict
     )
     assert_snapshots_equal_live(faulty)
     return faulty
+
+
+def check_kill_recovery_with_drifting_backups(
+    sc: Scenario, drift_rel: float = 1e-5
+) -> dict[int, dict[str, Any]]:
+    """A kill where every backup has drifted from its shard by round-off (a host replay of a
+    GPU update; make gpu-check (c) runs this on a GPU, where the drift is real): the job still
+    recovers in place, the parameters at the committed step are the fault-free ones bitwise
+    (taken from the surviving replicas), the moments are within `drift_rel` (relative, 2-norm,
+    per unit), and the losses after it follow the fault-free run."""
+    clean, faulty = _clean(sc.rng_mode, sc.clip, like=sc), _run(sc)
+    ref_losses, got_losses = _last_stage_losses(clean), _last_stage_losses(faulty)
+    assert sorted(got_losses) == sorted(ref_losses) == list(range(STEPS))
+    for s in range(FAIL_STEP):
+        assert got_losses[s] == ref_losses[s]
+    assert _mean_rel_dev(got_losses, ref_losses, range(FAIL_STEP, STEPS)) <= 1e-4
+    for r in faulty.values():  # one recovery, in place, in the same processes
+        assert [e["at_step"] for e in r["edits"]] == [FAIL_STEP]
+    ref, got = _merged(clean, "committed_state"), _merged(faulty, "recovered_state")
+    assert ref["step_count"] == got["step_count"] == FAIL_STEP
+    for unit, fields in ref["units"].items():
+        assert fields["param"].tobytes() == got["units"][unit]["param"].tobytes(), unit
+        for f in ("exp_avg", "exp_avg_sq"):
+            a, b = got["units"][unit][f].astype(np.float64), fields[f].astype(np.float64)
+            assert np.linalg.norm(a - b) <= drift_rel * max(np.linalg.norm(b), 1e-30), (unit, f)
+    return faulty
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_kill9_with_backups_drifted_by_round_off_recovers_in_place() -> None:
+    """The CPU stand-in for make gpu-check (c): backups one ulp per step off their shards (the
+    periodic verify finds and repairs them) still recover a kill in place; a bitwise-only remap
+    refused them ("differ from the replicated copy"), which on a GPU failed every recovery."""
+    faulty = check_kill_recovery_with_drifting_backups(
+        Scenario(kill_at_op=5, victim=4, drifting_backups=True)
+    )
+    assert sum(r["checksum_mismatches"] for r in faulty.values()) > 0  # the drift was real and found
 
 
 @pytest.mark.multiproc

@@ -3,11 +3,12 @@ Markov corpus (examples/gpt/data.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset
 
-from examples.gpt.data import MarkovWindows, generate_corpus
+from examples.gpt.data import TABLE_DRAW_LIMIT, MarkovWindows, generate_corpus
 from executor.sampler import GlobalBatchSampler, Prefetcher
 
 
@@ -168,6 +169,28 @@ def test_corpus_is_deterministic_and_structured() -> None:
     for prev, nxt in zip(a[:-1].tolist(), a[1:].tolist(), strict=True):
         followers.setdefault(prev, set()).add(nxt)
     assert max(len(f) for f in followers.values()) <= 4
+
+
+def test_a_large_vocabulary_corpus_walks_the_same_chain_one_draw_per_token() -> None:
+    """Past TABLE_DRAW_LIMIT (make gpu-check (d)'s 32k vocabulary and 1 M tokens needed 256 GB
+    the original way) the walk draws once per token: every step goes to one of its
+    predecessor's successors, as often as the chain's weights say."""
+    vocab, tokens, successors = 256, TABLE_DRAW_LIMIT // 256 + 1, 4
+    corpus = generate_corpus(vocab, tokens, seed=5, successors=successors)
+    assert torch.equal(corpus, generate_corpus(vocab, tokens, seed=5, successors=successors))
+    rng = np.random.Generator(np.random.PCG64(5))  # the chain generate_corpus draws first
+    nexts = np.stack([rng.choice(vocab, size=successors, replace=False) for _ in range(vocab)])
+    weights = rng.dirichlet(np.ones(successors), size=vocab)
+    prev, nxt = corpus[:-1].numpy(), corpus[1:].numpy()
+    counts = np.zeros((vocab, successors))
+    for k in range(successors):
+        taken = nxt == nexts[prev, k]
+        np.add.at(counts, (prev[taken], k), 1)
+    assert counts.sum() == tokens - 1
+    visits = counts.sum(axis=1)
+    seen = visits > 500  # sampling error of a frequency below 0.023 there
+    assert seen.sum() >= 20
+    assert np.abs(counts[seen] / visits[seen, None] - weights[seen]).max() < 0.08
 
 
 def test_markov_windows_are_next_token_pairs_covering_the_corpus() -> None:

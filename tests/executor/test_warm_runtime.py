@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from executor.warm_runtime import LAZY_BACKWARD_IMPORTS, warm_autograd
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
@@ -88,3 +91,20 @@ def test_a_rank_forked_from_a_warmed_fork_server_imports_nothing_in_its_first_ba
     assert forked["grad"] == [6.0, 6.0, 6.0]
     assert forked["frozen"] > 10_000  # the fork server's freeze, inherited
     assert forked["cycle_freed"]
+
+
+def test_the_warm_up_imports_what_a_backward_would_without_running_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A backward initialises CUDA (the autograd engine counts the devices for its threads): a
+    zygote or fork server that ran one forks workers whose CUDA initialisation fails
+    (make gpu-check (c) on an H200). The warm-up only imports."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the warm-up ran a backward")
+
+    monkeypatch.setattr(torch.autograd, "backward", refuse)
+    monkeypatch.setattr(torch.autograd, "grad", refuse)
+    monkeypatch.setattr(torch.Tensor, "backward", refuse)
+    warm_autograd()
+    assert all(name in sys.modules for name in LAZY_BACKWARD_IMPORTS)
