@@ -123,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=5.0,
         metavar="SECONDS",
-        help="seconds to wait for the Core's RegisterAck (default 5)",
+        help="seconds to wait for the Core's RegisterAck (default 5); with only one Core, at least 30: a stalled Core would read the dropped stream as this worker's failure",
     )
     core.add_argument(
         "--rpc-timeout",

@@ -212,7 +212,11 @@ class CoreLink:
                 call.cancel()
 
     async def _register(self, call: grpc.aio.StreamStreamCall, address: Address) -> None:
-        timeout = self._config.register_timeout_s
+        # A lone Core's ack is waited for as long as its silence is (`_silence_limit_s`): one
+        # stalled past the register timeout still registers the worker when it runs again, then
+        # reads the stream this agent dropped meanwhile as the worker's failure (seen in a test
+        # run: a spare marked LOST while it was joining, for the Core's 5 s pause).
+        timeout = max(self._config.register_timeout_s, self._give_up_after_s)
         register = agent_pb2.ConnectRequest(register=self._build_register())
         await asyncio.wait_for(call.write(register), timeout)
         first = await asyncio.wait_for(call.read(), timeout)

@@ -110,3 +110,42 @@ def test_a_core_stalled_past_the_silence_bound_loses_no_worker(tmp_path: Path) -
             mux.terminate()
             mux.wait(timeout=10)
         core.stop()
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_registering_while_the_core_is_stalled_waits_for_its_ack(tmp_path: Path) -> None:
+    """An agent whose Register reaches a lone Core that is stopped for longer than the register
+    timeout (5 s) keeps the stream until the Core answers: dropping it made the Core, once it ran
+    again, register the worker and then read the dropped stream as its failure (a spare marked
+    LOST while it joined, in a test run on a loaded machine)."""
+    token = new_token()
+    core = CoreProcess(tmp_path, "core", "memory://", token, heartbeat_timeout_s=2.0)
+    agents: list[AgentProcess] = []
+    try:
+        core.wait_leader()
+        job_token = create_job(core, token, "train", expected_workers=2)
+        agents.append(AgentProcess(tmp_path, "train", "w0", core.grpc_address, job_token))
+        wait_until(lambda: core.states("train") == {"w0": "RUNNING"}, 60, "w0 running")
+
+        core.proc.send_signal(signal.SIGSTOP)
+        try:
+            late = AgentProcess(tmp_path, "train", "w1", core.grpc_address, job_token)
+            agents.append(late)
+            wait_until(lambda: "agent_started" in late.log_path.read_text(), 30, "w1's agent to start")
+            time.sleep(6.5)  # its Register unanswered past the 5 s register timeout
+        finally:
+            core.proc.send_signal(signal.SIGCONT)
+
+        wanted = {"w0": "RUNNING", "w1": "RUNNING"}
+        wait_until(lambda: core.states("train") == wanted, 30, f"both running: {wanted}")
+        time.sleep(1.0)
+        assert core.states("train") == wanted, core.log()
+        log = late.log_path.read_text()
+        assert "core_registered" in log and "core_stream_failed" not in log and "sessions=2" not in log, log
+        events = core.http.get("/api/v1/jobs/train/events").json()["events"]
+        assert [e for e in events if e["kind"] == "worker_lost"] == [], events
+        assert core.metric("elaswave_failures_detected_total", path="stream_closed") == 0, core.log()
+    finally:
+        for agent in agents:
+            agent.stop()
+        core.stop()
