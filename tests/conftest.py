@@ -43,9 +43,11 @@ def etcd_registry_url(etcd_server: EtcdServer) -> str:
     return etcd_server.url
 
 
-# The registry's default connect timeout (2 s per endpoint) fails fast on a dead endpoint. The
-# suite's own etcd is alive but shares 2 loaded cores with every test: a 2 s handshake once failed
-# a fixture right after the wipe. Tests of dead endpoints pass their own connect_timeout.
+# The registry's default connect timeout (2 s per endpoint) gives up soon on a dead endpoint. The
+# suite's own etcd is alive but shares 2 loaded cores with every test, so it gets more. (The
+# fixture failures once blamed on a slow handshake were gRPC failing the first call at once on a
+# failed first connection attempt; the registry now waits out its window: test_etcd_backend.py.)
+# Tests of dead endpoints pass their own connect_timeout.
 SESSION_ETCD_CONNECT_TIMEOUT_S = 15.0
 
 

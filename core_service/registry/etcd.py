@@ -12,6 +12,7 @@ refusals. gRPC's own reconnect backoff is capped at 1 s for the same reason.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -112,7 +113,7 @@ class EtcdRegistry(Registry):
         self._watches: list[EtcdPrefixWatch] = []
         self._closed = False
         self._stale = False  # the current endpoint failed; pick again on the next call
-        self._client, self._endpoint = self._connect_first_reachable()
+        self._client, self._endpoint = self._connect_first_reachable(wait_for_ready=True)
 
     @property
     def endpoint(self) -> EtcdEndpoint:
@@ -221,27 +222,41 @@ class EtcdRegistry(Registry):
 
     # connection handling
 
-    def _connect_first_reachable(self) -> tuple[etcd3.MultiEndpointEtcd3Client, EtcdEndpoint]:
+    def _connect_first_reachable(
+        self, wait_for_ready: bool = False
+    ) -> tuple[etcd3.MultiEndpointEtcd3Client, EtcdEndpoint]:
+        """The first endpoint that answers. `wait_for_ready` (the first connect only): give each
+        endpoint's channel the connect window before asking it. A reconnect after a loss asks at
+        once: its callers retry, and calls queued behind the reconnect must not wait a window
+        each while etcd is down."""
         failures = []
         for endpoint in self._endpoints:
             credentials = self._security.credentials()
+            channel_end = etcd3.Endpoint(
+                endpoint.host,
+                endpoint.port,
+                secure=credentials is not None,
+                creds=credentials,
+                time_retry=0,
+                opts=GRPC_OPTIONS,
+            )
+            # A call on a channel that is not connected yet fails at once on the first failed
+            # attempt (gRPC's fail-fast): a refused or cut connection then read as an endpoint
+            # down, with most of the connect window unused (a session fixture once failed so on
+            # a loaded machine, "tcp handshaker shutdown"). Give the channel the window to
+            # connect, retrying at gRPC's reconnect backoff; the calls below then say why not.
+            if wait_for_ready:
+                with contextlib.suppress(grpc.FutureTimeoutError):
+                    grpc.channel_ready_future(channel_end.channel).result(timeout=self._connect_timeout_s)
             try:
                 client = etcd3.MultiEndpointEtcd3Client(
-                    endpoints=[
-                        etcd3.Endpoint(
-                            endpoint.host,
-                            endpoint.port,
-                            secure=credentials is not None,
-                            creds=credentials,
-                            time_retry=0,
-                            opts=GRPC_OPTIONS,
-                        )
-                    ],
+                    endpoints=[channel_end],
                     timeout=self._connect_timeout_s,
                     user=self._security.user,
                     password=self._security.password,
                 )
             except (grpc.RpcError, etcd3.exceptions.Etcd3Exception) as exc:  # the login failed
+                channel_end.close()
                 failures.append(f"{endpoint} ({_reason(exc)})")
                 continue
             try:

@@ -11,7 +11,7 @@ import etcd3
 import pytest
 
 from core_service.registry import BackendUnavailable, EtcdRegistry, LeaderElection, open_registry
-from tests.etcd_server import EtcdServer, free_port
+from tests.etcd_server import EtcdServer, free_port, free_ports
 from tests.registry.helpers import EventRecorder
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
@@ -39,6 +39,38 @@ def test_error_lists_every_endpoint_tried() -> None:
         open_registry(f"etcd://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}?connect_timeout=1")
     message = str(info.value)
     assert f"127.0.0.1:{ports[0]}" in message and f"127.0.0.1:{ports[1]}" in message
+
+
+def test_an_etcd_that_comes_up_within_the_connect_window_is_used(tmp_path: Path) -> None:
+    """The first connection attempt fails (nothing listens yet); gRPC's fail-fast made that the
+    verdict at once, whatever the connect window (a session fixture failed so, "tcp handshaker
+    shutdown"). The registry waits out the window instead, and uses an etcd that starts in it."""
+    server = EtcdServer(data_dir=tmp_path / "etcd")
+    server.client_port, server.peer_port = free_ports(2)
+    outcome: dict[str, object] = {}
+
+    def connect() -> None:
+        started = time.monotonic()
+        try:
+            outcome["registry"] = open_registry(f"etcd://{server.endpoint}?connect_timeout=20")
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            outcome["error"] = exc
+        outcome["after_s"] = time.monotonic() - started
+
+    opener = threading.Thread(target=connect)
+    opener.start()
+    time.sleep(1.0)
+    server.start()
+    try:
+        opener.join(30)
+        assert "error" not in outcome, outcome
+        registry = outcome["registry"]
+        assert isinstance(registry, EtcdRegistry) and outcome["after_s"] >= 1.0
+        with registry:
+            registry.put("/late/k", b"v")
+            assert registry.get("/late/k") == b"v"
+    finally:
+        server.stop()
 
 
 def test_first_reachable_endpoint_is_used(etcd_registry_url: str, etcd_server: EtcdServer) -> None:
