@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/wire/v1/*.proto)
 
-.PHONY: install system-deps container-deps images compose-test demo test test-fast proto proto-check lint bench chaos soak soak-short gpu-check clean
+.PHONY: install system-deps container-deps images compose-test demo test test-fast proto proto-check lint bench chaos soak soak-short gpu-check gpu-wheels clean
 
 CONSTRAINTS := requirements/constraints.txt
 
@@ -81,6 +81,11 @@ soak-short: install system-deps
 # not the CPU venv; without a CUDA device it says so and exits 2.
 gpu-check:
 	$(PY) scripts/gpu_check.py --budget-s 480
+
+# Here, with network: wheels of the pinned dependencies (torch left out) for a GPU machine with
+# its own torch and no package index; SKIP='numpy|scipy' leaves out what it has (docs/accelerators.md).
+gpu-wheels:
+	PY=$(PY) SKIP='$(SKIP)' PYTHON_VERSION='$(PYTHON_VERSION)' bash scripts/gpu-wheels.sh .whl
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
