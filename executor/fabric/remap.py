@@ -144,8 +144,7 @@ def live_remap(
             )
         else:
             _check_param_digest(params, t, digest, comm.worker)
-            param = params[t.unit][t.lo : t.hi].detach().to(buf.device, torch.float32).reshape(1, -1)
-            pieces.append((t.unit, t.lo, torch.cat([param, buf.view(2, t.size)])))
+            pieces.append((t.unit, t.lo, _with_replica_params(params, t, buf.view(2, t.size))))
     if mine is not None:
         for unit, lo, hi in owned_by(new_own, comm.worker):
             kept = mine.units.get(unit)
@@ -166,8 +165,7 @@ def _check_param_digest(
     params: Mapping[str, torch.Tensor], t: RemapTransfer, digest: torch.Tensor, worker: int
 ) -> None:
     """Integrity: the sender's parameter slice (live or snapshot) equals my replicated copy."""
-    if t.unit not in params:
-        raise RemapError(f"worker {worker} receives {t.unit} [{t.lo}, {t.hi}) but holds no parameters of it")
+    _require_params(params, t, worker)
     if not torch.equal(_digest(params[t.unit][t.lo : t.hi]), digest):
         where = f"snapshot of worker {t.owner} on worker {t.src}" if t.from_snapshot else f"worker {t.src}"
         raise RemapError(
@@ -186,8 +184,15 @@ def _checked_moments(
         _check_param_digest(params, t, _digest(rows[0]), worker)
     else:
         _check_param_drift(params, t, rows[0], worker)
-    param = params[t.unit][t.lo : t.hi].detach().to(rows.device, torch.float32).reshape(1, -1)
-    return torch.cat([param, rows[1:]])
+    return _with_replica_params(params, t, rows[1:])
+
+
+def _with_replica_params(
+    params: Mapping[str, torch.Tensor], t: RemapTransfer, moments: torch.Tensor
+) -> torch.Tensor:
+    """My replicated parameters of `t`'s interval on top of its two moment rows."""
+    param = params[t.unit][t.lo : t.hi].detach().to(moments.device, torch.float32).reshape(1, -1)
+    return torch.cat([param, moments])
 
 
 def _check_param_drift(
@@ -195,8 +200,7 @@ def _check_param_drift(
 ) -> None:
     """Integrity of a backup replayed on the host: its parameter slice is within
     `BACKUP_DRIFT_REL` of my replicated copy."""
-    if t.unit not in params:
-        raise RemapError(f"worker {worker} receives {t.unit} [{t.lo}, {t.hi}) but holds no parameters of it")
+    _require_params(params, t, worker)
     mine = params[t.unit][t.lo : t.hi].detach().to(sent.device, torch.float64)
     drift = float((sent.double() - mine).norm() / mine.norm().clamp_min(1e-30))
     if not drift <= BACKUP_DRIFT_REL:  # NaN fails too
@@ -205,6 +209,11 @@ def _check_param_drift(
             f"{t.owner} on worker {t.src} are {drift:.1e} (relative) from the replicated copy, more "
             f"than a host replay's round-off ({BACKUP_DRIFT_REL:.0e}): not at the same committed step?"
         )
+
+
+def _require_params(params: Mapping[str, torch.Tensor], t: RemapTransfer, worker: int) -> None:
+    if t.unit not in params:
+        raise RemapError(f"worker {worker} receives {t.unit} [{t.lo}, {t.hi}) but holds no parameters of it")
 
 
 def backup_of(backups: Backups, owner: int) -> ShardState | None:
