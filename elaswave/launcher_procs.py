@@ -33,6 +33,10 @@ LOOPBACK = "127.0.0.1"
 # What the zygote imports once per node; `executor.warm_runtime`'s hook then runs torch's lazy
 # imports and freezes the result for every forked worker (agent.zygote, PREPARE_HOOK).
 ZYGOTE_PRELOAD = "torch,elaswave.api,executor.warm_runtime"
+# A zygote still importing is waited for this long: a cold start would import the same modules on
+# the same cores, so giving up early only adds a second import (10 s was exceeded on a loaded CI
+# machine, and the describe run started cold). A zygote that exits is not waited for at all.
+ZYGOTE_READY_TIMEOUT_S = 60.0
 
 
 class LaunchError(RuntimeError):
@@ -246,6 +250,7 @@ class WarmWorkers:
 
     process: subprocess.Popen[bytes]
     socket: Path
+    gave_up: bool = False  # `ready` timed out once: said so, and never says it again
 
     @classmethod
     def begin(cls, socket_dir: Path, env: Mapping[str, str], log: Path) -> WarmWorkers:
@@ -255,11 +260,24 @@ class WarmWorkers:
         cmd = [sys.executable, "-m", "agent.zygote", "--socket", str(sock), "--preload", ZYGOTE_PRELOAD]
         return cls(spawn(cmd, env, log, signal.SIGTERM), sock)
 
-    def ready(self, timeout_s: float = 10.0) -> Path | None:
-        """Its socket once it accepts workers (at most `timeout_s`), else None: workers start cold."""
-        deadline = time.monotonic() + timeout_s
+    def ready(self, timeout_s: float = ZYGOTE_READY_TIMEOUT_S) -> Path | None:
+        """Its socket once it accepts workers, else None: workers start cold. Blocks while the
+        zygote is alive and still importing, at most `timeout_s`; returns None at once when it
+        has exited. Once it has given up on a zygote that is still alive (said on stderr), later
+        calls do not wait again: they take the socket if it has appeared since."""
+        deadline = time.monotonic() + (0.0 if self.gave_up else timeout_s)
         while not self.socket.exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
+            if self.process.poll() is not None:
+                return None
+            if time.monotonic() >= deadline:
+                if not self.gave_up:
+                    self.gave_up = True
+                    print(
+                        f"[elaswave] the worker zygote was not ready within {timeout_s:g} s: "
+                        "processes start cold",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 return None
             time.sleep(0.02)
         return self.socket
