@@ -9,7 +9,8 @@ the kernels gain little, so the ratio says what the bf16 *path* costs, not what 
 engine's step time against a plain torch loop on the same model, batches and precision (autocast,
 fp32 AdamW), and the per-step cost of staging each step's reduced gradient shard to pinned host
 memory on a side stream (`executor.fabric.device_copy.HostStager`, what a ring snapshot copies
-off the device), awaited at the end of the step as the commit does.
+off the device): awaited by another thread, off the step, as the snapshot's updater does, and
+awaited at the end of the step, as the commit did before, side by side.
 
     python -m bench.precision_cost [--hidden 128] [--layers 4] [--steps 6] [--rounds 3]
 """
@@ -17,8 +18,10 @@ off the device), awaited at the end of the step as the commit does.
 from __future__ import annotations
 
 import argparse
+import queue
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -27,7 +30,8 @@ import torch
 from examples.gpt.data import MarkovWindows
 from examples.gpt.model import ModelConfig, gpt_units, per_sample_loss
 from executor.devices import synchronize
-from executor.fabric.device_copy import HostStager
+from executor.fabric.device_copy import HostStager, StagedCopies
+from executor.fabric.snapshot import MAX_UPDATE_LAG
 from executor.optim import OptimizerConfig
 from executor.precision import PrecisionConfig
 from executor.reference import single_rank_trainer
@@ -75,7 +79,7 @@ def cpu_ratios(cfg: ModelConfig, batch: int, slots: int, steps: int, rounds: int
 
 def _plain_torch_step_s(spec: TrainSpec, batch: int, steps: int) -> float:
     """The same model, batches and precision as a plain torch loop (the baseline of (d))."""
-    dev = torch.device("cuda")
+    dev = torch.device(spec.device_kind)
     model = torch.nn.ModuleList([spec.model.build(i, dev) for i in range(len(spec.model))])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
     sampler = spec.sampler(batch)
@@ -92,30 +96,43 @@ def _plain_torch_step_s(spec: TrainSpec, batch: int, steps: int) -> float:
         opt.zero_grad(set_to_none=True)
 
     step(0)
-    torch.cuda.synchronize()
+    synchronize(dev)
     t0 = time.perf_counter()
     for s in range(1, steps + 1):
         step(s)
-    torch.cuda.synchronize()
+    synchronize(dev)
     return (time.perf_counter() - t0) / steps
 
 
-def bench_300m(steps: int = 6, batch: int = 16) -> dict[str, Any]:
+def _wait_copies(updater: queue.Queue[StagedCopies | None]) -> None:
+    """The snapshot updater's part in `bench_300m`: wait for each step's copies, in order."""
+    while (copies := updater.get()) is not None:
+        copies.wait()
+        updater.task_done()
+
+
+GPT_368M = ModelConfig(vocab_size=32000, seq_len=512, hidden=1024, num_heads=16, num_layers=24)
+
+
+def bench_300m(
+    steps: int = 6, batch: int = 16, cfg: ModelConfig = GPT_368M, device_kind: str = "cuda"
+) -> dict[str, Any]:
     """(d) of `make gpu-check`; see the module docstring. 16 x 512 tokens a step keeps the GPU
     busy long enough that per-step host work does not dominate either loop. Each phase's end goes
-    to stderr, so a run stopped by the check's budget still says how far it got."""
+    to stderr, so a run stopped by the check's budget still says how far it got. `cfg` and
+    `device_kind` let the same code run small on the CPU (tests/test_gpu_check.py)."""
     started = time.perf_counter()
 
     def phase(what: str) -> None:
         print(f"bench_300m: {what} at {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
 
-    cfg = ModelConfig(vocab_size=32000, seq_len=512, hidden=1024, num_heads=16, num_layers=24)
-    spec = gpt_train_spec(cfg, "bf16", "cuda", tokens=1 << 20)
+    spec = gpt_train_spec(cfg, "bf16", device_kind, tokens=1 << 20)
     params = sum(p.numel for p in spec.unit_probes())
     phase(f"spec and probes ({params / 1e6:.0f} M parameters)")
     plain = _plain_torch_step_s(spec, batch, steps)
     phase(f"plain torch, {plain:.3f} s/step")
-    torch.cuda.empty_cache()
+    if device_kind == "cuda":
+        torch.cuda.empty_cache()
     trainer = single_rank_trainer(spec, batch, 1)
     timed_steps(trainer, 0, 2)
     phase("engine built and warmed")
@@ -123,22 +140,38 @@ def bench_300m(steps: int = 6, batch: int = 16) -> dict[str, Any]:
     phase(f"engine, {engine:.3f} s/step")
     stager = HostStager()
     staged_grads: dict[str, torch.Tensor] = {}
+    # The copies as the snapshot stages them now: of a buffer of their own (as the received
+    # gradients are), awaited by the updater's thread, not the step (executor.fabric.snapshot).
+    # The old way, awaited at the step's end as the commit used to, is measured beside it.
+    updater: queue.Queue[StagedCopies | None] = queue.Queue(maxsize=MAX_UPDATE_LAG)
+    waiter = threading.Thread(target=_wait_copies, args=(updater,), daemon=True)
+    waiter.start()
 
     def stage_all(_step: int, grads: dict[str, torch.Tensor]) -> None:
         staged_grads.update(grads)
         for g in grads.values():
-            stager.stage(g)
+            stager.stage(g.clone() if off_step else g)
 
     trainer.set_grad_hook(stage_all)
-    first = 2 + steps
-    synchronize(trainer.device)
-    t0 = time.perf_counter()
-    for s in range(first, first + steps):
-        trainer.train_step(s)
-        stager.wait()  # the commit waits for the copies
-    synchronize(trainer.device)
-    staged = (time.perf_counter() - t0) / steps
-    phase(f"engine with staging, {staged:.3f} s/step")
+    first, staged = 2 + steps, {}
+    for off_step in (False, True):
+        synchronize(trainer.device)
+        t0 = time.perf_counter()
+        for s in range(first, first + steps):
+            trainer.train_step(s)
+            if off_step:
+                updater.put(stager.take())
+            else:
+                stager.wait()
+        updater.join()
+        synchronize(trainer.device)
+        staged[off_step] = (time.perf_counter() - t0) / steps
+        first += steps
+        phase(
+            f"engine with staging awaited {'off the step' if off_step else 'at its end'}, "
+            f"{staged[off_step]:.3f} s/step"
+        )
+    updater.put(None)
     # The copies alone, nothing else on the GPU: what the staging costs at this link's speed.
     copied = sum(g.numel() * g.element_size() for g in staged_grads.values())
     t0 = time.perf_counter()
@@ -153,7 +186,8 @@ def bench_300m(steps: int = 6, batch: int = 16) -> dict[str, Any]:
         "plain_step_s": plain,
         "engine_step_s": engine,
         "engine_vs_torch": plain / engine,
-        "snapshot_staging_overhead": max(0.0, staged - engine) / engine,
+        "snapshot_staging_overhead": max(0.0, staged[True] - engine) / engine,
+        "staging_awaited_overhead": max(0.0, staged[False] - engine) / engine,
         "staged_bytes": copied,
         "staging_alone_s": copy_s,
     }

@@ -59,3 +59,17 @@ def test_a_workers_failure_is_summarised_by_its_last_line() -> None:
         == "AssertionError: worker 3 failed: ... RuntimeError: CUDA error: initialization error"
     )
     assert failure_summary(ValueError("")) == "ValueError: "
+
+
+@pytest.mark.timeout(120)
+def test_check_d_runs_its_code_small_on_the_cpu() -> None:
+    """(d)'s benchmark with a tiny model on the CPU, where nothing is staged: its loops, the
+    updater thread and its report run as on the GPU, so the GPU run does not find a typo."""
+    from bench.precision_cost import bench_300m
+    from examples.gpt.model import ModelConfig
+
+    tiny = ModelConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=2, num_layers=2)
+    r = bench_300m(steps=2, batch=4, cfg=tiny, device_kind="cpu")
+    assert r["params"] > 0 and r["plain_step_s"] > 0 and r["engine_step_s"] > 0
+    assert r["snapshot_staging_overhead"] >= 0 and r["staging_awaited_overhead"] >= 0
+    assert r["staged_bytes"] == 4 * r["params"]  # every gradient, fp32, once

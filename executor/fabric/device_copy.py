@@ -3,8 +3,14 @@ and integrity digests computed where the tensors live.
 
 `HostStager.stage` copies device tensors into pinned host buffers on a side CUDA stream that
 first waits for the compute stream (the tensors are final there), so the copy overlaps whatever
-the compute stream does next; `wait` blocks until the copies landed (the snapshot calls it at the
-step's commit, not before). On the CPU there is nothing to copy and the tensors are returned as
+the compute stream does next. `take` hands the copies staged so far over as one `StagedCopies`,
+whose `wait` blocks until they landed: the snapshot's background updater waits for them right
+before it replays the update on the host copy, so neither the step nor its commit waits for the
+link (ElasWave §5.1, Fig. 6b: the backup's traffic is hidden behind the next step's compute; a
+GPU run measured the copy awaited at the commit at +77 % of a 0.11 s step, docs/accelerators.md).
+A staged tensor must not be written again before its copy lands: the snapshot stages the
+buffers it received, one set per step, and the caching allocator keeps them alive for the side
+stream (`record_stream`). On the CPU there is nothing to copy and the tensors are returned as
 they are, so the CPU path is unchanged. Ascend has no side-stream API here: torch_npu copies are
 made synchronously to host (correct, not overlapped).
 
@@ -35,6 +41,23 @@ def tensor_digest(t: torch.Tensor) -> bytes:
     return sums.cpu().numpy().tobytes()
 
 
+class StagedCopies:
+    """Copies handed over by one `HostStager.take`: in host memory once `wait` returns."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self._events = events
+
+    def wait(self) -> None:
+        """Block until every copy has landed (at once where none was made: the CPU). Safe to call
+        from any thread, and more than once."""
+        for event in self._events:
+            event.synchronize()
+        self._events = []
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+
 class HostStager:
     """Device -> pinned host copies on a side stream; see the module docstring."""
 
@@ -43,7 +66,8 @@ class HostStager:
         self._events: list[Any] = []
 
     def stage(self, t: torch.Tensor) -> torch.Tensor:
-        """A host copy of `t` that is complete after `wait()` (`t` itself when on the CPU)."""
+        """A host copy of `t`, complete once the `StagedCopies` that the next `take` returns is
+        waited for (`t` itself when on the CPU). Never blocks on the copy."""
         if t.device.type == "cpu":
             return t
         if t.device.type != "cuda":
@@ -61,11 +85,14 @@ class HostStager:
         self._events.append(event)
         return host
 
+    def take(self) -> StagedCopies:
+        """The copies staged since the last `take`, to be waited for where they are used."""
+        taken, self._events = StagedCopies(self._events), []
+        return taken
+
     def wait(self) -> None:
-        """Block until every staged copy has landed in host memory."""
-        for event in self._events:
-            event.synchronize()
-        self._events.clear()
+        """Block until every copy staged so far has landed in host memory."""
+        self.take().wait()
 
     @property
     def pending(self) -> int:

@@ -16,7 +16,12 @@ step s commits, so a rolled-back step never reaches a snapshot. `verify` compare
 Off the critical path, as in Fig. 6b: `exchange_grads` only posts the send and the receive right
 after the gradient reduce-scatter and returns; the transfer overlaps the optimizer update and the
 parameter all-gather, and `finish_exchange` (called by the step protocol just before the commit
-vote) waits for it. `stats` says where the remaining cost goes.
+vote) waits for it. On an accelerator the received gradients are staged to host memory on a side
+stream, and it is the background updater that waits for the copy, right before it replays the
+update (`device_copy`): the commit does not. The updater may fall behind by at most
+`max_lag` committed steps (the host replay of a GPU step can take longer than the step); past
+that, `commit` waits for it, so the gradients kept for it stay bounded, and `stats.lag_wait_s`
+says how long the step waited. `stats` says where the remaining cost goes.
 
 Re-protection after a plan (issue 23, item 2, `planners.reprotect`): `start_seed` keeps the
 copies that are still up to date, posts the full shard to the holders whose copy moved and the
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from executor.comm.communicator import Communicator, PendingOps
-from executor.fabric.device_copy import HostStager
+from executor.fabric.device_copy import HostStager, StagedCopies
 from executor.fabric.state import ShardState
 
 SNAPSHOT_TAG = 7100
@@ -46,6 +51,21 @@ SNAPSHOT_TAG = 7100
 UpdateFn = Callable[[str, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
 SEED_TAG = SNAPSHOT_TAG + 6  # a background seed's payload (start_seed)
 Grads = dict[int, dict[str, torch.Tensor]]  # protected worker -> unit -> its gradient slice
+# Committed updates the background updater may be behind by before `commit` waits for it (module
+# docstring): two, so that one step's replay can overlap the next step's compute and exchange.
+MAX_UPDATE_LAG = 2
+# `commit` waits at most this long for the updater to catch up: the updater only computes on
+# host memory (and waits for copies already issued), so this is a bound, never an expected wait.
+LAG_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class _Update:
+    """A committed step's gradients, to replay on the copies once `copies` have landed on the host."""
+
+    step: int
+    grads: Grads
+    copies: StagedCopies
 
 
 @dataclass(frozen=True)
@@ -63,8 +83,9 @@ class SnapshotStats:
     steps: int = 0  # gradient exchanges posted
     post_s: float = 0.0  # critical path: concatenating the gradient shards and posting the ops
     finish_wait_s: float = 0.0  # critical path: waiting for the exchange before the commit vote
-    update_s: float = 0.0  # background thread: AdamW on the host copy (competes for host cores)
+    update_s: float = 0.0  # background thread: AdamW on the host copy, after its staged gradients land
     update_cpu_s: float = 0.0  # background thread: the CPU time of the same (what it takes from the step)
+    lag_wait_s: float = 0.0  # critical path: `commit` waiting for an updater `max_lag` steps behind
     verify_s: float = 0.0  # critical path, every `verify_every` steps: checksums and their all-reduce
     verifies: int = 0  # checksum checks run (verify_s / verifies is the cost of one)
 
@@ -94,8 +115,10 @@ class ShardBackups:
     Blocking behaviour: `seed` blocks on one send and one receive per pair (bounded by the
     communicator timeout; PeerFailure on a dead peer); `exchange_grads` never blocks;
     `finish_exchange` blocks until that exchange completes (bounded the same way); `commit`
-    enqueues the update (after finishing a still-posted exchange); `flush(timeout_s)` blocks
-    until the background updates are applied or raises TimeoutError.
+    enqueues the update (after finishing a still-posted exchange), and blocks only while the
+    background updater is `max_lag` committed steps behind (at most LAG_WAIT_S, then
+    SnapshotError); `flush(timeout_s)` blocks until the background updates are applied or
+    raises TimeoutError.
     """
 
     def __init__(
@@ -104,7 +127,10 @@ class ShardBackups:
         holder: int | tuple[int, ...] | None,
         protected: tuple[int, ...],
         update_fn: UpdateFn,
+        max_lag: int = MAX_UPDATE_LAG,
     ) -> None:
+        if max_lag < 1:
+            raise SnapshotError(f"max_lag must be >= 1 committed step, got {max_lag}")
         holders = () if holder is None else (holder,) if isinstance(holder, int) else tuple(holder)
         if comm.worker in protected or comm.worker in holders:
             raise SnapshotError(f"worker {comm.worker} cannot keep a backup of its own shard")
@@ -120,7 +146,7 @@ class ShardBackups:
         self._backlog: dict[int, list[tuple[int, dict[str, torch.Tensor]]]] = {}
         # a posted background seed: (ops, receive buffer per protected worker, sent payload, step)
         self._seeding: tuple[PendingOps, dict[int, torch.Tensor], torch.Tensor, int] | None = None
-        self._pending: tuple[int, Grads] | None = None
+        self._pending: _Update | None = None
         # posted exchange: (step, ops, incoming buffer per protected worker, outgoing buffer)
         self._inflight: tuple[int, PendingOps, dict[int, torch.Tensor], torch.Tensor] | None = None
         self._bad: set[int] = set()  # pairs (peer ids) whose last verify found a mismatch
@@ -129,7 +155,9 @@ class ShardBackups:
         self._committed = 0  # last committed step (the background update may still be running)
         # committed (step, gradients per protected worker) to apply, an Event that flush()
         # waits on, or None (close())
-        self._queue: queue.Queue[tuple[int, Grads] | _Seed | threading.Event | None] = queue.Queue()
+        self._queue: queue.Queue[_Update | _Seed | threading.Event | None] = queue.Queue()
+        self._lag = threading.Semaphore(max_lag)  # one slot per committed update not yet applied
+        self.max_lag = max_lag
         self._errors: list[BaseException] = []
         self._closed = False
         self._lock = threading.Lock()
@@ -264,19 +292,27 @@ class ShardBackups:
                 n = units[k][1] - units[k][0]
                 grads[p][k] = buf[pos : pos + n]
                 pos += n
-        self._pending = (step, grads)
+        # the updater waits for the copies, not the commit (module docstring)
+        self._pending = _Update(step, grads, self._stager.take())
         self.stats.finish_wait_s += time.perf_counter() - t0
 
     def commit(self, step: int) -> None:
         """Step `step` committed: apply its pending gradients to the backups in the background.
         An exchange still posted is finished first (the step protocol has already done that
-        before its vote, so there this only enqueues)."""
+        before its vote, so there this only enqueues). Waits while the updater is `max_lag`
+        steps behind (stats.lag_wait_s); SnapshotError if it has not caught up in LAG_WAIT_S."""
         self.finish_exchange()
-        self._stager.wait()  # the backups are host copies: the staged gradients must have landed
         if self._pending is None and step == self._committed:
             return  # the step applied no update (fp16 overflow skip): the backups stay as they are
-        if self._pending is None or self._pending[0] != step:
+        if self._pending is None or self._pending.step != step:
             raise SnapshotError(f"commit({step}) without the gradients of step {step}")
+        t0 = time.perf_counter()
+        if not self._lag.acquire(timeout=LAG_WAIT_S):
+            raise SnapshotError(
+                f"worker {self.comm.worker}: the backup updater is still {self.max_lag} steps behind "
+                f"after {LAG_WAIT_S:g} s; step {step}'s update was not queued"
+            )
+        self.stats.lag_wait_s += time.perf_counter() - t0
         self._queue.put(self._pending)
         self._pending = None
         self._committed = step
@@ -285,7 +321,10 @@ class ShardBackups:
         """Step rolled back: its gradients never reach the backups. Call it after
         `finish_exchange` (the step protocol does, before its vote); an exchange still posted is
         abandoned, and its groups must be rebuilt (the communicator's ledger makes the next
-        edit do so) before the pairs are used again."""
+        edit do so) before the pairs are used again. Waits for copies of the step's gradients
+        still landing (a rollback is rare; their host buffers are then free to reuse)."""
+        if self._pending is not None:
+            self._pending.copies.wait()
         self._pending = None
         self._inflight = None
 
@@ -384,23 +423,31 @@ class ShardBackups:
                 continue
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
+                if isinstance(item, _Update):
+                    item.copies.wait()  # its gradients on the host, off the step (module docstring)
                 with self._lock:
                     if isinstance(item, _Seed):
                         self._states[item.owner] = item.state
                         for step, grads in self._backlog.pop(item.owner, []):
                             self._apply(item.state, grads, step)
                     else:
-                        step, by_owner = item
-                        for p, grads in by_owner.items():
-                            state = self._states.get(p)
-                            if state is None:  # its seed has not landed: apply after it, in order
-                                self._backlog.setdefault(p, []).append((step, grads))
-                            else:
-                                self._apply(state, grads, step)
+                        self._replay(item)
             except BaseException as exc:  # noqa: BLE001 - surfaced by flush()
                 self._errors.append(exc)
+            finally:
+                if isinstance(item, _Update):
+                    self._lag.release()
             self.stats.update_s += time.perf_counter() - t0
             self.stats.update_cpu_s += time.thread_time() - c0
+
+    def _replay(self, update: _Update) -> None:
+        """A committed step's update on every copy it reaches (its gradients already on the host)."""
+        for p, grads in update.grads.items():
+            state = self._states.get(p)
+            if state is None:  # its seed has not landed: apply after it, in order
+                self._backlog.setdefault(p, []).append((update.step, grads))
+            else:
+                self._apply(state, grads, update.step)
 
     def _apply(self, state: ShardState, grads: Mapping[str, torch.Tensor], step: int) -> None:
         """The live optimizer's own update of committed step `step` on one copy."""
@@ -413,14 +460,15 @@ class RingSnapshot(ShardBackups):
     """The ring of §5.1 over DP group `group`: I back up my DP successor's shard and my DP
     predecessor backs up mine. `verify` answers for the whole group (an all-reduce)."""
 
-    def __init__(self, comm: Communicator, group: str, update_fn: UpdateFn) -> None:
+    def __init__(
+        self, comm: Communicator, group: str, update_fn: UpdateFn, max_lag: int = MAX_UPDATE_LAG
+    ) -> None:
         workers = comm.workers(group)
         if len(workers) < 2:
             raise SnapshotError(f"group {group!r} has one worker: a ring snapshot needs at least two")
         self.group = group
-        super().__init__(
-            comm, ring_holder(workers, comm.worker), (ring_protected(workers, comm.worker),), update_fn
-        )
+        holder, protected = ring_holder(workers, comm.worker), (ring_protected(workers, comm.worker),)
+        super().__init__(comm, holder, protected, update_fn, max_lag)
         self.protected = self.protected_ranks[0]
 
     def _group(self, peer: int) -> str:
