@@ -58,6 +58,8 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "join": (["--steps", "200", "--spare", "warm", "cold"], ["--steps", "150"]),
     # Starting a small job: `elaswave run` against torchrun + DDP, alternately.
     "launch": (["--repeats", "5"], ["--repeats", "1"]),
+    # The backups' periodic check under `elaswave run`, every 2 steps against every 50.
+    "verify_interval": (["--repeats", "3"], ["--repeats", "1", "--hidden", "64", "--steps", "12"]),
 }
 
 

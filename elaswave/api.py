@@ -32,6 +32,7 @@ from executor.precision import PrecisionConfig
 from executor.sampler import Collate
 from executor.trainer import LossFn, TrainSpec, checkpoint_payload, checkpoint_writer, load_checkpoint
 from executor.units import UnitModel
+from planners.backup import DEFAULT_VERIFY_EVERY
 from wire import worker_env
 
 ModelLike = UnitModel | nn.Sequential | Sequence[nn.Module] | Mapping[str, nn.Module]
@@ -86,6 +87,7 @@ def train(
     device: str = "cpu",
     precision: str = "fp32",
     reduce_dtype: str = "fp32",
+    verify_every: int = DEFAULT_VERIFY_EVERY,
 ) -> TrainResult:
     """Train `model` on `dataset` for `steps` global batches; call it once in every process.
 
@@ -108,6 +110,9 @@ def train(
     - `precision`: "fp32", "bf16" (autocast, fp32 master weights and optimizer state) or "fp16"
       (the same with a dynamic loss scale); `reduce_dtype`: the gradient slices' dtype on the
       wire ("fp32" by default; the owner always adds them in fp32). See docs/accelerators.md.
+    - `verify_every`: committed steps between two checks of every shard's backup against the
+      live shard (a digest exchange on the critical path, about a quarter of a step's time;
+      50 by default). A backup found wrong is re-sent whole. Under a launcher only.
 
     Blocks until the job is trained (or this rank leaves the job, or the launcher stops it): one
     step at a time, each collective bounded by the launcher's timeout. Under a launcher, a
@@ -121,11 +126,13 @@ def train(
         or micro_batches < 1
         or micro_batches > global_batch
         or checkpoint_every < 0
+        or verify_every < 1
     ):
         raise ValueError(
-            f"need steps >= 1, 1 <= micro_batches <= global_batch and checkpoint_every >= 0; got "
-            f"steps={steps}, global_batch={global_batch}, micro_batches={micro_batches}, "
-            f"checkpoint_every={checkpoint_every}"
+            f"need steps >= 1, 1 <= micro_batches <= global_batch, checkpoint_every >= 0 and "
+            f"verify_every >= 1; got steps={steps}, global_batch={global_batch}, "
+            f"micro_batches={micro_batches}, checkpoint_every={checkpoint_every}, "
+            f"verify_every={verify_every}"
         )
     kind = resolve_kind(device)  # ValueError on an unknown name
     mixed = PrecisionConfig(precision, reduce_dtype)  # type: ignore[arg-type]  # checked in __post_init__
@@ -165,7 +172,7 @@ def train(
         return _train_single_process(
             spec, global_batch, micro_batches, steps, ckpt_dir, every, resume_dir, log_every, on_step
         )
-    return _train_as_worker(spec, place, steps, ckpt_dir, every, resume_dir, log_every, on_step)
+    return _train_as_worker(spec, place, steps, ckpt_dir, every, resume_dir, log_every, on_step, verify_every)
 
 
 def _checkpoint_settings(
@@ -240,6 +247,7 @@ def _train_as_worker(
     resume: Path | None,
     log_every: int,
     on_step: Callable[[int, float | None], None] | None,
+    verify_every: int,
 ) -> TrainResult:
     from executor.worker import ModelMismatch, WorkerSettings, run_worker  # noqa: PLC0415
 
@@ -258,6 +266,7 @@ def _train_as_worker(
         fingerprints=prints,
         on_step=on_step,
         log_every=log_every,
+        verify_every=verify_every,
     )
     try:
         code, results = run_worker(spec, settings)

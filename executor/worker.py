@@ -57,6 +57,7 @@ from typing import Any
 from executor.compute_clock import ComputeClock
 from executor.step_phases import StepPhases
 from executor.worker_recovery import PlanFollowing, PlanNotApplicable
+from planners.backup import DEFAULT_VERIFY_EVERY
 from wire.worker_env import EXIT_NO_PLAN, EXIT_PLAN_NOT_APPLICABLE, EXIT_TERMINATED, WorkerPlace
 
 # Re-read the job's store list every this many committed steps (one store round trip).
@@ -69,7 +70,7 @@ class WorkerSettings:
 
     place: WorkerPlace
     steps: int
-    verify_every: int = 2
+    verify_every: int = DEFAULT_VERIFY_EVERY  # committed steps between checks of the backups
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0  # steps between checkpoints (0: only the final one)
     resume: Path | None = None

@@ -53,6 +53,12 @@ BACKUP_ROWS = 3  # parameters, exp_avg, exp_avg_sq of every backed-up element
 FLOAT_BYTES = 4
 
 
+# Committed steps between two checks of every backup against its live shard (ElasWave §5.1). A
+# check costs about a quarter of a step at hidden 256 on the CPU (docs/benchmarks.md, "Per-step
+# snapshot overhead"): every 50 steps that is ~0.5 % of the step time, on the critical path.
+DEFAULT_VERIFY_EVERY = 50
+
+
 def _node(nodes: dict[int, int], rank: int) -> int:
     # A rank the layout does not place gets a node of its own (a negative id no real node has).
     return nodes.get(rank, -1 - rank)

@@ -435,6 +435,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=8)
 p.add_argument("--losses-out")
 p.add_argument("--state-out")
+p.add_argument("--verify-every", type=int, default=50)
 args = p.parse_args()
 g = torch.Generator().manual_seed(0)
 x = torch.randn(256, 8, generator=g)
@@ -449,7 +450,7 @@ def loss_fn(out, target):
 
 
 result = elaswave.train(units, loss_fn, torch.utils.data.TensorDataset(x, y), global_batch=8, micro_batches=2,
-                        steps=args.steps, optimizer=elaswave.AdamW(lr=1e-2))
+                        steps=args.steps, optimizer=elaswave.AdamW(lr=1e-2), verify_every=args.verify_every)
 if args.losses_out:
     with open(args.losses_out, "w") as f:
         json.dump({str(k): v for k, v in result.losses.items()}, f)
@@ -492,7 +493,17 @@ def _job_losses(run_dir: Path, ranks: list[int]) -> dict[int, float]:
 def test_end_to_end_pp2_dp2_trains_like_the_single_process_run(tmp_path: Path) -> None:
     script = _tiny(tmp_path)
     run = elaswave_run(
-        "--nproc-per-node", "4", "--pp", "2", script, "--steps", "8", cwd=tmp_path, timeout_s=150
+        "--nproc-per-node",
+        "4",
+        "--pp",
+        "2",
+        script,
+        "--steps",
+        "8",
+        "--verify-every",
+        "3",
+        cwd=tmp_path,
+        timeout_s=150,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "job 'tiny' finished: 8/8 steps, 4 of 4 workers finished" in run.stdout
@@ -500,6 +511,10 @@ def test_end_to_end_pp2_dp2_trains_like_the_single_process_run(tmp_path: Path) -
     run_dir = tmp_path / "elaswave-run" / "tiny"
     results = {r: json.loads((run_dir / f"rank-{r}.json").read_text()) for r in range(4)}
     assert all(res["committed_steps"] == 8 and res["rank"] == r for r, res in results.items())
+    # the script's verify_every reached every rank: backups checked after steps 3 and 6, all sound
+    assert all(
+        res["verified_steps"] == [3, 6] and res["checksum_mismatches"] == 0 for res in results.values()
+    )
     losses = _job_losses(run_dir, list(range(4)))
     reference = _reference_losses(script, 8)
     assert sorted(losses) == list(range(8))
@@ -541,9 +556,10 @@ def test_end_to_end_a_worker_killed_on_a_simulated_node_and_the_job_finishes(tmp
     assert f"event: worker_lost rank-{victim_rank}" in out
     assert "job 'tiny' finished: 60/60 steps, 3 of 4 workers finished" in out
     survivors = [r for r in range(4) if r != victim_rank]
-    assert all(
-        json.loads((run_dir / f"rank-{r}.json").read_text())["committed_steps"] == 60 for r in survivors
-    )
+    results = {r: json.loads((run_dir / f"rank-{r}.json").read_text()) for r in survivors}
+    assert all(res["committed_steps"] == 60 for res in results.values())
+    # the default interval (50 steps), after the recovery too: one check, every backup sound
+    assert all(res["verified_steps"] == [50] and res["checksum_mismatches"] == 0 for res in results.values())
     losses = _job_losses(run_dir, survivors)
     assert sorted(losses) == list(range(60))
     # Recovered in place, the job is the fault-free run: the same losses and, at the end, the same

@@ -30,6 +30,9 @@ def main() -> None:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", default=None)
+    p.add_argument(
+        "--verify-every", type=int, default=50, help="committed steps between checks of the backups"
+    )
     p.add_argument("--losses-out", default=None, help="write {step: loss} JSON here (single process)")
     args = p.parse_args()
 
@@ -51,6 +54,7 @@ def main() -> None:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         log_every=max(1, args.steps // 10),
+        verify_every=args.verify_every,
     )
     if args.losses_out and result.losses:
         tmp = f"{args.losses_out}.tmp"

@@ -60,7 +60,7 @@ from executor.trainer import Trainer
 from executor.zero import ShardState as ZeroShard
 from executor.zero import flat_slice, unit_ownership
 from planners.applicability import judge
-from planners.backup import backup_holder_sets, protected_by, recovery_sources
+from planners.backup import DEFAULT_VERIFY_EVERY, backup_holder_sets, protected_by, recovery_sources
 from planners.layout import Layout, Plan, PlanMode
 from planners.reprotect import Pair, ReprotectWindow, backup_pairs, reseed_pairs, shard_intervals
 
@@ -144,7 +144,7 @@ class FabricParticipant:
         trainer: Trainer,
         comm: Communicator,
         snapshots: bool = True,
-        verify_every: int = 50,
+        verify_every: int = DEFAULT_VERIFY_EVERY,
         migration: str = "blocking",
         shadow_slots: int = 1,
         restore_source: RestoreSource | None = None,

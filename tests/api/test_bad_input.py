@@ -84,6 +84,7 @@ def test_resume_from_something_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     [
         ({"steps": 0}, "need steps >= 1"),
         ({"micro_batches": 5}, "micro_batches <= global_batch"),
+        ({"verify_every": 0}, "verify_every >= 1; got .* verify_every=0"),
     ],
 )
 def test_out_of_range_settings(kwargs: dict, match: str) -> None:
