@@ -174,11 +174,13 @@ def check_c() -> Outcome:
     faulty = check_kill_recovery_with_drifting_backups(Scenario(kill_at_op=5, victim=4, device_kind="cuda"))
     edits = sorted({tuple(e["rebuilt"]) for r in faulty.values() for e in r["edits"]})
     found = sum(r["checksum_mismatches"] for r in faulty.values())
-    return Outcome(
-        "PASS",
+    checks = sum(len(r["verified"]) for r in faulty.values())
+    detail = (
         f"recovered in place; parameters bitwise and moments within 1e-5 of the fault-free run at the "
-        f"committed step; rebuilt {edits}; backups found drifted and repaired by the verify: {found}",
+        f"committed step; rebuilt {edits}; backup checks within round-off: {checks - found} of {checks}"
     )
+    # a check that fails on a GPU means drift beyond round-off (VERIFY_DRIFT_REL), not its noise
+    return Outcome("PASS" if found == 0 else "FAIL", detail)
 
 
 def check_d() -> Outcome:

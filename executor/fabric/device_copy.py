@@ -19,6 +19,16 @@ as integers, summed plainly and weighted by position, in int64 (exact and order-
 so every device and every reduction order gives the same 16 bytes). Any single changed bit changes
 the plain sum; moved or compensating changes the weighted one. Only the 16 bytes travel to the
 host. It detects corruption and divergence; it is not a cryptographic hash.
+
+`tensor_sketch` is the check where a copy may differ from its original by round-off (a backup
+replayed on the host, its shard updated on a GPU: docs/accelerators.md): the tensor's 2-norm and
+its projections on SKETCH_PROJECTIONS patterns of +-1 fixed by each element's position in its
+unit, in float64, on the tensor's own device. Two sketches estimate how far apart their tensors
+are (`sketch_distance`): for a difference d each projection differs by a sum of d's elements
+with pseudo-random signs, whose square is ||d||^2 on average, and a single changed element of
+size e moves every projection by exactly e; the norms differ by at most ||d||. So a copy within
+round-off passes, one whose drift grew past a tolerance, or that has a corrupted element of that
+size, fails.
 """
 
 from __future__ import annotations
@@ -28,6 +38,10 @@ from typing import Any
 import torch
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+SKETCH_PROJECTIONS = 2
+_SKETCH_CHUNK = 1 << 22  # elements hashed at a time: bounded temporaries for a large shard
+_MIX = 0x45D9F3B  # a 32-bit integer mixer's multiplier (products stay below 2^59: no overflow)
+_LOW32 = 0xFFFFFFFF
 
 
 def tensor_digest(t: torch.Tensor) -> bytes:
@@ -39,6 +53,45 @@ def tensor_digest(t: torch.Tensor) -> bytes:
     weights = torch.arange(1, ints.numel() + 1, device=ints.device, dtype=torch.int64)
     sums = torch.stack([ints.sum(), (ints * weights).sum()])
     return sums.cpu().numpy().tobytes()
+
+
+def _position_signs(start: int, n: int, device: torch.device) -> torch.Tensor:
+    """SKETCH_PROJECTIONS x n float64 +-1: bits of a 32-bit hash of positions start..start+n-1,
+    the same on every device (integer arithmetic only)."""
+    h = torch.arange(start, start + n, device=device, dtype=torch.int64) & _LOW32
+    for _ in range(2):
+        h = (((h >> 16) ^ h) * _MIX) & _LOW32
+    h = (h >> 16) ^ h
+    return torch.stack([((h >> j) & 1).to(torch.float64) * 2 - 1 for j in range(SKETCH_PROJECTIONS)])
+
+
+def tensor_sketch(tensors: tuple[torch.Tensor, ...], start: int) -> torch.Tensor:
+    """For each of `tensors` (1-D, equal length, elements start.. of one unit), its 2-norm and
+    its SKETCH_PROJECTIONS projections (module docstring): float64, len(tensors) x (1 +
+    SKETCH_PROJECTIONS), computed on the tensors' device and returned on the host."""
+    flats = [t.detach().reshape(-1) for t in tensors]
+    n = flats[0].numel() if flats else 0
+    device = flats[0].device if flats else torch.device("cpu")
+    sq = torch.zeros(len(flats), dtype=torch.float64, device=device)
+    proj = torch.zeros(len(flats), SKETCH_PROJECTIONS, dtype=torch.float64, device=device)
+    for lo in range(0, n, _SKETCH_CHUNK):
+        hi = min(n, lo + _SKETCH_CHUNK)
+        signs = _position_signs(start + lo, hi - lo, device)  # shared by the tensors
+        for i, flat in enumerate(flats):
+            x = flat[lo:hi].to(torch.float64)
+            sq[i] += x.dot(x)
+            proj[i] += signs @ x
+    return torch.cat([sq.sqrt().unsqueeze(1), proj], dim=1).cpu()
+
+
+def sketch_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """How far apart (relative to `a`'s norm, the largest over the rows) the tensors behind two
+    `tensor_sketch`es of the same positions are estimated to be; inf where not finite."""
+    norm_a, norm_b = a[:, 0], b[:, 0]
+    spread = ((a[:, 1:] - b[:, 1:]) ** 2).mean(dim=1).sqrt()
+    gap = torch.maximum(spread, (norm_a - norm_b).abs()) / norm_a.clamp_min(1e-30)
+    worst = float(gap.max()) if gap.numel() else 0.0
+    return worst if worst == worst and worst != float("inf") else float("inf")  # NaN: inf
 
 
 class StagedCopies:

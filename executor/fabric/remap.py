@@ -48,6 +48,10 @@ REMAP_TAG = 9000
 # replicated copy on a device: round-off is about 1e-7 a step, a verify repairs the drift every
 # `verify_every` steps, and one missed AdamW step moves typical parameters by 1e-3 or more.
 BACKUP_DRIFT_REL = 1e-4
+# The periodic verify re-seeds a backup replayed off the live device once its drift passes a
+# quarter of that: round-off of ~1e-7 a step takes hundreds of steps to get there, and a backup is
+# re-seeded well before a remap would refuse it (`ShardBackups.verify(drift_rel=...)`).
+VERIFY_DRIFT_REL = BACKUP_DRIFT_REL / 4
 
 # The backups a worker keeps: owner -> its shard, or the single ring snapshot, or none.
 Backups = Mapping[int, ShardState] | ShardState | None

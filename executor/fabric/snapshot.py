@@ -88,6 +88,7 @@ class SnapshotStats:
     lag_wait_s: float = 0.0  # critical path: `commit` waiting for an updater `max_lag` steps behind
     verify_s: float = 0.0  # critical path, every `verify_every` steps: checksums and their all-reduce
     verifies: int = 0  # checksum checks run (verify_s / verifies is the cost of one)
+    verify_drift: float = 0.0  # the last round-off tolerant check: its largest relative drift estimate
 
 
 class SnapshotError(RuntimeError):
@@ -370,21 +371,20 @@ class ShardBackups:
             raise SnapshotError(f"worker {self.comm.worker} keeps {len(states)} backups, not one")
         return next(iter(states.values()))
 
-    def verify(self, mine: ShardState) -> bool:
+    def verify(self, mine: ShardState, drift_rel: float | None = None) -> bool:
         """Periodic integrity check of my pairs: does each holder's backup equal my live shard, and
-        does each backup I keep equal its owner's? The holder tells the owner its verdict, so
-        both sides of a pair know; `repair` re-seeds the pairs that failed."""
+        does each backup I keep equal its owner's? Bitwise (digests, `ShardState.checksum`) where
+        `drift_rel` is None; else within `drift_rel` (relative; sketches, `ShardState.sketch`),
+        for backups replayed on the host from a shard updated on an accelerator, which differ by
+        round-off (stats.verify_drift: the largest estimate). The holder tells the owner its
+        verdict, so both sides of a pair know; `repair` re-seeds the pairs that failed. Blocks on
+        the background updates and one exchange per pair (the communicator timeout)."""
         t0 = time.perf_counter()
         self.finish_seed()  # a copy still being seeded has nothing to compare yet
         self.flush()
-        digest_out = torch.frombuffer(bytearray(bytes.fromhex(mine.checksum())), dtype=torch.uint8)
-        digests = {p: torch.zeros(32, dtype=torch.uint8) for p in self.protected_ranks}
-        self._pairwise(digest_out, self.holders, digests, SNAPSHOT_TAG + 4)
-        with self._lock:
-            self._require_seeded()
-            held_bad = {
-                p for p, d in digests.items() if bytes(d.tolist()).hex() != self._states[p].checksum()
-            }
+        held_bad = (
+            self._held_bad_digests(mine) if drift_rel is None else self._held_bad_sketches(mine, drift_rel)
+        )
         # verdicts travel the other way: holder -> owner
         sends = [
             (self._group(p), torch.tensor([1 if p in held_bad else 0]), p, SNAPSHOT_TAG + 5)
@@ -397,6 +397,29 @@ class ShardBackups:
         self.stats.verify_s += time.perf_counter() - t0
         self.stats.verifies += 1
         return not self._bad
+
+    def _held_bad_digests(self, mine: ShardState) -> set[int]:
+        """The owners whose backup here differs from their live shard in any bit."""
+        digest_out = torch.frombuffer(bytearray(bytes.fromhex(mine.checksum())), dtype=torch.uint8)
+        digests = {p: torch.zeros(32, dtype=torch.uint8) for p in self.protected_ranks}
+        self._pairwise(digest_out, self.holders, digests, SNAPSHOT_TAG + 4)
+        with self._lock:
+            self._require_seeded()
+            return {p for p, d in digests.items() if bytes(d.tolist()).hex() != self._states[p].checksum()}
+
+    def _held_bad_sketches(self, mine: ShardState, drift_rel: float) -> set[int]:
+        """The owners whose backup here is estimated further than `drift_rel` from their shard."""
+        self._require_seeded()
+        sketches = {
+            p: torch.zeros(ShardState.sketch_numel(len(self._intervals[p])), dtype=torch.float64)
+            for p in self.protected_ranks
+        }
+        self._pairwise(mine.sketch(), self.holders, sketches, SNAPSHOT_TAG + 4)
+        with self._lock:
+            self._require_seeded()
+            drift = {p: ShardState.sketch_drift(s, self._states[p].sketch()) for p, s in sketches.items()}
+        self.stats.verify_drift = max(drift.values(), default=0.0)
+        return {p for p, d in drift.items() if not d <= drift_rel}
 
     def repair(self, mine: ShardState) -> None:
         """Re-seed the pairs the last `verify` found broken (both sides of each call this)."""
@@ -474,8 +497,8 @@ class RingSnapshot(ShardBackups):
     def _group(self, peer: int) -> str:
         return self.group
 
-    def verify(self, mine: ShardState) -> bool:
-        ok = super().verify(mine)
+    def verify(self, mine: ShardState, drift_rel: float | None = None) -> bool:
+        ok = super().verify(mine, drift_rel)
         mismatches = torch.tensor([0.0 if ok else 1.0])
         self.comm.all_reduce(self.group, mismatches)
         return mismatches.item() == 0.0

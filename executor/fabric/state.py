@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from executor.fabric.device_copy import tensor_digest
+from executor.fabric.device_copy import SKETCH_PROJECTIONS, sketch_distance, tensor_digest, tensor_sketch
 
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -83,6 +83,32 @@ class ShardState:
             for f in FIELDS:
                 h.update(tensor_digest(getattr(s, f)))
         return h.hexdigest()
+
+    def sketch(self) -> torch.Tensor:
+        """The round-off tolerant counterpart of `checksum` (`device_copy.tensor_sketch`): float64,
+        the step and a 32-bit digest of the intervals, then each unit's (param, exp_avg,
+        exp_avg_sq) norms and projections, units in sorted order; `sketch_numel` long."""
+        intervals = "|".join(f"{k}:{self.units[k].start}:{self.units[k].stop}" for k in sorted(self.units))
+        layout = int.from_bytes(hashlib.sha256(intervals.encode()).digest()[:4], "big")
+        parts = [torch.tensor([float(self.step), float(layout)], dtype=torch.float64)]
+        for k in sorted(self.units):
+            u = self.units[k]
+            parts.append(tensor_sketch(tuple(getattr(u, f) for f in FIELDS), u.start).reshape(-1))
+        return torch.cat(parts)
+
+    @staticmethod
+    def sketch_numel(units: int) -> int:
+        """Elements of the `sketch` of a shard of `units` units."""
+        return 2 + units * len(FIELDS) * (1 + SKETCH_PROJECTIONS)
+
+    @staticmethod
+    def sketch_drift(a: torch.Tensor, b: torch.Tensor) -> float:
+        """How far (relative, the worst unit and field) the shard behind sketch `b` is estimated
+        to be from the one behind `a`; inf where their steps or intervals differ."""
+        if a.shape != b.shape or not torch.equal(a[:2], b[:2]):
+            return float("inf")
+        rows = 1 + SKETCH_PROJECTIONS
+        return sketch_distance(a[2:].reshape(-1, rows), b[2:].reshape(-1, rows))
 
     # ----- wire format: a JSON header (uint8 tensor) and one float32 payload tensor -------------
     def header(self) -> torch.Tensor:

@@ -5,7 +5,8 @@ its gradient hook (`Trainer.set_grad_hook`, kept across every layout change); th
 hook sends them to the rank that backs this shard up (`ShardBackups`; where, `planners.backup`:
 the DP predecessor of §5.1 on another node, else a rank of a neighbouring stage), and the holder
 applies `Trainer.update_slice` — the engine's own optimizer update — to its host copy once the
-step commits. Every `verify_every` steps each pair compares checksums of backup and live shard.
+step commits. Every `verify_every` steps each pair compares backup and live shard: bitwise where the live
+optimizer runs on the CPU, within round-off (`VERIFY_DRIFT_REL`) where it runs on an accelerator.
 
 On a plan (`on_plan`) it is the one diff-and-apply path of the engine (`relayout.plan_relayout`):
 live remap of the committed optimizer shards onto the new ranks with the old stage boundaries
@@ -50,7 +51,7 @@ from executor.comm.communicator import Communicator
 from executor.comm.groups import WORLD_GROUP
 from executor.fabric.rebuild import rebuild, rebuild_plan
 from executor.fabric.relayout import Relayout, RelayoutError, plan_relayout
-from executor.fabric.remap import live_remap
+from executor.fabric.remap import VERIFY_DRIFT_REL, live_remap
 from executor.fabric.snapshot import ShardBackups, SnapshotError
 from executor.fabric.state import ShardState, UnitShard
 from executor.migration import MigrationReport, migrate
@@ -711,8 +712,10 @@ class FabricParticipant:
         committed = step - 1
         self._verified_in_step = None
         if committed > 0 and committed % self.verify_every == 0 and committed not in self.verified_steps:
-            # the live shard is still the committed one here: compare it with the snapshot
-            if not snap.verify(shard_state_of(self.trainer)):
+            # the live shard is still the committed one here: compare it with the snapshot, bitwise
+            # where the backups replay the live optimizer exactly, else within round-off
+            drift_rel = None if self.exact_backups else VERIFY_DRIFT_REL
+            if not snap.verify(shard_state_of(self.trainer), drift_rel):
                 self.checksum_mismatches += 1
                 snap.repair(shard_state_of(self.trainer))
             self._verified_in_step = committed

@@ -4,6 +4,7 @@ per backend (executor.staging). The CUDA paths run in `make gpu-check`."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from executor.fabric.device_copy import HostStager, tensor_digest
@@ -70,3 +71,52 @@ def test_device_backends_turn_async_error_handling_on_and_keep_what_the_user_set
     assert apply_error_handling_env("nccl", env) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
     mine = {"HCCL_ASYNC_ERROR_HANDLING": "0"}
     assert apply_error_handling_env("hccl", mine) == {} and mine == {"HCCL_ASYNC_ERROR_HANDLING": "0"}
+
+
+def _sketch(x: torch.Tensor, start: int = 0) -> torch.Tensor:
+    from executor.fabric.device_copy import tensor_sketch
+
+    return tensor_sketch((x,), start)
+
+
+def test_sketch_passes_round_off_and_fails_drift_or_a_changed_element() -> None:
+    from executor.fabric.device_copy import sketch_distance
+
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(0))
+    base = _sketch(x, 1000)
+    assert sketch_distance(base, _sketch(x.clone(), 1000)) == 0.0
+    up = torch.nextafter(x, torch.full_like(x, float("inf")))  # one ulp on every element: round-off
+    assert sketch_distance(base, _sketch(up, 1000)) < 1e-6
+    for seed, r in ((1, 1e-3), (2, 1e-5)):  # drift of relative size r, in no particular direction
+        d = torch.randn(x.numel(), generator=torch.Generator().manual_seed(seed))
+        drifted = x + d * (r * x.norm() / d.norm())
+        assert 0.1 * r < sketch_distance(base, _sketch(drifted, 1000)) < 3 * r, (seed, r)
+    one = x.clone()
+    one[12345] += 1e-3 * float(x.norm())  # a single corrupted element, 1e-3 of the norm
+    assert sketch_distance(base, _sketch(one, 1000)) >= 0.9e-3
+    assert sketch_distance(base, _sketch(x, 1001)) > 1e-2  # positions matter: not a copy of this interval
+    bad = x.clone()
+    bad[7] = float("nan")
+    assert sketch_distance(base, _sketch(bad, 1000)) == float("inf")
+
+
+def test_sketch_is_the_same_in_chunks_and_a_shard_sketch_names_step_and_intervals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from executor.fabric import device_copy
+
+    x = torch.randn(10_007)
+    whole = _sketch(x, 5)
+    monkeypatch.setattr(device_copy, "_SKETCH_CHUNK", 1000)
+    assert torch.allclose(_sketch(x, 5), whole, rtol=1e-12, atol=0.0)
+
+    def shard(step: int, start: int) -> ShardState:
+        s = ShardState(step=step)
+        s.units["u"] = UnitShard(start, start + 64, torch.ones(64), torch.zeros(64), torch.ones(64))
+        return s
+
+    a = shard(3, 10).sketch()
+    assert a.numel() == ShardState.sketch_numel(1)
+    assert ShardState.sketch_drift(a, shard(3, 10).sketch()) == 0.0
+    assert ShardState.sketch_drift(a, shard(4, 10).sketch()) == float("inf")  # another step
+    assert ShardState.sketch_drift(a, shard(3, 11).sketch()) == float("inf")  # another interval

@@ -525,13 +525,15 @@ def check_kill_recovery_with_drifting_backups(
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
 def test_kill9_with_backups_drifted_by_round_off_recovers_in_place() -> None:
-    """The CPU stand-in for make gpu-check (c): backups one ulp per step off their shards (the
-    periodic verify finds and repairs them) still recover a kill in place; a bitwise-only remap
-    refused them ("differ from the replicated copy"), which on a GPU failed every recovery."""
+    """The CPU stand-in for make gpu-check (c): backups one ulp per step off their shards still
+    recover a kill in place; a bitwise-only remap refused them ("differ from the replicated
+    copy"), which on a GPU failed every recovery. The periodic verify (every 2 steps here)
+    checks them within round-off: no mismatch, nothing re-sent (a bitwise one failed each)."""
     faulty = check_kill_recovery_with_drifting_backups(
         Scenario(kill_at_op=5, victim=4, drifting_backups=True)
     )
-    assert sum(r["checksum_mismatches"] for r in faulty.values()) > 0  # the drift was real and found
+    assert all(r["checksum_mismatches"] == 0 for r in faulty.values())
+    assert all(r["verified"] for r in faulty.values())  # checked, and found within round-off
 
 
 @pytest.mark.multiproc
