@@ -11,10 +11,11 @@ communicator on one GPU).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from wire.worker_env import DEVICE_INDEX_ENV, DEVICE_SHARED_ENV, VISIBLE_ENV
+from wire.worker_env import DEVICE_INDEX_ENV, DEVICE_SHARED_ENV, HOST_THREADS_ENV, VISIBLE_ENV
 
 
 class DeviceMapError(ValueError):
@@ -100,21 +101,33 @@ def visibility_variable(environ: Mapping[str, str]) -> str:
     return npu if environ.get(npu) is not None and environ.get(cuda) is None else cuda
 
 
+def host_threads(cpus: int, ranks_on_node: int) -> int:
+    """torch intra-op threads for each of a node's ranks: its `cpus` split evenly, at least one."""
+    return max(1, cpus // max(1, ranks_on_node))
+
+
 def worker_device_env(
     nodes: Mapping[int, Sequence[int]],
     devices_per_node: int | None,
     environ: Mapping[str, str],
     share: bool = False,
+    cpus: int | None = None,
 ) -> dict[int, dict[str, str]]:
     """rank -> the variables that put its worker on its device ($ELASWAVE_DEVICE_INDEX, and
-    $ELASWAVE_DEVICE_SHARED when ranks share one). Empty when nothing says the node has devices
-    (no --devices-per-node, no visibility variable): a CPU job."""
+    $ELASWAVE_DEVICE_SHARED when ranks share one) and give it its share of the node's `cpus`
+    (default: the CPUs this process may run on) as torch threads ($ELASWAVE_HOST_THREADS, unless
+    `environ` sets it). Empty when nothing says the node has devices (no --devices-per-node, no
+    visibility variable): a CPU job, whose workers keep one thread each."""
     var = visibility_variable(environ)
     visible = environ.get(var)
     if devices_per_node is None and visible is None and not share:
         return {}
     slots = map_devices(nodes, devices_per_node, visible, var, share)
+    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    threads = {node: host_threads(cpus, len(ranks)) for node, ranks in nodes.items()}
+    chosen = environ.get(HOST_THREADS_ENV)
     return {
-        rank: {DEVICE_INDEX_ENV: str(slot.index)} | ({DEVICE_SHARED_ENV: "1"} if slot.shared else {})
+        rank: {DEVICE_INDEX_ENV: str(slot.index), HOST_THREADS_ENV: chosen or str(threads[slot.node])}
+        | ({DEVICE_SHARED_ENV: "1"} if slot.shared else {})
         for rank, slot in slots.items()
     }

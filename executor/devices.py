@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 
-from wire.worker_env import DEVICE_INDEX_ENV, DEVICE_SHARED_ENV, VISIBLE_ENV
+from wire.worker_env import DEVICE_INDEX_ENV, DEVICE_SHARED_ENV, HOST_THREADS_ENV, VISIBLE_ENV
 
 DeviceKind = Literal["cpu", "cuda", "npu"]
 DEVICE_CHOICES: tuple[str, ...] = ("auto", "cpu", "cuda", "npu")
@@ -83,6 +83,19 @@ def local_device_index() -> int:
 
 def shares_device() -> bool:
     return os.environ.get(DEVICE_SHARED_ENV, "") == "1"
+
+
+def host_threads(kind: str) -> int:
+    """torch intra-op threads for this worker: one on the CPU (the cores run the ranks, and a
+    step's compute is its thread's CPU time: executor.compute_clock); on an accelerator the
+    launcher's share of the node's CPUs ($ELASWAVE_HOST_THREADS, default 1), which the backups'
+    host replay of each step's update runs on. ValueError on a value that is not >= 1."""
+    if kind == "cpu":
+        return 1
+    raw = os.environ.get(HOST_THREADS_ENV, "").strip() or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"${HOST_THREADS_ENV} must be a thread count >= 1, got {raw!r}")
+    return int(raw)
 
 
 def rank_device(kind: str, index: int | None = None) -> torch.device:

@@ -20,7 +20,7 @@ from executor.devices import (
     rank_device,
     resolve_kind,
 )
-from wire.worker_env import DEVICE_INDEX_ENV, DEVICE_SHARED_ENV
+from wire.worker_env import DEVICE_INDEX_ENV, DEVICE_SHARED_ENV, HOST_THREADS_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,23 +69,46 @@ def test_sharing_wraps_ranks_round_robin_and_marks_them_for_gloo() -> None:
     assert [(s.index, s.shared) for s in slots.values()] == [(0, True)] * 3
     assert backend_for("cuda", shared=True) == "gloo" and backend_for("cuda") == "nccl"
     assert backend_for("npu") == "hccl" and backend_for("cpu") == "gloo"
-    env = worker_device_env({0: [0, 1, 2]}, 2, {}, share=True)
+    env = worker_device_env({0: [0, 1, 2]}, 2, {}, share=True, cpus=7)
     assert env == {
-        0: {DEVICE_INDEX_ENV: "0", DEVICE_SHARED_ENV: "1"},
-        1: {DEVICE_INDEX_ENV: "1", DEVICE_SHARED_ENV: "1"},
-        2: {DEVICE_INDEX_ENV: "0", DEVICE_SHARED_ENV: "1"},
+        0: {DEVICE_INDEX_ENV: "0", DEVICE_SHARED_ENV: "1", HOST_THREADS_ENV: "2"},
+        1: {DEVICE_INDEX_ENV: "1", DEVICE_SHARED_ENV: "1", HOST_THREADS_ENV: "2"},
+        2: {DEVICE_INDEX_ENV: "0", DEVICE_SHARED_ENV: "1", HOST_THREADS_ENV: "2"},
     }
 
 
 def test_worker_env_reads_the_ascend_list_and_stays_empty_for_a_cpu_job() -> None:
     assert worker_device_env({0: [0, 1]}, None, {}) == {}
-    env = worker_device_env({0: [0, 1]}, None, {"ASCEND_RT_VISIBLE_DEVICES": "6,7"})
-    assert env == {0: {DEVICE_INDEX_ENV: "0"}, 1: {DEVICE_INDEX_ENV: "1"}}
+    env = worker_device_env({0: [0, 1]}, None, {"ASCEND_RT_VISIBLE_DEVICES": "6,7"}, cpus=16)
+    assert env == {
+        0: {DEVICE_INDEX_ENV: "0", HOST_THREADS_ENV: "8"},
+        1: {DEVICE_INDEX_ENV: "1", HOST_THREADS_ENV: "8"},
+    }
     with pytest.raises(DeviceMapError, match="ASCEND_RT_VISIBLE_DEVICES"):
         worker_device_env({0: [0, 1, 2]}, None, {"ASCEND_RT_VISIBLE_DEVICES": "6,7"})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_accelerator_workers_share_their_nodes_cpus_and_cpu_workers_keep_one_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from executor.devices import host_threads
+
+    env = worker_device_env({0: [0, 1, 2], 1: [3]}, 4, {}, cpus=16)
+    assert [env[r][HOST_THREADS_ENV] for r in range(4)] == ["5", "5", "5", "16"]  # per node
+    assert worker_device_env({0: list(range(4))}, 4, {}, cpus=2)[3][HOST_THREADS_ENV] == "1"
+    mine = worker_device_env({0: [0, 1]}, 2, {HOST_THREADS_ENV: "3"}, cpus=16)  # the user's choice
+    assert mine[0][HOST_THREADS_ENV] == mine[1][HOST_THREADS_ENV] == "3"
+    monkeypatch.setenv(HOST_THREADS_ENV, "6")
+    assert host_threads("cuda") == 6 and host_threads("npu") == 6
+    assert host_threads("cpu") == 1  # whatever is set: a CPU rank's compute is its thread's CPU time
+    monkeypatch.setenv(HOST_THREADS_ENV, "0")
+    with pytest.raises(ValueError, match="ELASWAVE_HOST_THREADS must be a thread count >= 1, got '0'"):
+        host_threads("cuda")
+    monkeypatch.delenv(HOST_THREADS_ENV)
+    assert host_threads("cuda") == 1
+
+
 def test_a_rank_that_cannot_see_its_device_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(DeviceUnavailable, match=r"cuda:0, but this process sees 0 cuda device"):

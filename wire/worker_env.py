@@ -55,6 +55,10 @@ DESCRIPTION_ENV = "ELASWAVE_DESCRIPTION_FILE"  # the describe run's ModelDescrip
 # (their collectives then run over gloo); the visibility variable of each accelerator kind.
 DEVICE_INDEX_ENV = "ELASWAVE_DEVICE_INDEX"
 DEVICE_SHARED_ENV = "ELASWAVE_DEVICE_SHARED"
+# torch's intra-op threads for a worker on an accelerator: the node's CPUs split among its ranks
+# (the backups' host replay of every step's update runs on them, ElasWave §5.1); set by the
+# launcher where the user's environment does not. A CPU worker keeps one thread.
+HOST_THREADS_ENV = "ELASWAVE_HOST_THREADS"
 VISIBLE_ENV: dict[str, str] = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 # Fault injection for chaos tests and drills: "collective@STEP" makes this worker's first attempt
 # at step STEP fail as a collective would with every process alive (the Core then replays the

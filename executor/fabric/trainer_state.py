@@ -164,6 +164,7 @@ class FabricParticipant:
         self.snapshots, self.verify_every = snapshots, verify_every
         self.migration, self.shadow_slots = migration, shadow_slots
         self.snapshot: ShardBackups | None = None
+        self._retired_lag_wait_s = 0.0  # lag waits of the pairs of layouts left (backup_lag_wait_s)
         # Backups are replayed on the host CPU (§5.1): bitwise their shards only where the live
         # optimizer runs on the CPU too; on a GPU a remap accepts their round-off drift
         # (executor.fabric.remap, "Backups replayed off the live device").
@@ -489,9 +490,7 @@ class FabricParticipant:
         else:
             self._revert_to(self._base)
         self._supersede_window(epoch)
-        if self.snapshot is not None:
-            self.snapshot.close()
-            self.snapshot = None
+        self._retire_snapshot()
         return self._base
 
     def _revert_to(self, base: CommittedPoint) -> None:
@@ -532,9 +531,7 @@ class FabricParticipant:
     def _arm_nonblocking(self, new: Layout) -> None:
         """Post the moves (§6.2, Fig. 9) and arm them for the next step; the ring is retired
         until the step after, whose gradient hook re-seeds it from committed shards."""
-        if self.snapshot is not None:
-            self.snapshot.close()
-            self.snapshot = None
+        self._retire_snapshot()
         self._inflight = NonBlockingMigration(self.trainer, new, self.shadow_slots)
         self.trainer.arm_overlay(self._inflight)
 
@@ -650,13 +647,25 @@ class FabricParticipant:
         finally:
             self.apply_phases["backups"] = time.perf_counter() - t0
 
-    def _replace_pairs(self, seed: Callable[[ShardBackups], None]) -> None:
+    @property
+    def backup_lag_wait_s(self) -> float:
+        """Seconds the commits waited for a backup updater `max_lag` steps behind, over every
+        layout (where the host replay cannot keep up with the device's steps)."""
+        live = self.snapshot.stats.lag_wait_s if self.snapshot is not None else 0.0
+        return self._retired_lag_wait_s + live
+
+    def _retire_snapshot(self) -> None:
+        """Close the pairs of the layout being left (their updates applied first)."""
         if self.snapshot is not None:
             self.snapshot.close()
+            self._retired_lag_wait_s += self.snapshot.stats.lag_wait_s
+            self.snapshot = None
+
+    def _replace_pairs(self, seed: Callable[[ShardBackups], None]) -> None:
+        self._retire_snapshot()
         sets = backup_holder_sets(self.trainer.layout)  # all k copies (Layout.backup_copies)
         me = self.comm.worker
         holders, protected = sets.get(me, ()), protected_by(sets, me)
-        self.snapshot = None
         if self.snapshots and (holders or protected):
             snap = ShardBackups(self.comm, holders, protected, update_fn=self.trainer.update_slice)
             try:
