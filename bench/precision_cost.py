@@ -18,6 +18,7 @@ awaited at the end of the step, as the commit did before, side by side.
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import statistics
 import sys
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from elaswave.device_map import host_threads
 from examples.gpt.data import MarkovWindows
 from examples.gpt.model import ModelConfig, gpt_units, per_sample_loss
 from executor.devices import synchronize
@@ -102,6 +104,26 @@ def _plain_torch_step_s(spec: TrainSpec, batch: int, steps: int) -> float:
         step(s)
     synchronize(dev)
     return (time.perf_counter() - t0) / steps
+
+
+def _host_replay_s(trainer: Trainer, grads: dict[str, torch.Tensor], steps: int = 2) -> tuple[float, int]:
+    """Seconds per step of a backup holder's host replay of this shard's update (the whole model at
+    DP = 1), on the threads `elaswave run` would give the only rank of this machine, and their
+    number: whether a holder keeps up with the device (executor.fabric.snapshot, `max_lag`)."""
+    threads = host_threads(len(os.sched_getaffinity(0)), 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        host = {k: g.detach().to("cpu", torch.float32) for k, g in grads.items()}
+        params = {k: torch.zeros_like(g) for k, g in host.items()}
+        moments = {k: (torch.zeros_like(g), torch.zeros_like(g)) for k, g in host.items()}
+        t0 = time.perf_counter()
+        for step in range(1, steps + 1):
+            for k, g in host.items():
+                trainer.update_slice(k, 0, params[k], g, *moments[k], step)
+        return (time.perf_counter() - t0) / steps, threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def _wait_copies(updater: queue.Queue[StagedCopies | None]) -> None:
@@ -180,6 +202,8 @@ def bench_300m(
     stager.wait()
     copy_s = time.perf_counter() - t0
     phase(f"{copied / 1e9:.2f} GB staged alone in {copy_s:.3f} s")
+    replay_s, threads = _host_replay_s(trainer, staged_grads)
+    phase(f"host replay of the update on {threads} threads, {replay_s:.3f} s/step")
     trainer.data.close()
     return {
         "params": params,
@@ -190,6 +214,8 @@ def bench_300m(
         "staging_awaited_overhead": max(0.0, staged[False] - engine) / engine,
         "staged_bytes": copied,
         "staging_alone_s": copy_s,
+        "host_replay_s": replay_s,
+        "host_threads": threads,
     }
 
 

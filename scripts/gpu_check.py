@@ -194,7 +194,9 @@ def check_d() -> Outcome:
         f"{100 * r['staging_awaited_overhead']:.1f} % awaited at the step's end, as before), "
         f"step {r['engine_step_s']:.3f} s; "
         f"the {r['staged_bytes'] / 1e9:.2f} GB of gradients alone copy in {r['staging_alone_s']:.3f} s "
-        f"({r['staged_bytes'] / r['staging_alone_s'] / 1e9:.1f} GB/s)"
+        f"({r['staged_bytes'] / r['staging_alone_s'] / 1e9:.1f} GB/s); a holder's host replay of the "
+        f"update {r['host_replay_s']:.3f} s/step on {r['host_threads']} threads "
+        f"({r['host_replay_s'] / r['engine_step_s']:.1f}x the step)"
     )
     return Outcome("PASS" if ratio >= 0.95 and overhead <= 0.01 else "FAIL", detail)
 

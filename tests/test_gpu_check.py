@@ -73,3 +73,4 @@ def test_check_d_runs_its_code_small_on_the_cpu() -> None:
     assert r["params"] > 0 and r["plain_step_s"] > 0 and r["engine_step_s"] > 0
     assert r["snapshot_staging_overhead"] >= 0 and r["staging_awaited_overhead"] >= 0
     assert r["staged_bytes"] == 4 * r["params"]  # every gradient, fp32, once
+    assert r["host_replay_s"] > 0 and r["host_threads"] >= 1
