@@ -95,16 +95,23 @@ def sketch_distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class StagedCopies:
-    """Copies handed over by one `HostStager.take`: in host memory once `wait` returns."""
+    """Copies handed over by one `HostStager.take`: in host memory once `wait` returns.
+    `events`: what each copy's completion is waited on by (`synchronize()`), with the CUDA device
+    its stream runs on (None where there is none)."""
 
-    def __init__(self, events: list[Any]) -> None:
+    def __init__(self, events: list[tuple[Any, torch.device | None]]) -> None:
         self._events = events
 
     def wait(self) -> None:
         """Block until every copy has landed (at once where none was made: the CPU). Safe to call
-        from any thread, and more than once."""
-        for event in self._events:
-            event.synchronize()
+        from any thread (the waiting thread makes the copy's device current first), and more
+        than once."""
+        for event, device in self._events:
+            if device is None:
+                event.synchronize()
+            else:
+                with torch.cuda.device(device):
+                    event.synchronize()
         self._events = []
 
     def __len__(self) -> int:
@@ -116,7 +123,7 @@ class HostStager:
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, Any] = {}
-        self._events: list[Any] = []
+        self._events: list[tuple[Any, torch.device | None]] = []
 
     def stage(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of `t`, complete once the `StagedCopies` that the next `take` returns is
@@ -135,7 +142,7 @@ class HostStager:
             t.record_stream(stream)  # the caching allocator must not reuse t before the copy
             event = torch.cuda.Event()
             event.record(stream)
-        self._events.append(event)
+        self._events.append((event, t.device))
         return host
 
     def take(self) -> StagedCopies:

@@ -61,7 +61,7 @@ def _lagging_worker(worker: int, port: int) -> dict[str, object]:
 
     def take() -> StagedCopies:
         copies.append(_LandingCopy())
-        return StagedCopies([copies[-1]])
+        return StagedCopies([(copies[-1], None)])
 
     snap._stager.take = take  # type: ignore[method-assign]  # the copies of a GPU run (docstring)
     snap.seed(live)
