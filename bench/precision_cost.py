@@ -18,7 +18,6 @@ awaited at the end of the step, as the commit did before, side by side.
 from __future__ import annotations
 
 import argparse
-import os
 import queue
 import statistics
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from elaswave.device_map import host_threads
+from elaswave.device_map import host_threads, node_cpus
 from examples.gpt.data import MarkovWindows
 from examples.gpt.model import ModelConfig, gpt_units, per_sample_loss
 from executor.devices import synchronize
@@ -110,7 +109,7 @@ def _host_replay_s(trainer: Trainer, grads: dict[str, torch.Tensor], steps: int 
     """Seconds per step of a backup holder's host replay of this shard's update (the whole model at
     DP = 1), on the threads `elaswave run` would give the only rank of this machine, and their
     number: whether a holder keeps up with the device (executor.fabric.snapshot, `max_lag`)."""
-    threads = host_threads(len(os.sched_getaffinity(0)), 1)
+    threads = host_threads(node_cpus(), 1)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -36,6 +36,7 @@ _EXPORTS = {
     "load_model_state": ("executor.checkpoint", "load_model_state"),
     "CheckpointError": ("executor.checkpoint", "CheckpointError"),
     "DeviceUnavailable": ("executor.devices", "DeviceUnavailable"),
+    "DEFAULT_VERIFY_EVERY": ("planners.backup", "DEFAULT_VERIFY_EVERY"),
 }
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from executor.rng import placement_invariant_dropout as dropout
     from executor.units import UnitModel as Units
     from executor.units import unit_seed
+    from planners.backup import DEFAULT_VERIFY_EVERY
 
 
 _SUBMODULES = ("data", "hf")  # elaswave.hf / elaswave.data: the optional extra elaswave[hf]
@@ -68,6 +70,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "DEFAULT_VERIFY_EVERY",
     "SGD",
     "Adam",
     "AdamW",

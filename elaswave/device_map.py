@@ -101,6 +101,12 @@ def visibility_variable(environ: Mapping[str, str]) -> str:
     return npu if environ.get(npu) is not None and environ.get(cuda) is None else cuda
 
 
+def node_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the platform has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
 def host_threads(cpus: int, ranks_on_node: int) -> int:
     """torch intra-op threads for each of a node's ranks: its `cpus` split evenly, at least one."""
     return max(1, cpus // max(1, ranks_on_node))
@@ -123,9 +129,11 @@ def worker_device_env(
     if devices_per_node is None and visible is None and not share:
         return {}
     slots = map_devices(nodes, devices_per_node, visible, var, share)
-    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    cpus = node_cpus() if cpus is None else cpus
     threads = {node: host_threads(cpus, len(ranks)) for node, ranks in nodes.items()}
-    chosen = environ.get(HOST_THREADS_ENV)
+    chosen = environ.get(HOST_THREADS_ENV, "").strip() or None
+    if chosen is not None and (not chosen.isdigit() or int(chosen) < 1):
+        raise DeviceMapError(f"${HOST_THREADS_ENV} must be a thread count >= 1, got {chosen!r}")
     return {
         rank: {DEVICE_INDEX_ENV: str(slot.index), HOST_THREADS_ENV: chosen or str(threads[slot.node])}
         | ({DEVICE_SHARED_ENV: "1"} if slot.shared else {})

@@ -85,7 +85,7 @@ def shares_device() -> bool:
     return os.environ.get(DEVICE_SHARED_ENV, "") == "1"
 
 
-def host_threads(kind: str) -> int:
+def intra_op_threads(kind: str) -> int:
     """torch intra-op threads for this worker: one on the CPU (the cores run the ranks, and a
     step's compute is its thread's CPU time: executor.compute_clock); on an accelerator the
     launcher's share of the node's CPUs ($ELASWAVE_HOST_THREADS, default 1), which the backups'

@@ -132,7 +132,7 @@ class CoreDrivenWorker(PlanFollowing):
 
         from executor.checkpoint import CheckpointError, latest_checkpoint  # noqa: PLC0415
         from executor.comm import Communicator, groups_for_stages  # noqa: PLC0415
-        from executor.devices import backend_for, host_threads, shares_device  # noqa: PLC0415
+        from executor.devices import backend_for, intra_op_threads, shares_device  # noqa: PLC0415
         from executor.fabric.trainer_state import FabricParticipant  # noqa: PLC0415
         from executor.plan_acks import BackgroundAcks  # noqa: PLC0415
         from executor.plan_client import PlanClient  # noqa: PLC0415
@@ -148,7 +148,7 @@ class CoreDrivenWorker(PlanFollowing):
             StepMetricsClient,  # noqa: PLC0415
         )
 
-        torch.set_num_threads(host_threads(spec.device_kind))
+        torch.set_num_threads(intra_op_threads(spec.device_kind))
         # Before anything a plan may later drop is built: torch's lazy imports of a backward and
         # a freeze of what the imports made, kept off the first step after a recovery.
         runtime_warmup = prepare_runtime()

@@ -239,6 +239,7 @@ def consistency(rec: StoryRecord, ref: list[float], ref_ckpt: Path) -> dict[str,
         "samples_identical": not sample_problems,
         "sample_problems": sample_problems[:5],
         "checksum_mismatches": sum(res["checksum_mismatches"] for res in rec.results.values()),
+        "backup_checks": sum(len(res.get("verified_steps", [])) for res in rec.results.values()),
     }
 
 
@@ -364,6 +365,8 @@ def problems(report: dict[str, Any], rec: StoryRecord) -> list[str]:
         out.append(f"samples: {c['sample_problems']}")
     if c["checksum_mismatches"]:
         out.append(f"{c['checksum_mismatches']} snapshot checksum mismatches")
+    if not c["backup_checks"]:
+        out.append("no backup was checked against its shard (verify_every longer than the run?)")
     for entry in report["events"]:
         if entry["mttr_s"] is None:
             out.append(f"{entry['kind']}: no step committed after its plan was applied")

@@ -58,6 +58,9 @@ class TrainDemoConfig:
     victim_rank: int = 4  # stage 1 (stage-major numbering: stage p holds ranks p*dp .. p*dp+dp-1)
     dropout: float = 0.1
     checkpoint_dir: str | None = None  # workers checkpoint here (and answer operators' requests)
+    # Backups checked every this many committed steps: these jobs are short, and their consistency
+    # checks count the mismatches found (a launched job's default, 50, would check none).
+    verify_every: int = 2
 
     def check(self) -> None:
         if not 0 <= self.victim_rank < self.pp * self.dp:
@@ -118,6 +121,8 @@ class TrainDemo(Demo):
             str(c.global_batch),
             "--micro-batches",
             str(c.micro_batches),
+            "--verify-every",
+            str(c.verify_every),
         ]
 
     def layout(self) -> Any:

@@ -92,7 +92,7 @@ def test_worker_env_reads_the_ascend_list_and_stays_empty_for_a_cpu_job() -> Non
 def test_accelerator_workers_share_their_nodes_cpus_and_cpu_workers_keep_one_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from executor.devices import host_threads
+    from executor.devices import intra_op_threads
 
     env = worker_device_env({0: [0, 1, 2], 1: [3]}, 4, {}, cpus=16)
     assert [env[r][HOST_THREADS_ENV] for r in range(4)] == ["5", "5", "5", "16"]  # per node
@@ -100,13 +100,15 @@ def test_accelerator_workers_share_their_nodes_cpus_and_cpu_workers_keep_one_thr
     mine = worker_device_env({0: [0, 1]}, 2, {HOST_THREADS_ENV: "3"}, cpus=16)  # the user's choice
     assert mine[0][HOST_THREADS_ENV] == mine[1][HOST_THREADS_ENV] == "3"
     monkeypatch.setenv(HOST_THREADS_ENV, "6")
-    assert host_threads("cuda") == 6 and host_threads("npu") == 6
-    assert host_threads("cpu") == 1  # whatever is set: a CPU rank's compute is its thread's CPU time
+    assert intra_op_threads("cuda") == 6 and intra_op_threads("npu") == 6
+    assert intra_op_threads("cpu") == 1  # whatever is set: a CPU rank's compute is its thread's CPU time
     monkeypatch.setenv(HOST_THREADS_ENV, "0")
     with pytest.raises(ValueError, match="ELASWAVE_HOST_THREADS must be a thread count >= 1, got '0'"):
-        host_threads("cuda")
+        intra_op_threads("cuda")
     monkeypatch.delenv(HOST_THREADS_ENV)
-    assert host_threads("cuda") == 1
+    assert intra_op_threads("cuda") == 1
+    with pytest.raises(DeviceMapError, match="ELASWAVE_HOST_THREADS must be a thread count >= 1, got 'x'"):
+        worker_device_env({0: [0]}, 1, {HOST_THREADS_ENV: "x"})  # refused by the launcher, before any start
 
 
 def test_a_rank_that_cannot_see_its_device_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -168,6 +168,7 @@ def _check_training(out: Outcome) -> tuple[int, float]:
     assert sorted(int(s) for s in victim["samples"]) == list(range(left))  # committed up to the boundary
     for rank, res in out.results.items():
         assert res["checksum_mismatches"] == 0, (rank, res["checksum_mismatches"])
+        assert res["verified_steps"], rank  # the backups were checked (the harness: every 2 steps)
         # Only ops abandoned at the departure boundary: because the plan aborted the step in flight
         # (the abort flag, or the plan itself interrupting the wait on this worker), or, when the
         # victim's exit beats the flag to a survivor blocked on it, a broken connection (closed,

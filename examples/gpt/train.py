@@ -31,7 +31,10 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", default=None)
     p.add_argument(
-        "--verify-every", type=int, default=50, help="committed steps between checks of the backups"
+        "--verify-every",
+        type=int,
+        default=elaswave.DEFAULT_VERIFY_EVERY,
+        help="committed steps between checks of the backups",
     )
     p.add_argument("--losses-out", default=None, help="write {step: loss} JSON here (single process)")
     args = p.parse_args()

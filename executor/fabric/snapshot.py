@@ -38,7 +38,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,12 +50,15 @@ SNAPSHOT_TAG = 7100
 # (unit, lo, param, grad, exp_avg, exp_avg_sq, step): the live optimizer's own update of a slice
 UpdateFn = Callable[[str, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
 SEED_TAG = SNAPSHOT_TAG + 6  # a background seed's payload (start_seed)
+SKETCH_TAG = SNAPSHOT_TAG + 7  # a round-off tolerant verify's sketches (after their lengths)
 Grads = dict[int, dict[str, torch.Tensor]]  # protected worker -> unit -> its gradient slice
 # Committed updates the background updater may be behind by before `commit` waits for it (module
 # docstring): two, so that one step's replay can overlap the next step's compute and exchange.
 MAX_UPDATE_LAG = 2
 # `commit` waits at most this long for the updater to catch up: the updater only computes on
 # host memory (and waits for copies already issued), so this is a bound, never an expected wait.
+# Past it the update is queued all the same (stats.lag_overruns): the step has committed on every
+# rank, and its backups must follow it.
 LAG_WAIT_S = 30.0
 
 
@@ -66,6 +69,7 @@ class _Update:
     step: int
     grads: Grads
     copies: StagedCopies
+    holds_slot: bool = True  # False: queued past the lag bound (LAG_WAIT_S), no slot to give back
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class SnapshotStats:
     update_s: float = 0.0  # background thread: AdamW on the host copy, after its staged gradients land
     update_cpu_s: float = 0.0  # background thread: the CPU time of the same (what it takes from the step)
     lag_wait_s: float = 0.0  # critical path: `commit` waiting for an updater `max_lag` steps behind
+    lag_overruns: int = 0  # updates queued past the lag bound after LAG_WAIT_S (never expected)
     verify_s: float = 0.0  # critical path, every `verify_every` steps: checksums and their all-reduce
     verifies: int = 0  # checksum checks run (verify_s / verifies is the cost of one)
     verify_drift: float = 0.0  # the last round-off tolerant check: its largest relative drift estimate
@@ -117,9 +122,9 @@ class ShardBackups:
     communicator timeout; PeerFailure on a dead peer); `exchange_grads` never blocks;
     `finish_exchange` blocks until that exchange completes (bounded the same way); `commit`
     enqueues the update (after finishing a still-posted exchange), and blocks only while the
-    background updater is `max_lag` committed steps behind (at most LAG_WAIT_S, then
-    SnapshotError); `flush(timeout_s)` blocks until the background updates are applied or
-    raises TimeoutError.
+    background updater is `max_lag` committed steps behind (at most LAG_WAIT_S: then it queues
+    the update past the bound); `flush(timeout_s)` blocks until the background updates are
+    applied or raises TimeoutError.
     """
 
     def __init__(
@@ -285,7 +290,7 @@ class ShardBackups:
         self._inflight = None
         grads: Grads = {}
         for p, device_buf in incoming.items():
-            # to pinned host memory on a side stream; `commit` waits for the copy (device_copy)
+            # to pinned host memory on a side stream; the updater waits for the copy (device_copy)
             buf = self._stager.stage(device_buf)
             units, pos = self._intervals[p], 0
             grads[p] = {}
@@ -301,7 +306,8 @@ class ShardBackups:
         """Step `step` committed: apply its pending gradients to the backups in the background.
         An exchange still posted is finished first (the step protocol has already done that
         before its vote, so there this only enqueues). Waits while the updater is `max_lag`
-        steps behind (stats.lag_wait_s); SnapshotError if it has not caught up in LAG_WAIT_S."""
+        steps behind (stats.lag_wait_s), at most LAG_WAIT_S: the step has committed on every
+        rank, so its update is then queued past the bound (stats.lag_overruns), never dropped."""
         self.finish_exchange()
         if self._pending is None and step == self._committed:
             return  # the step applied no update (fp16 overflow skip): the backups stay as they are
@@ -309,10 +315,8 @@ class ShardBackups:
             raise SnapshotError(f"commit({step}) without the gradients of step {step}")
         t0 = time.perf_counter()
         if not self._lag.acquire(timeout=LAG_WAIT_S):
-            raise SnapshotError(
-                f"worker {self.comm.worker}: the backup updater is still {self.max_lag} steps behind "
-                f"after {LAG_WAIT_S:g} s; step {step}'s update was not queued"
-            )
+            self.stats.lag_overruns += 1
+            self._pending = replace(self._pending, holds_slot=False)
         self.stats.lag_wait_s += time.perf_counter() - t0
         self._queue.put(self._pending)
         self._pending = None
@@ -322,10 +326,9 @@ class ShardBackups:
         """Step rolled back: its gradients never reach the backups. Call it after
         `finish_exchange` (the step protocol does, before its vote); an exchange still posted is
         abandoned, and its groups must be rebuilt (the communicator's ledger makes the next
-        edit do so) before the pairs are used again. Waits for copies of the step's gradients
-        still landing (a rollback is rare; their host buffers are then free to reuse)."""
-        if self._pending is not None:
-            self._pending.copies.wait()
+        edit do so) before the pairs are used again. Never blocks: copies of the step's gradients
+        still landing keep their pinned host buffers until they complete (torch's caching host
+        allocator records each non-blocking copy's event)."""
         self._pending = None
         self._inflight = None
 
@@ -408,13 +411,15 @@ class ShardBackups:
             return {p for p, d in digests.items() if bytes(d.tolist()).hex() != self._states[p].checksum()}
 
     def _held_bad_sketches(self, mine: ShardState, drift_rel: float) -> set[int]:
-        """The owners whose backup here is estimated further than `drift_rel` from their shard."""
+        """The owners whose backup here is estimated further than `drift_rel` from their shard.
+        The sketches' lengths travel first (as `_transfer_states`' headers do): an owner whose
+        units differ from its copy's is a mismatch, not a receive of the wrong size."""
         self._require_seeded()
-        sketches = {
-            p: torch.zeros(ShardState.sketch_numel(len(self._intervals[p])), dtype=torch.float64)
-            for p in self.protected_ranks
-        }
-        self._pairwise(mine.sketch(), self.holders, sketches, SNAPSHOT_TAG + 4)
+        out = mine.sketch()
+        sizes = {p: torch.zeros(1, dtype=torch.int64) for p in self.protected_ranks}
+        self._pairwise(torch.tensor([out.numel()]), self.holders, sizes, SNAPSHOT_TAG + 4)
+        sketches = {p: torch.zeros(int(n.item()), dtype=torch.float64) for p, n in sizes.items()}
+        self._pairwise(out, self.holders, sketches, SKETCH_TAG)
         with self._lock:
             self._require_seeded()
             drift = {p: ShardState.sketch_drift(s, self._states[p].sketch()) for p, s in sketches.items()}
@@ -458,7 +463,7 @@ class ShardBackups:
             except BaseException as exc:  # noqa: BLE001 - surfaced by flush()
                 self._errors.append(exc)
             finally:
-                if isinstance(item, _Update):
+                if isinstance(item, _Update) and item.holds_slot:
                     self._lag.release()
             self.stats.update_s += time.perf_counter() - t0
             self.stats.update_cpu_s += time.thread_time() - c0

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from executor.comm import Communicator
+from executor.fabric import snapshot as snapshot_module
 from executor.fabric.device_copy import StagedCopies
 from executor.fabric.snapshot import RingSnapshot
 from executor.store_server import connect_store
@@ -45,7 +46,11 @@ class _LandingCopy:
         time.sleep(max(0.0, self.issued + COPY_S - time.monotonic()))
 
 
-def _lagging_worker(worker: int, port: int) -> dict[str, object]:
+def _lagging_worker(
+    worker: int, port: int, max_lag: int = MAX_LAG, lag_wait_s: float = 0.0
+) -> dict[str, object]:
+    if lag_wait_s:
+        snapshot_module.LAG_WAIT_S = lag_wait_s  # this process only: a bound the slow replay overruns
     comm = Communicator(connect_store("127.0.0.1", port), worker, {"dp/0": WORKERS}, timeout_s=30.0)
     live = initial_state(layout_for(WORKERS), worker)
     applied: dict[int, int] = {}  # step -> units replayed
@@ -56,7 +61,7 @@ def _lagging_worker(worker: int, port: int) -> dict[str, object]:
         step = int(rest[-1])  # type: ignore[call-overload]
         applied[step] = applied.get(step, 0) + 1
 
-    snap = RingSnapshot(comm, "dp/0", slow_update, max_lag=MAX_LAG)
+    snap = RingSnapshot(comm, "dp/0", slow_update, max_lag=max_lag)
     copies: list[_LandingCopy] = []
 
     def take() -> StagedCopies:
@@ -86,6 +91,8 @@ def _lagging_worker(worker: int, port: int) -> dict[str, object]:
         "first_commit_s": first_commit_s,
         "behind": behind,
         "lag_wait_s": snap.stats.lag_wait_s,
+        "overruns": snap.stats.lag_overruns,
+        "slots_free": snap._lag._value,  # every slot given back once the updates are applied
         "waited_on": [c.waited_on for c in copies],
         "main": threading.current_thread().name,
     }
@@ -103,13 +110,29 @@ def test_a_slow_host_replay_waits_off_the_step_and_falls_behind_at_most_max_lag(
         assert len(r["waited_on"]) == STEPS
         # slower than the steps: it fell behind, never by more than MAX_LAG, and the step waited
         assert max(r["behind"]) == MAX_LAG, r["behind"]
-        assert r["lag_wait_s"] > 0.0
+        assert r["lag_wait_s"] > 0.0 and r["overruns"] == 0 and r["slots_free"] == MAX_LAG
         # and the backup is the live shard, bit for bit
         assert holder["step"] == STEPS
         for unit, (lo, hi, rows) in r["live"].items():
             h_lo, h_hi, h_rows = holder["snapshot"][unit]
             assert (lo, hi) == (h_lo, h_hi)
             assert torch.equal(torch.from_numpy(rows), torch.from_numpy(h_rows)), (w, unit)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_an_updater_behind_past_the_wait_bound_gets_its_update_queued_not_the_step_failed() -> None:
+    """The step has committed on every rank when `commit` runs: an updater still `max_lag` behind
+    after LAG_WAIT_S (here 20 ms, against a 90 ms replay) gets the update queued past the bound,
+    counted, and the backup still ends bitwise equal to the live shard."""
+    got = run_on_store(_lagging_worker, list(WORKERS), 90, 1, 0.02)
+    for w in WORKERS:
+        r, holder = got[w], got[1 - w]
+        assert r["overruns"] > 0 and max(r["behind"]) > 1, (r["overruns"], r["behind"])
+        assert r["slots_free"] == 1  # no slot lost or given back twice
+        assert holder["step"] == STEPS
+        for unit, (_lo, _hi, rows) in r["live"].items():
+            assert torch.equal(torch.from_numpy(rows), torch.from_numpy(holder["snapshot"][unit][2])), unit
 
 
 def test_max_lag_below_one_is_refused() -> None:
