@@ -5,6 +5,8 @@ so a shard that starts mid-vector must find its own decay runs (`update_slice(..
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from executor.fabric.state import ShardState, UnitShard
@@ -86,3 +88,19 @@ def live_update(state: ShardState, step: int, grads: dict[str, torch.Tensor]) ->
     for k, s in state.units.items():
         update_fn(k, s.start, s.param, grads[k], s.exp_avg, s.exp_avg_sq, step)
     state.step = step
+
+
+def seeded_ring(
+    worker: int, port: int, workers: tuple[int, ...], update: Any = update_fn, **kwargs: Any
+) -> tuple[Any, ShardState]:
+    """This worker's `RingSnapshot` over one DP group of `workers` on the store at `port`, seeded
+    with its initial shard (`kwargs` go to the snapshot), and that live shard."""
+    from executor.comm import Communicator  # noqa: PLC0415 - the pure helpers above need no store
+    from executor.fabric.snapshot import RingSnapshot  # noqa: PLC0415
+    from executor.store_server import connect_store  # noqa: PLC0415
+
+    comm = Communicator(connect_store("127.0.0.1", port), worker, {"dp/0": workers}, timeout_s=30.0)
+    live = initial_state(layout_for(workers), worker)
+    snap = RingSnapshot(comm, "dp/0", update, **kwargs)
+    snap.seed(live)
+    return snap, live

@@ -19,7 +19,14 @@ from executor.step_protocol import StepProtocol
 from executor.store_server import connect_store
 from executor.trainer import Trainer
 from tests.executor import engine_cases
-from tests.executor.fabric_workload import grads_for, initial_state, layout_for, live_update, update_fn
+from tests.executor.fabric_workload import (
+    grads_for,
+    initial_state,
+    layout_for,
+    live_update,
+    seeded_ring,
+    update_fn,
+)
 from tests.executor.ft_procs import run_on_store
 
 WORKERS = (0, 1, 2)
@@ -28,10 +35,7 @@ ROLLED_BACK_STEP = 11
 
 
 def _snapshot_worker(worker: int, port: int) -> dict[str, object]:
-    comm = Communicator(connect_store("127.0.0.1", port), worker, {"dp/0": WORKERS}, timeout_s=30.0)
-    live = initial_state(layout_for(WORKERS), worker)
-    snap = RingSnapshot(comm, "dp/0", update_fn)
-    snap.seed(live)
+    snap, live = seeded_ring(worker, port, WORKERS)
     for step in range(1, STEPS + 1):
         if step == ROLLED_BACK_STEP:  # a step that fails after the gradient exchange: rolled back
             snap.exchange_grads(step, grads_for(live, step, scale=-3.0))

@@ -15,11 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-from executor.comm import Communicator
 from executor.fabric.remap import VERIFY_DRIFT_REL
-from executor.fabric.snapshot import RingSnapshot
-from executor.store_server import connect_store
-from tests.executor.fabric_workload import grads_for, initial_state, layout_for, live_update, update_fn
+from tests.executor.fabric_workload import (
+    grads_for,
+    live_update,
+    seeded_ring,
+    update_fn,
+)
 from tests.executor.ft_procs import run_on_store
 
 WORKERS = (0, 1, 2)
@@ -34,10 +36,7 @@ def _drifting_update(*args: Any) -> None:
 
 
 def _worker(worker: int, port: int) -> dict[str, object]:
-    comm = Communicator(connect_store("127.0.0.1", port), worker, {"dp/0": WORKERS}, timeout_s=30.0)
-    live = initial_state(layout_for(WORKERS), worker)
-    snap = RingSnapshot(comm, "dp/0", _drifting_update)
-    snap.seed(live)
+    snap, live = seeded_ring(worker, port, WORKERS, _drifting_update)
     for step in range(1, STEPS + 1):
         grads = grads_for(live, step)
         snap.exchange_grads(step, grads)

@@ -19,12 +19,15 @@ import time
 import pytest
 import torch
 
-from executor.comm import Communicator
 from executor.fabric import snapshot as snapshot_module
 from executor.fabric.device_copy import StagedCopies
 from executor.fabric.snapshot import RingSnapshot
-from executor.store_server import connect_store
-from tests.executor.fabric_workload import grads_for, initial_state, layout_for, live_update, update_fn
+from tests.executor.fabric_workload import (
+    grads_for,
+    live_update,
+    seeded_ring,
+    update_fn,
+)
 from tests.executor.ft_procs import run_on_store
 
 WORKERS = (0, 1)
@@ -51,8 +54,6 @@ def _lagging_worker(
 ) -> dict[str, object]:
     if lag_wait_s:
         snapshot_module.LAG_WAIT_S = lag_wait_s  # this process only: a bound the slow replay overruns
-    comm = Communicator(connect_store("127.0.0.1", port), worker, {"dp/0": WORKERS}, timeout_s=30.0)
-    live = initial_state(layout_for(WORKERS), worker)
     applied: dict[int, int] = {}  # step -> units replayed
 
     def slow_update(unit: str, lo: int, *rest: object) -> None:
@@ -61,7 +62,7 @@ def _lagging_worker(
         step = int(rest[-1])  # type: ignore[call-overload]
         applied[step] = applied.get(step, 0) + 1
 
-    snap = RingSnapshot(comm, "dp/0", slow_update, max_lag=max_lag)
+    snap, live = seeded_ring(worker, port, WORKERS, slow_update, max_lag=max_lag)
     copies: list[_LandingCopy] = []
 
     def take() -> StagedCopies:
@@ -69,7 +70,6 @@ def _lagging_worker(
         return StagedCopies([(copies[-1], None)])
 
     snap._stager.take = take  # type: ignore[method-assign]  # the copies of a GPU run (docstring)
-    snap.seed(live)
     units = len(live.units)
     commit_s, behind = [], []
     for step in range(1, STEPS + 1):
