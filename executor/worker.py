@@ -62,6 +62,27 @@ from wire.worker_env import EXIT_NO_PLAN, EXIT_PLAN_NOT_APPLICABLE, EXIT_TERMINA
 
 # Re-read the job's store list every this many committed steps (one store round trip).
 STORE_LIST_EVERY = 8
+# The per-step records a worker keeps in its results (sample ids, stage, commit time, compute):
+# the most recent this many committed steps. Kept whole, a long job's grew without end, the
+# sample ids alone by ~36 bytes per sample a rank feeds per step (1.2 GB over a million steps
+# of 32 samples), and the results file with them. The losses are kept whole (`TrainResult`).
+HISTORY_STEPS = 10_000
+
+
+class RecentSteps(dict[int, Any]):
+    """step -> value for the `capacity` steps most recently added (the oldest dropped first; a
+    step replayed after a rollback keeps its place)."""
+
+    def __init__(self, capacity: int = HISTORY_STEPS) -> None:
+        if capacity < 1:
+            raise ValueError(f"a step history keeps at least 1 step, got {capacity}")
+        super().__init__()
+        self.capacity = capacity
+
+    def __setitem__(self, step: int, value: Any) -> None:
+        super().__setitem__(step, value)
+        while len(self) > self.capacity:
+            del self[next(iter(self))]
 
 
 @dataclass(frozen=True)
@@ -251,18 +272,18 @@ class CoreDrivenWorker(PlanFollowing):
             "rank": place.rank,
             "worker_id": place.worker_id,
             "losses": {},
-            "samples": {},
-            "stage_of_step": {},
-            "committed_unix": {},
+            "samples": RecentSteps(),
+            "stage_of_step": RecentSteps(),
+            "committed_unix": RecentSteps(),
             "recoveries": [],
             "failures": [],
             "interrupted": [],
             "restores": [],
             "checkpoints": [],
             "start_step": self.start_step,
-            "compute_s": {},  # committed step -> this rank's own compute (seconds)
-            "slowed_s": {},  # committed step -> the injected stretch of it (ELASWAVE_INJECT_SLOW_FILE)
-            "clock_factor": {},  # committed step -> the clock factor the stretch used
+            "compute_s": RecentSteps(),  # committed step -> this rank's own compute (seconds)
+            "slowed_s": RecentSteps(),  # committed step -> the injected stretch (ELASWAVE_INJECT_SLOW_FILE)
+            "clock_factor": RecentSteps(),  # committed step -> the clock factor the stretch used
             "runtime_warmup": asdict(runtime_warmup),
         }
         if place.joining:
