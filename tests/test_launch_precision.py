@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_launcher import TINY, _env, _job_losses, elaswave_run
+from tests.test_launcher import TINY, _env, _job_losses, elaswave_run, tiny_variant
 
 pytestmark = pytest.mark.multiproc
 
-FP16 = TINY.replace(
+FP16 = tiny_variant(
     "optimizer=elaswave.AdamW(lr=1e-2))",
     "optimizer=elaswave.AdamW(lr=1e-2), precision='fp16', device='auto')",
 )

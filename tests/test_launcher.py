@@ -450,13 +450,21 @@ def loss_fn(out, target):
 
 
 result = elaswave.train(units, loss_fn, torch.utils.data.TensorDataset(x, y), global_batch=8, micro_batches=2,
-                        steps=args.steps, optimizer=elaswave.AdamW(lr=1e-2), verify_every=args.verify_every)
+                        verify_every=args.verify_every,
+                        steps=args.steps, optimizer=elaswave.AdamW(lr=1e-2))
 if args.losses_out:
     with open(args.losses_out, "w") as f:
         json.dump({str(k): v for k, v in result.losses.items()}, f)
 if args.state_out and result.state_dict is not None:
     torch.save(result.state_dict, args.state_out)
 '''
+
+
+def tiny_variant(old: str, new: str, base: str = TINY) -> str:
+    """`base` (the tiny script) with `old` replaced by `new`; fails when `old` is not in it, so that a
+    change to the script cannot silently drop a test's variant (its pacing, its precision)."""
+    assert base.count(old) == 1, f"{old!r} is not once in the tiny script: update the variant"
+    return base.replace(old, new)
 
 
 def _tiny(tmp_path: Path) -> Path:
@@ -580,7 +588,7 @@ def _launch_tiny(tmp_path: Path, nproc: int) -> tuple[Launcher, Path, Path]:
     that a loaded machine cannot finish the job before the caller's fault lands."""
     script = _tiny(tmp_path)
     script.write_text(
-        TINY.replace(
+        tiny_variant(
             "optimizer=elaswave.AdamW(lr=1e-2))",
             "optimizer=elaswave.AdamW(lr=1e-2),\n                        " + paced_on_step(0.1) + ")",
         )

@@ -27,7 +27,7 @@ from core_service.rendezvous import LEASE_S
 from elaswave.launcher_control import next_job_name, resume_command
 from tests.core.procs import CoreProcess, create_job, new_token
 from tests.pacing import paced_on_step, release
-from tests.test_launcher import FAKE, TINY, Launcher, _env, _job_losses, _reference_losses
+from tests.test_launcher import FAKE, TINY, Launcher, _env, _job_losses, _reference_losses, tiny_variant
 from wire import worker_env as we
 
 pytestmark = pytest.mark.multiproc
@@ -274,7 +274,7 @@ def test_two_nodes_train_one_job_like_the_single_process_run_through_a_store_los
     monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
     # Slow steps: a new standby (a process importing torch, seconds on a loaded machine) is up
     # well before the job ends.
-    slow = TINY_SLOW.replace("sleep(0.03)", "sleep(0.15)")
+    slow = tiny_variant("sleep(0.03)", "sleep(0.15)", TINY_SLOW)
     nodes = _two_nodes(proc, tmp_path, "--steps", str(STORE_LOSS_STEPS), text=slow)
     nodes[0].wait_for(
         "every worker to commit step 3",
@@ -422,7 +422,7 @@ def _runs(process: psutil.Process, module: str) -> bool:
 
 # Slow steps (a sleep in the script's on_step): the replacement node has time to start (its
 # describe run, the rendezvous, agents and workers importing torch) while the job still trains.
-TINY_SLOW = TINY.replace(
+TINY_SLOW = tiny_variant(
     "steps=args.steps, optimizer=elaswave.AdamW(lr=1e-2))",
     "steps=args.steps, optimizer=elaswave.AdamW(lr=1e-2),\n                        "
     + paced_on_step(0.03)
@@ -445,7 +445,7 @@ def test_a_node_that_comes_back_joins_the_running_job_with_spares(
     script = tmp_path / "tiny.py"
     # slower still: node-c's launcher, its store, agents and workers start while the job trains,
     # which takes half a minute on a loaded 2-core machine
-    script.write_text(TINY_SLOW.replace("sleep(0.03)", "sleep(0.1)"))
+    script.write_text(tiny_variant("sleep(0.03)", "sleep(0.1)", TINY_SLOW))
     flags = ("--core", f"127.0.0.1:{proc.http_port}", "--nnodes", "2", "--nproc-per-node", "2", "--pp", "2")
     a = Launcher(*flags, "--node-id", "node-a", script, "--steps", str(SPARE_STEPS), cwd=tmp_path)
     wait_until_waiting(proc, "tiny", "node-a", timeout_s=60)
@@ -614,7 +614,7 @@ def test_both_stores_lost_at_once_the_workers_find_the_replacement_through_the_c
     proc, token = core
     monkeypatch.setenv("ELASWAVE_SCHEDULER_TOKEN", token)
     script = tmp_path / "tiny.py"
-    script.write_text(TINY_SLOW.replace("sleep(0.03)", "sleep(0.1)"))
+    script.write_text(tiny_variant("sleep(0.03)", "sleep(0.1)", TINY_SLOW))
     flags = ("--core", f"127.0.0.1:{proc.http_port}", "--nnodes", "1", "--nproc-per-node", "2", "--pp", "2")
     node = Launcher(*flags, "--node-id", "node-a", script, "--steps", str(STORE_LOSS_STEPS), cwd=tmp_path)
     node.wait_for(

@@ -26,7 +26,7 @@ import torch
 import elaswave
 from tests.core.procs import CoreProcess, new_token, wait_until
 from tests.pacing import release
-from tests.test_launcher import Launcher, _job_losses, _reference_losses
+from tests.test_launcher import Launcher, _job_losses, _reference_losses, tiny_variant
 from tests.test_launcher_multinode import TINY_SLOW, wait_until_waiting
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.etcd]
@@ -34,7 +34,7 @@ STEPS = 300
 # Steps of at least 0.1 s (a sleep in the workers' on_step): the job outlives a failover (the
 # leader lease is 2 s) by far, and 300 steps keep fp32 round-off (DP=2 sums the batch in halves)
 # within the tolerances below.
-SCRIPT = TINY_SLOW.replace("sleep(0.03)", "sleep(0.1)")
+SCRIPT = tiny_variant("sleep(0.03)", "sleep(0.1)", TINY_SLOW)
 
 
 @pytest.fixture
