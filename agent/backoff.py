@@ -56,6 +56,13 @@ class AddressRotation:
     def current(self) -> Address:
         return self._hint or self.addresses[self._index]
 
+    def moved_to(self, address: Address) -> None:
+        """`address` accepted this agent while the current one was silent: it is current now."""
+        if address in self.addresses:
+            self._index, self._hint = self.addresses.index(address), None
+        else:  # a leader hint the configured list spells otherwise
+            self._hint = address
+
     def failed(self, leader_hint: Address | None) -> None:
         """The current address refused or broke; a hint pointing at itself is ignored."""
         tried = self.current()

@@ -6,8 +6,11 @@ Core commands go to the agent's callbacks. On any failure it reconnects across t
 backoff (see ``agent.backoff``) and registers again. Reports that must not be lost
 (``send_critical``: preemption, worker exit) are re-sent after every re-registration; the rest
 (metrics, probes) sit in a bounded queue while no Core is connected, oldest dropped first.
-A Core that answers nothing, not even an echo, for the silence bound is left for the next Core
-of the list; the only Core an agent knows is waited out instead (``_silence_limit_s``).
+A Core that answers nothing, not even an echo, for the silence bound is left only for another
+Core that accepts this agent's registration meanwhile (make-before-break, ``_standby_taking_over``):
+one that answers "not leader; leader is <the silent one>" says the silent Core still leads (a
+pause, not a death), and its stream is kept, as the only Core an agent knows is waited out
+(``_silence_limit_s``). Dropping it would read, once that Core runs again, as the worker's failure.
 Every network wait is bounded (docs/architecture.md ("Promises and rules"): no unbounded retries or blocking calls).
 """
 
@@ -48,6 +51,15 @@ class CoreSilent(Exception):
     """The Core accepted the stream but has answered nothing, not even an echo, for too long."""
 
 
+class MovedCore(Exception):  # noqa: N818 - a hand-over, not an error
+    """Another Core accepted this agent's registration while the current one was silent: the
+    stream to serve from now on (its channel and call are open, Register acknowledged)."""
+
+    def __init__(self, address: Address, channel: grpc.aio.Channel, call: grpc.aio.StreamStreamCall) -> None:
+        super().__init__(f"moved to core {address}")
+        self.address, self.channel, self.call = address, channel, call
+
+
 @dataclass(frozen=True)
 class CommandHandlers:
     """What the agent does with each Core command; each runs to completion before the next."""
@@ -74,6 +86,8 @@ class CoreLink:
         self._give_up_after_s = config.silence_bound_s  # for the current stream: _silence_limit_s
         self._waiting_out = False  # silent past the bound, the stream kept (see _silence_limit_s)
         self._echo_asked_at: float | None = None  # monotonic: the first echo asked for, unanswered
+        self._address: Address | None = None  # the Core of the current stream
+        self._next_standby_ask = 0.0  # monotonic: when a silent Core's peers may be asked again
         self._commands: asyncio.Queue[agent_pb2.ConnectResponse] = asyncio.Queue()
         self._config = config
         self._build_register = build_register
@@ -195,28 +209,78 @@ class CoreLink:
             raise ValueError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from exc
         return grpc.aio.secure_channel(str(address), credentials)
 
-    async def _session(self, address: Address) -> None:
+    def _connect(self, address: Address) -> tuple[grpc.aio.Channel, grpc.aio.StreamStreamCall]:
+        """A channel to `address` and the Connect stream on it, with this agent's credentials."""
         token = load_job_token(self._config.job_token_file)
         metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         if self.worker_token:
             metadata += ((WORKER_TOKEN_METADATA, self.worker_token),)
+        channel = self._channel(address)
+        return channel, agent_pb2_grpc.AgentServiceStub(channel).Connect(metadata=metadata)
+
+    def _begin_stream(self, address: Address) -> None:
+        """Reset what the link tracks per stream, for a stream to `address`."""
+        self._address = address
         self._leave_written = False
         self._give_up_after_s, self._waiting_out = self._silence_limit_s(address), False
         self._echo_asked_at = None
-        async with self._channel(address) as channel:
-            call = agent_pb2_grpc.AgentServiceStub(channel).Connect(metadata=metadata)
-            try:
-                await self._register(call, address)
-                await self._serve(call)
-            finally:
-                call.cancel()
 
-    async def _register(self, call: grpc.aio.StreamStreamCall, address: Address) -> None:
+    async def _session(self, address: Address) -> None:
+        self._begin_stream(address)
+        channel, call = self._connect(address)
+        try:
+            await self._register(call, address)
+            while True:
+                try:
+                    await self._serve(call)
+                    return
+                except MovedCore as moved:  # the old stream goes only now that the new one is up
+                    call.cancel()
+                    await channel.close()
+                    channel, call = moved.channel, moved.call
+                    self._rotation.moved_to(moved.address)
+                    self._begin_stream(moved.address)
+                    log_event(logging.WARNING, "core_moved", core=moved.address, sessions=self.sessions)
+        finally:
+            call.cancel()
+            await channel.close()
+
+    async def _standby_taking_over(self) -> MovedCore | None:
+        """Asked while the current Core is silent past the bound: registers with each other Core
+        in turn (at most the RPC timeout each) and returns the first that accepts (it leads now:
+        a standby refuses). None when each refused or did not answer, or named the silent Core
+        as the leader: that one is paused, not gone, and its stream is kept."""
+        current = self._address
+        for address in (a for a in self._config.cores if a != current):
+            channel, call = self._connect(address)
+            try:
+                await self._register(call, address, timeout_s=self._config.rpc_timeout_s)
+                return MovedCore(address, channel, call)
+            except grpc.aio.AioRpcError as exc:
+                hint = parse_leader_hint(exc.details() or "")
+                log_event(logging.INFO, "core_standby_refused", core=address, leader_hint=hint or "")
+                if hint == current:
+                    break
+            except (TimeoutError, StreamRefused) as exc:
+                log_event(logging.INFO, "core_standby_refused", core=address, error=type(exc).__name__)
+            except BaseException:
+                call.cancel()
+                await channel.close()
+                raise
+            call.cancel()
+            await channel.close()
+        return None
+
+    async def _register(
+        self, call: grpc.aio.StreamStreamCall, address: Address, timeout_s: float | None = None
+    ) -> None:
         # A lone Core's ack is waited for as long as its silence is (`_silence_limit_s`): one
         # stalled past the register timeout still registers the worker when it runs again, then
         # reads the stream this agent dropped meanwhile as the worker's failure (seen in a test
         # run: a spare marked LOST while it was joining, for the Core's 5 s pause).
-        timeout = max(self._config.register_timeout_s, self._give_up_after_s)
+        timeout = (
+            max(self._config.register_timeout_s, self._give_up_after_s) if timeout_s is None else timeout_s
+        )
         register = agent_pb2.ConnectRequest(register=self._build_register())
         await asyncio.wait_for(call.write(register), timeout)
         first = await asyncio.wait_for(call.read(), timeout)
@@ -325,6 +389,8 @@ class CoreLink:
         while True:
             now = time.monotonic()
             silent = now - self._last_heard
+            if silent > self._config.silence_bound_s and self._echo_unanswered(now):
+                await self._silent_core(silent, now)
             give_up_at = self._give_up_after_s
             if silent > give_up_at and self._echo_unanswered(now):
                 raise CoreSilent(
@@ -337,7 +403,7 @@ class CoreLink:
                     "core_silent_waiting",
                     silent_s=round(silent, 1),
                     give_up_after_s=give_up_at,
-                    reason="no other Core to move to; dropping the stream would read as this worker's failure",
+                    reason="no other Core to move to, or none leads instead; dropping the stream would read as this worker's failure",
                 )
             if self._critical:
                 # Pop only once written: a stream that breaks mid-write must not lose it.
@@ -373,6 +439,27 @@ class CoreLink:
                     await asyncio.wait_for(
                         self._wakeup.wait(), max(0.0, min(next_heartbeat - now, until_check)) + 0.001
                     )
+
+    async def _silent_core(self, silent: float, now: float) -> None:
+        """The Core is silent past the bound with its echo unanswered: with other Cores, ask them
+        (every silence bound) whether one leads now, raising MovedCore for the first that accepts;
+        while none does, keep this stream as a lone Core's is kept (`_silence_limit_s`)."""
+        if not any(a != self._address for a in self._config.cores) or now < self._next_standby_ask:
+            return
+        self._next_standby_ask = now + self._config.silence_bound_s
+        moved = await self._standby_taking_over()
+        if moved is not None:
+            raise moved
+        if self._give_up_after_s < LONE_CORE_PATIENCE_S:
+            self._give_up_after_s = LONE_CORE_PATIENCE_S
+            log_event(
+                logging.WARNING,
+                "core_silent_still_leading",
+                core=self._address,
+                silent_s=round(silent, 1),
+                give_up_after_s=LONE_CORE_PATIENCE_S,
+                reason="no other Core accepts this agent: the silent one still leads, its stream is kept",
+            )
 
     def _echo_grace_s(self) -> float:
         """How long an echo asked for has to come back: half the silence bound, as long as the
