@@ -7,10 +7,11 @@ backoff (see ``agent.backoff``) and registers again. Reports that must not be lo
 (``send_critical``: preemption, worker exit) are re-sent after every re-registration; the rest
 (metrics, probes) sit in a bounded queue while no Core is connected, oldest dropped first.
 A Core that answers nothing, not even an echo, for the silence bound is left only for another
-Core that accepts this agent's registration meanwhile (make-before-break, ``_standby_taking_over``):
-one that answers "not leader; leader is <the silent one>" says the silent Core still leads (a
-pause, not a death), and its stream is kept, as the only Core an agent knows is waited out
-(``_silence_limit_s``). Dropping it would read, once that Core runs again, as the worker's failure.
+Core that accepts this agent's registration meanwhile (make-before-break, ``_standby_taking_over``).
+While none does (one answering "not leader; leader is <the silent one>": a pause, not a death)
+the silent stream is kept, as the only Core an agent knows is waited out (``_silence_limit_s``),
+and the others are asked again every silence bound. Dropping it would read, once that Core runs
+again, as the worker's failure.
 Every network wait is bounded (docs/architecture.md ("Promises and rules"): no unbounded retries or blocking calls).
 """
 
@@ -60,6 +61,14 @@ class MovedCore(Exception):  # noqa: N818 - a hand-over, not an error
         self.address, self.channel, self.call = address, channel, call
 
 
+def _moved_by(task: asyncio.Task[None]) -> MovedCore | None:
+    """The stream a finished writer task handed over, if that is how it ended."""
+    if not task.done() or task.cancelled():
+        return None
+    exc = task.exception()
+    return exc if isinstance(exc, MovedCore) else None
+
+
 @dataclass(frozen=True)
 class CommandHandlers:
     """What the agent does with each Core command; each runs to completion before the next."""
@@ -87,6 +96,7 @@ class CoreLink:
         self._waiting_out = False  # silent past the bound, the stream kept (see _silence_limit_s)
         self._echo_asked_at: float | None = None  # monotonic: the first echo asked for, unanswered
         self._address: Address | None = None  # the Core of the current stream
+        self._handover: MovedCore | None = None  # accepted by a probe cut short: the next session's
         self._next_standby_ask = 0.0  # monotonic: when a silent Core's peers may be asked again
         self._commands: asyncio.Queue[agent_pb2.ConnectResponse] = asyncio.Queue()
         self._config = config
@@ -150,6 +160,9 @@ class CoreLink:
         finally:
             commands.cancel()
             await asyncio.gather(commands, return_exceptions=True)
+            if self._handover is not None:
+                await self._discard(self._handover)
+                self._handover = None
 
     async def _connect_until_done(self) -> None:
         while not self._stopping and not self._left.is_set():
@@ -162,7 +175,7 @@ class CoreLink:
                 log_event(
                     logging.WARNING,
                     "core_stream_failed",
-                    core=address,
+                    core=self._address or address,
                     code=exc.code().name,
                     details=(exc.details() or "")
                     + (
@@ -176,7 +189,7 @@ class CoreLink:
                 log_event(
                     logging.WARNING,
                     "core_stream_failed",
-                    core=address,
+                    core=self._address or address,
                     error=type(exc).__name__,
                     details=str(exc),
                 )
@@ -226,50 +239,98 @@ class CoreLink:
         self._echo_asked_at = None
 
     async def _session(self, address: Address) -> None:
-        self._begin_stream(address)
-        channel, call = self._connect(address)
+        handover, self._handover = self._handover, None
+        if handover is not None:  # registered by a probe whose stream then failed: adopt it
+            address, channel, call = handover.address, handover.channel, handover.call
+            self._rotation.moved_to(address)
+            self._begin_stream(address)
+        else:
+            self._begin_stream(address)
+            channel, call = self._connect(address)
         try:
-            await self._register(call, address)
+            if handover is None:
+                await self._register(call, address)
             while True:
                 try:
                     await self._serve(call)
                     return
                 except MovedCore as moved:  # the old stream goes only now that the new one is up
-                    call.cancel()
-                    await channel.close()
+                    old = MovedCore(self._address or address, channel, call)
                     channel, call = moved.channel, moved.call
                     self._rotation.moved_to(moved.address)
                     self._begin_stream(moved.address)
                     log_event(logging.WARNING, "core_moved", core=moved.address, sessions=self.sessions)
+                    await self._discard(old)
         finally:
             call.cancel()
             await channel.close()
 
     async def _standby_taking_over(self) -> MovedCore | None:
         """Asked while the current Core is silent past the bound: registers with each other Core
-        in turn (at most the RPC timeout each) and returns the first that accepts (it leads now:
-        a standby refuses). None when each refused or did not answer, or named the silent Core
-        as the leader: that one is paused, not gone, and its stream is kept."""
+        in turn, and with a leader one of them names that the list spells otherwise, and returns
+        the first that accepts (it leads now: a standby refuses). None when none accepts: each
+        refused (one naming the silent Core as the leader ends the round: that one is paused,
+        not gone) or did not answer within the register timeout."""
         current = self._address
-        for address in (a for a in self._config.cores if a != current):
-            channel, call = self._connect(address)
-            try:
-                await self._register(call, address, timeout_s=self._config.rpc_timeout_s)
-                return MovedCore(address, channel, call)
-            except grpc.aio.AioRpcError as exc:
-                hint = parse_leader_hint(exc.details() or "")
-                log_event(logging.INFO, "core_standby_refused", core=address, leader_hint=hint or "")
-                if hint == current:
-                    break
-            except (TimeoutError, StreamRefused) as exc:
-                log_event(logging.INFO, "core_standby_refused", core=address, error=type(exc).__name__)
-            except BaseException:
-                call.cancel()
-                await channel.close()
-                raise
-            call.cancel()
-            await channel.close()
+        queue = [a for a in self._config.cores if a != current]
+        tried: set[Address] = set()
+        while queue:
+            address = queue.pop(0)
+            if address in tried or address == current:
+                continue
+            tried.add(address)
+            outcome = await self._try_standby(address)
+            if isinstance(outcome, MovedCore):
+                return outcome
+            if outcome == current:
+                break
+            if outcome is not None:
+                queue.insert(0, outcome)  # the leader it named
         return None
+
+    async def _try_standby(self, address: Address) -> MovedCore | Address | None:
+        """One registration with `address`: MovedCore when it accepts, else the leader it named,
+        else None. Left to finish when the caller is cancelled meanwhile (the old stream failed):
+        a stream the Core has registered must not be dropped, it would read as the worker's
+        failure, so an accepted one is kept for the next session (`_handover`)."""
+        attempt = asyncio.ensure_future(self._attempt_registration(address))
+        try:
+            return await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            attempt.add_done_callback(self._keep_for_next_session)
+            raise
+
+    async def _attempt_registration(self, address: Address) -> MovedCore | Address | None:
+        channel, call = self._connect(address)
+        outcome: Address | None = None
+        try:
+            await self._register(call, address, timeout_s=self._config.register_timeout_s)
+            return MovedCore(address, channel, call)
+        except grpc.aio.AioRpcError as exc:
+            outcome = parse_leader_hint(exc.details() or "")
+            log_event(logging.INFO, "core_standby_refused", core=address, leader_hint=outcome or "")
+        except (TimeoutError, StreamRefused) as exc:
+            log_event(logging.INFO, "core_standby_refused", core=address, error=type(exc).__name__)
+        except BaseException:
+            await self._discard(MovedCore(address, channel, call))
+            raise
+        await self._discard(MovedCore(address, channel, call))
+        return outcome
+
+    def _keep_for_next_session(self, attempt: asyncio.Future[MovedCore | Address | None]) -> None:
+        if attempt.cancelled() or attempt.exception() is not None:
+            return
+        moved = attempt.result()
+        if isinstance(moved, MovedCore):
+            if self._handover is not None:
+                moved.call.cancel()  # one is enough; the Core supersedes an older session anyway
+                return
+            self._handover = moved
+
+    @staticmethod
+    async def _discard(stream: MovedCore) -> None:
+        stream.call.cancel()
+        await stream.channel.close()
 
     async def _register(
         self, call: grpc.aio.StreamStreamCall, address: Address, timeout_s: float | None = None
@@ -312,6 +373,7 @@ class CoreLink:
     async def _serve(self, call: grpc.aio.StreamStreamCall) -> None:
         reader = asyncio.create_task(self._read_commands(call))
         writer = asyncio.create_task(self._write_reports(call))
+        handed_over = False
         try:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
             if self._leave_written:
@@ -330,12 +392,19 @@ class CoreLink:
                     self._left.set()
                     return
                 done = {t for t in (reader, writer) if t.done()}
+            moved = _moved_by(writer)
+            if moved is not None:
+                handed_over = True
+                raise moved  # before the reader's error: the new stream is up, keep it
             for task in done:
                 task.result()
         finally:
             for task in (reader, writer):
                 task.cancel()
             await asyncio.gather(reader, writer, return_exceptions=True)
+            unused = _moved_by(writer)
+            if unused is not None and not handed_over:
+                await self._discard(unused)  # the job left, or the link stopped, meanwhile
 
     async def _read_commands(self, call: grpc.aio.StreamStreamCall) -> None:
         while True:
@@ -345,6 +414,8 @@ class CoreLink:
             self._last_heard = time.monotonic()
             if self._waiting_out:
                 self._waiting_out = False
+                if self._address is not None:  # patience raised while no other Core led: reset
+                    self._give_up_after_s = self._silence_limit_s(self._address)
                 log_event(logging.INFO, "core_answers_again")
             self._echo_asked_at = None
             if response.WhichOneof("body") == "echo":
@@ -458,7 +529,7 @@ class CoreLink:
                 core=self._address,
                 silent_s=round(silent, 1),
                 give_up_after_s=LONE_CORE_PATIENCE_S,
-                reason="no other Core accepts this agent: the silent one still leads, its stream is kept",
+                reason="no other Core accepts this agent (none leads instead): the silent stream is kept",
             )
 
     def _echo_grace_s(self) -> float:

@@ -685,7 +685,7 @@ def test_the_store_lost_twice_is_replaced_and_the_job_trains_like_the_single_pro
     # Slow steps (workers only): each new standby (forked from the zygote: milliseconds; cold it
     # would import torch, 10-15 s on a loaded 2-core machine) is up well before the job ends.
     script.write_text(
-        TINY.replace(
+        tiny_variant(
             "optimizer=elaswave.AdamW(lr=1e-2))",
             "optimizer=elaswave.AdamW(lr=1e-2),\n                        " + paced_on_step(0.15) + ")",
         )
