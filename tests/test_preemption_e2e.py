@@ -140,9 +140,15 @@ def _check_core_view(out: Outcome) -> tuple[dict[str, Any], dict[str, Any], dict
     assert _first(out.events, "phase_running")["seq"] < published["seq"]  # RUNNING before ...
     # ... and after, once every survivor resumed; the victim's LEFT was planned for, no re-plan.
     # (When the survivors finish the job and leave, the Core plans once more and refuses: no rank left.)
+    # (On a loaded machine the survivors' acks, sent on a helper thread, can reach the Core after
+    # they have trained the job's last step: the job is then RUNNING again because its work is
+    # done, the acks counted above all the same. Seen once in CI, 20 steps being short.)
     after = [e for e in out.events if e["seq"] > published["seq"]]
     running = next(e for e in after if e["kind"] == "phase_running")
-    assert running["detail"] == "epoch 1 applied by 5 workers", after
+    assert running["detail"] in (
+        "epoch 1 applied by 5 workers",
+        "the job's work is done; waiting for its workers to end",
+    ), after
     assert not [
         e for e in after if e["seq"] < running["seq"] and e["kind"] in ("phase_planning", "decision_none")
     ]
