@@ -266,8 +266,14 @@ def test_a_core_held_lease_lapsing_is_no_news_about_the_worker() -> None:
 LEADER_KEY = "/elaswave/core/leader"
 
 
+# The fenced-write scenario only needs its leader's lease to run out once the test stalls the
+# keepalive (the successor then waits it out). 1 s lapsed by itself on a loaded CI machine, where
+# this in-process Core shares its loop with the test: the first request after it led got a 503.
+FENCED_LEADER_TTL_S = 3.0
+
+
 def fenced_settings(core_id: str) -> CoreSettings:
-    # A short leader lease; heartbeats and Core-held leases outlast the test.
+    # Heartbeats and Core-held leases outlast the test.
     return load_settings(
         dev_mode=True,
         core_id=core_id,
@@ -275,7 +281,7 @@ def fenced_settings(core_id: str) -> CoreSettings:
         http_port=0,
         registry_url="memory://",
         scheduler_token=SCHEDULER_TOKEN,
-        leader_ttl_s=LEADER_TTL_S,
+        leader_ttl_s=FENCED_LEADER_TTL_S,
         heartbeat_timeout_s=600.0,
         lease_ttl_s=600.0,
     )
