@@ -30,6 +30,16 @@ def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interv
         time.sleep(interval_s)
 
 
+def log_once_core_answers_again(agent: AgentProcess, timeout_s: float = 30.0) -> str:
+    """`agent`'s log once it has heard its Core again after a silence (`core_answers_again`)."""
+    wait_until(
+        lambda: "core_answers_again" in agent.log_path.read_text(),
+        timeout_s,
+        f"{agent.worker_id} to hear the Core again",
+    )
+    return agent.log_path.read_text()
+
+
 class CoreProcess:
     """`elaswave core` in its own process, on free loopback ports."""
 

@@ -22,7 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.core.procs import AgentProcess, CoreProcess, create_job, new_token, wait_until
+from tests.core.procs import (
+    AgentProcess,
+    CoreProcess,
+    create_job,
+    log_once_core_answers_again,
+    new_token,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.multiproc]
 
@@ -82,12 +89,7 @@ def test_a_core_stalled_past_the_silence_bound_loses_no_worker(tmp_path: Path) -
 
         # Every surviving agent noticed the silence, kept its stream and heard the Core again...
         for agent in agents[:3]:
-            wait_until(
-                lambda a=agent: "core_answers_again" in a.log_path.read_text(),
-                30,
-                f"{agent.worker_id} to hear the Core again",
-            )
-            log = agent.log_path.read_text()
+            log = log_once_core_answers_again(agent)
             assert "core_silent_waiting" in log and "sessions=2" not in log, log
         # ...the dead one is LOST: its stream closed when its process died...
         wanted["w3"] = "LOST"

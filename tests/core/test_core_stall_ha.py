@@ -18,7 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.core.procs import AgentProcess, CoreProcess, create_job, new_token, wait_until
+from tests.core.procs import (
+    AgentProcess,
+    CoreProcess,
+    create_job,
+    log_once_core_answers_again,
+    new_token,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.etcd]
 
@@ -53,12 +60,7 @@ def test_a_leader_stalled_past_the_silence_bound_keeps_its_agents_that_know_a_st
 
         # Each agent asked the standby, was told the stalled Core still leads, kept its stream...
         for agent in agents:
-            wait_until(
-                lambda a=agent: "core_answers_again" in a.log_path.read_text(),
-                30,
-                f"{agent.worker_id} to hear the leader again",
-            )
-            log = agent.log_path.read_text()
+            log = log_once_core_answers_again(agent)
             assert "core_silent_still_leading" in log and "sessions=2" not in log, log
             assert f"leader_hint={leader.grpc_address}" in log, log  # the standby named the stalled leader
         # ...and the leader, running again, judged nobody for its own pause.
