@@ -3,7 +3,9 @@
 `python -m bench.mttr` runs the GPT example under the Core (real processes: Core, store, agents,
 workers; `harness.chaos`) once per case and configuration, and prints, per case, the time from
 the fault to the first step committed on every survivor, split into: detect (fault -> the Core
-marks the last victim LOST), plan (-> the recovering plan is published), communicator (the
+marks the last victim LOST), plan (-> the recovering plan is published, at the Core's tick),
+deliver (-> the last survivor starts applying it: the Core's planning and write after its tick,
+the stream, the survivor's own wait for its failed step), communicator (the
 slowest survivor's group edit), state (its remap from ring snapshots, migration or checkpoint
 restore), and replay (the rest: the replayed step and its commit, and any wait for a newer plan
 when a recovery was restarted). Each run is also checked like the chaos suite (loss and final
@@ -36,7 +38,7 @@ from typing import Any
 
 from harness.chaos import ChaosOutcome, ChaosScenario, Fault, run_scenario
 
-PHASES = ("detect", "plan", "communicator", "state", "replay")
+PHASES = ("detect", "plan", "deliver", "communicator", "state", "replay")
 
 
 def cases(pp: int, dp: int) -> list[tuple[str, ChaosScenario]]:

@@ -470,7 +470,10 @@ def attribute(records: list[FaultRecord], results: dict[int, dict[str, Any]]) ->
 def itemise(
     records: list[FaultRecord], results: dict[int, dict[str, Any]], events: list[dict[str, Any]]
 ) -> None:
-    """Fill `FaultRecord.phases` from the Core's events and the survivors' recovery records."""
+    """Fill `FaultRecord.phases` from the Core's events and the survivors' recovery records:
+    detect (fault -> the last victim LOST), plan (-> the plan's publication, as the Core's tick
+    records it), deliver (-> the last survivor starts applying it), communicator and state (the
+    slowest survivor's group edit and the rest of its apply), replay (the rest of the MTTR)."""
     for record in records:
         if record.mttr_s is None or not record.epochs:
             continue
@@ -488,6 +491,10 @@ def itemise(
             phases["detect"] = max(lost) - record.fired_unix
         if published:
             phases["plan"] = published[0] - record.fired_unix - phases.get("detect", 0.0)
+        if recs and published:
+            # the plan's way to the executors: the Core's planning and write after its tick, the
+            # stream, and the last survivor reading it (its apply starts at once)
+            phases["deliver"] = max(r["applied_unix"] - r["apply_s"] for r in recs) - published[0]
         if recs:
             phases["communicator"] = max(r["communicator_s"] for r in recs)
             phases["state"] = max(r["apply_s"] - r["communicator_s"] for r in recs)

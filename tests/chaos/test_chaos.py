@@ -35,3 +35,10 @@ def test_job_survives_the_schedule_and_matches_the_fault_free_run(
     # with its backups restores from the checkpoint: tests/test_launcher.py, bench.mttr.)
     assert all(m == "in_place" for r in outcome.faults for m in r.modes), outcome.summary()
     assert all(r.steps_lost == 0 for r in outcome.faults), outcome.summary()
+    for record in outcome.faults:
+        # the itemisation covers the MTTR exactly, and the plan reached every survivor after
+        # its publication (`harness.chaos.itemise`); a Core failover has no plan to itemise
+        if record.epochs:
+            assert record.mttr_s is not None
+            assert abs(sum(record.phases.values()) - record.mttr_s) < 1e-9, record.phases
+            assert record.phases.get("deliver", -1.0) >= 0.0, record.phases
