@@ -6,15 +6,16 @@ the optimizer state stay sharded (ZeRO-1, ElasWave §6.3), be snapshotted on a r
 replayed there (§5.1), and be remapped onto any layout (§5.2). The live shard and its snapshot
 call the very same `OptimizerConfig.update_slice`.
 
-Adam and AdamW run torch's fused CPU/CUDA kernel (`torch._fused_adamw_`, 3-4x faster on a host
-core than the single-tensor arithmetic, which a snapshot holder replays every step). Its CPU
-kernel computes a vector loop and a scalar tail that round the last bit differently, and which
-elements fall in the tail depends on where a slice ends. So every call here hands the kernel a
-length that is a multiple of `FUSED_PAD` (a multiple of every CPU vector width torch dispatches
-to): the rest of a run goes through a zero-padded scratch row of that length. Every element then
-takes the vector loop, and its bits depend only on its own values and the step, never on the
-layout that cut the slice (`tests/executor/test_optim_update.py`). SGD keeps torch.optim's
-single-tensor arithmetic. Devices other than the CPU and CUDA keep that arithmetic for Adam too.
+Adam and AdamW run torch's fused CPU/CUDA kernel (`torch._fused_adamw_`, 2-3x faster on a host
+core than the single-tensor arithmetic past ~50 k elements; a snapshot holder replays it every
+step). Its CPU kernel computes a vector loop and a scalar tail that round the last bit
+differently, and which elements fall in the tail depends on where a slice ends. So every call
+here hands the kernel lengths that are multiples of `FUSED_PAD` (a multiple of every CPU vector
+width torch dispatches to): the rest of a run goes through a slot of that length in a
+zero-padded scratch block. Every element then takes the vector loop, and its bits depend only on
+its own values and the step, never on the layout that cut the slice
+(`tests/executor/test_optim_update.py`). SGD keeps torch.optim's single-tensor arithmetic.
+Devices other than the CPU and CUDA keep that arithmetic for Adam too.
 
 Two state vectors per element are kept for every optimizer (`exp_avg`, `exp_avg_sq`): Adam's
 two moments; for SGD the first holds the momentum buffer and the second stays zero (one unused
