@@ -60,6 +60,8 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "launch": (["--repeats", "5"], ["--repeats", "1"]),
     # The backups' periodic check under `elaswave run`, every 2 steps against every 50.
     "verify_interval": (["--repeats", "3"], ["--repeats", "1", "--hidden", "64", "--steps", "12"]),
+    # The fused, padded AdamW against the single-tensor arithmetic it replaced, on one core.
+    "optim_update": (["--repeats", "5"], ["--repeats", "1"]),
 }
 
 
