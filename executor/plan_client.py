@@ -87,8 +87,6 @@ class PlanClient:
         self._tls = tls if tls is not None else core_tls.from_env()
         self._on_plan = on_plan
         self._newest: Plan | None = None
-        # when each epoch reached this worker (unix seconds): the recovery record's delivery time
-        self.received_unix: dict[int, float] = {}
         self._floor = 0  # the epoch the executor already runs: plans at or below it are old
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -184,7 +182,6 @@ class PlanClient:
             if plan.epoch <= self._floor or (self._newest is not None and plan.epoch <= self._newest.epoch):
                 return  # fenced: never go back to an older epoch
             self._newest = plan
-            self.received_unix[plan.epoch] = time.time()
             self._cond.notify_all()
         log.info("plan epoch %d received: %s", plan.epoch, "; ".join(plan.reasons))
         if self._on_plan is not None:

@@ -402,7 +402,7 @@ class CoreDrivenWorker(PlanFollowing):
                 except PeerFailure as exc:
                     self.proto.report_failure(exc)
                     self.results["failures"].append(
-                        {"step": step, "group": exc.group, "error": str(exc)[:300], "unix": time.time()}
+                        {"step": step, "group": exc.group, "error": str(exc)[:300]}
                     )
                     self._report_peer(exc, step)
                 undecided = False

@@ -325,9 +325,6 @@ class PlanFollowing:
             "reasons": list(plan.reasons),
             "resume_at": resume_at,
             "applied_unix": time.time(),
-            # when the plan reached this worker (its subscription thread), against the Core's
-            # plan_published event: the delivery part of bench.mttr's phases
-            "plan_received_unix": self.plans.received_unix.get(plan.epoch),
             "state_bytes_received": self.participant.rebuilt_bytes,
             "reprotect_window": None if window is None else window.as_dict(),
             # the apply after the edit, itemised (FabricParticipant.apply_phases)
