@@ -36,14 +36,10 @@ from torch.distributed import DistNetworkError
 from executor.comm.communicator import Communicator, EditReport
 from executor.comm.errors import PeerFailure, StoreLost
 from executor.comm.groups import WORLD_GROUP, all_workers, groups_for_stages, transfer_groups
+from executor.commit_vote import COMMIT as COMMIT  # re-exported: the decision's value
+from executor.commit_vote import CommitVote, decision_base
 from planners.applicability import far_pairs, handover_pairs
 from planners.layout import Plan, PlanMode
-
-COMMIT, ABORT = b"commit", b"abort"
-# The vote is polled from POLL_FIRST_S, doubling to POLL_S: the workers of a fault-free step
-# vote within a few ms of each other, and a fixed 10 ms sleep cost ~5 ms of every step (the
-# fixed-cost profile in docs/benchmarks.md); a long wait (a straggler) still polls every 10 ms.
-POLL_FIRST_S, POLL_S = 0.0005, 0.01
 
 
 class StepProtocolError(RuntimeError):
@@ -155,6 +151,7 @@ class StepProtocol:
         # that took it in was interrupted, or superseded before a step committed) starts over.
         self.joining = joining
         self.standby: frozenset[int] = frozenset()  # ranks the applied plan put on standby
+        self.vote = CommitVote()
 
     # ----- one step ------------------------------------------------------------------------
     def begin_step(self, step: int, timeout_s: float | None = None) -> None:
@@ -200,27 +197,16 @@ class StepProtocol:
             return False  # this worker voted fail (or never voted): no one can have committed
 
     def _decide(self, step: int, deadline: float) -> bool:
-        base = f"{self.comm.namespace}/decide/p{self.plan_epoch}/s{step}/a{self.attempt}"
         # Ranks on standby keep a pair group until the next edit, but take no part in steps.
-        store, workers = self.comm.store, sorted(all_workers(self.comm.membership) - self.standby)
-        store.set(f"{base}/vote/{self.comm.worker}", "fail" if self.failure else "ok")
-        vote_keys = [f"{base}/vote/{w}" for w in workers]
-        pause = POLL_FIRST_S
-        while True:
-            if store.check([f"{base}/decision"]):
-                return store.get(f"{base}/decision") == COMMIT
-            outcome: bytes | None = None
-            if self.failure or self.comm.aborted():
-                outcome = ABORT
-            elif store.check(vote_keys):
-                votes = [store.get(k) for k in vote_keys]
-                outcome = COMMIT if all(v == b"ok" for v in votes) else ABORT
-            elif time.monotonic() > deadline:
-                outcome = ABORT
-            if outcome is not None:
-                return store.compare_set(f"{base}/decision", "", outcome) == COMMIT  # type: ignore[arg-type]  # bytes are fine
-            time.sleep(pause)
-            pause = min(POLL_S, pause * 2)
+        voters = all_workers(self.comm.membership) - self.standby
+        return self.vote.decide(
+            self.comm.store,
+            decision_base(self.comm.namespace, self.plan_epoch, step, self.attempt),
+            len(voters),
+            ok=self.failure is None,
+            should_abort=lambda: self.failure is not None or self.comm.aborted(),
+            deadline=deadline,
+        )
 
     def commit(self) -> None:
         """Make the current step the rollback point. Local; blocks only for the participant's copy."""

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from executor.comm import StoreLost
+from executor.commit_vote import decision_base, decision_key, ok_key
 from executor.step_protocol import COMMIT, DecisionUnknown, StepProtocol
 from executor.store_server import PEER_CONNECT_S, STORES_KEY, StoreServer, connect_store
 from planners.layout import Plan, make_uniform_layout
@@ -56,12 +57,12 @@ def test_a_decision_lost_with_the_store_is_settled_on_the_standby() -> None:
         for p in protos:
             p.begin_step(0)
         # Workers 1 and 2 vote ok; worker 0 votes and decides COMMIT (every vote is in) ...
-        base = "ew/decide/p0/s0/a0"
+        base = decision_base("ew", 0, 0, 0)
         for w in (1, 2):
-            protos[w].comm.store.set(f"{base}/vote/{w}", "ok")
+            protos[w].comm.store.add(ok_key(base), 1)
         assert protos[0].should_commit() is True
         protos[0].commit()
-        assert protos[0].comm.store.get(f"{base}/decision") == COMMIT
+        assert protos[0].comm.store.get(decision_key(base)) == COMMIT
         # ... and the store dies before 1 and 2 read the decision.
         primary.process.kill()
         primary.process.wait()
