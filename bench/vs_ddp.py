@@ -241,7 +241,11 @@ def instrument_engine(prof: Prof) -> None:
         (Trainer, "_global_loss", "loss all-gather"),
         (FabricParticipant, "_on_grads", "snapshot: post gradient exchange (+ periodic verify)"),
         (FabricParticipant, "before_vote", "snapshot: wait for exchange before vote"),
-        (StepProtocol, "should_commit", "step protocol: commit vote (store round trips, waits for the slowest voter)"),
+        (
+            StepProtocol,
+            "should_commit",
+            "step protocol: commit vote (store requests; waits for the last voter)",
+        ),
         (StepProtocol, "commit", "step protocol: commit (rollback copy of params + shards)"),
         (StepProtocol, "begin_step", "step protocol: begin"),
     ):
