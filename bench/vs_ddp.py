@@ -67,7 +67,7 @@ from typing import Any
 import torch
 
 from examples.gpt.data import MarkovWindows
-from examples.gpt.model import ModelConfig, gpt_units, per_sample_loss
+from examples.gpt.model import ModelConfig, build_unit, gpt_units, per_sample_loss
 from executor.optim import OptimizerConfig
 from executor.trainer import TrainSpec
 from planners.layout import Layout, make_uniform_layout
@@ -81,6 +81,9 @@ HIDDEN_ENV = "VS_DDP_HIDDEN"
 CFG = ModelConfig(
     hidden=int(os.environ.get(HIDDEN_ENV, "256")), num_heads=4, num_layers=4, seq_len=32, dropout=0.0
 )
+# `--freeze K`: the first K units frozen in every configuration (a fine-tune's frozen embedding
+# and first blocks); through the environment like `--hidden`.
+FREEZE_ENV = "VS_DDP_FREEZE"
 
 
 @dataclass(frozen=True)
@@ -121,9 +124,23 @@ LABELS = {
 }
 
 
+def bench_units() -> Any:
+    """The GPT example's units, the first `VS_DDP_FREEZE` of them frozen."""
+    units = gpt_units(CFG)
+    frozen = set(units.names[: int(os.environ.get(FREEZE_ENV, "0"))])
+    if not frozen:
+        return units
+
+    def build(name: str) -> torch.nn.Module:
+        unit = build_unit(CFG, name)
+        return unit.requires_grad_(False) if name in frozen else unit
+
+    return type(units)(units.names, build, init_seed=CFG.init_seed)
+
+
 def train_spec() -> TrainSpec:
     return TrainSpec(
-        gpt_units(CFG),
+        bench_units(),
         per_sample_loss,
         MarkovWindows(CFG.vocab_size, CFG.seq_len, 1 << 14, seed=0),
         OptimizerConfig("adamw", lr=LR, weight_decay=WEIGHT_DECAY),
@@ -706,6 +723,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="model width (default 256; 64 is the small model, ~0.2 M parameters, of the fixed-cost profile)",
     )
+    parser.add_argument(
+        "--freeze",
+        type=int,
+        default=0,
+        help="freeze the first K units (embedding, blocks) in every configuration, as a fine-tune does",
+    )
     parser.add_argument("--top", type=int, default=10, help="profile rows per configuration")
     parser.add_argument(
         "--profile",
@@ -717,6 +740,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.repeats < 1:
         parser.error("--steps and --repeats must be positive")
     chosen = [CONFIGS[n] for n in args.configs]
+    if args.freeze < 0:
+        parser.error("--freeze must be >= 0")
+    os.environ[FREEZE_ENV] = str(args.freeze)  # before the forkserver starts: workers inherit it
     if args.hidden is not None:
         if args.hidden < 4 or args.hidden % 4:
             parser.error("--hidden must be a positive multiple of 4 (4 heads)")
@@ -736,6 +762,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- model: GPT example, hidden {CFG.hidden}, {CFG.num_heads} heads, {CFG.num_layers} blocks, "
         f"seq {CFG.seq_len}, vocab {CFG.vocab_size}; global batch {GLOBAL_BATCH} in {MICRO_BATCHES} "
         f"micro-batches; AdamW lr {LR} wd {WEIGHT_DECAY}"
+        + (f"; the first {args.freeze} units frozen" if args.freeze else "")
     )
     print(
         f"- {args.repeats} repeats x ({WARMUP} warm-up + {args.steps} timed steps) per configuration, "

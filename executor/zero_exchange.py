@@ -24,6 +24,14 @@ flat buffer (one sharing a parameter with another unit of the stage: a tie) or w
 does not follow DP order, takes the copying path: its gradients concatenated per owner, its
 parameters received into a scratch buffer and copied in. A bucket is summed element by element
 in DP order like a single unit, so bucketing changes no bit.
+
+A wholly frozen unit (no parameter with `requires_grad`: a frozen embedding, the first blocks of
+a fine-tune) is in no bucket, as DDP's buckets hold trainable parameters only: its gradient is
+zero and its parameters never change, so every rank of the stage already holds what either
+exchange would bring. Its reduced slice is zeros (the optimizer's update skips frozen elements,
+`OptimizerConfig.decay_segments`), and its gradient buffer is not cleared every step (nothing
+accumulates into it). Freezing half of a model's elements used to exchange all of them twice a
+step. A unit with some trainable parameters is exchanged whole.
 """
 
 from __future__ import annotations
@@ -82,6 +90,7 @@ class UnitExchange:
         self.ownership = {n: list(ownership[n]) for n in self.units}
         self.dp_index, self.dp_size = dp_index, len(next(iter(self.ownership.values())))
         self._numel = {n: sum(p.numel() for p in u.parameters()) for n, u in self.units.items()}
+        self._trains = {n for n, u in self.units.items() if any(p.requires_grad for p in u.parameters())}
         # Parameters and gradients as views of one flat buffer per unit (executor.flat_units)
         self.flats: dict[str, FlatUnit] = flat_units(self.units) if flat else {}
         self._ordered = {n: _in_dp_order(self.ownership[n], self._numel[n]) for n in self.units}
@@ -120,7 +129,7 @@ class UnitExchange:
         self.abandon_step()
         for name, unit in self.units.items():
             flat = self.flats.get(name)
-            if flat is not None:
+            if flat is not None and name in self._trains:
                 flat.zero_grads()
             else:
                 for p in unit.parameters():
@@ -148,8 +157,9 @@ class UnitExchange:
         return flat.flat
 
     def active(self) -> list[str]:
-        """Units with parameters, in stage order: each is in one bucket."""
-        return [n for n in self.units if self._numel[n] > 0]
+        """Units with a trainable parameter, in stage order: each is in one bucket (a wholly
+        frozen unit is in none, module docstring)."""
+        return [n for n in self.units if self._numel[n] > 0 and n in self._trains]
 
     def _mine(self, name: str) -> int:
         lo, hi = self.ownership[name][self.dp_index]

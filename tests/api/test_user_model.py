@@ -16,8 +16,11 @@ from torch import nn
 from executor.launch import JobSpec, job_losses, merged_state, run_job
 from executor.reference import run_reference
 from executor.sampler import GlobalBatchSampler
+from executor.trainer import TrainSpec
+from executor.units import UnitModel
+from executor.zero_exchange import UnitExchange
 from planners.layout import Layout, StageLayout
-from tests.api.toy_model import UNITS, huber_per_sample, toy_spec
+from tests.api.toy_model import UNITS, Regression, build_unit, huber_per_sample, toy_optimizer, toy_spec
 
 STEPS, BATCH, SLOTS = 6, 8, 2
 REL = 2e-6
@@ -120,3 +123,53 @@ def test_frozen_parameters_are_left_alone_as_torch_optim_does() -> None:
     before = units.build(0)
     assert torch.equal(result.state_dict["frozen.weight"], before.weight)  # neither decayed nor moved
     assert not torch.equal(result.state_dict["frozen.bias"], before.bias)
+
+
+FROZEN_UNITS = ("embed", "conv")  # a frozen embedding and first block, as a fine-tune freezes them
+
+
+def _build_frozen(name: str) -> nn.Module:
+    unit = build_unit(name)
+    if name in FROZEN_UNITS:
+        unit.requires_grad_(False)
+    return unit
+
+
+def frozen_spec(total_steps: int) -> TrainSpec:
+    return TrainSpec(
+        UnitModel(UNITS, _build_frozen), huber_per_sample, Regression(), toy_optimizer(total_steps)
+    )
+
+
+def test_a_wholly_frozen_unit_is_in_no_exchange() -> None:
+    units = {n: _build_frozen(n) for n in UNITS}
+    numel = {n: sum(p.numel() for p in u.parameters()) for n, u in units.items()}
+    ownership = {n: [(0, numel[n] // 2), (numel[n] // 2, numel[n])] for n in UNITS}
+    exchange = UnitExchange(None, "dp/0", units, ownership, dp_index=0, bucket_min=0)  # type: ignore[arg-type]
+    assert [b for b in exchange.buckets] == [(n,) for n in reversed(UNITS) if n not in FROZEN_UNITS]
+    assert exchange.active() == [n for n in UNITS if n not in FROZEN_UNITS]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "bounds, ranks",
+    [([(0, 6)], [(0, 1)]), ([(0, 3), (3, 6)], [(0, 1), (2, 3)])],
+    ids=["dp2", "pp2xdp2"],
+)
+def test_frozen_units_train_as_in_one_process(
+    bounds: list[tuple[int, int]], ranks: list[tuple[int, ...]]
+) -> None:
+    """With the frozen units out of the exchanges, every layout still gives the single process's
+    losses and state, and the frozen units end as they began."""
+    spec = frozen_spec(STEPS)
+    ref = run_reference(spec, BATCH, SLOTS, STEPS)
+    results = run_job(JobSpec(spec, toy_layout(bounds, ranks), STEPS, timeout_s=60.0))
+    assert job_losses(results) == pytest.approx(ref.losses, rel=REL)
+    state = merged_state(results)
+    assert_close_states(state, ref.state)
+    for name in FROZEN_UNITS:
+        initial = torch.cat(
+            [p.detach().reshape(-1) for p in spec.model.build(UNITS.index(name)).parameters()]
+        )
+        assert torch.equal(state["units"][name]["param"], initial), name
