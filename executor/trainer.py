@@ -468,9 +468,17 @@ class Trainer:
         units = dict(self.model.units.items())
         optimizer_copy = self.optimizer.state_copier(None if reuse is None else reuse["optimizer"])
         old_params: Mapping[str, torch.Tensor] = {} if reuse is None else reuse["params"]
+        # A frozen unit's parameters never change: the copy being reused still holds them.
+        kept = {
+            n: old_params[n]
+            for n in self.optimizer.exchange.frozen & set(old_params)
+            if old_params[n].shape == (sum(p.numel() for p in units[n].parameters()),)
+        }
 
         def copy_tensors() -> dict[str, Any]:
-            params = {n: flat_params(u, old_params.get(n)) for n, u in units.items()}
+            params = {
+                n: kept[n] if n in kept else flat_params(u, old_params.get(n)) for n, u in units.items()
+            }
             return {**head, "params": params, "optimizer": optimizer_copy()}
 
         return copy_tensors

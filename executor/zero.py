@@ -283,14 +283,17 @@ class ShardedOptimizer:
         """`state()` with the step count read now and the moments copied when the returned
         function runs (before the next update writes them; see Trainer.rollback_state_copier),
         into the tensors of `reuse` (an earlier `state()` nothing reads any more) where they fit."""
-        step_count, shards = self.step_count, dict(self.shards)
+        step_count, shards, frozen = self.step_count, dict(self.shards), self.exchange.frozen
         old = {} if reuse is None else reuse["shards"]
 
         def copy_moments() -> dict[str, Any]:
             out = {}
             for n, sh in shards.items():
-                _lo, _hi, m, v = old.get(n, (0, 0, None, None))
-                out[n] = (sh.lo, sh.hi, copy_reusing(sh.exp_avg, m), copy_reusing(sh.exp_avg_sq, v))
+                lo, hi, m, v = old.get(n, (0, 0, None, None))
+                if n in frozen and (lo, hi) == (sh.lo, sh.hi) and m is not None and v is not None:
+                    out[n] = (lo, hi, m, v)  # a frozen unit's moments stay zero: the copy still holds
+                else:
+                    out[n] = (sh.lo, sh.hi, copy_reusing(sh.exp_avg, m), copy_reusing(sh.exp_avg_sq, v))
             return {"step_count": step_count, "shards": out}
 
         return copy_moments

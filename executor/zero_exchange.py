@@ -30,8 +30,9 @@ a fine-tune) is in no bucket, as DDP's buckets hold trainable parameters only: i
 zero and its parameters never change, so every rank of the stage already holds what either
 exchange would bring. Its reduced slice is zeros (the optimizer's update skips frozen elements,
 `OptimizerConfig.decay_segments`), and its gradient buffer is not cleared every step (nothing
-accumulates into it). Freezing half of a model's elements used to exchange all of them twice a
-step. A unit with some trainable parameters is exchanged whole.
+accumulates into it), nor its rollback copy taken again (`Trainer.rollback_state_copier`).
+Freezing half of a model's elements used to exchange all of them twice a step. A unit with some
+trainable parameters is exchanged whole.
 """
 
 from __future__ import annotations
@@ -155,6 +156,11 @@ class UnitExchange:
             return None
         flat.ensure()
         return flat.flat
+
+    @property
+    def frozen(self) -> frozenset[str]:
+        """Units without a trainable parameter: their parameters and moments never change."""
+        return frozenset(self.units) - self._trains
 
     def active(self) -> list[str]:
         """Units with a trainable parameter, in stage order: each is in one bucket (a wholly

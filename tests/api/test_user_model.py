@@ -161,10 +161,14 @@ def test_frozen_units_train_as_in_one_process(
     bounds: list[tuple[int, int]], ranks: list[tuple[int, ...]]
 ) -> None:
     """With the frozen units out of the exchanges, every layout still gives the single process's
-    losses and state, and the frozen units end as they began."""
+    losses and state (over the dynamic communicator, with steps rolled back and replayed), and
+    the frozen units end as they began."""
     spec = frozen_spec(STEPS)
     ref = run_reference(spec, BATCH, SLOTS, STEPS)
-    results = run_job(JobSpec(spec, toy_layout(bounds, ranks), STEPS, timeout_s=60.0))
+    job = JobSpec(
+        spec, toy_layout(bounds, ranks), STEPS, timeout_s=60.0, replay_steps=(2, 4), comm_kind="dynamic"
+    )
+    results = run_job(job)
     assert job_losses(results) == pytest.approx(ref.losses, rel=REL)
     state = merged_state(results)
     assert_close_states(state, ref.state)

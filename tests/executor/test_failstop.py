@@ -35,6 +35,7 @@ from executor.optim import OptimizerConfig
 from executor.step_protocol import StepProtocol, plan_key
 from executor.store_server import connect_store
 from executor.trainer import Trainer, TrainSpec
+from executor.units import UnitModel
 from planners.dataflow import resize_after_loss
 from planners.layout import Layout, Plan, make_uniform_layout
 from tests.executor.engine_cases import NUM_UNITS, gpt_spec
@@ -51,6 +52,23 @@ CLIP_CFG = gpt_spec(
     dropout=0.1, optimizer=OptimizerConfig("adamw", lr=3e-3, weight_decay=0.01, max_grad_norm=1.0)
 )
 TIMEOUT_S = 20.0
+
+
+def _with_embedding_frozen(spec: TrainSpec) -> TrainSpec:
+    """`spec` with its first unit (the embedding) frozen, as a fine-tune freezes it."""
+    units = spec.model
+    first = units.names[0]
+
+    def build(name: str) -> torch.nn.Module:
+        unit = units._build(name)
+        return unit.requires_grad_(False) if name == first else unit
+
+    return dataclasses.replace(
+        spec, model=UnitModel(units.names, build, init_seed=units.init_seed), probes=None
+    )
+
+
+FROZEN_CFG = _with_embedding_frozen(gpt_spec(dropout=0.1))
 
 
 @functools.cache
@@ -95,8 +113,11 @@ class Scenario:
     # Every backup replay drifts by one ulp per step, as a host replay of a GPU update does by
     # round-off; the remap then accepts drift (FabricParticipant.exact_backups off)
     drifting_backups: bool = False
+    frozen: bool = False  # the embedding frozen (FROZEN_CFG): a unit in no ZeRO exchange
 
     def spec(self) -> TrainSpec:
+        if self.frozen:
+            return FROZEN_CFG
         base = CLIP_CFG if self.clip else CFG
         if self.precision != "fp32" or self.overflow_steps:
             base = _precision_spec(self.clip, self.precision, self.overflow_steps)
@@ -346,6 +367,7 @@ def _clean(
         precision=like.precision if like else "fp32",
         overflow_steps=like.overflow_steps if like else (),
         device_kind=like.device_kind if like else "cpu",
+        frozen=like.frozen if like else False,
     )
     if key not in _CLEAN:
         _CLEAN[key] = _run(key)
@@ -534,6 +556,18 @@ def test_kill9_with_backups_drifted_by_round_off_recovers_in_place() -> None:
     )
     assert all(r["checksum_mismatches"] == 0 for r in faulty.values())
     assert all(r["verified"] for r in faulty.values())  # checked, and found within round-off
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_kill9_with_a_frozen_unit_recovers_in_place() -> None:
+    """The embedding frozen, so stage 0's exchanges leave it out: a rank of stage 0 killed in
+    the gradient reduce-scatter recovers bitwise, the embedding as it was built."""
+    faulty = _check_kill_recovery(Scenario(kill_at_op=5, victim=1, frozen=True))
+    built = FROZEN_CFG.model.build(0)
+    initial = torch.cat([p.detach().reshape(-1) for p in built.parameters()]).numpy()
+    state = _merged(faulty, "final_state")
+    assert state["units"][FROZEN_CFG.model.names[0]]["param"].tobytes() == initial.tobytes()
 
 
 @pytest.mark.multiproc

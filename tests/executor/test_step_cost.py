@@ -6,13 +6,16 @@ test_equivalence.py.)"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from torch.distributed import HashStore
 
 from executor.engine_comm import StaticComm, groups_for_stage_ranks
 from executor.trainer import Trainer
+from executor.units import UnitModel
 from executor.zero import flat_params, range_views
 from tests.executor.engine_cases import NUM_UNITS, gpt_spec, layout
 
@@ -98,3 +101,54 @@ def test_range_views_are_the_flat_vectors_slices_and_write_through() -> None:
     after = flat_params(unit)
     assert torch.equal(after[10:17], torch.full((7,), 7.0))
     assert torch.equal(after[:10], flat[:10]) and torch.equal(after[17:], flat[17:])
+
+
+def _frozen_trainer() -> tuple[Trainer, str]:
+    """The GPT example with its first unit (the embedding) frozen."""
+    spec = gpt_spec(0.1)
+    units = spec.model
+    frozen = units.names[0]
+
+    def build(name: str) -> torch.nn.Module:
+        unit = units._build(name)
+        return unit.requires_grad_(False) if name == frozen else unit
+
+    spec.model, spec.probes = UnitModel(units.names, build, init_seed=units.init_seed), None
+    lay = layout([(0, NUM_UNITS)], [(0,)])
+    comm = StaticComm(HashStore(), 0, groups_for_stage_ranks([(0,)]), timeout_s=10)
+    return Trainer(spec, lay, 0, comm), frozen
+
+
+def test_a_frozen_units_rollback_copy_is_kept_not_copied_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    import executor.trainer as trainer_mod
+    import executor.zero as zero_mod
+
+    trainer, frozen = _frozen_trainer()
+    copied: list[int] = []  # ids of what the copier copied from
+
+    def counting(copy: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def wrapped(src: Any, *args: Any) -> torch.Tensor:
+            copied.append(id(src))
+            return copy(src, *args)
+
+        return wrapped
+
+    trainer.train_step(0)
+    retired = trainer.state_dict_for_rollback()
+    trainer.train_step(1)
+    committed = trainer.state_dict_for_rollback()
+    monkeypatch.setattr(trainer_mod, "flat_params", counting(trainer_mod.flat_params))
+    monkeypatch.setattr(zero_mod, "copy_reusing", counting(zero_mod.copy_reusing))
+    copy = trainer.rollback_state_copier(reuse=retired)()
+    assert _equal(copy, committed)  # the state of step 1, the frozen unit's included
+    shard = trainer.optimizer.shards[frozen]
+    units = trainer.model.units
+    assert id(units[frozen]) not in copied  # its parameters were not copied again
+    assert id(shard.exp_avg) not in copied and id(shard.exp_avg_sq) not in copied  # nor its moments
+    assert all(id(units[n]) in copied for n in units if n != frozen)  # every other unit was
+    # a rollback to that copy restores the committed state, the frozen unit as it was built
+    trainer.train_step(2)
+    trainer.load_rollback_state(copy)
+    assert _equal(trainer.state_dict_for_rollback(), committed)
+    built = trainer.spec.model.build(trainer.spec.model.names.index(frozen))
+    assert torch.equal(committed["params"][frozen], flat_params(built))
