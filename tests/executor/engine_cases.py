@@ -9,6 +9,7 @@ sample).
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 from typing import Any
 
@@ -18,6 +19,7 @@ from examples.gpt.data import MarkovWindows
 from examples.gpt.model import ModelConfig, block_numel, gpt_units, per_sample_loss
 from executor.optim import OptimizerConfig
 from executor.trainer import TrainSpec
+from executor.units import UnitModel
 from planners.layout import Layout, StageLayout
 
 NUM_BLOCKS = 4
@@ -49,6 +51,20 @@ def gpt_spec(dropout: float = 0.0, optimizer: OptimizerConfig | None = None, **m
         cfg.vocab_size, cfg.seq_len, cfg.hidden, cfg.num_heads, cfg.num_layers, cfg.mlp_ratio
     )
     return spec
+
+
+def with_first_unit_frozen(spec: TrainSpec) -> TrainSpec:
+    """`spec` with its first unit (the embedding) frozen, as a fine-tune freezes it; its dry run
+    is left to run again (the probes record which parameters are frozen)."""
+    units = spec.model
+    first = units.names[0]
+
+    def build(name: str) -> torch.nn.Module:
+        unit = units._build(name)
+        return unit.requires_grad_(False) if name == first else unit
+
+    model = UnitModel(units.names, build, init_seed=units.init_seed)
+    return dataclasses.replace(spec, model=model, probes=None)
 
 
 @lru_cache(maxsize=8)

@@ -35,10 +35,9 @@ from executor.optim import OptimizerConfig
 from executor.step_protocol import StepProtocol, plan_key
 from executor.store_server import connect_store
 from executor.trainer import Trainer, TrainSpec
-from executor.units import UnitModel
 from planners.dataflow import resize_after_loss
 from planners.layout import Layout, Plan, make_uniform_layout
-from tests.executor.engine_cases import NUM_UNITS, gpt_spec
+from tests.executor.engine_cases import NUM_UNITS, gpt_spec, with_first_unit_frozen
 from tests.executor.ft_procs import collect, spawn
 from tests.executor.stores import start_store
 
@@ -54,21 +53,7 @@ CLIP_CFG = gpt_spec(
 TIMEOUT_S = 20.0
 
 
-def _with_embedding_frozen(spec: TrainSpec) -> TrainSpec:
-    """`spec` with its first unit (the embedding) frozen, as a fine-tune freezes it."""
-    units = spec.model
-    first = units.names[0]
-
-    def build(name: str) -> torch.nn.Module:
-        unit = units._build(name)
-        return unit.requires_grad_(False) if name == first else unit
-
-    return dataclasses.replace(
-        spec, model=UnitModel(units.names, build, init_seed=units.init_seed), probes=None
-    )
-
-
-FROZEN_CFG = _with_embedding_frozen(gpt_spec(dropout=0.1))
+FROZEN_CFG = with_first_unit_frozen(gpt_spec(dropout=0.1))
 
 
 @functools.cache

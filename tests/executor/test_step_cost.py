@@ -15,9 +15,8 @@ from torch.distributed import HashStore
 
 from executor.engine_comm import StaticComm, groups_for_stage_ranks
 from executor.trainer import Trainer
-from executor.units import UnitModel
 from executor.zero import flat_params, range_views
-from tests.executor.engine_cases import NUM_UNITS, gpt_spec, layout
+from tests.executor.engine_cases import NUM_UNITS, gpt_spec, layout, with_first_unit_frozen
 
 
 def _trainer() -> Trainer:
@@ -105,18 +104,10 @@ def test_range_views_are_the_flat_vectors_slices_and_write_through() -> None:
 
 def _frozen_trainer() -> tuple[Trainer, str]:
     """The GPT example with its first unit (the embedding) frozen."""
-    spec = gpt_spec(0.1)
-    units = spec.model
-    frozen = units.names[0]
-
-    def build(name: str) -> torch.nn.Module:
-        unit = units._build(name)
-        return unit.requires_grad_(False) if name == frozen else unit
-
-    spec.model, spec.probes = UnitModel(units.names, build, init_seed=units.init_seed), None
+    spec = with_first_unit_frozen(gpt_spec(0.1))
     lay = layout([(0, NUM_UNITS)], [(0,)])
     comm = StaticComm(HashStore(), 0, groups_for_stage_ranks([(0,)]), timeout_s=10)
-    return Trainer(spec, lay, 0, comm), frozen
+    return Trainer(spec, lay, 0, comm), spec.model.names[0]
 
 
 def test_a_frozen_units_rollback_copy_is_kept_not_copied_again(monkeypatch: pytest.MonkeyPatch) -> None:
