@@ -141,11 +141,11 @@ class KillingCommunicator(Communicator):
     def _tick(self, what: str) -> None:
         self.ops_in_step += 1
         if self.current_step == FAIL_STEP and self.ops_in_step == self.kill_at_op:
-            print(
-                f"victim {self.worker}: SIGKILL at op {self.ops_in_step} ({what}) of step {FAIL_STEP}",
-                flush=True,
-            )
-            os.kill(os.getpid(), signal.SIGKILL)
+            self.die(f"op {self.ops_in_step} ({what})")
+
+    def die(self, where: str) -> None:
+        print(f"victim {self.worker}: SIGKILL at {where} of step {FAIL_STEP}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def post_exchange(self, sends: Any, recvs: Any) -> Any:
         self._tick(f"p2p {[s[0] for s in sends]} {[r[0] for r in recvs]}")
@@ -231,6 +231,11 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
         try:
             result = trainer.train_step(step)
         except PeerFailure as exc:
+            if isinstance(comm, KillingCommunicator) and step == FAIL_STEP:
+                # A victim whose co-victim died first can fail before reaching its own op (a
+                # reduce-scatter the backward posts is refused by a dead peer): it dies now,
+                # as it would have a moment later, so every scenario loses all its victims.
+                comm.die(f"a failure before op {comm.kill_at_op}: {exc}")
             proto.report_failure(exc)
             out["failures"].append((step, exc.group))
         if proto.should_commit():
