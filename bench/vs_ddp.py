@@ -740,8 +740,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.repeats < 1:
         parser.error("--steps and --repeats must be positive")
     chosen = [CONFIGS[n] for n in args.configs]
-    if args.freeze < 0:
-        parser.error("--freeze must be >= 0")
+    if not 0 <= args.freeze < CFG.num_layers + 2:
+        parser.error(f"--freeze must leave a unit to train: 0 <= K < {CFG.num_layers + 2}")
     os.environ[FREEZE_ENV] = str(args.freeze)  # before the forkserver starts: workers inherit it
     if args.hidden is not None:
         if args.hidden < 4 or args.hidden % 4:
