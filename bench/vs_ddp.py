@@ -740,8 +740,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.repeats < 1:
         parser.error("--steps and --repeats must be positive")
     chosen = [CONFIGS[n] for n in args.configs]
-    if not 0 <= args.freeze < CFG.num_layers + 2:
-        parser.error(f"--freeze must leave a unit to train: 0 <= K < {CFG.num_layers + 2}")
     os.environ[FREEZE_ENV] = str(args.freeze)  # before the forkserver starts: workers inherit it
     if args.hidden is not None:
         if args.hidden < 4 or args.hidden % 4:
@@ -749,6 +747,8 @@ def main(argv: list[str] | None = None) -> int:
         global CFG
         os.environ[HIDDEN_ENV] = str(args.hidden)  # before the forkserver starts: workers inherit it
         CFG = dataclasses.replace(CFG, hidden=args.hidden)
+    if not 0 <= args.freeze < len(gpt_units(CFG).names):
+        parser.error(f"--freeze must leave a unit to train: 0 <= K < {len(gpt_units(CFG).names)}")
 
     from executor.store_server import StoreServer  # noqa: PLC0415
     from executor.warm_runtime import warm_forkserver  # noqa: PLC0415
