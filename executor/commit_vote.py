@@ -9,7 +9,8 @@ per decision, ``<namespace>/decide/p<plan epoch>/s<step>/a<attempt>``, there are
   first writer wins, every later writer and reader gets the same value).
 
 The worker whose add brings the counter to the number of voters knows that every vote is ok and
-writes COMMIT. A worker whose step failed writes ABORT without voting. Every other worker polls
+writes COMMIT, unless the epoch's abort flag is set by then. A worker whose step failed, or that
+sees the abort flag before it votes, writes ABORT without voting. Every other worker polls
 the decision, and writes ABORT itself when it sees the epoch's abort flag (a peer's socket
 closed, a plan losing a rank arrived) or when its deadline passes (a hung peer). A late ok vote
 after an ABORT reads that ABORT.
@@ -79,10 +80,13 @@ class CommitVote:
         decides ABORT; `should_abort` is asked between polls. Store errors propagate."""
         if voters < 1:
             raise ValueError(f"a decision needs at least one voter, got {voters}")
-        if not ok:
+        if not ok or should_abort():
+            # The abort flag is read before the vote: a worker that skipped its step because a
+            # plan was waiting flagged the abort itself and has no failure to vote.
             committed = self._write(store, base, ABORT)
         elif store.add(ok_key(base), 1) >= voters:
-            committed = self._write(store, base, COMMIT)
+            # ... and again by the last voter: an abort flagged after every vote still aborts.
+            committed = self._write(store, base, ABORT if should_abort() else COMMIT)
             if committed:
                 self._delete_earlier(store)
         else:

@@ -100,6 +100,42 @@ def test_a_failed_vote_aborts_and_a_late_ok_reads_the_abort() -> None:
     assert a.kept == (base, second)  # aborted decisions are kept until the next COMMIT
 
 
+def test_an_abort_flag_aborts_whoever_votes_last() -> None:
+    """A worker that flagged the abort itself (it skipped its step: a plan was waiting) has no
+    failure to vote; the flag alone makes the decision ABORT, whether it votes first or last."""
+    store, now = HashStore(), time.monotonic()
+    base = decision_base("ns", 0, 0, 0)
+    assert CommitVote().decide(store, base, 1, ok=True, should_abort=lambda: True, deadline=now + 5) is False
+    late = decision_base("ns", 0, 1, 0)
+    store.add(ok_key(late), 1)  # the other voter's ok is in
+    flags = iter([False, True])  # clear when it votes, set when it completes the count
+    assert (
+        CommitVote().decide(store, late, 2, ok=True, should_abort=lambda: next(flags), deadline=now + 5)
+        is False
+    )
+    assert store.get(decision_key(late)) == b"abort"
+
+
+def test_a_step_skipped_for_a_waiting_plan_is_rolled_back_everywhere() -> None:
+    """As the worker loop does when a plan is waiting: one worker flags the abort instead of
+    running the step and votes without a failure; it votes last, and no one commits."""
+    server = start_store()
+    try:
+        protos = _protocols(server.port, 3)
+        for p in protos:
+            p.begin_step(0)
+        base = decision_base(protos[0].comm.namespace, 0, 0, 0)
+        with ThreadPoolExecutor(2) as pool:
+            first = [pool.submit(p.should_commit) for p in protos[:2]]  # they vote ok and wait
+            while int(protos[2].comm.store.add(ok_key(base), 0)) < 2:
+                time.sleep(0.001)
+            protos[2].comm.signal_abort("plan epoch 1 is waiting")
+            assert protos[2].should_commit() is False
+            assert [f.result() for f in first] == [False, False]
+    finally:
+        server.stop()
+
+
 def test_refuses_a_decision_without_voters() -> None:
     with pytest.raises(ValueError, match="at least one voter"):
         CommitVote().decide(HashStore(), "b", 0, ok=True, should_abort=lambda: False, deadline=0.0)
