@@ -92,6 +92,8 @@ class UnitExchange:
         self.dp_index, self.dp_size = dp_index, len(next(iter(self.ownership.values())))
         self._numel = {n: sum(p.numel() for p in u.parameters()) for n, u in self.units.items()}
         self._trains = {n for n, u in self.units.items() if any(p.requires_grad for p in u.parameters())}
+        # Units without a trainable parameter: their parameters and moments never change.
+        self.frozen = frozenset(self.units) - self._trains
         # Parameters and gradients as views of one flat buffer per unit (executor.flat_units)
         self.flats: dict[str, FlatUnit] = flat_units(self.units) if flat else {}
         self._ordered = {n: _in_dp_order(self.ownership[n], self._numel[n]) for n in self.units}
@@ -156,11 +158,6 @@ class UnitExchange:
             return None
         flat.ensure()
         return flat.flat
-
-    @property
-    def frozen(self) -> frozenset[str]:
-        """Units without a trainable parameter: their parameters and moments never change."""
-        return frozenset(self.units) - self._trains
 
     def active(self) -> list[str]:
         """Units with a trainable parameter, in stage order: each is in one bucket (a wholly
