@@ -84,6 +84,9 @@ CFG = ModelConfig(
 # `--freeze K`: the first K units frozen in every configuration (a fine-tune's frozen embedding
 # and first blocks); through the environment like `--hidden`.
 FREEZE_ENV = "VS_DDP_FREEZE"
+# `--bitfit`: every matrix frozen, biases and norms trainable (BitFit, Ben Zaken et al. 2022):
+# every unit then trains in part, as under LoRA, a fine-tune's usual shape.
+BITFIT_ENV = "VS_DDP_BITFIT"
 
 
 @dataclass(frozen=True)
@@ -125,14 +128,19 @@ LABELS = {
 
 
 def bench_units() -> Any:
-    """The GPT example's units, the first `VS_DDP_FREEZE` of them frozen."""
+    """The GPT example's units, the first `VS_DDP_FREEZE` of them frozen, every matrix frozen
+    under `VS_DDP_BITFIT`."""
     units = gpt_units(CFG)
     frozen = set(units.names[: int(os.environ.get(FREEZE_ENV, "0"))])
-    if not frozen:
+    bitfit = os.environ.get(BITFIT_ENV) == "1"
+    if not frozen and not bitfit:
         return units
 
     def build(name: str) -> torch.nn.Module:
         unit = build_unit(CFG, name)
+        if bitfit:
+            for p in unit.parameters():
+                p.requires_grad_(p.dim() < 2)
         return unit.requires_grad_(False) if name in frozen else unit
 
     return type(units)(units.names, build, init_seed=CFG.init_seed)
@@ -729,6 +737,11 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="freeze the first K units (embedding, blocks) in every configuration, as a fine-tune does",
     )
+    parser.add_argument(
+        "--bitfit",
+        action="store_true",
+        help="freeze every matrix in every configuration, training biases and norms (a BitFit fine-tune)",
+    )
     parser.add_argument("--top", type=int, default=10, help="profile rows per configuration")
     parser.add_argument(
         "--profile",
@@ -741,6 +754,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps and --repeats must be positive")
     chosen = [CONFIGS[n] for n in args.configs]
     os.environ[FREEZE_ENV] = str(args.freeze)  # before the forkserver starts: workers inherit it
+    os.environ[BITFIT_ENV] = "1" if args.bitfit else "0"
     if args.hidden is not None:
         if args.hidden < 4 or args.hidden % 4:
             parser.error("--hidden must be a positive multiple of 4 (4 heads)")
@@ -763,6 +777,7 @@ def main(argv: list[str] | None = None) -> int:
         f"seq {CFG.seq_len}, vocab {CFG.vocab_size}; global batch {GLOBAL_BATCH} in {MICRO_BATCHES} "
         f"micro-batches; AdamW lr {LR} wd {WEIGHT_DECAY}"
         + (f"; the first {args.freeze} units frozen" if args.freeze else "")
+        + ("; every matrix frozen (BitFit)" if args.bitfit else "")
     )
     print(
         f"- {args.repeats} repeats x ({WARMUP} warm-up + {args.steps} timed steps) per configuration, "

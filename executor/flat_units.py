@@ -66,6 +66,23 @@ def flat_params(unit: nn.Module, into: torch.Tensor | None = None) -> torch.Tens
     return torch.cat([p.reshape(-1) for p in params]) if params else torch.empty(0)
 
 
+def copy_runs(unit: nn.Module, into: torch.Tensor, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """`into` (a copy of the unit's flat parameters, `flat_params`) brought up to date on the
+    element runs `runs` only: the rollback copy of a unit that trains in part, whose frozen
+    elements the copy being reused already holds."""
+    params = [p.detach() for p in unit.parameters()]
+    view = as_flat_view(params)
+    for a, b in runs:
+        if view is not None:
+            into[a:b].copy_(view[a:b])
+        else:
+            pos = a
+            for piece in range_views(params, a, b):
+                into[pos : pos + piece.numel()].copy_(piece.reshape(-1))
+                pos += piece.numel()
+    return into
+
+
 def range_views(tensors: Sequence[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
     """Elements `[lo, hi)` of the tensors' flat concatenation, as pieces of the tensors
     themselves (views where a tensor is contiguous), in order: what the ZeRO glue reads and
@@ -148,6 +165,10 @@ class FlatUnit:
         self.grad = torch.zeros_like(view)
         self._grad_views = [g.view_as(p) for g, p in zip(self.grad.split(sizes), self.params, strict=True)]
         self._ptrs = [p.data_ptr() for p in self.params]
+        # A unit that trains in part (LoRA, BitFit): only the regions that can hold a gradient
+        # are cleared, those of parameters that train or trained at the last clear
+        self._partial = not all(p.requires_grad for p in self.params)
+        self._trained: set[int] = set()
         self._copied: set[int] = set()  # gradient regions a replaced `.grad` was copied into
 
     def intact(self) -> bool:
@@ -168,10 +189,14 @@ class FlatUnit:
         """Clear the gradient buffer and make it every trainable parameter's `.grad`, so backward
         accumulates straight into it (autograd adds into an existing `.grad` in place)."""
         self.ensure()
-        self.grad.zero_()
-        self._copied.clear()
-        for p, g in zip(self.params, self._grad_views, strict=True):
+        if not self._partial:
+            self.grad.zero_()
+        for i, (p, g) in enumerate(zip(self.params, self._grad_views, strict=True)):
+            if self._partial and (p.requires_grad or i in self._copied or i in self._trained):
+                g.zero_()  # a frozen region stays zero: nothing accumulates into it
             p.grad = g if p.requires_grad else None
+        self._copied.clear()
+        self._trained = {i for i, p in enumerate(self.params) if p.requires_grad}
 
     def grads(self) -> torch.Tensor:
         """The flat gradient: the buffer itself, after copying in any `.grad` that is not its view

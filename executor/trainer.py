@@ -37,6 +37,7 @@ from executor.checkpoint import (
 )
 from executor.devices import rank_device
 from executor.engine_comm import EngineComm, dp_group_name
+from executor.flat_units import copy_runs
 from executor.optim import OptimizerConfig
 from executor.pipeline import PipelineRunner
 from executor.precision import LossScaler, PrecisionConfig
@@ -468,17 +469,26 @@ class Trainer:
         units = dict(self.model.units.items())
         optimizer_copy = self.optimizer.state_copier(None if reuse is None else reuse["optimizer"])
         old_params: Mapping[str, torch.Tensor] = {} if reuse is None else reuse["params"]
-        # A frozen unit's parameters never change: the copy being reused still holds them.
-        kept = {
-            n: old_params[n]
-            for n in self.optimizer.exchange.frozen & set(old_params)
-            if old_params[n].shape == (sum(p.numel() for p in units[n].parameters()),)
+        # A frozen unit's parameters never change: the copy being reused still holds them, and
+        # of a unit that trains in part only the trainable runs need copying again.
+        exchange = self.optimizer.exchange
+        reusable = {
+            n
+            for n in old_params
+            if n in units and old_params[n].shape == (sum(p.numel() for p in units[n].parameters()),)
         }
+        kept = {n: old_params[n] for n in exchange.frozen & reusable}
+        runs = {n: r for n, r in exchange.partial_runs.items() if n in reusable}
+
+        def copy_one(name: str, unit: nn.Module) -> torch.Tensor:
+            if name in kept:
+                return kept[name]
+            if name in runs:
+                return copy_runs(unit, old_params[name], runs[name])
+            return flat_params(unit, old_params.get(name))
 
         def copy_tensors() -> dict[str, Any]:
-            params = {
-                n: kept[n] if n in kept else flat_params(u, old_params.get(n)) for n, u in units.items()
-            }
+            params = {n: copy_one(n, u) for n, u in units.items()}
             return {**head, "params": params, "optimizer": optimizer_copy()}
 
         return copy_tensors

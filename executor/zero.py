@@ -285,15 +285,20 @@ class ShardedOptimizer:
         into the tensors of `reuse` (an earlier `state()` nothing reads any more) where they fit."""
         step_count, shards, frozen = self.step_count, dict(self.shards), self.exchange.frozen
         old = {} if reuse is None else reuse["shards"]
+        # A unit that trains in part: only its trainable runs' moments change (the rest stay zero)
+        runs = {n: r[self.dp_index] for n, r in self.exchange.owned_runs.items()}
 
         def copy_moments() -> dict[str, Any]:
             out = {}
             for n, sh in shards.items():
                 lo, hi, m, v = old.get(n, (0, 0, None, None))
-                if n in frozen and (lo, hi) == (sh.lo, sh.hi) and m is not None and v is not None:
-                    out[n] = (lo, hi, m, v)  # a frozen unit's moments stay zero: the copy still holds
-                else:
+                if (lo, hi) != (sh.lo, sh.hi) or m is None or v is None or n not in frozen | set(runs):
                     out[n] = (sh.lo, sh.hi, copy_reusing(sh.exp_avg, m), copy_reusing(sh.exp_avg_sq, v))
+                    continue
+                for a, b in runs.get(n, ()):  # a frozen unit's moments stay zero: the copy holds them
+                    m[a - lo : b - lo].copy_(sh.exp_avg[a - lo : b - lo])
+                    v[a - lo : b - lo].copy_(sh.exp_avg_sq[a - lo : b - lo])
+                out[n] = (lo, hi, m, v)
             return {"step_count": step_count, "shards": out}
 
         return copy_moments

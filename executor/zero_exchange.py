@@ -31,8 +31,14 @@ zero and its parameters never change, so every rank of the stage already holds w
 exchange would bring. Its reduced slice is zeros (the optimizer's update skips frozen elements,
 `OptimizerConfig.decay_segments`), and its gradient buffer is not cleared every step (nothing
 accumulates into it), nor its rollback copy taken again (`Trainer.rollback_state_copier`).
-Freezing half of a model's elements used to exchange all of them twice a step. A unit with some
-trainable parameters is exchanged whole.
+Freezing half of a model's elements used to exchange all of them twice a step.
+
+A unit that trains in part (a LoRA or BitFit fine-tune: frozen weights beside trainable adapters
+or biases) exchanges its trainable elements only, as DDP's buckets hold only those: each owner's
+interval is cut to its trainable runs (`owned_runs`), those go on the wire back to back (the
+copying path), and the owner's reduced slice gets zeros at its frozen elements, which the update
+skips. A unit whose trainable runs are a few adapters of a large frozen weight then moves the
+adapters, not the weight.
 """
 
 from __future__ import annotations
@@ -54,6 +60,27 @@ Interval = tuple[int, int]
 # each side, more than copying a small unit (a small model's units would otherwise pay more in
 # exchanges than the zero-copy path saves). 2^18 elements = 1 MiB of fp32.
 BUCKET_MIN_ELEMENTS = 1 << 18
+
+
+def trainable_runs(unit: nn.Module) -> tuple[Interval, ...]:
+    """The element runs of the unit's flat vector (`parameters()` in order) that train, merged
+    where adjacent."""
+    runs: list[Interval] = []
+    pos = 0
+    for p in unit.parameters():
+        n = p.numel()
+        if p.requires_grad and n:
+            if runs and runs[-1][1] == pos:
+                runs[-1] = (runs[-1][0], pos + n)
+            else:
+                runs.append((pos, pos + n))
+        pos += n
+    return tuple(runs)
+
+
+def clip_runs(runs: Sequence[Interval], lo: int, hi: int) -> tuple[Interval, ...]:
+    """The parts of `runs` inside `[lo, hi)`."""
+    return tuple((max(a, lo), min(b, hi)) for a, b in runs if max(a, lo) < min(b, hi))
 
 
 def _in_dp_order(intervals: Sequence[Interval], numel: int) -> bool:
@@ -94,6 +121,15 @@ class UnitExchange:
         self._trains = {n for n, u in self.units.items() if any(p.requires_grad for p in u.parameters())}
         # Units without a trainable parameter: their parameters and moments never change.
         self.frozen = frozenset(self.units) - self._trains
+        # Units that train in part: every owner's trainable runs, what goes on the wire for them
+        runs = {n: trainable_runs(self.units[n]) for n in self._trains}
+        self.partial_runs = {n: r for n, r in runs.items() if r != ((0, self._numel[n]),)}
+        self.owned_runs: dict[str, list[tuple[Interval, ...]]] = {
+            n: [clip_runs(r, lo, hi) for lo, hi in self.ownership[n]] for n, r in self.partial_runs.items()
+        }
+        self._wire = {
+            n: [sum(b - a for a, b in self._spans(n, k)) for k in range(self.dp_size)] for n in self.units
+        }
         # Parameters and gradients as views of one flat buffer per unit (executor.flat_units)
         self.flats: dict[str, FlatUnit] = flat_units(self.units) if flat else {}
         self._ordered = {n: _in_dp_order(self.ownership[n], self._numel[n]) for n in self.units}
@@ -109,21 +145,56 @@ class UnitExchange:
         buckets: list[tuple[str, ...]] = []
         small: list[str] = []
         for name in reversed(self.active()):
-            if self._numel[name] >= bucket_min:
+            if sum(self._wire[name]) >= bucket_min:
                 if small:
                     buckets.append(tuple(small))
                     small = []
                 buckets.append((name,))
                 continue
             small.append(name)
-            if sum(self._numel[n] for n in small) >= bucket_min:
+            if sum(sum(self._wire[n]) for n in small) >= bucket_min:
                 buckets.append(tuple(small))
                 small = []
         return buckets + ([tuple(small)] if small else [])
 
     def _direct(self, bucket: Sequence[str]) -> bool:
-        """Whether a bucket is one flat unit in DP order: exchanged in place, nothing copied."""
-        return len(bucket) == 1 and bucket[0] in self.flats and self._ordered[bucket[0]]
+        """Whether a bucket is one wholly trainable flat unit in DP order: exchanged in place,
+        nothing copied."""
+        name = bucket[0]
+        return len(bucket) == 1 and name in self.flats and self._ordered[name] and name not in self.owned_runs
+
+    def carried(self, name: str, k: int) -> int:
+        """How many elements of `name` owner k's part of either exchange carries: its interval's
+        length, or its trainable elements only (a unit that trains in part)."""
+        return self._wire[name][k]
+
+    def _spans(self, name: str, k: int) -> tuple[Interval, ...]:
+        """The element runs of `name` that owner k's part of an exchange carries, in order: its
+        interval, or that interval's trainable runs (a unit that trains in part)."""
+        runs = self.owned_runs.get(name)
+        return runs[k] if runs is not None else (tuple(self.ownership[name][k]),)
+
+    def _on_wire(self, name: str, k: int, vec: torch.Tensor, offset: int = 0) -> list[torch.Tensor]:
+        """Owner k's part of `vec` (a unit's flat vector; `offset`: the element of the unit that
+        `vec[0]` is, e.g. the interval's start for the owner's own slice), as views."""
+        return [vec[a - offset : b - offset] for a, b in self._spans(name, k)]
+
+    def _widened(self, name: str, wire: torch.Tensor) -> torch.Tensor:
+        """My reduced slice of `name` from its wire form: zeros at the frozen elements."""
+        if name not in self.owned_runs:
+            return wire
+        lo, hi = self.ownership[name][self.dp_index]
+        out = torch.zeros(hi - lo, dtype=wire.dtype, device=wire.device)
+        for view, piece in zip(
+            self._on_wire(name, self.dp_index, out, lo), self._split(name, wire), strict=True
+        ):
+            view.copy_(piece)
+        return out
+
+    def _split(self, name: str, wire: torch.Tensor, k: int | None = None) -> list[torch.Tensor]:
+        """Owner k's (default: my) wire form of `name` cut into its spans."""
+        spans = self._spans(name, self.dp_index if k is None else k)
+        return list(wire.split([b - a for a, b in spans]))
 
     def zero_grads(self) -> None:
         """Before a step's backward: every flat unit's gradient buffer cleared and made its
@@ -193,7 +264,7 @@ class UnitExchange:
         else:
             grads = {n: self.grad_vector(n) for n in bucket}
             per_owner = [
-                [grads[n][slice(*self.ownership[n][k])] for n in bucket] for k in range(self.dp_size)
+                [t for n in bucket for t in self._on_wire(n, k, grads[n])] for k in range(self.dp_size)
             ]
             sizes = [sum(t.numel() for t in parts) for parts in per_owner]
             vec = torch.cat([t for parts in per_owner for t in parts])
@@ -222,12 +293,12 @@ class UnitExchange:
         out: dict[str, torch.Tensor] = {}
         for i, bucket in enumerate(self.buckets):
             recv, _work = posted[i]
-            mine = [self._mine(n) for n in bucket]
+            mine = [self._wire[n][self.dp_index] for n in bucket]
             pieces = recv.split([sum(mine)] * self.dp_size)
             total = pieces[0].clone() if pieces[0].dtype == torch.float32 else pieces[0].float()
             for piece in pieces[1:]:
                 total += piece
-            out.update(zip(bucket, total.split(mine), strict=True))
+            out.update((n, self._widened(n, t)) for n, t in zip(bucket, total.split(mine), strict=True))
         return {n: out[n] if n in out else torch.zeros(self._mine(n), device=self.device) for n in self.units}
 
     # -------------------------------------------------------------------------------- all-gather
@@ -238,7 +309,7 @@ class UnitExchange:
         carrier: int | None = None
         if extra is not None and extra.dim() == 1 and self.buckets:
             carrier = min(
-                range(len(self.buckets)), key=lambda i: sum(self._numel[n] for n in self.buckets[i])
+                range(len(self.buckets)), key=lambda i: sum(sum(self._wire[n]) for n in self.buckets[i])
             )
             if extra.dtype != next(self.units[self.buckets[carrier][0]].parameters()).dtype:
                 extra, carrier = None, None
@@ -255,11 +326,12 @@ class UnitExchange:
         i = self._bucket_of.get(name)
         if self.dp_size == 1 or i is None or not all(n in g.updated for n in self.buckets[i]):
             return
-        bucket, sizes = self.buckets[i], [0] * self.dp_size
-        for n in bucket:
-            for k, (lo, hi) in enumerate(self.ownership[n]):
-                sizes[k] += hi - lo
-        parts = [g.updated[n] for n in bucket]
+        bucket = self.buckets[i]
+        sizes = [sum(self._wire[n][k] for n in bucket) for k in range(self.dp_size)]
+        lo = {n: self.ownership[n][self.dp_index][0] for n in bucket}
+        parts = [t for n in bucket for t in self._on_wire(n, self.dp_index, g.updated[n], lo[n])] or [
+            mine[:0]
+        ]
         out = self.param_vector(bucket[0]) if self._direct(bucket) and i != g.carrier else None
         if i == g.carrier:
             assert g.extra is not None
@@ -275,7 +347,13 @@ class UnitExchange:
         g, self._gather = self._gather, None
         assert g is not None, "begin_gather first"
         if self.dp_size == 1:
-            self.write_back({n: [v] for n, v in g.updated.items() if self.param_vector(n) is None})
+            self.write_back(
+                {
+                    n: [torch.cat(self._on_wire(n, 0, v, self.ownership[n][0][0]) or [v[:0]])]
+                    for n, v in g.updated.items()
+                    if self.param_vector(n) is None
+                }
+            )
             return None if g.extra is None else [g.extra.to(self.device)]
         piggybacked: list[torch.Tensor] | None = None
         if g.extra is not None and g.carrier is None:  # a stage without parameters: the extra alone
@@ -297,9 +375,7 @@ class UnitExchange:
                 continue
             bucket = self.buckets[i]
             cut = g.extra.numel() if i == g.carrier and g.extra is not None else 0
-            sizes = [
-                [hi - lo for lo, hi in (self.ownership[n][k] for n in bucket)] for k in range(self.dp_size)
-            ]
+            sizes = [[self._wire[n][k] for n in bucket] for k in range(self.dp_size)]
             pieces = recv.split([sum(s) + cut for s in sizes])
             if cut:
                 piggybacked = [p[p.numel() - cut :] for p in pieces]
@@ -326,9 +402,10 @@ class UnitExchange:
         )
 
     def write_back(self, received: Mapping[str, Sequence[torch.Tensor]]) -> None:
-        """Owner k's slice `received[unit][k]` into its interval of the unit's parameters, for the
-        units whose exchange could not write in place (owner by owner, as the stage-wide
-        exchange did, which decides a parameter shared by two units on the stage)."""
+        """Owner k's slice `received[unit][k]` (its wire form: the interval, or its trainable
+        runs back to back) into the unit's parameters, for the units whose exchange could not
+        write in place (owner by owner, as the stage-wide exchange did, which decides a
+        parameter shared by two units on the stage)."""
         if not received:
             return
         received = {n: received[n] for n in self.units if n in received}  # stage order
@@ -337,18 +414,21 @@ class UnitExchange:
         if not all(vecs[n] is not None or all(p.is_contiguous() for p in params[n]) for n in received):
             flats = {n: flat_params(self.units[n]) for n in received}
             for name, pieces in received.items():
-                for (lo, hi), piece in zip(self.ownership[name], pieces, strict=True):
-                    flats[name][lo:hi] = piece
+                for k, piece in enumerate(pieces):
+                    for view, part in zip(
+                        self._on_wire(name, k, flats[name]), self._split(name, piece, k), strict=True
+                    ):
+                        view.copy_(part)
                 assign_flat(self.units[name], flats[name])
             return
         for k in range(self.dp_size):
             for name, pieces in received.items():
-                lo, hi = self.ownership[name][k]
                 vec = vecs[name]
-                pos = 0
-                for view in range_views([vec] if vec is not None else params[name], lo, hi):
-                    view.copy_(pieces[k][pos : pos + view.numel()])
-                    pos += view.numel()
+                for (lo, hi), part in zip(self._spans(name, k), self._split(name, pieces[k], k), strict=True):
+                    pos = 0
+                    for view in range_views([vec] if vec is not None else params[name], lo, hi):
+                        view.copy_(part[pos : pos + view.numel()])
+                        pos += view.numel()
 
 
 class _Gather:

@@ -20,14 +20,24 @@ from executor.trainer import TrainSpec
 from executor.units import UnitModel
 from executor.zero_exchange import UnitExchange
 from planners.layout import Layout, StageLayout
-from tests.api.toy_model import UNITS, Regression, build_unit, huber_per_sample, toy_optimizer, toy_spec
+from tests.api.toy_model import (
+    UNITS,
+    Regression,
+    build_fine_tune,
+    build_unit,
+    huber_per_sample,
+    toy_optimizer,
+    toy_spec,
+)
 
 STEPS, BATCH, SLOTS = 6, 8, 2
 REL = 2e-6
 
 
-def toy_layout(bounds: list[tuple[int, int]], ranks: list[tuple[int, ...]]) -> Layout:
-    numel = toy_spec().unit_numels()
+def toy_layout(
+    bounds: list[tuple[int, int]], ranks: list[tuple[int, ...]], spec: TrainSpec | None = None
+) -> Layout:
+    numel = (spec or toy_spec()).unit_numels()
     stages = tuple(
         StageLayout(p, lo, hi, r) for p, ((lo, hi), r) in enumerate(zip(bounds, ranks, strict=True))
     )
@@ -177,3 +187,102 @@ def test_frozen_units_train_as_in_one_process(
             [p.detach().reshape(-1) for p in spec.model.build(UNITS.index(name)).parameters()]
         )
         assert torch.equal(state["units"][name]["param"], initial), name
+
+
+class _RecordingGroup:
+    """A process group that records what each personalised exchange sends (nothing arrives)."""
+
+    def __init__(self) -> None:
+        self.sent: list[list[int]] = []
+
+    def alltoall_base(self, out: torch.Tensor, sent: torch.Tensor, out_sizes, sent_sizes, opts) -> None:
+        assert sent.numel() == sum(sent_sizes) and out.numel() == sum(out_sizes)
+        self.sent.append(list(sent_sizes))
+
+
+class _RecordingComm:
+    def __init__(self) -> None:
+        self.group = _RecordingGroup()
+
+    def issue(self, group: str, post):  # noqa: ANN001, ANN201
+        return post(self.group)
+
+    def wait(self, group: str, works, issued: int) -> None:  # noqa: ANN001
+        pass
+
+
+def test_a_unit_that_trains_in_part_sends_its_trainable_elements_only() -> None:
+    """LoRA and BitFit units: each owner's part of the reduce-scatter and of the all-gather holds
+    exactly the trainable elements of its interval (DDP's buckets hold trainable parameters only);
+    a wholly trainable unit sends its whole interval, a wholly frozen one nothing."""
+    units = {n: build_fine_tune(n) for n in UNITS}
+    flat = {n: torch.cat([p.detach().reshape(-1) for p in u.parameters()]) for n, u in units.items()}
+    trains = {
+        n: torch.cat([torch.full((p.numel(),), p.requires_grad) for p in u.parameters()])
+        for n, u in units.items()
+    }
+    ownership = {n: [(0, len(v) // 3), (len(v) // 3, len(v))] for n, v in flat.items()}
+    comm = _RecordingComm()
+    exchange = UnitExchange(comm, "dp/0", units, ownership, dp_index=0, bucket_min=0)  # type: ignore[arg-type]
+    expected = {
+        n: [int(trains[n][lo:hi].sum()) for lo, hi in ownership[n]] for n in UNITS if bool(trains[n].any())
+    }
+    assert {n: [exchange.carried(n, k) for k in range(2)] for n in expected} == expected
+    assert exchange.partial_runs.keys() == {"conv", "split", "mlp"}
+    for unit in units.values():
+        for p in unit.parameters():
+            p.grad = torch.ones_like(p)
+    exchange.zero_grads()
+    assert all(p.grad is None or bool((p.grad == 0).all()) for u in units.values() for p in u.parameters())
+    launched = [n for (n,) in exchange.buckets]
+    for i in range(len(exchange.buckets)):
+        exchange._launch(str(i))
+    assert comm.group.sent == [expected[n] for n in launched]
+    reduced = exchange.reduce_scatter()
+    for n, g in reduced.items():
+        assert g.numel() == ownership[n][0][1] - ownership[n][0][0]  # the owner's whole slice
+    comm.group.sent.clear()
+    exchange.begin_gather(None)
+    for n in UNITS:
+        lo, hi = ownership[n][0]
+        exchange.updated(n, flat[n][lo:hi])
+    assert comm.group.sent == [[expected[n][0]] * 2 for n in UNITS if n in expected]  # in update order
+
+
+def fine_tune_spec(total_steps: int) -> TrainSpec:
+    return TrainSpec(
+        UnitModel(UNITS, build_fine_tune), huber_per_sample, Regression(), toy_optimizer(total_steps)
+    )
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "bounds, ranks",
+    [([(0, 6)], [(0, 1)]), ([(0, 3), (3, 6)], [(0, 1), (2, 3)])],
+    ids=["dp2", "pp2xdp2"],
+)
+def test_a_lora_and_bitfit_fine_tune_trains_as_in_one_process(
+    bounds: list[tuple[int, int]], ranks: list[tuple[int, ...]]
+) -> None:
+    """Units that train in part exchange, update and roll back their trainable elements only:
+    every layout still gives the single process's losses and state (over the dynamic
+    communicator, with steps rolled back and replayed), and every frozen element ends as it
+    began while the adapters train."""
+    spec = fine_tune_spec(STEPS)
+    ref = run_reference(spec, BATCH, SLOTS, STEPS)
+    job = JobSpec(
+        spec, toy_layout(bounds, ranks, spec), STEPS, timeout_s=60.0, replay_steps=(2, 4), comm_kind="dynamic"
+    )
+    results = run_job(job)
+    assert job_losses(results) == pytest.approx(ref.losses, rel=REL)
+    state = merged_state(results)
+    assert_close_states(state, ref.state)
+    for i, name in enumerate(UNITS):
+        unit = spec.model.build(i)
+        initial = torch.cat([p.detach().reshape(-1) for p in unit.parameters()])
+        frozen = torch.cat([torch.full((p.numel(),), not p.requires_grad) for p in unit.parameters()])
+        final = state["units"][name]["param"]
+        assert torch.equal(final[frozen], initial[frozen]), name
+        if not bool(frozen.all()):
+            assert not torch.equal(final[~frozen], initial[~frozen]), name

@@ -130,3 +130,34 @@ def toy_spec(total_steps: int = 8, seed: int = 0) -> TrainSpec:
         Regression(),
         toy_optimizer(total_steps),
     )
+
+
+class LoraLinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update `B @ A` (LoRA, Hu et al. 2021), as
+    a parameter-efficient fine-tune wraps a model's projections."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(base.out_features, rank) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+def build_fine_tune(name: str) -> nn.Module:
+    """The toy model as a parameter-efficient fine-tune: the embedding and the gate wholly
+    frozen, LoRA on the split's projection and both MLP layers (their base weights and biases
+    frozen, the adapters trainable: trainable runs between frozen ones), BitFit on the
+    convolution (its weight frozen, its bias and norm trainable), the head trainable."""
+    unit = build_unit(name)
+    if name in ("embed", "merge"):
+        unit.requires_grad_(False)
+    elif name == "split":
+        unit.proj = LoraLinear(unit.proj)
+    elif name == "mlp":
+        unit.fc1, unit.fc2 = LoraLinear(unit.fc1), LoraLinear(unit.fc2)
+    elif name == "conv":
+        unit.conv.weight.requires_grad_(False)
+    return unit

@@ -67,6 +67,22 @@ def with_first_unit_frozen(spec: TrainSpec) -> TrainSpec:
     return dataclasses.replace(spec, model=model, probes=None)
 
 
+def with_weights_frozen(spec: TrainSpec) -> TrainSpec:
+    """`spec` as a BitFit fine-tune: every matrix frozen, the biases and norms trainable, so
+    every block trains in part (trainable runs between frozen ones) and the embedding is
+    wholly frozen."""
+    units = spec.model
+
+    def build(name: str) -> torch.nn.Module:
+        unit = units._build(name)
+        for p in unit.parameters():
+            p.requires_grad_(p.dim() < 2)
+        return unit
+
+    model = UnitModel(units.names, build, init_seed=units.init_seed)
+    return dataclasses.replace(spec, model=model, probes=None)
+
+
 @lru_cache(maxsize=8)
 def _probes(
     vocab_size: int, seq_len: int, hidden: int, num_heads: int, num_layers: int, mlp_ratio: int

@@ -16,7 +16,13 @@ from torch.distributed import HashStore
 from executor.engine_comm import StaticComm, groups_for_stage_ranks
 from executor.trainer import Trainer
 from executor.zero import flat_params, range_views
-from tests.executor.engine_cases import NUM_UNITS, gpt_spec, layout, with_first_unit_frozen
+from tests.executor.engine_cases import (
+    NUM_UNITS,
+    gpt_spec,
+    layout,
+    with_first_unit_frozen,
+    with_weights_frozen,
+)
 
 
 def _trainer() -> Trainer:
@@ -143,3 +149,29 @@ def test_a_frozen_units_rollback_copy_is_kept_not_copied_again(monkeypatch: pyte
     assert _equal(trainer.state_dict_for_rollback(), committed)
     built = trainer.spec.model.build(trainer.spec.model.names.index(frozen))
     assert torch.equal(committed["params"][frozen], flat_params(built))
+
+
+def test_a_rollback_copy_of_units_that_train_in_part_copies_their_trainable_runs_again() -> None:
+    """BitFit (every matrix frozen): the copy reuses the retired one's memory, brings only the
+    trainable runs up to date, and is the committed state; a rollback to it restores that state
+    with every frozen element as built."""
+    spec = with_weights_frozen(gpt_spec(0.1))
+    lay = layout([(0, NUM_UNITS)], [(0,)])
+    comm = StaticComm(HashStore(), 0, groups_for_stage_ranks([(0,)]), timeout_s=10)
+    trainer = Trainer(spec, lay, 0, comm)
+    assert set(trainer.optimizer.exchange.partial_runs) == set(spec.model.names[1:])
+    trainer.train_step(0)
+    retired = trainer.state_dict_for_rollback()
+    trainer.train_step(1)
+    committed = trainer.state_dict_for_rollback()
+    assert not _equal(retired, committed)  # step 1 changed the trainable runs
+    copy = trainer.rollback_state_copier(reuse=retired)()
+    assert all(copy["params"][n] is retired["params"][n] for n in copy["params"])  # written in place
+    assert _equal(copy, committed)
+    trainer.train_step(2)
+    trainer.load_rollback_state(copy)
+    assert _equal(trainer.state_dict_for_rollback(), committed)
+    for i, name in enumerate(spec.model.names):
+        built = spec.model.build(i)
+        frozen = torch.cat([torch.full((p.numel(),), not p.requires_grad) for p in built.parameters()])
+        assert torch.equal(committed["params"][name][frozen], flat_params(built)[frozen]), name
