@@ -46,6 +46,22 @@ NoDecay = Callable[[str, nn.Parameter], bool]
 # that do not require grad, which no update touches (torch.optim's optimizers are never given them)
 Segments = tuple[tuple[int, int, float], ...]
 FROZEN = -1.0
+
+
+def trainable_runs(segments: Segments, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
+    """The runs of elements `[lo, hi)` of a unit with `segments` that train (not FROZEN),
+    merged where adjacent: what a gradient exchange of a unit that trains in part carries."""
+    runs: list[tuple[int, int]] = []
+    for start, stop, wd in segments:
+        a, b = max(lo, start), min(hi, stop)
+        if a < b and wd != FROZEN:
+            if runs and runs[-1][1] == a:
+                runs[-1] = (runs[-1][0], b)
+            else:
+                runs.append((a, b))
+    return tuple(runs)
+
+
 # The fused kernels' length quantum: 64 fp32 elements is 4 AVX-512 vectors, 8 AVX2 ones.
 FUSED_PAD = 64
 _FUSED_DEVICES = frozenset({"cpu", "cuda"})

@@ -38,7 +38,7 @@ from executor.checkpoint import (
 from executor.devices import rank_device
 from executor.engine_comm import EngineComm, dp_group_name
 from executor.flat_units import copy_runs
-from executor.optim import OptimizerConfig
+from executor.optim import OptimizerConfig, trainable_runs
 from executor.pipeline import PipelineRunner
 from executor.precision import LossScaler, PrecisionConfig
 from executor.recompute import run_unit
@@ -285,6 +285,11 @@ class Trainer:
     ) -> None:
         """The optimizer's update of elements `[lo, ...)` of `unit` (what a ring snapshot replays)."""
         self.spec.optimizer.update_slice(param, grad, state1, state2, step, self.segments[unit], lo)
+
+    def trainable_runs(self, unit: str, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
+        """The runs of elements `[lo, hi)` of `unit` that train (what a snapshot's gradient
+        exchange carries; every unit's, from the dry run, held here or not)."""
+        return trainable_runs(self.segments[unit], lo, hi)
 
     def set_grad_hook(self, hook: GradHook | None) -> None:
         """Observe every step's reduced gradient slices (now and after any layout change)."""

@@ -136,6 +136,7 @@ class UnitExchange:
         self.buckets = self._bucket(bucket_min)
         self._bucket_of = {n: i for i, b in enumerate(self.buckets) for n in b}
         self._posted: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._wide: dict[str, torch.Tensor] = {}  # my reduced slices of units that train in part
         self.launcher = OverlapLauncher([str(i) for i in range(len(self.buckets))], self._launch)
         self._gather: _Gather | None = None
 
@@ -184,7 +185,12 @@ class UnitExchange:
         if name not in self.owned_runs:
             return wire
         lo, hi = self.ownership[name][self.dp_index]
-        out = torch.zeros(hi - lo, dtype=wire.dtype, device=wire.device)
+        out = self._wide.get(name)
+        if out is None or out.dtype != wire.dtype:
+            # kept: a fresh host allocation of a shard's size faults its pages in every step
+            # (flat_units.copy_reusing). Its frozen elements stay zero (clipping scales them),
+            # so the global norm counts only what trains; valid until the next reduce-scatter.
+            out = self._wide[name] = torch.zeros(hi - lo, dtype=wire.dtype, device=wire.device)
         for view, piece in zip(
             self._on_wire(name, self.dp_index, out, lo), self._split(name, wire), strict=True
         ):

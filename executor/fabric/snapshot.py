@@ -49,6 +49,9 @@ from executor.fabric.state import ShardState
 SNAPSHOT_TAG = 7100
 # (unit, lo, param, grad, exp_avg, exp_avg_sq, step): the live optimizer's own update of a slice
 UpdateFn = Callable[[str, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
+# (unit, lo, hi) -> the runs of elements [lo, hi) of the unit that train: what its gradient
+# exchange carries (a unit that trains in part, LoRA or BitFit, sends its trainable runs only)
+CarriedFn = Callable[[str, int, int], tuple[tuple[int, int], ...]]
 SEED_TAG = SNAPSHOT_TAG + 6  # a background seed's payload (start_seed)
 SKETCH_TAG = SNAPSHOT_TAG + 7  # a round-off tolerant verify's sketches (after their lengths)
 Grads = dict[int, dict[str, torch.Tensor]]  # protected worker -> unit -> its gradient slice
@@ -85,6 +88,7 @@ class SnapshotStats:
     """Where the snapshot's time goes, summed over steps (seconds)."""
 
     steps: int = 0  # gradient exchanges posted
+    sent_numel: int = 0  # gradient elements posted to each holder, summed over the exchanges
     post_s: float = 0.0  # critical path: concatenating the gradient shards and posting the ops
     finish_wait_s: float = 0.0  # critical path: waiting for the exchange before the commit vote
     update_s: float = 0.0  # background thread: AdamW on the host copy, after its staged gradients land
@@ -134,7 +138,10 @@ class ShardBackups:
         protected: tuple[int, ...],
         update_fn: UpdateFn,
         max_lag: int = MAX_UPDATE_LAG,
+        carried: CarriedFn | None = None,
     ) -> None:
+        """`carried`: which elements of a unit's interval its gradient exchange carries (every
+        worker of the job must pass the same); None: all of them."""
         if max_lag < 1:
             raise SnapshotError(f"max_lag must be >= 1 committed step, got {max_lag}")
         holders = () if holder is None else (holder,) if isinstance(holder, int) else tuple(holder)
@@ -143,6 +150,12 @@ class ShardBackups:
         if len(set(holders)) != len(holders):
             raise SnapshotError(f"worker {comm.worker}: holders {list(holders)} name a rank twice")
         self.comm, self.update_fn = comm, update_fn
+        self._carried_fn = carried
+        self._carried: dict[tuple[str, int, int], tuple[tuple[int, int], ...]] = {}
+        # a copy's full-length gradient buffer per (protected worker, unit) that trains in part:
+        # the updater thread's alone; its frozen elements stay zero
+        self._widened: dict[tuple[int, str], torch.Tensor] = {}
+        self._own: dict[str, tuple[int, int]] = {}  # my units' intervals, from the last seed
         self.holders, self.protected_ranks = holders, tuple(protected)
         self.holder = holders[0] if holders else None  # the first copy
         self._states: dict[int, ShardState] = {}
@@ -174,12 +187,25 @@ class ShardBackups:
     def _group(self, peer: int) -> str:
         return self.comm.group_with(self.comm.worker, peer)
 
+    def _runs(self, unit: str, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
+        """The runs of `[lo, hi)` of `unit` its gradient exchange carries (all of it by default)."""
+        key = (unit, lo, hi)
+        runs = self._carried.get(key)
+        if runs is None:
+            runs = ((lo, hi),) if self._carried_fn is None else self._carried_fn(unit, lo, hi)
+            self._carried[key] = runs
+        return runs
+
+    def _wire_numel(self, intervals: Mapping[str, tuple[int, int]]) -> int:
+        return sum(b - a for k, (lo, hi) in intervals.items() for a, b in self._runs(k, lo, hi))
+
     # ----- protocol ------------------------------------------------------------------------
     def seed(self, mine: ShardState) -> None:
         """Send my full shard state to my holder and receive each protected worker's (at start,
         and after every re-layout, when the pairs and the shard intervals change)."""
         self.flush()
         received = self._transfer_states(mine, self.holders, self.protected_ranks)
+        self._own = mine.intervals()
         with self._lock:
             self._states = received
             self._intervals = {p: st.intervals() for p, st in received.items()}
@@ -212,6 +238,7 @@ class ShardBackups:
         sends = [(self._group(h), payload, h, SEED_TAG) for h in send_to]
         recvs = [(self._group(p), buf, p, SEED_TAG) for p, buf in bufs.items()]
         ops = self.comm.post_exchange(sends, recvs)
+        self._own = mine.intervals()
         with self._lock:
             self._states = {p: st.clone() for p, st in kept.items()}
             self._intervals = {p: st.intervals() for p, st in kept.items()}
@@ -267,17 +294,26 @@ class ShardBackups:
                 f"snapshot is at step {self._committed}; gradients of step {step} are out of order"
             )
         t0 = time.perf_counter()
-        out = torch.cat([mine[k].reshape(-1) for k in sorted(mine)]) if mine else torch.empty(0)
+        out = (
+            torch.cat([t for k in sorted(mine) for t in self._on_wire(k, mine[k])])
+            if mine
+            else torch.empty(0)
+        )
         incoming = {  # received where the sent gradients live (device memory on NCCL/HCCL)
-            p: torch.empty(sum(b - a for a, b in ivs.values()), device=out.device)
-            for p, ivs in self._intervals.items()
+            p: torch.empty(self._wire_numel(ivs), device=out.device) for p, ivs in self._intervals.items()
         }
         sends = [(self._group(h), out, h, SNAPSHOT_TAG + 3) for h in self.holders]
         recvs = [(self._group(p), buf, p, SNAPSHOT_TAG + 3) for p, buf in incoming.items()]
         ops = self.comm.post_exchange(sends, recvs)
         self._inflight = (step, ops, incoming, out)
         self.stats.steps += 1
+        self.stats.sent_numel += out.numel()
         self.stats.post_s += time.perf_counter() - t0
+
+    def _on_wire(self, unit: str, grad: torch.Tensor) -> list[torch.Tensor]:
+        """My reduced slice of `unit` as the exchange carries it: views of its carried runs."""
+        lo, hi = self._own.get(unit, (0, grad.numel()))
+        return [grad.reshape(-1)[a - lo : b - lo] for a, b in self._runs(unit, lo, hi)]
 
     def finish_exchange(self) -> None:
         """Wait for the posted exchange (if any) and keep the received gradients pending until
@@ -295,8 +331,8 @@ class ShardBackups:
             units, pos = self._intervals[p], 0
             grads[p] = {}
             for k in sorted(units):
-                n = units[k][1] - units[k][0]
-                grads[p][k] = buf[pos : pos + n]
+                n = self._wire_numel({k: units[k]})
+                grads[p][k] = buf[pos : pos + n]  # widened where it is applied (`_apply`)
                 pos += n
         # the updater waits for the copies, not the commit (module docstring)
         self._pending = _Update(step, grads, self._stager.take())
@@ -457,7 +493,7 @@ class ShardBackups:
                     if isinstance(item, _Seed):
                         self._states[item.owner] = item.state
                         for step, grads in self._backlog.pop(item.owner, []):
-                            self._apply(item.state, grads, step)
+                            self._apply(item.owner, item.state, grads, step)
                     else:
                         self._replay(item)
             except BaseException as exc:  # noqa: BLE001 - surfaced by flush()
@@ -475,13 +511,28 @@ class ShardBackups:
             if state is None:  # its seed has not landed: apply after it, in order
                 self._backlog.setdefault(p, []).append((update.step, grads))
             else:
-                self._apply(state, grads, update.step)
+                self._apply(p, state, grads, update.step)
 
-    def _apply(self, state: ShardState, grads: Mapping[str, torch.Tensor], step: int) -> None:
-        """The live optimizer's own update of committed step `step` on one copy."""
+    def _apply(self, owner: int, state: ShardState, grads: Mapping[str, torch.Tensor], step: int) -> None:
+        """The live optimizer's own update of committed step `step` on `owner`'s copy."""
         for k, shard in state.units.items():
-            self.update_fn(k, shard.start, shard.param, grads[k], shard.exp_avg, shard.exp_avg_sq, step)
+            grad = self._widen(owner, k, shard.start, shard.param.numel(), grads[k])
+            self.update_fn(k, shard.start, shard.param, grad, shard.exp_avg, shard.exp_avg_sq, step)
         state.step = step
+
+    def _widen(self, owner: int, unit: str, lo: int, numel: int, wire: torch.Tensor) -> torch.Tensor:
+        """A copy's gradient from its wire form, in a buffer kept per copy: the carried runs
+        copied in; the rest is never read (the update skips frozen elements)."""
+        if wire.numel() == numel:
+            return wire
+        buf = self._widened.get((owner, unit))
+        if buf is None or buf.numel() != numel:
+            buf = self._widened[(owner, unit)] = torch.zeros(numel, dtype=wire.dtype)
+        pos = 0
+        for a, b in self._runs(unit, lo, lo + numel):
+            buf[a - lo : b - lo].copy_(wire[pos : pos + b - a])
+            pos += b - a
+        return buf
 
 
 class RingSnapshot(ShardBackups):

@@ -667,7 +667,13 @@ class FabricParticipant:
         me = self.comm.worker
         holders, protected = sets.get(me, ()), protected_by(sets, me)
         if self.snapshots and (holders or protected):
-            snap = ShardBackups(self.comm, holders, protected, update_fn=self.trainer.update_slice)
+            snap = ShardBackups(
+                self.comm,
+                holders,
+                protected,
+                update_fn=self.trainer.update_slice,
+                carried=self.trainer.trainable_runs,
+            )
             try:
                 seed(snap)
             except BaseException:

@@ -37,7 +37,7 @@ from executor.store_server import connect_store
 from executor.trainer import Trainer, TrainSpec
 from planners.dataflow import resize_after_loss
 from planners.layout import Layout, Plan, make_uniform_layout
-from tests.executor.engine_cases import NUM_UNITS, gpt_spec, with_first_unit_frozen
+from tests.executor.engine_cases import NUM_UNITS, gpt_spec, with_first_unit_frozen, with_weights_frozen
 from tests.executor.ft_procs import collect, spawn
 from tests.executor.stores import start_store
 
@@ -54,6 +54,7 @@ TIMEOUT_S = 20.0
 
 
 FROZEN_CFG = with_first_unit_frozen(gpt_spec(dropout=0.1))
+BITFIT_CFG = with_weights_frozen(gpt_spec(dropout=0.1))  # every unit trains in part, or not at all
 
 
 @functools.cache
@@ -99,10 +100,13 @@ class Scenario:
     # round-off; the remap then accepts drift (FabricParticipant.exact_backups off)
     drifting_backups: bool = False
     frozen: bool = False  # the embedding frozen (FROZEN_CFG): a unit in no ZeRO exchange
+    bitfit: bool = False  # every matrix frozen (BITFIT_CFG): exchanges carry trainable runs only
 
     def spec(self) -> TrainSpec:
         if self.frozen:
             return FROZEN_CFG
+        if self.bitfit:
+            return BITFIT_CFG
         base = CLIP_CFG if self.clip else CFG
         if self.precision != "fp32" or self.overflow_steps:
             base = _precision_spec(self.clip, self.precision, self.overflow_steps)
@@ -358,6 +362,7 @@ def _clean(
         overflow_steps=like.overflow_steps if like else (),
         device_kind=like.device_kind if like else "cpu",
         frozen=like.frozen if like else False,
+        bitfit=like.bitfit if like else False,
     )
     if key not in _CLEAN:
         _CLEAN[key] = _run(key)
@@ -558,6 +563,23 @@ def test_kill9_with_a_frozen_unit_recovers_in_place() -> None:
     initial = torch.cat([p.detach().reshape(-1) for p in built.parameters()]).numpy()
     state = _merged(faulty, "final_state")
     assert state["units"][FROZEN_CFG.model.names[0]]["param"].tobytes() == initial.tobytes()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kill_at_op, victim", [(7, 4), (8, 1)], ids=["snapshot-exchange", "all-gather"])
+def test_kill9_in_a_bitfit_fine_tune_recovers_in_place(kill_at_op: int, victim: int) -> None:
+    """Every matrix frozen, so every exchange and every backup's gradient carries the trainable
+    runs only: a rank killed in the snapshot's gradient exchange or in the parameter all-gather
+    recovers bitwise (its shard rebuilt from a copy fed those runs), every frozen element as
+    built."""
+    faulty = _check_kill_recovery(Scenario(kill_at_op=kill_at_op, victim=victim, bitfit=True))
+    state = _merged(faulty, "final_state")
+    for i, name in enumerate(BITFIT_CFG.model.names):
+        built = BITFIT_CFG.model.build(i)
+        frozen = torch.cat([torch.full((p.numel(),), not p.requires_grad) for p in built.parameters()])
+        initial = torch.cat([p.detach().reshape(-1) for p in built.parameters()])
+        assert torch.equal(torch.from_numpy(state["units"][name]["param"])[frozen], initial[frozen]), name
 
 
 @pytest.mark.multiproc

@@ -6,6 +6,7 @@ snapshots fed by the trainer's own reduce-scatter through `FabricParticipant`)."
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -102,13 +103,15 @@ def _vote(proto: StepProtocol, store: Any, worker: int, step: int) -> bool:
     return proto.should_commit()
 
 
-def _engine_snapshot_worker(worker: int, port: int) -> dict[str, object]:
+def _engine_snapshot_worker(worker: int, port: int, fine_tune: bool = False) -> dict[str, object]:
     """Train the real engine for STEPS committed steps with ring snapshots on (one attempt of
-    ROLLED_BACK_STEP rolled back and replayed), then report the live shard and the snapshot."""
+    ROLLED_BACK_STEP rolled back and replayed), then report the live shard and the snapshot.
+    `fine_tune`: every matrix frozen (BitFit), so every unit trains in part or not at all."""
     layout = _engine_layout()
     store = connect_store("127.0.0.1", port)
     comm = Communicator(store, worker, groups_for_stages([s.ranks for s in layout.stages]), timeout_s=30.0)
-    trainer = Trainer(engine_cases.gpt_spec(dropout=0.1), layout, worker, comm)
+    spec = engine_cases.gpt_spec(dropout=0.1)
+    trainer = Trainer(engine_cases.with_weights_frozen(spec) if fine_tune else spec, layout, worker, comm)
     initial = shard_state_of(trainer).to_numpy()
     participant = FabricParticipant(trainer, comm, verify_every=ENGINE_VERIFY_EVERY)
     proto = StepProtocol(comm, participant, timeout_s=30.0)
@@ -133,16 +136,29 @@ def _engine_snapshot_worker(worker: int, port: int) -> dict[str, object]:
         "rollbacks": rollbacks,
         "mismatches": participant.checksum_mismatches,
         "verified": list(participant.verified_steps),
+        "sent_per_step": snap.stats.sent_numel / snap.stats.steps,
+        "trainable_owned": {
+            n: int(torch.cat(_elements(trainer.model.units[n]))[sh.lo : sh.hi].sum())
+            for n, sh in trainer.optimizer.shards.items()
+        },
     }
+
+
+def _elements(unit: torch.nn.Module) -> list[torch.Tensor]:
+    """Per parameter, whether each of its elements trains (flat, in `parameters()` order)."""
+    return [torch.full((p.numel(),), p.requires_grad) for p in unit.parameters()]
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
-def test_engine_ring_snapshot_equals_live_shard_bitwise() -> None:
+@pytest.mark.parametrize("fine_tune", [False, True], ids=["full", "bitfit"])
+def test_engine_ring_snapshot_equals_live_shard_bitwise(fine_tune: bool) -> None:
     """The real trainer (PP=2 x DP=2, dropout on, ZeRO-1 interleaved) for 20 committed steps, one
     more attempt rolled back: every neighbour's snapshot equals the live shard it protects bit
-    for bit, the live shards moved away from their initial values, and the checksums agreed."""
-    got = run_on_store(_engine_snapshot_worker, ENGINE_WORKERS, 90)
+    for bit, the live shards moved away from their initial values, and the checksums agreed.
+    As a BitFit fine-tune, the gradient exchange carries the trainable elements only, and the
+    copies still follow bit for bit (the frozen elements never move)."""
+    got = run_on_store(functools.partial(_engine_snapshot_worker, fine_tune=fine_tune), ENGINE_WORKERS, 90)
     dp_groups = [s.ranks for s in _engine_layout().stages]
     for w in ENGINE_WORKERS:
         (group,) = [g for g in dp_groups if w in g]
@@ -154,7 +170,12 @@ def test_engine_ring_snapshot_equals_live_shard_bitwise() -> None:
         for unit, (lo, hi, rows) in live.items():
             assert (lo, hi) == snap[unit][:2], (w, unit)
             assert rows.tobytes() == snap[unit][2].tobytes(), (w, unit)  # param, exp_avg, exp_avg_sq
-            assert rows[0].tobytes() != initial[unit][2][0].tobytes(), (w, unit)  # it trained
+            trains = got[w]["trainable_owned"][unit] > 0  # BitFit: some intervals hold frozen elements only
+            assert (rows[0].tobytes() != initial[unit][2][0].tobytes()) == trains, (w, unit)
+        if fine_tune:
+            assert got[w]["sent_per_step"] == sum(got[w]["trainable_owned"].values()) > 0, w
+        else:
+            assert got[w]["sent_per_step"] == sum(hi - lo for lo, hi, _ in live.values()), w
 
 
 def test_snapshot_rejects_out_of_order_use() -> None:
