@@ -11,7 +11,10 @@ slices); this module moves the bytes. Each unit of the stage has one personalise
   during the step's last backward as autograd finishes each unit (`executor.grad_overlap`) or
   after it;
 - all-gather: posted right after the owner updated the unit's slice (so it overlaps the next
-  unit's update), received straight into the unit's flat parameter buffer.
+  unit's update), received straight into the unit's flat parameter buffer. Where every owner's
+  part is the same size (most units: their sizes divide by D), it is an all-gather proper, my
+  slice sent once from where it lies (in place); else a personalised exchange with my slice
+  repeated D times (gloo's all-gather takes equal parts only).
 
 Each direction is waited for as one guarded op (`engine_comm.WorkSet`): to failure detection a
 step still has one reduce-scatter and one all-gather. Each exchange is posted through
@@ -343,9 +346,13 @@ class UnitExchange:
             assert g.extra is not None
             parts.append(g.extra.to(parts[0].device))
             sizes = [n + g.extra.numel() for n in sizes]
-        sent = (parts[0] if len(parts) == 1 else torch.cat(parts)).repeat(self.dp_size)
+        sent = parts[0] if len(parts) == 1 else torch.cat(parts)
         recv = out if out is not None else torch.empty(sum(sizes), dtype=sent.dtype, device=sent.device)
-        g.posted.append((i if out is None else -1, recv, self._alltoall(recv, sent, sizes)))
+        if len(set(sizes)) == 1:  # an all-gather proper: my slice sent once, in place where it lies
+            work = self.comm.issue(self.group, lambda pg: pg._allgather_base(recv, sent))
+        else:  # owners of unequal slices: a personalised exchange, my slice repeated for everyone
+            work = self._alltoall(recv, sent.repeat(self.dp_size), sizes)
+        g.posted.append((i if out is None else -1, recv, work))
 
     def finish_gather(self) -> list[torch.Tensor] | None:
         """Complete the all-gather (waited for as one op): copy what did not land in place into
