@@ -139,7 +139,7 @@ class UnitExchange:
         self.buckets = self._bucket(bucket_min)
         self._bucket_of = {n: i for i, b in enumerate(self.buckets) for n in b}
         self._posted: dict[int, tuple[torch.Tensor, Any]] = {}
-        self._wide: dict[str, torch.Tensor] = {}  # my reduced slices of units that train in part
+        self._reduced: dict[str, torch.Tensor] | None = None  # `reduced_slices`
         self.launcher = OverlapLauncher([str(i) for i in range(len(self.buckets))], self._launch)
         self._gather: _Gather | None = None
 
@@ -183,22 +183,19 @@ class UnitExchange:
         `vec[0]` is, e.g. the interval's start for the owner's own slice), as views."""
         return [vec[a - offset : b - offset] for a, b in self._spans(name, k)]
 
-    def _widened(self, name: str, wire: torch.Tensor) -> torch.Tensor:
-        """My reduced slice of `name` from its wire form: zeros at the frozen elements."""
-        if name not in self.owned_runs:
-            return wire
-        lo, hi = self.ownership[name][self.dp_index]
-        out = self._wide.get(name)
-        if out is None or out.dtype != wire.dtype:
-            # kept: a fresh host allocation of a shard's size faults its pages in every step
-            # (flat_units.copy_reusing). Its frozen elements stay zero (clipping scales them),
-            # so the global norm counts only what trains; valid until the next reduce-scatter.
-            out = self._wide[name] = torch.zeros(hi - lo, dtype=wire.dtype, device=wire.device)
-        for view, piece in zip(
-            self._on_wire(name, self.dp_index, out, lo), self._split(name, wire), strict=True
-        ):
-            view.copy_(piece)
-        return out
+    def reduced_slices(self) -> dict[str, torch.Tensor]:
+        """My reduced slice of every unit, as views of one fp32 buffer kept across steps, in
+        sorted unit order (a snapshot's gradient exchange sends it as it lies,
+        `executor.fabric.snapshot`). A fresh host allocation of a shard's size every step would
+        fault its pages in again (`flat_units.copy_reusing`). Elements no exchange writes (a
+        frozen unit's, the frozen runs of one that trains in part) stay zero: clipping scales
+        them, so the global norm counts only what trains. Valid until the next reduce-scatter."""
+        if self._reduced is None:
+            names = sorted(self.units)
+            sizes = [self._mine(n) for n in names]
+            buf = torch.zeros(sum(sizes), device=self.device)
+            self._reduced = dict(zip(names, buf.split(sizes), strict=True))
+        return self._reduced
 
     def _split(self, name: str, wire: torch.Tensor, k: int | None = None) -> list[torch.Tensor]:
         """Owner k's (default: my) wire form of `name` cut into its spans."""
@@ -299,16 +296,23 @@ class UnitExchange:
         works = [work for _recv, work in posted.values() if work is not None]
         if works:
             self.comm.wait(self.group, WorkSet(works), issued=len(works))  # one guarded op
-        out: dict[str, torch.Tensor] = {}
+        reduced = self.reduced_slices()
         for i, bucket in enumerate(self.buckets):
             recv, _work = posted[i]
             mine = [self._wire[n][self.dp_index] for n in bucket]
-            pieces = recv.split([sum(mine)] * self.dp_size)
-            total = pieces[0].clone() if pieces[0].dtype == torch.float32 else pieces[0].float()
-            for piece in pieces[1:]:
-                total += piece
-            out.update((n, self._widened(n, t)) for n, t in zip(bucket, total.split(mine), strict=True))
-        return {n: out[n] if n in out else torch.zeros(self._mine(n), device=self.device) for n in self.units}
+            per_owner = [piece.split(mine) for piece in recv.split([sum(mine)] * self.dp_size)]
+            for j, name in enumerate(bucket):
+                partial = name in self.owned_runs
+                total = torch.empty(mine[j], device=self.device) if partial else reduced[name]
+                total.copy_(per_owner[0][j])  # fp32 whatever the wire's dtype
+                for parts in per_owner[1:]:
+                    total += parts[j]
+                if partial:  # its trainable runs, into the slice where they lie
+                    lo = self.ownership[name][self.dp_index][0]
+                    views = self._on_wire(name, self.dp_index, reduced[name], lo)
+                    for view, piece in zip(views, self._split(name, total), strict=True):
+                        view.copy_(piece)
+        return dict(reduced)
 
     # -------------------------------------------------------------------------------- all-gather
     def begin_gather(self, extra: torch.Tensor | None) -> None:

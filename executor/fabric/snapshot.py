@@ -45,6 +45,7 @@ import torch
 from executor.comm.communicator import Communicator, PendingOps
 from executor.fabric.device_copy import HostStager, StagedCopies
 from executor.fabric.state import ShardState
+from executor.flat_units import as_flat_view
 
 SNAPSHOT_TAG = 7100
 # (unit, lo, param, grad, exp_avg, exp_avg_sq, step): the live optimizer's own update of a slice
@@ -294,11 +295,10 @@ class ShardBackups:
                 f"snapshot is at step {self._committed}; gradients of step {step} are out of order"
             )
         t0 = time.perf_counter()
-        out = (
-            torch.cat([t for k in sorted(mine) for t in self._on_wire(k, mine[k])])
-            if mine
-            else torch.empty(0)
-        )
+        pieces = [t for k in sorted(mine) for t in self._on_wire(k, mine[k])]
+        # sent as it lies where the pieces are back to back (the ZeRO stage's `reduced_slices`)
+        view = as_flat_view(pieces)
+        out = view if view is not None else torch.cat(pieces) if pieces else torch.empty(0)
         incoming = {  # received where the sent gradients live (device memory on NCCL/HCCL)
             p: torch.empty(self._wire_numel(ivs), device=out.device) for p, ivs in self._intervals.items()
         }
