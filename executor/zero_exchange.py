@@ -304,8 +304,13 @@ class UnitExchange:
             for j, name in enumerate(bucket):
                 partial = name in self.owned_runs
                 total = torch.empty(mine[j], device=self.device) if partial else reduced[name]
-                total.copy_(per_owner[0][j])  # fp32 whatever the wire's dtype
-                for parts in per_owner[1:]:
+                first, rest = per_owner[0][j], per_owner[1:]
+                if rest and first.dtype == total.dtype:  # one pass for the first two: same bits
+                    torch.add(first, rest[0][j], out=total)
+                    rest = rest[1:]
+                else:
+                    total.copy_(first)  # fp32 whatever the wire's dtype
+                for parts in rest:
                     total += parts[j]
                 if partial:  # its trainable runs, into the slice where they lie
                     lo = self.ownership[name][self.dp_index][0]
