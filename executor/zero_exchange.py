@@ -176,7 +176,8 @@ class UnitExchange:
         """The element runs of `name` that owner k's part of an exchange carries, in order: its
         interval, or that interval's trainable runs (a unit that trains in part)."""
         runs = self.owned_runs.get(name)
-        return runs[k] if runs is not None else (tuple(self.ownership[name][k]),)
+        lo, hi = self.ownership[name][k]
+        return runs[k] if runs is not None else ((lo, hi),)
 
     def _on_wire(self, name: str, k: int, vec: torch.Tensor, offset: int = 0) -> list[torch.Tensor]:
         """Owner k's part of `vec` (a unit's flat vector; `offset`: the element of the unit that
