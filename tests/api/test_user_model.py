@@ -160,35 +160,6 @@ def test_a_wholly_frozen_unit_is_in_no_exchange() -> None:
     assert exchange.active() == [n for n in UNITS if n not in FROZEN_UNITS]
 
 
-@pytest.mark.multiproc
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    "bounds, ranks",
-    [([(0, 6)], [(0, 1)]), ([(0, 3), (3, 6)], [(0, 1), (2, 3)])],
-    ids=["dp2", "pp2xdp2"],
-)
-def test_frozen_units_train_as_in_one_process(
-    bounds: list[tuple[int, int]], ranks: list[tuple[int, ...]]
-) -> None:
-    """With the frozen units out of the exchanges, every layout still gives the single process's
-    losses and state (over the dynamic communicator, with steps rolled back and replayed), and
-    the frozen units end as they began."""
-    spec = frozen_spec(STEPS)
-    ref = run_reference(spec, BATCH, SLOTS, STEPS)
-    job = JobSpec(
-        spec, toy_layout(bounds, ranks), STEPS, timeout_s=60.0, replay_steps=(2, 4), comm_kind="dynamic"
-    )
-    results = run_job(job)
-    assert job_losses(results) == pytest.approx(ref.losses, rel=REL)
-    state = merged_state(results)
-    assert_close_states(state, ref.state)
-    for name in FROZEN_UNITS:
-        initial = torch.cat(
-            [p.detach().reshape(-1) for p in spec.model.build(UNITS.index(name)).parameters()]
-        )
-        assert torch.equal(state["units"][name]["param"], initial), name
-
-
 class _RecordingGroup:
     """A process group that records what each personalised exchange sends (nothing arrives)."""
 
@@ -261,19 +232,21 @@ def fine_tune_spec(total_steps: int) -> TrainSpec:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("fine_tune", ["frozen-units", "lora-bitfit"])
 @pytest.mark.parametrize(
     "bounds, ranks",
     [([(0, 6)], [(0, 1)]), ([(0, 3), (3, 6)], [(0, 1), (2, 3)])],
     ids=["dp2", "pp2xdp2"],
 )
-def test_a_lora_and_bitfit_fine_tune_trains_as_in_one_process(
-    bounds: list[tuple[int, int]], ranks: list[tuple[int, ...]]
+def test_a_fine_tune_trains_as_in_one_process(
+    fine_tune: str, bounds: list[tuple[int, int]], ranks: list[tuple[int, ...]]
 ) -> None:
-    """Units that train in part exchange, update and roll back their trainable elements only:
-    every layout still gives the single process's losses and state (over the dynamic
-    communicator, with steps rolled back and replayed), and every frozen element ends as it
-    began while the adapters train."""
-    spec = fine_tune_spec(STEPS)
+    """Wholly frozen units out of the exchanges, or units that train in part (LoRA adapters,
+    BitFit biases) exchanging, updating and rolling back their trainable elements only: every
+    layout still gives the single process's losses and state (over the dynamic communicator,
+    with steps rolled back and replayed), every frozen element ends as it began, and every unit
+    with a trainable element trained."""
+    spec = frozen_spec(STEPS) if fine_tune == "frozen-units" else fine_tune_spec(STEPS)
     ref = run_reference(spec, BATCH, SLOTS, STEPS)
     job = JobSpec(
         spec, toy_layout(bounds, ranks, spec), STEPS, timeout_s=60.0, replay_steps=(2, 4), comm_kind="dynamic"
