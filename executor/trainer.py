@@ -477,11 +477,7 @@ class Trainer:
         # A frozen unit's parameters never change: the copy being reused still holds them, and
         # of a unit that trains in part only the trainable runs need copying again.
         exchange = self.optimizer.exchange
-        reusable = {
-            n
-            for n in old_params
-            if n in units and old_params[n].shape == (sum(p.numel() for p in units[n].parameters()),)
-        }
+        reusable = {n for n in old_params if n in units and _holds_copy_of(old_params[n], units[n])}
         kept = {n: old_params[n] for n in exchange.frozen & reusable}
         runs = {n: r for n, r in exchange.partial_runs.items() if n in reusable}
 
@@ -644,6 +640,18 @@ class Trainer:
                 for n, u in self.model.units.items()
             },
         }
+
+
+def _holds_copy_of(copy: torch.Tensor, unit: nn.Module) -> bool:
+    """Whether `copy` can be an earlier flat copy of the unit's parameters (`flat_params`):
+    the same length, dtype and device."""
+    params = list(unit.parameters())
+    return (
+        bool(params)
+        and copy.shape == (sum(p.numel() for p in params),)
+        and copy.dtype == params[0].dtype
+        and copy.device == params[0].device
+    )
 
 
 def _to_device(x: Any, device: torch.device) -> Any:

@@ -63,6 +63,9 @@ Interval = tuple[int, int]
 # each side, more than copying a small unit (a small model's units would otherwise pay more in
 # exchanges than the zero-copy path saves). 2^18 elements = 1 MiB of fp32.
 BUCKET_MIN_ELEMENTS = 1 << 18
+# Devices whose backend's all-gather takes its input inside its output (gloo on the host; NCCL's
+# documented in-place form, input == output + rank * count). Elsewhere (HCCL) a copy is sent.
+IN_PLACE_GATHER = frozenset({"cpu", "cuda"})
 
 
 def trainable_runs(unit: nn.Module) -> tuple[Interval, ...]:
@@ -121,12 +124,13 @@ class UnitExchange:
         self.ownership = {n: list(ownership[n]) for n in self.units}
         self.dp_index, self.dp_size = dp_index, len(next(iter(self.ownership.values())))
         self._numel = {n: sum(p.numel() for p in u.parameters()) for n, u in self.units.items()}
-        self._trains = {n for n, u in self.units.items() if any(p.requires_grad for p in u.parameters())}
+        # Units with a trainable element (a trainable parameter of no elements trains nothing)
+        runs = {n: trainable_runs(u) for n, u in self.units.items()}
+        self._trains = {n for n, r in runs.items() if r}
         # Units without a trainable parameter: their parameters and moments never change.
         self.frozen = frozenset(self.units) - self._trains
         # Units that train in part: every owner's trainable runs, what goes on the wire for them
-        runs = {n: trainable_runs(self.units[n]) for n in self._trains}
-        self.partial_runs = {n: r for n, r in runs.items() if r != ((0, self._numel[n]),)}
+        self.partial_runs = {n: r for n, r in runs.items() if r and r != ((0, self._numel[n]),)}
         self.owned_runs: dict[str, list[tuple[Interval, ...]]] = {
             n: [clip_runs(r, lo, hi) for lo, hi in self.ownership[n]] for n, r in self.partial_runs.items()
         }
@@ -194,7 +198,7 @@ class UnitExchange:
         if self._reduced is None:
             names = sorted(self.units)
             sizes = [self._mine(n) for n in names]
-            buf = torch.zeros(sum(sizes), device=self.device)
+            buf = torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
             self._reduced = dict(zip(names, buf.split(sizes), strict=True))
         return self._reduced
 
@@ -304,7 +308,11 @@ class UnitExchange:
             per_owner = [piece.split(mine) for piece in recv.split([sum(mine)] * self.dp_size)]
             for j, name in enumerate(bucket):
                 partial = name in self.owned_runs
-                total = torch.empty(mine[j], device=self.device) if partial else reduced[name]
+                total = (
+                    torch.empty(mine[j], dtype=torch.float32, device=self.device)
+                    if partial
+                    else reduced[name]
+                )
                 first, rest = per_owner[0][j], per_owner[1:]
                 if rest and first.dtype == total.dtype:  # one pass for the first two: same bits
                     torch.add(first, rest[0][j], out=total)
@@ -359,6 +367,8 @@ class UnitExchange:
         sent = parts[0] if len(parts) == 1 else torch.cat(parts)
         recv = out if out is not None else torch.empty(sum(sizes), dtype=sent.dtype, device=sent.device)
         if len(set(sizes)) == 1:  # an all-gather proper: my slice sent once, in place where it lies
+            if self.device.type not in IN_PLACE_GATHER:  # an input inside the output, unverified
+                sent = sent.clone()
             work = self.comm.issue(self.group, lambda pg: pg._allgather_base(recv, sent))
         else:  # owners of unequal slices: a personalised exchange, my slice repeated for everyone
             work = self._alltoall(recv, sent.repeat(self.dp_size), sizes)

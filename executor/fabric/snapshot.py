@@ -312,7 +312,9 @@ class ShardBackups:
 
     def _on_wire(self, unit: str, grad: torch.Tensor) -> list[torch.Tensor]:
         """My reduced slice of `unit` as the exchange carries it: views of its carried runs."""
-        lo, hi = self._own.get(unit, (0, grad.numel()))
+        if unit not in self._own:
+            raise SnapshotError(f"worker {self.comm.worker} was seeded without unit {unit!r}; seed again")
+        lo, hi = self._own[unit]
         return [grad.reshape(-1)[a - lo : b - lo] for a, b in self._runs(unit, lo, hi)]
 
     def finish_exchange(self) -> None:
@@ -516,6 +518,8 @@ class ShardBackups:
     def _apply(self, owner: int, state: ShardState, grads: Mapping[str, torch.Tensor], step: int) -> None:
         """The live optimizer's own update of committed step `step` on `owner`'s copy."""
         for k, shard in state.units.items():
+            if not self._runs(k, shard.start, shard.start + shard.param.numel()):
+                continue  # nothing of it trains (a frozen unit): the update would touch nothing
             grad = self._widen(owner, k, shard.start, shard.param.numel(), grads[k])
             self.update_fn(k, shard.start, shard.param, grad, shard.exp_avg, shard.exp_avg_sq, step)
         state.step = step

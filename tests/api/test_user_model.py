@@ -263,3 +263,16 @@ def test_a_fine_tune_trains_as_in_one_process(
         assert torch.equal(final[frozen], initial[frozen]), name
         if not bool(frozen.all()):
             assert not torch.equal(final[~frozen], initial[~frozen]), name
+
+
+def test_a_unit_whose_trainable_parameters_are_empty_is_frozen() -> None:
+    """A trainable parameter of no elements (an empty adapter) trains nothing: its unit is in
+    no exchange, as a wholly frozen one."""
+    units = {n: build_fine_tune(n) for n in UNITS}
+    units["head"].requires_grad_(False)
+    units["head"].register_parameter("adapter", nn.Parameter(torch.empty(0)))
+    numel = {n: sum(p.numel() for p in u.parameters()) for n, u in units.items()}
+    ownership = {n: [(0, numel[n] // 2), (numel[n] // 2, numel[n])] for n in UNITS}
+    exchange = UnitExchange(None, "dp/0", units, ownership, dp_index=0, bucket_min=0)  # type: ignore[arg-type]
+    assert {"embed", "merge", "head"} <= exchange.frozen
+    assert all("head" not in b for b in exchange.buckets)
