@@ -11,10 +11,7 @@ slices); this module moves the bytes. Each unit of the stage has one personalise
   during the step's last backward as autograd finishes each unit (`executor.grad_overlap`) or
   after it;
 - all-gather: posted right after the owner updated the unit's slice (so it overlaps the next
-  unit's update), received straight into the unit's flat parameter buffer. Where every owner's
-  part is the same size (most units: their sizes divide by D), it is an all-gather proper, my
-  slice sent once from where it lies (in place); else a personalised exchange with my slice
-  repeated D times (gloo's all-gather takes equal parts only).
+  unit's update), received straight into the unit's flat parameter buffer.
 
 Each direction is waited for as one guarded op (`engine_comm.WorkSet`): to failure detection a
 step still has one reduce-scatter and one all-gather. Each exchange is posted through
@@ -63,9 +60,6 @@ Interval = tuple[int, int]
 # each side, more than copying a small unit (a small model's units would otherwise pay more in
 # exchanges than the zero-copy path saves). 2^18 elements = 1 MiB of fp32.
 BUCKET_MIN_ELEMENTS = 1 << 18
-# Devices whose backend's all-gather takes its input inside its output (gloo on the host; NCCL's
-# documented in-place form, input == output + rank * count). Elsewhere (HCCL) a copy is sent.
-IN_PLACE_GATHER = frozenset({"cpu", "cuda"})
 
 
 def trainable_runs(unit: nn.Module) -> tuple[Interval, ...]:
@@ -366,12 +360,10 @@ class UnitExchange:
             sizes = [n + g.extra.numel() for n in sizes]
         sent = parts[0] if len(parts) == 1 else torch.cat(parts)
         recv = out if out is not None else torch.empty(sum(sizes), dtype=sent.dtype, device=sent.device)
-        if len(set(sizes)) == 1:  # an all-gather proper: my slice sent once, in place where it lies
-            if self.device.type not in IN_PLACE_GATHER:  # an input inside the output, unverified
-                sent = sent.clone()
-            work = self.comm.issue(self.group, lambda pg: pg._allgather_base(recv, sent))
-        else:  # owners of unequal slices: a personalised exchange, my slice repeated for everyone
-            work = self._alltoall(recv, sent.repeat(self.dp_size), sizes)
+        # A personalised exchange of my slice repeated D times, not gloo's all-gather of the slice
+        # once: that costs less on this thread but more in gloo's (it gathers into a scratch
+        # buffer and copies out), 1.5-4 ms of CPU per worker-step more at hidden 256 (docs/benchmarks.md).
+        work = self._alltoall(recv, sent.repeat(self.dp_size), sizes)
         g.posted.append((i if out is None else -1, recv, work))
 
     def finish_gather(self) -> list[torch.Tensor] | None:

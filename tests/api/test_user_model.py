@@ -170,10 +170,6 @@ class _RecordingGroup:
         assert sent.numel() == sum(sent_sizes) and out.numel() == sum(out_sizes)
         self.sent.append(list(sent_sizes))
 
-    def _allgather_base(self, out: torch.Tensor, sent: torch.Tensor) -> None:
-        assert out.numel() == 2 * sent.numel()  # two owners, equal parts
-        self.sent.append([sent.numel()] * 2)
-
 
 class _RecordingComm:
     def __init__(self) -> None:
