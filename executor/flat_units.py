@@ -45,12 +45,26 @@ def as_flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((pos - start,), (1,), start)
 
 
+def holds_copy_of(
+    copy: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> bool:
+    """Whether `copy` can be overwritten with a tensor of this shape, dtype and device."""
+    return copy is not None and copy.shape == tuple(shape) and copy.dtype == dtype and copy.device == device
+
+
+def holds_flat_copy_of(copy: torch.Tensor | None, unit: nn.Module) -> bool:
+    """Whether `copy` can be an earlier flat copy of the unit's parameters (`flat_params`)."""
+    params = list(unit.parameters())
+    numel = sum(p.numel() for p in params)
+    return bool(params) and holds_copy_of(copy, (numel,), params[0].dtype, params[0].device)
+
+
 def copy_reusing(src: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
     """A copy of `src`: written into `into` where it fits (same shape, dtype and device), else a
     fresh clone. A copy taken every step (the rollback copy) reuses the memory of the copy it
     replaces: on the host a fresh allocation of this size faults its pages in again, which cost
     several times the copy itself (10x at 40 MB on the CI machine)."""
-    if into is not None and into.shape == src.shape and into.dtype == src.dtype and into.device == src.device:
+    if into is not None and holds_copy_of(into, src.shape, src.dtype, src.device):
         return into.copy_(src)
     return src.clone()
 

@@ -37,7 +37,7 @@ from executor.checkpoint import (
 )
 from executor.devices import rank_device
 from executor.engine_comm import EngineComm, dp_group_name
-from executor.flat_units import copy_runs
+from executor.flat_units import copy_runs, holds_flat_copy_of
 from executor.optim import OptimizerConfig, trainable_runs
 from executor.pipeline import PipelineRunner
 from executor.precision import LossScaler, PrecisionConfig
@@ -477,7 +477,7 @@ class Trainer:
         # A frozen unit's parameters never change: the copy being reused still holds them, and
         # of a unit that trains in part only the trainable runs need copying again.
         exchange = self.optimizer.exchange
-        reusable = {n for n in old_params if n in units and _holds_copy_of(old_params[n], units[n])}
+        reusable = {n for n in old_params if n in units and holds_flat_copy_of(old_params[n], units[n])}
         kept = {n: old_params[n] for n in exchange.frozen & reusable}
         runs = {n: r for n, r in exchange.partial_runs.items() if n in reusable}
 
@@ -640,18 +640,6 @@ class Trainer:
                 for n, u in self.model.units.items()
             },
         }
-
-
-def _holds_copy_of(copy: torch.Tensor, unit: nn.Module) -> bool:
-    """Whether `copy` can be an earlier flat copy of the unit's parameters (`flat_params`):
-    the same length, dtype and device."""
-    params = list(unit.parameters())
-    return (
-        bool(params)
-        and copy.shape == (sum(p.numel() for p in params),)
-        and copy.dtype == params[0].dtype
-        and copy.device == params[0].device
-    )
 
 
 def _to_device(x: Any, device: torch.device) -> Any:

@@ -159,6 +159,7 @@ class ShardedOptimizer:
             self.device,
             flat,
             bucket_min,
+            self.segments,
         )
         self.step_count = step_count
         self.shards: dict[str, ShardState] = {}

@@ -53,6 +53,7 @@ from torch.distributed import AllToAllOptions
 from executor.engine_comm import EngineComm, WorkSet
 from executor.flat_units import FlatUnit, assign_flat, flat_grads, flat_params, flat_units, range_views
 from executor.grad_overlap import OverlapLauncher
+from executor.optim import OptimizerConfig, Segments, trainable_runs
 
 Interval = tuple[int, int]
 # Units smaller than this (elements) share an exchange with their neighbours in launch order,
@@ -60,27 +61,6 @@ Interval = tuple[int, int]
 # each side, more than copying a small unit (a small model's units would otherwise pay more in
 # exchanges than the zero-copy path saves). 2^18 elements = 1 MiB of fp32.
 BUCKET_MIN_ELEMENTS = 1 << 18
-
-
-def trainable_runs(unit: nn.Module) -> tuple[Interval, ...]:
-    """The element runs of the unit's flat vector (`parameters()` in order) that train, merged
-    where adjacent."""
-    runs: list[Interval] = []
-    pos = 0
-    for p in unit.parameters():
-        n = p.numel()
-        if p.requires_grad and n:
-            if runs and runs[-1][1] == pos:
-                runs[-1] = (runs[-1][0], pos + n)
-            else:
-                runs.append((pos, pos + n))
-        pos += n
-    return tuple(runs)
-
-
-def clip_runs(runs: Sequence[Interval], lo: int, hi: int) -> tuple[Interval, ...]:
-    """The parts of `runs` inside `[lo, hi)`."""
-    return tuple((max(a, lo), min(b, hi)) for a, b in runs if max(a, lo) < min(b, hi))
 
 
 def _in_dp_order(intervals: Sequence[Interval], numel: int) -> bool:
@@ -109,9 +89,12 @@ class UnitExchange:
         device: torch.device | str = "cpu",
         flat: bool = True,
         bucket_min: int = BUCKET_MIN_ELEMENTS,
+        segments: Mapping[str, Segments] | None = None,
     ) -> None:
         """`flat=False` keeps every unit on the copying path, `bucket_min=0` gives every unit its
-        own exchange (the same results either way; for comparisons)."""
+        own exchange (the same results either way; for comparisons). `segments`: the units'
+        decay segments (`OptimizerConfig.decay_segments`, whose FROZEN runs say what does not
+        train); by default taken from `requires_grad`."""
         self.comm, self.group, self.wire_dtype = comm, group, wire_dtype
         self.device = torch.device(device)
         self.units = dict(units)
@@ -119,14 +102,20 @@ class UnitExchange:
         self.dp_index, self.dp_size = dp_index, len(next(iter(self.ownership.values())))
         self._numel = {n: sum(p.numel() for p in u.parameters()) for n, u in self.units.items()}
         # Units with a trainable element (a trainable parameter of no elements trains nothing)
-        runs = {n: trainable_runs(u) for n, u in self.units.items()}
+        segments = segments or {}
+        self.segments = {
+            n: segments[n] if n in segments else OptimizerConfig().decay_segments(u.named_parameters())
+            for n, u in self.units.items()
+        }
+        runs = {n: trainable_runs(self.segments[n], 0, self._numel[n]) for n in self.units}
         self._trains = {n for n, r in runs.items() if r}
         # Units without a trainable parameter: their parameters and moments never change.
         self.frozen = frozenset(self.units) - self._trains
         # Units that train in part: every owner's trainable runs, what goes on the wire for them
         self.partial_runs = {n: r for n, r in runs.items() if r and r != ((0, self._numel[n]),)}
         self.owned_runs: dict[str, list[tuple[Interval, ...]]] = {
-            n: [clip_runs(r, lo, hi) for lo, hi in self.ownership[n]] for n, r in self.partial_runs.items()
+            n: [trainable_runs(self.segments[n], lo, hi) for lo, hi in self.ownership[n]]
+            for n in self.partial_runs
         }
         self._wire = {
             n: [sum(b - a for a, b in self._spans(n, k)) for k in range(self.dp_size)] for n in self.units
