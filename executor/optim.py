@@ -32,7 +32,7 @@ before they reach this module or the snapshots.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -60,6 +60,30 @@ def trainable_runs(segments: Segments, lo: int, hi: int) -> tuple[tuple[int, int
             else:
                 runs.append((a, b))
     return tuple(runs)
+
+
+def _update_pieces(
+    segments: Segments, lo: int, hi: int, carried: Sequence[tuple[int, int]] | None, grad_numel: int
+) -> list[tuple[int, int, float, int]]:
+    """(start, stop, weight decay, offset in the gradient) of every trainable piece of `[lo, hi)`:
+    each segment's part, cut by the `carried` runs where the gradient holds those only."""
+    spans = [(lo, hi, 0)] if carried is None else []
+    if carried is not None:
+        at = 0
+        for a, b in carried:
+            spans.append((a, b, at))
+            at += b - a
+        if at != grad_numel:
+            raise ValueError(f"a gradient of {grad_numel} elements does not hold the runs {tuple(carried)}")
+    pieces = []
+    for start, stop, wd in segments:
+        if wd == FROZEN:
+            continue
+        for a0, b0, at in spans:
+            a, b = max(a0, start), min(b0, stop)
+            if a < b:
+                pieces.append((a, b, wd, at + a - (lo if carried is None else a0)))
+    return pieces
 
 
 # The fused kernels' length quantum: 64 fp32 elements is 4 AVX-512 vectors, 8 AVX2 ones.
@@ -165,21 +189,24 @@ class OptimizerConfig:
         step: int,
         segments: Segments,
         lo: int,
+        carried: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         """Apply update `step` (1-based) in place to elements `[lo, lo + len(param))` of a unit
-        whose flat vector has `segments`; `param`, `grad` and the states are 1-D slices."""
+        whose flat vector has `segments`; `param`, `grad` and the states are 1-D slices.
+        `carried`: `grad` holds only these element runs (absolute, inside the slice, covering
+        every trainable element: `trainable_runs`), back to back, as a snapshot's gradient
+        exchange carries them; the update reads each run where it lies in `grad`, with the same
+        bits as from a gradient aligned with `param` (every update is elementwise)."""
         hi = lo + param.numel()
         lr = self.lr_at(step)
         fused = self._fused_kernel(param, grad, state1, state2)
         runs: dict[float, list[tuple[torch.Tensor, ...]]] = {}
-        for start, stop, wd in segments:
-            a, b = max(lo, start), min(hi, stop)
-            if a < b and wd != FROZEN:
-                s = slice(a - lo, b - lo)
-                if fused is None:
-                    self._update(param[s], grad[s], state1[s], state2[s], step, lr, wd)
-                else:
-                    runs.setdefault(wd, []).append((param[s], grad[s], state1[s], state2[s]))
+        for a, b, wd, at in _update_pieces(segments, lo, hi, carried, grad.numel()):
+            s, g = slice(a - lo, b - lo), grad[at : at + b - a]
+            if fused is None:
+                self._update(param[s], g, state1[s], state2[s], step, lr, wd)
+            else:
+                runs.setdefault(wd, []).append((param[s], g, state1[s], state2[s]))
         if fused is not None:
             step_t = torch.tensor(float(step), device=param.device)
             for wd, of_wd in runs.items():

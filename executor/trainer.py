@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -282,9 +282,11 @@ class Trainer:
         state1: torch.Tensor,
         state2: torch.Tensor,
         step: int,
+        carried: Sequence[tuple[int, int]] | None = None,
     ) -> None:
-        """The optimizer's update of elements `[lo, ...)` of `unit` (what a ring snapshot replays)."""
-        self.spec.optimizer.update_slice(param, grad, state1, state2, step, self.segments[unit], lo)
+        """The optimizer's update of elements `[lo, ...)` of `unit` (what a ring snapshot replays;
+        `carried`: `grad` holds only these runs, `OptimizerConfig.update_slice`)."""
+        self.spec.optimizer.update_slice(param, grad, state1, state2, step, self.segments[unit], lo, carried)
 
     def trainable_runs(self, unit: str, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
         """The runs of elements `[lo, hi)` of `unit` that train (what a snapshot's gradient

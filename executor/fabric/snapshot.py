@@ -37,8 +37,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -49,7 +50,27 @@ from executor.flat_units import as_flat_view
 
 SNAPSHOT_TAG = 7100
 # (unit, lo, param, grad, exp_avg, exp_avg_sq, step): the live optimizer's own update of a slice
-UpdateFn = Callable[[str, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
+
+
+class UpdateFn(Protocol):
+    """The live optimizer's update of elements `[lo, ...)` of `unit` (`Trainer.update_slice`).
+    `carried`: the gradient holds only these runs, back to back (passed only where the
+    exchange carried a unit's trainable runs, `CarriedFn`)."""
+
+    def __call__(
+        self,
+        unit: str,
+        lo: int,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        step: int,
+        /,
+        carried: Sequence[tuple[int, int]] | None = None,
+    ) -> None: ...
+
+
 # (unit, lo, hi) -> the runs of elements [lo, hi) of the unit that train: what its gradient
 # exchange carries (a unit that trains in part, LoRA or BitFit, sends its trainable runs only)
 CarriedFn = Callable[[str, int, int], tuple[tuple[int, int], ...]]
@@ -155,7 +176,6 @@ class ShardBackups:
         self._carried: dict[tuple[str, int, int], tuple[tuple[int, int], ...]] = {}
         # a copy's full-length gradient buffer per (protected worker, unit) that trains in part:
         # the updater thread's alone; its frozen elements stay zero
-        self._widened: dict[tuple[int, str], torch.Tensor] = {}
         self._own: dict[str, tuple[int, int]] = {}  # my units' intervals, from the last seed
         self.holders, self.protected_ranks = holders, tuple(protected)
         self.holder = holders[0] if holders else None  # the first copy
@@ -518,25 +538,18 @@ class ShardBackups:
     def _apply(self, owner: int, state: ShardState, grads: Mapping[str, torch.Tensor], step: int) -> None:
         """The live optimizer's own update of committed step `step` on `owner`'s copy."""
         for k, shard in state.units.items():
-            if not self._runs(k, shard.start, shard.start + shard.param.numel()):
+            lo, numel = shard.start, shard.param.numel()
+            runs = self._runs(k, lo, lo + numel)
+            if not runs:
                 continue  # nothing of it trains (a frozen unit): the update would touch nothing
-            grad = self._widen(owner, k, shard.start, shard.param.numel(), grads[k])
-            self.update_fn(k, shard.start, shard.param, grad, shard.exp_avg, shard.exp_avg_sq, step)
+            # A unit that trains in part arrives as its trainable runs: the update reads them
+            # where they lie in the wire buffer, no full-length gradient is kept for the copy.
+            args = (k, lo, shard.param, grads[k], shard.exp_avg, shard.exp_avg_sq, step)
+            if grads[k].numel() == numel:
+                self.update_fn(*args)
+            else:
+                self.update_fn(*args, carried=runs)
         state.step = step
-
-    def _widen(self, owner: int, unit: str, lo: int, numel: int, wire: torch.Tensor) -> torch.Tensor:
-        """A copy's gradient from its wire form, in a buffer kept per copy: the carried runs
-        copied in; the rest is never read (the update skips frozen elements)."""
-        if wire.numel() == numel:
-            return wire
-        buf = self._widened.get((owner, unit))
-        if buf is None or buf.numel() != numel:
-            buf = self._widened[(owner, unit)] = torch.zeros(numel, dtype=wire.dtype)
-        pos = 0
-        for a, b in self._runs(unit, lo, lo + numel):
-            buf[a - lo : b - lo].copy_(wire[pos : pos + b - a])
-            pos += b - a
-        return buf
 
 
 class RingSnapshot(ShardBackups):

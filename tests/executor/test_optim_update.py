@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from executor.optim import FUSED_PAD, OptimizerConfig
+from executor.optim import FUSED_PAD, OptimizerConfig, trainable_runs
 
 STEPS = 6
 
@@ -147,3 +147,50 @@ def test_a_double_precision_slice_takes_the_fused_kernel_too() -> None:
     cfg.update_slice(p, torch.full((70,), 0.5, dtype=torch.float64), m, v, 1, segments, 0)
     assert torch.all(p < 1.0) and torch.all(m > 0) and torch.all(v > 0)
     assert torch.equal(p[0:1].expand(70), p), "the padded tail took the same arithmetic as the body"
+
+
+def _partly_frozen_model() -> nn.Module:
+    """BitFit's shape: the matrices frozen, the biases and the norm train."""
+    model = _small_model()
+    for p in model.parameters():
+        p.requires_grad_(p.dim() < 2)
+    return model
+
+
+@pytest.mark.parametrize("cfg", [*ADAMS, SGD], ids=["adamw", "adam", "sgd-nesterov"])
+def test_a_gradient_of_the_trainable_runs_only_updates_as_the_full_one_bit_for_bit(
+    cfg: OptimizerConfig,
+) -> None:
+    model = _partly_frozen_model()
+    segments = cfg.decay_segments(model.named_parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    numel = flat.numel()
+    for lo, hi in [(0, numel), (5, 101), (100, 117), (0, 1)]:
+        runs = trainable_runs(segments, lo, hi)
+        full = [flat[lo:hi].clone(), torch.zeros(hi - lo), torch.zeros(hi - lo)]
+        compact = [t.clone() for t in full]
+        for step, g in enumerate(_gradients(numel), start=1):
+            cfg.update_slice(*full[:1], g[lo:hi], *full[1:], step, segments, lo)
+            wire = torch.cat([g[a:b] for a, b in runs]) if runs else torch.empty(0)
+            cfg.update_slice(*compact[:1], wire, *compact[1:], step, segments, lo, carried=runs)
+        for a, b in zip(compact, full, strict=True):
+            assert torch.equal(a, b), (lo, hi)
+        frozen = torch.ones(hi - lo, dtype=torch.bool)
+        for a, b in runs:
+            frozen[a - lo : b - lo] = False
+        assert torch.equal(full[0][frozen], flat[lo:hi][frozen]), "a frozen element moved"
+        assert not torch.equal(full[0], flat[lo:hi]) or not runs, "nothing trained"
+
+
+def test_a_gradient_that_does_not_hold_its_runs_is_refused() -> None:
+    model = _partly_frozen_model()
+    segments = ADAMS[0].decay_segments(model.named_parameters())
+    lo, n = 90, 20
+    runs = trainable_runs(segments, lo, lo + n)
+    assert runs == ((96, 110),)
+    param = torch.ones(n)
+    with pytest.raises(ValueError, match="does not hold the runs"):
+        ADAMS[0].update_slice(
+            param, torch.zeros(1), torch.zeros(n), torch.zeros(n), 1, segments, lo, carried=runs
+        )
+    assert torch.equal(param, torch.ones(n)), "a refused update changed the slice"
