@@ -67,9 +67,10 @@ def _update_pieces(
 ) -> list[tuple[int, int, float, int]]:
     """(start, stop, weight decay, offset in the gradient) of every trainable piece of `[lo, hi)`:
     each segment's part, cut by the `carried` runs where the gradient holds those only."""
-    spans = [(lo, hi, 0)] if carried is None else []
+    # (start, stop, offset in the gradient of start) of what the gradient holds
+    spans = [(lo, hi, 0)]
     if carried is not None:
-        at = 0
+        spans, at = [], 0
         for a, b in carried:
             spans.append((a, b, at))
             at += b - a
@@ -82,7 +83,7 @@ def _update_pieces(
         for a0, b0, at in spans:
             a, b = max(a0, start), min(b0, stop)
             if a < b:
-                pieces.append((a, b, wd, at + a - (lo if carried is None else a0)))
+                pieces.append((a, b, wd, at + a - a0))
     return pieces
 
 

@@ -49,7 +49,6 @@ from executor.fabric.state import ShardState
 from executor.flat_units import as_flat_view
 
 SNAPSHOT_TAG = 7100
-# (unit, lo, param, grad, exp_avg, exp_avg_sq, step): the live optimizer's own update of a slice
 
 
 class UpdateFn(Protocol):
@@ -174,8 +173,6 @@ class ShardBackups:
         self.comm, self.update_fn = comm, update_fn
         self._carried_fn = carried
         self._carried: dict[tuple[str, int, int], tuple[tuple[int, int], ...]] = {}
-        # a copy's full-length gradient buffer per (protected worker, unit) that trains in part:
-        # the updater thread's alone; its frozen elements stay zero
         self._own: dict[str, tuple[int, int]] = {}  # my units' intervals, from the last seed
         self.holders, self.protected_ranks = holders, tuple(protected)
         self.holder = holders[0] if holders else None  # the first copy
