@@ -351,7 +351,7 @@ class ShardBackups:
             grads[p] = {}
             for k in sorted(units):
                 n = self._wire_numel({k: units[k]})
-                grads[p][k] = buf[pos : pos + n]  # widened where it is applied (`_apply`)
+                grads[p][k] = buf[pos : pos + n]  # read in place by the replay (`_apply`)
                 pos += n
         # the updater waits for the copies, not the commit (module docstring)
         self._pending = _Update(step, grads, self._stager.take())
