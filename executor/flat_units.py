@@ -19,6 +19,7 @@ the gradient buffer when it is read, so the buffer always holds what `.grad` say
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TypeGuard
 
 import torch
 from torch import nn
@@ -47,7 +48,7 @@ def as_flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 def holds_copy_of(
     copy: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype, device: torch.device
-) -> bool:
+) -> TypeGuard[torch.Tensor]:
     """Whether `copy` can be overwritten with a tensor of this shape, dtype and device."""
     return copy is not None and copy.shape == tuple(shape) and copy.dtype == dtype and copy.device == device
 
@@ -64,7 +65,7 @@ def copy_reusing(src: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
     fresh clone. A copy taken every step (the rollback copy) reuses the memory of the copy it
     replaces: on the host a fresh allocation of this size faults its pages in again, which cost
     several times the copy itself (10x at 40 MB on the CI machine)."""
-    if into is not None and holds_copy_of(into, src.shape, src.dtype, src.device):
+    if holds_copy_of(into, src.shape, src.dtype, src.device):
         return into.copy_(src)
     return src.clone()
 

@@ -155,11 +155,11 @@ class ShardedOptimizer:
             self.units,
             self.ownership,
             dp_index,
+            self.segments,
             self.precision.wire_dtype,
             self.device,
             flat,
             bucket_min,
-            self.segments,
         )
         self.step_count = step_count
         self.shards: dict[str, ShardState] = {}

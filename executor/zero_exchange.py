@@ -53,7 +53,7 @@ from torch.distributed import AllToAllOptions
 from executor.engine_comm import EngineComm, WorkSet
 from executor.flat_units import FlatUnit, assign_flat, flat_grads, flat_params, flat_units, range_views
 from executor.grad_overlap import OverlapLauncher
-from executor.optim import OptimizerConfig, Segments, trainable_runs
+from executor.optim import Segments, trainable_runs
 
 Interval = tuple[int, int]
 # Units smaller than this (elements) share an exchange with their neighbours in launch order,
@@ -85,16 +85,16 @@ class UnitExchange:
         units: Mapping[str, nn.Module],
         ownership: Mapping[str, list[Interval]],
         dp_index: int,
+        segments: Mapping[str, Segments],
         wire_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         flat: bool = True,
         bucket_min: int = BUCKET_MIN_ELEMENTS,
-        segments: Mapping[str, Segments] | None = None,
     ) -> None:
         """`flat=False` keeps every unit on the copying path, `bucket_min=0` gives every unit its
-        own exchange (the same results either way; for comparisons). `segments`: the units'
+        own exchange (the same results either way; for comparisons). `segments`: every unit's
         decay segments (`OptimizerConfig.decay_segments`, whose FROZEN runs say what does not
-        train); by default taken from `requires_grad`."""
+        train), as the optimizer resolved them."""
         self.comm, self.group, self.wire_dtype = comm, group, wire_dtype
         self.device = torch.device(device)
         self.units = dict(units)
@@ -102,11 +102,7 @@ class UnitExchange:
         self.dp_index, self.dp_size = dp_index, len(next(iter(self.ownership.values())))
         self._numel = {n: sum(p.numel() for p in u.parameters()) for n, u in self.units.items()}
         # Units with a trainable element (a trainable parameter of no elements trains nothing)
-        segments = segments or {}
-        self.segments = {
-            n: segments[n] if n in segments else OptimizerConfig().decay_segments(u.named_parameters())
-            for n, u in self.units.items()
-        }
+        self.segments = {n: segments[n] for n in self.units}
         runs = {n: trainable_runs(self.segments[n], 0, self._numel[n]) for n in self.units}
         self._trains = {n for n, r in runs.items() if r}
         # Units without a trainable parameter: their parameters and moments never change.

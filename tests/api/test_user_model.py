@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from executor.launch import JobSpec, job_losses, merged_state, run_job
+from executor.optim import OptimizerConfig, Segments
 from executor.reference import run_reference
 from executor.sampler import GlobalBatchSampler
 from executor.trainer import TrainSpec
@@ -151,11 +152,18 @@ def frozen_spec(total_steps: int) -> TrainSpec:
     )
 
 
+def _segments(units: dict[str, nn.Module]) -> dict[str, Segments]:
+    """The units' decay segments as the optimizer resolves them by default."""
+    return {n: OptimizerConfig().decay_segments(u.named_parameters()) for n, u in units.items()}
+
+
 def test_a_wholly_frozen_unit_is_in_no_exchange() -> None:
     units = {n: _build_frozen(n) for n in UNITS}
     numel = {n: sum(p.numel() for p in u.parameters()) for n, u in units.items()}
     ownership = {n: [(0, numel[n] // 2), (numel[n] // 2, numel[n])] for n in UNITS}
-    exchange = UnitExchange(None, "dp/0", units, ownership, dp_index=0, bucket_min=0)  # type: ignore[arg-type]
+    exchange = UnitExchange(
+        None, "dp/0", units, ownership, dp_index=0, segments=_segments(units), bucket_min=0
+    )  # type: ignore[arg-type]
     assert [b for b in exchange.buckets] == [(n,) for n in reversed(UNITS) if n not in FROZEN_UNITS]
     assert exchange.active() == [n for n in UNITS if n not in FROZEN_UNITS]
 
@@ -194,7 +202,9 @@ def test_a_unit_that_trains_in_part_sends_its_trainable_elements_only() -> None:
     }
     ownership = {n: [(0, len(v) // 3), (len(v) // 3, len(v))] for n, v in flat.items()}
     comm = _RecordingComm()
-    exchange = UnitExchange(comm, "dp/0", units, ownership, dp_index=0, bucket_min=0)  # type: ignore[arg-type]
+    exchange = UnitExchange(
+        comm, "dp/0", units, ownership, dp_index=0, segments=_segments(units), bucket_min=0
+    )  # type: ignore[arg-type]
     expected = {
         n: [int(trains[n][lo:hi].sum()) for lo, hi in ownership[n]] for n in UNITS if bool(trains[n].any())
     }
@@ -269,6 +279,8 @@ def test_a_unit_whose_trainable_parameters_are_empty_is_frozen() -> None:
     units["head"].register_parameter("adapter", nn.Parameter(torch.empty(0)))
     numel = {n: sum(p.numel() for p in u.parameters()) for n, u in units.items()}
     ownership = {n: [(0, numel[n] // 2), (numel[n] // 2, numel[n])] for n in UNITS}
-    exchange = UnitExchange(None, "dp/0", units, ownership, dp_index=0, bucket_min=0)  # type: ignore[arg-type]
+    exchange = UnitExchange(
+        None, "dp/0", units, ownership, dp_index=0, segments=_segments(units), bucket_min=0
+    )  # type: ignore[arg-type]
     assert {"embed", "merge", "head"} <= exchange.frozen
     assert all("head" not in b for b in exchange.buckets)
