@@ -19,6 +19,7 @@ the gradient buffer when it is read, so the buffer always holds what `.grad` say
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from operator import is_
 from typing import TypeGuard
 
 import torch
@@ -155,6 +156,38 @@ def flattenable(unit: nn.Module) -> bool:
     )
 
 
+_Structure = tuple[tuple[nn.Module, tuple[object, ...], tuple[object, ...]], ...]
+
+
+def _structure(unit: nn.Module) -> _Structure:
+    """Every module of `unit` (each once, as `named_modules` visits them) with the objects in
+    its submodule and parameter slots."""
+    seen: set[int] = set()
+    out: list[tuple[nn.Module, tuple[object, ...], tuple[object, ...]]] = []
+    stack = [unit]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        children = tuple(module._modules.values())
+        out.append((module, children, tuple(module._parameters.values())))
+        stack.extend(c for c in children if c is not None)
+    return tuple(out)
+
+
+def _unchanged(structure: _Structure) -> bool:
+    """Whether every slot of `structure` still holds the same object (compared by identity:
+    `==` on two parameters would compare their values)."""
+    for module, children, params in structure:
+        now_children, now_params = module._modules.values(), module._parameters.values()
+        if len(now_children) != len(children) or len(now_params) != len(params):
+            return False
+        if not all(map(is_, now_children, children)) or not all(map(is_, now_params, params)):
+            return False
+    return True
+
+
 class FlatUnit:
     """One unit's parameters and gradients as views of two flat buffers (module docstring)."""
 
@@ -180,6 +213,7 @@ class FlatUnit:
         self.grad = torch.zeros_like(view)
         self._grad_views = [g.view_as(p) for g, p in zip(self.grad.split(sizes), self.params, strict=True)]
         self._ptrs = [p.data_ptr() for p in self.params]
+        self._structure = _structure(self.unit)
         # A unit that trains in part (LoRA, BitFit): only the regions that can hold a gradient
         # are cleared, those of parameters that train or trained at the last clear
         self._partial = not all(p.requires_grad for p in self.params)
@@ -187,10 +221,12 @@ class FlatUnit:
         self._copied: set[int] = set()  # gradient regions a replaced `.grad` was copied into
 
     def intact(self) -> bool:
-        """Whether every parameter is still the view it was made (the same tensors, in place)."""
-        params = list(self.unit.parameters())
-        return len(params) == len(self.params) and all(
-            p is q and p.data_ptr() == ptr for p, q, ptr in zip(params, self.params, self._ptrs, strict=True)
+        """Whether every parameter is still the view it was made (the same tensors, in place).
+        Asked several times a step, so it compares the module tree recorded at adoption rather
+        than walking `parameters()` again (a third of the cost on a transformer block): the
+        same submodules and parameter slots give the same `parameters()`."""
+        return _unchanged(self._structure) and all(
+            p.data_ptr() == ptr for p, ptr in zip(self.params, self._ptrs, strict=True)
         )
 
     def ensure(self) -> None:

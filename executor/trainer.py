@@ -319,7 +319,7 @@ class Trainer:
             overlay, self.armed_overlay = self.armed_overlay, None
         self.rng.begin_step(step)
         self.optimizer.zero_grads()  # flat units: backward accumulates into their gradient buffers
-        sample_losses: dict[int, torch.Tensor] = {}
+        sample_losses: list[tuple[int, torch.Tensor]] = []  # (first row, its slot's per-sample losses)
         fed: list[int] = []
         B = self.layout.global_batch
         loads_data = self.is_first or self.is_last
@@ -343,8 +343,7 @@ class Trainer:
                     return x
                 per_sample = self._per_sample_loss(x, _to_device(batch.targets, self.device), len(ids))
             per_sample = per_sample.float()  # the loss adds up in fp32 whatever the compute dtype
-            for row, value in zip(range(rows.start, rows.stop), per_sample.detach(), strict=True):
-                sample_losses[row] = value
+            sample_losses.append((rows.start, per_sample.detach()))
             loss = per_sample.sum() / B
             return loss if self.scaler is None else loss * self.scaler.scale
 
@@ -420,11 +419,12 @@ class Trainer:
             )
         return loss
 
-    def _local_losses(self, mine: Mapping[int, torch.Tensor]) -> torch.Tensor:
-        """This rank's per-sample losses at their rows of the global batch (zeros elsewhere)."""
+    def _local_losses(self, mine: Sequence[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """This rank's per-sample losses at their rows of the global batch (zeros elsewhere), from
+        each slot's (first row, losses): one write per slot, not one per sample."""
         local = torch.zeros(self.layout.global_batch, device=self.device)
-        for row, value in mine.items():
-            local[row] = value
+        for start, values in mine:
+            local[start : start + values.numel()] = values
         return local
 
     def _global_loss(self, local: torch.Tensor, gathered: list[torch.Tensor] | None = None) -> float:
@@ -438,12 +438,12 @@ class Trainer:
                 gathered[0] = local
             else:
                 self.comm.all_gather(dp_group_name(self.stage), gathered, local)
-        owner = {}
+        owner = [0] * B
         for m in range(self.layout.num_micro_batches):
             for j, rng in enumerate(self.stage_layout.split_slot(self.layout.slot_range(m))):
-                owner.update({row: j for row in range(rng.start, rng.stop)})
-        values = [g.cpu() for g in gathered]
-        return math.fsum(float(values[owner[row]][row]) for row in range(B)) / B
+                owner[rng.start : rng.stop] = [j] * len(rng)
+        values = [g.tolist() for g in gathered]  # one transfer per rank, not one per sample
+        return math.fsum(values[owner[row]][row] for row in range(B)) / B
 
     def arm_overlay(self, overlay: StepOverlay) -> None:
         """Make the next `train_step` (called without an overlay) run with `overlay`."""

@@ -419,9 +419,10 @@ class UnitExchange:
         if not received:
             return
         received = {n: received[n] for n in self.units if n in received}  # stage order
-        params = {n: [p.detach() for p in self.units[n].parameters()] for n in received}
         vecs = {n: self.param_vector(n) for n in received}
-        if not all(vecs[n] is not None or all(p.is_contiguous() for p in params[n]) for n in received):
+        # the parameters one by one only where the unit has no flat buffer to write into
+        params = {n: [p.detach() for p in self.units[n].parameters()] for n in received if vecs[n] is None}
+        if not all(all(p.is_contiguous() for p in params[n]) for n in params):
             flats = {n: flat_params(self.units[n]) for n in received}
             for name, pieces in received.items():
                 for k, piece in enumerate(pieces):

@@ -195,6 +195,32 @@ def test_a_re_pointed_parameter_or_replaced_grad_is_taken_again() -> None:
         assert all(torch.equal(ms["shards"][n][2], ps["shards"][n][2]) for n in ms["shards"])
 
 
+@pytest.mark.parametrize("change", ["parameter", "submodule", "added", "removed", "data", "reordered"])
+def test_a_flat_unit_notices_every_change_that_re_points_a_parameter(change: str) -> None:
+    unit = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    flat = FlatUnit(unit)
+    assert flat.intact()
+    first = unit[0]
+    assert isinstance(first, nn.Linear)
+    if change == "parameter":
+        first.weight = nn.Parameter(first.weight.detach().clone())
+    elif change == "submodule":
+        unit[2] = nn.Linear(4, 2)
+    elif change == "added":
+        first.extra = nn.Parameter(torch.zeros(1))
+    elif change == "removed":
+        first.bias = None
+    elif change == "data":
+        first.bias.data = first.bias.detach().clone()
+    else:  # the same parameters, in another order: parameters() changes order
+        weight, bias = first._parameters.pop("weight"), first._parameters.pop("bias")
+        first._parameters["bias"], first._parameters["weight"] = bias, weight
+    assert not flat.intact()
+    flat.ensure()  # adopted again: the values kept, views of one buffer once more
+    assert flat.intact()
+    assert as_flat_view([p.detach() for p in unit.parameters()]) is not None
+
+
 def test_flat_unit_reads_what_grad_says() -> None:
     unit = nn.Linear(3, 2)
     flat = FlatUnit(unit)
