@@ -11,12 +11,20 @@ slices); this module moves the bytes. Each unit of the stage has one personalise
   during the step's last backward as autograd finishes each unit (`executor.grad_overlap`) or
   after it;
 - all-gather: posted right after the owner updated the unit's slice (so it overlaps the next
-  unit's update), received straight into the unit's flat parameter buffer.
+  unit's update), received straight into the unit's flat parameter buffer. On the host (gloo)
+  the owner's slice goes to each other rank as it lies, point to point (`comm.post_exchange`,
+  one tag per bucket): a personalised exchange needs one send buffer holding the slice D times,
+  a copy of the stage's whole parameter vector every step, and gloo's `alltoall_base` costs
+  more of its threads' CPU than the same bytes sent point to point (docs/benchmarks.md). On an
+  accelerator the slice repeated D times goes out in one `alltoall_base`, as NCCL's all-to-all
+  batches what separate sends would not, and a device copy is cheap.
 
-Each direction is waited for as one guarded op (`engine_comm.WorkSet`): to failure detection a
-step still has one reduce-scatter and one all-gather. Each exchange is posted through
-`comm.issue`, so the op ledger counts it from then on: one posted and never waited for (a step
-abandoned mid-backward) makes the next edit rebuild the DP group (docs/engine.md).
+The reduce-scatter is waited for as one guarded op (`engine_comm.WorkSet`), the all-gather as
+one (its collective) or through `comm.complete` (its point-to-point messages): to failure
+detection a step still has one reduce-scatter and one all-gather. Every exchange is posted
+through `comm.issue` or `comm.post_exchange`, so the op ledger counts it from then on: one
+posted and never waited for (a step abandoned mid-backward) makes the next edit rebuild the DP
+group (docs/engine.md).
 
 Units smaller than `BUCKET_MIN_ELEMENTS` are bucketed with their neighbours in launch order (a
 fixed cost per exchange, as DDP's buckets): a bucket of several units, or of a unit without a
@@ -44,6 +52,7 @@ adapters, not the weight.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,6 +70,9 @@ Interval = tuple[int, int]
 # each side, more than copying a small unit (a small model's units would otherwise pay more in
 # exchanges than the zero-copy path saves). 2^18 elements = 1 MiB of fp32.
 BUCKET_MIN_ELEMENTS = 1 << 18
+# Point-to-point tags of the all-gather on the host: this + the bucket's index, far above every
+# other point-to-point user of a DP group (snapshots 7100+, remap 9000+).
+GATHER_TAG = 1 << 24
 
 
 def _in_dp_order(intervals: Sequence[Interval], numel: int) -> bool:
@@ -345,11 +357,30 @@ class UnitExchange:
             sizes = [n + g.extra.numel() for n in sizes]
         sent = parts[0] if len(parts) == 1 else torch.cat(parts)
         recv = out if out is not None else torch.empty(sum(sizes), dtype=sent.dtype, device=sent.device)
-        # A personalised exchange of my slice repeated D times, not gloo's all-gather of the slice
-        # once: that costs less on this thread but more in gloo's (it gathers into a scratch
-        # buffer and copies out), 1.5-4 ms of CPU per worker-step more at hidden 256 (docs/benchmarks.md).
-        work = self._alltoall(recv, sent.repeat(self.dp_size), sizes)
-        g.posted.append((i if out is None else -1, recv, work))
+        g.posted.append((i if out is None else -1, recv, self._allgather(recv, sent, sizes, i)))
+
+    def _allgather(
+        self, recv: torch.Tensor, sent: torch.Tensor, sizes: Sequence[int], bucket: int
+    ) -> _Posted:
+        """Post bucket `bucket`'s all-gather: `sent` (my part) to every rank of the group, rank
+        k's part into its `sizes[k]` elements of `recv`, in DP order (module docstring: point to
+        point on the host, one personalised exchange elsewhere). Never blocks."""
+        if self.device.type != "cpu":
+            # not gloo's all-gather of the slice once either: on the host it cost less on this
+            # thread but more in gloo's (a scratch buffer copied out; docs/benchmarks.md)
+            return _Posted(work=self._alltoall(recv, sent.repeat(self.dp_size), sizes))
+        pieces = recv.split(list(sizes))
+        mine = pieces[self.dp_index]
+        if mine.data_ptr() != sent.data_ptr():  # in place when the owner updated it where it lies
+            mine.copy_(sent)
+        peers = [(k, w) for k, w in enumerate(self.comm.workers(self.group)) if k != self.dp_index]
+        tag = GATHER_TAG + bucket
+        return _Posted(
+            ops=self.comm.post_exchange(
+                [(self.group, sent, w, tag) for _k, w in peers],
+                [(self.group, pieces[k], w, tag) for k, w in peers],
+            )
+        )
 
     def finish_gather(self) -> list[torch.Tensor] | None:
         """Complete the all-gather (waited for as one op): copy what did not land in place into
@@ -369,16 +400,12 @@ class UnitExchange:
         if g.extra is not None and g.carrier is None:  # a stage without parameters: the extra alone
             e = g.extra.numel()
             recv = torch.empty(e * self.dp_size, dtype=g.extra.dtype, device=self.device)
+            extra = g.extra.to(self.device)
             g.posted.append(
-                (
-                    -1,
-                    recv,
-                    self._alltoall(recv, g.extra.to(self.device).repeat(self.dp_size), [e] * self.dp_size),
-                )
+                (-1, recv, _Posted(self._alltoall(recv, extra.repeat(self.dp_size), [e] * self.dp_size)))
             )
             piggybacked = list(recv.chunk(self.dp_size))
-        if g.posted:
-            self.comm.wait(self.group, WorkSet([work for _i, _r, work in g.posted]), issued=len(g.posted))
+        self._wait_all([p for _i, _r, p in g.posted])
         received: dict[str, list[torch.Tensor]] = {}
         for i, recv, _work in g.posted:
             if i < 0:
@@ -394,6 +421,16 @@ class UnitExchange:
                     received.setdefault(n, []).append(part)
         self.write_back(received)
         return piggybacked
+
+    def _wait_all(self, posted: Sequence[_Posted]) -> None:
+        """Wait for the all-gather: its collectives as one guarded op, its point-to-point
+        messages through `comm.complete` (bounded; PeerFailure on a dead peer)."""
+        works = [p.work for p in posted if p.work is not None]
+        if works:
+            self.comm.wait(self.group, WorkSet(works), issued=len(works))
+        for p in posted:
+            if p.ops is not None:
+                self.comm.complete(p.ops)
 
     def _alltoall(
         self,
@@ -442,11 +479,20 @@ class UnitExchange:
                         pos += view.numel()
 
 
+@dataclass(frozen=True)
+class _Posted:
+    """A bucket's all-gather in flight: a collective issued through `comm.issue` (`work`), or
+    point-to-point messages from `comm.post_exchange` (`ops`)."""
+
+    work: Any = None
+    ops: Any = None
+
+
 class _Gather:
     """One step's all-gather in progress: where `extra` rides, the updated slices so far and the
-    posted exchanges (bucket index, or -1 when received in place; receiving tensor; work)."""
+    posted exchanges (bucket index, or -1 when received in place; receiving tensor; what to wait for)."""
 
     def __init__(self, carrier: int | None, extra: torch.Tensor | None) -> None:
         self.carrier, self.extra = carrier, extra
         self.updated: dict[str, torch.Tensor] = {}
-        self.posted: list[tuple[int, torch.Tensor, Any]] = []
+        self.posted: list[tuple[int, torch.Tensor, _Posted]] = []

@@ -180,11 +180,20 @@ class _RecordingGroup:
 
 
 class _RecordingComm:
+    """Two workers' DP group, as worker 0 sees it: records the sizes of what goes out."""
+
     def __init__(self) -> None:
         self.group = _RecordingGroup()
 
+    def workers(self, group: str) -> tuple[int, ...]:
+        return (0, 1)
+
     def issue(self, group: str, post):  # noqa: ANN001, ANN201
         return post(self.group)
+
+    def post_exchange(self, sends, recvs):  # noqa: ANN001, ANN201 - the all-gather on the host
+        assert [peer for _g, _t, peer, _tag in sends] == [1] == [peer for _g, _t, peer, _tag in recvs]
+        self.group.sent.append([t.numel() for _g, t, _peer, _tag in sends])
 
     def wait(self, group: str, works, issued: int) -> None:  # noqa: ANN001
         pass
@@ -227,7 +236,8 @@ def test_a_unit_that_trains_in_part_sends_its_trainable_elements_only() -> None:
     for n in UNITS:
         lo, hi = ownership[n][0]
         exchange.updated(n, flat[n][lo:hi])
-    assert comm.group.sent == [[expected[n][0]] * 2 for n in UNITS if n in expected]  # in update order
+    # the all-gather: my carried elements to the other rank, point to point, in update order
+    assert comm.group.sent == [[expected[n][0]] for n in UNITS if n in expected]
 
 
 def fine_tune_spec(total_steps: int) -> TrainSpec:

@@ -20,6 +20,7 @@ from executor.flat_units import FlatUnit, as_flat_view
 from executor.optim import OptimizerConfig
 from executor.trainer import Trainer
 from executor.zero import Interval, ShardedOptimizer
+from executor.zero_exchange import GATHER_TAG
 from tests.executor.engine_cases import NUM_UNITS, gpt_spec, layout
 
 GROUP = "dp/0"
@@ -130,14 +131,24 @@ def test_the_step_addresses_the_flat_buffers_in_place(monkeypatch: pytest.Monkey
     seen: dict[int, list[tuple[str, torch.Tensor]]] = {0: [], 1: []}
 
     def body(opt: ShardedOptimizer, units: dict[str, nn.Module], rank: int) -> Any:
+        comm = opt.exchange.comm
+        real_post = comm.post_exchange
+
         real_alltoall = opt.exchange._alltoall
 
-        def alltoall(out: torch.Tensor, sent: torch.Tensor, *args: Any) -> Any:
-            seen[rank].append(("out", out))
-            seen[rank].append(("sent", sent))
+        def post_exchange(sends: Any, recvs: Any) -> Any:  # the all-gather, point to point on the host
+            for kind, ops in (("send", sends), ("recv", recvs)):
+                for _group, t, _peer, tag in ops:
+                    assert tag >= GATHER_TAG
+                    seen[rank].append((f"gather {kind}", t))
+            return real_post(sends, recvs)
+
+        def alltoall(out: torch.Tensor, sent: torch.Tensor, *args: Any) -> Any:  # the reduce-scatter
+            seen[rank].append(("reduce send", sent))
             return real_alltoall(out, sent, *args)
 
         opt.cfg = _SpyConfig(opt.cfg, seen[rank])  # type: ignore[assignment]
+        monkeypatch.setattr(comm, "post_exchange", post_exchange)
         monkeypatch.setattr(opt.exchange, "_alltoall", alltoall)
         opt.zero_grads()
         _backward(units, 0, rank)
@@ -158,17 +169,29 @@ def test_the_step_addresses_the_flat_buffers_in_place(monkeypatch: pytest.Monkey
             ptr = flat.flat.untyped_storage().data_ptr()
             assert all(p.untyped_storage().data_ptr() == ptr for p in flat.unit.parameters())
             assert as_flat_view([p.detach() for p in flat.unit.parameters()]) is not None
-            lo, _hi = opt.ownership[name][rank]
-            ops = dict.fromkeys(("update", "out", "sent"), 0)
+            intervals = opt.ownership[name]
+            where = {  # the message -> the buffer and the owner whose interval it must be, in place
+                "update": (flat.flat, rank),
+                "gather send": (flat.flat, rank),  # my updated slice, sent from where it lies
+                "gather recv": (flat.flat, 1 - rank),  # the other owner's, received where it goes
+            }
+            ops = dict.fromkeys(where, 0)
             for kind, t in seen[rank]:
-                if kind == "update" and t.untyped_storage().data_ptr() == ptr:
-                    assert t.storage_offset() == flat.flat.storage_offset() + lo  # my slice, in place
+                if (
+                    kind in where
+                    and t.untyped_storage().data_ptr() == where[kind][0].untyped_storage().data_ptr()
+                ):
+                    buffer, owner = where[kind]
+                    lo, hi = intervals[owner]
+                    assert (t.storage_offset(), t.numel()) == (buffer.storage_offset() + lo, hi - lo), kind
                     ops[kind] += 1
-                elif kind == "out" and t.data_ptr() == flat.flat.data_ptr() and t.numel() == flat.numel:
-                    ops[kind] += 1  # the all-gather receives into the parameter buffer
-                elif kind == "sent" and t.data_ptr() == flat.grad.data_ptr() and t.numel() == flat.numel:
-                    ops[kind] += 1  # the reduce-scatter sends the gradient buffer itself
-            assert ops == {"update": 1, "out": 1, "sent": 1}, (rank, name, ops)
+            assert ops == dict.fromkeys(where, 1), (rank, name, ops)
+            # the reduce-scatter sends the gradient buffer itself, cut by owner in gloo
+            assert [
+                t.numel()
+                for k, t in seen[rank]
+                if k == "reduce send" and t.data_ptr() == flat.grad.data_ptr()
+            ] == [flat.numel]
     # the spy can fail: the copying path concatenates
     _both(HashStore(), _train(1), flat=False, swapped=False)
     assert cats
