@@ -71,7 +71,8 @@ Interval = tuple[int, int]
 # exchanges than the zero-copy path saves). 2^18 elements = 1 MiB of fp32.
 BUCKET_MIN_ELEMENTS = 1 << 18
 # Point-to-point tags of the all-gather on the host: this + the bucket's index, far above every
-# other point-to-point user of a DP group (snapshots 7100+, remap 9000+).
+# other point-to-point tag the executor uses (tied weights, migration, snapshots, remap and
+# rebuild all stay under 10,000 plus two per transfer).
 GATHER_TAG = 1 << 24
 
 
@@ -365,9 +366,7 @@ class UnitExchange:
         """Post bucket `bucket`'s all-gather: `sent` (my part) to every rank of the group, rank
         k's part into its `sizes[k]` elements of `recv`, in DP order (module docstring: point to
         point on the host, one personalised exchange elsewhere). Never blocks."""
-        if self.device.type != "cpu":
-            # not gloo's all-gather of the slice once either: on the host it cost less on this
-            # thread but more in gloo's (a scratch buffer copied out; docs/benchmarks.md)
+        if self.device.type != "cpu":  # an accelerator: one all-to-all of the slice repeated D times
             return _Posted(work=self._alltoall(recv, sent.repeat(self.dp_size), sizes))
         pieces = recv.split(list(sizes))
         mine = pieces[self.dp_index]
@@ -383,7 +382,8 @@ class UnitExchange:
         )
 
     def finish_gather(self) -> list[torch.Tensor] | None:
-        """Complete the all-gather (waited for as one op): copy what did not land in place into
+        """Complete the all-gather (one guarded op to failure detection; on the host its
+        point-to-point messages through `comm.complete`): copy what did not land in place into
         the parameters. Returns every rank's carried `extra`, in DP order (None without one)."""
         g, self._gather = self._gather, None
         assert g is not None, "begin_gather first"

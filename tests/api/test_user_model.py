@@ -162,8 +162,14 @@ def test_a_wholly_frozen_unit_is_in_no_exchange() -> None:
     numel = {n: sum(p.numel() for p in u.parameters()) for n, u in units.items()}
     ownership = {n: [(0, numel[n] // 2), (numel[n] // 2, numel[n])] for n in UNITS}
     exchange = UnitExchange(
-        None, "dp/0", units, ownership, dp_index=0, segments=_segments(units), bucket_min=0
-    )  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        "dp/0",
+        units,
+        ownership,
+        dp_index=0,
+        segments=_segments(units),
+        bucket_min=0,
+    )
     assert [b for b in exchange.buckets] == [(n,) for n in reversed(UNITS) if n not in FROZEN_UNITS]
     assert exchange.active() == [n for n in UNITS if n not in FROZEN_UNITS]
 
@@ -212,8 +218,14 @@ def test_a_unit_that_trains_in_part_sends_its_trainable_elements_only() -> None:
     ownership = {n: [(0, len(v) // 3), (len(v) // 3, len(v))] for n, v in flat.items()}
     comm = _RecordingComm()
     exchange = UnitExchange(
-        comm, "dp/0", units, ownership, dp_index=0, segments=_segments(units), bucket_min=0
-    )  # type: ignore[arg-type]
+        comm,  # type: ignore[arg-type]
+        "dp/0",
+        units,
+        ownership,
+        dp_index=0,
+        segments=_segments(units),
+        bucket_min=0,
+    )
     expected = {
         n: [int(trains[n][lo:hi].sum()) for lo, hi in ownership[n]] for n in UNITS if bool(trains[n].any())
     }
@@ -290,7 +302,13 @@ def test_a_unit_whose_trainable_parameters_are_empty_is_frozen() -> None:
     numel = {n: sum(p.numel() for p in u.parameters()) for n, u in units.items()}
     ownership = {n: [(0, numel[n] // 2), (numel[n] // 2, numel[n])] for n in UNITS}
     exchange = UnitExchange(
-        None, "dp/0", units, ownership, dp_index=0, segments=_segments(units), bucket_min=0
-    )  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        "dp/0",
+        units,
+        ownership,
+        dp_index=0,
+        segments=_segments(units),
+        bucket_min=0,
+    )
     assert {"embed", "merge", "head"} <= exchange.frozen
     assert all("head" not in b for b in exchange.buckets)

@@ -218,17 +218,26 @@ def test_a_re_pointed_parameter_or_replaced_grad_is_taken_again() -> None:
         assert all(torch.equal(ms["shards"][n][2], ps["shards"][n][2]) for n in ms["shards"])
 
 
-@pytest.mark.parametrize("change", ["parameter", "submodule", "added", "removed", "data", "reordered"])
+@pytest.mark.parametrize(
+    "change", ["parameter", "submodule", "nested", "shared", "added", "removed", "data", "reordered"]
+)
 def test_a_flat_unit_notices_every_change_that_re_points_a_parameter(change: str) -> None:
-    unit = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    shared = nn.Linear(2, 2)  # one submodule in two places of the tree (parameters() lists it once)
+    unit = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Sequential(nn.Linear(4, 2), shared, shared))
     flat = FlatUnit(unit)
     assert flat.intact()
-    first = unit[0]
-    assert isinstance(first, nn.Linear)
+    first, inner = unit[0], unit[2]
+    assert isinstance(first, nn.Linear) and isinstance(inner, nn.Sequential)
     if change == "parameter":
         first.weight = nn.Parameter(first.weight.detach().clone())
     elif change == "submodule":
         unit[2] = nn.Linear(4, 2)
+    elif change == "nested":  # two levels down
+        deep = inner[0]
+        assert isinstance(deep, nn.Linear)
+        deep.bias = nn.Parameter(deep.bias.detach().clone())
+    elif change == "shared":  # the shared module's parameter, seen through either place
+        shared.weight = nn.Parameter(shared.weight.detach().clone())
     elif change == "added":
         first.extra = nn.Parameter(torch.zeros(1))
     elif change == "removed":
