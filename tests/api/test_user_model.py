@@ -14,11 +14,12 @@ import torch
 from torch import nn
 
 from executor.launch import JobSpec, job_losses, merged_state, run_job
-from executor.optim import OptimizerConfig, Segments
+from executor.optim import OptimizerConfig
 from executor.reference import run_reference
 from executor.sampler import GlobalBatchSampler
 from executor.trainer import TrainSpec
 from executor.units import UnitModel
+from executor.zero import Interval
 from executor.zero_exchange import UnitExchange
 from planners.layout import Layout, StageLayout
 from tests.api.toy_model import (
@@ -152,24 +153,20 @@ def frozen_spec(total_steps: int) -> TrainSpec:
     )
 
 
-def _segments(units: dict[str, nn.Module]) -> dict[str, Segments]:
-    """The units' decay segments as the optimizer resolves them by default."""
-    return {n: OptimizerConfig().decay_segments(u.named_parameters()) for n, u in units.items()}
+def _exchange(
+    comm: object, units: dict[str, nn.Module], ownership: dict[str, list[Interval]]
+) -> UnitExchange:
+    """Worker 0's exchanges over a DP group of two, every unit its own bucket, with the decay
+    segments the optimizer resolves by default (`comm` None: nothing is exchanged)."""
+    segments = {n: OptimizerConfig().decay_segments(u.named_parameters()) for n, u in units.items()}
+    return UnitExchange(comm, "dp/0", units, ownership, dp_index=0, segments=segments, bucket_min=0)  # type: ignore[arg-type]
 
 
 def test_a_wholly_frozen_unit_is_in_no_exchange() -> None:
     units = {n: _build_frozen(n) for n in UNITS}
     numel = {n: sum(p.numel() for p in u.parameters()) for n, u in units.items()}
     ownership = {n: [(0, numel[n] // 2), (numel[n] // 2, numel[n])] for n in UNITS}
-    exchange = UnitExchange(
-        None,  # type: ignore[arg-type]
-        "dp/0",
-        units,
-        ownership,
-        dp_index=0,
-        segments=_segments(units),
-        bucket_min=0,
-    )
+    exchange = _exchange(None, units, ownership)
     assert [b for b in exchange.buckets] == [(n,) for n in reversed(UNITS) if n not in FROZEN_UNITS]
     assert exchange.active() == [n for n in UNITS if n not in FROZEN_UNITS]
 
@@ -217,15 +214,7 @@ def test_a_unit_that_trains_in_part_sends_its_trainable_elements_only() -> None:
     }
     ownership = {n: [(0, len(v) // 3), (len(v) // 3, len(v))] for n, v in flat.items()}
     comm = _RecordingComm()
-    exchange = UnitExchange(
-        comm,  # type: ignore[arg-type]
-        "dp/0",
-        units,
-        ownership,
-        dp_index=0,
-        segments=_segments(units),
-        bucket_min=0,
-    )
+    exchange = _exchange(comm, units, ownership)
     expected = {
         n: [int(trains[n][lo:hi].sum()) for lo, hi in ownership[n]] for n in UNITS if bool(trains[n].any())
     }
@@ -301,14 +290,6 @@ def test_a_unit_whose_trainable_parameters_are_empty_is_frozen() -> None:
     units["head"].register_parameter("adapter", nn.Parameter(torch.empty(0)))
     numel = {n: sum(p.numel() for p in u.parameters()) for n, u in units.items()}
     ownership = {n: [(0, numel[n] // 2), (numel[n] // 2, numel[n])] for n in UNITS}
-    exchange = UnitExchange(
-        None,  # type: ignore[arg-type]
-        "dp/0",
-        units,
-        ownership,
-        dp_index=0,
-        segments=_segments(units),
-        bucket_min=0,
-    )
+    exchange = _exchange(None, units, ownership)
     assert {"embed", "merge", "head"} <= exchange.frozen
     assert all("head" not in b for b in exchange.buckets)
