@@ -367,7 +367,11 @@ class Trainer:
         # (one round fewer per step); a skipped update (fp16 overflow) gathers them on their own.
         local_losses = self._local_losses(sample_losses) if self.is_last else None
         share = local_losses is not None and len(self.stage_layout.ranks) > 1
-        applied = self.optimizer.step(local_losses if share else None)
+        try:
+            applied = self.optimizer.step(local_losses if share else None)
+        except BaseException:
+            self.optimizer.abandon_step()  # receives it posted into the parameters moved off them
+            raise
         if overlay is not None:
             overlay.finish()
         self.next_step = step + 1

@@ -48,7 +48,7 @@ from executor.flat_units import flat_slice as flat_slice
 from executor.flat_units import range_views as range_views
 from executor.optim import OptimizerConfig, Segments
 from executor.precision import LossScaler, PrecisionConfig, has_overflow, unscale_
-from executor.zero_exchange import BUCKET_MIN_ELEMENTS, Interval, UnitExchange
+from executor.zero_exchange import Interval, UnitExchange
 from planners.layout import Layout, StageLayout
 from planners.zero import stage_ownership
 
@@ -125,7 +125,7 @@ class ShardedOptimizer:
         precision: PrecisionConfig | None = None,
         scaler: LossScaler | None = None,
         flat: bool = True,
-        bucket_min: int = BUCKET_MIN_ELEMENTS,
+        bucket_min: int | None = None,
     ) -> None:
         """`precision` sets the gradients' wire dtype; `scaler` (fp16) turns on the overflow
         check and the unscaling of the reduced slices (executor.precision). `flat=False` keeps
@@ -180,7 +180,7 @@ class ShardedOptimizer:
 
     def abandon_step(self) -> None:
         """The step raised, or a new layout replaces this optimizer: drop what the step armed
-        and posted (executor.zero_exchange.ZeroExchange.abandon_step)."""
+        and posted (executor.zero_exchange.UnitExchange.abandon_step)."""
         self.exchange.abandon_step()
 
     def overlap_backward(self) -> None:

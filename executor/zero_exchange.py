@@ -102,10 +102,11 @@ class UnitExchange:
         wire_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         flat: bool = True,
-        bucket_min: int = BUCKET_MIN_ELEMENTS,
+        bucket_min: int | None = None,
     ) -> None:
         """`flat=False` keeps every unit on the copying path, `bucket_min=0` gives every unit its
-        own exchange (the same results either way; for comparisons). `segments`: every unit's
+        own exchange (the same results either way; for comparisons; None: `BUCKET_MIN_ELEMENTS`
+        as it is when the exchange is built). `segments`: every unit's
         decay segments (`OptimizerConfig.decay_segments`, whose FROZEN runs say what does not
         train), as the optimizer resolved them."""
         self.comm, self.group, self.wire_dtype = comm, group, wire_dtype
@@ -132,7 +133,7 @@ class UnitExchange:
         # Parameters and gradients as views of one flat buffer per unit (executor.flat_units)
         self.flats: dict[str, FlatUnit] = flat_units(self.units) if flat else {}
         self._ordered = {n: _in_dp_order(self.ownership[n], self._numel[n]) for n in self.units}
-        self.buckets = self._bucket(bucket_min)
+        self.buckets = self._bucket(BUCKET_MIN_ELEMENTS if bucket_min is None else bucket_min)
         self._bucket_of = {n: i for i, b in enumerate(self.buckets) for n in b}
         self._posted: dict[int, tuple[torch.Tensor, Any]] = {}
         self._reduced: dict[str, torch.Tensor] | None = None  # `reduced_slices`
@@ -218,7 +219,18 @@ class UnitExchange:
         forget posted exchanges. Left behind, they fire in a later backward that belongs to
         another exchange and count its gradients as second accumulations of this one's."""
         self.launcher.reset()
+        if self._gather is not None:
+            self._release_receiving(self._gather)
         self._posted, self._gather = {}, None
+
+    def _release_receiving(self, g: _Gather) -> None:
+        """An all-gather that did not finish: move every unit that it receives into in place off
+        the buffer its receives were posted into (`FlatUnit.relocate`). A peer that had not yet
+        seen the failure may still send it its slice of the failed step, after this rank rolled
+        the unit back (tests/executor/test_failstop.py, the straggling survivor)."""
+        for name in g.in_place:
+            self.flats[name].relocate()
+        g.in_place.clear()
 
     def grad_vector(self, name: str) -> torch.Tensor:
         """The unit's flat gradient: the buffer itself for a flat unit, else a concatenated copy."""
@@ -358,7 +370,14 @@ class UnitExchange:
             sizes = [n + g.extra.numel() for n in sizes]
         sent = parts[0] if len(parts) == 1 else torch.cat(parts)
         recv = out if out is not None else torch.empty(sum(sizes), dtype=sent.dtype, device=sent.device)
-        g.posted.append((i if out is None else -1, recv, self._allgather(recv, sent, sizes, i)))
+        if out is not None:  # before posting: the post can fail after issuing some receives
+            g.in_place.append(bucket[0])
+        try:
+            posted = self._allgather(recv, sent, sizes, i)
+        except BaseException:
+            self.abandon_step()
+            raise
+        g.posted.append((i if out is None else -1, recv, posted))
 
     def _allgather(
         self, recv: torch.Tensor, sent: torch.Tensor, sizes: Sequence[int], bucket: int
@@ -405,7 +424,11 @@ class UnitExchange:
                 (-1, recv, _Posted(self._alltoall(recv, extra.repeat(self.dp_size), [e] * self.dp_size)))
             )
             piggybacked = list(recv.chunk(self.dp_size))
-        self._wait_all([p for _i, _r, p in g.posted])
+        try:
+            self._wait_all([p for _i, _r, p in g.posted])
+        except BaseException:
+            self._release_receiving(g)
+            raise
         received: dict[str, list[torch.Tensor]] = {}
         for i, recv, _work in g.posted:
             if i < 0:
@@ -496,3 +519,4 @@ class _Gather:
         self.carrier, self.extra = carrier, extra
         self.updated: dict[str, torch.Tensor] = {}
         self.posted: list[tuple[int, torch.Tensor, _Posted]] = []
+        self.in_place: list[str] = []  # units whose receives were posted into their parameters

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -15,8 +16,9 @@ import torch
 from torch import nn
 from torch.distributed import HashStore
 
+from executor.comm.errors import PeerFailure
 from executor.engine_comm import StaticComm, groups_for_stage_ranks
-from executor.flat_units import FlatUnit, as_flat_view
+from executor.flat_units import FlatUnit, as_flat_view, flat_params
 from executor.optim import OptimizerConfig
 from executor.trainer import Trainer
 from executor.zero import Interval, ShardedOptimizer
@@ -400,3 +402,62 @@ def test_a_step_that_fails_in_an_armed_backward_leaves_no_hook_behind_on_the_nex
     assert sorted(failed) == sorted(clean) == [0, 1, 2, 3]
     for rank, params in failed.items():
         assert all(torch.equal(params[n], clean[rank][n]) for n in params), rank
+
+
+def test_an_abandoned_all_gather_leaves_its_late_receives_no_way_into_the_parameters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 posts its first unit's all-gather (the peer's slice received in place into the
+    unit's parameters), then its next post fails (a lost peer). A receive that is still posted
+    then (gloo cancels one once its work is gone, so this test keeps the works, as a traceback
+    or a device collective would) is completed by the straggling rank 1 after rank 0 gave up:
+    it lands in the old buffer, never in the parameters rank 0 rolls back."""
+    rank0_gave_up, kept = threading.Event(), []
+    seen: dict[int, Any] = {}
+
+    def body(opt: ShardedOptimizer, units: dict[str, nn.Module], rank: int) -> Any:
+        comm, posts = opt.exchange.comm, []
+        real_post = comm.post_exchange
+
+        def post_exchange(sends: Any, recvs: Any) -> Any:
+            if not sends or sends[0][3] < GATHER_TAG:
+                return real_post(sends, recvs)
+            posts.append(next(n for n, f in opt.flats.items() if _same_storage(recvs[0][1], f.flat)))
+            if len(posts) == 1:
+                seen[rank] = recvs[0][1]  # where the peer's slice of the first unit is received
+            if len(posts) == 2:
+                raise PeerFailure(GROUP, "test: the peer is lost")
+            if rank == 1:
+                assert rank0_gave_up.wait(30)  # the straggler
+            ops = real_post(sends, recvs)
+            kept.append((rank, ops))
+            return ops
+
+        monkeypatch.setattr(comm, "post_exchange", post_exchange)
+        opt.zero_grads()
+        _backward(units, 0, rank)
+        with pytest.raises(PeerFailure):
+            opt.step()
+        target = posts[0]
+        seen[rank] = (opt.flats[target], seen[rank], flat_params(units[target]))
+        if rank == 0:
+            rank0_gave_up.set()
+        return target
+
+    targets = _both(HashStore(), body, flat=True, swapped=False)
+    assert targets[0] == targets[1]
+    for work in (w for _rank, ops in kept for w in ops):
+        work.wait(timedelta(seconds=30))  # every late message has landed
+    flat, old_receive, at_failure = seen[0]
+    assert torch.equal(flat_params(flat.unit), at_failure)  # the late slice is not in it
+    assert not _same_storage(old_receive, flat.flat)  # moved off the buffer it received into
+    lo = (
+        old_receive.storage_offset() - old_receive._base.storage_offset()
+        if old_receive._base is not None
+        else 0
+    )
+    assert not torch.equal(old_receive, at_failure[lo : lo + old_receive.numel()])  # it landed there
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
