@@ -236,19 +236,21 @@ class FlatUnit:
                 raise ValueError("a flat unit's parameters changed dtype or device and can no longer be flat")
             self._adopt()
 
-    def relocate(self) -> None:
+    def relocate(self) -> torch.Tensor:
         """Move the parameters into a fresh buffer holding the same values (and a fresh gradient
-        buffer), leaving the old ones to whatever still refers to them. A receive posted into
-        the old buffer and never completed (a step abandoned on a failure) can still land there,
-        from a peer that has not yet seen the failure: it must not land in the state a rollback
-        restores. The old memory stays allocated while the receive can write it: gloo's work
-        holds its tensor (and cancels the receive once the work is gone), the caching allocator
-        keeps a device tensor for the stream of the collective that uses it."""
-        fresh = self.flat.clone()
+        buffer) and return the old parameter buffer. A receive posted into the old buffer and
+        never completed (a step abandoned on a failure) can still land there, from a peer that
+        has not yet seen the failure: it must not land in the state a rollback restores. The
+        caller keeps the old buffer for as long as a collective may still write it (on gloo,
+        dropping the work cancels the receive; a device collective runs until its group is
+        aborted, `UnitExchange._release_receiving`)."""
+        old = self.flat
+        fresh = old.clone()
         with torch.no_grad():
             for p, part in zip(self.params, fresh.split([p.numel() for p in self.params]), strict=True):
                 p.data = part.view_as(p)
         self._adopt()
+        return old
 
     def zero_grads(self) -> None:
         """Clear the gradient buffer and make it every trainable parameter's `.grad`, so backward

@@ -139,6 +139,10 @@ class UnitExchange:
         self._reduced: dict[str, torch.Tensor] | None = None  # `reduced_slices`
         self.launcher = OverlapLauncher([str(i) for i in range(len(self.buckets))], self._launch)
         self._gather: _Gather | None = None
+        # Buffers an abandoned all-gather's receives were posted into (`_release_receiving`):
+        # kept until this exchange is replaced, which happens after the plan's edit has aborted
+        # the groups those receives belong to, so no collective still running writes freed memory.
+        self._orphans: list[torch.Tensor] = []
 
     def _bucket(self, bucket_min: int) -> list[tuple[str, ...]]:
         """Runs of consecutive units in launch order (the stage's units in reverse): a unit of
@@ -227,10 +231,13 @@ class UnitExchange:
         """An all-gather that did not finish: move every unit that it receives into in place off
         the buffer its receives were posted into (`FlatUnit.relocate`). A peer that had not yet
         seen the failure may still send it its slice of the failed step, after this rank rolled
-        the unit back (tests/executor/test_failstop.py, the straggling survivor)."""
+        the unit back (tests/executor/test_failstop.py, the straggling survivor). The posted works
+        are dropped (gloo then cancels their pending receives); the old buffers stay referenced
+        here, for a device collective that runs on until its group is aborted."""
         for name in g.in_place:
-            self.flats[name].relocate()
+            self._orphans.append(self.flats[name].relocate())
         g.in_place.clear()
+        g.posted.clear()
 
     def grad_vector(self, name: str) -> torch.Tensor:
         """The unit's flat gradient: the buffer itself for a flat unit, else a concatenated copy."""
