@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import httpx
 
-from harness.control_plane import states, stop_processes
+from harness.control_plane import HTTP_TIMEOUT_S, states, stop_processes
 from harness.training import (
     TrainDemo,
     TrainDemoConfig,
@@ -182,7 +182,11 @@ class ChaosRun(TrainDemo):
             self._check_time(f"Core {name} to start")
             time.sleep(0.05)
         info = json.loads(ready.read_text())
-        return proc, info, httpx.Client(base_url=f"http://127.0.0.1:{info['http_port']}", timeout=5.0)
+        return (
+            proc,
+            info,
+            httpx.Client(base_url=f"http://127.0.0.1:{info['http_port']}", timeout=HTTP_TIMEOUT_S),
+        )
 
     def _follow_leader(self) -> None:
         """Point the REST client at whichever live Core leads (after a takeover: the standby)."""

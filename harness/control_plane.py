@@ -18,6 +18,12 @@ from typing import Any
 
 import httpx
 
+# How long one REST request to the Core may take. Every wait of a run is bounded by its own
+# deadline; this only keeps a request from failing the run while the Core's event loop is slow:
+# on 2 cores shared with a parallel test suite it once went 4.6 s without turning (a 5 s bound
+# failed the warm-spare story in CI with httpx.ReadTimeout).
+HTTP_TIMEOUT_S = 30.0
+
 
 class Demo:
     def __init__(self, workdir: Path, workers: int, timeout_s: float) -> None:
@@ -56,7 +62,7 @@ class Demo:
             self._check_time("the Core to start")
             time.sleep(0.05)
         info = json.loads(ready.read_text())
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{info['http_port']}", timeout=5.0)
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{info['http_port']}", timeout=HTTP_TIMEOUT_S)
         while self.http.get("/healthz").json()["role"] != "leader":
             self._check_time("the Core to lead")
             time.sleep(0.05)
