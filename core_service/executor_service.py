@@ -104,24 +104,25 @@ def plan_from_body(job: str, epoch: int, body: bytes) -> common_pb2.Plan:
 
 
 class PlanFeed:
-    """Wakes plan subscribers of a job when a newer epoch is published."""
+    """Wakes plan subscribers of a job when a newer epoch is published: every waiter of a job
+    waits on the job's current event, and a notify sets it and starts a new one. No lock: a
+    subscriber cancelled while it waits (its stream closed) leaves nothing half-held, where
+    cancelling `asyncio.wait_for(Condition.wait())` on Python 3.11 could leave the condition's
+    lock released under it ('Lock is not acquired' when the `async with` exits, seen in CI)."""
 
     def __init__(self) -> None:
-        self._conditions: dict[str, asyncio.Condition] = {}
-
-    def _condition(self, job: str) -> asyncio.Condition:
-        return self._conditions.setdefault(job, asyncio.Condition())
+        self._events: dict[str, asyncio.Event] = {}
 
     async def notify(self, job: str) -> None:
-        condition = self._condition(job)
-        async with condition:
-            condition.notify_all()
+        event = self._events.pop(job, None)
+        if event is not None:
+            event.set()
 
     async def wait(self, job: str, timeout_s: float) -> None:
-        condition = self._condition(job)
-        async with condition:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(condition.wait(), timeout_s)
+        """Return at the job's next notify, or after `timeout_s` seconds."""
+        event = self._events.setdefault(job, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout_s)
 
 
 class ExecutorServicer:
