@@ -36,6 +36,7 @@ from executor.checkpoint import (
     read_meta,
 )
 from executor.devices import rank_device
+from executor.dry_run import UnitProbe, discover_boundaries
 from executor.engine_comm import EngineComm, dp_group_name
 from executor.flat_units import copy_runs, holds_flat_copy_of
 from executor.optim import OptimizerConfig, trainable_runs
@@ -45,7 +46,7 @@ from executor.recompute import run_unit
 from executor.rng import DropoutRng, UnitCall, mix64, unit_call
 from executor.sampler import Collate, GlobalBatchSampler, Prefetcher
 from executor.tied import TiedGradSync, align_tied_flats, follower_ranges, tie_stage
-from executor.units import Activation, ActivationSpec, UnitModel, UnitProbe, discover_boundaries
+from executor.units import Activation, ActivationSpec, UnitModel
 from executor.zero import (
     GradHook,
     ShardedOptimizer,

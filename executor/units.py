@@ -11,7 +11,7 @@ The activation between units is a tensor or a tuple of tensors whose first dimen
 sample. How a unit receives a tuple is one rule per way of building the model (`TupleRule`):
 `Units(...)`, a list or a dict unpack it, `unit(*x)`; an `nn.Sequential` passes it whole,
 `unit(x)`, as `nn.Sequential.forward` does. Per-sample shapes and dtypes at every unit boundary
-are discovered by a dry run (`discover_boundaries`: the units are built one at a time and run on
+are discovered by a dry run (`executor.dry_run`: the units are built one at a time and run on
 one sample on the CPU). Declared tied parameters are kept equal by executor.tied; `recompute`
 names units whose forward is recomputed in the backward (executor.recompute).
 """
@@ -71,7 +71,7 @@ class ActivationSpec:
         if not items or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in items):
             raise TypeError(
                 "an activation must be a tensor, or a tuple of tensors, whose first dimension is the "
-                f"sample; got {_describe(x)}"
+                f"sample; got {describe(x)}"
             )
         return ActivationSpec(
             tuple(TensorSpec(tuple(t.shape[1:]), t.dtype) for t in items), isinstance(x, tuple)
@@ -81,11 +81,11 @@ class ActivationSpec:
         return sum(t.bytes_per_sample() for t in self.tensors)
 
 
-def _describe(x: Any) -> str:
+def describe(x: Any) -> str:
     if isinstance(x, torch.Tensor):
         return f"tensor {tuple(x.shape)} {x.dtype}"
     if isinstance(x, tuple | list):
-        return f"{type(x).__name__} of ({', '.join(_describe(v) for v in x)})"
+        return f"{type(x).__name__} of ({', '.join(describe(v) for v in x)})"
     return type(x).__name__
 
 
@@ -308,85 +308,3 @@ def check_shared(units: Mapping[str, nn.Module], declared: set[frozenset[tuple[s
                     f"tied=[({other[0] + '.' + other[1]!r}, {uname + '.' + pname!r})]) and ElasWave keeps "
                     "the two copies equal (Megatron-style), or give each unit its own copy"
                 )
-
-
-@dataclass(frozen=True)
-class UnitProbe:
-    """What the dry run learned of one unit."""
-
-    numel: int
-    param_bytes: int
-    output: ActivationSpec
-    params: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (name, shape) in parameters() order
-    frozen: tuple[str, ...] = ()  # parameters that do not require grad
-
-    def meta_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """Stand-ins of the unit's parameters (no storage), for rules that look at names, shapes
-        and whether they train."""
-        return [
-            (n, nn.Parameter(torch.empty(shape, device="meta"), requires_grad=n not in self.frozen))
-            for n, shape in self.params
-        ]
-
-
-def discover_boundaries(
-    model: UnitModel, sample_input: Activation, device: torch.device | str = "cpu"
-) -> tuple[UnitProbe, ...]:
-    """Run one sample through every unit on `device`, one unit built at a time, and record each
-    unit's parameters and output spec. The parameters stay referenced until the end, so a build
-    function that hands two units the same tensor is refused (unless the pair is declared tied)
-    even when the two would sit on different stages."""
-    probes: list[UnitProbe] = []
-    ActivationSpec.of(sample_input)  # a clear TypeError before slicing what is not a batch
-    x: Activation = (
-        tuple(t[:1] for t in sample_input) if isinstance(sample_input, tuple) else sample_input[:1]
-    )
-    declared = {frozenset((p.leader, p.follower)) for p in model.tied}
-    built: dict[str, nn.Module] = {}
-    for i, name in enumerate(model.names):
-        unit = model.build(i, device)
-        built[name] = unit
-        check_shared(built, declared)
-        x = _real_forward(unit, name, x, model.tuple_rule)
-        probes.append(
-            UnitProbe(
-                sum(p.numel() for p in unit.parameters()),
-                sum(p.numel() * p.element_size() for p in unit.parameters()),
-                ActivationSpec.of(x),
-                tuple((n, tuple(p.shape)) for n, p in unit.named_parameters()),
-                tuple(n for n, p in unit.named_parameters() if not p.requires_grad),
-            )
-        )
-    for pair in model.tied:
-        a = get_param(built[pair.leader[0]], pair.leader[1])
-        b = get_param(built[pair.follower[0]], pair.follower[1])
-        if a.requires_grad != b.requires_grad:
-            raise UnitBuildError(
-                f"tied parameters {pair.keys}: one is frozen, the other trains; freeze both or neither"
-            )
-    return tuple(probes)
-
-
-def _real_forward(unit: nn.Module, name: str, x: Activation, rule: TupleRule = "unpack") -> Activation:
-    try:
-        with torch.no_grad():
-            out = call_unit(unit, x, rule)
-    except Exception as exc:
-        hint = ""
-        if isinstance(x, tuple) and isinstance(exc, TypeError):
-            other = "an nn.Sequential" if rule == "unpack" else "Units(...), a list or a dict"
-            hint = (
-                f" (rule applied: {RULE_TEXT[rule]}; make forward take "
-                f"{'the tuple as one argument' if rule == 'whole' else f'{len(x)} tensor arguments'}, "
-                f"or give the units as {other})"
-            )
-        raise UnitBuildError(
-            f"unit {name!r} failed on one sample of input {_describe(x)}: {type(exc).__name__}: {exc}{hint}"
-        ) from exc
-    if isinstance(out, list):
-        out = tuple(out)
-    try:
-        ActivationSpec.of(out)
-    except TypeError as exc:
-        raise UnitBuildError(f"unit {name!r}: {exc}") from exc
-    return out

@@ -45,6 +45,14 @@ def test_units_that_do_not_fit_together() -> None:
         elaswave.train(units, mse, DATA, global_batch=4, steps=1)
 
 
+def test_a_model_with_batch_norm_is_refused_before_it_trains() -> None:
+    # A user's own nn.Sequential, as one would write it for PyTorch: BatchNorm mixes the samples of
+    # a rank's micro-batch and keeps running statistics that a moved unit would lose.
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    with pytest.raises(UnitBuildError, match=r"unit '1': 1 is a BatchNorm1d.*Use GroupNorm or LayerNorm"):
+        elaswave.train(model, mse, DATA, global_batch=4, steps=1)
+
+
 def test_a_dataset_smaller_than_a_global_batch() -> None:
     with pytest.raises(ValueError, match="the dataset has 16 samples, fewer than one global batch of 32"):
         elaswave.train(small_units(), mse, DATA, global_batch=32, steps=1)

@@ -24,6 +24,7 @@ from examples.gpt.model import (
     per_sample_loss,
     unit_names,
 )
+from executor.dry_run import discover_boundaries
 from executor.rng import DropoutRng, UnitCall, unit_call
 from executor.trainer import StageModel
 from executor.units import (
@@ -32,7 +33,6 @@ from executor.units import (
     UnitBuildError,
     UnitModel,
     call_unit,
-    discover_boundaries,
     fingerprint,
 )
 from executor.zero import flat_params
@@ -294,3 +294,101 @@ def test_tuple_activations_are_unpacked_into_the_next_unit() -> None:
     assert probes[1].output == ActivationSpec((TensorSpec((4,), torch.float32),), False)
     x = torch.ones(2, 4)
     assert torch.equal(call_unit(Add(), call_unit(_Pair(), x)), x + 4)
+
+
+class _Counter(nn.Module):
+    """Counts its calls in a buffer: state that a rebuilt unit would not have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x)
+
+
+class _CachedMask(nn.Module):
+    """Fills a buffer on first use, then only reads it; also re-derives one on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", None, persistent=False)
+        self.register_buffer("scale", torch.ones(4), persistent=False)
+        self.forwards = 0  # a Python attribute: the dry run's passes, not state it checks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        if self.mask is None:
+            self.mask = torch.tril(torch.ones(4, 4))
+        self.scale = torch.full((4,), 2.0)  # reassigned, same values every call
+        return x @ self.mask * self.scale
+
+
+class _DataInit(nn.Module):
+    """ActNorm-style: the first forward sets the bias from the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(4))
+        self.ready = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.ready:
+            self.bias.data.copy_(-x.mean(0))
+            self.ready = True
+        return x + self.bias
+
+
+def test_the_dry_run_refuses_batch_norm_wherever_it_is_nested() -> None:
+    units = UnitModel(
+        ["lin", "block"],
+        lambda name: nn.Linear(4, 4) if name == "lin" else nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)),
+    )
+    with pytest.raises(
+        UnitBuildError, match=r"unit 'block': block\.1 is a BatchNorm1d.*GroupNorm or LayerNorm"
+    ):
+        discover_boundaries(units, torch.zeros(3, 4))
+
+
+def test_the_dry_run_refuses_buffers_that_every_forward_moves() -> None:
+    counter = UnitModel(["lin", "count"], lambda name: nn.Linear(4, 4) if name == "lin" else _Counter())
+    with pytest.raises(
+        UnitBuildError, match=r"unit 'count': its forward changes buffer\(s\) calls on every call"
+    ):
+        discover_boundaries(counter, torch.zeros(3, 4))
+
+    def frozen_looking(name: str) -> nn.Module:
+        # Left in eval mode by the builder; the trainer runs every unit in training mode, and so
+        # does the dry run, where the running statistics move.
+        return nn.InstanceNorm1d(4, track_running_stats=True).eval()
+
+    stats = UnitModel(["norm"], frozen_looking)
+    with pytest.raises(UnitBuildError, match=r"buffer\(s\) running_mean, running_var"):
+        discover_boundaries(stats, torch.randn(3, 4, 5))
+
+
+def test_the_dry_run_refuses_a_forward_that_writes_a_parameter() -> None:
+    units = UnitModel(["init"], lambda name: _DataInit())
+    with pytest.raises(UnitBuildError, match=r"unit 'init': its forward writes parameter\(s\) bias"):
+        discover_boundaries(units, torch.randn(3, 4))
+
+
+def test_a_cache_filled_on_first_use_is_allowed_and_a_clean_unit_runs_once() -> None:
+    cache = _CachedMask()
+    probes = discover_boundaries(UnitModel(["cache"], lambda name: cache), torch.ones(3, 4))
+    assert cache.forwards == 2  # the first pass wrote buffers; the second shows they stay put
+    assert cache.mask is not None and torch.equal(cache.mask, torch.tril(torch.ones(4, 4)))
+    assert probes[0].output == ActivationSpec((TensorSpec((4,), torch.float32),), False)
+
+    calls = 0
+
+    def count(module: nn.Module, args: object, out: object) -> None:
+        nonlocal calls
+        calls += 1
+
+    clean = nn.Linear(4, 4)
+    clean.register_forward_hook(count)
+    discover_boundaries(UnitModel(["lin"], lambda name: clean), torch.ones(3, 4))
+    assert calls == 1  # nothing written: one pass, no copy
