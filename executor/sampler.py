@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -180,14 +180,20 @@ class Prefetcher:
         batch: Future[SampleBatch] = Future()
 
         def done(f: Future[tuple[Activation, Any]]) -> None:
+            # Claim `batch` first: `prefetch` and `close` cancel it from the training thread while
+            # the load runs, and setting a cancelled future raises in the pool's thread (which,
+            # logging it, raced CPython 3.11's ast module: a later ast.parse raised SystemError).
+            if not batch.set_running_or_notify_cancel():
+                return  # dropped: nobody waits for it
             if f.cancelled():
-                batch.cancel()
+                batch.set_exception(CancelledError("the loader pool shut down before loading these rows"))
             elif f.exception() is not None:
                 batch.set_exception(f.exception())
             else:
                 batch.set_result(SampleBatch(ids, *f.result()))
 
         loaded.add_done_callback(done)
+        batch.add_done_callback(lambda b: loaded.cancel() if b.cancelled() else None)  # not started: skip it
         return batch
 
     def prefetch(self, step: int, ranges: Sequence[tuple[int, int]]) -> None:

@@ -3,6 +3,9 @@ Markov corpus (examples/gpt/data.py)."""
 
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -116,6 +119,42 @@ def test_prefetched_rows_equal_rows_loaded_on_the_spot() -> None:
         for step, lo, hi in asked:
             got, direct = pre.rows(step, lo, hi), sampler.rows(step, lo, hi)
             assert got.sample_ids == direct.sample_ids and torch.equal(got.inputs, direct.inputs)
+    finally:
+        pre.close()
+
+
+class SlowNumbers(Numbers):
+    """`Numbers` that takes `delay_s` per item: a load is still running when its step is dropped."""
+
+    def __init__(self, n: int, delay_s: float) -> None:
+        super().__init__(n)
+        self.delay_s = delay_s
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(self.delay_s)
+        return super().__getitem__(i)
+
+
+@pytest.mark.timeout(60)
+def test_a_load_dropped_while_a_loader_process_runs_it_is_let_go_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Steps 1 and 2 are prefetched, then dropped while step 1's load runs in the loader process
+    # (it finishes into a cancelled future) and step 2's waits in the queue (it never runs).
+    sampler = GlobalBatchSampler(SlowNumbers(30, delay_s=0.2), global_batch=3, seed=4)
+    pre = Prefetcher(sampler, workers=1)
+    try:
+        assert len(pre.rows(0, 0, 1).sample_ids) == 1  # the loader process is up
+        pre.prefetch(1, [(0, 3)])
+        pre.prefetch(2, [(0, 3)])
+        time.sleep(0.2)
+        with caplog.at_level(logging.ERROR, logger="concurrent.futures"):
+            pre.prefetch(3, [(0, 3)])
+            got, direct = pre.rows(3, 0, 3), sampler.rows(3, 0, 3)
+            assert got.sample_ids == direct.sample_ids and torch.equal(got.inputs, direct.inputs)
+        assert not [r for r in caplog.records if r.name.startswith("concurrent.futures")]
+        # the same answer for rows asked again, loaded on the spot through the loader
+        assert pre.rows(1, 0, 3).sample_ids == sampler.rows(1, 0, 3).sample_ids
     finally:
         pre.close()
 
