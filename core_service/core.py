@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -44,6 +45,7 @@ from core_service.executor_service import ExecutorServicer, PlanFeed
 from core_service.grpc_util import RpcError, generic_handler
 from core_service.job_snapshot import Policy
 from core_service.jobs import Job, JobTable, UnknownJob
+from core_service.loop_watch import LoopWatch
 from core_service.membership import Membership
 from core_service.metrics import CoreMetrics
 from core_service.offload import PlanningWorker
@@ -172,6 +174,7 @@ class Core:
         self.plan_feed = PlanFeed()
         # Scale tables and what-ifs: off the loop, within the client's deadline, stoppable.
         self.planning = PlanningWorker(on_stop=self.metrics.planning_stopped.inc)
+        self.loop_watch: LoopWatch | None = None  # started with the loop's turn marks (start)
         self.is_leader = False
         self.leader_info: dict[str, Any] = {}
         self.grpc_port = 0
@@ -234,6 +237,8 @@ class Core:
         await self._refresh_leader_holder()
         self._loop_turned = time.monotonic()
         self._tasks.append(asyncio.ensure_future(self._turn_loop()))
+        self.loop_watch = LoopWatch(lambda: self._loop_turned, threading.get_ident(), self.settings.core_id)
+        self.loop_watch.start()
         self._tasks.append(asyncio.ensure_future(self._campaign()))
         await self._set_health(False)
         log.info(
@@ -283,7 +288,9 @@ class Core:
         """Marks every turn of the event loop (at LOOP_BEAT_S); the election's keepalive thread
         reads the mark (`_loop_stalled`)."""
         while True:
-            self._loop_turned = time.monotonic()
+            now = time.monotonic()
+            self.metrics.loop_lag.observe(max(0.0, now - self._loop_turned - LOOP_BEAT_S))
+            self._loop_turned = now
             await asyncio.sleep(LOOP_BEAT_S)
 
     def loop_stall_bound_s(self) -> float:
@@ -350,6 +357,8 @@ class Core:
             with contextlib.suppress(RegistryError):
                 await asyncio.to_thread(self._election.resign)
         self.planning.close()
+        if self.loop_watch is not None:
+            self.loop_watch.stop()
         if self._owns_registry:
             self.registry.close()
 

@@ -103,6 +103,13 @@ class CoreMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.loop_lag = Histogram(
+            "elaswave_core_loop_lag_seconds",
+            "How late each turn of the Core's event loop came (its beat is 0.05 s), seconds; a "
+            "stall past 1 s also logs every thread's stack (core_service.loop_watch).",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.watchdog_step_downs = Counter(
             "elaswave_leader_watchdog_step_downs_total",
             "Leader leases given up because the Core's event loop stalled past its bound.",
