@@ -32,6 +32,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parameter import is_lazy
 
 from executor.tied import get_param
 from executor.units import (
@@ -84,6 +85,7 @@ def discover_boundaries(
         unit = model.build(i, device)
         built[name] = unit
         check_shared(built, declared)
+        refuse_lazy(unit, name)
         refuse_batch_norm(unit, name)
         unit.train()  # as the trainer runs it: what a forward writes in training mode is what counts
         x = check_forward_writes(unit, name, partial(_real_forward, unit, name, x, model.tuple_rule))
@@ -133,6 +135,19 @@ def _real_forward(unit: nn.Module, name: str, x: Activation, rule: TupleRule = "
 
 # name -> (identity, version counter, value digest) of a parameter or buffer
 Marks = dict[str, tuple[int, int, torch.Tensor]]
+
+
+def refuse_lazy(unit: nn.Module, name: str) -> None:
+    """UnitBuildError if `unit` holds a tensor a Lazy module has not materialised yet: it would be
+    initialised at its first forward, outside the seed the unit is built under."""
+    for tname, t in [*unit.named_parameters(), *unit.named_buffers()]:
+        if is_lazy(t):
+            raise UnitBuildError(
+                f"unit {name!r}: {name}.{tname} is not initialised yet (a Lazy module). Every rank "
+                "builds a unit under the same seed and needs its tensors from the constructor: give "
+                "the sizes (nn.Linear(4, 3) for nn.LazyLinear(3)), or run one dummy forward inside "
+                "build_unit"
+            )
 
 
 def refuse_batch_norm(unit: nn.Module, name: str) -> None:

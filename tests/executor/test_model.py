@@ -369,6 +369,23 @@ def test_the_dry_run_refuses_buffers_that_every_forward_moves() -> None:
         discover_boundaries(stats, torch.randn(3, 4, 5))
 
 
+def test_the_dry_run_refuses_a_lazy_module_and_takes_one_materialised_in_the_builder() -> None:
+    lazy = UnitModel(["lin"], lambda name: nn.LazyLinear(3))
+    with pytest.raises(
+        UnitBuildError, match=r"unit 'lin': lin\.weight is not initialised yet \(a Lazy module\)"
+    ):
+        discover_boundaries(lazy, torch.ones(2, 4))
+
+    def materialised(name: str) -> nn.Module:
+        unit = nn.LazyLinear(3)
+        unit(torch.zeros(1, 4))  # under the unit's seed: the same weights on every rank
+        return unit
+
+    model = UnitModel(["lin"], materialised)
+    assert discover_boundaries(model, torch.ones(2, 4))[0].numel == 15
+    assert torch.equal(model.build(0).weight, model.build(0).weight)
+
+
 def test_the_dry_run_refuses_a_forward_that_writes_a_parameter() -> None:
     units = UnitModel(["init"], lambda name: _DataInit())
     with pytest.raises(UnitBuildError, match=r"unit 'init': its forward writes parameter\(s\) bias"):
