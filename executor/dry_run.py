@@ -19,8 +19,9 @@ behind on every recovery, and the replicas would drift apart. Three kinds are re
 - a parameter written by a forward (data-dependent initialisation): each rank would initialise
   it from its own first micro-batch.
 
-Writes are found through tensor identities, version counters and a digest of the values, so a
-forward that writes nothing (the common case) costs no copy and no second pass.
+Writes are found through tensor identities, version counters and a digest of the values (two
+reductions per tensor), so a forward that writes nothing (the common case) costs no copy of the
+unit and no second pass.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def refuse_batch_norm(unit: nn.Module, name: str) -> None:
 def marks(tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> Marks:
     """What shows a write to each named tensor `tensors()` yields: a write in place bumps the
     version counter, an assignment changes the identity, and a write through `.data` (which
-    bypasses the counter) changes the digest, a float32 sum and sum of squares."""
+    bypasses the counter) changes the digest, a float32 sum and 2-norm."""
     return {n: (id(t), t._version, _digest(t)) for n, t in tensors()}
 
 
@@ -175,8 +176,12 @@ def _digest(t: torch.Tensor) -> torch.Tensor:
     if v.is_meta:
         return torch.zeros(2)
     v = torch.view_as_real(v) if v.is_complex() else v
-    v = v.float()
-    return torch.stack((v.sum(), v.square().sum())).cpu()
+    if not v.is_floating_point():
+        v = v.float()  # counters and masks: small
+    # Reduced in float32 without a float32 or squared copy of the tensor: a large unit (an
+    # embedding) is read twice, not duplicated.
+    f32 = torch.float32
+    return torch.stack((v.sum(dtype=f32), torch.linalg.vector_norm(v, dtype=f32))).cpu()
 
 
 def changed(before: Marks, after: Marks) -> list[str]:
