@@ -138,7 +138,7 @@ def test_a_warm_spare_killed_while_it_waits_is_noticed_and_never_planned_for(tmp
         # waits for a plan
         [pid] = [m["pid"] for m in run.job()["members"] if m["worker_id"] == "spare-0"]
         os.kill(pid, signal.SIGKILL)
-        job = run.wait_for(
+        run.wait_for(
             "the Core to notice the spare is gone",
             lambda j: any(m["worker_id"] == "spare-0" and m["state"] == "LOST" for m in j["members"]),
         )
@@ -149,8 +149,11 @@ def test_a_warm_spare_killed_while_it_waits_is_noticed_and_never_planned_for(tmp
         final, phase = {m["worker_id"]: m["state"] for m in run.job()["members"]}, run.job()["phase"]
     finally:
         run.stop()
-    assert job["plan_epoch"] == 0, "a plan was published for a spare that was never taken in"
-    assert not [e for e in events if e["kind"] == "plan_published"]
+    # On a loaded machine the Core may re-balance the four ranks for the OS scheduler's noise (at
+    # most two plans, tests/test_plans_settle_e2e.py); no plan may take the dead spare in.
+    plans = [e for e in events if e["kind"] == "plan_published"]
+    taken_in = [e for e in plans if e["data"].get("joiners") or "spare-0" in json.dumps(e)]
+    assert not taken_in, "a plan was published for a spare that was never taken in"
     assert [e["worker_id"] for e in events if e["kind"] == "spare_ready"] == ["spare-0"]
     outcome = judge(scenario, [], results, events, final, phase, fault_free_run(run), tmp_path)
     # The one loss the Core recorded is the spare's, which `judge` (that knows of no spare) flags.
