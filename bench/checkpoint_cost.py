@@ -76,7 +76,9 @@ def _worker(rank: int, port: int, args: tuple[int, int, int, int, str, bool], re
         comm, FabricParticipant(trainer, comm), timeout_s=TIMEOUT_S, committed_step=start - 1
     )
     writer = checkpoint_writer(spec, Path(root), layout.global_batch, "resume" if resume else "bench")
-    plain, saving, gather = [], [], []
+    plain: list[float] = []
+    saving: list[float] = []
+    gather: list[float] = []
     for step in range(start, start + steps):
         t0 = time.perf_counter()
         proto.begin_step(step)

@@ -154,12 +154,12 @@ def measure(n: int) -> dict[str, float]:
             )
             for r, w in enumerate(flat)
         ]
-        for p in rprocs:
-            p.start()
+        for rp in rprocs:
+            rp.start()
         ready = _gather(restart_results, len(flat))
         restart_s = max(t for _, t in ready) - t0
-        for p in rprocs:
-            p.join(timeout=TIMEOUT_S)
+        for rp in rprocs:
+            rp.join(timeout=TIMEOUT_S)
     finally:
         server.stop()
     return {

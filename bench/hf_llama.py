@@ -82,8 +82,8 @@ def one_process(
             token_loss(model(rows.inputs).logits, rows.targets).mean().backward()
             opt.step()
             stamps.append((time.perf_counter(), time.process_time()))
-    tokens = (steps - 1 - warmup) * BATCH * SEQ
-    return tokens / (stamps[-1][0] - stamps[warmup][0]), tokens / (stamps[-1][1] - stamps[warmup][1])
+    counted = (steps - 1 - warmup) * BATCH * SEQ
+    return counted / (stamps[-1][0] - stamps[warmup][0]), counted / (stamps[-1][1] - stamps[warmup][1])
 
 
 def _ddp_rank(rank: int, data: str, steps: int, warmup: int, port: int, out: str) -> None:

@@ -49,12 +49,12 @@ from executor.migration import moved_layers
 from executor.nonblocking_migration import check_nonblocking
 from executor.optim import OptimizerConfig
 from executor.trainer import TrainSpec
-from planners.layout import Layout, StageLayout, make_uniform_layout
+from planners.layout import Layout, StageLayout, ZeroLayoutKind, make_uniform_layout
 from planners.zero import layer_move_cost, migration_cost, shard_transfers
 
 BYTES = 4  # float32
 MICRO_BATCHES = 4
-COMBOS = (
+COMBOS: tuple[tuple[ZeroLayoutKind, str], ...] = (
     ("interleaved", "blocking"),
     ("interleaved", "nonblocking"),
     ("contiguous", "blocking"),
@@ -109,7 +109,7 @@ class Row:
     wait_s: float
 
 
-def layouts(setup: Setup, zero: str) -> tuple[Layout, Layout]:
+def layouts(setup: Setup, zero: ZeroLayoutKind) -> tuple[Layout, Layout]:
     """The even split (embed + L blocks | L blocks + head) and the one with `move` blocks shifted
     from stage 0 to stage 1 (§6.2)."""
     even = make_uniform_layout(
@@ -137,13 +137,13 @@ def unit_numels(setup: Setup) -> tuple[int, ...]:
     return train_spec(setup).unit_numels()
 
 
-def schedule(setup: Setup, zero: str) -> list[tuple[Layout, Layout]]:
+def schedule(setup: Setup, zero: ZeroLayoutKind) -> list[tuple[Layout, Layout]]:
     """(old, new) per migration: there and back, `migrations` times in all."""
     even, shifted = layouts(setup, zero)
     return [(even, shifted) if i % 2 == 0 else (shifted, even) for i in range(setup.migrations)]
 
 
-def nonblocking_refusal(setup: Setup, zero: str) -> str | None:
+def nonblocking_refusal(setup: Setup, zero: ZeroLayoutKind) -> str | None:
     old, new = layouts(setup, zero)
     try:
         check_nonblocking(old, moved_layers(old, new), setup.shadow_slots)
@@ -177,7 +177,7 @@ def predicted_nonblocking(old: Layout, new: Layout) -> tuple[int, int]:
     return 2 * migration_cost(old, new).total_elements + 2 * dp * sum(numel), busiest
 
 
-def run(setup: Setup, zero: str, mode: str) -> dict[int, RankResult]:
+def run(setup: Setup, zero: ZeroLayoutKind, mode: str) -> dict[int, RankResult]:
     pairs = schedule(setup, zero)
     relayouts = tuple((i + 1, new) for i, (_, new) in enumerate(pairs))
     spec = JobSpec(
@@ -192,7 +192,7 @@ def run(setup: Setup, zero: str, mode: str) -> dict[int, RankResult]:
     return run_job(spec)
 
 
-def summarize(setup: Setup, zero: str, mode: str, results: dict[int, RankResult]) -> Row:
+def summarize(setup: Setup, zero: ZeroLayoutKind, mode: str, results: dict[int, RankResult]) -> Row:
     predict = predicted_nonblocking if mode == "nonblocking" else predicted_blocking
     reports = [[res.migrations[i] for res in results.values()] for i in range(setup.migrations)]
     for i, (old, new) in enumerate(schedule(setup, zero)):
@@ -218,7 +218,7 @@ def busiest(reports: list[dict[str, Any]]) -> int:
     return max(r["elements_sent"] + r["elements_received"] for r in reports)
 
 
-def format_row(zero: str, mode: str, row: Row | str) -> str:
+def format_row(zero: ZeroLayoutKind, mode: str, row: Row | str) -> str:
     if isinstance(row, str):
         return f"| {zero} | {mode} | {row} | | | | | | |"
     wait = f"{1e3 * row.wait_s:.2f}" if mode == "nonblocking" else "-"

@@ -31,6 +31,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -117,7 +118,7 @@ def measure(num_layers: int, num_stages: int, devices: int, repeats: int) -> dic
     for _ in range(repeats):
         gc.collect()  # every repeat starts from the same heap: a pending collection is not charged to it
         plan, ms = whole_plan(layout, failed, cost)
-        _, ms["diff"] = _timed(lambda plan=plan: diff_layouts(layout, plan.new))
+        _, ms["diff"] = _timed(partial(diff_layouts, layout, plan.new))
         for key in rows:
             rows[key].append(ms[key])
     return {k: statistics.median(v) for k, v in rows.items()}
@@ -158,7 +159,7 @@ def measure_policies(num_layers: int, num_stages: int, devices: int, repeats: in
         gc.collect()
         state, _ = state_from_dict(request)  # fresh state: nothing cached on it between repeats
         for name in POLICY_COLUMNS:
-            _, ms = _timed(lambda name=name, state=state: POLICIES[name](state))
+            _, ms = _timed(partial(POLICIES[name], state))
             rows[name].append(ms)
         _, ms = _timed(lambda: cli_plan(request))
         rows["cli"].append(ms)

@@ -23,7 +23,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -87,7 +87,10 @@ def _plain_torch_step_s(spec: TrainSpec, batch: int, steps: int) -> float:
 
     def step(s: int) -> None:
         rows = sampler.rows(s, 0, batch)
-        x, y = rows.inputs.to(dev, non_blocking=True), rows.targets.to(dev, non_blocking=True)
+        x, y = (
+            cast(torch.Tensor, rows.inputs).to(dev, non_blocking=True),
+            rows.targets.to(dev, non_blocking=True),
+        )
         with spec.precision.autocast(dev):
             for unit in model:
                 x = unit(x)

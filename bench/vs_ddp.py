@@ -62,7 +62,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -262,7 +262,7 @@ def instrument_engine(prof: Prof) -> None:
             "zero: post a bucket's all-gather (a flat unit: into its buffer)",
         ),
         (zero_exchange.UnitExchange, "finish_gather", "zero: all-gather wait (+ copies where not in place)"),
-        (OptimizerConfig, "update_slice", "optimizer: AdamW math on own shard"),
+        (OptimizerConfig, "update_slices", "optimizer: AdamW math on own shard"),
         (Trainer, "_global_loss", "loss all-gather"),
         (FabricParticipant, "_on_grads", "snapshot: post gradient exchange (+ periodic verify)"),
         (FabricParticipant, "before_vote", "snapshot: wait for exchange before vote"),
@@ -410,7 +410,7 @@ def _pipe_worker(
         times.start()
         with prof.span("data: load"):
             parts = [sampler.rows(step, lo, hi) for lo, hi in rows]
-            inputs = torch.cat([p.inputs for p in parts])
+            inputs = torch.cat([cast(torch.Tensor, p.inputs) for p in parts])  # MarkovWindows: tensors
             targets = torch.cat([p.targets for p in parts])
         losses: list[torch.Tensor] = []
         with prof.span("pipeline schedule step (fwd, bwd, p2p, DDP all-reduce)"):

@@ -32,12 +32,15 @@ before they reach this module or the snapshots.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
+
+from executor.fused_update import FUSED_PAD as FUSED_PAD  # re-exported: the update's length quantum
+from executor.fused_update import plan_slice
 
 OptimizerKind = Literal["adamw", "adam", "sgd"]
 Schedule = Callable[[int], float]
@@ -46,6 +49,21 @@ NoDecay = Callable[[str, nn.Parameter], bool]
 # that do not require grad, which no update touches (torch.optim's optimizers are never given them)
 Segments = tuple[tuple[int, int, float], ...]
 FROZEN = -1.0
+
+
+@dataclass(frozen=True)
+class UnitSlice:
+    """Elements `[lo, lo + len(param))` of unit `unit` and their gradient and moments, 1-D: the
+    operands of one slice's update (`OptimizerConfig.update_slices`; a snapshot holder replays
+    a list of them, `Trainer.update_slices`). `carried`: see `OptimizerConfig.update_slice`."""
+
+    unit: str
+    lo: int
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    carried: Sequence[tuple[int, int]] | None = None
 
 
 def trainable_runs(segments: Segments, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
@@ -87,8 +105,6 @@ def _update_pieces(
     return pieces
 
 
-# The fused kernels' length quantum: 64 fp32 elements is 4 AVX-512 vectors, 8 AVX2 ones.
-FUSED_PAD = 64
 _FUSED_DEVICES = frozenset({"cpu", "cuda"})
 
 
@@ -198,20 +214,56 @@ class OptimizerConfig:
         every trainable element: `trainable_runs`), back to back, as a snapshot's gradient
         exchange carries them; the update reads each run where it lies in `grad`, with the same
         bits as from a gradient aligned with `param` (every update is elementwise)."""
-        hi = lo + param.numel()
+        self.update_slices([UnitSlice("", lo, param, grad, state1, state2, carried)], {"": segments}, step)
+
+    def update_slices(self, slices: Sequence[UnitSlice], segments: Mapping[str, Segments], step: int) -> None:
+        """`update_slice` of every one of `slices` (`segments`: of each unit), all at update
+        `step`: the same bits, the fused kernel called once per device, dtype and weight decay
+        over all of them (`executor.fused_update`; a snapshot holder replays a stage in one go)."""
         lr = self.lr_at(step)
-        fused = self._fused_kernel(param, grad, state1, state2)
-        runs: dict[float, list[tuple[torch.Tensor, ...]]] = {}
-        for a, b, wd, at in _update_pieces(segments, lo, hi, carried, grad.numel()):
-            s, g = slice(a - lo, b - lo), grad[at : at + b - a]
+        batches: dict[
+            tuple[Callable[..., None], torch.device, torch.dtype, float], list[tuple[torch.Tensor, ...]]
+        ]
+        batches = {}
+        written: list[tuple[UnitSlice, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
+        for u in slices:
+            p, g, m, v = u.param, u.grad, u.exp_avg, u.exp_avg_sq
+            pieces = _update_pieces(segments[u.unit], u.lo, u.lo + p.numel(), u.carried, g.numel())
+            fused = self._fused_kernel(p, g, m, v)
             if fused is None:
-                self._update(param[s], g, state1[s], state2[s], step, lr, wd)
-            else:
-                runs.setdefault(wd, []).append((param[s], g, state1[s], state2[s]))
-        if fused is not None:
-            step_t = torch.tensor(float(step), device=param.device)
-            for wd, of_wd in runs.items():
-                self._fused_update(fused, of_wd, step_t, lr, wd)
+                for a, b, wd, at in pieces:
+                    s = slice(a - u.lo, b - u.lo)
+                    self._update(p[s], g[at : at + b - a], m[s], v[s], step, lr, wd)
+                continue
+            plan = plan_slice(tuple((a - u.lo, b - u.lo, wd, at) for a, b, wd, at in pieces), p.numel())
+            # Gathered before any in-place call writes over the elements they hold.
+            for gathered in plan.gathered:
+                src, grad_src, kept, dest = gathered.on(p.device)
+                rows = (
+                    p.index_select(0, src),
+                    g.index_select(0, grad_src),
+                    m.index_select(0, src),
+                    v.index_select(0, src),
+                )
+                batches.setdefault((fused, p.device, p.dtype, gathered.wd), []).append(rows)
+                written.append((u, (kept, dest), rows))
+            for part in plan.in_place:
+                n = part.length
+                views = (
+                    p.narrow(0, part.start, n),
+                    g.narrow(0, part.grad_at, n),
+                    m.narrow(0, part.start, n),
+                    v.narrow(0, part.start, n),
+                )
+                batches.setdefault((fused, p.device, p.dtype, part.wd), []).append(views)
+        steps: dict[torch.device, torch.Tensor] = {}
+        for (kernel, device, _, wd), runs in batches.items():
+            if device not in steps:
+                steps[device] = torch.tensor(float(step), device=device)
+            self._fused_call(kernel, runs, steps[device], lr, wd)
+        for u, (kept, dest), out in written:  # the parameters and both moments back
+            for into, updated in ((u.param, out[0]), (u.exp_avg, out[2]), (u.exp_avg_sq, out[3])):
+                into.index_copy_(0, dest, updated.index_select(0, kept))
 
     def _fused_kernel(self, *tensors: torch.Tensor) -> Callable[..., None] | None:
         """torch's fused kernel for this update, or None where the single-tensor arithmetic runs
@@ -225,7 +277,7 @@ class OptimizerConfig:
             return None
         return torch._fused_adamw_ if self.kind == "adamw" else torch._fused_adam_
 
-    def _fused_update(
+    def _fused_call(
         self,
         kernel: Callable[..., None],
         runs: list[tuple[torch.Tensor, ...]],
@@ -233,34 +285,13 @@ class OptimizerConfig:
         lr: float,
         wd: float,
     ) -> None:
-        """The runs (p, g, m, v) of one weight decay through one call of `kernel`: each run's
-        first multiple of FUSED_PAD elements in place, the rest of every run in a FUSED_PAD slot
-        of its own in one zero-padded scratch block (zeros update to zeros), copied in and back
-        with one foreach copy each (a few torch calls per update, however many runs)."""
-        lists: tuple[list[torch.Tensor], ...] = ([], [], [], [])
-        tails: list[tuple[int, int, tuple[torch.Tensor, ...]]] = []
-        for run in runs:
-            n = run[0].numel()
-            body = n - n % FUSED_PAD
-            if body:
-                for out, t in zip(lists, run, strict=True):
-                    out.append(t.narrow(0, 0, body))
-            if body < n:
-                tails.append((body, n - body, run))
-        if tails:
-            first = runs[0][0]
-            scratch = torch.zeros(4, FUSED_PAD * len(tails), dtype=first.dtype, device=first.device)
-            rows = scratch.unbind(0)
-            slots = [[row.narrow(0, i * FUSED_PAD, k) for row in rows] for i, (_, k, _) in enumerate(tails)]
-            ends = [[t.narrow(0, body, k) for t in run] for body, k, run in tails]
-            torch._foreach_copy_([x for slot in slots for x in slot], [x for end in ends for x in end])
-            for out, row in zip(lists, rows, strict=True):
-                out.append(row)
+        """The runs (p, g, m, v) of one weight decay, each a multiple of FUSED_PAD long, through
+        one call of `kernel`."""
         beta1, beta2 = self.betas
         kernel(
-            *lists,
+            *([run[j] for run in runs] for j in range(4)),
             [],
-            [step] * len(lists[0]),
+            [step] * len(runs),
             lr=lr,
             beta1=beta1,
             beta2=beta2,
@@ -269,11 +300,6 @@ class OptimizerConfig:
             amsgrad=False,
             maximize=False,
         )
-        if tails:
-            # the parameters and both moments back (the gradient is only read)
-            torch._foreach_copy_(
-                [end[j] for end in ends for j in (0, 2, 3)], [slot[j] for slot in slots for j in (0, 2, 3)]
-            )
 
     def _update(
         self,

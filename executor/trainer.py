@@ -38,8 +38,8 @@ from executor.checkpoint import (
 from executor.devices import rank_device
 from executor.dry_run import UnitProbe, discover_boundaries
 from executor.engine_comm import EngineComm, dp_group_name
-from executor.flat_units import copy_runs, holds_flat_copy_of
-from executor.optim import OptimizerConfig, trainable_runs
+from executor.flat_units import copy_reusing, copy_runs, holds_flat_copy_of
+from executor.optim import OptimizerConfig, UnitSlice, trainable_runs
 from executor.pipeline import PipelineRunner
 from executor.precision import LossScaler, PrecisionConfig
 from executor.recompute import run_unit
@@ -57,7 +57,10 @@ from executor.zero import (
 )
 from planners.layout import Layout
 
-LossFn = Callable[[Activation, Any], torch.Tensor]
+# (last unit's output, targets) -> per-sample losses. The arguments are Any, not Activation: a
+# callable's parameters are contravariant, so a user's `(Tensor, Tensor) -> Tensor` (or
+# elaswave.hf.token_loss) failed the user's own type check against `Tensor | tuple[Tensor, ...]`.
+LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 @dataclass(eq=False)
@@ -289,6 +292,11 @@ class Trainer:
         `carried`: `grad` holds only these runs, `OptimizerConfig.update_slice`)."""
         self.spec.optimizer.update_slice(param, grad, state1, state2, step, self.segments[unit], lo, carried)
 
+    def update_slices(self, slices: Sequence[UnitSlice], step: int) -> None:
+        """`update_slice` of every one of `slices`, in one batch (what a snapshot holder replays
+        for a protected shard each committed step, `executor.fabric.snapshot.UpdateFn`)."""
+        self.spec.optimizer.update_slices(slices, self.segments, step)
+
     def trainable_runs(self, unit: str, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
         """The runs of elements `[lo, hi)` of `unit` that train (what a snapshot's gradient
         exchange carries; every unit's, from the dry run, held here or not)."""
@@ -484,15 +492,25 @@ class Trainer:
         # A frozen unit's parameters never change: the copy being reused still holds them, and
         # of a unit that trains in part only the trainable runs need copying again.
         exchange = self.optimizer.exchange
-        reusable = {n for n in old_params if n in units and holds_flat_copy_of(old_params[n], units[n])}
+        in_part = exchange.frozen | set(exchange.partial_runs)
+        reusable = {
+            n
+            for n in in_part
+            if n in old_params and n in units and holds_flat_copy_of(old_params[n], units[n])
+        }
         kept = {n: old_params[n] for n in exchange.frozen & reusable}
         runs = {n: r for n, r in exchange.partial_runs.items() if n in reusable}
+        # A flat unit's buffer, looked up now (its module tree is not walked again per copy)
+        views = {n: exchange.param_vector(n) for n in units}
 
         def copy_one(name: str, unit: nn.Module) -> torch.Tensor:
             if name in kept:
                 return kept[name]
             if name in runs:
                 return copy_runs(unit, old_params[name], runs[name])
+            view = views[name]
+            if view is not None:
+                return copy_reusing(view, old_params.get(name))
             return flat_params(unit, old_params.get(name))
 
         def copy_tensors() -> dict[str, Any]:

@@ -12,8 +12,8 @@ the DP ranks by element intervals. A step is
    reduced slices is gathered over the job's "world" group and summed in rank order, so every
    rank computes the same norm, exactly the norm of the full gradient up to summation order;
    the slices are scaled before anything else (the snapshots included) sees them;
-3. the owner applies the optimizer to its slices (`OptimizerConfig.update_slice`, the same
-   function the snapshots replay);
+3. the owner applies the optimizer to its slices (`OptimizerConfig.update_slices`, the same
+   function the snapshots replay; the units of one all-gather bucket in one batch);
 4. all-gather: the updated parameter slices go back to every rank of the stage.
 
 A unit's parameters and gradients are views of one flat buffer each (`executor.flat_units`), so
@@ -46,7 +46,7 @@ from executor.flat_units import flat_grads as flat_grads
 from executor.flat_units import flat_params as flat_params
 from executor.flat_units import flat_slice as flat_slice
 from executor.flat_units import range_views as range_views
-from executor.optim import OptimizerConfig, Segments
+from executor.optim import OptimizerConfig, Segments, UnitSlice
 from executor.precision import LossScaler, PrecisionConfig, has_overflow, unscale_
 from executor.zero_exchange import Interval, UnitExchange
 from planners.layout import Layout, StageLayout
@@ -214,16 +214,20 @@ class ShardedOptimizer:
             self.grad_hook(self.step_count + 1, grads)
         self.step_count += 1
         self.exchange.begin_gather(piggyback)
-        for name, sh in self.shards.items():
-            vec = self.exchange.param_vector(name)
-            # A flat unit's owned slice is updated where it lies (a view); others on a copy.
-            param = vec[sh.lo : sh.hi] if vec is not None else flat_slice(self.units[name], sh.lo, sh.hi)
-            self.cfg.update_slice(
-                param, grads[name], sh.exp_avg, sh.exp_avg_sq, self.step_count, self.segments[name], sh.lo
-            )
-            self.exchange.updated(name, param)  # posts the unit's all-gather as soon as it can
+        for names in self.exchange.update_groups(list(self.shards)):
+            slices = [self._owned_slice(name, grads[name]) for name in names]
+            self.cfg.update_slices(slices, self.segments, self.step_count)
+            for s in slices:
+                self.exchange.updated(s.unit, s.param)  # posts a bucket's all-gather once it is whole
         self.piggybacked = self.exchange.finish_gather()
         return True
+
+    def _owned_slice(self, name: str, grad: torch.Tensor) -> UnitSlice:
+        """My slice of `name` to update: where it lies in a flat unit (a view), else a copy."""
+        sh = self.shards[name]
+        vec = self.exchange.param_vector(name)
+        param = vec[sh.lo : sh.hi] if vec is not None else flat_slice(self.units[name], sh.lo, sh.hi)
+        return UnitSlice(name, sh.lo, param, grad, sh.exp_avg, sh.exp_avg_sq)
 
     def _unscale(self, grads: dict[str, torch.Tensor]) -> bool:
         """fp16: agree on overflow over the world group, update the scale; on a finite step

@@ -355,6 +355,24 @@ class UnitExchange:
             extra = None
         self._gather = _Gather(carrier, extra)
 
+    def update_groups(self, names: Sequence[str]) -> list[list[str]]:
+        """`names` (the owner's units, in update order) grouped as their all-gathers go: a
+        bucket's units together, at its first unit's place; a unit in no bucket alone. One
+        group's updates run as one batch (`OptimizerConfig.update_slices`), then `updated` posts
+        the bucket: the post comes when it came with unit-by-unit updates, after its last."""
+        groups: list[list[str]] = []
+        at: dict[int, list[str]] = {}
+        for name in names:
+            i = self._bucket_of.get(name)
+            if i is None:
+                groups.append([name])
+            elif i in at:
+                at[i].append(name)
+            else:
+                at[i] = [name]
+                groups.append(at[i])
+        return groups
+
     def updated(self, name: str, mine: torch.Tensor) -> None:
         """The owner updated its slice `mine` of `name`: post its bucket's all-gather once every
         unit of the bucket is updated (it overlaps the next units' updates)."""

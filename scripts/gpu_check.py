@@ -258,7 +258,12 @@ def _run_child(name: str, timeout_s: float, log: Path) -> Outcome:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired as exc:
-        log.write_text(f"{exc.stdout or ''}\n{exc.stderr or ''}")
+        # TimeoutExpired carries bytes whatever text=True says (subprocess docs)
+        out, err = (
+            b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+            for b in (exc.stdout, exc.stderr)
+        )
+        log.write_text(f"{out}\n{err}")
         return Outcome("FAIL", f"no result within the {timeout_s:.0f} s left of the budget (log: {log})")
     log.write_text(proc.stdout + "\n" + proc.stderr)
     for line in reversed(proc.stdout.splitlines()):

@@ -16,6 +16,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Self
 
 import psutil
 
@@ -79,7 +80,7 @@ class EtcdServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self) -> EtcdServer:
+    def start(self) -> Self:
         last_error = ""
         for _ in range(_START_ATTEMPTS):
             if not self.client_port:

@@ -129,6 +129,7 @@ def test_a_requested_checkpoint_reports_its_completion_and_delete_ends_the_job(t
         expected = str(root / f"step-{asked.json()['after_step'] + 1:08d}")
 
         def written() -> list[dict]:
+            assert demo.http is not None
             events = demo.http.get("/api/v1/jobs/demo/events", params={"limit": 10_000}).json()["events"]
             return [e for e in events if e["kind"] == "checkpoint_written"]
 

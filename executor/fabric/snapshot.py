@@ -8,7 +8,7 @@ protocol: the gradient shard goes to every holder each step, and each applies th
 the ring of §5.1 over one DP group: worker w_i keeps the shard owned by w_{(i+1) mod D}.
 Every step, each worker sends its *gradient* shard (not
 its three times larger optimizer state) to the worker that backs it up; that worker applies the
-same update as the live optimizer (`Trainer.update_slice`: the same code path on the
+same update as the live optimizer (`Trainer.update_slices`: the same code path on the
 same operands, hence bitwise equal) to
 its copy in a background thread, off the critical path. The update of step s is applied only when
 step s commits, so a rolled-back step never reaches a snapshot. `verify` compares checksums.
@@ -47,27 +47,18 @@ from executor.comm.communicator import Communicator, PendingOps
 from executor.fabric.device_copy import HostStager, StagedCopies
 from executor.fabric.state import ShardState
 from executor.flat_units import as_flat_view
+from executor.optim import UnitSlice
 
 SNAPSHOT_TAG = 7100
 
 
 class UpdateFn(Protocol):
-    """The live optimizer's update of elements `[lo, ...)` of `unit` (`Trainer.update_slice`).
-    `carried`: the gradient holds only these runs, back to back (passed only where the
-    exchange carried a unit's trainable runs, `CarriedFn`)."""
+    """The live optimizer's update `step` of every one of `slices` (`Trainer.update_slices`):
+    a copy's units in one call, so a holder pays the update's fixed cost once per step and
+    shard, not per unit. A slice's `carried`: its gradient holds only these runs, back to back
+    (set only where the exchange carried a unit's trainable runs, `CarriedFn`)."""
 
-    def __call__(
-        self,
-        unit: str,
-        lo: int,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        step: int,
-        /,
-        carried: Sequence[tuple[int, int]] | None = None,
-    ) -> None: ...
+    def __call__(self, slices: Sequence[UnitSlice], step: int, /) -> None: ...
 
 
 # (unit, lo, hi) -> the runs of elements [lo, hi) of the unit that train: what its gradient
@@ -534,6 +525,7 @@ class ShardBackups:
 
     def _apply(self, owner: int, state: ShardState, grads: Mapping[str, torch.Tensor], step: int) -> None:
         """The live optimizer's own update of committed step `step` on `owner`'s copy."""
+        slices = []
         for k, shard in state.units.items():
             lo, numel = shard.start, shard.param.numel()
             runs = self._runs(k, lo, lo + numel)
@@ -541,11 +533,10 @@ class ShardBackups:
                 continue  # nothing of it trains (a frozen unit): the update would touch nothing
             # A unit that trains in part arrives as its trainable runs: the update reads them
             # where they lie in the wire buffer, no full-length gradient is kept for the copy.
-            args = (k, lo, shard.param, grads[k], shard.exp_avg, shard.exp_avg_sq, step)
-            if grads[k].numel() == numel:
-                self.update_fn(*args)
-            else:
-                self.update_fn(*args, carried=runs)
+            carried = None if grads[k].numel() == numel else runs
+            slices.append(UnitSlice(k, lo, shard.param, grads[k], shard.exp_avg, shard.exp_avg_sq, carried))
+        if slices:
+            self.update_fn(slices, step)
         state.step = step
 
 

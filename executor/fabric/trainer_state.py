@@ -4,7 +4,7 @@ Per step: the trainer's ZeRO-1 optimizer reduce-scatters gradients and hands the
 its gradient hook (`Trainer.set_grad_hook`, kept across every layout change); this participant's
 hook sends them to the rank that backs this shard up (`ShardBackups`; where, `planners.backup`:
 the DP predecessor of §5.1 on another node, else a rank of a neighbouring stage), and the holder
-applies `Trainer.update_slice` — the engine's own optimizer update — to its host copy once the
+applies `Trainer.update_slices` — the engine's own optimizer update — to its host copy once the
 step commits. Every `verify_every` steps each pair compares backup and live shard: bitwise where the live
 optimizer runs on the CPU, within round-off (`VERIFY_DRIFT_REL`) where it runs on an accelerator.
 
@@ -671,7 +671,7 @@ class FabricParticipant:
                 self.comm,
                 holders,
                 protected,
-                update_fn=self.trainer.update_slice,
+                update_fn=self.trainer.update_slices,
                 carried=self.trainer.trainable_runs,
             )
             try:

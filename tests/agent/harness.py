@@ -10,9 +10,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -20,6 +21,7 @@ import grpc.aio
 from wire.v1 import agent_pb2, agent_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
 
 
 @dataclass
@@ -72,7 +74,7 @@ class RecordingCore(agent_pb2_grpc.AgentServiceServicer):
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def _call(self, coroutine, timeout: float = 10.0):  # type: ignore[no-untyped-def]
+    def _call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
     def start(self) -> RecordingCore:
@@ -130,7 +132,7 @@ class RecordingCore(agent_pb2_grpc.AgentServiceServicer):
                 if task is not None:
                     task.cancel()
 
-    async def _read_all(self, context, stream_index: int) -> None:  # type: ignore[no-untyped-def]
+    async def _read_all(self, context: grpc.aio.ServicerContext, stream_index: int) -> None:
         while True:
             request = await context.read()
             if request is grpc.aio.EOF:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -180,7 +181,7 @@ def test_step_metrics_forwarded_and_malformed_lines_rejected(core, run_agent, tm
         b'"loss": 1, "samples": 1, "stage": 0, "dp_rank": 0}\n',
         b"\xff\xfe\n",
     ]
-    sent = [
+    sent: list[dict[str, Any]] = [
         dict(
             step=s,
             step_time_s=0.5 + s,

@@ -195,7 +195,9 @@ def test_set_frequency_with_simulated_controller_reaches_worker_and_core(real_co
     first = _member(core, "freqjob")["last_step"]["step"] + 2
     assert min(_step_times_after(core, "freqjob", first, 3)) >= 0.1 * NOMINAL_MHZ / 800
 
-    seq = reader.poll().seq
+    state = reader.poll()
+    assert state is not None  # the worker has read the 800 MHz control file
+    seq = state.seq
     _command(core, token, "freqjob", {"command": "set_frequency", "frequency_mhz": 2000})
     wait_until(lambda: "SetFrequency 2000 MHz refused" in device(), 10, "refusal in the Core's view")
     assert (
@@ -203,7 +205,9 @@ def test_set_frequency_with_simulated_controller_reaches_worker_and_core(real_co
         "clock unchanged"
     ) in device()
     assert "clock controller simulated at 800 MHz" in device()
-    assert (reader.poll().seq, reader.factor) == (seq, pytest.approx(800 / NOMINAL_MHZ))  # nothing changed
+    state = reader.poll()
+    assert state is not None
+    assert (state.seq, reader.factor) == (seq, pytest.approx(800 / NOMINAL_MHZ))  # nothing changed
 
     _command(core, token, "freqjob", {"command": "set_frequency", "frequency_mhz": 0})
     wait_until(lambda: "SetFrequency 0 MHz (restore default) applied" in device(), 10, "restored")

@@ -7,6 +7,7 @@ import math
 import random
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +20,7 @@ from agent.preemption import parse_notice_deadline
 from agent.worker import ExitStatus, describe_exit
 from wire.local_protocol import EXIT_CODE_UNKNOWN, BadMetrics, StepMetricsClient
 
-GOOD = {
+GOOD: dict[str, Any] = {  # StepMetricsClient.send's keywords
     "step": 3,
     "step_time_s": 1.5,
     "compute_time_s": 1.0,
@@ -86,7 +87,8 @@ def test_client_never_raises_when_agent_is_gone_but_rejects_bad_arguments(tmp_pa
         assert client.send(**GOOD) is False
         assert (client.sent, client.dropped) == (0, 1)
         with pytest.raises(ValueError, match="samples must be >= 0"):
-            client.send(**{**GOOD, "samples": -4})
+            negative = {**GOOD, "samples": -4}
+            client.send(**negative)
 
 
 def test_client_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
@@ -253,7 +255,7 @@ def test_device_read_reports_a_failing_accelerator_as_unhealthy():
     from wire.v1 import agent_pb2, common_pb2
 
     devices = [common_pb2.Device(kind="cuda", index=i, name="GPU", memory_bytes=80 * 2**30) for i in range(2)]
-    reading = DeviceSet("cuda", _StandInCuda, devices).read(worker_rss_bytes=123)  # type: ignore[arg-type]
+    reading = DeviceSet("cuda", _StandInCuda, devices).read(worker_rss_bytes=123)
     assert reading.used_bytes == [50 * 2**30, 0] and reading.total_bytes == [80 * 2**30, 80 * 2**30]
     assert reading.probe.kind == agent_pb2.PROBE_KIND_DEVICE and not reading.probe.healthy
     assert reading.probe.detail == "cuda:1 RuntimeError: CUDA error: unspecified launch failure"

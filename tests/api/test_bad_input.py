@@ -131,7 +131,9 @@ def test_a_sequential_with_a_tied_weight_stays_tied_not_untied() -> None:
     head.weight = emb.weight  # the usual tied LM head: a declared pair, not two weights
     units = elaswave.Units.from_modules(nn.Sequential(emb, head))
     assert [p.keys for p in units.tied] == [("0.weight", "1.weight")]
-    assert torch.equal(units.build(0).weight, units.build(1).weight)
+    emb_weight, head_weight = units.build(0).weight, units.build(1).weight
+    assert isinstance(emb_weight, torch.Tensor) and isinstance(head_weight, torch.Tensor)
+    assert torch.equal(emb_weight, head_weight)
 
 
 def test_loader_processes_feed_the_same_batches_as_the_prefetch_thread() -> None:

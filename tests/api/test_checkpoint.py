@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import pytest
@@ -16,13 +17,14 @@ import torch
 
 from executor.checkpoint import (
     CheckpointError,
+    StagePayload,
     latest_checkpoint,
     load_model_state,
     read_meta,
 )
 from executor.launch import JobSpec, job_losses, merged_state, run_job
 from executor.reference import run_reference, single_rank_trainer
-from executor.trainer import checkpoint_payload, checkpoint_writer, load_checkpoint
+from executor.trainer import Trainer, checkpoint_payload, checkpoint_writer, load_checkpoint
 from tests.api.test_user_model import BATCH, REL, SLOTS, assert_close_states, toy_layout
 from tests.api.toy_model import UNITS, toy_spec
 
@@ -104,6 +106,12 @@ def test_resume_on_the_same_layout_is_bitwise(written: tuple[Path, list[float], 
             assert torch.equal(state["units"][name][key], final["units"][name][key]), (name, key)
 
 
+def _single_rank_payload(trainer: Trainer) -> StagePayload:
+    payload = checkpoint_payload(trainer)
+    assert payload is not None  # a single-rank trainer is its stage's first rank
+    return payload
+
+
 def test_single_process_resume_is_bitwise(tmp_path: Path) -> None:
     spec = toy_spec(STEPS)
     full = run_reference(spec, BATCH, SLOTS, STEPS)
@@ -120,14 +128,14 @@ def test_single_process_resume_is_bitwise(tmp_path: Path) -> None:
     assert [resumed.train_step(s).loss for s in range(AT + 1, STEPS)] == full.losses[AT + 1 :]
 
 
-def _write_slowly(root: str, started: object) -> None:
+def _write_slowly(root: str, started: Event) -> None:
     """Child: starts the checkpoint of step 5 and is killed while saving its units."""
     import executor.checkpoint as ck
 
     original = ck._save
 
     def slow(obj, path):  # noqa: ANN001, ANN202
-        started.set()  # type: ignore[attr-defined]
+        started.set()
         time.sleep(0.5)
         original(obj, path)
 
@@ -137,7 +145,7 @@ def _write_slowly(root: str, started: object) -> None:
     for step in range(5):
         trainer.train_step(step)
     writer = checkpoint_writer(spec, Path(root), BATCH, "child")
-    writer.submit(checkpoint_payload(trainer))
+    writer.submit(_single_rank_payload(trainer))
     writer.wait(60.0)
 
 
@@ -149,7 +157,7 @@ def test_checkpoint_killed_mid_write_leaves_the_previous_one(tmp_path: Path) -> 
     for step in range(AT + 1):
         trainer.train_step(step)
     writer = checkpoint_writer(spec, tmp_path, BATCH, "test")
-    writer.submit(checkpoint_payload(trainer))
+    writer.submit(_single_rank_payload(trainer))
     writer.wait(60.0)
     before = load_model_state(tmp_path)
     ctx = mp.get_context("spawn")
@@ -157,6 +165,7 @@ def test_checkpoint_killed_mid_write_leaves_the_previous_one(tmp_path: Path) -> 
     child = ctx.Process(target=_write_slowly, args=(str(tmp_path), started))
     child.start()
     assert started.wait(60.0), "the child never started writing"
+    assert child.pid is not None  # started
     os.kill(child.pid, signal.SIGKILL)
     child.join(10.0)
     assert list(tmp_path.glob(".tmp-step-00000005-child")), "the killed write left its temporary directory"
@@ -169,7 +178,7 @@ def test_checkpoint_killed_mid_write_leaves_the_previous_one(tmp_path: Path) -> 
     for step in range(AT + 1, 5):
         resumed.train_step(step)
     again = checkpoint_writer(toy_spec(STEPS), tmp_path, BATCH, "again")
-    again.submit(checkpoint_payload(resumed))
+    again.submit(_single_rank_payload(resumed))
     again.wait(60.0)
     assert latest_checkpoint(tmp_path).name == "step-00000005" and not list(tmp_path.glob(".tmp-*"))
 
@@ -186,7 +195,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
     trainer = single_rank_trainer(spec, BATCH, SLOTS)
     trainer.train_step(0)
     writer = checkpoint_writer(spec, tmp_path, BATCH, "test")
-    writer.submit(checkpoint_payload(trainer))
+    writer.submit(_single_rank_payload(trainer))
     writer.wait(60.0)
     other = single_rank_trainer(toy_spec(STEPS), BATCH * 2, SLOTS)
     with pytest.raises(CheckpointError, match="global batch"):

@@ -67,6 +67,7 @@ def test_single_process_matches_torch_optim() -> None:
         momentum=0.9,
         nesterov=True,
     )
+    assert spec.optimizer.schedule is not None  # the toy optimizer's warm-up + cosine
     sched = torch.optim.lr_scheduler.LambdaLR(opt, spec.optimizer.schedule)
     sampler = GlobalBatchSampler(spec.dataset, BATCH)
     losses = []
@@ -78,6 +79,7 @@ def test_single_process_matches_torch_optim() -> None:
             x = rows.inputs
             for unit in model:
                 x = unit(*x) if isinstance(x, tuple) else unit(x)
+            assert isinstance(x, torch.Tensor)  # the head's output
             loss = huber_per_sample(x, rows.targets).sum() / BATCH
             loss.backward()
             total += float(loss.detach())
@@ -133,6 +135,7 @@ def test_frozen_parameters_are_left_alone_as_torch_optim_does() -> None:
     )
     assert result.state_dict is not None
     before = units.build(0)
+    assert isinstance(before, nn.Linear)
     assert torch.equal(result.state_dict["frozen.weight"], before.weight)  # neither decayed nor moved
     assert not torch.equal(result.state_dict["frozen.bias"], before.bias)
 

@@ -155,9 +155,16 @@ def build_fine_tune(name: str) -> nn.Module:
     if name in ("embed", "merge"):
         unit.requires_grad_(False)
     elif name == "split":
-        unit.proj = LoraLinear(unit.proj)
+        unit.proj = _lora(unit.proj)
     elif name == "mlp":
-        unit.fc1, unit.fc2 = LoraLinear(unit.fc1), LoraLinear(unit.fc2)
+        unit.fc1, unit.fc2 = _lora(unit.fc1), _lora(unit.fc2)
     elif name == "conv":
+        assert isinstance(unit, Conv)
         unit.conv.weight.requires_grad_(False)
     return unit
+
+
+def _lora(layer: torch.Tensor | nn.Module) -> LoraLinear:
+    """`layer` (a unit's nn.Linear, read as a module attribute) wrapped in LoRA."""
+    assert isinstance(layer, nn.Linear)
+    return LoraLinear(layer)

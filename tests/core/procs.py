@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import httpx
 
@@ -38,6 +38,14 @@ def log_once_core_answers_again(agent: AgentProcess, timeout_s: float = 30.0) ->
         f"{agent.worker_id} to hear the Core again",
     )
     return agent.log_path.read_text()
+
+
+class CoreTimeouts(TypedDict, total=False):
+    """The timeout keywords of `CoreProcess` (seconds)."""
+
+    heartbeat_timeout_s: float
+    lease_ttl_s: float
+    leader_ttl_s: float
 
 
 class CoreProcess:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import TypedDict, Unpack
 
 import grpc
 import pytest
@@ -24,6 +25,19 @@ pytestmark = pytest.mark.multiproc
 
 HEARTBEAT_TIMEOUT_S = 4.0  # the floor of each stream's adaptive deadline
 HEARTBEAT_CEILING_S = 2 * HEARTBEAT_TIMEOUT_S
+
+
+class ConnectBody(TypedDict, total=False):
+    """The body of one ConnectRequest (a oneof: set exactly one)."""
+
+    register: agent_pb2.Register
+    heartbeat: agent_pb2.Heartbeat
+    probe: agent_pb2.HealthProbe
+    memory: agent_pb2.MemoryUsage
+    step: agent_pb2.StepMetrics
+    preemption: agent_pb2.PreemptionNotice
+    worker_exit: agent_pb2.WorkerExit
+    leave: agent_pb2.Leave
 
 
 class RawStream:
@@ -94,7 +108,7 @@ class RawStream:
         self.incoming.put(item)
         return False
 
-    def send(self, **body: object) -> None:
+    def send(self, **body: Unpack[ConnectBody]) -> None:
         self.outgoing.put(agent_pb2.ConnectRequest(**body))
 
     def heartbeat(self) -> None:
@@ -393,7 +407,7 @@ def test_failed_device_probe_marks_the_worker_lost(core: tuple[CoreProcess, str]
     wait_until(lambda: proc.states("probes") == {"w0": "RUNNING", "w1": "RUNNING"}, 10, "both RUNNING")
     lost_before = proc.metric("elaswave_failures_detected_total", path="device_probe")
 
-    def probe(stream: RawStream, kind: int, healthy: bool, detail: str) -> None:
+    def probe(stream: RawStream, kind: agent_pb2.ProbeKind, healthy: bool, detail: str) -> None:
         stream.send(probe=agent_pb2.HealthProbe(kind=kind, healthy=healthy, detail=detail, latency_ms=1.5))
 
     # A healthy device probe and a failed host probe are recorded; neither is a fail-stop.

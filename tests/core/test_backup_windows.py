@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import grpc
 import pytest
@@ -88,7 +89,7 @@ def ack(
     agents: dict[int, RawAgent],
     rank: int,
     epoch: int,
-    phase: int,
+    phase: executor_pb2.PlanPhase,
     window: ReprotectWindow | None = None,
 ) -> executor_pb2.AckPlanPhaseResponse:
     request = executor_pb2.AckPlanPhaseRequest(
@@ -195,10 +196,21 @@ def test_core_plans_a_loss_inside_the_reported_window_as_restore(tmp_path: Path)
         proc.stop()
 
 
-def _request(phase: int, **window: object) -> executor_pb2.AckPlanPhaseRequest:
+class _WindowFields(TypedDict, total=False):
+    """The fields of a BackupWindow message."""
+
+    pairs: list[executor_pb2.BackupPair]
+    from_step: int
+    until_step: int
+    closed_step: int
+
+
+def _request(
+    phase: executor_pb2.PlanPhase, **window: Unpack[_WindowFields]
+) -> executor_pb2.AckPlanPhaseRequest:
     request = executor_pb2.AckPlanPhaseRequest(job="train", worker_id="w0", epoch=3, phase=phase)
     if window:
-        request.backup_window.CopyFrom(executor_pb2.BackupWindow(**window))  # type: ignore[arg-type]
+        request.backup_window.CopyFrom(executor_pb2.BackupWindow(**window))
     return request
 
 

@@ -114,8 +114,9 @@ def test_planning_stops_at_the_client_deadline_and_the_core_keeps_answering(
 
     rows = call(proc, token, "GetScaleTable", scheduler_pb2.GetScaleTableRequest(job="big"), timeout_s=30)
     assert not isinstance(rows, grpc.RpcError), rows
+    assert isinstance(rows, scheduler_pb2.GetScaleTableResponse), rows
     reference = reference_scale_table(model(128))["entries"]
-    assert [(r.devices, r.dp, r.pp) for r in rows.rows] == [  # type: ignore[attr-defined]
+    assert [(r.devices, r.dp, r.pp) for r in rows.rows] == [
         (e["devices"], e["dp"], e["pp"]) for e in reference
     ]
     assert (proc.metric(stopped) or 0.0) == before + 1

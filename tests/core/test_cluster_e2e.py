@@ -9,16 +9,17 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Unpack
 
 import pytest
 
-from tests.core.procs import AgentProcess, CoreProcess, create_job, new_token, wait_until
+from tests.core.procs import AgentProcess, CoreProcess, CoreTimeouts, create_job, new_token, wait_until
 
 pytestmark = [pytest.mark.etcd, pytest.mark.multiproc]
 
 
 @contextlib.contextmanager
-def running_cluster(tmp_path: Path, etcd_url: str, **core_settings: float) -> Iterator[dict]:
+def running_cluster(tmp_path: Path, etcd_url: str, **core_settings: Unpack[CoreTimeouts]) -> Iterator[dict]:
     """A leading Core on `etcd_url` (`core_settings`: CoreProcess timeouts); every agent and Core
     the test adds to the dict is stopped afterwards."""
     token = new_token()

@@ -20,6 +20,7 @@ def test_environment_and_toml_file_with_precedence(tmp_path: Path, monkeypatch: 
     monkeypatch.setenv("ELASWAVE_HEARTBEAT_TIMEOUT_S", "1.5")
     settings = load_settings(grpc_port=0)
     assert settings.heartbeat_timeout_s == 1.5  # environment beats the file
+    assert settings.scheduler_token is not None
     assert settings.scheduler_token.get_secret_value() == "file-token-0123456789"
     assert settings.jobs[0].name == "llama" and settings.jobs[0].expected_workers == 8
     assert settings.failslow.ratio == 1.3 and settings.grpc_port == 0

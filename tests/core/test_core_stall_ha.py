@@ -21,6 +21,7 @@ import pytest
 from tests.core.procs import (
     AgentProcess,
     CoreProcess,
+    CoreTimeouts,
     create_job,
     log_once_core_answers_again,
     new_token,
@@ -38,7 +39,7 @@ def test_a_leader_stalled_past_the_silence_bound_keeps_its_agents_that_know_a_st
     tmp_path: Path, etcd_registry_url: str
 ) -> None:
     token = new_token()
-    knobs = {"heartbeat_timeout_s": 2.0, "leader_ttl_s": 20.0}
+    knobs: CoreTimeouts = {"heartbeat_timeout_s": 2.0, "leader_ttl_s": 20.0}
     leader = CoreProcess(tmp_path, "core-a", etcd_registry_url, token, **knobs)
     agents: list[AgentProcess] = []
     standby: CoreProcess | None = None

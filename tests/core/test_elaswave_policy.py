@@ -22,7 +22,9 @@ from tests.core.test_engine import Harness, run
 
 
 def published(h: Harness) -> tuple[int, Plan, Layout]:
-    epoch, body = h.plans.latest("j")
+    latest = h.plans.latest("j")
+    assert latest is not None, "no plan published"
+    epoch, body = latest
     plan = Plan.from_json(body)
     return epoch, plan, plan.new
 

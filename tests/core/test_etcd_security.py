@@ -12,6 +12,7 @@ import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 
@@ -124,11 +125,22 @@ def test_etcd_over_tls_with_a_client_certificate(tls_etcd: TlsEtcd, pki: Path) -
     assert round_trip(etcd_security(settings), url) == ["put:/sec/a"]
 
 
+class _ClientTls(TypedDict):
+    """EtcdSecurity's TLS fields: the CA, and this client's certificate and key (PEM)."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+
 @pytest.mark.timeout(60)
 def test_etcd_with_user_authentication(auth_etcd: EtcdServer, pki: Path) -> None:
     url = f"etcd://{auth_etcd.endpoint}"
-    tls = {"ca": (pki / "ca.crt").read_bytes(), "cert": (pki / "client.crt").read_bytes()}
-    tls["key"] = (pki / "client.key").read_bytes()
+    tls: _ClientTls = {
+        "ca": (pki / "ca.crt").read_bytes(),
+        "cert": (pki / "client.crt").read_bytes(),
+        "key": (pki / "client.key").read_bytes(),
+    }
     with pytest.raises(RegistryError):
         open_registry(url + "?connect_timeout=1", EtcdSecurity(**tls, user="root", password="wrong-password"))
     with pytest.raises(RegistryError):  # no user: etcd refuses every request

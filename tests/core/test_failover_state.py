@@ -137,7 +137,11 @@ def test_leader_loop_keeps_ticking_other_jobs_while_one_jobs_planner_raises() ->
                 for job in (bad, good):
                     core.membership.mark_lost(job, f"w{rank}", "killed", "process_exit", time.time())
                 epoch = good.plan_epoch + 1
-                await eventually(lambda e=epoch: good.plan_epoch == e, 10, f"good to publish epoch {epoch}")
+
+                def published(e: int = epoch) -> bool:
+                    return good.plan_epoch == e
+
+                await eventually(published, 10, f"good to publish epoch {epoch}")
             await eventually(lambda: kinds(bad).count("planner_failed") >= 3, 10, "bad to be retried")
             assert core.is_leader and all(not t.done() for t in core._leader_tasks)
             assert bad.phase == JobPhase.PLANNING and bad.plan_epoch == 0
@@ -190,6 +194,7 @@ def test_plans_that_cannot_be_stored_make_the_leader_step_down_and_the_standby_r
             replans = [e for e in restored.events if e.kind == "replan_after_takeover"]
             assert [e.worker_id for e in replans] == ["w3"]
             assert sorted(stored_layout(registry, "train", 2).ranks()) == [0, 1, 2]
+            assert restored.layout_json is not None
             assert Layout.from_json(restored.layout_json) == stored_layout(registry, "train", 2)
             await asyncio.sleep(0.5)
             assert not a.is_leader  # holding off: no flapping back

@@ -87,7 +87,7 @@ def _set(message: Message, field: FieldDescriptor, value: object) -> None:
         count = 20_000 if field.type == FieldDescriptor.TYPE_STRING and value == STRINGS[1] else 3
         if field.type == FieldDescriptor.TYPE_MESSAGE:
             for _ in range(count):
-                target.add().CopyFrom(value)  # type: ignore[arg-type]
+                target.add().CopyFrom(value)
         else:
             target.extend([value] * count)
     elif field.type == FieldDescriptor.TYPE_MESSAGE:

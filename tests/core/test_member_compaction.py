@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+from pydantic import SecretStr
 
 from core_service.agent_session import AgentSession, Registration
 from core_service.config import JobSpec, load_settings
@@ -44,7 +45,7 @@ async def scenario() -> None:
     try:
         assert await core.wait_leader(10)
         job = core.table.create_job(
-            JobSpec(name="train", token="job-token-0123456789"), LAYOUT.to_json(), now=time.time()
+            JobSpec(name="train", token=SecretStr("job-token-0123456789")), LAYOUT.to_json(), now=time.time()
         )
         members = core.membership
         sessions: dict[str, AgentSession] = {}

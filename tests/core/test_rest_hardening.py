@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from core_service.config import load_settings
+from core_service.jobs import Job
 from core_service.limits import MAX_BODY_BYTES
 from core_service.logfmt import EscapingFormatter
 from core_service.metrics import HTTP_METHODS
@@ -190,7 +191,7 @@ def test_a_server_error_is_answered_500_and_counted() -> None:
         core.stop()
 
 
-async def _create(core: CoreThread):  # type: ignore[no-untyped-def]
+async def _create(core: CoreThread) -> Job:
     from pydantic import SecretStr
 
     from core_service.config import JobSpec

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import elaswave
-from tests.core.procs import CoreProcess, new_token, wait_until
+from tests.core.procs import CoreProcess, CoreTimeouts, new_token, wait_until
 from tests.pacing import release
 from tests.test_launcher import Launcher, _job_losses, _reference_losses, tiny_variant
 from tests.test_launcher_multinode import TINY_SLOW, wait_until_waiting
@@ -42,7 +42,7 @@ def cores(tmp_path: Path, etcd_registry_url: str) -> Iterator[tuple[CoreProcess,
     """Two Cores on one etcd; the first leads. Heartbeats may be late by seconds on a loaded
     2-core machine: the timeout is generous, the leader lease short."""
     token = new_token()
-    knobs = {"heartbeat_timeout_s": 6.0, "lease_ttl_s": 6.0, "leader_ttl_s": 2.0}
+    knobs: CoreTimeouts = {"heartbeat_timeout_s": 6.0, "lease_ttl_s": 6.0, "leader_ttl_s": 2.0}
     first = CoreProcess(tmp_path, "core-a", etcd_registry_url, token, **knobs)
     first.wait_leader(timeout_s=30)
     second = CoreProcess(tmp_path, "core-b", etcd_registry_url, token, **knobs)

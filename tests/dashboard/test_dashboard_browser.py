@@ -233,7 +233,7 @@ def test_switching_jobs_shows_the_scale_table_of_a_job_with_a_model(
     )
     shown = js(page, "return [...document.querySelectorAll('#scale tr')].map(r => r.cells[0].innerText)")
     job = type("ModelOnly", (), {"name": SIZED, "model_json": json.dumps(sized_model())})()
-    assert shown == [str(row["devices"]) for row in scale_table(job)]  # type: ignore[arg-type]
+    assert shown == [str(row["devices"]) for row in scale_table(job)]
     assert "no plan published yet" in text_of(page, "[data-testid=plans]")
     assert console_errors(page) == []
 

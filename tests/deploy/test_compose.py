@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from dataclasses import fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ COMPOSE = ROOT / "deploy/compose/compose.yaml"
 VARIABLE = re.compile(r"\$\{(?P<name>\w+)(?:(?P<op>:-|:\?)(?P<arg>[^}]*))?\}")
 TOKEN = "compose-test-token-0123456789"
 # `elaswave agent --grace`, as the launcher starts agents.
-AGENT_GRACE_S = next(f.default for f in fields(AgentConfig) if f.name == "grace_s")
+AGENT_GRACE_S = AgentConfig.grace_s  # the dataclass field's default
 
 
 def interpolate(text: str, env: dict[str, str]) -> str:

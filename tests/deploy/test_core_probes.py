@@ -16,7 +16,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from core_service.config import load_settings
+from core_service.config import CoreSettings, load_settings
 from core_service.core import Core
 from core_service.registry import MemoryRegistry
 
@@ -27,7 +27,7 @@ DOCKER = Path(__file__).resolve().parents[2] / "docker"
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def settings(core_id: str):  # type: ignore[no-untyped-def]
+def settings(core_id: str) -> CoreSettings:
     return load_settings(
         core_id=core_id, grpc_port=0, http_port=0, registry_url="memory://", scheduler_token=TOKEN
     )

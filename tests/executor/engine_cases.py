@@ -10,6 +10,7 @@ sample).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -20,7 +21,7 @@ from examples.gpt.model import ModelConfig, block_numel, gpt_units, per_sample_l
 from executor.optim import OptimizerConfig
 from executor.trainer import TrainSpec
 from executor.units import UnitModel
-from planners.layout import Layout, StageLayout
+from planners.layout import Layout, RngMode, StageLayout, ZeroLayoutKind
 
 NUM_BLOCKS = 4
 NUM_UNITS = NUM_BLOCKS + 2  # embed, block_0..block_3, head
@@ -97,13 +98,13 @@ def unit_numels() -> tuple[int, ...]:
 
 
 def layout(
-    bounds: list[tuple[int, int]],
-    ranks: list[tuple[int, ...]],
+    bounds: Sequence[tuple[int, int]],
+    ranks: Sequence[tuple[int, ...]],
     global_batch: int = 8,
     num_micro_batches: int = 4,
-    zero_layout: str = "interleaved",
-    rng_mode: str = "placement_invariant",
-    weights: list[tuple[int, ...]] | None = None,
+    zero_layout: ZeroLayoutKind = "interleaved",
+    rng_mode: RngMode = "placement_invariant",
+    weights: Sequence[tuple[int, ...]] | None = None,
 ) -> Layout:
     """A layout over the test model: stage p holds units bounds[p] (0 = embed, 1..4 = blocks,
     5 = head) and ranks ranks[p]."""

@@ -5,14 +5,18 @@ so a shard that starts mid-vector must find its own decay runs (`update_slice(..
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from executor.fabric.state import ShardState, UnitShard
-from executor.optim import OptimizerConfig, Segments
+from executor.optim import OptimizerConfig, Segments, UnitSlice
 from planners.layout import Layout, make_uniform_layout
 from planners.zero import stage_ownership
+
+if TYPE_CHECKING:
+    from executor.fabric.snapshot import RingSnapshot, UpdateFn
 
 LAYER_NUMEL = (37, 50, 23)
 HYPER = OptimizerConfig("adamw", lr=1e-2, weight_decay=0.1)
@@ -23,17 +27,9 @@ SEGMENTS: dict[str, Segments] = {
 }
 
 
-def update_fn(
-    unit: str,
-    lo: int,
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: int,
-) -> None:
-    """The live optimizer's update of elements [lo, ...) of `unit` (what a snapshot replays)."""
-    HYPER.update_slice(param, grad, exp_avg, exp_avg_sq, step, SEGMENTS[unit], lo)
+def update_fn(slices: Sequence[UnitSlice], step: int) -> None:
+    """The live optimizer's update of the slices (what a snapshot replays, `UpdateFn`)."""
+    HYPER.update_slices(slices, SEGMENTS, step)
 
 
 def layout_for(dp_workers: tuple[int, ...]) -> Layout:
@@ -85,14 +81,16 @@ def grads_for(state: ShardState, step: int, scale: float = 1.0) -> dict[str, tor
 
 
 def live_update(state: ShardState, step: int, grads: dict[str, torch.Tensor]) -> None:
+    # One unit at a time, as the owner updates a bucket of one: the snapshot's batched replay
+    # (`update_fn`) must give the same bits.
     for k, s in state.units.items():
-        update_fn(k, s.start, s.param, grads[k], s.exp_avg, s.exp_avg_sq, step)
+        HYPER.update_slice(s.param, grads[k], s.exp_avg, s.exp_avg_sq, step, SEGMENTS[k], s.start)
     state.step = step
 
 
 def seeded_ring(
-    worker: int, port: int, workers: tuple[int, ...], update: Any = update_fn, **kwargs: Any
-) -> tuple[Any, ShardState]:
+    worker: int, port: int, workers: tuple[int, ...], update: UpdateFn = update_fn, **kwargs: Any
+) -> tuple[RingSnapshot, ShardState]:
     """This worker's `RingSnapshot` over one DP group of `workers` on the store at `port`, seeded
     with its initial shard (`kwargs` go to the snapshot), and that live shard."""
     from executor.comm import Communicator  # noqa: PLC0415 - the pure helpers above need no store

@@ -30,7 +30,7 @@ from executor.step_protocol import PlanInterrupted, StepProtocol, plan_key
 from executor.store_server import connect_store
 from executor.trainer import Trainer
 from planners.dataflow import resize_after_loss
-from planners.layout import Plan
+from planners.layout import Plan, RngMode
 from tests.executor.ft_procs import collect, spawn
 from tests.executor.stores import start_store
 from tests.executor.test_failstop import (
@@ -50,7 +50,7 @@ from tests.executor.test_failstop import (
 )
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
-RNG = "placement_invariant"
+RNG: RngMode = "placement_invariant"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from torch.distributed import HashStore, Store
@@ -49,15 +49,21 @@ def _one_decision(store: CountingStore, voters: int, base: str, votes: list[Comm
     """Every worker but the last votes and waits; the last votes once the others have added."""
     deadline = time.monotonic() + 30.0
 
+    store_api = cast(Store, store)  # a counting proxy of a Store, by duck typing
+
     def waiter(i: int) -> bool:
         threading.current_thread().name = f"w{i}"
-        return votes[i].decide(store, base, voters, ok=True, should_abort=lambda: False, deadline=deadline)
+        return votes[i].decide(
+            store_api, base, voters, ok=True, should_abort=lambda: False, deadline=deadline
+        )
 
     with ThreadPoolExecutor(voters - 1) as pool:
         waiting = [pool.submit(waiter, i) for i in range(voters - 1)]
         while int(store.store.add(ok_key(base), 0)) < voters - 1:
             time.sleep(0.001)
-        last = votes[-1].decide(store, base, voters, ok=True, should_abort=lambda: False, deadline=deadline)
+        last = votes[-1].decide(
+            store_api, base, voters, ok=True, should_abort=lambda: False, deadline=deadline
+        )
         return [f.result() for f in waiting] + [last]
 
 

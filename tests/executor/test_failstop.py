@@ -20,7 +20,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -32,15 +32,17 @@ import torch
 from executor.comm import Communicator, PeerFailure, groups_for_stages
 from executor.comm.groups import WORLD_GROUP, physical_groups
 from executor.fabric.trainer_state import FabricParticipant, shard_state_of
-from executor.optim import OptimizerConfig
+from executor.optim import OptimizerConfig, UnitSlice
 from executor.step_protocol import StepProtocol, plan_key
 from executor.store_server import connect_store
 from executor.trainer import Trainer, TrainSpec
 from planners.dataflow import resize_after_loss
-from planners.layout import Layout, Plan, make_uniform_layout
+from planners.layout import Layout, Plan, RngMode, make_uniform_layout
 from tests.executor.engine_cases import NUM_UNITS, gpt_spec, with_first_unit_frozen, with_weights_frozen
 from tests.executor.ft_procs import collect, spawn
 from tests.executor.stores import start_store
+
+SlicesUpdate = Callable[[Sequence[UnitSlice], int], None]  # Trainer.update_slices
 
 STEPS, FAIL_STEP, VICTIM = 8, 4, 4
 WORKERS = list(range(6))
@@ -67,7 +69,7 @@ def _precision_spec(clip: bool, precision: str, overflow_steps: tuple[int, ...])
     return with_precision(base, precision, "block_1" if overflow_steps else None, overflow_steps)
 
 
-def base_layout(rng_mode: str) -> Layout:
+def base_layout(rng_mode: RngMode) -> Layout:
     """Stage 0: embed, block_0, block_1 on workers 0-2; stage 1: block_2, block_3, head on 3-5."""
     return make_uniform_layout(
         NUM_UNITS,
@@ -84,7 +86,7 @@ def base_layout(rng_mode: str) -> Layout:
 class Scenario:
     """One job: fault-free, a kill, or a plan applied at a step boundary."""
 
-    rng_mode: str = "placement_invariant"
+    rng_mode: RngMode = "placement_invariant"
     kill_at_op: int = 0  # > 0: `victim` SIGKILLs itself on entering this op of FAIL_STEP
     victim: int = VICTIM
     also_killed: tuple[int, ...] = ()  # further victims, killed at the same op of the same step
@@ -184,14 +186,15 @@ def _state_numpy(state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _drifting(update: Callable[..., None]) -> Callable[..., None]:
-    """`update`, then each of the slice's parameters and moments one ulp up: the round-off by
-    which a backup replayed on the host drifts from a shard updated on a GPU."""
+def _drifting(update: SlicesUpdate) -> SlicesUpdate:
+    """`update`, then each slice's parameters and moments one ulp up: the round-off by which a
+    backup replayed on the host drifts from a shard updated on a GPU."""
 
-    def drifted(unit: str, lo: int, param: torch.Tensor, grad: torch.Tensor, *moments_and_step: Any) -> None:
-        update(unit, lo, param, grad, *moments_and_step)
-        for t in (param, *moments_and_step[:2]):
-            t.copy_(torch.nextafter(t, torch.full_like(t, math.inf)))
+    def drifted(slices: Sequence[UnitSlice], step: int) -> None:
+        update(slices, step)
+        for s in slices:
+            for t in (s.param, s.exp_avg, s.exp_avg_sq):
+                t.copy_(torch.nextafter(t, torch.full_like(t, math.inf)))
 
     return drifted
 
@@ -223,7 +226,7 @@ def _job_worker(worker: int, port: int, sc: Scenario) -> dict[str, Any]:
     participant = FabricParticipant(trainer, comm, verify_every=2, migration=sc.migration)
     if sc.drifting_backups:
         participant.exact_backups = False
-        trainer.update_slice = _drifting(trainer.update_slice)  # type: ignore[method-assign]
+        trainer.update_slices = _drifting(trainer.update_slices)  # type: ignore[method-assign, assignment]  # the replay under test, wrapped
     proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S)
     losses: dict[int, float | None] = {}
     samples: dict[int, list[int]] = {}
@@ -370,7 +373,7 @@ _CLEAN: dict[Scenario, dict[int, dict[str, Any]]] = {}
 
 
 def _clean(
-    rng_mode: str, clip: bool = False, layout: Layout | None = None, like: Scenario | None = None
+    rng_mode: RngMode, clip: bool = False, layout: Layout | None = None, like: Scenario | None = None
 ) -> dict[int, dict[str, Any]]:
     """The fault-free run of the same seed (computed once per RNG mode, clipping on or off,
     layout, precision of `like`, and pytest process)."""
@@ -555,7 +558,7 @@ def check_kill_recovery_with_drifting_backups(
         assert fields["param"].tobytes() == got["units"][unit]["param"].tobytes(), unit
         for f in ("exp_avg", "exp_avg_sq"):
             a, b = got["units"][unit][f].astype(np.float64), fields[f].astype(np.float64)
-            assert np.linalg.norm(a - b) <= drift_rel * max(np.linalg.norm(b), 1e-30), (unit, f)
+            assert np.linalg.norm(a - b) <= drift_rel * max(float(np.linalg.norm(b)), 1e-30), (unit, f)
     return faulty
 
 

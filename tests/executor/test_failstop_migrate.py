@@ -25,7 +25,7 @@ import pytest
 
 from executor.fabric.relayout import RelayoutError, plan_relayout
 from planners.dataflow import resize_after_loss
-from planners.layout import Layout, make_uniform_layout
+from planners.layout import Layout, RngMode, make_uniform_layout
 from tests.executor.test_failstop import (
     FAIL_STEP,
     STEPS,
@@ -43,7 +43,7 @@ from tests.executor.test_failstop import (
     base_layout,
 )
 
-RNG = "placement_invariant"
+RNG: RngMode = "placement_invariant"
 RELAYOUT_AT = 3
 
 

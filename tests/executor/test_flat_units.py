@@ -7,7 +7,7 @@ process over gloo (a HashStore), so these are in-process tests."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -19,7 +19,7 @@ from torch.distributed import HashStore
 from executor.comm.errors import PeerFailure
 from executor.engine_comm import StaticComm, groups_for_stage_ranks
 from executor.flat_units import FlatUnit, as_flat_view, flat_params
-from executor.optim import OptimizerConfig
+from executor.optim import OptimizerConfig, UnitSlice
 from executor.trainer import Trainer
 from executor.zero import Interval, ShardedOptimizer
 from executor.zero_exchange import GATHER_TAG
@@ -91,9 +91,9 @@ class _SpyConfig:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cfg, name)
 
-    def update_slice(self, param: torch.Tensor, *args: Any) -> None:
-        self._seen.append(("update", param))
-        self._cfg.update_slice(param, *args)
+    def update_slices(self, slices: Sequence[UnitSlice], *args: Any) -> None:
+        self._seen.extend(("update", s.param) for s in slices)
+        self._cfg.update_slices(slices, *args)
 
 
 def _train(steps: int) -> Callable[[ShardedOptimizer, dict[str, nn.Module], int], Any]:
@@ -129,7 +129,12 @@ def test_flat_and_copying_paths_agree_bitwise(swapped: bool, bucket_min: int) ->
 def test_the_step_addresses_the_flat_buffers_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     cats: list[int] = []
     real_cat = torch.cat
-    monkeypatch.setattr(torch, "cat", lambda *a, **k: cats.append(1) or real_cat(*a, **k))
+
+    def counting_cat(*a: Any, **k: Any) -> torch.Tensor:
+        cats.append(1)
+        return real_cat(*a, **k)
+
+    monkeypatch.setattr(torch, "cat", counting_cat)
     seen: dict[int, list[tuple[str, torch.Tensor]]] = {0: [], 1: []}
 
     def body(opt: ShardedOptimizer, units: dict[str, nn.Module], rank: int) -> Any:
@@ -205,7 +210,9 @@ def test_a_re_pointed_parameter_or_replaced_grad_is_taken_again() -> None:
             opt.zero_grads()
             _backward(units, step, rank)
             if step == 1:  # someone replaces a gradient and re-points a parameter mid-step
-                lin = units["a"][0]
+                seq = units["a"]
+                assert isinstance(seq, nn.Sequential)
+                lin = seq[0]
                 assert isinstance(lin, nn.Linear) and lin.weight.grad is not None
                 lin.weight.grad = lin.weight.grad.clone()
                 lin.bias.data = lin.bias.detach().clone()
@@ -243,7 +250,7 @@ def test_a_flat_unit_notices_every_change_that_re_points_a_parameter(change: str
     elif change == "added":
         first.extra = nn.Parameter(torch.zeros(1))
     elif change == "removed":
-        first.bias = None
+        first.bias = None  # type: ignore[assignment]  # a Linear may hold no bias; the stub says it always does
     elif change == "data":
         first.bias.data = first.bias.detach().clone()
     else:  # the same parameters, in another order: parameters() changes order

@@ -33,12 +33,14 @@ def _worker(worker: int, port: int) -> dict[str, Any]:
     if worker == 2:
         return {}
     finalized: dict[str, str] = {}
+
+    def record_finalizer_thread(n: str) -> None:
+        finalized[n] = threading.current_thread().name
+
     for name in comm.names():
         if name != "dp/0":  # dp/0 keeps its members: reused as it is
             # the thread that destroys the group runs its finalizer
-            weakref.finalize(
-                comm.group(name), lambda n=name: finalized.__setitem__(n, threading.current_thread().name)
-            )
+            weakref.finalize(comm.group(name), record_finalizer_thread, name)
     report = comm.apply_edit(AFTER)
     drained = comm.drain_retired(20.0)
     sums = {}

@@ -25,19 +25,19 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
 from executor.comm import Communicator, PeerFailure, groups_for_stages
 from executor.fabric.trainer_state import FabricParticipant, shard_state_of
-from executor.step_protocol import PlanInterrupted, StepProtocol, plan_key
+from executor.step_protocol import PlanInterrupted, StepParticipant, StepProtocol, plan_key
 from executor.store_server import connect_store
 from executor.trainer import Trainer, TrainSpec
 from planners.applicability import judge
 from planners.dataflow import resize_after_loss
-from planners.layout import Layout, Plan, StageLayout
+from planners.layout import Layout, Plan, RngMode, StageLayout
 from planners.zero import joiner_bytes
 from tests.executor.ft_procs import collect, spawn
 from tests.executor.stores import start_store
@@ -60,7 +60,7 @@ from tests.executor.test_whole_stage import stage_one_lost, three_stages
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
-RNG = "placement_invariant"
+RNG: RngMode = "placement_invariant"
 JOIN_STEP = 6  # the joiner trains from this step on
 JOINER = 6
 READY = "test/committed-before-join"  # worker 0 sets it once step JOIN_STEP - 1 committed
@@ -196,8 +196,10 @@ def _worker(
     out["skipped"] = []
     if worker == JOINER:
         comm = DiesInJoin.for_joiner(store, worker, timeout_s=TIMEOUT_S)
+        assert isinstance(comm, DiesInJoin)  # for_joiner builds `cls`; typed as the base class
         # Plans come from the Core in a real job; here from the store (plan 1 is not for it).
-        plan = StepProtocol(comm, _NoState(), timeout_s=120).await_plan(after_epoch=1)
+        # _NoState serves await_plan alone, which never calls the participant.
+        plan = StepProtocol(comm, cast(StepParticipant, _NoState()), timeout_s=120).await_plan(after_epoch=1)
         assert plan.rank_of_joiner("spare-0") == worker
         trainer = Trainer(spec, plan.new, worker, comm)
         participant = FabricParticipant(trainer, comm, verify_every=2, joining=True)

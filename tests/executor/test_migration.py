@@ -11,7 +11,7 @@ import pytest
 from executor.launch import JobSpec, job_losses, merged_state, run_job
 from executor.migration import moved_layers
 from executor.nonblocking_migration import check_nonblocking
-from planners.layout import Layout, StageLayout
+from planners.layout import Layout, StageLayout, ZeroLayoutKind
 from planners.zero import migration_cost
 from tests.executor.engine_cases import (
     block_unit,
@@ -29,7 +29,7 @@ BLOCK1_TO_STAGE1 = [(0, 2), (2, 6)]
 BLOCKS12_TO_STAGE0 = [(0, 4), (4, 6)]
 
 
-def _relayouts(zero: str) -> tuple:
+def _relayouts(zero: ZeroLayoutKind) -> tuple[tuple[int, Layout], ...]:
     # Step 3: block 1 moves to stage 1; step 6: blocks 1 and 2 move to stage 0.
     return (
         (3, layout(BLOCK1_TO_STAGE1, RANKS, zero_layout=zero)),

@@ -28,6 +28,7 @@ from executor.dry_run import discover_boundaries
 from executor.rng import DropoutRng, UnitCall, unit_call
 from executor.trainer import StageModel
 from executor.units import (
+    Activation,
     ActivationSpec,
     TensorSpec,
     UnitBuildError,
@@ -47,10 +48,12 @@ def _run(
     """Run a stage's units in order the way the engine does: each under its unit-call context."""
     rng = DropoutRng(seed)
     rng.begin_step(step)
+    out: Activation = x
     for name, unit in stage.units.items():
         with unit_call(UnitCall(step, UNITS.index(name), tuple(samples), rng), None):
-            x = call_unit(unit, x)
-    return x
+            out = call_unit(unit, out)
+    assert isinstance(out, torch.Tensor)  # every GPT unit returns a single tensor
+    return out
 
 
 def _tokens(n: int, seed: int = 0) -> torch.Tensor:
@@ -230,7 +233,8 @@ def test_build_errors_name_the_unit_and_the_cause() -> None:
     bad_names = UnitModel(["embed", "block_9"], functools.partial(build_unit, CFG))
     with pytest.raises(UnitBuildError, match=r"building unit 'block_9' failed: ValueError: .*out of range"):
         bad_names.build(1)
-    not_a_module = UnitModel(["a"], lambda name: torch.zeros(3))
+    # deliberately not a Module: the refusal is what is under test
+    not_a_module = UnitModel(["a"], lambda name: torch.zeros(3))  # type: ignore[arg-type, return-value]
     with pytest.raises(UnitBuildError, match=r"build_unit\('a'\) returned Tensor, not an nn.Module"):
         not_a_module.build(0)
     with pytest.raises(UnitBuildError, match="no units"):
@@ -293,11 +297,14 @@ def test_tuple_activations_are_unpacked_into_the_next_unit() -> None:
     assert probes[0].output.is_tuple and [t.shape for t in probes[0].output.tensors] == [(4,), (1,)]
     assert probes[1].output == ActivationSpec((TensorSpec((4,), torch.float32),), False)
     x = torch.ones(2, 4)
-    assert torch.equal(call_unit(Add(), call_unit(_Pair(), x)), x + 4)
+    out = call_unit(Add(), call_unit(_Pair(), x))
+    assert isinstance(out, torch.Tensor) and torch.equal(out, x + 4)
 
 
 class _Counter(nn.Module):
     """Counts its calls in a buffer: state that a rebuilt unit would not have."""
+
+    calls: torch.Tensor  # a buffer (registered in __init__)
 
     def __init__(self) -> None:
         super().__init__()
@@ -311,6 +318,9 @@ class _Counter(nn.Module):
 
 class _CachedMask(nn.Module):
     """Fills a buffer on first use, then only reads it; also re-derives one on every call."""
+
+    mask: torch.Tensor | None  # buffers (registered in __init__)
+    scale: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
@@ -383,7 +393,9 @@ def test_the_dry_run_refuses_a_lazy_module_and_takes_one_materialised_in_the_bui
 
     model = UnitModel(["lin"], materialised)
     assert discover_boundaries(model, torch.ones(2, 4))[0].numel == 15
-    assert torch.equal(model.build(0).weight, model.build(0).weight)
+    first, second = model.build(0).weight, model.build(0).weight
+    assert isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)
+    assert torch.equal(first, second)
 
 
 def test_the_dry_run_refuses_a_forward_that_writes_a_parameter() -> None:

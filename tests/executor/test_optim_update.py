@@ -170,14 +170,14 @@ def test_a_gradient_of_the_trainable_runs_only_updates_as_the_full_one_bit_for_b
         full = [flat[lo:hi].clone(), torch.zeros(hi - lo), torch.zeros(hi - lo)]
         compact = [t.clone() for t in full]
         for step, g in enumerate(_gradients(numel), start=1):
-            cfg.update_slice(*full[:1], g[lo:hi], *full[1:], step, segments, lo)
+            cfg.update_slice(full[0], g[lo:hi], full[1], full[2], step, segments, lo)
             wire = torch.cat([g[a:b] for a, b in runs]) if runs else torch.empty(0)
-            cfg.update_slice(*compact[:1], wire, *compact[1:], step, segments, lo, carried=runs)
+            cfg.update_slice(compact[0], wire, compact[1], compact[2], step, segments, lo, carried=runs)
         for a, b in zip(compact, full, strict=True):
             assert torch.equal(a, b), (lo, hi)
         frozen = torch.ones(hi - lo, dtype=torch.bool)
-        for a, b in runs:
-            frozen[a - lo : b - lo] = False
+        for run_lo, run_hi in runs:
+            frozen[run_lo - lo : run_hi - lo] = False
         assert torch.equal(full[0][frozen], flat[lo:hi][frozen]), "a frozen element moved"
         assert not torch.equal(full[0], flat[lo:hi]) or not runs, "nothing trained"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Literal
 
 import pytest
 
@@ -19,7 +20,7 @@ def _rank_ops(lay: Layout, rank: int, program: list[Op]) -> list[tuple[str, Mess
     for op in program:
         if len(lay.samples_of(rank, op.slot)) == 0 or op.kind in ("fwd", "bwd"):
             continue
-        toward = "next" if op.kind in ("send_f", "recv_b") else "prev"
+        toward: Literal["next", "prev"] = "next" if op.kind in ("send_f", "recv_b") else "prev"
         direction = "f" if op.kind in ("send_f", "recv_f") else "b"
         for r in routes(lay, rank, op.slot, toward):
             sender, receiver = (rank, r.peer) if op.kind.startswith("send") else (r.peer, rank)

@@ -52,7 +52,7 @@ from executor.trainer import Trainer
 from planners.applicability import judge
 from planners.backup import backup_holder_sets, protected_by
 from planners.dataflow import resize_after_loss
-from planners.layout import Layout, Plan, PlanMode
+from planners.layout import Layout, Plan, PlanMode, RngMode
 from planners.reprotect import ReprotectWindow, backup_pairs, reseed_pairs
 from tests.executor.ft_procs import collect, spawn
 from tests.executor.stores import start_store
@@ -68,7 +68,7 @@ from tests.executor.test_failstop import (
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
-RNG = "placement_invariant"
+RNG: RngMode = "placement_invariant"
 FIRST, SECOND = 3, 4
 KILLS = {0: FIRST, 1: SECOND, 4: SECOND}  # worker -> the step whose reduce-scatter kills it
 REDUCE_SCATTER_OP = 5  # test_failstop.KillingCommunicator's numbering: 4 pipeline ops, then it

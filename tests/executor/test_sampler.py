@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from examples.gpt.data import TABLE_DRAW_LIMIT, MarkovWindows, generate_corpus
-from executor.sampler import GlobalBatchSampler, Prefetcher
+from executor.sampler import GlobalBatchSampler, Prefetcher, SampleBatch
 
 
 class Numbers(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -30,6 +30,12 @@ class Numbers(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             raise IndexError(i)
         self.reads.append(i)
         return torch.tensor([i, i]), torch.tensor(-i)
+
+
+def _tensor_inputs(batch: SampleBatch) -> torch.Tensor:
+    """The inputs of a batch whose inputs are a single tensor (not a tuple)."""
+    assert isinstance(batch.inputs, torch.Tensor)
+    return batch.inputs
 
 
 def _indices(sampler: GlobalBatchSampler, step: int, start: int = 0, stop: int | None = None) -> list[int]:
@@ -77,14 +83,14 @@ def test_any_split_of_a_step_reassembles_the_global_batch() -> None:
         fresh = GlobalBatchSampler(Numbers(50), global_batch=8, seed=3)  # another rank, another process
         parts = [fresh.rows(5, lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
         parts = [p for p in parts if len(p)]
-        assert torch.equal(torch.cat([p.inputs for p in parts]), whole.inputs)
+        assert torch.equal(torch.cat([_tensor_inputs(p) for p in parts]), _tensor_inputs(whole))
         assert torch.equal(torch.cat([p.targets for p in parts]), whole.targets)
         assert sum((p.sample_ids for p in parts), ()) == whole.sample_ids
     empty = sampler.rows(5, 3, 3)
     assert len(empty) == 0 and empty.inputs is None
     # Replaying a step after others gives the same rows (rollback + replay).
     sampler.rows(6, 0, 8)
-    assert torch.equal(sampler.rows(5, 0, 8).inputs, whole.inputs)
+    assert torch.equal(_tensor_inputs(sampler.rows(5, 0, 8)), _tensor_inputs(whole))
 
 
 def test_tuple_inputs_and_a_custom_collate() -> None:
@@ -103,7 +109,7 @@ def test_tuple_inputs_and_a_custom_collate() -> None:
         return torch.stack([x[0][0] for x in items]) * 10, torch.stack([x[1] for x in items])
 
     batch = GlobalBatchSampler(Pairs(), 2, shuffle=False, collate_fn=collate).rows(1, 0, 2)
-    assert batch.inputs.tolist() == [[20.0], [30.0]]
+    assert _tensor_inputs(batch).tolist() == [[20.0], [30.0]]
 
 
 def test_prefetched_rows_equal_rows_loaded_on_the_spot() -> None:
@@ -118,7 +124,9 @@ def test_prefetched_rows_equal_rows_loaded_on_the_spot() -> None:
         asked += [(2, 0, 6), (3, 0, 2), (3, 1, 4)]  # (3, 1, 4) was never prefetched
         for step, lo, hi in asked:
             got, direct = pre.rows(step, lo, hi), sampler.rows(step, lo, hi)
-            assert got.sample_ids == direct.sample_ids and torch.equal(got.inputs, direct.inputs)
+            assert got.sample_ids == direct.sample_ids and torch.equal(
+                _tensor_inputs(got), _tensor_inputs(direct)
+            )
     finally:
         pre.close()
 
@@ -151,7 +159,9 @@ def test_a_load_dropped_while_a_loader_process_runs_it_is_let_go_quietly(
         with caplog.at_level(logging.ERROR, logger="concurrent.futures"):
             pre.prefetch(3, [(0, 3)])
             got, direct = pre.rows(3, 0, 3), sampler.rows(3, 0, 3)
-            assert got.sample_ids == direct.sample_ids and torch.equal(got.inputs, direct.inputs)
+            assert got.sample_ids == direct.sample_ids and torch.equal(
+                _tensor_inputs(got), _tensor_inputs(direct)
+            )
         assert not [r for r in caplog.records if r.name.startswith("concurrent.futures")]
         # the same answer for rows asked again, loaded on the spot through the loader
         assert pre.rows(1, 0, 3).sample_ids == sampler.rows(1, 0, 3).sample_ids
@@ -239,7 +249,7 @@ def test_markov_windows_are_next_token_pairs_covering_the_corpus() -> None:
     assert torch.equal(x[1:], y[:-1]) and x.shape == y.shape == (16,)
     assert torch.equal(torch.cat([data[i][0] for i in range(12)]), data.corpus[:-1])
     sampler = GlobalBatchSampler(data, global_batch=4)
-    seen = {tuple(sampler.rows(s, r, r + 1).inputs[0].tolist()) for s in range(3) for r in range(4)}
+    seen = {tuple(_tensor_inputs(sampler.rows(s, r, r + 1))[0].tolist()) for s in range(3) for r in range(4)}
     assert len(seen) == 12  # one epoch: every window once
     with pytest.raises(IndexError):
         data[12]

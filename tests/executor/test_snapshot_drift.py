@@ -10,12 +10,13 @@ drifts by one ulp per element and step, as a host replay of a GPU update does by
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
 
 import pytest
 import torch
 
 from executor.fabric.remap import VERIFY_DRIFT_REL
+from executor.optim import UnitSlice
 from tests.executor.fabric_workload import (
     grads_for,
     live_update,
@@ -29,10 +30,11 @@ STEPS = 12
 TAMPERED_OWNER = 2  # its backup (on worker 1) gets one element moved by 1e-3 of the unit's norm
 
 
-def _drifting_update(*args: Any) -> None:
-    update_fn(*args)
-    for t in (args[2], args[4], args[5]):  # the parameters and both moments, one ulp up
-        t.copy_(torch.nextafter(t, torch.full_like(t, math.inf)))
+def _drifting_update(slices: Sequence[UnitSlice], step: int) -> None:
+    update_fn(slices, step)
+    for s in slices:
+        for t in (s.param, s.exp_avg, s.exp_avg_sq):  # the parameters and both moments, one ulp up
+            t.copy_(torch.nextafter(t, torch.full_like(t, math.inf)))
 
 
 def _worker(worker: int, port: int) -> dict[str, object]:
@@ -70,9 +72,9 @@ def test_round_off_drift_passes_and_a_corrupted_backup_is_found_and_repaired() -
         assert r["repaired"] is False, w  # the other pairs still drift; only the bad one was re-sent
     holder = next(w for w, r in got.items() if w != TAMPERED_OWNER and _protects(w, TAMPERED_OWNER))
     live, repaired = got[TAMPERED_OWNER]["live"], got[holder]["snapshot"]
-    for unit, (lo, hi, rows) in live.items():  # type: ignore[attr-defined]
-        assert (lo, hi) == repaired[unit][:2]  # type: ignore[index]
-        assert rows.tobytes() == repaired[unit][2].tobytes(), unit  # type: ignore[index]
+    for unit, (lo, hi, rows) in live.items():
+        assert (lo, hi) == repaired[unit][:2]
+        assert rows.tobytes() == repaired[unit][2].tobytes(), unit
 
 
 def _protects(worker: int, owner: int) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ import torch
 from executor.fabric import snapshot as snapshot_module
 from executor.fabric.device_copy import StagedCopies
 from executor.fabric.snapshot import RingSnapshot
+from executor.optim import UnitSlice
 from tests.executor.fabric_workload import (
     grads_for,
     live_update,
@@ -56,11 +58,10 @@ def _lagging_worker(
         snapshot_module.LAG_WAIT_S = lag_wait_s  # this process only: a bound the slow replay overruns
     applied: dict[int, int] = {}  # step -> units replayed
 
-    def slow_update(unit: str, lo: int, *rest: object) -> None:
-        time.sleep(REPLAY_S)
-        update_fn(unit, lo, *rest)  # type: ignore[arg-type]
-        step = int(rest[-1])  # type: ignore[call-overload]
-        applied[step] = applied.get(step, 0) + 1
+    def slow_update(slices: Sequence[UnitSlice], step: int) -> None:
+        time.sleep(REPLAY_S * len(slices))
+        update_fn(slices, step)
+        applied[step] = applied.get(step, 0) + len(slices)
 
     snap, live = seeded_ring(worker, port, WORKERS, slow_update, max_lag=max_lag)
     copies: list[_LandingCopy] = []

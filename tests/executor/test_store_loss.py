@@ -141,6 +141,6 @@ def test_a_new_standby_leaves_out_the_dead_store_its_peer_still_lists_without_wa
             assert connect_store("127.0.0.1", store.port).get(STORES_KEY).decode() == expected
         assert took_s < PEER_CONNECT_S, f"the new standby waited {took_s:.1f} s longer than a store alone"
     finally:
-        for store in (primary, standby, replacement):
-            if store is not None:
-                store.stop()
+        for server in (primary, standby, replacement):
+            if server is not None:
+                server.stop()

@@ -154,13 +154,13 @@ def test_validation_counts_the_extra_copies_against_the_cap() -> None:
 def test_placement_counts_every_copy_against_the_cap() -> None:
     units = [UnitCost(f"u{i}", numel=10_000, param_bytes=40_000, seconds_per_sample=0.01) for i in range(4)]
     kw = {"global_batch": 8, "micro_batches": 2, "nnodes": 2, "nproc_per_node": 2, "pp": 2}
-    one = plan_placement(units, **kw)  # type: ignore[arg-type]
-    two = plan_placement(units, backup_copies=2, **kw)  # type: ignore[arg-type]
+    one = plan_placement(units, **kw)
+    two = plan_placement(units, backup_copies=2, **kw)
     assert two.layout.backup_copies == 2
     assert one.backup is not None and two.backup is not None
     assert sum(two.backup.per_rank_bytes.values()) == 2 * sum(one.backup.per_rank_bytes.values())
     assert max(two.stage_mem_bytes) > max(one.stage_mem_bytes)
     with pytest.raises(PlacementError, match="with the shard backups it keeps"):
-        plan_placement(units, backup_copies=2, mem_cap_bytes=max(one.stage_mem_bytes), **kw)  # type: ignore[arg-type]
+        plan_placement(units, backup_copies=2, mem_cap_bytes=max(one.stage_mem_bytes), **kw)
     with pytest.raises(PlacementError, match="backup_copies must be >= 1"):
-        plan_placement(units, backup_copies=0, **kw)  # type: ignore[arg-type]
+        plan_placement(units, backup_copies=0, **kw)

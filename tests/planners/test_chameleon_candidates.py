@@ -26,8 +26,8 @@ PROFILE = JobProfile(
 BASE = ClusterState(SHAPE, PROFILE)
 
 
-def state(*failed: int, **kw: object) -> ClusterState:
-    return replace(BASE, failed=frozenset(failed), **kw)
+def state(*failed: int) -> ClusterState:
+    return replace(BASE, failed=frozenset(failed))
 
 
 def covers_all_layers(cand, num_layers: int = 12) -> bool:

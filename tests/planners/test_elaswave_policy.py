@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,11 +27,21 @@ def test_a_loss_is_planned_with_typed_reasons_and_the_tables_built_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     layout = make_uniform_layout(num_layers=4, num_stages=2, dp=3, global_batch=12, num_micro_batches=2)
-    built, calls = [], []
+    built: list[int] = []
+    calls: list[int] = []
     original, run = graph.segment_tables, graph.repartition
-    monkeypatch.setattr(graph, "segment_tables", lambda *a: built.append(1) or original(*a))
+
+    def counting_tables(*a: Any) -> Any:
+        built.append(1)
+        return original(*a)
+
+    def counting_repartition(*a: Any) -> Any:
+        calls.append(1)
+        return run(*a)
+
+    monkeypatch.setattr(graph, "segment_tables", counting_tables)
     for module in (policy_module, replicas_module):
-        monkeypatch.setattr(module, "repartition", lambda *a: calls.append(1) or run(*a))
+        monkeypatch.setattr(module, "repartition", counting_repartition)
     plan = plan_elaswave(ElasWaveInput(layout, (4,), uniform_model(layout, [], "test")))
     # Algorithm 1 and the adjacency search share one set of tables per re-partition (the DP
     # shape step prices its candidates after one each, planners.elaswave_replicas).

@@ -72,7 +72,8 @@ def test_table_keeps_best_config_per_gpu_count_and_filters_as_444() -> None:
     assert "not 5% above" in why[40]
     assert "trends disagree" in why[56]
     assert table.entries[-1].speedup == pytest.approx(100 / 36)
-    assert table.best_within(47).gpus == 16
+    best = table.best_within(47)
+    assert best is not None and best.gpus == 16
 
 
 def test_poisson_benefit_threshold_is_eq16() -> None:

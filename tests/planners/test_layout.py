@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from typing import TypedDict, Unpack
 
 import pytest
 from hypothesis import given, settings
@@ -143,7 +144,17 @@ def _base() -> Layout:
     return make_uniform_layout(6, 3, 2, global_batch=12, num_micro_batches=2)
 
 
-def _with_stage(layout: Layout, p: int, **changes: object) -> Layout:
+class _StageChanges(TypedDict, total=False):
+    """Fields of a StageLayout to replace."""
+
+    stage: int
+    layer_start: int
+    layer_stop: int
+    ranks: tuple[int, ...]
+    sample_weights: tuple[int, ...]
+
+
+def _with_stage(layout: Layout, p: int, **changes: Unpack[_StageChanges]) -> Layout:
     stages = list(layout.stages)
     stages[p] = replace(stages[p], **changes)
     return replace(layout, stages=tuple(stages))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -134,7 +136,7 @@ def test_infeasible_reasons() -> None:
         (lambda r: r.update(layer_cost=[]), "layer_cost must be a non-empty list"),
     ],
 )
-def test_malformed_requests_name_the_field(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_malformed_requests_name_the_field(mutate: Callable[[dict[str, Any]], None], message: str) -> None:
     req = {
         "layer_cost": [[1, 1], [1, 1]],
         "stage_overhead": [0, 0],

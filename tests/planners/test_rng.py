@@ -125,8 +125,9 @@ def _replay_per_rank_plan(ref: Layout, new: Layout, seed: int) -> dict[tuple[int
             if (slot, stream, layer_start, u.rank) in handoffs
         }
         for u in uses:
-            gen = state[(stream, u.rank)] = received.get(u.rank, state.get((stream, u.rank)))
+            gen = received.get(u.rank, state.get((stream, u.rank)))
             assert gen is not None, f"rank {u.rank} has no state of {stream}"
+            state[(stream, u.rank)] = gen
             for layer in range(u.layer_start, u.layer_stop):
                 mask = gen.random((len(u.stream_samples), WIDTH))
                 for i in range(u.samples.start, u.samples.stop):

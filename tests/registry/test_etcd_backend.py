@@ -6,11 +6,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict
 
 import etcd3
 import pytest
 
-from core_service.registry import BackendUnavailable, EtcdRegistry, LeaderElection, open_registry
+from core_service.registry import BackendUnavailable, EtcdRegistry, LeaderElection, Registry, open_registry
 from tests.etcd_server import EtcdServer, free_port, free_ports
 from tests.registry.helpers import EventRecorder
 
@@ -41,13 +42,19 @@ def test_error_lists_every_endpoint_tried() -> None:
     assert f"127.0.0.1:{ports[0]}" in message and f"127.0.0.1:{ports[1]}" in message
 
 
+class _Outcome(TypedDict, total=False):
+    registry: Registry
+    error: Exception
+    after_s: float
+
+
 def test_an_etcd_that_comes_up_within_the_connect_window_is_used(tmp_path: Path) -> None:
     """The first connection attempt fails (nothing listens yet); gRPC's fail-fast made that the
     verdict at once, whatever the connect window (a session fixture failed so, "tcp handshaker
     shutdown"). The registry waits out the window instead, and uses an etcd that starts in it."""
     server = EtcdServer(data_dir=tmp_path / "etcd")
     server.client_port, server.peer_port = free_ports(2)
-    outcome: dict[str, object] = {}
+    outcome: _Outcome = {}
 
     def connect() -> None:
         started = time.monotonic()

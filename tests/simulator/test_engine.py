@@ -137,9 +137,9 @@ def test_costs_are_overridable_and_bad_ones_rejected(
     assert "torchft_model" in capsys.readouterr().err
     assert main(["simulate", "--poisson", "0.1", "--policies", "magic", "--out", str(tmp_path)]) == 2
     assert "--policies" in capsys.readouterr().err
-    bad = tmp_path / "bad.txt"
-    bad.write_text("0,add\n")
-    assert main(["simulate", "--trace", str(bad), "--out", str(tmp_path)]) == 2
+    bad_trace = tmp_path / "bad.txt"
+    bad_trace.write_text("0,add\n")
+    assert main(["simulate", "--trace", str(bad_trace), "--out", str(tmp_path)]) == 2
     assert "bad.txt:1" in capsys.readouterr().err
     assert not (tmp_path / "summary.csv").exists()
 

@@ -8,7 +8,7 @@ from planners.chameleon.reparallel import oobleck, reparallelise
 from simulator.cluster import ClusterChange
 from simulator.costs import RecoveryCosts
 from simulator.jobs import JOBS, ranks_of_devices
-from simulator.policies import make_policy
+from simulator.policies import RecyclePolicy, make_policy
 from simulator.sim_policy import dp_degree, held_layers
 
 SPEC = JOBS["llama2-7b"]
@@ -36,6 +36,7 @@ def test_chameleon_searches_around_the_dp_degree_in_force() -> None:
 
 def test_recycle_keeps_the_replicas_its_restart_dropped_until_they_are_whole() -> None:
     policy = make_policy("recycle", JOBS["llama2-34b"], RecoveryCosts())
+    assert isinstance(policy, RecyclePolicy)
     spec = JOBS["llama2-34b"]
     policy.step(ClusterChange(0.0, frozenset()), float("inf"))
     three = frozenset(range(spec.shape.num_devices - 24, spec.shape.num_devices))
