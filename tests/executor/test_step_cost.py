@@ -121,11 +121,11 @@ def test_a_frozen_units_rollback_copy_is_kept_not_copied_again(monkeypatch: pyte
     import executor.zero as zero_mod
 
     trainer, frozen = _frozen_trainer()
-    copied: list[int] = []  # ids of what the copier copied from
+    copied: list[int] = []  # what the copier copied from: a module's id, a tensor's data pointer
 
     def counting(copy: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def wrapped(src: Any, *args: Any) -> torch.Tensor:
-            copied.append(id(src))
+            copied.append(src.data_ptr() if isinstance(src, torch.Tensor) else id(src))
             return copy(src, *args)
 
         return wrapped
@@ -135,14 +135,22 @@ def test_a_frozen_units_rollback_copy_is_kept_not_copied_again(monkeypatch: pyte
     trainer.train_step(1)
     committed = trainer.state_dict_for_rollback()
     monkeypatch.setattr(trainer_mod, "flat_params", counting(trainer_mod.flat_params))
+    monkeypatch.setattr(trainer_mod, "copy_reusing", counting(trainer_mod.copy_reusing))  # flat units
     monkeypatch.setattr(zero_mod, "copy_reusing", counting(zero_mod.copy_reusing))
     copy = trainer.rollback_state_copier(reuse=retired)()
     assert _equal(copy, committed)  # the state of step 1, the frozen unit's included
     shard = trainer.optimizer.shards[frozen]
     units = trainer.model.units
-    assert id(units[frozen]) not in copied  # its parameters were not copied again
-    assert id(shard.exp_avg) not in copied and id(shard.exp_avg_sq) not in copied  # nor its moments
-    assert all(id(units[n]) in copied for n in units if n != frozen)  # every other unit was
+
+    def sources(name: str) -> set[int]:  # the unit, or its flat buffer
+        view = trainer.optimizer.exchange.param_vector(name)
+        return {id(units[name])} | ({view.data_ptr()} if view is not None else set())
+
+    assert not sources(frozen) & set(copied)  # its parameters were not copied again
+    assert (
+        shard.exp_avg.data_ptr() not in copied and shard.exp_avg_sq.data_ptr() not in copied
+    )  # nor its moments
+    assert all(sources(n) & set(copied) for n in units if n != frozen)  # every other unit was
     # a rollback to that copy restores the committed state, the frozen unit as it was built
     trainer.train_step(2)
     trainer.load_rollback_state(copy)
