@@ -9,24 +9,32 @@ per decision, ``<namespace>/decide/p<plan epoch>/s<step>/a<attempt>``, there are
   first writer wins, every later writer and reader gets the same value).
 
 The worker whose add brings the counter to the number of voters knows that every vote is ok and
-writes COMMIT, unless the epoch's abort flag is set by then. A worker whose step failed, or that
-sees the abort flag before it votes, writes ABORT without voting. Every other worker polls
-the decision, and writes ABORT itself when it sees the epoch's abort flag (a peer's socket
-closed, a plan losing a rank arrived) or when its deadline passes (a hung peer). A late ok vote
-after an ABORT reads that ABORT.
+writes COMMIT, unless the epoch's abort flag is set by then (it reads the flag: a worker that
+skipped its step for a waiting plan flagged it without failing). A worker whose step failed, or
+that flagged the abort itself (the caller knows both without the store), writes ABORT without
+voting. Every other worker polls the decision, and writes ABORT itself when it sees the epoch's
+abort flag (a peer's socket closed, a plan losing a rank arrived; read every ABORT_CHECK_S of
+its wait) or when its deadline passes (a hung peer). A late ok vote after an ABORT reads that
+ABORT.
 
 Per worker and step this is a constant number of store requests, whatever the number of workers
-(reading every worker's vote key cost each worker N requests per step, N^2 for the store), and
-the keys do not pile up over a long job: the worker that writes a COMMIT deletes both keys of
-every decision before it. That is safe because a COMMIT on base B means every voter of B added
-its ok to B, after reading every earlier decision of its own: nobody reads them again. A worker
-that is no longer a voter (planned out while alive) and still polls an old decision finds it
-gone and decides ABORT for itself, which no voter reads.
+(reading every worker's vote key cost each worker N requests per step, N^2 for the store): the
+last voter makes three (add, the abort flag, the decision), a waiter one add and one per poll
+(`read_decision`: a poll that finds the decision returns it), and no request of a fault-free
+step waits on another's reply in the store. The keys do not pile up over a long job: the worker
+that writes a COMMIT deletes both keys of every decision before it, on a background thread
+(`DecisionCollector`), so its next step does not wait for those requests. That is safe because
+a COMMIT on base B means every voter of B added its ok to B, after reading every earlier
+decision of its own: nobody reads them again. A worker that is no longer a voter (planned out
+while alive) and still polls an old decision finds it gone and decides ABORT for itself, which
+no voter reads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
 from collections.abc import Callable
 
@@ -37,6 +45,14 @@ COMMIT, ABORT = b"commit", b"abort"
 # vote within a few ms of each other, and a fixed 10 ms sleep cost ~5 ms of every step (the
 # fixed-cost profile in docs/benchmarks.md); a long wait (a straggler) still polls every 10 ms.
 POLL_FIRST_S, POLL_S = 0.0005, 0.01
+# A waiter reads the epoch's abort flag at most this often (one store request each): it only
+# matters when a voter died without voting, where a few ms are nothing beside the recovery, and
+# reading it at every poll doubled a fault-free wait's requests.
+ABORT_CHECK_S = 0.004
+# Never a decision: `compare_set` with it as both the expected and the new value writes nothing
+# and returns the decision where there is one, this value where there is none (torch's
+# TCPStore, HashStore, FileStore and PrefixStore alike; tests/executor/test_commit_vote.py).
+_PENDING = b"\x00pending"
 
 
 def decision_base(namespace: str, plan_epoch: int, step: int, attempt: int) -> str:
@@ -53,6 +69,54 @@ def decision_key(base: str) -> str:
     return f"{base}/decision"
 
 
+def read_decision(store: Store, base: str) -> bytes | None:
+    """The decision of `base`, or None while there is none: one store request, no write."""
+    value = bytes(store.compare_set(decision_key(base), _PENDING, _PENDING))  # type: ignore[arg-type]  # bytes are fine
+    return None if value == _PENDING else value
+
+
+class DecisionCollector:
+    """Deletes the keys of decisions nobody reads any more, on a daemon thread of its own, so a
+    COMMIT's writer starts its next step at once. Best effort, as the deletion always was: a
+    store lost meanwhile loses keys that were garbage anyway. The thread starts with the first
+    batch; TCPStore serialises a client's requests, so it shares the voter's connection."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Store, list[str]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pending = 0
+        self._idle = threading.Condition()
+
+    def collect(self, store: Store, bases: list[str]) -> None:
+        """Queue the two keys of each of `bases` for deletion (returns at once)."""
+        if not bases:
+            return
+        with self._idle:
+            self._pending += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="commit-vote-collector", daemon=True)
+            self._thread.start()
+        self._queue.put((store, bases))
+
+    def settle(self, timeout_s: float = 10.0) -> bool:
+        """Block until every queued deletion is done (at most `timeout_s`); True if it is."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            store, bases = self._queue.get()
+            try:
+                with contextlib.suppress(DistError):
+                    for base in bases:
+                        store.delete_key(decision_key(base))
+                        store.delete_key(ok_key(base))
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+
 class CommitVote:
     """One worker's votes, one decision after another (the training loop's thread only)."""
 
@@ -60,6 +124,7 @@ class CommitVote:
         # The bases decided since the last COMMIT this worker read, that COMMIT's included:
         # what this worker deletes when it writes the next COMMIT.
         self._since_commit: list[str] = []
+        self.collector = DecisionCollector()
 
     @property
     def kept(self) -> tuple[str, ...]:
@@ -76,19 +141,20 @@ class CommitVote:
         deadline: float,
     ) -> bool:
         """Vote `ok` on `base` among `voters` workers and return the decision (True: COMMIT).
+        `ok`: False when this worker's step failed or it flagged the epoch's abort itself.
         Blocks until the decision exists, or until `deadline` (time.monotonic()) passes, when it
-        decides ABORT; `should_abort` is asked between polls. Store errors propagate."""
+        decides ABORT; `should_abort` (the epoch's abort flag, a store request) is asked by the
+        last voter before it writes COMMIT and every ABORT_CHECK_S of a wait. Store errors
+        propagate."""
         if voters < 1:
             raise ValueError(f"a decision needs at least one voter, got {voters}")
-        if not ok or should_abort():
-            # The abort flag is read before the vote: a worker that skipped its step because a
-            # plan was waiting flagged the abort itself and has no failure to vote.
+        if not ok:
             committed = self._write(store, base, ABORT)
         elif store.add(ok_key(base), 1) >= voters:
-            # ... and again by the last voter: an abort flagged after every vote still aborts.
+            # An abort flagged after every vote still aborts: the flag is read after the count.
             committed = self._write(store, base, ABORT if should_abort() else COMMIT)
             if committed:
-                self._delete_earlier(store)
+                self.collector.collect(store, list(self._since_commit))
         else:
             committed = self._wait(store, base, should_abort, deadline)
         if committed:
@@ -103,19 +169,17 @@ class CommitVote:
         return store.compare_set(decision_key(base), "", outcome) == COMMIT  # type: ignore[arg-type]  # bytes are fine
 
     def _wait(self, store: Store, base: str, should_abort: Callable[[], bool], deadline: float) -> bool:
-        key, pause = decision_key(base), POLL_FIRST_S
+        pause, check_abort_at = POLL_FIRST_S, time.monotonic() + ABORT_CHECK_S
         while True:
-            if store.check([key]):
-                return store.get(key) == COMMIT
-            if should_abort() or time.monotonic() > deadline:
+            decision = read_decision(store, base)
+            if decision is not None:
+                return decision == COMMIT
+            now = time.monotonic()
+            if now > deadline:
                 return self._write(store, base, ABORT)
+            if now >= check_abort_at:
+                if should_abort():
+                    return self._write(store, base, ABORT)
+                check_abort_at = now + ABORT_CHECK_S
             time.sleep(pause)
             pause = min(POLL_S, pause * 2)
-
-    def _delete_earlier(self, store: Store) -> None:
-        """Best effort: a store lost here loses keys that were garbage anyway, and the COMMIT
-        just written stands (this worker read it)."""
-        with contextlib.suppress(DistError):
-            for base in self._since_commit:
-                store.delete_key(decision_key(base))
-                store.delete_key(ok_key(base))

@@ -203,7 +203,8 @@ class StepProtocol:
             self.comm.store,
             decision_base(self.comm.namespace, self.plan_epoch, step, self.attempt),
             len(voters),
-            ok=self.failure is None,
+            # A worker that skipped its step for a waiting plan flagged the abort without failing.
+            ok=self.failure is None and not self.comm.flagged_abort(),
             should_abort=lambda: self.failure is not None or self.comm.aborted(),
             deadline=deadline,
         )

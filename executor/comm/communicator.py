@@ -164,6 +164,7 @@ class Communicator:
         self.mode = RebuildMode(mode)
         self.namespace = namespace
         self.epoch = 0
+        self._flagged_epoch: int | None = None  # the epoch this worker flagged aborted itself
         self.pp_links = pp_links
         self.backend = backend
         apply_error_handling_env(backend)  # before the first device group (comm.device_groups)
@@ -243,8 +244,14 @@ class Communicator:
     def signal_abort(self, reason: str) -> None:
         """Tell every survivor to abandon its current ops (non-blocking, one store write; best
         effort: with the store gone nobody could read the flag, and every worker finds out)."""
+        self._flagged_epoch = self.epoch
         with contextlib.suppress(DistNetworkError):
             self.store.set(self.abort_key(), f"{self.worker}: {reason}")
+
+    def flagged_abort(self) -> bool:
+        """Whether this worker flagged this epoch aborted itself, from any thread (local: no store
+        request; what the commit vote needs to know before it votes)."""
+        return self._flagged_epoch == self.epoch
 
     def aborted(self) -> bool:
         """Whether this epoch is flagged aborted; StoreLost when the store cannot be reached."""

@@ -8,13 +8,24 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from torch.distributed import HashStore, Store
+from torch.distributed import FileStore, HashStore, PrefixStore, Store, TCPStore
 
 from executor.comm import PeerFailure
-from executor.commit_vote import CommitVote, decision_base, decision_key, ok_key
+from executor.commit_vote import (
+    ABORT_CHECK_S,
+    COMMIT,
+    POLL_S,
+    CommitVote,
+    decision_base,
+    decision_key,
+    ok_key,
+    read_decision,
+)
 from executor.step_protocol import StepProtocol
 from planners.layout import Plan, make_uniform_layout
 from tests.executor.stores import start_store
@@ -78,13 +89,16 @@ def test_requests_per_worker_do_not_grow_with_the_workers(voters: int) -> None:
             assert _one_decision(store, voters, decision_base("ns", 0, step, 0), votes) == [True] * voters
     finally:
         main.name = name
-    # The last voter: per decision one add and one compare_set, and from the second on the two
-    # keys of the decision before (it read every voter's key, `voters` requests, before).
-    assert store.by("last") == {"add": 3, "compare_set": 3, "delete_key": 4}
-    # A waiter: one add, its polls of the decision alone, one get.
+    # The last voter: per decision one add and one compare_set (it read every voter's key,
+    # `voters` requests, before); its collector thread, from the second decision on, deletes
+    # the two keys of the decision before.
+    assert store.by("last") == {"add": 3, "compare_set": 3}
+    assert votes[-1].collector.settle()
+    assert store.by("commit-vote-collector") == {"delete_key": 4}
+    # A waiter: one add and its polls of the decision, each one request that reads it.
     for i in range(voters - 1):
         calls = store.by(f"w{i}")
-        assert set(calls) == {"add", "check", "get"} and calls["add"] == calls["get"] == 3, calls
+        assert set(calls) == {"add", "compare_set"} and calls["add"] == 3 <= calls["compare_set"], calls
     # Only the last decision's two keys remain.
     assert store.store.num_keys() == 2
     assert store.store.check([decision_key(decision_base("ns", 0, 2, 0))])
@@ -114,12 +128,15 @@ def test_an_abort_flag_aborts_whoever_votes_last() -> None:
     assert CommitVote().decide(store, base, 1, ok=True, should_abort=lambda: True, deadline=now + 5) is False
     late = decision_base("ns", 0, 1, 0)
     store.add(ok_key(late), 1)  # the other voter's ok is in
-    flags = iter([False, True])  # clear when it votes, set when it completes the count
-    assert (
-        CommitVote().decide(store, late, 2, ok=True, should_abort=lambda: next(flags), deadline=now + 5)
-        is False
-    )
+    reads: list[float] = []
+
+    def flagged() -> bool:  # set by the time this worker completes the count
+        reads.append(time.monotonic())
+        return True
+
+    assert CommitVote().decide(store, late, 2, ok=True, should_abort=flagged, deadline=now + 5) is False
     assert store.get(decision_key(late)) == b"abort"
+    assert len(reads) == 1  # read once, after the count
 
 
 def test_a_step_skipped_for_a_waiting_plan_is_rolled_back_everywhere() -> None:
@@ -142,6 +159,86 @@ def test_a_step_skipped_for_a_waiting_plan_is_rolled_back_everywhere() -> None:
         server.stop()
 
 
+def test_a_waiter_reads_the_abort_flag_every_few_ms_not_at_every_poll() -> None:
+    """A voter that died without voting leaves the decision to the flag: the waiter finds it
+    within ABORT_CHECK_S and a poll later, and reads it far less often than it polls."""
+    store = CountingStore(HashStore())
+    base, reads = decision_base("ns", 0, 0, 0), []
+    flagged_at = time.monotonic() + 0.05
+
+    def flag() -> bool:
+        reads.append(time.monotonic())
+        return reads[-1] >= flagged_at
+
+    decided = CommitVote().decide(
+        cast(Store, store), base, 2, ok=True, should_abort=flag, deadline=flagged_at + 30
+    )
+    assert decided is False and store.store.get(decision_key(base)) == b"abort"
+    assert reads[-1] - flagged_at < ABORT_CHECK_S + POLL_S + 0.05  # + the machine's scheduling
+    assert all(b - a >= ABORT_CHECK_S for a, b in zip(reads, reads[1:], strict=False))
+    assert len(reads) < store.calls[("MainThread", "compare_set")]  # polls: one request each
+
+
+@pytest.mark.parametrize("kind", ["tcp", "prefix", "hash", "file"])
+def test_a_poll_reads_the_decision_without_writing_one(kind: str, tmp_path: Path) -> None:
+    """`read_decision` relies on how torch's stores answer a compare_set whose expected value is
+    not there; pinned for every store the vote runs on."""
+    server = start_store() if kind in ("tcp", "prefix") else None
+    try:
+        store: Store
+        if server is not None:
+            client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+            store = PrefixStore("job", client) if kind == "prefix" else client
+        else:
+            store = HashStore() if kind == "hash" else FileStore(str(tmp_path / "store"), 1)
+        base = decision_base("ns", 0, 0, 0)
+        assert read_decision(store, base) is None
+        assert not store.check([decision_key(base)])  # nothing written
+        assert CommitVote().decide(
+            store, base, 1, ok=True, should_abort=lambda: False, deadline=time.monotonic() + 5
+        )
+        assert read_decision(store, base) == COMMIT
+        other = decision_base("ns", 0, 1, 0)
+        assert (
+            CommitVote().decide(
+                store, other, 1, ok=False, should_abort=lambda: False, deadline=time.monotonic() + 5
+            )
+            is False
+        )
+        assert read_decision(store, other) == b"abort"
+    finally:
+        if server is not None:
+            server.stop()
+
+
+class BlockedDeletes:
+    """A HashStore whose deletions wait until `release` is set."""
+
+    def __init__(self) -> None:
+        self.store, self.release = HashStore(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def delete_key(self, key: str) -> bool:
+        assert self.release.wait(30)
+        return bool(self.store.delete_key(key))
+
+
+def test_the_commit_writer_does_not_wait_for_the_old_keys_deletion() -> None:
+    store = BlockedDeletes()
+    vote, api = CommitVote(), cast(Store, store)
+    first, second = decision_base("ns", 0, 0, 0), decision_base("ns", 0, 1, 0)
+    started = time.monotonic()
+    assert vote.decide(api, first, 1, ok=True, should_abort=lambda: False, deadline=started + 30)
+    assert vote.decide(api, second, 1, ok=True, should_abort=lambda: False, deadline=started + 30)
+    assert time.monotonic() - started < 5 and not vote.collector.settle(0.05)  # deletion still blocked
+    store.release.set()
+    assert vote.collector.settle()
+    assert not store.store.check([decision_key(first)]) and not store.store.check([ok_key(first)])
+    assert read_decision(api, second) == COMMIT
+
+
 def test_refuses_a_decision_without_voters() -> None:
     with pytest.raises(ValueError, match="at least one voter"):
         CommitVote().decide(HashStore(), "b", 0, ok=True, should_abort=lambda: False, deadline=0.0)
@@ -156,6 +253,12 @@ def _run_steps(protos: list[StepProtocol], first: int, last: int) -> None:
             p.commit()
 
 
+def _settled_keys(protos: list[StepProtocol]) -> int:
+    """The store's key count once every worker's queued deletions are done."""
+    assert all(p.vote.collector.settle() for p in protos)
+    return int(protos[0].comm.store.num_keys())
+
+
 def test_a_long_job_leaves_a_bounded_number_of_keys_in_the_store() -> None:
     """Three workers' step protocols over a real store server: the store holds as many keys after
     20 steps as after 5, and again after an aborted attempt, the plan that follows it and 20
@@ -163,11 +266,10 @@ def test_a_long_job_leaves_a_bounded_number_of_keys_in_the_store() -> None:
     server = start_store()
     try:
         protos = _protocols(server.port, 3)
-        store = protos[0].comm.store
         _run_steps(protos, 0, 5)
-        after_five = store.num_keys()
+        after_five = _settled_keys(protos)
         _run_steps(protos, 5, 20)
-        assert store.num_keys() == after_five
+        assert _settled_keys(protos) == after_five
         for p in protos:
             p.begin_step(20)
         protos[1].report_failure(PeerFailure("dp/0", "connection closed"))
@@ -178,9 +280,9 @@ def test_a_long_job_leaves_a_bounded_number_of_keys_in_the_store() -> None:
         with ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda p: p.apply_plan(plan), protos))
         _run_steps(protos, 20, 25)
-        after_plan = store.num_keys()
+        after_plan = _settled_keys(protos)
         _run_steps(protos, 25, 45)
-        assert store.num_keys() == after_plan
+        assert _settled_keys(protos) == after_plan
         assert [p.committed_step for p in protos] == [44, 44, 44]
     finally:
         server.stop()
