@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
 from functools import partial
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, NoReturn, Self, TypeVar, cast
 
 import torch
 from torch.distributed import (
@@ -188,7 +188,7 @@ class Communicator:
 
     # ----- introspection -------------------------------------------------------------------
     @classmethod
-    def for_joiner(cls, store: Store, worker: int, timeout_s: float = 10.0, **kwargs: Any) -> Communicator:
+    def for_joiner(cls, store: Store, worker: int, timeout_s: float = 10.0, **kwargs: Any) -> Self:
         """The communicator of a worker joining a running job (growth: a spare taken in). It holds
         no group: the `apply_edit` of the plan that takes it in, called at that plan's epoch like
         every other member's, builds each group it belongs to (they all gain a member, so every

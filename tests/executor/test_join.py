@@ -195,8 +195,8 @@ def _worker(
     out: dict[str, Any] = {"worker": worker, "losses": {}, "samples": {}, "stage_of": {}, "edits": []}
     out["skipped"] = []
     if worker == JOINER:
-        comm = DiesInJoin.for_joiner(store, worker, timeout_s=TIMEOUT_S)
-        assert isinstance(comm, DiesInJoin)  # for_joiner builds `cls`; typed as the base class
+        joiner = DiesInJoin.for_joiner(store, worker, timeout_s=TIMEOUT_S)
+        comm: Communicator = joiner
         # Plans come from the Core in a real job; here from the store (plan 1 is not for it).
         # _NoState serves await_plan alone, which never calls the participant.
         plan = StepProtocol(comm, cast(StepParticipant, _NoState()), timeout_s=120).await_plan(after_epoch=1)
@@ -205,7 +205,7 @@ def _worker(
         participant = FabricParticipant(trainer, comm, verify_every=2, joining=True)
         proto = StepProtocol(comm, participant, timeout_s=TIMEOUT_S, joining=True, world=world)
         started = time.perf_counter()
-        comm.armed = dying == JOINER
+        joiner.armed = dying == JOINER
         try:
             proto.apply_plan(plan)
         except PlanInterrupted:  # a survivor died during the join: taken in by the next plan
