@@ -31,6 +31,7 @@ before they reach this module or the snapshots.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ import torch
 from torch import nn
 
 from executor.fused_update import FUSED_PAD as FUSED_PAD  # re-exported: the update's length quantum
-from executor.fused_update import plan_slice
+from executor.fused_update import Piece, SlicePlan, plan_slice
 
 OptimizerKind = Literal["adamw", "adam", "sgd"]
 Schedule = Callable[[int], float]
@@ -103,6 +104,19 @@ def _update_pieces(
             if a < b:
                 pieces.append((a, b, wd, at + a - a0))
     return pieces
+
+
+@functools.lru_cache(maxsize=1024)
+def _slice_layout(
+    segments: Segments, lo: int, numel: int, carried: tuple[tuple[int, int], ...] | None, grad_numel: int
+) -> tuple[tuple[Piece, ...], SlicePlan]:
+    """`_update_pieces` of a slice, relative to its first element, and its fused plan: a rank
+    updates the same slices every step, so both are worked out once per shape (cached)."""
+    pieces = tuple(
+        (a - lo, b - lo, wd, at)
+        for a, b, wd, at in _update_pieces(segments, lo, lo + numel, carried, grad_numel)
+    )
+    return pieces, plan_slice(pieces, numel)
 
 
 _FUSED_DEVICES = frozenset({"cpu", "cuda"})
@@ -228,14 +242,13 @@ class OptimizerConfig:
         written: list[tuple[UnitSlice, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
         for u in slices:
             p, g, m, v = u.param, u.grad, u.exp_avg, u.exp_avg_sq
-            pieces = _update_pieces(segments[u.unit], u.lo, u.lo + p.numel(), u.carried, g.numel())
+            carried = None if u.carried is None else tuple(u.carried)
+            pieces, plan = _slice_layout(segments[u.unit], u.lo, p.numel(), carried, g.numel())
             fused = self._fused_kernel(p, g, m, v)
             if fused is None:
                 for a, b, wd, at in pieces:
-                    s = slice(a - u.lo, b - u.lo)
-                    self._update(p[s], g[at : at + b - a], m[s], v[s], step, lr, wd)
+                    self._update(p[a:b], g[at : at + b - a], m[a:b], v[a:b], step, lr, wd)
                 continue
-            plan = plan_slice(tuple((a - u.lo, b - u.lo, wd, at) for a, b, wd, at in pieces), p.numel())
             # Gathered before any in-place call writes over the elements they hold.
             for gathered in plan.gathered:
                 src, grad_src, kept, dest = gathered.on(p.device)
