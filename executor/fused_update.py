@@ -17,13 +17,12 @@ then dropped), updated there with their own decay, and written back with `index_
 what the in-place call left. Every element still takes the vector loop, on its own values and
 the step alone: the bits are those of the run-by-run update (tests/executor/test_optim_update.py).
 Elsewhere (frozen runs, a gradient of the trainable runs only) each run's body is updated in
-place as before and only the ragged ends are gathered. The plans are cached by the slice's
-shape; their index tensors by device.
+place as before and only the ragged ends are gathered. The caller caches each plan by the
+slice's shape (`executor.optim._slice_layout`); a plan keeps its index tensors per device.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -84,9 +83,9 @@ class SlicePlan:
     gathered: tuple[Gathered, ...]
 
 
-@functools.lru_cache(maxsize=1024)
 def plan_slice(pieces: tuple[Piece, ...], numel: int) -> SlicePlan:
-    """The update of a slice of `numel` elements with these trainable `pieces` (pure; cached)."""
+    """The update of a slice of `numel` elements with these trainable `pieces` (pure; the caller
+    caches it per slice shape, `executor.optim._slice_layout`)."""
     whole = _whole_body(pieces, numel)
     if whole is not None:
         return whole
