@@ -207,8 +207,9 @@ class UnitExchange:
     def zero_grads(self) -> None:
         """Before a step's backward: every flat unit's gradient buffer cleared and made its
         parameters' `.grad` (backward accumulates into it in place); other units' grads dropped.
-        Forgets exchanges a failed step started and never waited for."""
-        self.abandon_step()
+        Forgets exchanges a failed step started and never waited for; the overlap's hooks stay
+        on the parameters (`executor.grad_overlap`)."""
+        self._forget_step()
         for name, unit in self.units.items():
             flat = self.flats.get(name)
             if flat is not None and name in self._trains:
@@ -222,6 +223,12 @@ class UnitExchange:
         replaced by a new layout's: remove the hooks an armed backward left on the parameters and
         forget posted exchanges. Left behind, they fire in a later backward that belongs to
         another exchange and count its gradients as second accumulations of this one's."""
+        self.launcher.release()
+        self._forget_step()
+
+    def _forget_step(self) -> None:
+        """Nothing posted, nothing armed: the exchanges a step started and never waited for are
+        dropped (an all-gather's receives moved off the parameters, `_release_receiving`)."""
         self.launcher.reset()
         if self._gather is not None:
             self._release_receiving(self._gather)
