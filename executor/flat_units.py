@@ -252,10 +252,12 @@ class FlatUnit:
         self._adopt()
         return old
 
-    def zero_grads(self) -> None:
+    def zero_grads(self, ensured: bool = False) -> None:
         """Clear the gradient buffer and make it every trainable parameter's `.grad`, so backward
-        accumulates straight into it (autograd adds into an existing `.grad` in place)."""
-        self.ensure()
+        accumulates straight into it (autograd adds into an existing `.grad` in place).
+        `ensured`: the caller has just called `ensure` (it is not checked again)."""
+        if not ensured:
+            self.ensure()
         if not self._partial:
             self.grad.zero_()
         for i, (p, g) in enumerate(zip(self.params, self._grad_views, strict=True)):
@@ -265,10 +267,12 @@ class FlatUnit:
         self._copied.clear()
         self._trained = {i for i, p in enumerate(self.params) if p.requires_grad}
 
-    def grads(self) -> torch.Tensor:
+    def grads(self, ensured: bool = False) -> torch.Tensor:
         """The flat gradient: the buffer itself, after copying in any `.grad` that is not its view
-        and clearing the regions of dropped ones (zeros for a parameter without a gradient)."""
-        self.ensure()
+        and clearing the regions of dropped ones (zeros for a parameter without a gradient).
+        `ensured`: as for `zero_grads`."""
+        if not ensured:
+            self.ensure()
         for i, (p, g) in enumerate(zip(self.params, self._grad_views, strict=True)):
             mine = p.grad
             if mine is None:

@@ -205,6 +205,15 @@ class ShardedOptimizer:
         all-gather of its own (the step's per-sample losses) costs no extra round. Every rank's,
         in DP order, is in `piggybacked` afterwards (None when the update was skipped)."""
         self.piggybacked = None
+        # The flat units are checked for re-pointed parameters again now, after the backward
+        # (once, not at each read: UnitExchange._flat), and again by every use after the step.
+        self.exchange.end_step()
+        try:
+            return self._step(piggyback)
+        finally:
+            self.exchange.end_step()
+
+    def _step(self, piggyback: torch.Tensor | None) -> bool:
         grads = self.reduce_scatter_grads()
         if self.scaler is not None and not self._unscale(grads):
             return False

@@ -137,6 +137,8 @@ class UnitExchange:
         self._bucket_of = {n: i for i, b in enumerate(self.buckets) for n in b}
         self._posted: dict[int, tuple[torch.Tensor, Any]] = {}
         self._reduced: dict[str, torch.Tensor] | None = None  # `reduced_slices`
+        # Flat units checked (`FlatUnit.ensure`) since `zero_grads` or `end_step` (`_flat`)
+        self._ensured: set[str] = set()
         self.launcher = OverlapLauncher([str(i) for i in range(len(self.buckets))], self._launch)
         self._gather: _Gather | None = None
         # Buffers an abandoned all-gather's receives were posted into (`_release_receiving`):
@@ -211,9 +213,9 @@ class UnitExchange:
         on the parameters (`executor.grad_overlap`)."""
         self._forget_step()
         for name, unit in self.units.items():
-            flat = self.flats.get(name)
-            if flat is not None and name in self._trains:
-                flat.zero_grads()
+            flat = self._flat(name) if name in self._trains else None
+            if flat is not None:
+                flat.zero_grads(ensured=True)
             else:
                 for p in unit.parameters():
                     p.grad = None
@@ -229,6 +231,7 @@ class UnitExchange:
     def _forget_step(self) -> None:
         """Nothing posted, nothing armed: the exchanges a step started and never waited for are
         dropped (an all-gather's receives moved off the parameters, `_release_receiving`)."""
+        self.end_step()
         self.launcher.reset()
         if self._gather is not None:
             self._release_receiving(self._gather)
@@ -246,18 +249,33 @@ class UnitExchange:
         g.in_place.clear()
         g.posted.clear()
 
+    def _flat(self, name: str) -> FlatUnit | None:
+        """The unit's flat buffers, or None; checked for re-pointed parameters (`FlatUnit.ensure`)
+        at its first use after `zero_grads` and after `end_step`, not at every use: a step reads
+        a unit five times, and each check walks its module tree. The optimizer ends a "step" for
+        this purpose right before its update and right after it, so a parameter re-pointed
+        between the backward and the update (a load with `assign=True`, a tie) and anything done
+        between steps is noticed as before; the forwards cannot re-point one (the dry run refuses
+        a unit whose forward writes a parameter, `executor.dry_run`)."""
+        flat = self.flats.get(name)
+        if flat is not None and name not in self._ensured:
+            flat.ensure()
+            self._ensured.add(name)
+        return flat
+
+    def end_step(self) -> None:
+        """The next use of each flat unit checks it again (`_flat`)."""
+        self._ensured.clear()
+
     def grad_vector(self, name: str) -> torch.Tensor:
         """The unit's flat gradient: the buffer itself for a flat unit, else a concatenated copy."""
-        flat = self.flats.get(name)
-        return flat.grads() if flat is not None else flat_grads(self.units[name])
+        flat = self._flat(name)
+        return flat.grads(ensured=True) if flat is not None else flat_grads(self.units[name])
 
     def param_vector(self, name: str) -> torch.Tensor | None:
         """The unit's flat parameters as a view (a flat unit), else None."""
-        flat = self.flats.get(name)
-        if flat is None:
-            return None
-        flat.ensure()
-        return flat.flat
+        flat = self._flat(name)
+        return None if flat is None else flat.flat
 
     def active(self) -> list[str]:
         """Units with a trainable parameter, in stage order: each is in one bucket (a wholly

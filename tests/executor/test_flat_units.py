@@ -227,6 +227,43 @@ def test_a_re_pointed_parameter_or_replaced_grad_is_taken_again() -> None:
         assert all(torch.equal(ms["shards"][n][2], ps["shards"][n][2]) for n in ms["shards"])
 
 
+def test_a_step_checks_each_flat_unit_before_its_backward_and_before_its_update(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step reads each unit five times (clear, reduce-scatter, update, all-gather, write-back);
+    the module tree is walked twice (at the clear, and once the backward is over), and every use
+    after the step walks it again, so a parameter re-pointed between steps is still noticed."""
+    checks: dict[int, list[str]] = {0: [], 1: []}
+    whose: dict[int, tuple[int, str]] = {}  # id(flat unit) -> (rank, unit)
+    real_intact = FlatUnit.intact
+
+    def counted(flat: FlatUnit) -> bool:
+        rank, name = whose[id(flat)]
+        checks[rank].append(name)
+        return real_intact(flat)
+
+    monkeypatch.setattr(FlatUnit, "intact", counted)
+
+    def body(opt: ShardedOptimizer, units: dict[str, nn.Module], rank: int) -> Any:
+        whose.update({id(f): (rank, n) for n, f in opt.flats.items()})
+        for step in range(2):
+            checks[rank].clear()
+            opt.zero_grads()
+            _backward(units, step, rank)
+            opt.step()
+            assert sorted(checks[rank]) == ["a", "a", "b", "b"], checks[rank]
+        seq = units["a"]
+        assert isinstance(seq, nn.Sequential)
+        lin = seq[0]
+        assert isinstance(lin, nn.Linear)
+        lin.bias = nn.Parameter(lin.bias.detach().clone())  # between steps: a load with assign=True
+        vec = opt.exchange.param_vector("a")
+        assert vec is not None and _same_storage(vec, lin.bias)  # adopted again before its use
+        return True
+
+    assert _both(HashStore(), body, flat=True, swapped=False, bucket_min=1 << 20) == [True, True]
+
+
 @pytest.mark.parametrize(
     "change", ["parameter", "submodule", "nested", "shared", "added", "removed", "data", "reordered"]
 )
