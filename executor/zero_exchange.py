@@ -30,7 +30,8 @@ Units smaller than `BUCKET_MIN_ELEMENTS` are bucketed with their neighbours in l
 fixed cost per exchange, as DDP's buckets): a bucket of several units, or of a unit without a
 flat buffer (one sharing a parameter with another unit of the stage: a tie) or whose ownership
 does not follow DP order, takes the copying path: its gradients concatenated per owner, its
-parameters received into a scratch buffer and copied in. A bucket is summed element by element
+parameters received into a scratch buffer and copied in (the other owners' slices: a flat unit's
+own slice was updated where it lies). A bucket is summed element by element
 in DP order like a single unit, so bucketing changes no bit.
 
 A wholly frozen unit (no parameter with `requires_grad`: a frozen embedding, the first blocks of
@@ -545,6 +546,8 @@ class UnitExchange:
         for k in range(self.dp_size):
             for name, pieces in received.items():
                 vec = vecs[name]
+                if k == self.dp_index and vec is not None:
+                    continue  # my slice of a flat unit: the update wrote it where it lies
                 for (lo, hi), part in zip(self._spans(name, k), self._split(name, pieces[k], k), strict=True):
                     pos = 0
                     for view in range_views([vec] if vec is not None else params[name], lo, hi):
