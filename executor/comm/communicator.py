@@ -58,6 +58,7 @@ from executor.comm.groups import (
 from executor.comm.interruptible import calls_interruptibly
 from executor.comm.ledger import GroupLedger
 from executor.comm.reaper import GroupReaper
+from executor.comm.waiter import Waiter, WaitJob
 from executor.engine_comm import BACKENDS, make_group
 from executor.staging import Staging, backend_device
 
@@ -91,33 +92,13 @@ class EditReport:
     shrunk: tuple[str, ...] = ()  # shrunk in place (NCCL with shrink support), neither rebuilt nor reused
 
 
-class _Waiter:
-    """One thread that blocks in `work.wait()` for ops without a future (gloo send/recv)."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.Queue[tuple[object, threading.Event, list[BaseException]]] = queue.Queue()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def submit(self, work: object, done: threading.Event, errors: list[BaseException]) -> None:
-        self._jobs.put((work, done, errors))
-
-    def _run(self) -> None:
-        while True:
-            work, done, errors = self._jobs.get()
-            try:
-                work.wait()  # type: ignore[attr-defined]
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-                errors.append(exc)
-            done.set()
-
-
 @dataclass
 class _Group:
     name: str
     workers: tuple[int, ...]
     pg: ProcessGroup
     ledger: GroupLedger
-    waiter: _Waiter | None = None
+    waiter: Waiter | None = None
 
 
 @dataclass
@@ -347,12 +328,20 @@ class Communicator:
 
     def complete(self, ops: PendingOps) -> None:
         """Block until every op of `ops` has completed: bounded like any op, PeerFailure on a
-        dead peer or an abort (the ops not yet completed then stay pending in the ledger)."""
+        dead peer or an abort (the ops not yet completed then stay pending in the ledger). The
+        ops of one group are waited for as one job of its waiter thread (executor.comm.waiter)."""
         while ops.works:
-            g, work = ops.works[0]
-            g.ledger.pending -= 1  # `_wait` counts it again while it waits
-            self._wait(g, work, has_future=False)
-            ops.works.pop(0)
+            g = ops.works[0][0]
+            run = next((i for i, (h, _w) in enumerate(ops.works) if h is not g), len(ops.works))
+            job = self._waiter(g).submit([w for _g, w in ops.works[:run]])
+            try:
+                self._wait_job(g, job)
+            finally:
+                # On a failure the ops the waiter had not finished stay pending (one it finishes
+                # later is counted pending too: the edit then rebuilds a group it could reuse).
+                finished = run if job.done.is_set() and not job.errors else job.completed
+                g.ledger.pending -= finished
+                del ops.works[:finished]
         if ops.staging is not None:
             ops.staging.finish()
 
@@ -662,26 +651,35 @@ class Communicator:
         except Exception as exc:  # noqa: BLE001 - a dead peer can fail the op before it is queued
             self._fail(g, str(exc).splitlines()[0][:300])
 
+    def _waiter(self, g: _Group) -> Waiter:
+        if g.waiter is None:
+            g.waiter = Waiter()
+        return g.waiter
+
     def _wait(self, g: _Group, work: object, has_future: bool) -> None:
-        done = threading.Event()
-        errors: list[BaseException] = []
+        """Wait for one op, counted pending in `g`'s ledger while it is waited for."""
         if has_future:
-            work.get_future().add_done_callback(lambda _f: done.set())  # type: ignore[attr-defined]
+            job = WaitJob([])
+            work.get_future().add_done_callback(lambda _f: job.done.set())  # type: ignore[attr-defined]
         else:
-            if g.waiter is None:
-                g.waiter = _Waiter()
-            g.waiter.submit(work, done, errors)
+            job = self._waiter(g).submit([work])
         g.ledger.pending += 1
+        self._wait_job(g, job, work if has_future else None)
+        g.ledger.pending -= 1
+
+    def _wait_job(self, g: _Group, job: WaitJob, future_work: object | None = None) -> None:
         started = time.perf_counter()
         try:
-            self._wait_done(g, work, has_future, done, errors)
+            self._wait_done(g, future_work, job.done, job.errors)
         finally:
             if threading.get_ident() == self._owner_thread:
                 self.blocked_s += time.perf_counter() - started
 
     def _wait_done(
-        self, g: _Group, work: object, has_future: bool, done: threading.Event, errors: list[BaseException]
+        self, g: _Group, future_work: object | None, done: threading.Event, errors: list[BaseException]
     ) -> None:
+        """Return once `done` is set without errors (for `future_work`, a collective whose future
+        set it: once its `wait()` returns); raise otherwise (module docstring)."""
         deadline = time.monotonic() + self.timeout_s + 2 * ABORT_POLL_S
         while not done.wait(ABORT_POLL_S):
             reason = self.interrupt() if self.interrupt is not None else None
@@ -698,14 +696,13 @@ class Communicator:
                 raise PeerFailure(g.name, f"epoch {self.epoch} aborted: {aborted}")
             if time.monotonic() > deadline:
                 self._fail(g, f"no completion within {self.timeout_s}s")
-        if has_future:
+        if future_work is not None:
             try:
-                work.wait()  # type: ignore[attr-defined]
+                future_work.wait()  # type: ignore[attr-defined]
             except Exception as exc:  # noqa: BLE001 - any backend error means the group is broken
                 errors.append(exc)
         if errors:
             self._fail(g, str(errors[0]).splitlines()[0][:300])
-        g.ledger.pending -= 1
 
     def _fail(self, g: _Group, reason: str) -> NoReturn:
         g.ledger.failed = True
