@@ -224,6 +224,13 @@ class Prof:
         self.totals.clear()
 
 
+SNAPSHOT_POST = "snapshot: post gradient exchange (+ periodic verify)"
+SNAPSHOT_WAIT = "snapshot: wait for exchange before vote"
+VOTE = "step protocol: commit vote (store requests; waits for the last voter)"
+COMMIT = "step protocol: commit (rollback copy of params + shards)"
+BEGIN = "step protocol: begin"
+
+
 def instrument_engine(prof: Prof) -> None:
     """Wrap the engine's methods (class level, in this worker process only)."""
     import executor.zero as zero  # noqa: PLC0415
@@ -264,15 +271,11 @@ def instrument_engine(prof: Prof) -> None:
         (zero_exchange.UnitExchange, "finish_gather", "zero: all-gather wait (+ copies where not in place)"),
         (OptimizerConfig, "update_slices", "optimizer: AdamW math on own shard"),
         (Trainer, "_global_loss", "loss all-gather"),
-        (FabricParticipant, "_on_grads", "snapshot: post gradient exchange (+ periodic verify)"),
-        (FabricParticipant, "before_vote", "snapshot: wait for exchange before vote"),
-        (
-            StepProtocol,
-            "should_commit",
-            "step protocol: commit vote (store requests; waits for the last voter)",
-        ),
-        (StepProtocol, "commit", "step protocol: commit (rollback copy of params + shards)"),
-        (StepProtocol, "begin_step", "step protocol: begin"),
+        (FabricParticipant, "_on_grads", SNAPSHOT_POST),
+        (FabricParticipant, "before_vote", SNAPSHOT_WAIT),
+        (StepProtocol, "should_commit", VOTE),
+        (StepProtocol, "commit", COMMIT),
+        (StepProtocol, "begin_step", BEGIN),
     ):
         prof.wrap(owner, attr, label)
 
@@ -654,6 +657,39 @@ def baseline_of(cfg: Config, chosen: list[Config]) -> Config | None:
     return None
 
 
+# Issue 23: what the fault-tolerant path spends per worker-step that the static path does not, in
+# CPU ms: its own items (the commit protocol, the snapshot exchange, the two helper threads) and the
+# CPU of the threads not itemised beyond the static path's (gloo's share of the snapshot's transfer).
+FT_OWN_ITEMS = (SNAPSHOT_POST, SNAPSHOT_WAIT, VOTE, COMMIT, BEGIN, HELPER_SNAPSHOT, HELPER_ROLLBACK)
+FT_OTHER_THREADS = "other threads beyond the static path's (gloo: the snapshot's transfer)"
+FIXED_COST_GOAL_MS = 2.0  # on the small model at DP=2 (`--hidden 64`)
+
+
+def fault_tolerance_cost(
+    ft: dict[str, tuple[float, float]], static: dict[str, tuple[float, float]]
+) -> list[tuple[str, float]]:
+    """(item, CPU ms per worker-step) of the fault-tolerant path beyond the static one, from two
+    mean profiles of the same shape (`_mean_profile`); the last row may be negative (noise)."""
+    rows = [(label, ft[label][1]) for label in FT_OWN_ITEMS if label in ft]
+    rest = ft.get(REST, (0.0, 0.0))[1] - static.get(REST, (0.0, 0.0))[1]
+    return [*rows, (FT_OTHER_THREADS, rest)]
+
+
+def print_fault_tolerance_cost(
+    ft: dict[str, tuple[float, float]], static: dict[str, tuple[float, float]]
+) -> None:
+    rows = fault_tolerance_cost(ft, static)
+    total = sum(ms for _label, ms in rows)
+    print("What the fault-tolerant path adds to the static one (CPU ms per worker-step):\n")
+    print("| item | CPU ms / step |")
+    print("|---|---|")
+    for label, ms in rows:
+        print(f"| {label} | {ms:.2f} |")
+    print(
+        f"| **total** (issue 23's goal on the small model: <= {FIXED_COST_GOAL_MS:.0f} ms) | {total:.2f} |\n"
+    )
+
+
 def _mean_profile(ps: list[dict[str, tuple[float, float]]]) -> dict[str, tuple[float, float]]:
     keys = {k for p in ps for k in p}
     return {
@@ -672,6 +708,7 @@ def print_profile(
         f"\n### Profile, {cfgs[0].shape}: exclusive ms per timed step, mean over workers and repeats; wall "
         f"and CPU (main thread; top {top} by CPU)\n"
     )
+    static_profile = next((profiles.get(other.name) for other in cfgs if other.kind == "static"), None)
     for cfg in cfgs:
         avg = _mean_profile(profiles[cfg.name])
         items = sorted(avg.items(), key=lambda kv: (kv[0] == REST, -kv[1][1]))
@@ -689,6 +726,8 @@ def print_profile(
         w, c = avg.get(REST, (0.0, 0.0))
         print(f"| {REST} | {w:.2f} | {c:.2f} | {100 * w / wall_ms:.1f}% |")
         print()
+        if cfg.kind == "ft" and static_profile:
+            print_fault_tolerance_cost(avg, _mean_profile(static_profile))
         if cfg.kind == "ddp":
             a = avg.get("backward, last micro-batch (incl. DDP bucket all-reduce)", (math.nan, math.nan))
             b = avg.get("backward, first micro-batch (no_sync: compute only)", (math.nan, math.nan))
