@@ -339,7 +339,7 @@ class Communicator:
             finally:
                 # On a failure the ops the waiter had not finished stay pending (one it finishes
                 # later is counted pending too: the edit then rebuilds a group it could reuse).
-                finished = run if job.done.is_set() and not job.errors else job.completed
+                finished = job.completed  # all `run` of them once `done` is set without errors
                 g.ledger.pending -= finished
                 del ops.works[:finished]
         if ops.staging is not None:
