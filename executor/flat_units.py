@@ -252,12 +252,11 @@ class FlatUnit:
         self._adopt()
         return old
 
-    def zero_grads(self, ensured: bool = False) -> None:
+    def zero_grads(self) -> None:
         """Clear the gradient buffer and make it every trainable parameter's `.grad`, so backward
-        accumulates straight into it (autograd adds into an existing `.grad` in place).
-        `ensured`: the caller has just called `ensure` (it is not checked again)."""
-        if not ensured:
-            self.ensure()
+        accumulates straight into it (autograd adds into an existing `.grad` in place). Call
+        `ensure` first when a parameter may have been re-pointed (`UnitExchange._flat` does, once
+        a step)."""
         if not self._partial:
             self.grad.zero_()
         for i, (p, g) in enumerate(zip(self.params, self._grad_views, strict=True)):
@@ -267,12 +266,10 @@ class FlatUnit:
         self._copied.clear()
         self._trained = {i for i, p in enumerate(self.params) if p.requires_grad}
 
-    def grads(self, ensured: bool = False) -> torch.Tensor:
+    def grads(self) -> torch.Tensor:
         """The flat gradient: the buffer itself, after copying in any `.grad` that is not its view
         and clearing the regions of dropped ones (zeros for a parameter without a gradient).
-        `ensured`: as for `zero_grads`."""
-        if not ensured:
-            self.ensure()
+        `ensure` first, as for `zero_grads`."""
         for i, (p, g) in enumerate(zip(self.params, self._grad_views, strict=True)):
             mine = p.grad
             if mine is None:

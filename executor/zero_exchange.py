@@ -216,7 +216,7 @@ class UnitExchange:
         for name, unit in self.units.items():
             flat = self._flat(name) if name in self._trains else None
             if flat is not None:
-                flat.zero_grads(ensured=True)
+                flat.zero_grads()
             else:
                 for p in unit.parameters():
                     p.grad = None
@@ -271,7 +271,7 @@ class UnitExchange:
     def grad_vector(self, name: str) -> torch.Tensor:
         """The unit's flat gradient: the buffer itself for a flat unit, else a concatenated copy."""
         flat = self._flat(name)
-        return flat.grads(ensured=True) if flat is not None else flat_grads(self.units[name])
+        return flat.grads() if flat is not None else flat_grads(self.units[name])
 
     def param_vector(self, name: str) -> torch.Tensor | None:
         """The unit's flat parameters as a view (a flat unit), else None."""
