@@ -132,12 +132,14 @@ class DecisionCollector:
 
 @dataclass
 class _Watched:
-    """One decision a voter waits for: `woken` is set once the watch's wait has ended."""
+    """One decision a voter waits for: `waiting` once the watch's wait is on its way to the
+    store, `woken` once it has ended (the decision written, or the wait given up)."""
 
     store: Store
     key: str
     timeout_s: float
     woken: threading.Event = field(default_factory=threading.Event)
+    waiting: bool = False
     abandoned: bool = False  # the voter has its decision: the wait is no longer wanted
 
 
@@ -145,26 +147,24 @@ class DecisionWatch:
     """Wakes a waiting voter the moment its decision is written (module docstring): a daemon
     thread of its own, started with the first watch, blocks in the store's `wait` on a second
     connection (`Store.clone`: TCPStore serialises a connection's requests, and the voter's
-    thread must still read the abort flag meanwhile). The voter's own reads stay the truth: a
-    wait that ended for another reason (a timeout, a lost store) only wakes it early."""
+    thread must still read the abort flag meanwhile). The connection is made on that thread, so
+    a store that died a moment ago cannot hold the voter in its connect. The voter's own reads
+    stay the truth: a wait that ended for another reason (a timeout, a lost store) only wakes
+    it early."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[_Watched] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._store: Store | None = None  # the voter's store that `_clone` connects to
         self._clone: Store | None = None
+        self._unusable: Store | None = None  # a store that gave no second connection
 
     def watch(self, store: Store, base: str, timeout_s: float) -> _Watched | None:
         """Start waiting (at most `timeout_s`) for the decision of `base` in `store`; returns at
-        once. None where `store` gives no second connection: the caller polls."""
-        if store is not self._store:
-            self._store, self._clone = store, None
-            clone = getattr(store, "clone", None)  # torch's own stores have it; not in its stubs
-            with contextlib.suppress(DistError, RuntimeError):
-                self._clone = None if clone is None else clone()
-        if self._clone is None:
+        once. None where `store` gave no second connection: the caller polls."""
+        if store is self._unusable:
             return None
-        watched = _Watched(self._clone, decision_key(base), timeout_s)
+        watched = _Watched(store, decision_key(base), timeout_s)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="commit-vote-watch", daemon=True)
             self._thread.start()
@@ -175,12 +175,28 @@ class DecisionWatch:
         while True:
             watched = self._queue.get()
             try:
-                if not watched.abandoned:  # a wait no longer wanted could block until its timeout
-                    watched.store.wait([watched.key], timedelta(seconds=watched.timeout_s))
+                if watched.abandoned:  # a wait no longer wanted could block until its timeout
+                    continue
+                connection = self._connection(watched.store)
+                if connection is None:
+                    continue
+                watched.waiting = True
+                connection.wait([watched.key], timedelta(seconds=watched.timeout_s))
             except Exception:  # noqa: BLE001, S110 - the voter's own reads report what happened
                 pass
             finally:
                 watched.woken.set()
+
+    def _connection(self, store: Store) -> Store | None:
+        """The second connection to `store` (made once per store; the watch's thread only)."""
+        if store is not self._store:
+            self._store, self._clone = store, None
+            clone = getattr(store, "clone", None)  # torch's own stores have it; not in its stubs
+            with contextlib.suppress(Exception):
+                self._clone = None if clone is None else clone()
+            if self._clone is None:
+                self._unusable = store
+        return self._clone
 
 
 class CommitVote:
@@ -250,8 +266,10 @@ class CommitVote:
                         return self._write(store, base, ABORT)
                     check_abort_at = now + ABORT_CHECK_S
                 if watched is not None and not watched.woken.is_set():
-                    # the decision is read when the watch wakes this thread, not on a timer
-                    if watched.woken.wait(max(min(check_abort_at, deadline) - now, 0.0)):
+                    # read when the watch wakes this thread, not on a timer (while the watch is
+                    # still connecting, or busy, the timer reads it every ABORT_CHECK_S)
+                    woken = watched.woken.wait(max(min(check_abort_at, deadline) - now, 0.0))
+                    if woken or not watched.waiting:
                         decision = read_decision(store, base)
                     continue
                 time.sleep(pause)  # no watch, or its wait ended without a decision: poll

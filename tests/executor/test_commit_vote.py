@@ -94,12 +94,13 @@ def test_requests_per_worker_do_not_grow_with_the_workers(voters: int) -> None:
     assert store.by("last") == {"add": 3, "compare_set": 3}
     assert votes[-1].collector.settle()
     assert store.by("commit-vote-collector") == {"delete_key": 4}
-    # A waiter: one add and one or two reads of the decision (before its wait, and when the
-    # watch wakes it), whatever the wait took; one second connection for every decision.
+    # A waiter: one add and a read or two of the decision (before its wait, and when the watch
+    # wakes it; its timer reads it only while the watch is still connecting). Each watch makes
+    # one second connection for all of its decisions.
     for i in range(voters - 1):
         calls = store.by(f"w{i}")
-        assert calls.pop("clone") == 1, calls
-        assert set(calls) == {"add", "compare_set"} and calls["add"] == 3 <= calls["compare_set"] <= 6, calls
+        assert set(calls) == {"add", "compare_set"} and calls["add"] == 3 <= calls["compare_set"] <= 9, calls
+    assert store.by("commit-vote-watch") == {"clone": voters - 1}  # the last voter never waits
     # Only the last decision's two keys remain.
     assert store.store.num_keys() == 2
     assert store.store.check([decision_key(decision_base("ns", 0, 2, 0))])
@@ -178,14 +179,15 @@ def test_a_waiter_reads_the_abort_flag_every_few_ms_and_the_decision_once() -> N
     assert decided is False and store.store.get(decision_key(base)) == b"abort"
     assert reads[-1] - flagged_at < ABORT_CHECK_S + 0.05  # + the machine's scheduling
     assert all(b - a >= ABORT_CHECK_S for a, b in zip(reads, reads[1:], strict=False))
-    # one read of the decision, and the compare_set that wrote ABORT
-    assert store.calls[("MainThread", "compare_set")] == 2
+    # a read of the decision before the wait (and one more if the watch was not yet waiting at
+    # the first abort check), and the compare_set that wrote ABORT
+    assert store.calls[("MainThread", "compare_set")] <= 3
 
 
 @pytest.mark.parametrize("store_kind", ["tcp", "no-clone"])
 def test_a_waiter_wakes_when_the_decision_is_written(store_kind: str) -> None:
-    """The waiter of a long wait reads the decision twice, before waiting and once written (the
-    watch's `wait` on a second connection wakes it); a store without a second connection is
+    """The waiter of a long wait reads the decision about twice, before waiting and once written
+    (the watch's `wait` on a second connection wakes it); a store without a second connection is
     polled with back-off instead, and the decision is the same."""
     server = start_store()
     try:
@@ -204,9 +206,9 @@ def test_a_waiter_wakes_when_the_decision_is_written(store_kind: str) -> None:
             assert waiting.result(timeout=10) is True
         reads = sum(n for (_t, m), n in store.calls.items() if m == "compare_set")
         if store_kind == "tcp":
-            assert reads == 2, store.calls
+            assert reads <= 4, store.calls  # 2 once the watch waits (module docstring)
         else:
-            assert reads > 2, store.calls
+            assert reads > 10, store.calls  # back-off polling: about 35 reads in 0.3 s
     finally:
         server.stop()
 
@@ -327,3 +329,32 @@ def test_a_long_job_leaves_a_bounded_number_of_keys_in_the_store() -> None:
         assert [p.committed_step for p in protos] == [44, 44, 44]
     finally:
         server.stop()
+
+
+class SlowClone(CountingStore):
+    """A store whose second connection takes `delay_s` to open (a store that just died retries
+    its connect until its timeout)."""
+
+    def __init__(self, store: Store, delay_s: float) -> None:
+        super().__init__(store)
+        self.delay_s = delay_s
+
+    def clone(self) -> Store:
+        time.sleep(self.delay_s)
+        return self.store
+
+
+def test_a_slow_second_connection_does_not_hold_the_voter() -> None:
+    """The watch connects on its own thread: while it cannot, the voter reads the decision on
+    its abort-check timer and returns once the decision is written."""
+    store = SlowClone(HashStore(), delay_s=5.0)
+    base = decision_base("ns", 0, 0, 0)
+    with ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        waiting = pool.submit(CommitVote().decide, cast(Store, store), base, 2, True, lambda: False, t0 + 30)
+        time.sleep(0.05)
+        assert CommitVote().decide(
+            store.store, base, 2, ok=True, should_abort=lambda: False, deadline=t0 + 30
+        )
+        assert waiting.result(timeout=3) is True
+        assert time.monotonic() - t0 < 3  # not the 5 s the connection takes
