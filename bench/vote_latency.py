@@ -69,6 +69,8 @@ def _voter(rank: int, voters: int, port: int, steps: int, skew_s: float, out: An
                 stores[mode], base, voters, ok=True, should_abort=lambda: False, deadline=t0 + 30
             )
             records.append((mode, base, t0, time.monotonic(), ok))
+    for vote in votes.values():  # the old keys' deletions, before the process and its connection go
+        vote.collector.settle()
     out.put((rank, records))
 
 
@@ -86,6 +88,9 @@ def run(voters: int, steps: int, skew_ms: float) -> dict[str, dict[str, float]]:
     results = dict(out.get(timeout=600) for _ in procs)
     for p in procs:
         p.join(timeout=60)
+    failed = [p.exitcode for p in procs if p.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"voter processes exited with {failed}")
     return summarise(results)
 
 
