@@ -28,14 +28,14 @@ gives no second connection it polls as before.
 Per worker and step this is a constant number of store requests, whatever the number of workers
 (reading every worker's vote key cost each worker N requests per step, N^2 for the store): the
 last voter makes three (add, the abort flag, the decision), a waiter one add, its helper's wait
-and a read or two (`read_decision`: a read that finds the decision returns it), and no request of a fault-free
-step waits on another's reply in the store. The keys do not pile up over a long job: the worker
-that writes a COMMIT deletes both keys of every decision before it, on a background thread
-(`DecisionCollector`), so its next step does not wait for those requests. That is safe because
-a COMMIT on base B means every voter of B added its ok to B, after reading every earlier
-decision of its own: nobody reads them again. A worker that is no longer a voter (planned out
-while alive) and still polls an old decision finds it gone and decides ABORT for itself, which
-no voter reads.
+and a read or two (`read_decision`: a read that finds the decision returns it), and no request
+of a fault-free step waits on another's reply in the store. The keys do not pile up over a long
+job: the worker that writes a COMMIT deletes both keys of every decision before it, on a
+background thread (`DecisionCollector`), so its next step does not wait for those requests. That
+is safe because a COMMIT on base B means every voter of B added its ok to B, after reading every
+earlier decision of its own: nobody reads them again. A worker that is no longer a voter
+(planned out while alive) and still waits for an old decision finds it gone and decides ABORT
+for itself, which no voter reads.
 """
 
 from __future__ import annotations
