@@ -38,6 +38,12 @@ worker's stacks after 60 s.
 
     python -m bench.vs_ddp                      # every configuration, 4 repeats x 6 steps
     python -m bench.vs_ddp --configs ddp-dp2 static-dp2 ft-dp2 --profile all
+    python -m bench.vs_ddp --seq-len 128        # 4x the tokens a step computes on, same parameters
+
+What the fault-tolerant path adds per step (the rollback copy, the neighbour's replayed update,
+the gradient shard on the wire) is proportional to the parameters; the model's work is
+proportional to the parameters times the tokens of a step. `--seq-len` moves that ratio
+(docs/benchmarks.md, "The fault-tolerant path's cost against the tokens of a step").
 """
 
 from __future__ import annotations
@@ -78,8 +84,15 @@ LR, WEIGHT_DECAY = 3e-3, 0.01
 TIMEOUT_S = 180.0
 # `--hidden` reaches the worker processes through the environment (they import this module afresh).
 HIDDEN_ENV = "VS_DDP_HIDDEN"
+# `--seq-len`, the same way: the tokens a step computes on grow with it, the parameters do not,
+# so it sets how large the fault-tolerant path's per-parameter work is against the model's.
+SEQ_LEN_ENV = "VS_DDP_SEQ_LEN"
 CFG = ModelConfig(
-    hidden=int(os.environ.get(HIDDEN_ENV, "256")), num_heads=4, num_layers=4, seq_len=32, dropout=0.0
+    hidden=int(os.environ.get(HIDDEN_ENV, "256")),
+    num_heads=4,
+    num_layers=4,
+    seq_len=int(os.environ.get(SEQ_LEN_ENV, "32")),
+    dropout=0.0,
 )
 # `--freeze K`: the first K units frozen in every configuration (a fine-tune's frozen embedding
 # and first blocks); through the environment like `--hidden`.
@@ -738,6 +751,7 @@ def print_profile(
 
 
 def main(argv: list[str] | None = None) -> int:
+    global CFG
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--configs",
@@ -771,6 +785,12 @@ def main(argv: list[str] | None = None) -> int:
         help="model width (default 256; 64 is the small model, ~0.2 M parameters, of the fixed-cost profile)",
     )
     parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sample (default 32): a step's compute grows with it, its parameters do not",
+    )
+    parser.add_argument(
         "--freeze",
         type=int,
         default=0,
@@ -797,9 +817,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.hidden is not None:
         if args.hidden < 4 or args.hidden % 4:
             parser.error("--hidden must be a positive multiple of 4 (4 heads)")
-        global CFG
         os.environ[HIDDEN_ENV] = str(args.hidden)  # before the forkserver starts: workers inherit it
         CFG = dataclasses.replace(CFG, hidden=args.hidden)
+    if args.seq_len is not None:
+        if args.seq_len < 2:
+            parser.error("--seq-len must be at least 2 (a sample predicts its next tokens)")
+        os.environ[SEQ_LEN_ENV] = str(args.seq_len)  # as --hidden: the workers read it at import
+        CFG = dataclasses.replace(CFG, seq_len=args.seq_len)
     if not 0 <= args.freeze < len(gpt_units(CFG).names):
         parser.error(f"--freeze must leave a unit to train: 0 <= K < {len(gpt_units(CFG).names)}")
 
@@ -814,7 +838,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"- model: GPT example, hidden {CFG.hidden}, {CFG.num_heads} heads, {CFG.num_layers} blocks, "
         f"seq {CFG.seq_len}, vocab {CFG.vocab_size}; global batch {GLOBAL_BATCH} in {MICRO_BATCHES} "
-        f"micro-batches; AdamW lr {LR} wd {WEIGHT_DECAY}"
+        f"micro-batches ({GLOBAL_BATCH * CFG.seq_len} tokens a step, "
+        f"{sum(train_spec().unit_numels()) / 1e6:.2f} M parameters); AdamW lr {LR} wd {WEIGHT_DECAY}"
         + (f"; the first {args.freeze} units frozen" if args.freeze else "")
         + ("; every matrix frozen (BitFit)" if args.bitfit else "")
     )
