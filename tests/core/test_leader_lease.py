@@ -43,7 +43,10 @@ from wire.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 SCHEDULER_TOKEN = "scheduler-token-0123456789"
 ADMIN = {"Authorization": f"Bearer {SCHEDULER_TOKEN}"}
-LEADER_TTL_S = 1.0
+# Long enough that the keepalive (every TTL/3) keeps the lease through the set-up on a loaded CI
+# machine: at 1 s, a keepalive thread starved for 0.7 s while the first request was served lost
+# the lease before the test reached its window. The window itself waits out the TTL, whatever it is.
+LEADER_TTL_S = 3.0
 HEARTBEAT_TIMEOUT_S = 0.5
 SILENT_WORKER = Registration(
     job="train", worker_id="w0", host="h", pid=1, devices=[], stage=0, dp_rank=0, rank=0, holds_own_lease=True
