@@ -53,8 +53,9 @@ from planners.layout import Layout, StageLayout
 from planners.zero import stage_ownership
 
 # Elements per fp64 chunk of `sum_of_squares`: 512 KiB of fp64, which stays in a core's cache
-# between the conversion and the dot product (a whole 1.6 M-element slice converted at once
-# makes ~5 passes over main memory and cost 2.7 ms a step on the benchmark host; chunked, 0.6).
+# between the conversion and the dot product. A 1.6 M-element slice converted and squared whole
+# (two fresh 12.8 MB temporaries) took 2.5 ms on the benchmark host, chunked 0.7 ms
+# (docs/benchmarks.md, "Clipping by the global norm").
 SQUARES_CHUNK = 1 << 16
 
 # Called with (step number being applied, {unit: my reduced gradient slice}) before the update:
@@ -93,8 +94,8 @@ def gather_world(comm: EngineComm, value: float, device: torch.device | str = "c
 
 def sum_of_squares(t: torch.Tensor) -> float:
     """The sum of `t`'s squared elements, each square exact (an fp32 value squared is exact in
-    fp64) and added in fp64: the same to ~1e-16 however the elements are split among ranks, so
-    the clipping coefficient does not depend on the layout. On the host it runs in
+    fp64) and added in fp64: the same to fp64 round-off however the elements are split among
+    ranks, so the clipping coefficient does not depend on the layout. On the host it runs in
     `SQUARES_CHUNK` pieces; on an accelerator in one pass (no host sync per piece)."""
     if t.device.type != "cpu" or t.numel() <= SQUARES_CHUNK:
         return float(t.double().pow(2).sum())

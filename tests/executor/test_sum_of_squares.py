@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from itertools import pairwise
 
 import pytest
 import torch
@@ -49,7 +50,7 @@ def test_the_sum_does_not_depend_on_where_a_layout_cuts_the_slice() -> None:
     whole = sum_of_squares(t)
     for cuts in ([SQUARES_CHUNK // 3], [1, 2 * SQUARES_CHUNK + 9], [5_000, 77_777, 190_001]):
         bounds = [0, *cuts, t.numel()]
-        parts = [sum_of_squares(t[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+        parts = [sum_of_squares(t[a:b]) for a, b in pairwise(bounds)]
         assert math.isclose(math.fsum(parts), whole, rel_tol=float(REL_TOL), abs_tol=0.0), cuts
 
 
