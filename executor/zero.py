@@ -93,10 +93,12 @@ def gather_world(comm: EngineComm, value: float, device: torch.device | str = "c
 
 
 def sum_of_squares(t: torch.Tensor) -> float:
-    """The sum of `t`'s squared elements, each square exact (an fp32 value squared is exact in
-    fp64) and added in fp64: the same to fp64 round-off however the elements are split among
-    ranks, so the clipping coefficient does not depend on the layout. On the host it runs in
-    `SQUARES_CHUNK` pieces; on an accelerator in one pass (no host sync per piece)."""
+    """The sum of `t`'s squared elements, squared and added in fp64 (the square of an fp32 or
+    narrower value is exact there): the same to fp64 round-off however the elements are split
+    among ranks, so the clipping coefficient does not depend on the layout. On the host it runs
+    in `SQUARES_CHUNK` pieces. On an accelerator it is still one pass over two fp64 temporaries
+    of the whole slice, as before: device memory is fast there and the path is unmeasured (no
+    device in CI); `reshape` copies a non-contiguous `t` once (the reduced slices never are)."""
     if t.device.type != "cpu" or t.numel() <= SQUARES_CHUNK:
         return float(t.double().pow(2).sum())
     total = torch.zeros((), dtype=torch.float64)
@@ -272,7 +274,7 @@ class ShardedOptimizer:
 
     def _clip(self, grads: dict[str, torch.Tensor], max_norm: float) -> None:
         """Scale the reduced slices by torch's `clip_grad_norm_` coefficient of the global norm."""
-        sum_sq = math.fsum(sum_of_squares(self._counted(n, g)) for n, g in grads.items())
+        sum_sq = math.fsum(sum_of_squares(part) for n, g in grads.items() for part in self._counted(n, g))
         norm = global_grad_norm(self.comm, sum_sq, self.device)
         self.last_grad_norm = norm
         coef = max_norm / (norm + 1e-6)
@@ -280,12 +282,13 @@ class ShardedOptimizer:
             for g in grads.values():
                 g.mul_(coef)
 
-    def _counted(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """My reduced slice of `name` without the elements `norm_skip` leaves out."""
+    def _counted(self, name: str, grad: torch.Tensor) -> list[torch.Tensor]:
+        """My reduced slice of `name` without the elements `norm_skip` leaves out, as views (a
+        tied weight's follower copy can be most of a large slice: it is not copied out)."""
         lo, hi = self.norm_skip.get(name, (0, 0))
         sh = self.shards[name]
         a, b = max(lo, sh.lo) - sh.lo, min(hi, sh.hi) - sh.lo
-        return torch.cat([grad[:a], grad[b:]]) if a < b else grad
+        return [grad[:a], grad[b:]] if a < b else [grad]
 
     def gather_moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Full (exp_avg, exp_avg_sq) of every unit, assembled on every rank of the stage."""
