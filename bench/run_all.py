@@ -62,6 +62,8 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "verify_interval": (["--repeats", "3"], ["--repeats", "1", "--hidden", "64", "--steps", "12"]),
     # The fused, padded AdamW against the single-tensor arithmetic it replaced, on one core.
     "optim_update": (["--repeats", "5"], ["--repeats", "1"]),
+    # Clipping's sum of squares: cache-sized fp64 pieces against the whole slice, on one core.
+    "clip_norm": ([], ["--elements", "100000", "--repeats", "1"]),
     # How late a waiting voter reads the commit decision: the store's wait against polling.
     "vote_latency": (["--steps", "300"], ["--steps", "30"]),
 }

@@ -53,9 +53,10 @@ from planners.layout import Layout, StageLayout
 from planners.zero import stage_ownership
 
 # Elements per fp64 chunk of `sum_of_squares`: 512 KiB of fp64, which stays in a core's cache
-# between the conversion and the dot product. A 1.6 M-element slice converted and squared whole
-# (two fresh 12.8 MB temporaries) took 2.5 ms on the benchmark host, chunked 0.7 ms
-# (docs/benchmarks.md, "Clipping by the global norm").
+# between the conversion and the dot product. Converted and squared whole, a slice needs two fp64
+# temporaries of its size; from 4 M elements (32 MB) glibc maps them afresh on every call: 8 M
+# elements took 65 ms whole and 4 ms in pieces on the benchmark host (`bench.clip_norm`,
+# docs/benchmarks.md, "Clipping by the global norm").
 SQUARES_CHUNK = 1 << 16
 
 # Called with (step number being applied, {unit: my reduced gradient slice}) before the update:
