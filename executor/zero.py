@@ -100,7 +100,7 @@ def sum_of_squares(t: torch.Tensor) -> float:
     in `SQUARES_CHUNK` pieces. On an accelerator it is still one pass over two fp64 temporaries
     of the whole slice, as before: device memory is fast there and the path is unmeasured (no
     device in CI); `reshape` copies a non-contiguous `t` once (the reduced slices never are)."""
-    if t.device.type != "cpu" or t.numel() <= SQUARES_CHUNK:
+    if t.device.type != "cpu":
         return float(t.double().pow(2).sum())
     total = torch.zeros((), dtype=torch.float64)
     for piece in t.reshape(-1).split(SQUARES_CHUNK):
