@@ -24,9 +24,11 @@ Configurations (rank r of stage p is r = p * DP + j, as `planners.layout.make_un
 
 The job's step time is, per step, that of its slowest worker; the table gives medians over all
 timed steps of all repeats (configurations alternated, the order reversed on odd repeats) and the
-median of per-repeat ratios to the baseline of the same shape (paired in time, so less exposed to
-load drift on a shared machine), and the CPU seconds per step summed over the workers (process CPU
-time, every thread: what the work costs, nearly independent of other jobs competing for the cores).
+median, smallest and largest of per-repeat ratios to the baseline of the same shape (paired in
+time, so less exposed to load drift on a shared machine; their range is the run-to-run noise an
+effect must be read against), and the CPU seconds per step summed over the workers (process CPU
+time, every thread: what the work costs, nearly independent of other jobs competing for the cores),
+with the same ratios.
 The first and the last step's loss of every configuration are checked against the first
 configuration's (`--loss-rtol`, `--last-loss-rtol`): the last step's loss shows that every
 configuration applies the same gradients, which a forward-only check would miss.
@@ -74,7 +76,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 
@@ -932,6 +934,22 @@ def main(argv: list[str] | None = None) -> int:
     return report(args, chosen, runs, failed)
 
 
+def paired_spread(
+    pairs: list[tuple[RunResult | None, RunResult | None]], times: Literal["step_times", "cpu_times"]
+) -> str:
+    """The per-repeat ratios of `times` ("step_times" or "cpu_times"; each repeat's median over
+    its median of the baseline's run in the same repeat) as "median, min-max": the spread is
+    what this machine's run-to-run noise does to a ratio, next to which an effect is read."""
+    ratios = sorted(
+        statistics.median(getattr(a, times)) / statistics.median(getattr(b, times))
+        for a, b in pairs
+        if a is not None and b is not None
+    )
+    if not ratios:
+        return "n/a"
+    return f"{statistics.median(ratios):.2f}, {ratios[0]:.2f}-{ratios[-1]:.2f}"
+
+
 def report(
     args: argparse.Namespace,
     chosen: list[Config],
@@ -943,19 +961,10 @@ def report(
     medians = {n: statistics.median(t for r in rs for t in r.step_times) for n, rs in done.items()}
     cpu = {n: statistics.median(t for r in rs for t in r.cpu_times) for n, rs in done.items()}
 
-    def paired(name: str, base: str) -> float:
-        """Median over repeats of (this repeat's median / the baseline's median in the same repeat)."""
-        ratios = [
-            statistics.median(a.step_times) / statistics.median(b.step_times)
-            for a, b in zip(runs[name], runs[base], strict=True)
-            if a is not None and b is not None
-        ]
-        return statistics.median(ratios) if ratios else math.nan
-
     first, last = 0, WARMUP + args.steps - 1
     print(
         "| configuration | shape | median step s | samples/s | step time / baseline (ratio of medians; "
-        "median of per-repeat ratios) | CPU s / step, all workers | CPU / baseline | "
+        "per-repeat ratios: median, min-max) | CPU s / step, all workers | CPU / baseline (the same) | "
         f"loss, step {first} | loss, step {last} |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
@@ -967,8 +976,10 @@ def report(
         base = baseline_of(cfg, chosen)
         ratio = cpu_ratio = "n/a"
         if base is not None and base.name in medians:
-            ratio = f"{medians[cfg.name] / medians[base.name]:.2f}; {paired(cfg.name, base.name):.2f}"
-            cpu_ratio = f"{cpu[cfg.name] / cpu[base.name]:.2f}"
+            pairs = list(zip(runs[cfg.name], runs[base.name], strict=True))
+            wall_spread = paired_spread(pairs, "step_times")
+            ratio = f"{medians[cfg.name] / medians[base.name]:.2f}; {wall_spread}"
+            cpu_ratio = f"{cpu[cfg.name] / cpu[base.name]:.2f}; {paired_spread(pairs, 'cpu_times')}"
         ls = done[cfg.name][0].losses
         print(
             f"| {name} | {cfg.shape} | {medians[cfg.name]:.4f} | {GLOBAL_BATCH / medians[cfg.name]:.1f} "
