@@ -977,10 +977,10 @@ def report(
         ratio = cpu_ratio = "n/a"
         if base is not None and base.name in medians:
             pairs = list(zip(runs[cfg.name], runs[base.name], strict=True))
-            wall_spread = paired_spread(pairs, "step_times")
+            wall_spread, cpu_spread = paired_spread(pairs, "step_times"), paired_spread(pairs, "cpu_times")
             # three decimals: a goal of >= 0.95x throughput is a ratio of at most 1.053
             ratio = f"{medians[cfg.name] / medians[base.name]:.3f}; {wall_spread}"
-            cpu_ratio = f"{cpu[cfg.name] / cpu[base.name]:.3f}; {paired_spread(pairs, 'cpu_times')}"
+            cpu_ratio = f"{cpu[cfg.name] / cpu[base.name]:.3f}; {cpu_spread}"
         ls = done[cfg.name][0].losses
         print(
             f"| {name} | {cfg.shape} | {medians[cfg.name]:.4f} | {GLOBAL_BATCH / medians[cfg.name]:.1f} "
